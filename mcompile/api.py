@@ -1,0 +1,154 @@
+"""The façade: ties capture, the planner, the passes and (later) the runtime together (DESIGN §2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+
+from mcompile import meta as M
+from mcompile.capture import BATCH, SEQ, Captured, capture
+from mcompile.mesh import Mesh
+from mcompile.placements import shard_tensor
+from mcompile.plan import Plan, PlanOptions, SPVariant
+from mcompile.planner import AxisPlanResult, assemble_plan, plan_axes
+
+__all__ = ["Compiled", "compile_plan", "plan"]
+
+
+@dataclass
+class Compiled:
+    """A planned model: the captured graph, the plan, and per-rank programs on demand."""
+
+    captured: Captured
+    plan: Plan
+    mesh: Mesh
+    axes: list[AxisPlanResult]
+    canonical: dict = field(default_factory=dict)
+    _programs: dict = field(default_factory=dict)
+
+    def axis_infos(self, rank: int):
+        from mcompile.passes.lower import AxisInfo
+
+        coords = self.mesh.coords(rank)
+        return [
+            AxisInfo(ap.policy.axis, ap.policy.size, coords[ap.policy.axis], ap.result,
+                     inputs_presharded=ap.policy.shard_inputs_dim0,
+                     loss_replicated=not ap.policy.shard_inputs_dim0)
+            for ap in self.axes
+        ]
+
+    def program(self, rank: int = 0) -> fx.GraphModule:
+        """The per-rank program: placeholders are the captured ones (local parameters, buffers,
+        constants, then the rank's user inputs); the output is the model's output."""
+        if rank not in self._programs:
+            from mcompile.passes import lower_program
+
+            self._programs[rank] = lower_program(self.captured, self.axis_infos(rank))
+        return self._programs[rank][0]
+
+    def collectives(self, rank: int = 0):
+        self.program(rank)
+        return self._programs[rank][1]
+
+    def local_state(self, rank: int, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """placeholder name -> this rank's piece of each parameter / buffer / constant."""
+        state = state if state is not None else self.captured.state_values()
+        coords = self.mesh.coords(rank)
+        out = {}
+        for ph, full in state.items():
+            fqn = self.captured.params.get(ph)
+            if fqn is None:
+                out[ph] = full
+                continue
+            pp = self.plan.params[fqn]
+            t = full
+            for ax, p in zip(self.mesh.axis_names, pp.placements):
+                padded = None
+                if pp.padded_shape is not None and hasattr(p, "dim"):
+                    padded = pp.padded_shape[p.dim % len(pp.shape)]
+                t = shard_tensor(t, p, coords[ax], self.mesh.size(ax), padded)
+            out[ph] = t
+        return out
+
+    def run_local(self, rank: int, local_state: dict, inputs: tuple, kwargs: dict | None = None):
+        gm = self.program(rank)
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        user = dict(zip(self.captured.user_inputs, _flat_inputs(self.captured, inputs, kwargs or {})))
+        args = [local_state[n] if n in local_state else user[n] for n in names]
+        return gm(*args)
+
+
+def _flat_inputs(cap: Captured, inputs: tuple, kwargs: dict) -> list:
+    flat = list(inputs)
+    for name in cap.input_names[len(inputs):]:
+        flat.append(kwargs[name])
+    return flat
+
+
+def compile_plan(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    example_inputs: tuple = (),
+    example_kwargs: dict | None = None,
+    *,
+    sequence_parallel: bool = False,
+    overrides: dict | None = None,
+    seq: int | None = None,
+    batch: int | None = None,
+    vocab_pad_multiple: int = 1,
+) -> Compiled:
+    from mcompile.passes import canonicalize, lower_program
+
+    cap = capture(model, example_inputs, example_kwargs)
+    canon = canonicalize(cap.gm)
+    hints = _hints(cap, example_inputs, example_kwargs, seq, batch)
+    axes = plan_axes(cap, mesh, sequence_parallel, overrides, hints)
+    sp = sequence_parallel and mesh.size("tp") > 1
+    options = PlanOptions(sequence_parallel=sp, sp_variant=SPVariant.SAVE_GATHERED,
+                          vocab_pad_multiple=vocab_pad_multiple)
+    plan = assemble_plan(cap, mesh, axes, options, overrides)
+    compiled = Compiled(cap, plan, mesh, axes, canon)
+    gm, specs = lower_program(cap, compiled.axis_infos(0))
+    compiled._programs[0] = (gm, specs)
+    plan.collectives = list(specs)
+    return compiled
+
+
+def _hints(cap: Captured, inputs, kwargs, seq, batch) -> dict:
+    """Sizes at which redistribution costs are compared (the template's, unless given)."""
+    first = next((t for t in list(inputs) + list((kwargs or {}).values()) if isinstance(t, torch.Tensor)), None)
+    b = batch or (first.shape[0] if first is not None and first.ndim > 0 else 1)
+    s = seq or (first.shape[1] if first is not None and first.ndim > 1 else 1)
+    out = {}
+    if BATCH in cap.symbols:
+        out[cap.symbols[BATCH]] = max(int(b), 2)
+    if SEQ in cap.symbols:
+        out[cap.symbols[SEQ]] = max(int(s), 2)
+    return out
+
+
+def plan(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    example_inputs: tuple = (),
+    example_kwargs: dict | None = None,
+    **options,
+) -> Plan:
+    """Plan ``model`` over ``mesh`` (no processes, no memory on a meta-device model): DESIGN §3."""
+    return compile_plan(model, mesh, example_inputs, example_kwargs, **options).plan
+
+
+def bytes_at(expr: str, cap: Captured, batch: int, seq: int) -> int:
+    e = sympy.sympify(expr)
+    subs = {}
+    if BATCH in cap.symbols:
+        subs[sympy.Symbol(str(cap.symbols[BATCH]))] = batch
+    if SEQ in cap.symbols:
+        subs[sympy.Symbol(str(cap.symbols[SEQ]))] = seq
+    return int(e.subs(subs))
+
+
+_ = M

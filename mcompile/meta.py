@@ -1,0 +1,25 @@
+"""The ``node.meta`` keys mcompile's passes share — the only channel between passes besides the Plan.
+
+Frozen: every later pass (pipeline split, recompute, overlap, fusion, fp8, search) reads these.
+Values are documented next to each key. Keys of torch.export itself (``val``, ``stack_trace``,
+``nn_module_stack``) are read, never written.
+"""
+
+# Annotation (mcompile.annotate): sympy expressions in the captured batch/sequence symbols.
+FLOPS = "mc_flops"  # sympy.Expr: floating-point operations of the node's forward
+BYTES_READ = "mc_bytes_read"  # sympy.Expr: bytes of tensor inputs read
+BYTES_WRITTEN = "mc_bytes_written"  # sympy.Expr: bytes of tensor outputs written
+OUT_BYTES = "mc_out_bytes"  # sympy.Expr: bytes of the node's output(s) (activation memory if saved)
+
+# Planning (mcompile.propagate): placements per mesh axis, ordered like Plan.mesh.
+PLACEMENTS = "mc_placements"  # tuple[Placement, ...] of the node's (first) output; tuple of those for
+#                               multi-output nodes (split)
+INPUT_PLACEMENTS = "mc_input_placements"  # per tensor argument: tuple[Placement, ...] the op consumes
+STRATEGY = "mc_strategy"  # str: name of the chosen rule strategy (for `mcompile explain`)
+LOWERING = "mc_lowering"  # str | None: name of a special local lowering (vocab-parallel CE, ...)
+
+# Lowered per-rank programs (mcompile.passes.lower).
+COLLECTIVE = "mc_collective"  # mcompile.plan.CollectiveSpec on every inserted collective node
+ORIGIN = "mc_origin"  # str: name of the captured-graph node this local node implements
+LAYER = "mc_layer"  # int | None: transformer layer index (reporting only), from nn_module_stack
+PARAM_FQN = "mc_param_fqn"  # str: original FQN on parameter/buffer placeholders

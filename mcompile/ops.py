@@ -1,0 +1,210 @@
+"""mcompile's collective ops: the only form collectives take in a per-rank program (DESIGN §4).
+
+Each is a ``torch.library.custom_op`` with a fake implementation (so programs stay traceable by
+export / AOTAutograd, DESIGN §5) and a backward registered explicitly — never the functional
+collectives' own autograd, whose all-reduce backward is another all-reduce (tp× gradients for
+Megatron's *f*). The pairs (Shoeybi et al. 2019, Korthikanti et al. 2022):
+
+=====================  ======================  =============================================
+op                     forward                 backward
+=====================  ======================  =============================================
+all_reduce             all-reduce (sum)        identity               (Megatron's *g*)
+copy_ar_bwd            identity (copy)         all-reduce (sum)       (Megatron's *f*)
+all_gather(rs)         all-gather on dim       reduce-scatter on dim  (SP: into a TP region)
+all_gather(split)      all-gather on dim       keep the local chunk   (grad already exact)
+reduce_scatter         reduce-scatter on dim   all-gather on dim      (SP: out of a TP region)
+shard_slice            keep the local chunk    all-gather on dim
+all_reduce_max         all-reduce (max)        none (inputs are detached)
+=====================  ======================  =============================================
+
+The ops name a mesh axis; the process group behind it comes from the :class:`Communicator`
+bound with :func:`bind` around the program's execution (torch.distributed groups in the runtime,
+threads in the single-process simulator). The axis size ``n`` is an explicit argument so fake
+implementations need no communicator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Protocol
+
+import torch
+
+__all__ = ["Communicator", "bind", "current", "OPS"]
+
+
+class Communicator(Protocol):
+    """What one rank's program needs from the outside: collectives over named mesh axes."""
+
+    def rank(self, axis: str) -> int: ...
+    def all_reduce(self, x: torch.Tensor, axis: str, op: str) -> torch.Tensor: ...
+    def all_gather(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor: ...
+    def reduce_scatter(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor: ...
+
+
+_CURRENT: contextvars.ContextVar[Communicator | None] = contextvars.ContextVar("mcompile_comm", default=None)
+
+
+@contextlib.contextmanager
+def bind(comm: Communicator):
+    token = _CURRENT.set(comm)
+    try:
+        yield comm
+    finally:
+        _CURRENT.reset(token)
+
+
+def current() -> Communicator:
+    c = _CURRENT.get()
+    if c is None:
+        raise RuntimeError(
+            "an mcompile collective ran with no communicator bound: run per-rank programs through "
+            "mcompile's runtime (or `with mcompile.ops.bind(comm):`)"
+        )
+    return c
+
+
+def _scaled(x: torch.Tensor, dim: int, factor: float) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = int(shape[dim] * factor)
+    return x.new_empty(shape)
+
+
+# ---- all_reduce (g) -------------------------------------------------------------------------
+@torch.library.custom_op("mcompile::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, axis: str, n: int) -> torch.Tensor:
+    return current().all_reduce(x.contiguous(), axis, "sum")
+
+
+@all_reduce.register_fake
+def _(x, axis, n):
+    return torch.empty_like(x)
+
+
+torch.library.register_autograd(
+    "mcompile::all_reduce", lambda ctx, g: (g, None, None), setup_context=lambda ctx, inputs, output: None
+)
+
+
+# ---- copy_ar_bwd (f) ------------------------------------------------------------------------
+@torch.library.custom_op("mcompile::copy_ar_bwd", mutates_args=())
+def copy_ar_bwd(x: torch.Tensor, axis: str, n: int) -> torch.Tensor:
+    return x.clone()
+
+
+@copy_ar_bwd.register_fake
+def _(x, axis, n):
+    return torch.empty_like(x)
+
+
+def _f_setup(ctx, inputs, output):
+    ctx.axis, ctx.n = inputs[1], inputs[2]
+
+
+torch.library.register_autograd(
+    "mcompile::copy_ar_bwd", lambda ctx, g: (all_reduce(g, ctx.axis, ctx.n), None, None), setup_context=_f_setup
+)
+
+
+# ---- all_reduce_max -------------------------------------------------------------------------
+@torch.library.custom_op("mcompile::all_reduce_max", mutates_args=())
+def all_reduce_max(x: torch.Tensor, axis: str, n: int) -> torch.Tensor:
+    return current().all_reduce(x.contiguous(), axis, "max")
+
+
+@all_reduce_max.register_fake
+def _(x, axis, n):
+    return torch.empty_like(x)
+
+
+# ---- reduce_scatter ---------------------------------------------------------------------------
+@torch.library.custom_op("mcompile::reduce_scatter", mutates_args=())
+def reduce_scatter(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
+    return current().reduce_scatter(x.contiguous(), dim, axis)
+
+
+@reduce_scatter.register_fake
+def _(x, dim, axis, n):
+    return _scaled(x, dim, 1 / n)
+
+
+def _dim_setup(ctx, inputs, output):
+    ctx.dim, ctx.axis, ctx.n = inputs[1], inputs[2], inputs[3]
+
+
+torch.library.register_autograd(
+    "mcompile::reduce_scatter",
+    lambda ctx, g: (all_gather(g, ctx.dim, ctx.axis, ctx.n, "split"), None, None, None),
+    setup_context=_dim_setup,
+)
+
+
+# ---- all_gather -------------------------------------------------------------------------------
+@torch.library.custom_op("mcompile::all_gather", mutates_args=())
+def all_gather(x: torch.Tensor, dim: int, axis: str, n: int, grad: str) -> torch.Tensor:
+    return current().all_gather(x.contiguous(), dim, axis)
+
+
+@all_gather.register_fake
+def _(x, dim, axis, n, grad):
+    return _scaled(x, dim, n)
+
+
+def _ag_setup(ctx, inputs, output):
+    ctx.dim, ctx.axis, ctx.n, ctx.grad = inputs[1], inputs[2], inputs[3], inputs[4]
+
+
+def _ag_backward(ctx, g):
+    if ctx.grad == "reduce_scatter":
+        gi = reduce_scatter(g, ctx.dim, ctx.axis, ctx.n)
+    else:
+        gi = shard_slice_nograd(g, ctx.dim, ctx.axis, ctx.n)
+    return gi, None, None, None, None
+
+
+torch.library.register_autograd("mcompile::all_gather", _ag_backward, setup_context=_ag_setup)
+
+
+# ---- shard_slice ------------------------------------------------------------------------------
+def _chunk(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
+    size = x.shape[dim] // n
+    return x.narrow(dim, current().rank(axis) * size, size).clone()
+
+
+@torch.library.custom_op("mcompile::shard_slice", mutates_args=())
+def shard_slice(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
+    return _chunk(x, dim, axis, n)
+
+
+@shard_slice.register_fake
+def _(x, dim, axis, n):
+    return _scaled(x, dim, 1 / n)
+
+
+torch.library.register_autograd(
+    "mcompile::shard_slice",
+    lambda ctx, g: (all_gather(g, ctx.dim, ctx.axis, ctx.n, "split"), None, None, None),
+    setup_context=_dim_setup,
+)
+
+
+@torch.library.custom_op("mcompile::shard_slice_nograd", mutates_args=())
+def shard_slice_nograd(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Tensor:
+    """The local chunk, used as a backward (of all_gather(split)); its own backward is not needed."""
+    return _chunk(x, dim, axis, n)
+
+
+@shard_slice_nograd.register_fake
+def _(x, dim, axis, n):
+    return _scaled(x, dim, 1 / n)
+
+
+OPS = {
+    "all_reduce": torch.ops.mcompile.all_reduce.default,
+    "copy_ar_bwd": torch.ops.mcompile.copy_ar_bwd.default,
+    "all_reduce_max": torch.ops.mcompile.all_reduce_max.default,
+    "reduce_scatter": torch.ops.mcompile.reduce_scatter.default,
+    "all_gather": torch.ops.mcompile.all_gather.default,
+    "shard_slice": torch.ops.mcompile.shard_slice.default,
+}

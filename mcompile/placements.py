@@ -1,0 +1,135 @@
+"""Placements of a tensor over one mesh axis, and the layout extensions mcompile needs.
+
+For the common case these are torch's own public ``Shard(dim)``, ``Replicate()`` and
+``Partial()`` (DESIGN §4). One extension, documented and tested:
+
+- ``BlockShard(dim, blocks)``: dim ``dim`` is made of ``blocks`` equal blocks (e.g. the fused QKV
+  output of GPT-2's ``c_attn``: [q | k | v]) and *each block* is sharded over the axis, so a rank
+  holds ``[q_r | k_r | v_r]``. A later ``split`` into ``blocks`` parts yields plain ``Shard`` pieces.
+  This is what torch's private ``_StridedShard(dim, split_factor=blocks)`` describes.
+
+A dim padded to a multiple of the axis size (a vocabulary of 50257 at tp=2) keeps a plain
+``Shard``: the padding lives in the plan's ``ParamPlan.padded_shape`` and in the padded global size
+of the activations computed from that parameter.
+
+Text form (plans, CLI): ``R``, ``S(d)``, ``P(sum)``, ``P(max)``, ``B(d,k)``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = [
+    "BlockShard",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "format_placement",
+    "parse_placement",
+    "is_shard",
+    "shard_dim",
+    "shard_tensor",
+    "unshard_tensors",
+]
+
+R = Replicate()
+P = Partial()
+
+
+@dataclass(frozen=True)
+class BlockShard:
+    """``blocks`` equal blocks along ``dim``, each sharded over the axis (see module docstring)."""
+
+    dim: int
+    blocks: int
+
+    def __repr__(self) -> str:
+        return f"B({self.dim},{self.blocks})"
+
+
+def is_shard(p) -> bool:
+    return isinstance(p, Shard | BlockShard)
+
+
+def shard_dim(p) -> int | None:
+    return p.dim if is_shard(p) else None
+
+
+def format_placement(p) -> str:
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return f"P({p.reduce_op})"
+    if isinstance(p, BlockShard):
+        return f"B({p.dim},{p.blocks})"
+    raise TypeError(f"not a placement: {p!r}")
+
+
+_PAT = re.compile(r"^(R|S\((-?\d+)\)|P\((\w+)\)|B\((-?\d+),(\d+)\))$")
+
+
+def parse_placement(text: str):
+    m = _PAT.match(text.strip())
+    if not m:
+        raise ValueError(f"cannot parse placement {text!r}; write R, S(dim), P(sum) or B(dim,blocks)")
+    if m.group(1) == "R":
+        return Replicate()
+    if m.group(2) is not None:
+        return Shard(int(m.group(2)))
+    if m.group(3) is not None:
+        return Partial(m.group(3))
+    return BlockShard(int(m.group(4)), int(m.group(5)))
+
+
+def shard_tensor(full: torch.Tensor, p, rank: int, size: int, padded_size: int | None = None) -> torch.Tensor:
+    """The local piece of ``full`` that ``rank`` of an axis of ``size`` holds under placement ``p``.
+
+    ``padded_size``: for a Shard dim padded to a multiple of ``size`` (vocabularies), the full dim is
+    zero-padded to it first. Partial values are represented by rank 0 holding everything.
+    """
+    if isinstance(p, Replicate):
+        return full
+    if isinstance(p, Partial):
+        return full if rank == 0 else torch.zeros_like(full)
+    d = p.dim % full.ndim
+    if padded_size is not None and padded_size != full.shape[d]:
+        pad_shape = list(full.shape)
+        pad_shape[d] = padded_size - full.shape[d]
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=d)
+    n = full.shape[d]
+    if isinstance(p, Shard):
+        if n % size:
+            raise ValueError(f"dim {d} of size {n} does not divide by the axis size {size}")
+        return full.narrow(d, rank * (n // size), n // size).clone()
+    if n % (p.blocks * size):
+        raise ValueError(f"dim {d} of size {n} is not {p.blocks} blocks divisible by the axis size {size}")
+    blocks = full.chunk(p.blocks, dim=d)
+    return torch.cat([b.narrow(d, rank * (b.shape[d] // size), b.shape[d] // size) for b in blocks], dim=d)
+
+
+def unshard_tensors(locals_: list[torch.Tensor], p, true_size: int | None = None) -> torch.Tensor:
+    """Inverse of :func:`shard_tensor` over all ranks of one axis (``true_size`` drops padding)."""
+    if isinstance(p, Replicate):
+        return locals_[0]
+    if isinstance(p, Partial):
+        out = locals_[0]
+        for t in locals_[1:]:
+            out = torch.maximum(out, t) if p.reduce_op == "max" else out + t
+        return out
+    d = p.dim % locals_[0].ndim
+    if isinstance(p, Shard):
+        full = torch.cat(locals_, dim=d)
+    else:
+        per_rank = [t.chunk(p.blocks, dim=d) for t in locals_]
+        full = torch.cat([torch.cat([pr[b] for pr in per_rank], dim=d) for b in range(p.blocks)], dim=d)
+    if true_size is not None and true_size != full.shape[d]:
+        full = full.narrow(d, 0, true_size)
+    return full

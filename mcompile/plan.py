@@ -1,0 +1,196 @@
+"""The Plan: the one thing planners (rules, user, search) produce and the passes consume (DESIGN §4).
+
+A plain, serialisable dataclass. Schema version 1 — frozen: later features add fields with
+defaults, never change the meaning of these.
+
+- ``mesh``: ordered mesh axes and sizes.
+- ``params``: per parameter FQN, its placement per axis, full and padded shape, local shape, and
+  the axes over which its gradient is Partial (reduced by the runtime once per step: SP norm
+  weights) — tied FQNs listed with their canonical one.
+- ``activations``: per captured-graph node name, the placement per axis of its output.
+- ``collectives``: every collective of the per-rank program of rank 0, in program order, forward
+  and backward: kind, axis, tensor dim, bytes (a sympy expression in ``batch`` and ``seq`` as a
+  string), the backward collective it implies, and the layer it belongs to.
+- ``options``: sequence parallelism and its variant, vocabulary padding.
+- ``stage_cuts``, ``recompute``, ``schedule``: reserved for pipeline / recompute passes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+
+from mcompile.placements import format_placement, parse_placement
+
+SCHEMA_VERSION = 1
+
+
+class SPVariant(StrEnum):
+    # Save the all-gathered input of each column-parallel linear for its backward:
+    # per layer per step 4 all-gathers + 4 reduce-scatters (2 + 2 forward, 2 + 2 backward).
+    SAVE_GATHERED = "save_gathered"
+    # Megatron's choice: save the sequence-sharded input and all-gather it again in backward
+    # (6 all-gathers + 4 reduce-scatters). Reserved: needs the joint-graph recompute pass.
+    REGATHER = "regather"
+
+
+class CollectiveKind(StrEnum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE_MAX = "all_reduce_max"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """One collective node of a per-rank program (stored in node.meta[mcompile.meta.COLLECTIVE])."""
+
+    op: str  # the custom op: all_reduce | all_reduce_max | all_gather | reduce_scatter | shard_slice | copy_ar_bwd
+    forward: str  # CollectiveKind run in forward ("none" for f / slice)
+    backward: str  # CollectiveKind its backward runs ("none" when it has no gradient or a local one)
+    axis: str
+    dim: int | None
+    bytes: str  # sympy expression (string) in batch/seq of the full (unsharded over this axis) tensor
+    node: str = ""  # the program's node name
+    origin: str = ""  # the captured node whose value is moved
+    layer: int | None = None
+    purpose: str = ""  # e.g. "tp region exit", "vocab-parallel loss"
+
+
+@dataclass
+class ParamPlan:
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    placements: tuple  # one per mesh axis
+    local_shape: tuple[int, ...]
+    padded_shape: tuple[int, ...] | None = None
+    grad_partial_axes: tuple[str, ...] = ()
+    tied: tuple[str, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def local_numel(self) -> int:
+        n = 1
+        for s in self.local_shape:
+            n *= s
+        return n
+
+
+@dataclass
+class PlanOptions:
+    sequence_parallel: bool = False
+    sp_variant: SPVariant = SPVariant.SAVE_GATHERED
+    vocab_pad_multiple: int = 1  # vocab padded to a multiple of tp * this (Megatron uses 128)
+
+
+@dataclass
+class Plan:
+    mesh: dict[str, int]
+    params: dict[str, ParamPlan]
+    activations: dict[str, tuple] = field(default_factory=dict)
+    collectives: list[CollectiveSpec] = field(default_factory=list)
+    options: PlanOptions = field(default_factory=PlanOptions)
+    model: str = ""
+    fallbacks: list[str] = field(default_factory=list)
+    overrides: dict[str, str] = field(default_factory=dict)  # "param:FQN" / "node:NAME" -> "tp=S(0),dp=R"
+    stage_cuts: list[str] = field(default_factory=list)
+    recompute: list[str] = field(default_factory=list)
+    schedule: str | None = None
+    version: int = SCHEMA_VERSION
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self.mesh)
+
+    def placement(self, fqn: str, axis: str):
+        return self.params[fqn].placements[self.axis_names.index(axis)]
+
+    # -- serialisation -----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["params"] = {
+            k: {**asdict(p), "placements": [format_placement(x) for x in p.placements]}
+            for k, p in self.params.items()
+        }
+        d["activations"] = {k: [_fmt(x) for x in v] for k, v in self.activations.items()}
+        d["options"]["sp_variant"] = str(self.options.sp_variant)
+        return d
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        d = json.loads(text)
+        if d.get("version") != SCHEMA_VERSION:
+            raise ValueError(f"plan schema version {d.get('version')} is not {SCHEMA_VERSION}")
+        params = {
+            k: ParamPlan(
+                fqn=p["fqn"], shape=tuple(p["shape"]), dtype=p["dtype"],
+                placements=tuple(parse_placement(x) for x in p["placements"]),
+                local_shape=tuple(p["local_shape"]),
+                padded_shape=tuple(p["padded_shape"]) if p["padded_shape"] else None,
+                grad_partial_axes=tuple(p["grad_partial_axes"]), tied=tuple(p["tied"]),
+            )
+            for k, p in d["params"].items()
+        }
+        opts = d["options"]
+        return cls(
+            mesh=dict(d["mesh"]), params=params,
+            activations={k: tuple(_parse(x) for x in v) for k, v in d["activations"].items()},
+            collectives=[CollectiveSpec(**c) for c in d["collectives"]],
+            options=PlanOptions(opts["sequence_parallel"], SPVariant(opts["sp_variant"]), opts["vocab_pad_multiple"]),
+            model=d["model"], fallbacks=list(d["fallbacks"]), overrides=dict(d["overrides"]),
+            stage_cuts=list(d["stage_cuts"]), recompute=list(d["recompute"]), schedule=d["schedule"],
+        )
+
+    def diff(self, other: Plan) -> list[str]:
+        """Human-readable differences (placements of parameters, options, mesh, collectives)."""
+        out = []
+        if self.mesh != other.mesh:
+            out.append(f"mesh: {self.mesh} -> {other.mesh}")
+        if self.options != other.options:
+            out.append(f"options: {self.options} -> {other.options}")
+        for k in sorted(set(self.params) | set(other.params)):
+            a, b = self.params.get(k), other.params.get(k)
+            pa = a and [format_placement(x) for x in a.placements]
+            pb = b and [format_placement(x) for x in b.placements]
+            if pa != pb:
+                out.append(f"param {k}: {pa} -> {pb}")
+        ca = [(c.op, c.axis) for c in self.collectives]
+        cb = [(c.op, c.axis) for c in other.collectives]
+        if ca != cb:
+            out.append(f"collectives: {len(ca)} -> {len(cb)}")
+        return out
+
+    # -- reporting ---------------------------------------------------------------------------
+    def collectives_by_layer(self) -> dict[int | None, list[CollectiveSpec]]:
+        out: dict[int | None, list[CollectiveSpec]] = {}
+        for c in self.collectives:
+            out.setdefault(c.layer, []).append(c)
+        return out
+
+    def __str__(self) -> str:
+        from mcompile.report import plan_text
+
+        return plan_text(self)
+
+
+def _fmt(x):
+    return [format_placement(y) for y in x] if isinstance(x, tuple) and x and isinstance(x[0], tuple) else (
+        format_placement(x) if x is not None else None)
+
+
+def _parse(x):
+    if isinstance(x, list):
+        return tuple(parse_placement(y) for y in x)
+    return parse_placement(x) if x is not None else None

@@ -1,0 +1,268 @@
+"""The Megatron-style planner: Megatron-LM's tensor/sequence-parallel layout, found from the graph.
+
+No module names are consulted. The layout follows from the rules and one policy per mesh axis
+(:class:`mcompile.propagate.AxisPolicy`):
+
+- ``tp``: every weight of a linear/matmul/embedding must be sharded, and a weight takes the
+  placement that runs its op where the activation already is — so a linear reading a replicated
+  (or, under SP, gathered) activation becomes column-parallel, and one reading a feature-sharded
+  activation becomes row-parallel (Shoeybi et al. 2019). Embeddings are vocab-parallel and the loss
+  vocab-parallel. Activations may be sharded on static dims (features, heads, vocab) and, with
+  sequence parallelism, on the sequence dim (Korthikanti et al. 2022); never on the batch.
+- ``dp``: inputs split on the batch dim, parameters replicated.
+
+What the planner adds on top: checks with messages that say what to do (tp not dividing heads,
+kv heads, hidden sizes), vocabulary padding, user overrides, and the assembly of the Plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mcompile.capture import BATCH, SEQ, Captured
+from mcompile.mesh import Mesh
+from mcompile.placements import BlockShard, Replicate, Shard, parse_placement
+from mcompile.plan import ParamPlan, Plan, PlanOptions
+from mcompile.propagate import CONTRACTION_WEIGHT_ARGS, AxisPolicy, AxisResult, PlanError, propagate_axis
+
+aten = torch.ops.aten
+R = Replicate()
+
+__all__ = ["PlanError", "megatron_policies", "check_divisibility", "assemble_plan", "valid_sizes"]
+
+
+def valid_sizes(dims: list[int], limit: int | None = None) -> list[int]:
+    g = 0
+    for d in dims:
+        g = math.gcd(g, int(d))
+    return [t for t in range(1, (limit or g) + 1) if g % t == 0] if g else [1]
+
+
+def _sdpa_heads(cap: Captured) -> list[tuple[int, int, str]]:
+    out = []
+    for n in cap.gm.graph.nodes:
+        if n.op == "call_function" and n.target is aten.scaled_dot_product_attention.default:
+            q, k = n.args[0].meta["val"], n.args[1].meta["val"]
+            if isinstance(q.shape[1], int) and isinstance(k.shape[1], int):
+                out.append((int(q.shape[1]), int(k.shape[1]), _where(n)))
+    return out
+
+
+def _where(node) -> str:
+    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
+    for line in reversed(lines):
+        line = line.strip()
+        if line.startswith("File "):
+            return line
+    return ""
+
+
+def _weights(cap: Captured) -> tuple[list[tuple[str, tuple]], int | None]:
+    """(FQN, shape) of contraction weights, and the hidden size (embedding dim) if any."""
+    ws, hidden, vocab_params = [], None, set()
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function" or n.target not in CONTRACTION_WEIGHT_ARGS:
+            continue
+        for i in CONTRACTION_WEIGHT_ARGS[n.target]:
+            w = n.args[i]
+            if getattr(w, "name", None) in cap.params:
+                shape = tuple(int(s) for s in w.meta["val"].shape)
+                if n.target is aten.embedding.default:
+                    hidden = shape[1]
+                    vocab_params.add(w.name)
+                elif w.name not in vocab_params:
+                    ws.append((cap.params[w.name], shape))
+    return ws, hidden
+
+
+def check_divisibility(cap: Captured, tp: int) -> None:
+    """Megatron's constraints, stated as a user would: tp must divide heads, kv heads, hidden sizes."""
+    if tp == 1:
+        return
+    heads = _sdpa_heads(cap)
+    weights, hidden = _weights(cap)
+    dims = [d for h, k, _ in heads for d in (h, k)] + [d for _, s in weights for d in s]
+    ok = valid_sizes(dims)
+    for h, k, where in heads:
+        if h % tp:
+            raise PlanError(f"tp={tp} does not divide num_heads={h}; valid tp sizes: {_fmt(ok)}. {where}")
+        if k % tp:
+            raise PlanError(
+                f"tp={tp} does not divide num_kv_heads={k} (Megatron shards kv heads too; replicating them "
+                f"would cost an extra gradient all-reduce per layer); valid tp sizes: {_fmt(ok)}. {where}"
+            )
+    for fqn, shape in weights:
+        for d in shape:
+            if d % tp:
+                what = f"hidden={d}" if d == hidden else f"the size {d} of {fqn} {list(shape)}"
+                raise PlanError(f"tp={tp} does not divide {what}; valid tp sizes: {_fmt(ok)}")
+
+
+def _fmt(sizes: list[int]) -> str:
+    return ", ".join(map(str, sizes))
+
+
+def _parse_overrides(overrides: dict | None, mesh: Mesh) -> tuple[dict, dict]:
+    """{"param:FQN" or "node:NAME" or FQN: "tp=S(0),dp=R" or {"tp": Shard(0)}} -> per-axis dicts."""
+    params: dict[str, dict] = {a: {} for a in mesh.axis_names}
+    nodes: dict[str, dict] = {a: {} for a in mesh.axis_names}
+    for key, spec in (overrides or {}).items():
+        kind, _, name = key.partition(":") if key.startswith(("param:", "node:")) else ("param", "", key)
+        if isinstance(spec, str):
+            items = {}
+            for part in spec.split(","):
+                ax, _, pl = part.partition("=")
+                items[ax.strip()] = parse_placement(pl)
+        else:
+            items = dict(spec)
+        for ax, pl in items.items():
+            if ax not in params:
+                raise PlanError(f"override {key}: unknown mesh axis {ax!r}; the mesh has {', '.join(mesh.axis_names)}")
+            (params if kind == "param" else nodes)[ax][name] = pl
+    return params, nodes
+
+
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+_THROUGH = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def block_hints(cap: Captured) -> dict[str, object]:
+    """Fused projections split into k equal blocks later (GPT-2's c_attn -> q, k, v): their weight
+    (and bias) must shard each block, ``BlockShard``, so the split stays local."""
+    hints: dict[str, object] = {}
+    for node in cap.gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _SPLITS:
+            continue
+        outs = node.meta["val"]
+        x = node.args[0]
+        nd = x.meta["val"].ndim
+        dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
+        if dim != nd - 1 or len(outs) < 2 or len({str(o.shape[dim]) for o in outs}) != 1:
+            continue
+        k = len(outs)
+        cur = x
+        while isinstance(cur, torch.fx.Node) and cur.op == "call_function":
+            if cur.target in _THROUGH:
+                cur = cur.args[0]
+            elif cur.target is aten.add.Tensor:
+                nxt = None
+                for a in cur.args:
+                    if getattr(a, "name", None) in cap.params and a.meta["val"].ndim == 1:
+                        hints[a.name] = BlockShard(0, k)
+                    elif isinstance(a, torch.fx.Node):
+                        nxt = a
+                cur = nxt
+            elif cur.target in (aten.linear.default, aten.matmul.default):
+                w = cur.args[1]
+                if getattr(w, "name", None) in cap.params:
+                    hints[w.name] = BlockShard(0 if cur.target is aten.linear.default else 1, k)
+                    if len(cur.args) > 2 and getattr(cur.args[2], "name", None) in cap.params:
+                        hints[cur.args[2].name] = BlockShard(0, k)
+                break
+            else:
+                break
+    return hints
+
+
+def megatron_policies(mesh: Mesh, sequence_parallel: bool, overrides: dict | None = None) -> list[AxisPolicy]:
+    p_over, n_over = _parse_overrides(overrides, mesh)
+    pols = []
+    for ax in mesh.axis_names:
+        n = mesh.size(ax)
+        if ax == "dp":
+            pols.append(AxisPolicy(ax, n, shard_inputs_dim0=True, allowed_symbols=frozenset({BATCH}),
+                                   allow_static_dims=False, params_replicated=True, partial_passthrough=False,
+                                   param_overrides=p_over[ax], node_overrides=n_over[ax]))
+        elif ax == "tp":
+            pols.append(AxisPolicy(ax, n, allowed_symbols=frozenset({SEQ}) if sequence_parallel else frozenset(),
+                                   allow_static_dims=True, shard_contraction_weights=True,
+                                   prefer_seq_reduce_scatter=sequence_parallel,
+                                   param_overrides=p_over[ax], node_overrides=n_over[ax]))
+        else:
+            raise PlanError(
+                f"mesh axis {ax}={n}: this planner handles dp and tp so far (pp, cp and ep come with their "
+                "passes); use a mesh like Mesh(dp=..., tp=...)"
+            )
+    return pols
+
+
+@dataclass
+class AxisPlanResult:
+    policy: AxisPolicy
+    result: AxisResult
+
+
+def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dict | None,
+              hints: dict) -> list[AxisPlanResult]:
+    if "tp" in mesh.axis_names:
+        check_divisibility(cap, mesh.size("tp"))
+    if sequence_parallel and mesh.size("tp") == 1:
+        sequence_parallel = False
+    out = []
+    blocks = block_hints(cap)
+    for pol in megatron_policies(mesh, sequence_parallel, overrides):
+        if pol.shard_contraction_weights:
+            pol.param_hints = dict(blocks)
+        out.append(AxisPlanResult(pol, propagate_axis(cap, pol, hints)))
+    return out
+
+
+def assemble_plan(cap: Captured, mesh: Mesh, axes: list[AxisPlanResult], options: PlanOptions,
+                  overrides: dict | None) -> Plan:
+    names = mesh.axis_names
+    params: dict[str, ParamPlan] = {}
+    # axes over which a replicated parameter's gradient is Partial: it feeds an op whose output is
+    # not replicated on that axis (every parameter on dp; SP norm weights on tp)
+    partial: dict[str, set[str]] = {}
+    for ap in axes:
+        res = ap.result
+        loss_axis_partial = ap.policy.shard_inputs_dim0
+        for node in cap.gm.graph.nodes:
+            s = res.strategies.get(node.name)
+            if s is None:
+                continue
+            from mcompile.rules import tensor_input_nodes
+
+            for a, p in zip(tensor_input_nodes(node), s.inputs):
+                if a.name in cap.params and isinstance(p, Replicate):
+                    out = s.outputs[0] if s.outputs else R
+                    if not isinstance(out, Replicate) or loss_axis_partial:
+                        partial.setdefault(a.name, set()).add(ap.policy.axis)
+    for node in cap.param_nodes:
+        fqn = cap.params[node.name]
+        val = node.meta["val"]
+        shape = tuple(int(s) for s in val.shape)
+        pls = tuple(ap.result.params.get(node.name, R) for ap in axes)
+        padded = list(shape)
+        local = list(shape)
+        for ax, p in zip(names, pls):
+            if isinstance(p, Shard | BlockShard):
+                d = p.dim % len(shape)
+                n = mesh.size(ax)
+                mult = n * (options.vocab_pad_multiple if isinstance(p, Shard) else 1)
+                if shape[d] % n:
+                    if node.name not in ap_padded(axes):
+                        raise PlanError(f"{fqn} {list(shape)}: dim {d} does not divide by {ax}={n}")
+                    padded[d] = math.ceil(shape[d] / mult) * mult
+                local[d] = padded[d] // n
+        params[fqn] = ParamPlan(
+            fqn=fqn, shape=shape, dtype=str(val.dtype).replace("torch.", ""), placements=pls,
+            local_shape=tuple(local), padded_shape=tuple(padded) if padded != list(shape) else None,
+            grad_partial_axes=tuple(a for a in names if a in partial.get(node.name, ())),
+            tied=cap.tied.get(fqn, ()),
+        )
+    acts = {}
+    for node in cap.gm.graph.nodes:
+        if node.op == "call_function" and any(node.name in ap.result.placements for ap in axes):
+            acts[node.name] = tuple(ap.result.placements.get(node.name) for ap in axes)
+    fallbacks = sorted(set().union(*(ap.result.fallbacks for ap in axes))) if axes else []
+    return Plan(mesh=dict(mesh.axes), params=params, activations=acts, options=options,
+                model=cap.model_name, fallbacks=fallbacks,
+                overrides={k: str(v) for k, v in (overrides or {}).items()})
+
+
+def ap_padded(axes: list[AxisPlanResult]) -> set[str]:
+    return set().union(*(ap.result.padded for ap in axes)) if axes else set()

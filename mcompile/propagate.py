@@ -1,0 +1,294 @@
+"""Sharding propagation: choose a rule strategy for every node, one mesh axis at a time.
+
+Walks the captured graph in topological order. Each node's rule lists strategies; the propagator
+scores each against where the inputs currently are and takes the cheapest (ties: the rule's order):
+
+    cost(strategy) = sum over tensor inputs of redistribute(current -> required)
+    redistribute:  same -> 0 | R -> S: slice, eps (+ all-gather of the gradient in backward)
+                   P -> R: all-reduce 2B | P -> S: reduce-scatter B (+ all-gather B in backward)
+                   S -> R: all-gather B (+ reduce-scatter B in backward) | anything else -> inf
+    B = bytes of the value at the planning hints (batch, seq); a redistribution already made for
+    the same value and target costs 0 (it is reused, as Megatron fuses QKV's one all-gather).
+
+Parameters are placed by their first use and never redistributed afterwards (a tied weight keeps
+the placement of its first use). The :class:`AxisPolicy` says what one axis may shard: which
+activation dims (batch for dp; features, heads, vocab — and the sequence under sequence
+parallelism — for tp), whether contraction weights must be sharded, whether Partial values may
+pass through non-contraction ops. The result is only placements; inserting collectives is the
+lowering pass's job.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import warnings
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+
+from mcompile.capture import SEQ, Captured
+from mcompile.placements import BlockShard, Partial, Replicate, Shard
+from mcompile.rules import OpInfo, Strategy, TensorMeta, get_rule, replicate_all, tensor_input_nodes
+
+__all__ = ["AxisPolicy", "AxisResult", "PlanError", "FallbackWarning", "propagate_axis", "requires_grad_nodes"]
+
+R = Replicate()
+INF = float("inf")
+aten = torch.ops.aten
+# Ops whose non-first tensor inputs are weights that a tensor-parallel plan must shard.
+CONTRACTION_WEIGHT_ARGS = {
+    aten.linear.default: (1,),
+    aten.mm.default: (1,),
+    aten.addmm.default: (2,),
+    aten.matmul.default: (1,),
+    aten.embedding.default: (0,),
+}
+_NO_GRAD_OPS = {aten.detach.default, aten.detach_.default, aten.sym_size.int}
+
+
+class PlanError(ValueError):
+    """The model cannot be planned as asked; the message says why and what to do."""
+
+
+class FallbackWarning(UserWarning):
+    """An op has no sharding rule: it runs replicated."""
+
+
+@dataclass
+class AxisPolicy:
+    axis: str
+    size: int
+    shard_inputs_dim0: bool = False  # dp: user inputs are split on the batch dim
+    allowed_symbols: frozenset = frozenset()  # which of batch/seq an activation dim of this axis may contain
+    allow_static_dims: bool = True  # may shard dims with no batch/seq symbol (features, heads, vocab)
+    shard_contraction_weights: bool = False  # tp: every linear/embedding weight must be sharded
+    params_replicated: bool = False  # dp: parameters replicated (no ZeRO yet)
+    partial_passthrough: bool = False  # may a Partial flow through a non-contraction op
+    prefer_seq_reduce_scatter: bool = False  # sequence parallel: P -> S(seq) beats P -> R
+    redistribute_to_static_dims: bool = False  # may a collective/slice shard a static dim
+    param_overrides: dict = field(default_factory=dict)  # FQN -> placement for this axis
+    node_overrides: dict = field(default_factory=dict)  # node name -> placement of its output
+    param_hints: dict = field(default_factory=dict)  # placeholder name -> placement offered to rules first
+
+
+@dataclass
+class AxisResult:
+    placements: dict[str, object]  # node name -> placement (tuple for multi-output nodes)
+    strategies: dict[str, Strategy]  # node name -> chosen strategy
+    params: dict[str, object]  # placeholder name -> placement
+    padded: dict[str, int]  # node name -> dim whose (static) size does not divide (vocab padding)
+    fallbacks: set[str]
+    notes: dict[str, list[str]]
+
+
+def requires_grad_nodes(gm: fx.GraphModule, param_names: set[str]) -> set[str]:
+    rg: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            v = n.meta.get("val")
+            if n.name in param_names and isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
+                rg.add(n.name)
+        elif n.op == "call_function" and n.target not in _NO_GRAD_OPS:
+            v = n.meta.get("val")
+            vals = v if isinstance(v, list | tuple) else [v]
+            is_float = any(isinstance(x, torch.Tensor) and x.dtype.is_floating_point for x in vals)
+            if is_float and any(a.name in rg for a in n.all_input_nodes):
+                rg.add(n.name)
+    return rg
+
+
+def _bytes(meta: TensorMeta, hints: dict) -> float:
+    numel = 1
+    for s in meta.shape:
+        numel *= int(s.subs(hints)) if isinstance(s, sympy.Expr) else int(s)
+    return float(numel * meta.dtype.itemsize)
+
+
+def _out_metas(node: fx.Node) -> list[TensorMeta]:
+    v = node.meta.get("val")
+    vals = v if isinstance(v, list | tuple) else [v]
+    return [TensorMeta.of(x) for x in vals if isinstance(x, torch.Tensor)]
+
+
+def propagate_axis(
+    cap: Captured, policy: AxisPolicy, hints: dict, param_pad_ok=None
+) -> AxisResult:
+    """Choose placements for every node of ``cap.gm`` on one mesh axis."""
+    gm = cap.gm
+    n = policy.size
+    sym = cap.symbols
+    rg = requires_grad_nodes(gm, set(cap.params))
+    place: dict[str, object] = {}
+    strategies: dict[str, Strategy] = {}
+    params: dict[str, object] = {}
+    padded: dict[str, int] = {}
+    fallbacks: set[str] = set()
+    notes: dict[str, list[str]] = {}
+    made: set[tuple[str, object]] = set()  # redistributions already paid for
+    fqn_of = {**cap.params}
+    padded_params: dict[str, int] = {}
+
+    def shard_allowed(meta: TensorMeta, p) -> bool:
+        if not isinstance(p, Shard | BlockShard):
+            return True
+        size = meta.shape[p.dim % meta.ndim]
+        free = {s for s in (size.free_symbols if isinstance(size, sympy.Expr) else ())}
+        names = {k for k, s in sym.items() if s in free}
+        if not names:
+            return policy.allow_static_dims
+        return names <= policy.allowed_symbols and (SEQ not in names or size == sym.get(SEQ))
+
+    def redistribute_cost(src: fx.Node, cur, req, meta: TensorMeta) -> float:
+        if cur == req:
+            return 0.0
+        if (src.name, req) in made:
+            return 0.0
+        b = _bytes(meta, hints) * (n - 1) / n
+        grad = src.name in rg
+        if isinstance(req, Shard) and not policy.redistribute_to_static_dims:
+            size = meta.shape[req.dim % meta.ndim]
+            if not isinstance(size, sympy.Expr) or not size.free_symbols:
+                return INF  # static dims (features, heads) are sharded by contractions, not by collectives
+        if isinstance(cur, Replicate) and isinstance(req, Shard):
+            return 1e-3 + (b if grad else 0.0)
+        if isinstance(cur, Partial) and cur.reduce_op == "sum" and isinstance(req, Replicate):
+            return 2 * b
+        if isinstance(cur, Partial) and cur.reduce_op == "max" and isinstance(req, Replicate) and not grad:
+            return 2 * b
+        if isinstance(cur, Partial) and cur.reduce_op == "sum" and isinstance(req, Shard):
+            return (0.5 * b if policy.prefer_seq_reduce_scatter else b) + (b if grad else 0.0)
+        if isinstance(cur, Shard) and isinstance(req, Replicate):
+            return b + (b if grad else 0.0)
+        return INF
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            v = node.meta.get("val")
+            if node.name in cap.params:
+                fqn = fqn_of[node.name]
+                if fqn in policy.param_overrides:
+                    params[node.name] = policy.param_overrides[fqn]
+                    place[node.name] = params[node.name]
+                elif policy.params_replicated:
+                    params[node.name] = place[node.name] = R
+                else:
+                    place[node.name] = None  # placed by its first use
+            elif node.name in cap.user_inputs and isinstance(v, torch.Tensor):
+                sharded = policy.shard_inputs_dim0 and v.ndim >= 1 and isinstance(v.shape[0], torch.SymInt)
+                place[node.name] = Shard(0) if sharded else R
+            else:
+                place[node.name] = R
+            continue
+        if node.op == "output":
+            continue
+        if node.target is operator.getitem:
+            src, idx = node.args
+            pv = place.get(src.name)
+            place[node.name] = pv[idx] if isinstance(pv, tuple) else pv
+            continue
+        outs = _out_metas(node)
+        ins = tensor_input_nodes(node)
+        if not outs:  # sym_size, asserts: no tensor to place
+            continue
+        in_metas = []
+        for a in ins:
+            m = TensorMeta.of(a.meta["val"])
+            if a.name in padded_params:
+                d = padded_params[a.name]
+                shape = list(m.shape)
+                shape[d] = math.ceil(shape[d] / n) * n
+                m = TensorMeta(tuple(shape), m.dtype)
+            in_metas.append(m)
+        current = tuple(
+            place.get(a.name) if place.get(a.name) is not None else policy.param_hints.get(a.name, R) for a in ins
+        )
+        info = OpInfo(node, node.target, tuple(node.args), dict(node.kwargs), in_metas, outs, n, current)
+        rule = get_rule(node.target)
+        if rule is None:
+            fallbacks.add(str(node.target))
+            cands = [replicate_all(info)]
+        else:
+            cands = rule(info)
+        weight_args = CONTRACTION_WEIGHT_ARGS.get(node.target, ())
+        best, best_cost = None, INF
+        for s in cands:
+            cost = 0.0
+            for i, (a, req) in enumerate(zip(ins, s.inputs)):
+                if a.name in cap.params:
+                    cur = place[a.name]
+                    if cur is None:
+                        hint = policy.param_hints.get(a.name)
+                        if hint is not None and isinstance(hint, BlockShard) and req != hint:
+                            cost = INF  # a fused projection later split into blocks: only the block layout
+                        elif isinstance(req, Partial):
+                            cost = INF
+                        elif policy.params_replicated and not isinstance(req, Replicate):
+                            cost = INF
+                        elif policy.shard_contraction_weights and i in weight_args and isinstance(req, Replicate):
+                            cost = INF
+                    elif cur != req:
+                        cost = INF
+                else:
+                    cost += redistribute_cost(a, current[i], req, in_metas[i])
+                if cost == INF:
+                    break
+            if cost < INF:
+                for o, p in zip(outs, s.outputs):
+                    if not shard_allowed(o, p):
+                        cost = INF
+                if (not policy.partial_passthrough and any(isinstance(p, Partial) for p in s.inputs)
+                        and any(isinstance(p, Partial) for p in s.outputs)):
+                    cost = INF
+            if cost < best_cost:
+                best, best_cost = s, cost
+        if node.name in policy.node_overrides:
+            want = policy.node_overrides[node.name]
+            forced = [s for s in cands if s.outputs and s.outputs[0] == want]
+            if not forced:
+                raise PlanError(f"override {node.name}={want!r} on axis {policy.axis}: no strategy of "
+                                f"{node.target} produces it; possible: {sorted({repr(s.outputs[0]) for s in cands})}")
+            best = forced[0]
+        if info.notes:
+            notes[node.name] = list(info.notes)
+        if best is None:
+            raise PlanError(_no_strategy_message(node, policy, ins, place, info, cap))
+        for i, (a, req) in enumerate(zip(ins, best.inputs)):
+            if a.name in cap.params and place[a.name] is None:
+                place[a.name] = params[a.name] = req
+                if isinstance(req, Shard):
+                    d = req.dim % a.meta["val"].ndim
+                    size = a.meta["val"].shape[d]
+                    if isinstance(size, int) and size % n:
+                        padded_params[a.name] = d
+                        padded[a.name] = d
+            elif a.name not in cap.params and current[i] != req:
+                made.add((a.name, req))
+        strategies[node.name] = best
+        place[node.name] = best.outputs if len(outs) > 1 else (best.outputs[0] if best.outputs else None)
+        # a sharded dim whose static size does not divide (only from a padded vocabulary)
+        for o, p in zip(outs, best.outputs):
+            if isinstance(p, Shard):
+                size = o.shape[p.dim % o.ndim]
+                if isinstance(size, int) and size % n:
+                    padded[node.name] = p.dim % o.ndim
+    for node in gm.graph.nodes:  # parameters nobody reads
+        if node.op == "placeholder" and node.name in cap.params and place[node.name] is None:
+            place[node.name] = params[node.name] = R
+    for f in sorted(fallbacks):
+        warnings.warn(f"no sharding rule for {f}: it runs replicated on axis {policy.axis}",
+                      FallbackWarning, stacklevel=3)
+    return AxisResult(place, strategies, params, padded, fallbacks, notes)
+
+
+def _no_strategy_message(node, policy, ins, place, info, cap) -> str:
+    where = (node.meta.get("stack_trace") or "").strip().splitlines()
+    loc = where[-2].strip() if len(where) >= 2 else ""
+    placed = ", ".join(f"{a.name}={place.get(a.name)!r}" for a in ins)
+    why = "; ".join(info.notes) or "no rule strategy fits the inputs' placements"
+    return (
+        f"cannot place {node.name} ({node.target}) on axis {policy.axis}={policy.size}: {why}. "
+        f"Inputs: {placed}. {loc}"
+    )

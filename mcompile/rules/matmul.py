@@ -1,0 +1,170 @@
+"""Contractions: linear, mm, addmm, bmm, embedding, attention, cross-entropy.
+
+Megatron's layouts are strategies here (Shoeybi et al. 2019, "Megatron-LM", §3):
+- column-parallel linear: x R, W S(0) (out features), b S(0) -> y S(-1);
+- row-parallel linear:    x S(-1), W S(1) (in features), no bias -> y Partial (bias goes after the
+  reduction; the canonicalisation pass splits biases off linears for that reason);
+- vocab-parallel embedding: W S(0) (vocab rows), ids R -> Partial (rows outside the rank's range
+  contribute zeros), lowering ``vocab_parallel_embedding``;
+- vocab-parallel cross-entropy: logits S(class dim), target R -> R, lowering
+  ``vocab_parallel_cross_entropy`` (the logits are never gathered);
+- attention: heads (dim 1 of q, k, v) or batch sharded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcompile.placements import BlockShard, Partial, Shard
+from mcompile.rules import OpInfo, R, Strategy, divisible, rule, same
+
+aten = torch.ops.aten
+P = Partial()
+
+
+def _leading(info: OpInfo, x_nd: int, n_rest: int, out_nd: int) -> list[Strategy]:
+    """Shard a leading (batch-like) dim of the first input; the other inputs replicated."""
+    return [
+        Strategy((Shard(d),) + (R,) * n_rest, (Shard(d - x_nd + out_nd),), name=f"batch_S{d}")
+        for d in range(x_nd - 1)
+    ]
+
+
+@rule(aten.linear.default)
+def linear(info: OpInfo) -> list[Strategy]:
+    x, w = info.inputs[0], info.inputs[1]
+    has_bias = len(info.inputs) == 3
+    out_nd = info.outputs[0].ndim
+    s = []
+    wcur = info.current[1] if len(info.current) > 1 else R
+    if isinstance(wcur, BlockShard) and wcur.dim % 2 == 0 and divisible(w.shape[0], info.n * wcur.blocks):
+        blk = BlockShard(0, wcur.blocks)
+        s.append(Strategy((R, blk) + ((blk,) if has_bias else ()), (BlockShard(out_nd - 1, wcur.blocks),),
+                          name="column_blocks"))
+    if divisible(w.shape[0], info.n):
+        s.append(Strategy((R, Shard(0)) + ((Shard(0),) if has_bias else ()), (Shard(out_nd - 1),), name="column"))
+    else:
+        info.notes.append(f"indivisible: {w.shape[0]} output features do not divide by {info.n}")
+    if not has_bias and divisible(w.shape[1], info.n):
+        s.append(Strategy((Shard(x.ndim - 1), Shard(1)), (P,), name="row"))
+    s += _leading(info, x.ndim, 2 if has_bias else 1, out_nd)
+    if not has_bias:
+        s += [Strategy((P, R), (P,), name="partial"), Strategy((R, P), (P,), name="partial")]
+    return s + [Strategy((R,) * len(info.inputs), (R,), name="replicate")]
+
+
+@rule(aten.mm.default)
+def mm(info: OpInfo) -> list[Strategy]:
+    return [
+        Strategy((R, Shard(1)), (Shard(1),), name="column"),
+        Strategy((Shard(1), Shard(0)), (P,), name="row"),
+        Strategy((Shard(0), R), (Shard(0),), name="batch_S0"),
+        Strategy((P, R), (P,), name="partial"),
+        Strategy((R, P), (P,), name="partial"),
+        Strategy((R, R), (R,), name="replicate"),
+    ]
+
+
+@rule(aten.addmm.default)
+def addmm(info: OpInfo) -> list[Strategy]:
+    bias = info.inputs[0]
+    b_col = Shard(bias.ndim - 1)
+    b_row = Shard(0) if bias.ndim == 2 and not same(bias.shape[0], 1) else R
+    return [
+        Strategy((b_col, R, Shard(1)), (Shard(1),), name="column"),
+        Strategy((b_row, Shard(0), R), (Shard(0),), name="batch_S0"),
+        Strategy((R, R, R), (R,), name="replicate"),
+    ]
+
+
+@rule(aten.bmm.default)
+def bmm(info: OpInfo) -> list[Strategy]:
+    return [
+        Strategy((Shard(0), Shard(0)), (Shard(0),), name="batch_S0"),
+        Strategy((R, Shard(2)), (Shard(2),), name="column"),
+        Strategy((Shard(1), R), (Shard(1),), name="rows"),
+        Strategy((Shard(2), Shard(1)), (P,), name="row"),
+        Strategy((P, R), (P,), name="partial"),
+        Strategy((R, P), (P,), name="partial"),
+        Strategy((R, R), (R,), name="replicate"),
+    ]
+
+
+@rule(aten.matmul.default)
+def matmul(info: OpInfo) -> list[Strategy]:
+    a, b = info.inputs
+    o = info.outputs[0]
+    if a.ndim < 2 or b.ndim < 2:
+        return [Strategy((R, R), (R,), name="replicate")]
+    s = []
+    bcur = info.current[1] if len(info.current) > 1 else R
+    if isinstance(bcur, BlockShard) and bcur.dim % b.ndim == b.ndim - 1:
+        s.append(Strategy((R, bcur), (BlockShard(o.ndim - 1, bcur.blocks),), name="column_blocks"))
+    s += [
+        Strategy((R, Shard(b.ndim - 1)), (Shard(o.ndim - 1),), name="column"),
+        Strategy((Shard(a.ndim - 1), Shard(b.ndim - 2)), (P,), name="row"),
+        Strategy((Shard(a.ndim - 2), R), (Shard(o.ndim - 2),), name="rows"),
+    ]
+    if a.ndim == b.ndim:
+        s += [Strategy((Shard(d), Shard(d)), (Shard(d),), name=f"batch_S{d}") for d in range(a.ndim - 2)]
+    return s + [Strategy((P, R), (P,), name="partial"), Strategy((R, P), (P,), name="partial"),
+                Strategy((R, R), (R,), name="replicate")]
+
+
+@rule(aten.embedding.default)
+def embedding(info: OpInfo) -> list[Strategy]:
+    ids = info.inputs[1]
+    o = info.outputs[0]
+    s = [
+        Strategy((Shard(0), R), (P,), lowering="vocab_parallel_embedding", name="vocab_parallel"),
+        Strategy((Shard(1), R), (Shard(o.ndim - 1),), name="hidden_parallel"),
+    ]
+    s += [Strategy((R, Shard(d)), (Shard(d),), name=f"ids_S{d}") for d in range(ids.ndim)]
+    return s + [Strategy((R, R), (R,), name="replicate")]
+
+
+@rule(aten.scaled_dot_product_attention.default)
+def sdpa(info: OpInfo) -> list[Strategy]:
+    q, k = info.inputs[0], info.inputs[1]
+    has_mask = len(info.inputs) == 4
+    s = []
+    for d, name in ((1, "heads"), (0, "batch")):
+        mask_p = ()
+        if has_mask:
+            m = info.inputs[3]
+            md = d - (q.ndim - m.ndim)
+            mask_p = (R if md < 0 or same(m.shape[md], 1) else Shard(md),)
+        if d == 1 and not (divisible(q.shape[1], info.n) and divisible(k.shape[1], info.n)):
+            info.notes.append(f"indivisible: {q.shape[1]} query heads / {k.shape[1]} kv heads over {info.n}")
+            continue
+        s.append(Strategy((Shard(d), Shard(d), Shard(d)) + mask_p, (Shard(d),), name=name))
+    return s + [Strategy((R,) * len(info.inputs), (R,), name="replicate")]
+
+
+@rule(aten.cross_entropy_loss.default)
+def cross_entropy(info: OpInfo) -> list[Strategy]:
+    x = info.inputs[0]
+    reduction = info.arg(3, "reduction", 1)  # 0 none, 1 mean, 2 sum
+    weight = len(info.inputs) > 2
+    smoothing = info.arg(5, "label_smoothing", 0.0)
+    s = []
+    cdim = 1 if x.ndim >= 2 else 0
+    if not weight and not smoothing:
+        s.append(Strategy((Shard(cdim), R), (R,), lowering="vocab_parallel_cross_entropy", name="vocab_parallel"))
+    if x.ndim >= 2:
+        out = Shard(0) if reduction == 0 else Partial("sum" if reduction == 2 else "avg")
+        # mean over a batch-sharded target is the mean of per-rank means: exact only when every rank
+        # counts the same number of non-ignored targets; the runtime rewrites it to sum / count.
+        s.append(Strategy((Shard(0), Shard(0)) + (R,) * weight, (out,), name="batch"))
+    return s + [Strategy((R,) * len(info.inputs), (R,), name="replicate")]
+
+
+@rule(aten.outer.default)
+def outer(info: OpInfo) -> list[Strategy]:
+    return [
+        Strategy((Shard(0), R), (Shard(0),), name="rows"),
+        Strategy((R, Shard(0)), (Shard(1),), name="cols"),
+        Strategy((P, R), (P,), name="partial"),
+        Strategy((R, P), (P,), name="partial"),
+        Strategy((R, R), (R,), name="replicate"),
+    ]

@@ -1,0 +1,98 @@
+"""Pointwise ops with broadcasting: a dim of the output may be sharded when every tensor input
+either has that dim (right-aligned, same size) sharded the same way, or broadcasts along it.
+Partial passes through ops that are linear in that input (add/sub of two Partials, mul/div by a
+replicated factor, casts, copies, dropout with a shared RNG stream)."""
+
+from __future__ import annotations
+
+import torch
+
+from mcompile.placements import BlockShard
+from mcompile.rules import OpInfo, Partial, R, Shard, Strategy, rule, same
+
+aten = torch.ops.aten
+
+UNARY = [
+    aten.neg.default, aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.default,
+    aten.silu.default, aten.gelu.default, aten.tanh.default, aten.sigmoid.default, aten.relu.default,
+    aten.cos.default, aten.sin.default, aten.abs.default, aten.reciprocal.default, aten.erf.default,
+    aten.pow.Tensor_Scalar, aten.clone.default, aten.contiguous.default, aten.detach.default,
+    aten.detach_.default, aten.alias.default, aten.lift_fresh_copy.default, aten.to.dtype, aten.to.device,
+    aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default, aten.dropout.default,
+    aten.native_dropout.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+    aten.empty_like.default, aten.logical_not.default, aten.bitwise_not.default, aten.clamp.default,
+    aten.gelu.default, aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar,
+    aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar,
+    aten.masked_fill.Scalar, aten.log_sigmoid_forward.default if hasattr(aten, "log_sigmoid_forward") else None,
+]
+BINARY = [
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.pow.Tensor_Tensor,
+    aten.maximum.default, aten.minimum.default, aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor,
+    aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor, aten.logical_and.default, aten.logical_or.default,
+    aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.where.self, aten.masked_fill.Tensor,
+    aten.rsub.Tensor, aten.rsub.Scalar, aten.atan2.default,
+]
+# Ops linear in their (single, or every) tensor input, so a Partial input gives a Partial output.
+_LINEAR_UNARY = {
+    aten.neg.default, aten.clone.default, aten.contiguous.default, aten.detach.default, aten.detach_.default,
+    aten.alias.default, aten.lift_fresh_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
+    aten._to_copy.default, aten.dropout.default, aten.mul.Scalar, aten.div.Scalar, aten.type_as.default,
+}
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def pointwise_shard_strategies(info: OpInfo) -> list[Strategy]:
+    """R -> R, and S(d) of the output wherever every input has d or broadcasts along it."""
+    out = info.outputs[0]
+    strategies = []
+    for d in range(out.ndim):
+        ins = []
+        ok = True
+        for t in info.inputs:
+            k = d - (out.ndim - t.ndim)  # right-aligned input dim
+            if k < 0 or same(t.shape[k], 1) and not same(out.shape[d], 1):
+                ins.append(R)
+            elif same(t.shape[k], out.shape[d]):
+                ins.append(Shard(k))
+            else:
+                ok = False
+        if ok and not same(out.shape[d], 1):
+            strategies.append(Strategy(tuple(ins), (Shard(d),), name=f"pointwise_S{d}"))
+    # blocks of a fused projection ([q | k | v]) stay blocks through pointwise ops (bias add)
+    for c, t in zip(info.current, info.inputs):
+        if isinstance(c, BlockShard):
+            d = c.dim % t.ndim + (out.ndim - t.ndim)
+            ins = []
+            for u in info.inputs:
+                k = d - (out.ndim - u.ndim)
+                ins.append(R if k < 0 or same(u.shape[k], 1) else BlockShard(k, c.blocks))
+            strategies.insert(0, Strategy(tuple(ins), (BlockShard(d, c.blocks),), name="pointwise_blocks"))
+            break
+    return strategies
+
+
+def _partial_strategies(info: OpInfo) -> list[Strategy]:
+    if info.outputs[0].dtype not in _FLOAT or not info.inputs:
+        return []
+    op = info.op
+    n_in = len(info.inputs)
+    P = Partial()
+    if n_in == 1 and op in _LINEAR_UNARY:
+        return [Strategy((P,), (P,), name="partial")]
+    if n_in == 2 and op in (aten.add.Tensor, aten.sub.Tensor):
+        return [Strategy((P, P), (P,), name="partial")]
+    if n_in == 2 and op is aten.mul.Tensor:
+        return [Strategy((P, R), (P,), name="partial"), Strategy((R, P), (P,), name="partial")]
+    if n_in == 2 and op is aten.div.Tensor:
+        return [Strategy((P, R), (P,), name="partial")]
+    if n_in == 1 and op is aten.mul.Tensor:  # tensor * python scalar
+        return [Strategy((P,), (P,), name="partial")]
+    if n_in == 1 and op is aten.div.Tensor:  # tensor / python scalar
+        return [Strategy((P,), (P,), name="partial")]
+    return []
+
+
+@rule(*[op for op in UNARY + BINARY if op is not None])
+def pointwise(info: OpInfo) -> list[Strategy]:
+    rep = Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")
+    return pointwise_shard_strategies(info) + _partial_strategies(info) + [rep]

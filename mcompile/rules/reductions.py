@@ -1,0 +1,68 @@
+"""Reductions and normalisations along dims.
+
+Reducing over a sharded dim leaves each rank a partial result: ``sum`` -> Partial(sum), ``mean``
+-> Partial(avg) (shards are equal), ``amax`` -> Partial(max). Softmax-like ops and norms keep a
+shard on any dim they do not normalise over.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcompile.placements import Partial, Shard
+from mcompile.rules import OpInfo, R, Strategy, norm_dim, rule
+
+aten = torch.ops.aten
+
+_KIND = {
+    aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.mean.dim: "avg", aten.mean.default: "avg",
+    aten.amax.default: "max", aten.amin.default: "min",
+}
+
+
+def _cur(info):
+    return info.current[0] if info.current else R
+
+
+@rule(*_KIND)
+def reduce(info: OpInfo) -> list[Strategy]:
+    nd = info.inputs[0].ndim
+    dims = info.arg(1, "dim", None)
+    if dims is None or dims == [] or info.op in (aten.sum.default, aten.mean.default):
+        dims = list(range(nd))
+    dims = {norm_dim(d, nd) for d in ([dims] if isinstance(dims, int) else dims)}
+    keep = info.arg(2, "keepdim", False) if info.op not in (aten.sum.default, aten.mean.default) else False
+    kind = _KIND[info.op]
+    out = []
+    for d in range(nd):
+        if d in dims:
+            out.append(Strategy((Shard(d),), (Partial(kind),), name=f"reduce_{kind}"))
+        else:
+            od = d if keep else d - sum(1 for r in dims if r < d)
+            out.append(Strategy((Shard(d),), (Shard(od),), name="other_dim"))
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    if kind in ("sum", "avg") and info.outputs[0].dtype.is_floating_point:
+        out.append(Strategy((Partial(),), (Partial(),), name="partial"))
+    return out + [Strategy((R,), (R,), name="replicate")]
+
+
+@rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
+def softmax(info: OpInfo) -> list[Strategy]:
+    nd = info.inputs[0].ndim
+    dim = norm_dim(info.arg(1), nd)
+    out = [Strategy((Shard(d),), (Shard(d),), name="other_dim") for d in range(nd) if d != dim]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    return out + [Strategy((R,), (R,), name="replicate")]
+
+
+@rule(aten.layer_norm.default, aten.rms_norm.default)
+def layer_norm(info: OpInfo) -> list[Strategy]:
+    nd = info.inputs[0].ndim
+    normalized = len(info.arg(1))
+    extra = len(info.inputs) - 1  # weight / bias when given
+    out = [
+        Strategy((Shard(d),) + (R,) * extra, (Shard(d),), name="other_dim")
+        for d in range(nd - normalized)
+    ]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    return out + [Strategy((R,) * (1 + extra), (R,), name="replicate")]

@@ -1,0 +1,270 @@
+"""Views and data movement: view/reshape, unsqueeze/squeeze, transpose/permute, expand, slice,
+select, split, cat, pad.
+
+view/reshape group input and output dims into minimal runs of equal product (the same idea as
+DTensor's view groups, Ansel et al. 2024). A sharded input dim stays sharded when it is the
+outermost non-unit dim of its group: it becomes the outermost output dim of the group, which must
+split evenly (``tp=3`` does not divide 8 heads: the rule records why and offers no such strategy).
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+
+from mcompile.placements import BlockShard, Partial, Replicate, Shard
+from mcompile.rules import OpInfo, R, Strategy, divisible, localizer, norm_dim, rule, same
+
+aten = torch.ops.aten
+
+
+def _bigger(a, b) -> int:
+    """Compare two positive sizes: 1 if a > b, -1 if a < b, 0 if equal (symbols count as large)."""
+    if same(a, b):
+        return 0
+    ratio = sympy.simplify(sympy.sympify(a) / sympy.sympify(b))
+    if ratio.is_Number:
+        return 1 if ratio > 1 else -1
+    num, den = sympy.fraction(ratio)
+    if den == 1:
+        return 1
+    if num == 1:
+        return -1
+    return 1 if len(num.free_symbols) >= len(den.free_symbols) else -1
+
+
+def view_groups(ishape, oshape) -> list[tuple[list[int], list[int]]]:
+    """Minimal (input dims, output dims) runs of equal product; unit dims form their own groups."""
+    groups = []
+    i = j = 0
+    while i < len(ishape) or j < len(oshape):
+        if i < len(ishape) and same(ishape[i], 1) and not (j < len(oshape) and same(oshape[j], 1)):
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(oshape) and same(oshape[j], 1) and not (i < len(ishape) and same(ishape[i], 1)):
+            groups.append(([], [j]))
+            j += 1
+            continue
+        if i >= len(ishape) or j >= len(oshape):
+            raise ValueError(f"view from {ishape} to {oshape}: products differ")
+        ins, outs = [i], [j]
+        pi, po = ishape[i], oshape[j]
+        i += 1
+        j += 1
+        while True:
+            c = _bigger(po, pi)
+            if c == 0:
+                break
+            if c > 0:
+                pi = pi * ishape[i]
+                ins.append(i)
+                i += 1
+            else:
+                po = po * oshape[j]
+                outs.append(j)
+                j += 1
+        groups.append((ins, outs))
+    return groups
+
+
+def map_view_placement(p, ishape, oshape, n: int, notes: list[str] | None = None):
+    """Where placement ``p`` of the input lands on the output of a view, or None."""
+    if isinstance(p, Replicate | Partial):
+        return p
+    d = p.dim % len(ishape)
+    for ins, outs in view_groups(ishape, oshape):
+        if d not in ins:
+            continue
+        big_in = [k for k in ins if not same(ishape[k], 1)]
+        big_out = [k for k in outs if not same(oshape[k], 1)]
+        if not big_out or big_in[0] != d:
+            if notes is not None:
+                notes.append(f"sharded dim {d} (size {ishape[d]}) is not the outermost dim of its view group")
+            return None
+        o = big_out[0]
+        if isinstance(p, BlockShard):
+            if len(big_in) == 1 and len(big_out) == 1:
+                return BlockShard(o, p.blocks)
+            return None
+        if len(big_out) > 1 and not divisible(oshape[o], n):
+            if notes is not None:
+                notes.append(
+                    f"indivisible: dim {d} of size {ishape[d]} splits into {oshape[o]} x "
+                    f"{sympy.prod([oshape[k] for k in big_out[1:]])} and {oshape[o]} does not divide by {n}"
+                )
+            return None
+        return Shard(o)
+    return None
+
+
+def _cur(info: OpInfo, i: int = 0):
+    return info.current[i] if len(info.current) > i else R
+
+
+@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+      aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints, aten.unflatten.int)
+def view(info: OpInfo) -> list[Strategy]:
+    ishape, oshape = info.inputs[0].shape, info.outputs[0].shape
+    out = []
+    for p in {_cur(info), *[Shard(d) for d in range(len(ishape))]}:
+        q = map_view_placement(p, ishape, oshape, info.n, info.notes if p == _cur(info) else None)
+        if q is not None and not isinstance(p, Replicate):
+            out.append(Strategy((p,), (q,), name="view"))
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))  # the current placement first
+    return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
+
+
+def _local_shape_args(args, local_shape, idx=1):
+    args = list(args)
+    orig = list(args[idx])
+    new = []
+    for k, s in enumerate(local_shape):
+        new.append(-1 if k < len(orig) and isinstance(orig[k], int) and orig[k] == -1 and not isinstance(s, int)
+                   else s)
+    args[idx] = new
+    return tuple(args)
+
+
+@localizer(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+def _view_local(args, kwargs, in_p, out_p, local_shapes, n):
+    return _local_shape_args(args, local_shapes[0]), kwargs
+
+
+@localizer(aten.expand.default)
+def _expand_local(args, kwargs, in_p, out_p, local_shapes, n):
+    return _local_shape_args(args, local_shapes[0]), kwargs
+
+
+def _perm_rule(info: OpInfo, perm: list[int]) -> list[Strategy]:
+    """Output dim k is input dim perm[k]."""
+    out = []
+    inv = {src: k for k, src in enumerate(perm)}
+    cur = _cur(info)
+    cands = [cur] + [Shard(d) for d in range(info.inputs[0].ndim)]
+    for p in cands:
+        if isinstance(p, Shard) or isinstance(p, BlockShard):
+            d = p.dim % info.inputs[0].ndim
+            q = BlockShard(inv[d], p.blocks) if isinstance(p, BlockShard) else Shard(inv[d])
+            s = Strategy((p,), (q,), name="permute")
+            if s not in out:
+                out.append(s)
+    return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
+
+
+@rule(aten.transpose.int)
+def transpose(info: OpInfo) -> list[Strategy]:
+    nd = info.inputs[0].ndim
+    a, b = norm_dim(info.arg(1), nd), norm_dim(info.arg(2), nd)
+    perm = list(range(nd))
+    perm[a], perm[b] = perm[b], perm[a]
+    return _perm_rule(info, perm)
+
+
+@rule(aten.t.default)
+def t(info: OpInfo) -> list[Strategy]:
+    return _perm_rule(info, list(reversed(range(info.inputs[0].ndim))))
+
+
+@rule(aten.permute.default)
+def permute(info: OpInfo) -> list[Strategy]:
+    nd = info.inputs[0].ndim
+    return _perm_rule(info, [norm_dim(d, nd) for d in info.arg(1)])
+
+
+@rule(aten.expand.default)
+def expand(info: OpInfo) -> list[Strategy]:
+    i, o = info.inputs[0], info.outputs[0]
+    off = o.ndim - i.ndim
+    out = []
+    for d in range(i.ndim):
+        if not same(i.shape[d], 1) or same(o.shape[d + off], 1):
+            out.append(Strategy((Shard(d),), (Shard(d + off),), name="expand"))
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
+
+
+def _keep_other_dims(info: OpInfo, dim: int, out_dim_of=lambda d: d, n_out: int = 1) -> list[Strategy]:
+    out = []
+    for d in range(info.inputs[0].ndim):
+        if d == dim:
+            continue
+        od = out_dim_of(d)
+        if od is not None:
+            out.append(Strategy((Shard(d),), tuple(Shard(od) for _ in range(n_out)), name="other_dim"))
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    P = Partial()
+    return out + [Strategy((P,), tuple(P for _ in range(n_out)), name="partial"),
+                  Strategy((R,), tuple(R for _ in range(n_out)), name="replicate")]
+
+
+@rule(aten.slice.Tensor)
+def slice_(info: OpInfo) -> list[Strategy]:
+    dim = norm_dim(info.arg(1, "dim", 0), info.inputs[0].ndim)
+    return _keep_other_dims(info, dim)
+
+
+@rule(aten.select.int)
+def select(info: OpInfo) -> list[Strategy]:
+    dim = norm_dim(info.arg(1), info.inputs[0].ndim)
+    return _keep_other_dims(info, dim, lambda d: d if d < dim else d - 1)
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+def split(info: OpInfo) -> list[Strategy]:
+    nd = info.inputs[0].ndim
+    dim = norm_dim(info.arg(2, "dim", 0) if info.op is not aten.unbind.int else info.arg(1, "dim", 0), nd)
+    k = len(info.outputs)
+    unbind = info.op is aten.unbind.int
+    out = _keep_other_dims(info, dim, (lambda d: d if d < dim else d - 1) if unbind else (lambda d: d), k)
+    cur = _cur(info)
+    sizes = [o.shape[dim] for o in info.outputs] if not unbind else []
+    if (isinstance(cur, BlockShard) and cur.dim % nd == dim and cur.blocks == k and not unbind
+            and all(same(s, sizes[0]) for s in sizes) and divisible(sizes[0], info.n)):
+        out.insert(0, Strategy((cur,), tuple(Shard(dim) for _ in range(k)), name="split_blocks"))
+    return out
+
+
+@localizer(aten.split.Tensor)
+def _split_local(args, kwargs, in_p, out_p, local_shapes, n):
+    args = list(args)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    args[1] = local_shapes[0][dim % len(local_shapes[0])]
+    return tuple(args), kwargs
+
+
+@localizer(aten.split_with_sizes.default)
+def _split_sizes_local(args, kwargs, in_p, out_p, local_shapes, n):
+    args = list(args)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    args[1] = [s[dim % len(s)] for s in local_shapes]
+    return tuple(args), kwargs
+
+
+@rule(aten.cat.default)
+def cat(info: OpInfo) -> list[Strategy]:
+    o = info.outputs[0]
+    dim = norm_dim(info.arg(1, "dim", 0), o.ndim)
+    k = len(info.inputs)
+    # legacy cat skips 1-D empty tensors (an empty KV cache): they stay replicated
+    empty = [t.ndim == 1 and same(t.shape[0], 0) for t in info.inputs]
+    out = []
+    for d in range(o.ndim):
+        if d != dim:
+            out.append(Strategy(tuple(R if e else Shard(d) for e in empty), (Shard(d),), name="other_dim"))
+    cur = info.current
+    out.sort(key=lambda s: tuple(s.inputs) != tuple(cur))
+    P = Partial()
+    return out + [Strategy(tuple(P for _ in range(k)), (P,), name="partial"),
+                  Strategy(tuple(R for _ in range(k)), (R,), name="replicate")]
+
+
+@rule(aten.pad.default, aten.constant_pad_nd.default)
+def pad(info: OpInfo) -> list[Strategy]:
+    nd = info.inputs[0].ndim
+    padded = len(info.arg(1)) // 2  # pads the last `padded` dims
+    out = []
+    for d in range(nd - padded):
+        out.append(Strategy((Shard(d),), (Shard(d),), name="other_dim"))
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    return out + [Strategy((R,), (R,), name="replicate")]

@@ -1,0 +1,123 @@
+"""Canonicalise the captured graph before planning, so rules see one form per idea.
+
+- ``conv1d_to_matmul``: Hugging Face GPT-2's ``Conv1D`` flattens, ``addmm``s with a weight stored
+  [in, out] and views back: ``view(addmm(b, view(x, [-1, k]), W), [.., n])``. Rewritten as
+  ``add(matmul(x, W), b)`` on the unflattened activation, so the sequence dim survives for
+  sequence parallelism and the weight is a direct argument of the contraction.
+- ``split_linear_bias``: ``linear(x, W, b)`` -> ``add(linear(x, W), b)``. A row-parallel linear's
+  output is Partial and its bias must be added after the reduction (DESIGN §11); splitting every
+  bias lets the propagator place the add after the collective. (A later fusion pass re-fuses biases
+  of column-parallel linears.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+def _fake_call(target, args, kwargs=None):
+    kwargs = kwargs or {}
+    vals = fx.node.map_aggregate(args, lambda a: a.meta["val"] if isinstance(a, fx.Node) else a)
+    mode = next(
+        (v.fake_mode for v in fx.node.map_aggregate(vals, lambda x: x) if hasattr(v, "fake_mode")), None
+    ) if isinstance(vals, tuple) else None
+    if mode is None:
+        for a in args:
+            if isinstance(a, fx.Node) and hasattr(a.meta.get("val"), "fake_mode"):
+                mode = a.meta["val"].fake_mode
+                break
+    with mode:
+        return target(*vals, **kwargs)
+
+
+def _new(graph: fx.Graph, target, args, like: fx.Node) -> fx.Node:
+    n = graph.call_function(target, args)
+    n.meta["val"] = _fake_call(target, args)
+    for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if k in like.meta:
+            n.meta[k] = like.meta[k]
+    return n
+
+
+def conv1d_to_matmul(gm: fx.GraphModule) -> int:
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.addmm.default:
+            continue
+        bias, flat, w = node.args[:3]
+        if len(node.args) > 3 or node.kwargs:
+            continue  # beta/alpha given: leave it
+        if not (isinstance(flat, fx.Node) and flat.target in (aten.view.default, aten.reshape.default)):
+            continue
+        x = flat.args[0]
+        users = list(node.users)
+        if len(users) != 1 or users[0].target not in (aten.view.default, aten.reshape.default):
+            continue
+        back = users[0]
+        xv, outv = x.meta["val"], back.meta["val"]
+        if xv.ndim < 3 or list(outv.shape[:-1]) != list(xv.shape[:-1]):
+            continue
+        with gm.graph.inserting_before(back):
+            mm = _new(gm.graph, aten.matmul.default, (x, w), node)
+            add = _new(gm.graph, aten.add.Tensor, (mm, bias), node)
+        back.replace_all_uses_with(add)
+        gm.graph.erase_node(back)
+        gm.graph.erase_node(node)
+        if not flat.users:
+            gm.graph.erase_node(flat)
+        count += 1
+    gm.graph.lint()
+    gm.recompile()
+    return count
+
+
+def split_linear_bias(gm: fx.GraphModule) -> int:
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.linear.default:
+            continue
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        if bias is None:
+            continue
+        with gm.graph.inserting_after(node):
+            lin = _new(gm.graph, aten.linear.default, (node.args[0], node.args[1]), node)
+        with gm.graph.inserting_after(lin):
+            add = _new(gm.graph, aten.add.Tensor, (lin, bias), node)
+        node.replace_all_uses_with(add)
+        gm.graph.erase_node(node)
+        count += 1
+    gm.graph.lint()
+    gm.recompile()
+    return count
+
+
+def drop_noop_slices(gm: fx.GraphModule) -> int:
+    """``x[:, 0:]`` (HF's ``hidden_states[:, slice(-0, None)]`` before the LM head) is the identity; as
+    a slice of the sequence dim it would force an all-gather under sequence parallelism."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.slice.Tensor:
+            continue
+        args = list(node.args) + [None] * (5 - len(node.args))
+        x, dim, start, end, step = args[:5]
+        dim = 0 if dim is None else dim
+        step = 1 if step is None else step
+        size = x.meta["val"].shape[dim]
+        full_end = end is None or (isinstance(end, int) and (end >= 2**62 or (isinstance(size, int) and end >= size)))
+        if start in (None, 0) and full_end and step == 1 and not node.kwargs:
+            node.replace_all_uses_with(x)
+            gm.graph.erase_node(node)
+            count += 1
+    gm.recompile()
+    return count
+
+
+def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
+    return {
+        "drop_noop_slices": drop_noop_slices(gm),
+        "conv1d_to_matmul": conv1d_to_matmul(gm),
+        "split_linear_bias": split_linear_bias(gm),
+    }

@@ -1,0 +1,382 @@
+"""Lowering: the planned global graph -> the program of one rank, with explicit collectives.
+
+For every node, in order:
+1. fetch each tensor input in the placement the chosen strategy needs, axis by axis, inserting a
+   collective (:mod:`mcompile.ops`) where the current placement differs — reused when the same value
+   is needed in the same placement again (one all-gather feeds q, k and v);
+2. on an axis where the loss is replicated (tp), a replicated input that requires grad and feeds
+   an op with a non-replicated output gets Megatron's *f* (copy forward, all-reduce backward): its
+   gradient there is Partial. When the replicated value is itself an all-gather, the all-gather's
+   backward becomes a reduce-scatter instead (Korthikanti et al. 2022, sequence parallelism);
+3. emit the op on local pieces, with its size arguments recomputed from local shapes (the rule's
+   localizer) and symbolic sizes rebuilt from the program's own input sizes; or emit the strategy's
+   special lowering (vocab-parallel embedding / cross-entropy).
+
+Symbols: the captured batch and sequence symbols are the sizes of the program's user inputs. On
+axes whose inputs arrive split (dp) a symbolic dim is already local; on the others (tp) a sharded
+symbolic dim is divided by the axis size.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import sympy
+import torch
+import torch.fx as fx
+
+from mcompile import meta as M
+from mcompile.capture import Captured
+from mcompile.ops import OPS
+from mcompile.placements import BlockShard, Partial, Replicate, Shard
+from mcompile.plan import CollectiveKind, CollectiveSpec
+from mcompile.propagate import AxisResult, requires_grad_nodes
+from mcompile.rules import get_localizer, tensor_input_nodes, to_expr
+
+aten = torch.ops.aten
+R = Replicate()
+_DROP = {aten._assert_tensor_metadata.default}
+
+
+@dataclass
+class AxisInfo:
+    name: str
+    size: int
+    rank: int
+    result: AxisResult
+    inputs_presharded: bool  # dp: the program's inputs are already this rank's slice
+    loss_replicated: bool  # grads of replicated values are exact (tp), not partial (dp)
+
+
+def layer_of(node: fx.Node) -> int | None:
+    """Transformer layer index from the module path (reporting only): the last `.N` in the path."""
+    stack = node.meta.get("nn_module_stack") or {}
+    idx = None
+    for path, _ in stack.values():
+        m = re.findall(r"(?:\.|\[)(\d+)\]?(?=$|\.)", str(path))
+        if m:
+            idx = int(m[-1])
+    return idx
+
+
+class _Sym:
+    """Turns sympy sizes into fx nodes computed from the program's input sizes."""
+
+    def __init__(self, graph: fx.Graph, sources: dict):
+        self.graph, self.sources, self.cache = graph, sources, {}
+
+    def __call__(self, e):
+        if isinstance(e, int):
+            return e
+        e = sympy.sympify(e)
+        if e.is_Integer:
+            return int(e)
+        if e in self.cache:
+            return self.cache[e]
+        if e.is_Symbol:
+            node, dim = self.sources[e]
+            out = self.graph.call_function(aten.sym_size.int, (node, dim))
+        elif e.is_Mul:
+            coeff, rest = e.as_coeff_Mul()
+            p, q = sympy.fraction(coeff)
+            if coeff == 1:
+                factors = [self(f) for f in e.args]
+                out = factors[0]
+                for f in factors[1:]:
+                    out = self.graph.call_function(operator.mul, (out, f))
+            else:
+                out = self(rest)
+            if coeff != 1 and p != 1:
+                out = self.graph.call_function(operator.mul, (out, int(p)))
+            if coeff != 1 and q != 1:
+                out = self.graph.call_function(operator.floordiv, (out, int(q)))
+        elif e.is_Add:
+            terms = [self(t) for t in e.args]
+            out = terms[0]
+            for t in terms[1:]:
+                out = self.graph.call_function(operator.add, (out, t))
+        elif isinstance(e, sympy.floor) and e.args[0].is_Mul:
+            out = self(e.args[0])
+        elif e.is_Pow and e.exp.is_Integer and e.exp > 0:
+            base = self(e.base)
+            out = base
+            for _ in range(int(e.exp) - 1):
+                out = self.graph.call_function(operator.mul, (out, base))
+        else:
+            raise NotImplementedError(f"cannot rebuild the size {e} in a per-rank program")
+        self.cache[e] = out
+        return out
+
+
+def lower(cap: Captured, axes: list[AxisInfo], hints: dict | None = None) -> tuple[fx.GraphModule, list]:
+    """Build the per-rank program. Returns (GraphModule, collective specs in program order)."""
+    src = cap.gm
+    g = fx.Graph()
+    env: dict[str, object] = {}
+    place: dict[str, tuple] = {}  # orig node name -> per-axis placement of env value
+    cache: dict[tuple, fx.Node] = {}
+    specs: list[CollectiveSpec] = []
+    rg = requires_grad_nodes(src, set(cap.params))
+    sources = {}
+    for node in src.graph.nodes:
+        if node.op == "placeholder":
+            new = g.placeholder(node.name)
+            new.meta.update({k: v for k, v in node.meta.items() if k in ("val", M.PARAM_FQN)})
+            env[node.name] = new
+            place[node.name] = tuple(a.result.placements.get(node.name, R) for a in axes)
+            if node.name in cap.user_inputs and isinstance(node.meta.get("val"), torch.Tensor):
+                for d, s in enumerate(node.meta["val"].shape):
+                    if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol and s.node.expr not in sources:
+                        sources[s.node.expr] = (new, d)
+    sym = _Sym(g, sources)
+
+    def local_shape(meta_val, placements) -> list:
+        shape = [to_expr(s) for s in meta_val.shape]
+        for a, p in zip(axes, placements):
+            if isinstance(p, Shard | BlockShard):
+                d = p.dim % len(shape)
+                if isinstance(shape[d], int):
+                    shape[d] = math.ceil(shape[d] / a.size)
+                elif not a.inputs_presharded:
+                    shape[d] = shape[d] / a.size
+        return shape
+
+    def nbytes_expr(meta_val, placements, axis_idx) -> str:
+        ps = list(placements)
+        ps[axis_idx] = R  # bytes of the tensor over the whole axis
+        n = sympy.Integer(meta_val.dtype.itemsize)
+        for s in local_shape(meta_val, ps):
+            n = n * s
+        return str(sympy.simplify(n))
+
+    def emit_collective(op_name, args, origin: fx.Node, axis_i: int, fwd, bwd, dim, purpose, meta_val, pl):
+        node = g.call_function(OPS[op_name], args)
+        spec = CollectiveSpec(
+            op=op_name, forward=str(fwd), backward=str(bwd), axis=axes[axis_i].name, dim=dim,
+            bytes=nbytes_expr(meta_val, pl, axis_i), node=node.name, origin=origin.name,
+            layer=layer_of(origin), purpose=purpose,
+        )
+        node.meta[M.COLLECTIVE] = spec
+        node.meta[M.ORIGIN] = origin.name
+        specs.append(spec)
+        return node
+
+    def fetch(a: fx.Node, want: tuple, partial_grad: tuple) -> fx.Node:
+        """The local value of ``a`` in placements ``want`` (per axis)."""
+        cur = list(place[a.name])
+        val = env[a.name]
+        meta_val = a.meta["val"]
+        for i, ax in enumerate(axes):
+            w = want[i]
+            need_f = partial_grad[i]
+            if cur[i] == w and not need_f:
+                continue
+            key = (a.name, tuple(cur), i, w, need_f)
+            if key in cache:
+                val = cache[key]
+                cur[i] = w
+                continue
+            c, n = cur[i], ax.size
+            grad = a.name in rg
+            if c == w and need_f:
+                val = emit_collective("copy_ar_bwd", (val, ax.name, n), a, i, CollectiveKind.NONE,
+                                      CollectiveKind.ALL_REDUCE, None, "enter tp region", meta_val, cur)
+            elif isinstance(c, Partial) and isinstance(w, Replicate):
+                op = "all_reduce_max" if c.reduce_op == "max" else "all_reduce"
+                if c.reduce_op not in ("sum", "max"):
+                    raise NotImplementedError(f"reducing Partial({c.reduce_op}) of {a.name} on {ax.name}")
+                val = emit_collective(op, (val, ax.name, n), a, i,
+                                      CollectiveKind.ALL_REDUCE_MAX if op == "all_reduce_max" else
+                                      CollectiveKind.ALL_REDUCE, CollectiveKind.NONE, None, "reduce partial",
+                                      meta_val, cur)
+                if need_f:
+                    reduced = [*cur[:i], w, *cur[i + 1:]]
+                    val = emit_collective("copy_ar_bwd", (val, ax.name, n), a, i, CollectiveKind.NONE,
+                                          CollectiveKind.ALL_REDUCE, None, "enter tp region", meta_val, reduced)
+            elif isinstance(c, Partial) and isinstance(w, Shard) and c.reduce_op == "sum":
+                d = w.dim % meta_val.ndim
+                val = emit_collective("reduce_scatter", (val, d, ax.name, n), a, i, CollectiveKind.REDUCE_SCATTER,
+                                      CollectiveKind.ALL_GATHER if grad else CollectiveKind.NONE, d,
+                                      "reduce-scatter partial", meta_val, cur)
+            elif isinstance(c, Shard) and isinstance(w, Replicate):
+                d = c.dim % meta_val.ndim
+                mode = "reduce_scatter" if need_f else "split"
+                bwd = CollectiveKind.REDUCE_SCATTER if (need_f and grad) else CollectiveKind.NONE
+                val = emit_collective("all_gather", (val, d, ax.name, n, mode), a, i, CollectiveKind.ALL_GATHER,
+                                      bwd, d, "all-gather", meta_val, cur)
+            elif isinstance(c, Replicate) and isinstance(w, Shard):
+                d = w.dim % meta_val.ndim
+                val = emit_collective("shard_slice", (val, d, ax.name, n), a, i, CollectiveKind.NONE,
+                                      CollectiveKind.ALL_GATHER if grad else CollectiveKind.NONE, d, "slice",
+                                      meta_val, cur)
+            else:
+                raise NotImplementedError(f"redistribute {a.name} on {ax.name}: {c!r} -> {w!r}")
+            cache[key] = val
+            cur[i] = w
+        return val
+
+    for node in src.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            outs = []
+            results = node.args[0] if isinstance(node.args[0], tuple | list) else [node.args[0]]
+            for a in results:
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                    want = tuple(R if not ax.inputs_presharded else place[a.name][i] for i, ax in enumerate(axes))
+                    outs.append(fetch(a, want, tuple(False for _ in axes)))
+                else:
+                    outs.append(env.get(a.name, a) if isinstance(a, fx.Node) else a)
+            g.output(tuple(outs) if isinstance(node.args[0], tuple | list) else outs[0])
+            continue
+        if node.target in _DROP:
+            continue
+        if node.target is operator.getitem:
+            new = g.call_function(operator.getitem, (env[node.args[0].name], node.args[1]))
+            env[node.name] = new
+            pv = [a.result.placements.get(node.name) for a in axes]
+            place[node.name] = tuple(pv)
+            _copy_meta(node, new)
+            continue
+        strategies = [a.result.strategies.get(node.name) for a in axes]
+        ins = tensor_input_nodes(node)
+        if all(s is None for s in strategies):  # sym_size and other non-tensor nodes
+            new = g.node_copy(node, lambda x: env[x.name])
+            env[node.name] = new
+            continue
+        want = {}
+        for j, a in enumerate(ins):
+            req, pg = [], []
+            for ax, s in zip(axes, strategies):
+                r = s.inputs[j]
+                req.append(r)
+                out_p = s.outputs[0] if s.outputs else R
+                pg.append(
+                    ax.loss_replicated and isinstance(r, Replicate) and not isinstance(out_p, Replicate)
+                    and a.name in rg and a.name not in cap.params
+                )
+            want[a.name] = fetch(a, tuple(req), tuple(pg))
+        lowering = next((s.lowering for s in strategies if s is not None and s.lowering), None)
+        out_pl = tuple(s.outputs if len(s.outputs) > 1 else (s.outputs[0] if s.outputs else None) for s in strategies)
+        if lowering is not None:
+            ax_i = next(i for i, s in enumerate(strategies) if s is not None and s.lowering)
+            new = LOWERINGS[lowering](g, node, want, axes[ax_i], emit_collective, ax_i, place, rg)
+        else:
+            args = fx.node.map_aggregate(node.args, lambda x, w=want: _arg(x, w, env, sym))
+            kwargs = fx.node.map_aggregate(node.kwargs, lambda x, w=want: _arg(x, w, env, sym))
+            loc = get_localizer(node.target)
+            if loc is not None:
+                vals = node.meta["val"] if isinstance(node.meta["val"], list | tuple) else [node.meta["val"]]
+                per_out = [tuple(p[k] if isinstance(p, tuple) else p for p in out_pl) for k in range(len(vals))]
+                shapes = [[sym(s) for s in local_shape(v, pl)] for v, pl in zip(vals, per_out)]
+                args, kwargs = loc(args, kwargs, None, out_pl, shapes, None)
+            new = g.call_function(node.target, tuple(args), dict(kwargs))
+        _copy_meta(node, new)
+        env[node.name] = new
+        place[node.name] = out_pl
+    g.eliminate_dead_code()
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    return gm, specs
+
+
+def _copy_meta(node: fx.Node, new: fx.Node):
+    for k in ("stack_trace", "nn_module_stack"):
+        if k in node.meta:
+            new.meta[k] = node.meta[k]
+    new.meta[M.ORIGIN] = node.name
+    new.meta[M.LAYER] = layer_of(node)
+
+
+def _arg(x, want, env, sym):
+    if isinstance(x, fx.Node):
+        if x.name in want:
+            return want[x.name]
+        v = x.meta.get("val")
+        if isinstance(v, torch.SymInt):
+            return sym(to_expr(v))
+        return env[x.name]
+    return x
+
+
+# ---- special lowerings ------------------------------------------------------------------------
+def vocab_parallel_embedding(g, node, want, ax: AxisInfo, emit, ax_i, place, rg):
+    """Rows [start, start + V/n) live here: look up in-range ids, zero the others (output Partial)."""
+    weight, ids = (want[a.name] for a in tensor_input_nodes(node)[:2])
+    w_meta = tensor_input_nodes(node)[0].meta["val"]
+    v_local = math.ceil(int(w_meta.shape[0]) / ax.size)
+    start = ax.rank * v_local
+    shifted = g.call_function(aten.sub.Tensor, (ids, start))
+    below = g.call_function(aten.lt.Scalar, (shifted, 0))
+    above = g.call_function(aten.ge.Scalar, (shifted, v_local))
+    outside = g.call_function(aten.logical_or.default, (below, above))
+    safe = g.call_function(aten.masked_fill.Scalar, (shifted, outside, 0))
+    rows = g.call_function(aten.embedding.default, (weight, safe))
+    mask = g.call_function(aten.unsqueeze.default, (outside, -1))
+    return g.call_function(aten.masked_fill.Scalar, (rows, mask, 0.0))
+
+
+def vocab_parallel_cross_entropy(g, node, want, ax: AxisInfo, emit, ax_i, place, rg):
+    """Cross-entropy over vocab-sharded logits without gathering them (Megatron's
+    ``vocab_parallel_cross_entropy``): a max all-reduce (detached), then the sum of exponentials and
+    the target logit, each summed over the axis; padded vocabulary columns are masked to -inf."""
+    x_node, t_node = tensor_input_nodes(node)[:2]
+    x, target = want[x_node.name], want[t_node.name]
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+    vocab = int(x_node.meta["val"].shape[1])
+    n = ax.size
+    v_local = math.ceil(vocab / n)
+    start = ax.rank * v_local
+    out_dtype = x_node.meta["val"].dtype
+    xf = g.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
+    if start + v_local > vocab:  # padded columns on this rank: never the max, never in the sum
+        valid_cols = max(0, vocab - start)
+        cols = g.call_function(aten.arange.default, (v_local,), {"device": x_node.meta["val"].device})
+        pad = g.call_function(aten.ge.Scalar, (cols, valid_cols))
+        xf = g.call_function(aten.masked_fill.Scalar, (xf, pad, float("-inf")))
+    mx_local = g.call_function(aten.amax.default, (g.call_function(aten.detach.default, (xf,)), [1], True))
+    pl = tuple(R if i == ax_i else p for i, p in enumerate(place[x_node.name]))
+    mx = emit("all_reduce_max", (mx_local, ax.name, n), node, ax_i, CollectiveKind.ALL_REDUCE_MAX,
+              CollectiveKind.NONE, None, "vocab-parallel loss: max", _meta_like(x_node, 1), pl)
+    z = g.call_function(aten.sub.Tensor, (xf, mx))
+    sumexp_local = g.call_function(aten.sum.dim_IntList, (g.call_function(aten.exp.default, (z,)), [1]))
+    sumexp = emit("all_reduce", (sumexp_local, ax.name, n), node, ax_i, CollectiveKind.ALL_REDUCE,
+                  CollectiveKind.NONE, None, "vocab-parallel loss: sum exp", _meta_like(x_node, None), pl)
+    t_local = g.call_function(aten.sub.Tensor, (target, start))
+    below = g.call_function(aten.lt.Scalar, (t_local, 0))
+    above = g.call_function(aten.ge.Scalar, (t_local, v_local))
+    outside = g.call_function(aten.logical_or.default, (below, above))
+    safe = g.call_function(aten.masked_fill.Scalar, (t_local, outside, 0))
+    picked = g.call_function(aten.gather.default, (z, 1, g.call_function(aten.unsqueeze.default, (safe, 1))))
+    picked = g.call_function(aten.squeeze.dim, (picked, 1))
+    picked = g.call_function(aten.masked_fill.Scalar, (picked, outside, 0.0))
+    picked = emit("all_reduce", (picked, ax.name, n), node, ax_i, CollectiveKind.ALL_REDUCE,
+                  CollectiveKind.NONE, None, "vocab-parallel loss: target logit", _meta_like(x_node, None), pl)
+    loss = g.call_function(aten.sub.Tensor, (g.call_function(aten.log.default, (sumexp,)), picked))
+    ignored = g.call_function(aten.eq.Scalar, (target, ignore))
+    loss = g.call_function(aten.masked_fill.Scalar, (loss, ignored, 0.0))
+    if reduction == 1:
+        kept = g.call_function(aten.logical_not.default, (ignored,))
+        count = g.call_function(aten.sum.default, (kept,))
+        total = g.call_function(aten.sum.default, (loss,))
+        loss = g.call_function(aten.div.Tensor, (total, count))
+    elif reduction == 2:
+        loss = g.call_function(aten.sum.default, (loss,))
+    return g.call_function(aten._to_copy.default, (loss,), {"dtype": out_dtype})
+
+
+def _meta_like(x_node: fx.Node, keep_last):
+    """Shape and dtype of a per-row fp32 statistic of the logits (for the collective's byte count)."""
+    v = x_node.meta["val"]
+    shape = (v.shape[0], 1) if keep_last else (v.shape[0],)
+    return SimpleNamespace(shape=shape, dtype=torch.float32, ndim=len(shape))
+
+
+LOWERINGS = {
+    "vocab_parallel_embedding": vocab_parallel_embedding,
+    "vocab_parallel_cross_entropy": vocab_parallel_cross_entropy,
+}

@@ -1,0 +1,1 @@
+"""mcompile.runtime"""

@@ -1,0 +1,109 @@
+"""Run the per-rank programs of a mesh together in one process, one thread per rank.
+
+A small simulator of mcompile's collective ops (:mod:`mcompile.ops`): each rank's thread binds a
+:class:`ThreadedCommunicator`, and every collective exchanges tensors with the other ranks of its
+mesh-axis group through a barrier. Used to prove a plan before any process is started (and in
+tests); the real runtime binds torch.distributed groups instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+from mcompile import ops
+from mcompile.mesh import Mesh
+
+__all__ = ["ThreadedWorld", "ThreadedCommunicator", "run_threads"]
+
+
+class _Group:
+    def __init__(self, size: int, timeout: float):
+        self.barrier = threading.Barrier(size, timeout=timeout)
+        self.slots: list = [None] * size
+
+    def exchange(self, index: int, value):
+        self.slots[index] = value
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before everyone has read
+        return out
+
+
+class ThreadedWorld:
+    def __init__(self, mesh: Mesh, timeout: float = 120.0):
+        self.mesh = mesh
+        self.groups: dict[tuple[str, int], _Group] = {}
+        self.group_of: dict[tuple[str, int], tuple[int, int]] = {}  # (axis, rank) -> (group id, index)
+        for axis in mesh.axis_names:
+            for gid, ranks in enumerate(mesh.group_ranks(axis)):
+                self.groups[(axis, gid)] = _Group(len(ranks), timeout)
+                for i, r in enumerate(ranks):
+                    self.group_of[(axis, r)] = (gid, i)
+
+    def communicator(self, rank: int) -> ThreadedCommunicator:
+        return ThreadedCommunicator(self, rank)
+
+
+class ThreadedCommunicator:
+    def __init__(self, world: ThreadedWorld, rank: int):
+        self.world, self.global_rank = world, rank
+        self.log: list[tuple[str, str, tuple]] = []  # (kind, axis, shape) of every collective run
+
+    def _ex(self, axis: str, x: torch.Tensor) -> list[torch.Tensor]:
+        gid, i = self.world.group_of[(axis, self.global_rank)]
+        return self.world.groups[(axis, gid)].exchange(i, x)
+
+    def rank(self, axis: str) -> int:
+        return self.world.group_of[(axis, self.global_rank)][1]
+
+    def all_reduce(self, x, axis, op):
+        self.log.append((f"all_reduce_{op}", axis, tuple(x.shape)))
+        parts = self._ex(axis, x)
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out = torch.maximum(out, p) if op == "max" else out + p
+        return out
+
+    def all_gather(self, x, dim, axis):
+        self.log.append(("all_gather", axis, tuple(x.shape)))
+        return torch.cat(self._ex(axis, x), dim=dim)
+
+    def reduce_scatter(self, x, dim, axis):
+        self.log.append(("reduce_scatter", axis, tuple(x.shape)))
+        parts = self._ex(axis, x)
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total = total + p
+        n = len(parts)
+        size = total.shape[dim] // n
+        return total.narrow(dim, self.rank(axis) * size, size).clone()
+
+
+def run_threads(world: ThreadedWorld, fn: Callable[[int], object]) -> list:
+    """Run ``fn(rank)`` for every rank of the world's mesh, each in its own thread with its
+    communicator bound; returns the results in rank order, re-raising the first failure."""
+    n = world.mesh.size()
+    results: list = [None] * n
+    errors: list = [None] * n
+
+    def body(r):
+        try:
+            with ops.bind(world.communicator(r)):
+                results[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001
+            errors[r] = e
+            for g in world.groups.values():
+                g.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"mcompile-rank{r}") for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+    if real or any(errors):
+        raise (real or [e for e in errors if e is not None])[0]
+    return results
