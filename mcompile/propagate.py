@@ -29,7 +29,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from mcompile.capture import SEQ, Captured
+from mcompile.capture import BATCH, SEQ, Captured
 from mcompile.placements import BlockShard, Partial, Replicate, Shard
 from mcompile.rules import OpInfo, Strategy, TensorMeta, get_rule, replicate_all, tensor_input_nodes
 
@@ -139,7 +139,9 @@ def propagate_axis(
         names = {k for k, s in sym.items() if s in free}
         if not names:
             return policy.allow_static_dims
-        return names <= policy.allowed_symbols and (SEQ not in names or size == sym.get(SEQ))
+        if BATCH in names:  # batch, or batch*seq flattened with the batch outermost (the view rule's job)
+            return BATCH in policy.allowed_symbols
+        return SEQ in policy.allowed_symbols and size == sym.get(SEQ)
 
     def redistribute_cost(src: fx.Node, cur, req, meta: TensorMeta) -> float:
         if cur == req:

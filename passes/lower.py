@@ -133,6 +133,7 @@ def lower(cap: Captured, axes: list[AxisInfo], hints: dict | None = None) -> tup
                     if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol and s.node.expr not in sources:
                         sources[s.node.expr] = (new, d)
     sym = _Sym(g, sources)
+    named = {s: sympy.Symbol(k, positive=True, integer=True) for k, s in cap.symbols.items()}
 
     def local_shape(meta_val, placements) -> list:
         shape = [to_expr(s) for s in meta_val.shape]
@@ -151,7 +152,7 @@ def lower(cap: Captured, axes: list[AxisInfo], hints: dict | None = None) -> tup
         n = sympy.Integer(meta_val.dtype.itemsize)
         for s in local_shape(meta_val, ps):
             n = n * s
-        return str(sympy.simplify(n))
+        return str(sympy.simplify(sympy.sympify(n).subs(named)))
 
     def emit_collective(op_name, args, origin: fx.Node, axis_i: int, fwd, bwd, dim, purpose, meta_val, pl):
         node = g.call_function(OPS[op_name], args)

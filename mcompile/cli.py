@@ -1,0 +1,158 @@
+"""The ``mcompile`` command line: plan, show (and later explain, search, demo, train, ...).
+
+    mcompile plan MODEL --mesh dp=8,tp=8 [--seq S] [--batch B] [--sp] [--json]
+    mcompile show MODEL --mesh tp=2 --rank 1
+
+MODEL is a preset name (``mcompile plan --list``) or ``package.module:factory``, a callable that
+returns a model, or ``(model, example_inputs)``. A model without example inputs is taken to be a
+language model called as ``model(tokens, targets)`` with int64 tensors of shape [batch, seq].
+Models are built on the meta device for ``plan`` (no memory at any size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+import torch
+
+from mcompile.mesh import Mesh
+
+
+class CLIError(Exception):
+    pass
+
+
+def load_model(spec: str, device: str, batch: int, seq: int, dtype: torch.dtype | None = None):
+    from mcompile.models import PRESETS, get_preset
+
+    if ":" not in spec:
+        if spec not in PRESETS:
+            raise CLIError(
+                f"unknown model {spec!r}: not a preset and not a module:factory path. "
+                f"Presets: {', '.join(sorted(PRESETS))}"
+            )
+        pre = get_preset(spec)
+        model = pre.build(device=device, dtype=dtype)
+        return model, pre.example_inputs(batch=batch, seq=seq, device=device), spec
+    mod_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise CLIError(f"cannot load {spec!r}: {e}") from e
+    with torch.device(device):
+        made = factory()
+    if isinstance(made, tuple):
+        model, inputs = made
+    else:
+        model = made
+        emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+        vocab = emb.num_embeddings if emb is not None else 2
+        tokens = torch.randint(0, vocab, (batch, seq)) if device != "meta" else torch.empty(
+            batch, seq, dtype=torch.long, device="meta")
+        inputs = (tokens, tokens.clone())
+    return model, tuple(inputs), spec
+
+
+def _compile(args, device: str):
+    from mcompile.api import compile_plan
+
+    try:
+        mesh = Mesh.parse(args.mesh, fake=device == "meta")
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    model, inputs, name = load_model(args.model, device, max(args.batch, 2), max(args.seq, 2), dtype)
+    overrides = {}
+    for o in args.override or []:
+        key, _, spec = o.partition("=")
+        overrides[key] = spec
+    c = compile_plan(model, mesh, inputs, sequence_parallel=args.sp, overrides=overrides or None,
+                     seq=args.seq, batch=args.batch)
+    c.plan.model = name
+    return c
+
+
+def cmd_plan(args) -> int:
+    from mcompile.report import collective_bytes, memory_per_rank, plan_text
+
+    if args.list:
+        from mcompile.models import PRESETS
+
+        print("\n".join(sorted(PRESETS)))
+        return 0
+    if not args.model:
+        raise CLIError("plan needs a MODEL (a preset name, see --list, or module:factory)")
+    c = _compile(args, "meta")
+    sizes = {"batch": args.batch, "seq": args.seq}
+    if args.json:
+        d = c.plan.to_dict()
+        mem = memory_per_rank(c.plan, args.dtype)
+        d["memory_per_rank"] = {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
+                                "total": mem.total}
+        d["sizes"] = sizes
+        for coll in d["collectives"]:
+            coll["bytes_at_sizes"] = collective_bytes(coll["bytes"], sizes)
+        print(json.dumps(d, indent=1))
+    else:
+        print(plan_text(c.plan, sizes, args.dtype))
+    return 0
+
+
+def cmd_show(args) -> int:
+    c = _compile(args, "meta")
+    if not 0 <= args.rank < c.mesh.size():
+        raise CLIError(f"--rank {args.rank} is outside the mesh of {c.mesh.size()} ranks")
+    gm = c.program(args.rank)
+    print(f"# per-rank program of rank {args.rank} {c.mesh.coords(args.rank)} on {c.mesh!r}")
+    print(gm.code)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mcompile", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp):
+        sp.add_argument("model", nargs="?", help="preset name or package.module:factory")
+        sp.add_argument("--mesh", default="tp=1", help="mesh axes, e.g. dp=8,tp=8")
+        sp.add_argument("--seq", type=int, default=2048, help="sequence length for sizes (default 2048)")
+        sp.add_argument("--batch", type=int, default=1, help="batch per data-parallel rank (default 1)")
+        sp.add_argument("--sp", action="store_true", help="Megatron sequence parallelism")
+        sp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="parameter dtype for memory figures (default: the model's)")
+        sp.add_argument("--override", action="append", metavar="FQN=AXIS=PLACEMENT",
+                        help="pin a placement, e.g. 'output.weight=tp=S(0)' (repeatable)")
+
+    pp = sub.add_parser("plan", help="print the plan: placements, collectives, memory per rank")
+    common(pp)
+    pp.add_argument("--json", action="store_true")
+    pp.add_argument("--list", action="store_true", help="list the presets")
+    pp.set_defaults(func=cmd_plan)
+    ps = sub.add_parser("show", help="print the per-rank program as Python")
+    common(ps)
+    ps.add_argument("--rank", type=int, default=0)
+    ps.set_defaults(func=cmd_show)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    from mcompile.capture import CaptureError
+    from mcompile.propagate import PlanError
+
+    args = build_parser().parse_args(argv)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*bos_token_id.*")
+            return args.func(args)
+    except (CLIError, PlanError, CaptureError) as e:
+        print(f"mcompile: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
