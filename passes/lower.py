@@ -172,6 +172,11 @@ def lower(cap: Captured, axes: list[AxisInfo], hints: dict | None = None) -> tup
         val = env[a.name]
         meta_val = a.meta["val"]
         for i, ax in enumerate(axes):
+            if ax.inputs_presharded:
+                # dp: the program runs on this rank's own batch as if it were the whole batch; sizes
+                # built from the batch symbol are already local, so nothing moves along this axis
+                # inside the program (the runtime reduces the loss and the gradients over it).
+                continue
             w = want[i]
             need_f = partial_grad[i]
             if cur[i] == w and not need_f:

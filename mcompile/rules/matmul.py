@@ -107,6 +107,8 @@ def matmul(info: OpInfo) -> list[Strategy]:
     ]
     if a.ndim == b.ndim:
         s += [Strategy((Shard(d), Shard(d)), (Shard(d),), name=f"batch_S{d}") for d in range(a.ndim - 2)]
+    elif b.ndim == 2:  # [..., m, k] @ [k, n]: any leading dim of a, the weight whole
+        s += [Strategy((Shard(d), R), (Shard(d),), name=f"batch_S{d}") for d in range(a.ndim - 2)]
     return s + [Strategy((P, R), (P,), name="partial"), Strategy((R, P), (P,), name="partial"),
                 Strategy((R, R), (R,), name="replicate")]
 

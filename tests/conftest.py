@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny models (ours and unmodified Hugging Face ones) and a cache of compiled plans."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+MODELS = ["gpt2-tiny", "llama3-tiny", "hf-llama", "hf-gpt2"]
+
+
+class HFLoss(torch.nn.Module):
+    """`model(input_ids=..., labels=...).loss` as forward(ids, labels): the HF model itself is unmodified."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids, labels):
+        return self.m(input_ids=ids, labels=labels).loss
+
+
+def build(name: str, seed: int = 0, device=None):
+    """(model, (tokens, targets)) for a tiny model; some targets are -100 (ignored)."""
+    torch.manual_seed(seed)
+    if name.startswith("hf-"):
+        from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        if name == "hf-llama":
+            cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=8, num_key_value_heads=4)
+            model = HFLoss(LlamaForCausalLM(cfg))
+        else:  # odd vocabulary: padded under tp, as GPT-2's 50257
+            cfg = GPT2Config(vocab_size=129, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+            model = HFLoss(GPT2LMHeadModel(cfg))
+        vocab = cfg.vocab_size
+    else:
+        from mcompile.models import get_preset
+
+        pre = get_preset(name)
+        model = pre.build()
+        vocab = pre.config.vocab_size
+    model.eval()  # dropout off: parity runs at p = 0 (DESIGN §11)
+    g = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, vocab, (2, 16), generator=g)
+    targets = torch.randint(0, vocab, (2, 16), generator=g)
+    targets[0, :5] = -100
+    return model, (tokens, targets)
+
+
+_CACHE: dict = {}
+
+
+def compiled(name: str, mesh_spec: str, sp: bool):
+    """compile_plan of a tiny model, cached across tests (planning costs ~1 s)."""
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+
+    key = (name, mesh_spec, sp)
+    if key not in _CACHE:
+        model, inputs = build(name)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            c = compile_plan(model, Mesh.parse(mesh_spec), inputs, sequence_parallel=sp)
+        _CACHE[key] = (model, inputs, c, [w for w in caught if "sharding rule" in str(w.message)])
+    return _CACHE[key]
+
+
+@pytest.fixture
+def compiled_model():
+    return compiled
