@@ -35,8 +35,13 @@ def load_model(spec: str, device: str, batch: int, seq: int, dtype: torch.dtype 
                 f"Presets: {', '.join(sorted(PRESETS))}"
             )
         pre = get_preset(spec)
+        try:
+            pre.example_inputs(batch=batch, seq=seq, device="meta")  # validates seq against the model
+        except ValueError as e:
+            raise CLIError(str(e)) from e
         model = pre.build(device=device, dtype=dtype)
-        return model, pre.example_inputs(batch=batch, seq=seq, device=device), spec
+        # the capture template is small: batch and sequence are symbols, sizes come from --batch/--seq
+        return model, pre.example_inputs(batch=2, seq=16, device=device), spec
     mod_name, _, attr = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(mod_name), attr)
@@ -64,6 +69,8 @@ def _compile(args, device: str):
     except ValueError as e:
         raise CLIError(str(e)) from e
     dtype = getattr(torch, args.dtype) if args.dtype else None
+    if args.seq is None:
+        args.seq = _default_seq(args.model)
     model, inputs, name = load_model(args.model, device, max(args.batch, 2), max(args.seq, 2), dtype)
     overrides = {}
     for o in args.override or []:
@@ -73,6 +80,12 @@ def _compile(args, device: str):
                      seq=args.seq, batch=args.batch)
     c.plan.model = name
     return c
+
+
+def _default_seq(spec: str) -> int:
+    from mcompile.models import PRESETS
+
+    return min(2048, PRESETS[spec].max_seq_len) if spec in PRESETS else 2048
 
 
 def cmd_plan(args) -> int:
@@ -118,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sp):
         sp.add_argument("model", nargs="?", help="preset name or package.module:factory")
         sp.add_argument("--mesh", default="tp=1", help="mesh axes, e.g. dp=8,tp=8")
-        sp.add_argument("--seq", type=int, default=2048, help="sequence length for sizes (default 2048)")
+        sp.add_argument("--seq", type=int, default=None,
+                        help="sequence length for sizes (default: 2048, or the model's maximum if smaller)")
         sp.add_argument("--batch", type=int, default=1, help="batch per data-parallel rank (default 1)")
         sp.add_argument("--sp", action="store_true", help="Megatron sequence parallelism")
         sp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,

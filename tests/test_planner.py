@@ -147,7 +147,7 @@ def test_forward_parity_in_one_process(name, tp, sp):
     model, inputs, c, _ = compiled(name, f"tp={tp}", sp)
     ref = model(*inputs)
     results = _run(c, inputs, backward=False)
-    for loss, _, log in results:
+    for loss, _, _log in results:
         assert torch.allclose(loss, ref, rtol=1e-6, atol=0), (loss.item(), ref.item())
     # forward collectives executed == the plan's forward collectives (counted at run time)
     executed = collections.Counter(kind for kind, _, _ in results[0][2])

@@ -16,7 +16,14 @@ aten = torch.ops.aten
     aten._assert_scalar.default,
 )
 def factory(info: OpInfo) -> list[Strategy]:
+    """Sizes in, replicated tensor out."""
     # _assert_tensor_metadata has a tensor input and no output: it accepts the input where it is.
     if info.inputs and not info.outputs:
         return [Strategy(tuple(info.current) or tuple(R for _ in info.inputs), (), name="assert")]
     return [Strategy(tuple(R for _ in info.inputs), tuple(R for _ in info.outputs), name="replicate")]
+
+
+@rule(aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default)
+def new_factory(info: OpInfo) -> list[Strategy]:
+    """``x.new_ones(size)``: ``x`` lends only dtype and device, so it is accepted wherever it is."""
+    return [Strategy(tuple(info.current) or tuple(R for _ in info.inputs), (R,), name="replicate")]

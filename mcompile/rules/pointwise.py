@@ -5,6 +5,8 @@ replicated factor, casts, copies, dropout with a shared RNG stream)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from mcompile.placements import BlockShard
@@ -30,7 +32,7 @@ BINARY = [
     aten.maximum.default, aten.minimum.default, aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor,
     aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor, aten.logical_and.default, aten.logical_or.default,
     aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.where.self, aten.masked_fill.Tensor,
-    aten.rsub.Tensor, aten.rsub.Scalar, aten.atan2.default,
+    aten.rsub.Tensor, aten.rsub.Scalar, aten.atan2.default, aten.__and__.Tensor, aten.__or__.Tensor,
 ]
 # Ops linear in their (single, or every) tensor input, so a Partial input gives a Partial output.
 _LINEAR_UNARY = {
@@ -95,4 +97,8 @@ def _partial_strategies(info: OpInfo) -> list[Strategy]:
 @rule(*[op for op in UNARY + BINARY if op is not None])
 def pointwise(info: OpInfo) -> list[Strategy]:
     rep = Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")
-    return pointwise_shard_strategies(info) + _partial_strategies(info) + [rep]
+    out = pointwise_shard_strategies(info) + _partial_strategies(info) + [rep]
+    # multi-output ops (native_dropout: output and mask; log_sigmoid_forward: output and buffer) lay
+    # every output out like the first: one placement per output, as getitem expects
+    k = len(info.outputs)
+    return [replace(s, outputs=s.outputs * k) for s in out] if k > 1 else out

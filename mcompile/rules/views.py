@@ -268,3 +268,19 @@ def pad(info: OpInfo) -> list[Strategy]:
         out.append(Strategy((Shard(d),), (Shard(d),), name="other_dim"))
     out.sort(key=lambda s: s.inputs[0] != _cur(info))
     return out + [Strategy((R,), (R,), name="replicate")]
+
+
+@rule(aten.index.Tensor)
+def index(info: OpInfo) -> list[Strategy]:
+    """``x[i0, i1, ...]`` with leading index tensors: a trailing, unindexed dim of ``x`` may stay sharded."""
+    indices = info.arg(1)
+    k = len(indices)
+    n_idx = len(info.inputs) - 1
+    out_nd = info.outputs[0].ndim
+    s = []
+    if all(i is not None for i in indices):
+        x_nd = info.inputs[0].ndim
+        for d in range(k, x_nd):
+            s.append(Strategy((Shard(d),) + (R,) * n_idx, (Shard(out_nd - (x_nd - d)),), name="other_dim"))
+        s.sort(key=lambda st: st.inputs[0] != _cur(info))
+    return s + [Strategy((R,) * len(info.inputs), (R,), name="replicate")]
