@@ -1,6 +1,15 @@
-"""mcompile: Megatron-style parallel training as a compiler over torch.export graphs."""
+"""mcompile: Megatron-style parallel training as a compiler over torch.export graphs.
 
+    import mcompile as mc
+    plan = mc.plan(model, mc.Mesh.fake(dp=64, tp=8), example_inputs=(tokens, targets))
+    print(plan)
+"""
+
+from mcompile.api import compile_plan, plan
+from mcompile.capture import CaptureError
 from mcompile.mesh import Mesh
+from mcompile.plan import Plan
+from mcompile.propagate import PlanError
 
 __version__ = "0.1.0"
-__all__ = ["Mesh", "__version__"]
+__all__ = ["CaptureError", "Mesh", "Plan", "PlanError", "compile_plan", "plan", "__version__"]

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from mcompile import meta as M
+from mcompile.annotate import AnnotationSummary, annotate
 from mcompile.capture import BATCH, SEQ, Captured, capture
 from mcompile.mesh import Mesh
 from mcompile.placements import shard_tensor
@@ -27,6 +28,7 @@ class Compiled:
     mesh: Mesh
     axes: list[AxisPlanResult]
     canonical: dict = field(default_factory=dict)
+    annotation: AnnotationSummary | None = None  # FLOPs / bytes of the captured graph (mcompile.annotate)
     _programs: dict = field(default_factory=dict)
 
     def axis_infos(self, rank: int):
@@ -104,13 +106,14 @@ def compile_plan(
 
     cap = capture(model, example_inputs, example_kwargs)
     canon = canonicalize(cap.gm)
+    annotation = annotate(cap.gm)
     hints = _hints(cap, example_inputs, example_kwargs, seq, batch)
     axes = plan_axes(cap, mesh, sequence_parallel, overrides, hints)
     sp = sequence_parallel and mesh.size("tp") > 1
     options = PlanOptions(sequence_parallel=sp, sp_variant=SPVariant.SAVE_GATHERED,
                           vocab_pad_multiple=vocab_pad_multiple)
     plan = assemble_plan(cap, mesh, axes, options, overrides)
-    compiled = Compiled(cap, plan, mesh, axes, canon)
+    compiled = Compiled(cap, plan, mesh, axes, canon, annotation)
     gm, specs = lower_program(cap, compiled.axis_infos(0))
     compiled._programs[0] = (gm, specs)
     plan.collectives = list(specs)

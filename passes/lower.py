@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import operator
-import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -30,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from mcompile import meta as M
+from mcompile.annotate import layer_index
 from mcompile.capture import Captured
 from mcompile.ops import OPS
 from mcompile.placements import BlockShard, Partial, Replicate, Shard
@@ -50,17 +50,6 @@ class AxisInfo:
     result: AxisResult
     inputs_presharded: bool  # dp: the program's inputs are already this rank's slice
     loss_replicated: bool  # grads of replicated values are exact (tp), not partial (dp)
-
-
-def layer_of(node: fx.Node) -> int | None:
-    """Transformer layer index from the module path (reporting only): the last `.N` in the path."""
-    stack = node.meta.get("nn_module_stack") or {}
-    idx = None
-    for path, _ in stack.values():
-        m = re.findall(r"(?:\.|\[)(\d+)\]?(?=$|\.)", str(path))
-        if m:
-            idx = int(m[-1])
-    return idx
 
 
 class _Sym:
@@ -159,7 +148,7 @@ def lower(cap: Captured, axes: list[AxisInfo], hints: dict | None = None) -> tup
         spec = CollectiveSpec(
             op=op_name, forward=str(fwd), backward=str(bwd), axis=axes[axis_i].name, dim=dim,
             bytes=nbytes_expr(meta_val, pl, axis_i), node=node.name, origin=origin.name,
-            layer=layer_of(origin), purpose=purpose,
+            layer=layer_index(origin), purpose=purpose,
         )
         node.meta[M.COLLECTIVE] = spec
         node.meta[M.ORIGIN] = origin.name
@@ -294,7 +283,7 @@ def _copy_meta(node: fx.Node, new: fx.Node):
         if k in node.meta:
             new.meta[k] = node.meta[k]
     new.meta[M.ORIGIN] = node.name
-    new.meta[M.LAYER] = layer_of(node)
+    new.meta[M.LAYER] = layer_index(node)
 
 
 def _arg(x, want, env, sym):

@@ -106,13 +106,34 @@ def _cur(info: OpInfo, i: int = 0):
       aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints, aten.unflatten.int)
 def view(info: OpInfo) -> list[Strategy]:
     ishape, oshape = info.inputs[0].shape, info.outputs[0].shape
+    squeezed = _squeezed_dims(info)
     out = []
     for p in {_cur(info), *[Shard(d) for d in range(len(ishape))]}:
+        if isinstance(p, Shard | BlockShard) and p.dim % len(ishape) in squeezed:
+            size = ishape[p.dim % len(ishape)]
+            if not (isinstance(size, int) and size // info.n > 1):  # a local piece of size 1 would be squeezed
+                if p == _cur(info):
+                    info.notes.append(f"squeezing dim {p.dim} (size {size}) sharded over {info.n}: "
+                                      "a local piece may have size 1 and would be squeezed")
+                continue
         q = map_view_placement(p, ishape, oshape, info.n, info.notes if p == _cur(info) else None)
         if q is not None and not isinstance(p, Replicate):
             out.append(Strategy((p,), (q,), name="view"))
     out.sort(key=lambda s: s.inputs[0] != _cur(info))  # the current placement first
     return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
+
+
+def _squeezed_dims(info: OpInfo) -> set[int]:
+    """The dims a squeeze removes where they have size 1 -- on local pieces too, where a sharded dim
+    of global size n has size 1 although the global op keeps it."""
+    nd = info.inputs[0].ndim
+    if info.op is aten.squeeze.default:
+        return set(range(nd))
+    if info.op is aten.squeeze.dim:
+        return {norm_dim(info.arg(1), nd)}
+    if info.op is aten.squeeze.dims:
+        return {norm_dim(d, nd) for d in info.arg(1)}
+    return set()
 
 
 def _local_shape_args(args, local_shape, idx=1):
@@ -129,6 +150,14 @@ def _local_shape_args(args, local_shape, idx=1):
 @localizer(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 def _view_local(args, kwargs, in_p, out_p, local_shapes, n):
     return _local_shape_args(args, local_shapes[0]), kwargs
+
+
+@localizer(aten.unflatten.int)
+def _unflatten_local(args, kwargs, in_p, out_p, local_shapes, n):
+    # unflatten(x, dim, sizes): the sizes are those of the output dims dim .. dim + len(sizes) - 1
+    k = len(args[2])
+    dim = args[1] % (len(local_shapes[0]) - k + 1)
+    return _local_shape_args(args, local_shapes[0][dim:dim + k], idx=2), kwargs
 
 
 @localizer(aten.expand.default)
@@ -274,8 +303,9 @@ def pad(info: OpInfo) -> list[Strategy]:
 def index(info: OpInfo) -> list[Strategy]:
     """``x[i0, i1, ...]`` with leading index tensors: a trailing, unindexed dim of ``x`` may stay sharded."""
     indices = info.arg(1)
-    k = len(indices)
     n_idx = len(info.inputs) - 1
+    # dims of x the indices consume: one per integer index, a boolean mask as many as it has dims
+    k = sum(m.ndim if m.dtype in (torch.bool, torch.uint8) else 1 for m in info.inputs[1:])
     out_nd = info.outputs[0].ndim
     s = []
     if all(i is not None for i in indices):
