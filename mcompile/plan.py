@@ -186,8 +186,12 @@ class Plan:
 
 
 def _fmt(x):
-    return [format_placement(y) for y in x] if isinstance(x, tuple) and x and isinstance(x[0], tuple) else (
-        format_placement(x) if x is not None else None)
+    """One axis's placement of a node: a placement, a tuple of them (multi-output), or None."""
+    if x is None:
+        return None
+    if isinstance(x, tuple):
+        return [format_placement(y) for y in x]
+    return format_placement(x)
 
 
 def _parse(x):

@@ -506,3 +506,26 @@ def test_matmul_formulas(b, s, d_in, d_out):
         m(x)
     assert sm.evaluate(sm.matmul_flops, {bs: b, ss: s}) == fc.get_total_flops()
     assert isinstance(sm, AnnotationSummary)
+
+
+@pytest.mark.parametrize("name", ["llama3-tiny", "gpt2-tiny"])
+def test_training_matmul_flops_of_presets_are_6_n_tokens_plus_attention(name):
+    """The standard formula: training matmul FLOPs = 6·N·tokens + 3·(4·b·s²·h per layer), N the
+    parameters taking part in matmuls (all linears incl. the LM head; not embeddings' lookups, norms,
+    biases); attention's QKᵀ and PV not halved for causality (torch's convention)."""
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+    from mcompile.models import get_preset
+
+    pre = get_preset(name)
+    model = pre.build()
+    c = compile_plan(model, Mesh(tp=1), pre.example_inputs(batch=2, seq=16))
+    sm = c.annotation
+    cfg = pre.config
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    n_matmul = sum(m.weight.numel() for m in linears)
+    b, s = (c.captured.symbols[k] for k in ("batch", "seq"))
+    hidden = getattr(cfg, "n_embd", None) or cfg.dim
+    layers = getattr(cfg, "n_layer", None) or cfg.n_layers
+    attention = layers * 4 * b * s**2 * hidden
+    assert sympy.expand(3 * sm.matmul_flops - (6 * n_matmul * b * s + 3 * attention)) == 0

@@ -85,13 +85,14 @@ def test_vocab_that_does_not_divide_is_padded():
     assert wte.padded_shape == (260, 64) and wte.local_shape == (65, 64)
 
 
-def test_plan_json_round_trip_and_diff():
-    model, inputs = build("llama3-tiny")
-    a = plan(model, Mesh(tp=2), inputs)
+@pytest.mark.parametrize("name", ["llama3-tiny", "gpt2-tiny"])
+def test_plan_json_round_trip_and_diff(name):
+    model, inputs = build(name)
+    a = plan(model, Mesh(dp=2, tp=2), inputs)
     b = Plan.from_json(a.to_json())
     assert b.to_json() == a.to_json()
     assert a.diff(b) == []
-    c = plan(model, Mesh(tp=2), inputs, sequence_parallel=True)
+    c = plan(model, Mesh(dp=2, tp=2), inputs, sequence_parallel=True)
     d = a.diff(c)
     assert any(line.startswith("options:") for line in d) and any("collectives" in line for line in d)
 

@@ -135,7 +135,7 @@ def sdpa(info: OpInfo) -> list[Strategy]:
         if has_mask:
             m = info.inputs[3]
             md = d - (q.ndim - m.ndim)
-            mask_p = (R if md < 0 else Shard(md),)
+            mask_p = (R if md < 0 or same(m.shape[md], 1) else Shard(md),)
         if d == 1 and not (divisible(q.shape[1], info.n) and divisible(k.shape[1], info.n)):
             info.notes.append(f"indivisible: {q.shape[1]} query heads / {k.shape[1]} kv heads over {info.n}")
             continue
