@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import build
-from mcompile.models import get_preset
-from mcompile.runtime.sim import ThreadedWorld, run_threads
 
 from mcompile import Mesh
 from mcompile.api import compile_plan, plan
 from mcompile.capture import CaptureError, capture
+from mcompile.models import get_preset
 from mcompile.plan import Plan
 from mcompile.propagate import PlanError
+from mcompile.runtime.sim import ThreadedWorld, run_threads
+
+from conftest import build
 
 
 def test_batch_and_sequence_are_symbols_shared_by_all_inputs():

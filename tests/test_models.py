@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from mcompile.models import GPT, PRESETS, GPTConfig, Llama, LlamaConfig, Preset, get_preset, list_presets
 from torch.export import Dim
+
+from mcompile.models import GPT, PRESETS, GPTConfig, Llama, LlamaConfig, Preset, get_preset, list_presets
 
 TINY = ["gpt2-tiny", "llama3-tiny"]
 

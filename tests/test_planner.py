@@ -12,11 +12,12 @@ import collections
 
 import pytest
 import torch
-from conftest import MODELS, compiled
-from mcompile.runtime.sim import ThreadedWorld, run_threads
 
 from mcompile.ops import OPS
 from mcompile.placements import BlockShard, Replicate, Shard, unshard_tensors
+from mcompile.runtime.sim import ThreadedWorld, run_threads
+
+from conftest import MODELS, compiled
 
 LINEAR_OPS = {torch.ops.aten.linear.default, torch.ops.aten.matmul.default, torch.ops.aten.mm.default,
               torch.ops.aten.embedding.default}
