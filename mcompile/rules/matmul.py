@@ -156,7 +156,8 @@ def cross_entropy(info: OpInfo) -> list[Strategy]:
     if x.ndim >= 2:
         out = Shard(0) if reduction == 0 else Partial("sum" if reduction == 2 else "avg")
         # mean over a batch-sharded target is the mean of per-rank means: exact only when every rank
-        # counts the same number of non-ignored targets; the runtime rewrites it to sum / count.
+        # counts the same number of non-ignored targets. Rewriting the loss into a global sum and
+        # count (DESIGN §3) is the runtime's job; it is not done yet.
         s.append(Strategy((Shard(0), Shard(0)) + (R,) * weight, (out,), name="batch"))
     return s + [Strategy((R,) * len(info.inputs), (R,), name="replicate")]
 

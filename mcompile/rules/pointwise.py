@@ -64,6 +64,8 @@ def pointwise_shard_strategies(info: OpInfo) -> list[Strategy]:
     for c, t in zip(info.current, info.inputs):
         if isinstance(c, BlockShard):
             d = c.dim % t.ndim + (out.ndim - t.ndim)
+            if d < 0 or not same(out.shape[d], t.shape[c.dim % t.ndim]):
+                continue  # not broadcast into the output (type_as's `other` lends only its dtype)
             ins = []
             for u in info.inputs:
                 k = d - (out.ndim - u.ndim)
