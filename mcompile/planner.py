@@ -18,6 +18,7 @@ kv heads, hidden sizes), vocabulary padding, user overrides, and the assembly of
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,14 @@ from mcompile.capture import BATCH, SEQ, Captured
 from mcompile.mesh import Mesh
 from mcompile.placements import BlockShard, Replicate, Shard, parse_placement
 from mcompile.plan import ParamPlan, Plan, PlanOptions
-from mcompile.propagate import CONTRACTION_WEIGHT_ARGS, AxisPolicy, AxisResult, PlanError, propagate_axis
+from mcompile.propagate import (
+    CONTRACTION_WEIGHT_ARGS,
+    AxisPolicy,
+    AxisResult,
+    FallbackWarning,
+    PlanError,
+    propagate_axis,
+)
 
 aten = torch.ops.aten
 R = Replicate()
@@ -207,6 +215,9 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
         if pol.shard_contraction_weights:
             pol.param_hints = dict(blocks)
         out.append(AxisPlanResult(pol, propagate_axis(cap, pol, hints)))
+    for op in sorted(set().union(*(ap.result.fallbacks for ap in out))):  # one warning per op
+        warnings.warn(f"no sharding rule for {op}: it runs replicated (add a rule in mcompile/rules)",
+                      FallbackWarning, stacklevel=3)
     return out
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import operator
-import warnings
 from dataclasses import dataclass, field
 
 import sympy
@@ -279,9 +278,6 @@ def propagate_axis(
     for node in gm.graph.nodes:  # parameters nobody reads
         if node.op == "placeholder" and node.name in cap.params and place[node.name] is None:
             place[node.name] = params[node.name] = R
-    for f in sorted(fallbacks):
-        warnings.warn(f"no sharding rule for {f}: it runs replicated on axis {policy.axis}",
-                      FallbackWarning, stacklevel=3)
     return AxisResult(place, strategies, params, padded, fallbacks, notes)
 
 

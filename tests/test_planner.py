@@ -185,3 +185,32 @@ def test_backward_parity_and_counts(name, mesh, sp):
     total = fwd + bwd
     expect = collections.Counter({{"all_reduce": "all_reduce_sum"}.get(k, k): v for k, v in total.items()})
     assert log == expect
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", ["llama3-tiny", "hf-gpt2"])
+def test_per_rank_matmul_flops_are_one_tp_th(name, tp):
+    """Guard against a replicated layout passing parity: each rank's program does 1/tp of the
+    single-device matmul and attention FLOPs (torch's FlopCounterMode, an independent counter)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, inputs, c, _ = compiled(name, f"tp={tp}", False)
+    with FlopCounterMode(display=False) as ref_counter:
+        model(*inputs)
+    state = c.captured.state_values()
+    counters = []
+
+    def rank_fn(r):
+        with FlopCounterMode(display=False) as counter:
+            c.run_local(r, c.local_state(r, state), inputs)
+        counters.append(counter.get_total_flops())
+
+    run_threads(ThreadedWorld(c.mesh), rank_fn)
+    # a padded vocabulary (HF GPT-2 here: 129 -> 130 or 132) costs its padded LM-head rows
+    padding = 0
+    for pp in c.plan.params.values():
+        if pp.padded_shape is not None:
+            tokens = inputs[0].numel()
+            padding += 2 * tokens * pp.shape[1] * (pp.padded_shape[0] - pp.shape[0])
+    assert all(f * tp == ref_counter.get_total_flops() + padding for f in counters), (
+        counters, ref_counter.get_total_flops(), padding)
