@@ -5,11 +5,12 @@
     print(plan)
 """
 
-from mcompile.api import compile_plan, plan
+from mcompile.api import compile_plan, parallelize, plan
 from mcompile.capture import CaptureError
+from mcompile.config import Config
 from mcompile.mesh import Mesh
 from mcompile.plan import Plan
 from mcompile.propagate import PlanError
 
 __version__ = "0.1.0"
-__all__ = ["CaptureError", "Mesh", "Plan", "PlanError", "compile_plan", "plan", "__version__"]
+__all__ = ["CaptureError", "Config", "Mesh", "Plan", "PlanError", "compile_plan", "parallelize", "plan", "__version__"]

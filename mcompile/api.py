@@ -42,18 +42,20 @@ class Compiled:
             for ap in self.axes
         ]
 
-    def program(self, rank: int = 0) -> fx.GraphModule:
+    def program(self, rank: int = 0, device: torch.device | str | None = None) -> fx.GraphModule:
         """The per-rank program: placeholders are the captured ones (local parameters, buffers,
-        constants, then the rank's user inputs); the output is the model's output."""
-        if rank not in self._programs:
+        constants, then the rank's user inputs); the output is the model's output. ``device``
+        rewrites the graph's device literals (needed when it was captured on meta)."""
+        key = (rank, str(device) if device is not None else None)
+        if key not in self._programs:
             from mcompile.passes import lower_program
 
-            self._programs[rank] = lower_program(self.captured, self.axis_infos(rank))
-        return self._programs[rank][0]
+            self._programs[key] = lower_program(self.captured, self.axis_infos(rank), device)
+        return self._programs[key][0]
 
     def collectives(self, rank: int = 0):
         self.program(rank)
-        return self._programs[rank][1]
+        return self._programs[(rank, None)][1]
 
     def local_state(self, rank: int, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """placeholder name -> this rank's piece of each parameter / buffer / constant."""
@@ -101,11 +103,20 @@ def compile_plan(
     seq: int | None = None,
     batch: int | None = None,
     vocab_pad_multiple: int = 1,
+    meta_dtype: torch.dtype | None = None,
+    token_weighted_loss: bool = False,
 ) -> Compiled:
-    from mcompile.passes import canonicalize, lower_program
+    """Capture, plan and lower (rank 0's program; others on demand).
 
-    cap = capture(model, example_inputs, example_kwargs)
+    ``meta_dtype``: capture on the meta device with parameters in this dtype (the runtime's compute
+    dtype). ``token_weighted_loss``: rewrite a mean cross-entropy output into (sum, count)
+    (:mod:`mcompile.passes.loss`)."""
+    from mcompile.passes import canonicalize, lower_program, mean_loss_to_sum_count
+
+    cap = capture(model, example_inputs, example_kwargs, meta_dtype=meta_dtype)
     canon = canonicalize(cap.gm)
+    if token_weighted_loss:
+        canon["mean_loss_to_sum_count"] = int(mean_loss_to_sum_count(cap.gm))
     annotation = annotate(cap.gm)
     hints = _hints(cap, example_inputs, example_kwargs, seq, batch)
     axes = plan_axes(cap, mesh, sequence_parallel, overrides, hints)
@@ -115,7 +126,7 @@ def compile_plan(
     plan = assemble_plan(cap, mesh, axes, options, overrides)
     compiled = Compiled(cap, plan, mesh, axes, canon, annotation)
     gm, specs = lower_program(cap, compiled.axis_infos(0))
-    compiled._programs[0] = (gm, specs)
+    compiled._programs[(0, None)] = (gm, specs)
     plan.collectives = list(specs)
     return compiled
 
@@ -155,3 +166,54 @@ def bytes_at(expr: str, cap: Captured, batch: int, seq: int) -> int:
 
 
 _ = M
+
+
+def parallelize(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    example_inputs: tuple = (),
+    example_kwargs: dict | None = None,
+    *,
+    config=None,
+    **options,
+):
+    """Plan ``model`` over ``mesh`` and return a :class:`~mcompile.runtime.module.ParallelModule`
+    that trains it on this process's rank (DESIGN §3). Call it on every rank with the same model
+    (rank 0's weights are broadcast) and the same arguments; options are :class:`mcompile.Config`
+    fields, as keywords or one ``config=``."""
+    import hashlib
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mcompile.config import Config
+    from mcompile.runtime.launch import init_distributed
+    from mcompile.runtime.module import ParallelModule
+
+    if config is not None and options:
+        raise TypeError("pass options either as keywords or as config=, not both")
+    config = config or Config(**options)
+    init_distributed()
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        raise ValueError(
+            f"{mesh!r} has {mesh.size()} ranks but the world has {world} processes: make the product of the "
+            f"mesh axes equal the number of processes (e.g. Mesh(dp={world // mesh.size('tp') if world % mesh.size('tp') == 0 else 1}, "
+            f"tp={mesh.size('tp')}))"
+        )
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    dmesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
+    compiled = compile_plan(
+        model, mesh, example_inputs, example_kwargs, sequence_parallel=config.sequence_parallel,
+        overrides=config.overrides or None, vocab_pad_multiple=config.vocab_pad_multiple,
+        meta_dtype=config.dtype, token_weighted_loss=True,
+    )
+    # every rank planned on its own: they must agree, or collectives would not match (a hang)
+    digest = hashlib.sha256(compiled.plan.to_json().encode()).hexdigest()
+    digests = [None] * world
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) != 1:
+        bad = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise RuntimeError(f"ranks {bad} planned differently from rank 0: build the same model with the same "
+                           "example inputs and options on every rank")
+    return ParallelModule(compiled, dmesh, config, model)

@@ -14,6 +14,7 @@ placeholder per FQN and are merged into one.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import traceback
 from dataclasses import dataclass, field
@@ -114,18 +115,52 @@ def _op_of(exc: BaseException) -> str:
     return m.group(1) if m else type(exc).__name__
 
 
+@contextlib.contextmanager
+def on_meta(model: torch.nn.Module, param_dtype: torch.dtype | None = None):
+    """Temporarily replace every parameter and buffer of ``model`` by a meta tensor (parameters cast
+    to ``param_dtype``, buffers keep theirs): capture needs shapes and dtypes, not values, and this
+    captures the graph a lower-precision run executes without copying the model. Tied parameters
+    stay one object."""
+    saved: list[tuple[torch.nn.Module, str, str, torch.Tensor]] = []
+    made: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in list(getattr(mod, kind).items()):
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    dt = param_dtype if (kind == "_parameters" and param_dtype and t.is_floating_point()) else t.dtype
+                    m = torch.empty_like(t, device="meta", dtype=dt)
+                    made[id(t)] = torch.nn.Parameter(m, requires_grad=t.requires_grad) if kind == "_parameters" else m
+                saved.append((mod, kind, name, t))
+                getattr(mod, kind)[name] = made[id(t)]
+    try:
+        yield model
+    finally:
+        for mod, kind, name, t in saved:
+            getattr(mod, kind)[name] = t
+
+
 def capture(
     model: torch.nn.Module,
     example_inputs: tuple = (),
     example_kwargs: dict | None = None,
     *,
     dynamic: bool = True,
+    meta_dtype: torch.dtype | None = None,
 ) -> Captured:
     """Capture ``model(*example_inputs, **example_kwargs)`` as an aten graph with lifted parameters.
 
     ``example_inputs`` is a template of shapes and dtypes; with ``dynamic`` the batch (dim 0) and the
     sequence (dim 1) of every tensor input become symbols, so the program accepts other sizes.
+    With ``meta_dtype`` the model is captured on the meta device with its parameters in that dtype
+    (:func:`on_meta`): no values are read, and ``Captured.state_values`` holds meta tensors.
     """
+    if meta_dtype is not None:
+        meta = lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+        with on_meta(model, meta_dtype):
+            return capture(model, tuple(meta(t) for t in example_inputs),
+                           {k: meta(v) for k, v in (example_kwargs or {}).items()}, dynamic=dynamic)
     example_kwargs = dict(example_kwargs or {})
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)

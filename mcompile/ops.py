@@ -44,19 +44,28 @@ class Communicator(Protocol):
 
 
 _CURRENT: contextvars.ContextVar[Communicator | None] = contextvars.ContextVar("mcompile_comm", default=None)
+_PROCESS: list[Communicator] = []  # the process-wide binding (see bind)
 
 
 @contextlib.contextmanager
-def bind(comm: Communicator):
+def bind(comm: Communicator, process_wide: bool = False):
+    """Bind ``comm`` for the collectives run inside the block. ``process_wide`` also makes it the
+    fallback for threads that do not inherit the context — autograd's device threads run backward
+    on CUDA — which is right when the process is one rank (the runtime); the in-process simulator
+    runs several ranks in threads and binds per thread only. Restored on exit."""
     token = _CURRENT.set(comm)
+    if process_wide:
+        _PROCESS.append(comm)
     try:
         yield comm
     finally:
         _CURRENT.reset(token)
+        if process_wide:
+            _PROCESS.pop()
 
 
 def current() -> Communicator:
-    c = _CURRENT.get()
+    c = _CURRENT.get() or (_PROCESS[-1] if _PROCESS else None)
     if c is None:
         raise RuntimeError(
             "an mcompile collective ran with no communicator bound: run per-rank programs through "

@@ -1,6 +1,6 @@
 """Graph passes, one module each, run from one flat list (CONVENTIONS 1).
 
-Before planning (on the captured graph):   canonicalize
+Before planning (on the captured graph):   canonicalize, mean_loss_to_sum_count (runtime only)
 After planning (per rank):                  lower
 Later passes (pipeline split, recompute, overlap, fusion, fp8, verify) join the second list.
 """
@@ -8,15 +8,16 @@ Later passes (pipeline split, recompute, overlap, fusion, fp8, verify) join the 
 from __future__ import annotations
 
 from mcompile.passes.canonicalize import canonicalize
+from mcompile.passes.loss import mean_loss_to_sum_count
 from mcompile.passes.lower import AxisInfo, lower
 
-__all__ = ["canonicalize", "lower_program", "AxisInfo", "PRE_PLAN", "PER_RANK"]
+__all__ = ["canonicalize", "lower_program", "mean_loss_to_sum_count", "AxisInfo", "PRE_PLAN", "PER_RANK"]
 
 PRE_PLAN = [canonicalize]
 PER_RANK = [lower]
 
 
-def lower_program(cap, axes):
+def lower_program(cap, axes, device=None):
     """Run the per-rank pipeline; returns (GraphModule, collective specs)."""
-    gm, specs = lower(cap, axes)
+    gm, specs = lower(cap, axes, device)
     return gm, specs

@@ -19,18 +19,12 @@ aten = torch.ops.aten
 
 
 def _fake_call(target, args, kwargs=None):
-    kwargs = kwargs or {}
+    """Run ``target`` on the fake values of its node arguments: the new node's ``meta["val"]``."""
     vals = fx.node.map_aggregate(args, lambda a: a.meta["val"] if isinstance(a, fx.Node) else a)
-    mode = next(
-        (v.fake_mode for v in fx.node.map_aggregate(vals, lambda x: x) if hasattr(v, "fake_mode")), None
-    ) if isinstance(vals, tuple) else None
-    if mode is None:
-        for a in args:
-            if isinstance(a, fx.Node) and hasattr(a.meta.get("val"), "fake_mode"):
-                mode = a.meta["val"].fake_mode
-                break
+    mode = next(a.meta["val"].fake_mode for a in fx.node.map_aggregate(args, lambda a: a) if
+                isinstance(a, fx.Node) and hasattr(a.meta.get("val"), "fake_mode"))
     with mode:
-        return target(*vals, **kwargs)
+        return target(*vals, **(kwargs or {}))
 
 
 def _new(graph: fx.Graph, target, args, like: fx.Node) -> fx.Node:

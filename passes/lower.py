@@ -101,8 +101,12 @@ class _Sym:
         return out
 
 
-def lower(cap: Captured, axes: list[AxisInfo], hints: dict | None = None) -> tuple[fx.GraphModule, list]:
-    """Build the per-rank program. Returns (GraphModule, collective specs in program order)."""
+def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None = None) -> tuple[fx.GraphModule, list]:
+    """Build the per-rank program. Returns (GraphModule, collective specs in program order).
+
+    ``device``: where the program runs; device literals of the captured graph (``arange(device=)``,
+    casts) are rewritten to it (captured on the meta device, run on cpu or cuda)."""
+    device = torch.device(device) if device is not None else None
     src = cap.gm
     g = fx.Graph()
     env: dict[str, object] = {}
@@ -259,10 +263,10 @@ def lower(cap: Captured, axes: list[AxisInfo], hints: dict | None = None) -> tup
         out_pl = tuple(s.outputs if len(s.outputs) > 1 else (s.outputs[0] if s.outputs else None) for s in strategies)
         if lowering is not None:
             ax_i = next(i for i, s in enumerate(strategies) if s is not None and s.lowering)
-            new = LOWERINGS[lowering](g, node, want, axes[ax_i], emit_collective, ax_i, place, rg)
+            new = LOWERINGS[lowering](g, node, want, axes[ax_i], emit_collective, ax_i, place, device)
         else:
-            args = fx.node.map_aggregate(node.args, lambda x, w=want: _arg(x, w, env, sym))
-            kwargs = fx.node.map_aggregate(node.kwargs, lambda x, w=want: _arg(x, w, env, sym))
+            args = fx.node.map_aggregate(node.args, lambda x, w=want: _arg(x, w, env, sym, device))
+            kwargs = fx.node.map_aggregate(node.kwargs, lambda x, w=want: _arg(x, w, env, sym, device))
             loc = get_localizer(node.target)
             if loc is not None:
                 vals = node.meta["val"] if isinstance(node.meta["val"], list | tuple) else [node.meta["val"]]
@@ -286,7 +290,9 @@ def _copy_meta(node: fx.Node, new: fx.Node):
     new.meta[M.LAYER] = layer_index(node)
 
 
-def _arg(x, want, env, sym):
+def _arg(x, want, env, sym, device):
+    if isinstance(x, torch.device) and device is not None:
+        return device
     if isinstance(x, fx.Node):
         if x.name in want:
             return want[x.name]
@@ -298,7 +304,7 @@ def _arg(x, want, env, sym):
 
 
 # ---- special lowerings ------------------------------------------------------------------------
-def vocab_parallel_embedding(g, node, want, ax: AxisInfo, emit, ax_i, place, rg):
+def vocab_parallel_embedding(g, node, want, ax: AxisInfo, emit, ax_i, place, device):
     """Rows [start, start + V/n) live here: look up in-range ids, zero the others (output Partial)."""
     weight, ids = (want[a.name] for a in tensor_input_nodes(node)[:2])
     w_meta = tensor_input_nodes(node)[0].meta["val"]
@@ -314,7 +320,7 @@ def vocab_parallel_embedding(g, node, want, ax: AxisInfo, emit, ax_i, place, rg)
     return g.call_function(aten.masked_fill.Scalar, (rows, mask, 0.0))
 
 
-def vocab_parallel_cross_entropy(g, node, want, ax: AxisInfo, emit, ax_i, place, rg):
+def vocab_parallel_cross_entropy(g, node, want, ax: AxisInfo, emit, ax_i, place, device):
     """Cross-entropy over vocab-sharded logits without gathering them (Megatron's
     ``vocab_parallel_cross_entropy``): a max all-reduce (detached), then the sum of exponentials and
     the target logit, each summed over the axis; padded vocabulary columns are masked to -inf."""
@@ -330,7 +336,7 @@ def vocab_parallel_cross_entropy(g, node, want, ax: AxisInfo, emit, ax_i, place,
     xf = g.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
     if start + v_local > vocab:  # padded columns on this rank: never the max, never in the sum
         valid_cols = max(0, vocab - start)
-        cols = g.call_function(aten.arange.default, (v_local,), {"device": x_node.meta["val"].device})
+        cols = g.call_function(aten.arange.default, (v_local,), {"device": device or x_node.meta["val"].device})
         pad = g.call_function(aten.ge.Scalar, (cols, valid_cols))
         xf = g.call_function(aten.masked_fill.Scalar, (xf, pad, float("-inf")))
     mx_local = g.call_function(aten.amax.default, (g.call_function(aten.detach.default, (xf,)), [1], True))

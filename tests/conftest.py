@@ -21,8 +21,9 @@ class HFLoss(torch.nn.Module):
         return self.m(input_ids=ids, labels=labels).loss
 
 
-def build(name: str, seed: int = 0, device=None):
-    """(model, (tokens, targets)) for a tiny model; some targets are -100 (ignored)."""
+def build(name: str, seed: int = 0, device=None, batch: int = 2):
+    """(model, (tokens, targets)) for a tiny model; some targets are -100 (ignored): five in the first
+    row only, so data-parallel ranks count different numbers of tokens."""
     torch.manual_seed(seed)
     if name.startswith("hf-"):
         from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -46,8 +47,8 @@ def build(name: str, seed: int = 0, device=None):
         vocab = pre.config.vocab_size
     model.eval()  # dropout off: parity runs at p = 0 (DESIGN §11)
     g = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, vocab, (2, 16), generator=g)
-    targets = torch.randint(0, vocab, (2, 16), generator=g)
+    tokens = torch.randint(0, vocab, (batch, 16), generator=g)
+    targets = torch.randint(0, vocab, (batch, 16), generator=g)
     targets[0, :5] = -100
     return model, (tokens, targets)
 
@@ -73,3 +74,21 @@ def compiled(name: str, mesh_spec: str, sp: bool):
 @pytest.fixture
 def compiled_model():
     return compiled
+
+
+_POOLS: dict = {}
+
+
+def pool(n: int):
+    """A live pool of n gloo worker processes, kept for the whole session (started on first use)."""
+    from mcompile.runtime.launch import WorkerPool
+
+    p = _POOLS.get(n)
+    if p is None or not p.alive:
+        p = _POOLS[n] = WorkerPool(n)
+    return p
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for p in _POOLS.values():
+        p.close()

@@ -1,0 +1,153 @@
+"""Launching: torchrun, a spawn helper for examples, and a pool of live workers for tests.
+
+- Under ``torchrun --nproc-per-node N script.py``, :func:`init_distributed` reads the environment
+  and initialises the default process group (NCCL on CUDA, gloo on CPU).
+- :func:`spawn` runs ``fn(rank, world, *args)`` on N local CPU processes over gloo and returns the
+  results in rank order (examples, the demo).
+- :class:`WorkerPool` keeps N such processes alive, their process group initialised once, and runs
+  one function after another on all of them (tests: starting 4 processes that import torch costs
+  seconds, so it is paid once per session). A failure on any rank closes the pool (its group may
+  be stuck in a collective); the next use starts a new one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import socket
+import sys
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["init_distributed", "spawn", "WorkerPool", "free_port"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+    """Initialise the default process group from torchrun's environment (if not done already)."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        raise RuntimeError(
+            "torch.distributed is not initialised and no torchrun environment is set: launch with "
+            "`torchrun --nproc-per-node N script.py`, or use mcompile.runtime.launch.spawn"
+        )
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timeout)
+
+
+def _resolve(ref: tuple[str, str]):
+    module, qualname = ref
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _ref(fn) -> tuple[str, str]:
+    return fn.__module__, fn.__qualname__
+
+
+def _spawn_entry(rank, world, port, fn_ref, args, paths, results):
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=DEFAULT_TIMEOUT)
+    try:
+        results[rank] = _resolve(fn_ref)(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, nprocs: int, *args) -> list:
+    """Run module-level ``fn(rank, world, *args)`` on ``nprocs`` gloo CPU processes."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_spawn_entry, args=(nprocs, free_port(), _ref(fn), args, list(sys.path), results),
+                           nprocs=nprocs, join=True, start_method="spawn")
+        return [results[r] for r in range(nprocs)]
+
+
+def _worker(rank, world, port, paths, tasks, results):
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=DEFAULT_TIMEOUT)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn_ref, args = task
+        try:
+            results.put((rank, True, _resolve(fn_ref)(rank, world, *args)))
+        except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """N live gloo worker processes running one function at a time on all ranks."""
+
+    def __init__(self, nprocs: int):
+        self.nprocs = nprocs
+        ctx = mp.get_context("spawn")
+        self.tasks = [ctx.Queue() for _ in range(nprocs)]
+        self.results = ctx.Queue()
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, nprocs, port, list(sys.path), self.tasks[r], self.results),
+                        daemon=True)
+            for r in range(nprocs)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = 300) -> list[Any]:
+        """``fn(rank, world, *args)`` on every worker; results in rank order; raises on any failure."""
+        for q in self.tasks:
+            q.put((_ref(fn), args))
+        out: list = [None] * self.nprocs
+        errors = []
+        for _ in range(self.nprocs):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except Exception as e:  # queue.Empty: a rank hung
+                self.close()
+                raise TimeoutError(f"a worker did not answer within {timeout} s (deadlock?)") from e
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            self.close()
+            raise RuntimeError("worker failure\n" + "\n".join(errors))
+        return out
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for q in self.tasks:
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()

@@ -1,0 +1,358 @@
+"""ParallelModule: the per-rank program of a plan, run on torch.distributed (DESIGN §3, §6).
+
+Holds the model's parameters as DTensors with the plan's placements (the optimizer, gradient
+clipping and torch.distributed.checkpoint see ordinary parameters), and runs the rank's program
+on their local pieces with mcompile's collective ops bound to the mesh's process groups.
+
+One ``train_step``:
+
+1. split the global batch: this rank's data-parallel slice (``inputs="local"``: already sliced),
+   then ``microbatches`` pieces;
+2. per piece: forward (parameters cast to the compute dtype; differentiable casts, so gradients
+   land in fp32 on the fp32 parameters), backward of the *summed* token loss;
+3. gradient reduction: every gradient that the plan marks Partial over an axis is all-reduced over
+   it — over dp in buckets of ``bucket_mb`` launched from post-accumulate-grad hooks during the
+   last piece's backward (overlapped with the rest of backward), over tp (sequence-parallel norm
+   weights) in one coalesced all-reduce; in fp32;
+4. the token count of the global batch is summed and every new gradient divided by it, so the
+   gradients and the returned loss are the single-device mean over the whole batch (labels -100
+   ignored), however the batch was split. Gradients that were already in ``.grad`` are kept and
+   added to, as ``loss.backward()`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from mcompile import ops
+from mcompile.config import Config, Inputs
+from mcompile.placements import BlockShard, Partial, shard_tensor, unshard_tensors
+from mcompile.runtime.comm import DistCommunicator
+
+__all__ = ["ParallelModule"]
+
+
+def _torch_placement(p):
+    if isinstance(p, BlockShard):
+        return _StridedShard(p.dim, split_factor=p.blocks)
+    return p
+
+
+@dataclass
+class _Bucket:
+    params: list
+    axes: tuple[str, ...]
+    ready: int = 0
+    flat: torch.Tensor | None = None
+    work: object = None
+
+
+class ParallelModule(torch.nn.Module):
+    def __init__(self, compiled, device_mesh: DeviceMesh, config: Config, model: torch.nn.Module):
+        super().__init__()
+        object.__setattr__(self, "_compiled", compiled)
+        self.plan = compiled.plan
+        self.config = config
+        self.mesh = compiled.mesh
+        self.device_mesh = device_mesh
+        self._comm = DistCommunicator(device_mesh)
+        self._rank = dist.get_rank()
+        self._coords = self.mesh.coords(self._rank)
+        self._device = torch.device("cuda", torch.cuda.current_device()) if device_mesh.device_type == "cuda" \
+            else torch.device("cpu")
+        object.__setattr__(self, "_program", compiled.program(self._rank, self._device))
+        cap = compiled.captured
+        self._token_weighted = bool(compiled.canonical.get("mean_loss_to_sum_count"))
+        self._tied = {fqn: ties for fqn, ties in cap.tied.items()}
+        self._placeholders = [n.name for n in self._program.graph.nodes if n.op == "placeholder"]
+        # parameters: rank 0's values, broadcast (never trust that every rank built the same weights)
+        full = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
+        self._param_of_ph: dict[str, str] = dict(cap.params)
+        self._params: dict[str, torch.nn.Parameter] = {}
+        for ph, fqn in cap.params.items():
+            t = full[fqn].to(self._device, torch.float32 if full[fqn].is_floating_point() else full[fqn].dtype)
+            t = t.contiguous().clone()
+            dist.broadcast(t, src=0)
+            self._register(fqn, self._make_param(fqn, t))
+        self._extra: dict[str, torch.Tensor] = {}  # buffers and lifted constants, replicated
+        named_buffers = dict(model.named_buffers())
+        for ph, fqn in {**cap.buffers, **cap.constants}.items():
+            if ph in cap.buffers:
+                t = named_buffers[fqn].detach().to(self._device).clone()
+            else:
+                t = cap.ep.constants[fqn]
+                if t.is_meta:  # captured on meta: a constant made inside forward lost its values
+                    if t.numel():
+                        raise NotImplementedError(
+                            f"the model creates a tensor constant {fqn} {list(t.shape)} inside forward; "
+                            "meta-device capture cannot see its values: make it a buffer of the module")
+                    t = torch.empty(t.shape, dtype=t.dtype)  # empty (a KV cache placeholder): exact
+                t = t.to(self._device).clone()
+            dist.broadcast(t, src=0)
+            self._extra[ph] = t
+        self._persistent_buffers = [k for k in model.state_dict() if k in named_buffers]
+        self._buffer_ph = {fqn: ph for ph, fqn in cap.buffers.items()}
+        self._state_keys = list(model.state_dict().keys())
+        self._build_buckets()
+
+    # -- parameters -----------------------------------------------------------------------------
+    def _make_param(self, fqn: str, full: torch.Tensor) -> torch.nn.Parameter:
+        pp = self.plan.params[fqn]
+        local = full
+        for ax, p in zip(self.mesh.axis_names, pp.placements):
+            padded = pp.padded_shape[p.dim % len(pp.shape)] if pp.padded_shape and hasattr(p, "dim") else None
+            local = shard_tensor(local, p, self._coords[ax], self.mesh.size(ax), padded)
+        shape = torch.Size(pp.padded_shape or pp.shape)
+        dt = DTensor.from_local(local.contiguous(), self.device_mesh, [_torch_placement(p) for p in pp.placements],
+                                run_check=False, shape=shape, stride=_contiguous_stride(shape))
+        return torch.nn.Parameter(dt, requires_grad=full.is_floating_point())
+
+    def _register(self, fqn: str, param: torch.nn.Parameter):
+        *path, name = fqn.split(".")
+        mod: torch.nn.Module = self
+        for part in path:
+            if part not in mod._modules:
+                mod.add_module(part, torch.nn.Module())
+            mod = mod._modules[part]
+        mod.register_parameter(name, param)
+        self._params[fqn] = param
+
+    def _local_inputs(self) -> dict[str, torch.Tensor]:
+        out = dict(self._extra)
+        dtype = self.config.dtype
+        for ph, fqn in self._param_of_ph.items():
+            p = self._params[fqn]
+            local = p.to_local(grad_placements=p.placements)
+            if dtype != torch.float32 and local.is_floating_point():
+                local = local.to(dtype)
+            out[ph] = local
+        return out
+
+    # -- running --------------------------------------------------------------------------------
+    def _split(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+        dp = self.mesh.size("dp")
+        m = self.config.microbatches
+        flat = list(args) + list(kwargs.values())
+        batch = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.ndim > 0), None)
+        if batch is None:
+            return [(args, kwargs)]
+        if self.config.inputs == Inputs.GLOBAL:
+            if batch % (dp * m):
+                raise ValueError(
+                    f"the global batch of {batch} does not divide by dp={dp} x microbatches={m}; use a batch "
+                    f"that is a multiple of {dp * m}"
+                )
+            pick = lambda t: t.chunk(dp)[self._coords.get("dp", 0)] if _batched(t, batch) else t  # noqa: E731
+            args = tuple(pick(a) for a in args)
+            kwargs = {k: pick(v) for k, v in kwargs.items()}
+            batch //= dp
+        elif batch % m:
+            raise ValueError(f"the local batch of {batch} does not divide by microbatches={m}")
+        pieces = []
+        for i in range(m):
+            cut = lambda t: t.chunk(m)[i] if _batched(t, batch) else t  # noqa: E731, B023
+            pieces.append((tuple(cut(a).to(self._device) if isinstance(a, torch.Tensor) else a for a in args),
+                           {k: cut(v).to(self._device) if isinstance(v, torch.Tensor) else v
+                            for k, v in kwargs.items()}))
+        return pieces
+
+    def _run(self, args: tuple, kwargs: dict):
+        local = self._local_inputs()
+        cap = self._compiled.captured
+        user = list(args) + [kwargs[n] for n in cap.input_names[len(args):]]
+        by_name = dict(zip(cap.user_inputs, user))
+        call = [local[n] if n in local else by_name[n] for n in self._placeholders]
+        with ops.bind(self._comm):
+            return self._program(*call)
+
+    def _loss_parts(self, out) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._token_weighted:
+            loss_sum, count = out
+            return loss_sum.float(), count.to(torch.float32)
+        (loss,) = out if isinstance(out, tuple | list) else (out,)
+        return loss.float(), torch.ones((), dtype=torch.float32, device=loss.device)
+
+    def train_step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward + backward of the global batch; gradients accumulate into ``.grad``; returns the
+        single-device loss of the global batch (detached 0-d tensor, no host sync)."""
+        pieces = self._split(args, kwargs)
+        stash = {}
+        for fqn, p in self._params.items():  # keep gradients already there out of the scaling
+            stash[fqn], p.grad = p.grad, None
+        total = torch.zeros((), dtype=torch.float32, device=self._device)
+        count = torch.zeros((), dtype=torch.float32, device=self._device)
+        with ops.bind(self._comm, process_wide=True):  # backward runs the collectives' backwards
+            for i, (a, k) in enumerate(pieces):
+                self._armed = i == len(pieces) - 1
+                loss_sum, c = self._loss_parts(self._run(a, k))
+                loss_sum.backward()
+                total += loss_sum.detach()
+                count += c
+        self._armed = False
+        stats = torch.stack([total, count])
+        if self.mesh.size("dp") > 1:
+            dist.all_reduce(stats, group=self._comm.groups["dp"])
+        self._finish_grads(scale=1.0 / stats[1])
+        for fqn, p in self._params.items():
+            if stash[fqn] is not None:
+                p.grad = stash[fqn] if p.grad is None else p.grad + stash[fqn]
+        return (stats[0] / stats[1]).detach()
+
+    @torch.no_grad()
+    def forward(self, *args, **kwargs):
+        """Forward only: the model's own output for the global batch (a loss: the global mean)."""
+        pieces = self._split(args, kwargs) if self.config.microbatches == 1 else None
+        if pieces is None:
+            raise ValueError("forward runs the whole local batch at once: use a Config with microbatches=1")
+        out = self._run(*pieces[0])
+        loss_like = self._token_weighted or (isinstance(out, tuple | list) and len(out) == 1 and out[0].ndim == 0)
+        if loss_like:
+            total, count = self._loss_parts(out)
+            stats = torch.stack([total, count])
+            if self.mesh.size("dp") > 1:
+                dist.all_reduce(stats, group=self._comm.groups["dp"])
+            return stats[0] / stats[1]
+        outs = out if isinstance(out, tuple | list) else (out,)
+        if self.mesh.size("dp") > 1:  # the batch dim of each output, gathered over dp
+            outs = tuple(self._comm.all_gather(o.contiguous(), 0, "dp") if o.ndim else o for o in outs)
+        return outs[0] if len(outs) == 1 else outs
+
+    # -- gradient reduction -----------------------------------------------------------------------
+    def _build_buckets(self):
+        limit = int(self.config.bucket_mb * 2**20)
+        groups: dict[tuple, list] = {}
+        for fqn in reversed(list(self._params)):  # roughly the order backward produces them
+            axes = tuple(a for a in self.plan.params[fqn].grad_partial_axes if self.mesh.size(a) > 1)
+            if axes:
+                groups.setdefault(axes, []).append(self._params[fqn])
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        for axes, params in groups.items():
+            cur, size = [], 0
+            for p in params:
+                nbytes = p.to_local().numel() * 4
+                if cur and size + nbytes > limit:
+                    self._buckets.append(_Bucket(cur, axes))
+                    cur, size = [], 0
+                cur.append(p)
+                size += nbytes
+            if cur:
+                self._buckets.append(_Bucket(cur, axes))
+        for b in self._buckets:
+            for p in b.params:
+                self._bucket_of[id(p)] = b
+                if "dp" in b.axes:
+                    p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._armed = False
+
+    def _grad_ready(self, p):
+        if not self._armed:
+            return
+        b = self._bucket_of[id(p)]
+        b.ready += 1
+        if b.ready == len(b.params):  # the whole bucket is final: reduce it over dp while backward goes on
+            b.flat = torch.cat([q.grad.to_local().reshape(-1).float() for q in b.params])
+            b.work = dist.all_reduce(b.flat, group=self._comm.groups["dp"], async_op=True)
+
+    def _finish_grads(self, scale: torch.Tensor):
+        for b in self._buckets:
+            if all(q.grad is None for q in b.params):
+                b.ready, b.work, b.flat = 0, None, None
+                continue
+            if b.work is None:  # not launched during backward (single piece without hooks): now
+                b.flat = torch.cat([(q.grad.to_local().reshape(-1) if q.grad is not None else
+                                     torch.zeros(q.to_local().numel(), device=self._device)).float() for q in b.params])
+                if "dp" in b.axes:
+                    dist.all_reduce(b.flat, group=self._comm.groups["dp"])
+            else:
+                b.work.wait()
+        tp_buckets = [b for b in self._buckets if "tp" in b.axes and b.flat is not None]
+        if tp_buckets:  # sequence-parallel norm weights: one coalesced all-reduce over tp per step
+            flat = torch.cat([b.flat for b in tp_buckets])
+            dist.all_reduce(flat, group=self._comm.groups["tp"])
+            for b, piece in zip(tp_buckets, flat.split([b.flat.numel() for b in tp_buckets])):
+                b.flat = piece
+        for b in self._buckets:
+            if b.flat is not None:
+                offset = 0
+                for q in b.params:
+                    g = q.grad.to_local() if q.grad is not None else None
+                    n = q.to_local().numel()
+                    if g is not None:
+                        g.copy_(b.flat[offset:offset + n].view_as(g))
+                    offset += n
+            b.ready, b.work, b.flat = 0, None, None
+        for p in self._params.values():
+            if p.grad is not None:
+                p.grad.to_local().mul_(scale.to(p.grad.dtype))
+
+    # -- state ------------------------------------------------------------------------------------
+    def _gather_full(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
+        pp = self.plan.params[fqn]
+        t = local
+        for ax, p in zip(self.mesh.axis_names, pp.placements):
+            if isinstance(p, Shard | BlockShard):
+                pieces = [torch.empty_like(t) for _ in range(self.mesh.size(ax))]
+                dist.all_gather(pieces, t.contiguous(), group=self._comm.groups[ax])
+                t = unshard_tensors(pieces, p, true_size=pp.shape[p.dim % len(pp.shape)])
+            elif isinstance(p, Partial):
+                raise NotImplementedError(f"{fqn}: Partial parameters")
+        return t
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Same keys and values as ``model.state_dict()`` (tied keys both present, persistent buffers
+        included), on every rank."""
+        out = {}
+        for fqn, p in self._params.items():
+            full = self._gather_full(fqn, p.detach().to_local())
+            for name in self._tied.get(fqn, (fqn,)):
+                out[name] = full
+        for fqn in self._persistent_buffers:
+            out[fqn] = self._extra[self._buffer_ph[fqn]]
+        return {k: out[k] for k in self._state_keys if k in out}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing = [k for k in self._params if k not in state]
+        if missing:
+            raise KeyError(f"load_full_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        for fqn, p in self._params.items():
+            pp = self.plan.params[fqn]
+            local = state[fqn].to(self._device, torch.float32)
+            for ax, pl in zip(self.mesh.axis_names, pp.placements):
+                padded = pp.padded_shape[pl.dim % len(pp.shape)] if pp.padded_shape and hasattr(pl, "dim") else None
+                local = shard_tensor(local, pl, self._coords[ax], self.mesh.size(ax), padded)
+            p.to_local().copy_(local)
+        for fqn in self._persistent_buffers:
+            if fqn in state:
+                self._extra[self._buffer_ph[fqn]].copy_(state[fqn])
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Unsharded gradients, keys as ``named_parameters()``."""
+        return {fqn: self._gather_full(fqn, p.grad.to_local()) for fqn, p in self._params.items()
+                if p.grad is not None}
+
+    def program_code(self) -> str:
+        return self._program.code
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def _batched(t, batch) -> bool:
+    return isinstance(t, torch.Tensor) and t.ndim > 0 and t.shape[0] == batch
+
+
+_ = (math, Replicate)

@@ -1,0 +1,50 @@
+"""Functions the gloo worker processes run for tests/test_runtime.py: fn(rank, world, *args).
+
+Module-level so the workers can import them by name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import mcompile as mc
+
+from conftest import build
+
+LR = 1e-4  # see test_runtime.py for why
+
+
+def train(rank, world, name, mesh, options, steps=3, batch=4, want_grads_at=None):
+    """Three AdamW steps with clipping; per-step losses, and full gradients at one step (rank 0)."""
+    model, inputs = build(name, batch=batch)
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    losses, grads = [], None
+    want = steps - 1 if want_grads_at is None else want_grads_at
+    for step in range(steps):
+        loss = pm.train_step(*inputs)
+        torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)
+        if step == want:
+            grads = pm.full_grads()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    local_numels = {k: p.to_local().numel() for k, p in pm.named_parameters()}
+    return losses, grads if rank == 0 else None, local_numels
+
+
+def reference(name, steps=3, batch=4, want_grads_at=None):
+    model, inputs = build(name, batch=batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], None
+    want = steps - 1 if want_grads_at is None else want_grads_at
+    for step in range(steps):
+        loss = model(*inputs)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if step == want:
+            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads

@@ -1,0 +1,71 @@
+"""Training on real processes (gloo, CPU): parity with the single-device model.
+
+Each case runs 3 AdamW steps with gradient clipping on a pool of live gloo workers and compares the
+loss of every step and the full gradients of the last step with the same run on one device.
+Tolerance 1e-5 relative (DESIGN §7, fp32), per tensor in norm. lr = 1e-4 (DESIGN §10 asks for
+lr <= 1e-3): at 1e-3 the Llama-3 tiny preset measured 4e-5 at step 3 on one tensor, because
+AdamW's first update of a gradient element of 2e-9 (m / (sqrt(v) + eps), eps = 1e-8) magnifies
+reduction-order noise; at 1e-4 that noise stays below 1e-5 while the updates still move weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+from runtime_cases import reference, train
+
+from conftest import pool
+
+REL = 1e-5
+
+
+def _check(name, mesh, options, batch=4):
+    world = 1
+    for part in mesh.split(","):
+        world *= int(part.split("=")[1])
+    results = pool(world).run(train, name, mesh, options, 3, batch)
+    ref_losses, ref_grads = reference(name, batch=batch)
+    for losses, _, _ in results:
+        assert losses == pytest.approx(ref_losses, rel=REL, abs=0)
+    grads = results[0][1]
+    assert sorted(grads) == sorted(ref_grads)
+    for k, g in grads.items():
+        err = ((g - ref_grads[k]).norm() / ref_grads[k].norm()).item()
+        assert err <= REL, (k, err)
+    return results
+
+
+CASES = [
+    ("tp=2", {}), ("tp=2", {"sequence_parallel": True}), ("tp=2", {"microbatches": 2}),
+    ("tp=2", {"sequence_parallel": True, "microbatches": 2}),
+    ("tp=4", {}), ("tp=4", {"sequence_parallel": True, "microbatches": 2}),
+    ("dp=2", {}), ("dp=2", {"microbatches": 2}),
+    ("dp=2,tp=2", {}), ("dp=2,tp=2", {"sequence_parallel": True}),
+    ("dp=2,tp=2", {"sequence_parallel": True, "microbatches": 2}),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mesh,options", CASES, ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
+                                                      for m, o in CASES])
+@pytest.mark.parametrize("name", ["llama3-tiny", "gpt2-tiny"])
+def test_parity_presets(name, mesh, options):
+    _check(name, mesh, options)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2"])
+@pytest.mark.parametrize("name", ["hf-llama", "hf-gpt2"])
+def test_parity_hugging_face(name, mesh):
+    _check(name, mesh, {})
+
+
+@pytest.mark.timeout(600)
+def test_local_parameter_sizes_are_full_over_tp():
+    results = _check("llama3-tiny", "tp=2", {})
+    numels = results[0][2]
+    from conftest import build
+
+    model, _ = build("llama3-tiny")
+    for k, p in model.named_parameters():
+        expect = p.numel() // 2 if p.ndim == 2 else p.numel()
+        assert numels[k] == expect, k
