@@ -197,9 +197,8 @@ def parallelize(
     world = dist.get_world_size()
     if mesh.size() != world:
         raise ValueError(
-            f"{mesh!r} has {mesh.size()} ranks but the world has {world} processes: make the product of the "
-            f"mesh axes equal the number of processes (e.g. Mesh(dp={world // mesh.size('tp') if world % mesh.size('tp') == 0 else 1}, "
-            f"tp={mesh.size('tp')}))"
+            f"{mesh!r} has {mesh.size()} ranks but the world has {world} processes: make the product of "
+            f"the mesh axes equal the number of processes (launch {mesh.size()} processes, or change the mesh)"
         )
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     dmesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)

@@ -76,7 +76,7 @@ class ParallelModule(torch.nn.Module):
         full = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
         self._param_of_ph: dict[str, str] = dict(cap.params)
         self._params: dict[str, torch.nn.Parameter] = {}
-        for ph, fqn in cap.params.items():
+        for fqn in cap.params.values():
             t = full[fqn].to(self._device, torch.float32 if full[fqn].is_floating_point() else full[fqn].dtype)
             t = t.contiguous().clone()
             dist.broadcast(t, src=0)
