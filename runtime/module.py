@@ -226,30 +226,32 @@ class ParallelModule(torch.nn.Module):
 
     # -- gradient reduction -----------------------------------------------------------------------
     def _build_buckets(self):
+        """dp: buckets of ``bucket_mb`` (reverse registration order, roughly the order backward
+        finishes gradients); tp: the parameters whose gradient is Partial over tp (SP norms)."""
         limit = int(self.config.bucket_mb * 2**20)
-        groups: dict[tuple, list] = {}
-        for fqn in reversed(list(self._params)):  # roughly the order backward produces them
-            axes = tuple(a for a in self.plan.params[fqn].grad_partial_axes if self.mesh.size(a) > 1)
-            if axes:
-                groups.setdefault(axes, []).append(self._params[fqn])
+        dp_params, self._tp_partial = [], []
+        for fqn in reversed(list(self._params)):
+            axes = [a for a in self.plan.params[fqn].grad_partial_axes if self.mesh.size(a) > 1]
+            if "dp" in axes:
+                dp_params.append(self._params[fqn])
+            if "tp" in axes:
+                self._tp_partial.append(self._params[fqn])
         self._buckets: list[_Bucket] = []
+        cur, size = [], 0
+        for p in dp_params:
+            nbytes = p.to_local().numel() * 4
+            if cur and size + nbytes > limit:
+                self._buckets.append(_Bucket(cur, ("dp",)))
+                cur, size = [], 0
+            cur.append(p)
+            size += nbytes
+        if cur:
+            self._buckets.append(_Bucket(cur, ("dp",)))
         self._bucket_of: dict[int, _Bucket] = {}
-        for axes, params in groups.items():
-            cur, size = [], 0
-            for p in params:
-                nbytes = p.to_local().numel() * 4
-                if cur and size + nbytes > limit:
-                    self._buckets.append(_Bucket(cur, axes))
-                    cur, size = [], 0
-                cur.append(p)
-                size += nbytes
-            if cur:
-                self._buckets.append(_Bucket(cur, axes))
         for b in self._buckets:
             for p in b.params:
                 self._bucket_of[id(p)] = b
-                if "dp" in b.axes:
-                    p.register_post_accumulate_grad_hook(self._grad_ready)
+                p.register_post_accumulate_grad_hook(self._grad_ready)
         self._armed = False
 
     def _grad_ready(self, p):
@@ -261,34 +263,34 @@ class ParallelModule(torch.nn.Module):
             b.flat = torch.cat([q.grad.to_local().reshape(-1).float() for q in b.params])
             b.work = dist.all_reduce(b.flat, group=self._comm.groups["dp"], async_op=True)
 
+    @staticmethod
+    def _scatter_back(params, flat):
+        offset = 0
+        for q in params:
+            n = q.to_local().numel()
+            if q.grad is not None:
+                g = q.grad.to_local()
+                g.copy_(flat[offset:offset + n].view_as(g))
+            offset += n
+
+    def _flat_grads(self, params) -> torch.Tensor:
+        return torch.cat([(q.grad.to_local().reshape(-1) if q.grad is not None else
+                           torch.zeros(q.to_local().numel(), device=self._device)).float() for q in params])
+
     def _finish_grads(self, scale: torch.Tensor):
         for b in self._buckets:
-            if all(q.grad is None for q in b.params):
-                b.ready, b.work, b.flat = 0, None, None
-                continue
-            if b.work is None:  # not launched during backward (single piece without hooks): now
-                b.flat = torch.cat([(q.grad.to_local().reshape(-1) if q.grad is not None else
-                                     torch.zeros(q.to_local().numel(), device=self._device)).float() for q in b.params])
-                if "dp" in b.axes:
-                    dist.all_reduce(b.flat, group=self._comm.groups["dp"])
-            else:
+            if b.work is not None:
                 b.work.wait()
-        tp_buckets = [b for b in self._buckets if "tp" in b.axes and b.flat is not None]
-        if tp_buckets:  # sequence-parallel norm weights: one coalesced all-reduce over tp per step
-            flat = torch.cat([b.flat for b in tp_buckets])
-            dist.all_reduce(flat, group=self._comm.groups["tp"])
-            for b, piece in zip(tp_buckets, flat.split([b.flat.numel() for b in tp_buckets])):
-                b.flat = piece
-        for b in self._buckets:
+            elif any(q.grad is not None for q in b.params):  # not launched during backward: now
+                b.flat = self._flat_grads(b.params)
+                dist.all_reduce(b.flat, group=self._comm.groups["dp"])
             if b.flat is not None:
-                offset = 0
-                for q in b.params:
-                    g = q.grad.to_local() if q.grad is not None else None
-                    n = q.to_local().numel()
-                    if g is not None:
-                        g.copy_(b.flat[offset:offset + n].view_as(g))
-                    offset += n
+                self._scatter_back(b.params, b.flat)
             b.ready, b.work, b.flat = 0, None, None
+        if self._tp_partial:  # sequence-parallel norm weights: one coalesced all-reduce over tp per step
+            flat = self._flat_grads(self._tp_partial)
+            dist.all_reduce(flat, group=self._comm.groups["tp"])
+            self._scatter_back(self._tp_partial, flat)
         for p in self._params.values():
             if p.grad is not None:
                 p.grad.to_local().mul_(scale.to(p.grad.dtype))

@@ -48,3 +48,18 @@ def reference(name, steps=3, batch=4, want_grads_at=None):
         opt.zero_grad()
         losses.append(loss.item())
     return losses, grads
+
+
+def profiled_step(rank, world, name, mesh, options):
+    """One train_step under torch.profiler: the c10d collectives it ran, by name."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    model, inputs = build(name, batch=4)
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
+    pm.train_step(*inputs)  # warm-up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        pm.train_step(*inputs)
+    names = collections.Counter(e.name for e in prof.events() if e.name.startswith("c10d::"))
+    return dict(names), [(c.op, c.forward, c.backward, c.axis) for c in pm.plan.collectives]

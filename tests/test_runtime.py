@@ -69,3 +69,32 @@ def test_local_parameter_sizes_are_full_over_tp():
     for k, p in model.named_parameters():
         expect = p.numel() // 2 if p.ndim == 2 else p.numel()
         assert numels[k] == expect, k
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mesh,options", [("tp=2", {}), ("tp=2", {"sequence_parallel": True}),
+                                          ("dp=2,tp=2", {"sequence_parallel": True})])
+def test_collectives_counted_by_the_profiler_are_the_planned_ones(mesh, options):
+    """torch.profiler's count of c10d collectives in one train_step equals what the plan states:
+    every planned tp collective forward plus the one its backward implies, one coalesced tp
+    all-reduce for sequence-parallel norm gradients, and over dp one all-reduce per gradient
+    bucket plus one for the loss sum and token count. (Per-layer counts equal Megatron's minimum:
+    tests/test_planner.py.)"""
+    import collections
+
+    from runtime_cases import profiled_step
+
+    world = 4 if "dp" in mesh else 2
+    counted, plan = pool(world).run(profiled_step, "llama3-tiny", mesh, options)[0]
+    name = {"all_reduce": "c10d::allreduce_", "all_reduce_max": "c10d::allreduce_",
+            "all_gather": "c10d::_allgather_base_", "reduce_scatter": "c10d::_reduce_scatter_base_"}
+    expect = collections.Counter()
+    for _op, fwd, bwd, _axis in plan:
+        for kind in (fwd, bwd):
+            if kind != "none":
+                expect[name[kind]] += 1
+    if options.get("sequence_parallel"):
+        expect["c10d::allreduce_"] += 1  # norm-weight gradients over tp, coalesced
+    if "dp" in mesh:
+        expect["c10d::allreduce_"] += 1 + 1  # loss sum and count; one bucket (tiny model < 25 MB)
+    assert counted == dict(expect)
