@@ -341,6 +341,27 @@ class ParallelModule(torch.nn.Module):
         return {fqn: self._gather_full(fqn, p.grad.to_local()) for fqn, p in self._params.items()
                 if p.grad is not None}
 
+    def _buffer_state(self) -> dict[str, torch.Tensor]:
+        return {fqn: self._extra[self._buffer_ph[fqn]] for fqn in self._persistent_buffers}
+
+    @torch.no_grad()
+    def _load_buffer_state(self, state: dict[str, torch.Tensor]) -> None:
+        for fqn, t in state.items():
+            self._extra[self._buffer_ph[fqn]].copy_(t)
+
+    def save_checkpoint(self, path, optimizer=None, extra: dict | None = None) -> None:
+        """Save parameters, persistent buffers and optimizer state with torch.distributed.checkpoint
+        (every rank its shards); ``extra`` (a small JSON-able dict, e.g. the step) is kept beside."""
+        from mcompile.runtime import checkpoint
+
+        checkpoint.save(self, path, optimizer, extra)
+
+    def load_checkpoint(self, path, optimizer=None) -> dict:
+        """Restore a checkpoint saved under the same plan; returns its ``extra``."""
+        from mcompile.runtime import checkpoint
+
+        return checkpoint.load(self, path, optimizer)
+
     def program_code(self) -> str:
         return self._program.code
 

@@ -63,3 +63,43 @@ def profiled_step(rank, world, name, mesh, options):
         pm.train_step(*inputs)
     names = collections.Counter(e.name for e in prof.events() if e.name.startswith("c10d::"))
     return dict(names), [(c.op, c.forward, c.backward, c.axis) for c in pm.plan.collectives]
+
+
+def train_and_save(rank, world, name, mesh, options, path, steps=10, save_at=5):
+    """Train ``steps`` steps, saving after ``save_at``; the losses of every step."""
+    model, inputs = build(name, batch=4)
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    losses = []
+    for step in range(1, steps + 1):
+        losses.append(pm.train_step(*inputs).item())
+        opt.step()
+        opt.zero_grad()
+        if step == save_at:
+            pm.save_checkpoint(path, opt, extra={"step": step})
+    return losses
+
+
+def resume(rank, world, name, mesh, options, path, steps=10):
+    """Fresh model (another seed: the checkpoint must overwrite everything), load, train to ``steps``."""
+    model, inputs = build(name, seed=123, batch=4)
+    _, inputs = build(name, batch=4)
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    start = pm.load_checkpoint(path, opt)["step"]
+    losses = []
+    for _ in range(start + 1, steps + 1):
+        losses.append(pm.train_step(*inputs).item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def load_into(rank, world, name, mesh, options, path):
+    model, inputs = build(name, batch=4)
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
+    try:
+        pm.load_checkpoint(path, torch.optim.AdamW(pm.parameters(), lr=1e-3))
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return f"{type(e).__name__}: {e}"
+    return "loaded"

@@ -98,3 +98,27 @@ def test_collectives_counted_by_the_profiler_are_the_planned_ones(mesh, options)
     if "dp" in mesh:
         expect["c10d::allreduce_"] += 1 + 1  # loss sum and count; one bucket (tiny model < 25 MB)
     assert counted == dict(expect)
+
+
+@pytest.mark.timeout(600)
+def test_checkpoint_resume_is_bit_identical(tmp_path):
+    """Save at step 5, resume in fresh processes: steps 6-10 equal the uninterrupted run exactly."""
+    from mcompile.runtime.launch import spawn
+    from runtime_cases import resume, train_and_save
+
+    path = str(tmp_path / "ckpt")
+    options = {"sequence_parallel": True}
+    full = pool(4).run(train_and_save, "llama3-tiny", "dp=2,tp=2", options, path)[0]
+    resumed = spawn(resume, 4, "llama3-tiny", "dp=2,tp=2", options, path)[0]
+    assert resumed == full[5:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left
+
+
+@pytest.mark.timeout(600)
+def test_checkpoint_from_another_plan_is_refused(tmp_path):
+    from runtime_cases import load_into, train_and_save
+
+    path = str(tmp_path / "ckpt")
+    pool(2).run(train_and_save, "llama3-tiny", "tp=2", {}, path, 2, 1)
+    out = pool(2).run(load_into, "llama3-tiny", "dp=2", {}, path)
+    assert all("saved under another plan (mesh tp=2)" in o and "mesh dp=2" in o for o in out), out
