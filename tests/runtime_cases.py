@@ -103,3 +103,29 @@ def load_into(rank, world, name, mesh, options, path):
     except Exception as e:  # noqa: BLE001 - the error is the result
         return f"{type(e).__name__}: {e}"
     return "loaded"
+
+
+def curve(rank, world, name, mesh, options, steps=50, lr=3e-3):
+    """Loss of every step of a short training run (fixed batch)."""
+    model, inputs = build(name, batch=4)
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
+    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        losses.append(pm.train_step(*inputs).item())
+        torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def expect_error(rank, world, name, mesh, options, batch=4, global_batch=None):
+    model, inputs = build(name, batch=batch)
+    try:
+        pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
+        if global_batch is not None:
+            _, other = build(name, batch=global_batch)
+            pm.train_step(*other)
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return f"{type(e).__name__}: {e}"
+    return "no error"
