@@ -2,6 +2,7 @@
 
     mcompile plan MODEL --mesh dp=8,tp=8 [--seq S] [--batch B] [--sp] [--json]
     mcompile show MODEL --mesh tp=2 --rank 1
+    mcompile demo [--steps N]
 
 MODEL is a preset name (``mcompile plan --list``) or ``package.module:factory``, a callable that
 returns a model, or ``(model, example_inputs)``. A model without example inputs is taken to be a
@@ -124,6 +125,13 @@ def cmd_show(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from mcompile.demo import run
+
+    result = run(steps=args.steps)
+    return 0 if result["max_abs_diff"] < 1e-3 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mcompile", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -149,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(ps)
     ps.add_argument("--rank", type=int, default=0)
     ps.set_defaults(func=cmd_show)
+    pd = sub.add_parser("demo", help="train a tiny Llama on 4 CPU processes (dp=2 x tp=2, SP) vs one device")
+    pd.add_argument("--steps", type=int, default=40)
+    pd.set_defaults(func=cmd_demo)
     return p
 
 

@@ -13,6 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = ["DistCommunicator"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+# torch 2.13 renames the single-tensor collectives; torch 2.11 (our GPU machine) has the old names only
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class DistCommunicator:
@@ -34,12 +37,12 @@ class DistCommunicator:
         n = self.sizes[axis]
         src = x.movedim(dim, 0).contiguous()
         out = src.new_empty((n * src.shape[0], *src.shape[1:]))
-        dist.all_gather_into_tensor(out, src, group=self.groups[axis])
+        _ALL_GATHER(out, src, group=self.groups[axis])
         return out.movedim(0, dim).contiguous()
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
         n = self.sizes[axis]
         src = x.movedim(dim, 0).contiguous()
         out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
-        dist.reduce_scatter_tensor(out, src, group=self.groups[axis])
+        _REDUCE_SCATTER(out, src, group=self.groups[axis])
         return out.movedim(0, dim).contiguous()

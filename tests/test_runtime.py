@@ -104,8 +104,9 @@ def test_collectives_counted_by_the_profiler_are_the_planned_ones(mesh, options)
 @pytest.mark.timeout(600)
 def test_checkpoint_resume_is_bit_identical(tmp_path):
     """Save at step 5, resume in fresh processes: steps 6-10 equal the uninterrupted run exactly."""
-    from mcompile.runtime.launch import spawn
     from runtime_cases import resume, train_and_save
+
+    from mcompile.runtime.launch import spawn
 
     path = str(tmp_path / "ckpt")
     options = {"sequence_parallel": True}
