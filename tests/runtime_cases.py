@@ -129,3 +129,30 @@ def expect_error(rank, world, name, mesh, options, batch=4, global_batch=None):
     except Exception as e:  # noqa: BLE001 - the error is the result
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def contract(rank, world, name, mesh, options):
+    """The public contract beyond train_step: forward, full state dict round trip, grads that
+    accumulate like loss.backward(), named_parameters, DTensor parameters."""
+    from torch.distributed.tensor import DTensor
+
+    model, inputs = build(name, batch=4)
+    sd_before = {k: v.clone() for k, v in model.state_dict().items()}
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
+    out = {"forward": pm(*inputs).item()}
+    full = pm.full_state_dict()
+    out["state_keys"] = list(full) == list(sd_before)
+    out["state_equal"] = all(torch.equal(full[k], sd_before[k]) for k in sd_before)
+    out["all_dtensor"] = all(isinstance(p, DTensor) for p in pm.parameters())
+    out["names"] = [k for k, _ in pm.named_parameters()]
+    pm.train_step(*inputs)
+    once = pm.full_grads()
+    pm.train_step(*inputs)  # no zero_grad: gradients add up, as loss.backward() twice
+    twice = pm.full_grads()
+    out["accumulate"] = max(((twice[k] - 2 * once[k]).norm() / (2 * once[k]).norm()).item() for k in once)
+    # load_full_state_dict is the inverse of full_state_dict
+    perturbed = {k: v + 0.5 if v.is_floating_point() else v for k, v in sd_before.items()}
+    pm.load_full_state_dict(perturbed)
+    back = pm.full_state_dict()
+    out["load_round_trip"] = all(torch.equal(back[k], perturbed[k]) for k in perturbed)
+    return out

@@ -157,3 +157,22 @@ def test_bad_input_is_a_clear_error(mesh, options, kwargs, needle):
 
     out = pool(2).run(expect_error, "llama3-tiny", mesh, options, 4, kwargs.get("global_batch"))
     assert all(needle in o for o in out), out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name,mesh", [("gpt2-tiny", "dp=2,tp=2"), ("hf-llama", "tp=2")])
+def test_public_contract(name, mesh):
+    from runtime_cases import contract
+
+    from conftest import build
+
+    model, inputs = build(name, batch=4)
+    ref_loss = model(*inputs).item()
+    world = 4 if "dp" in mesh else 2
+    for out in pool(world).run(contract, name, mesh, {"sequence_parallel": True}):
+        assert out["forward"] == pytest.approx(ref_loss, rel=1e-6)
+        assert out["state_keys"] and out["state_equal"]  # tied keys both present, persistent buffers too
+        assert out["all_dtensor"]
+        assert out["names"] == [k for k, _ in model.named_parameters()]  # a tied parameter appears once
+        assert out["accumulate"] < 1e-6
+        assert out["load_round_trip"]
