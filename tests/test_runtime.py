@@ -38,9 +38,10 @@ def _check(name, mesh, options, batch=4):
 CASES = [
     ("tp=2", {}), ("tp=2", {"sequence_parallel": True}), ("tp=2", {"microbatches": 2}),
     ("tp=2", {"sequence_parallel": True, "microbatches": 2}),
-    ("tp=4", {}), ("tp=4", {"sequence_parallel": True, "microbatches": 2}),
+    ("tp=4", {}), ("tp=4", {"sequence_parallel": True}), ("tp=4", {"microbatches": 2}),
+    ("tp=4", {"sequence_parallel": True, "microbatches": 2}),
     ("dp=2", {}), ("dp=2", {"microbatches": 2}),
-    ("dp=2,tp=2", {}), ("dp=2,tp=2", {"sequence_parallel": True}),
+    ("dp=2,tp=2", {}), ("dp=2,tp=2", {"sequence_parallel": True}), ("dp=2,tp=2", {"microbatches": 2}),
     ("dp=2,tp=2", {"sequence_parallel": True, "microbatches": 2}),
 ]
 
