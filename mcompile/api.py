@@ -12,7 +12,6 @@ from mcompile import meta as M
 from mcompile.annotate import AnnotationSummary, annotate
 from mcompile.capture import BATCH, SEQ, Captured, capture
 from mcompile.mesh import Mesh
-from mcompile.placements import shard_tensor
 from mcompile.plan import Plan, PlanOptions, SPVariant
 from mcompile.planner import AxisPlanResult, assemble_plan, plan_axes
 
@@ -67,13 +66,7 @@ class Compiled:
             if fqn is None:
                 out[ph] = full
                 continue
-            pp = self.plan.params[fqn]
-            t = full
-            for ax, p in zip(self.mesh.axis_names, pp.placements):
-                padded = None
-                if pp.padded_shape is not None and hasattr(p, "dim"):
-                    padded = pp.padded_shape[p.dim % len(pp.shape)]
-                t = shard_tensor(t, p, coords[ax], self.mesh.size(ax), padded)
+            t = self.plan.params[fqn].local_piece(full, self.mesh, coords)
             out[ph] = t
         return out
 

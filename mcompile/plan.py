@@ -84,6 +84,16 @@ class ParamPlan:
             n *= s
         return n
 
+    def local_piece(self, full, mesh, coords: dict[str, int]):
+        """The piece of the full (unpadded) tensor that the rank at ``coords`` of ``mesh`` holds."""
+        from mcompile.placements import shard_tensor
+
+        t = full
+        for ax, p in zip(mesh.axis_names, self.placements):
+            padded = self.padded_shape[p.dim % len(self.shape)] if self.padded_shape and hasattr(p, "dim") else None
+            t = shard_tensor(t, p, coords[ax], mesh.size(ax), padded)
+        return t
+
 
 @dataclass
 class PlanOptions:

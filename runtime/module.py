@@ -22,18 +22,17 @@ One ``train_step``:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from mcompile import ops
 from mcompile.config import Config, Inputs
-from mcompile.placements import BlockShard, Partial, shard_tensor, unshard_tensors
+from mcompile.placements import BlockShard, Partial, unshard_tensors
 from mcompile.runtime.comm import DistCommunicator
 
 __all__ = ["ParallelModule"]
@@ -105,10 +104,7 @@ class ParallelModule(torch.nn.Module):
     # -- parameters -----------------------------------------------------------------------------
     def _make_param(self, fqn: str, full: torch.Tensor) -> torch.nn.Parameter:
         pp = self.plan.params[fqn]
-        local = full
-        for ax, p in zip(self.mesh.axis_names, pp.placements):
-            padded = pp.padded_shape[p.dim % len(pp.shape)] if pp.padded_shape and hasattr(p, "dim") else None
-            local = shard_tensor(local, p, self._coords[ax], self.mesh.size(ax), padded)
+        local = pp.local_piece(full, self.mesh, self._coords)
         shape = torch.Size(pp.padded_shape or pp.shape)
         dt = DTensor.from_local(local.contiguous(), self.device_mesh, [_torch_placement(p) for p in pp.placements],
                                 run_check=False, shape=shape, stride=_contiguous_stride(shape))
@@ -326,11 +322,8 @@ class ParallelModule(torch.nn.Module):
         if missing:
             raise KeyError(f"load_full_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}")
         for fqn, p in self._params.items():
-            pp = self.plan.params[fqn]
-            local = state[fqn].to(self._device, torch.float32)
-            for ax, pl in zip(self.mesh.axis_names, pp.placements):
-                padded = pp.padded_shape[pl.dim % len(pp.shape)] if pp.padded_shape and hasattr(pl, "dim") else None
-                local = shard_tensor(local, pl, self._coords[ax], self.mesh.size(ax), padded)
+            local = self.plan.params[fqn].local_piece(state[fqn].to(self._device, torch.float32), self.mesh,
+                                                      self._coords)
             p.to_local().copy_(local)
         for fqn in self._persistent_buffers:
             if fqn in state:
@@ -378,4 +371,3 @@ def _batched(t, batch) -> bool:
     return isinstance(t, torch.Tensor) and t.ndim > 0 and t.shape[0] == batch
 
 
-_ = (math, Replicate)
