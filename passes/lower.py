@@ -156,6 +156,7 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
         )
         node.meta[M.COLLECTIVE] = spec
         node.meta[M.ORIGIN] = origin.name
+        node.meta[M.LAYER] = spec.layer
         specs.append(spec)
         return node
 

@@ -66,7 +66,13 @@ class ParallelModule(torch.nn.Module):
         self._coords = self.mesh.coords(self._rank)
         self._device = torch.device("cuda", torch.cuda.current_device()) if device_mesh.device_type == "cuda" \
             else torch.device("cpu")
-        object.__setattr__(self, "_program", compiled.program(self._rank, self._device))
+        from mcompile import meta as M
+        from mcompile.passes.recompute import apply_recompute, recompute_nodes
+
+        program = compiled.program(self._rank, self._device)
+        groups = recompute_nodes(program, config.recompute, config.recompute_method, config.recompute_num_layers)
+        self.plan.recompute = sorted({n.meta.get(M.ORIGIN, n.name) for n in program.graph.nodes if n.name in groups})
+        object.__setattr__(self, "_program", apply_recompute(program, groups))
         cap = compiled.captured
         self._token_weighted = bool(compiled.canonical.get("mean_loss_to_sum_count"))
         self._tied = {fqn: ties for fqn, ties in cap.tied.items()}

@@ -43,6 +43,10 @@ CASES = [
     ("dp=2", {}), ("dp=2", {"microbatches": 2}),
     ("dp=2,tp=2", {}), ("dp=2,tp=2", {"sequence_parallel": True}), ("dp=2,tp=2", {"microbatches": 2}),
     ("dp=2,tp=2", {"sequence_parallel": True, "microbatches": 2}),
+    # activation recompute (mcompile.passes.recompute) leaves every number unchanged
+    ("dp=2,tp=2", {"sequence_parallel": True, "recompute": "full"}),
+    ("dp=2,tp=2", {"recompute": "full", "recompute_method": "block", "microbatches": 2}),
+    ("dp=2,tp=2", {"sequence_parallel": True, "recompute": "selective"}),
 ]
 
 
