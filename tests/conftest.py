@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
+import os
+
+# Triton reads TRITON_INTERPRET once, at its first import (torch.utils.flop_counter imports it):
+# the kernel tests run the Triton kernels on CPU tensors through the interpreter (DESIGN §8).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import warnings  # noqa: E402
 
 import pytest
 import torch
