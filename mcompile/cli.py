@@ -99,8 +99,21 @@ def cmd_plan(args) -> int:
         return 0
     if not args.model:
         raise CLIError("plan needs a MODEL (a preset name, see --list, or module:factory)")
-    c = _compile(args, "meta")
+    c = _compile(args, "cpu" if args.measure else "meta")
     sizes = {"batch": args.batch, "seq": args.seq}
+    measured = None
+    if args.measure:
+        from mcompile.report import measure_per_rank
+
+        if c.mesh.size() > 8:
+            raise CLIError(f"--measure runs every rank in this process: use a mesh of at most 8 ranks, not "
+                           f"{c.mesh.size()}")
+        from mcompile.models import PRESETS
+
+        if args.model not in PRESETS:
+            raise CLIError("--measure works with presets (it makes their inputs at --batch and --seq)")
+        inputs = PRESETS[args.model].example_inputs(batch=args.batch * c.mesh.size("dp"), seq=args.seq)
+        measured = measure_per_rank(c, inputs)
     if args.json:
         d = c.plan.to_dict()
         mem = memory_per_rank(c.plan, args.dtype)
@@ -109,9 +122,18 @@ def cmd_plan(args) -> int:
         d["sizes"] = sizes
         for coll in d["collectives"]:
             coll["bytes_at_sizes"] = collective_bytes(coll["bytes"], sizes)
+        if measured is not None:
+            d["measured_per_rank"] = measured
         print(json.dumps(d, indent=1))
     else:
         print(plan_text(c.plan, sizes, args.dtype))
+        if measured is not None:
+            mem = memory_per_rank(c.plan, args.dtype)
+            print("measured (one step, every rank, live tensor bytes): predicted / measured")
+            for r, m in enumerate(measured):
+                print(f"  rank {r}: parameters {mem.params} / {m['parameters']}, gradients {mem.grads} / "
+                      f"{m['gradients']}, optimizer {mem.optimizer} / {m['optimizer']}, "
+                      f"peak activations - / {m['peak_activations']}")
     return 0
 
 
@@ -152,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     common(pp)
     pp.add_argument("--json", action="store_true")
     pp.add_argument("--list", action="store_true", help="list the presets")
+    pp.add_argument("--measure", action="store_true",
+                    help="small models: also run one step of every rank (threads) and measure its memory")
     pp.set_defaults(func=cmd_plan)
     ps = sub.add_parser("show", help="print the per-rank program as Python")
     common(ps)

@@ -4,8 +4,8 @@ Memory per rank (the convention of Megatron-LM's distributed-optimizer table, Sh
 Korthikanti et al.): parameters in their dtype; gradients in fp32 (Megatron's ``main_grad``;
 with fp32 parameters that is the parameter dtype anyway); AdamW's two moments in fp32, plus an
 fp32 master copy when the parameters are not fp32. Per parameter: fp32 -> 4 + 4 + 8 = 16 B,
-bf16 -> 2 + 4 + 4 + 8 = 18 B. Sharded parameters count their local (padded) piece; tied
-parameters once.
+bf16 -> 2 + 4 + 4 + 8 = 18 B; plus AdamW's 4-byte step count per parameter tensor. Sharded
+parameters count their local (padded) piece; tied parameters once.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def memory_per_rank(plan: Plan, dtype: str | None = None) -> MemoryPerRank:
         n = pp.local_numel
         p += n * size
         g += n * 4
-        o += n * (8 + (4 if size != 4 else 0))
+        o += n * (8 + (4 if size != 4 else 0)) + 4  # + AdamW's 0-d fp32 step count per parameter
     return MemoryPerRank(p, g, o)
 
 
@@ -124,3 +124,37 @@ def plan_text(plan: Plan, sizes: dict[str, int] | None = None, dtype: str | None
     for t in plan_tables(plan, sizes, dtype):
         console.print(t)
     return buf.getvalue()
+
+
+def measure_per_rank(compiled, inputs: tuple, lr: float = 1e-3) -> list[dict[str, int]]:
+    """Run one training step of every rank's program together (threads, the simulated
+    communicator) under :class:`mcompile.runtime.memory.MemoryTracker`; per rank: the bytes of
+    parameters, gradients and AdamW state it then holds, and its peak of activations."""
+    import torch
+
+    from mcompile.runtime.memory import MemoryTracker
+    from mcompile.runtime.sim import ThreadedWorld, run_threads
+
+    state = compiled.captured.state_values()
+    cap = compiled.captured
+
+    def rank_fn(r):
+        local = {k: (v.detach().clone().requires_grad_(True) if k in cap.params else v)
+                 for k, v in compiled.local_state(r, state).items()}
+        params = [local[k] for k in cap.params]
+        prog = compiled.program(r)
+        names = [n.name for n in prog.graph.nodes if n.op == "placeholder"]
+        user = dict(zip(cap.user_inputs, inputs))
+        tracker = MemoryTracker()
+        tracker.register(params, "parameters")
+        opt = torch.optim.AdamW(params, lr=lr)
+        with tracker:
+            out = prog(*[local[n] if n in local else user[n] for n in names])
+            out[0].backward()
+            tracker.register([p.grad for p in params], "gradients")
+            opt.step()
+            tracker.register_optimizer(opt)
+        return {"parameters": tracker.current["parameters"], "gradients": tracker.current["gradients"],
+                "optimizer": tracker.current["optimizer"], "peak_activations": tracker.max["activations"]}
+
+    return run_threads(ThreadedWorld(compiled.mesh), rank_fn)

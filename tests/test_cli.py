@@ -48,7 +48,8 @@ def test_plan_llama3_70b_on_512_fake_ranks_is_cheap_and_its_memory_matches_a_han
     mem = d["memory_per_rank"]
     assert mem["params"] == 4 * local_params  # fp32 parameters as built
     assert mem["grads"] == 4 * local_params  # fp32 gradients
-    assert mem["optimizer"] == 8 * local_params  # AdamW: two fp32 moments
+    n_tensors = L * 9 + 3
+    assert mem["optimizer"] == 8 * local_params + 4 * n_tensors  # AdamW: two fp32 moments, a step each
     # and in bf16 (Megatron's 2 + 4 + 4 + 8 = 18 bytes per parameter)
     assert d["mesh"] == {"dp": 64, "tp": 8}
     n_ar = sum(1 for c in d["collectives"] if c["op"] == "all_reduce" and c["layer"] == 0)
@@ -63,7 +64,8 @@ def test_plan_bf16_memory_is_megatron_18_bytes_per_parameter(capsys):
     local = sum(p["local_shape"][0] * (p["local_shape"][1] if len(p["local_shape"]) > 1 else 1)
                 for p in d["params"].values())
     mem = d["memory_per_rank"]
-    assert (mem["params"], mem["grads"], mem["optimizer"]) == (2 * local, 4 * local, 12 * local)
+    n_tensors = len(d["params"])
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == (2 * local, 4 * local, 12 * local + 4 * n_tensors)
 
 
 def test_plan_prints_tables(capsys):
@@ -103,3 +105,16 @@ def test_unknown_preset_lists_the_presets(capsys):
     assert main(["plan", "nope", "--mesh", "tp=2"]) == 2
     err = capsys.readouterr().err
     assert "llama3-70b" in err and "gpt2-tiny" in err
+
+
+def test_plan_measure_equals_prediction_to_the_byte(capsys):
+    """`--measure` runs one step of every rank's program (threads) under the memory tracker: the
+    parameters, gradients and AdamW state each rank holds equal the plan's prediction exactly."""
+    assert main(["plan", "gpt2-tiny", "--mesh", "tp=2", "--sp", "--measure", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    pred = d["memory_per_rank"]
+    for rank in d["measured_per_rank"]:
+        assert rank["parameters"] == pred["params"]
+        assert rank["gradients"] == pred["grads"]
+        assert rank["optimizer"] == pred["optimizer"]
+        assert rank["peak_activations"] > 0
