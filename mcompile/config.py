@@ -22,6 +22,7 @@ class Config:
     overrides: dict = field(default_factory=dict)  # placement overrides, see mcompile.planner
     bucket_mb: float = 25.0  # data-parallel gradient buckets (MB of fp32 gradients)
     vocab_pad_multiple: int = 1
+    fuse: bool = False  # run RMSNorm / SwiGLU through mcompile's fused kernels (mcompile.passes.fuse)
     recompute: str = "none"  # "none" | "full" | "selective" (attention core), mcompile.passes.recompute
     recompute_method: str = "uniform"  # full recompute: "uniform" (groups of layers) or "block" (first layers)
     recompute_num_layers: int = 1

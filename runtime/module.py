@@ -70,6 +70,11 @@ class ParallelModule(torch.nn.Module):
         from mcompile.passes.recompute import apply_recompute, recompute_nodes
 
         program = compiled.program(self._rank, self._device)
+        if config.fuse:
+            from mcompile.passes.fuse import fuse
+
+            cap0 = compiled.captured
+            self.fused = fuse(program, {n.name: n for n in cap0.gm.graph.nodes}, set(cap0.params))
         groups = recompute_nodes(program, config.recompute, config.recompute_method, config.recompute_num_layers)
         self.plan.recompute = sorted({n.meta.get(M.ORIGIN, n.name) for n in program.graph.nodes if n.name in groups})
         object.__setattr__(self, "_program", apply_recompute(program, groups))

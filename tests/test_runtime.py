@@ -47,6 +47,8 @@ CASES = [
     ("dp=2,tp=2", {"sequence_parallel": True, "recompute": "full"}),
     ("dp=2,tp=2", {"recompute": "full", "recompute_method": "block", "microbatches": 2}),
     ("dp=2,tp=2", {"sequence_parallel": True, "recompute": "selective"}),
+    # fused kernels (mcompile.passes.fuse; Triton through its interpreter in these CPU workers)
+    ("dp=2,tp=2", {"sequence_parallel": True, "fuse": True}),
 ]
 
 
