@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import sympy
 import torch
 import torch.fx as fx
 
-from mcompile import meta as M
 from mcompile.annotate import AnnotationSummary, annotate
 from mcompile.capture import BATCH, SEQ, Captured, capture
 from mcompile.mesh import Mesh
@@ -148,17 +146,6 @@ def plan(
     return compile_plan(model, mesh, example_inputs, example_kwargs, **options).plan
 
 
-def bytes_at(expr: str, cap: Captured, batch: int, seq: int) -> int:
-    e = sympy.sympify(expr)
-    subs = {}
-    if BATCH in cap.symbols:
-        subs[sympy.Symbol(str(cap.symbols[BATCH]))] = batch
-    if SEQ in cap.symbols:
-        subs[sympy.Symbol(str(cap.symbols[SEQ]))] = seq
-    return int(e.subs(subs))
-
-
-_ = M
 
 
 def parallelize(

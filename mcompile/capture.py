@@ -275,8 +275,6 @@ def _from_exported(ep: torch.export.ExportedProgram, model: torch.nn.Module, nam
                     expr = val.shape[d].node.expr
                     if isinstance(expr, sympy.Symbol):
                         symbols[key] = expr
-    sig = ep.call_spec
-    del sig
     input_names = _input_names(ep, len(user_inputs))
     return Captured(
         gm=gm, ep=ep, params=params, buffers=buffers, constants=constants, user_inputs=user_inputs,

@@ -40,9 +40,8 @@ def mean_loss_to_sum_count(gm: fx.GraphModule) -> bool:
     ignore = -100 if ignore is None else ignore
     if node.kwargs or reduction != 1 or weight is not None or smoothing not in (None, 0, 0.0):
         return False
-    if len(users := list(node.users)) != 1 and results[0] is not node:
+    if len(node.users) != 1 and results[0] is not node:
         return False
-    del users
     if x.meta["val"].dtype != torch.float32:  # sum the token losses in fp32 (as Megatron does)
         with gm.graph.inserting_before(node):
             up = gm.graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
