@@ -57,11 +57,9 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is a Linux-only dependency; the references run elsewhere
-    triton = tl = None
+from mcompile.kernels._triton import jit as _jit
+from mcompile.kernels._triton import pow2 as _pow2
+from mcompile.kernels._triton import runs_triton, tl, triton
 
 __all__ = [
     "uses_triton",
@@ -74,20 +72,11 @@ __all__ = [
 _TILE = 4096  # elements per program and loop step: BLOCK_M rows x BLOCK_V columns
 
 
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
 
 def uses_triton(device: torch.device | str) -> bool:
-    """Whether the ops run their Triton kernels for tensors on ``device`` (else the reference): on CUDA,
-    and on CPU when the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` set when
-    this module was imported — Triton reads the switch in ``triton.jit``, later changes do nothing)."""
-    device = torch.device(device)
-    return triton is not None and (device.type == "cuda" or (device.type == "cpu" and _INTERPRETED))
+    """Whether the ops run their Triton kernels for tensors on ``device`` (else the reference)."""
+    return runs_triton(device, _INTERPRETED)
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _valid_cols(v_local: int, vocab_start: int, vocab_size: int) -> int:
