@@ -19,13 +19,12 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from mcompile.models.hf import CausalLMLoss
 
 
 def _model(cfg_kwargs):
@@ -35,15 +34,6 @@ def _model(cfg_kwargs):
     logging.set_verbosity_error()
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**cfg_kwargs))
-
-
-class _Loss(torch.nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, ids, labels):
-        return self.m(input_ids=ids, labels=labels).loss
 
 
 def _dtensor_tp(model, mesh):
@@ -88,7 +78,7 @@ def worker(rank, world, cfg_kwargs, batch, seq, steps):
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg_kwargs["vocab_size"], (batch, seq), generator=g)
-    ours = mc.parallelize(_Loss(_model(cfg_kwargs)), mc.Mesh(tp=world), (ids, ids))
+    ours = mc.parallelize(CausalLMLoss(_model(cfg_kwargs)), mc.Mesh(tp=world), (ids, ids))
     theirs_model = _model(cfg_kwargs)
     theirs = _dtensor_tp(theirs_model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
     opt_a = torch.optim.AdamW(ours.parameters(), lr=1e-3)

@@ -16,15 +16,7 @@ import torch
 MODELS = ["gpt2-tiny", "llama3-tiny", "hf-llama", "hf-gpt2"]
 
 
-class HFLoss(torch.nn.Module):
-    """`model(input_ids=..., labels=...).loss` as forward(ids, labels): the HF model itself is unmodified."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids, labels):
-        return self.m(input_ids=ids, labels=labels).loss
+from mcompile.models.hf import CausalLMLoss as HFLoss  # noqa: E402
 
 
 def build(name: str, seed: int = 0, device=None, batch: int = 2):

@@ -1,0 +1,16 @@
+"""Hugging Face causal LMs as ``forward(ids, labels) -> loss`` — the model itself unmodified."""
+
+from __future__ import annotations
+
+import torch
+
+
+class CausalLMLoss(torch.nn.Module):
+    """``model(input_ids=ids, labels=labels).loss`` as a plain two-argument forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=ids, labels=labels).loss
