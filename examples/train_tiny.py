@@ -16,7 +16,7 @@ import torch.distributed as dist
 import mcompile as mc
 from mcompile.demo import batches
 from mcompile.models import get_preset
-from mcompile.runtime.launch import init_distributed
+from mcompile.runtime.launch import init_distributed, shutdown_distributed
 
 
 def main() -> None:
@@ -39,8 +39,8 @@ def main() -> None:
         opt.zero_grad()
         if dist.get_rank() == 0:
             print(f"step {step} loss {loss.item():.5f}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    main()  # returns first, so the model and its process groups are freed before shutdown
+    shutdown_distributed()

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib
 import os
 import socket
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["init_distributed", "spawn", "WorkerPool", "free_port"]
+__all__ = ["init_distributed", "shutdown_distributed", "spawn", "WorkerPool", "free_port"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -50,6 +51,20 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta = D
     dist.init_process_group(backend, timeout=timeout)
 
 
+def shutdown_distributed() -> None:
+    """Leave torch.distributed cleanly: wait for every rank, then destroy all process groups.
+
+    Call it after the objects that hold process groups (a ParallelModule, its communicator) are
+    gone: a gloo group destroyed during interpreter finalisation, with a worker thread still
+    joinable, aborts the process ("terminate called without an active exception").
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def _resolve(ref: tuple[str, str]):
     module, qualname = ref
     obj = importlib.import_module(module)
@@ -69,7 +84,7 @@ def _spawn_entry(rank, world, port, fn_ref, args, paths, results):
     try:
         results[rank] = _resolve(fn_ref)(rank, world, *args)
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()
 
 
 def spawn(fn, nprocs: int, *args) -> list:
@@ -96,7 +111,7 @@ def _worker(rank, world, port, paths, tasks, results):
             results.put((rank, True, _resolve(fn_ref)(rank, world, *args)))
         except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 class WorkerPool:
