@@ -1,0 +1,491 @@
+"""FP8 training: the cast kernel, the scaled matmuls, delayed scaling, the pass, tracing, training.
+
+What is isolated, and the bounds (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"):
+
+* Cast round trip. E4M3 keeps 3 mantissa bits, so round-to-nearest moves a normal value v (|v| ≥
+  2^-6) by at most half an ulp, 2^-4·|v|; below 2^-6 the spacing is the fixed 2^-9, an error of at
+  most 2^-10. E5M2: 2 bits, 2^-3·|v| above 2^-14, 2^-17 below. With per-tensor scale s (x is stored
+  as v = fl(x·s), read back as v8/s) that is |x̂ − x| ≤ u·|x| + a/s, u = 2^-4 (E5M2: 2^-3) plus
+  2^-22 for the fp32 roundings of x·s and of 1/s (each ≤ 2^-24), a = 2^-10 (E5M2: 2^-17). The test
+  also requires the worst element to reach 85% of the bound: nearest rounding, not truncation (whose
+  error reaches 2u).
+* Scaled matmul, y = x̂ ŵᵀ against float64 x wᵀ. With x̂ = x + ξ, |ξ| ≤ u|x| + α (α = a/s_x), and
+  ŵ = w + η, |η| ≤ u|w| + β: x̂ŵ − xw = ξŵ + xη, so elementwise
+      |y − y64| ≤ (u|x| + α)·((1+u)|w| + β)ᵀ + |x|·(u|w| + β)ᵀ + γ_K·(|x̂|·|ŵ|ᵀ),
+  the last term the fp32 accumulation of K exact FP8 products (γ_K = K·2^-24/(1 − K·2^-24)) and of
+  the final scaling. The same bound with E5M2's u, a for the gradient operand covers dx = ĝŵ and
+  dW = ĝᵀx̂. This worst case adds every error with one sign, so it is loose by ~√K for random data;
+  the tight check is the second one: y equals the float64 product of the *dequantized* operands up
+  to the accumulation term alone.
+* The Triton cast + amax kernel (TRITON_INTERPRET=1 on CPU) against torch's own cast: bit-identical
+  FP8 codes and the same amax, for random shapes with tails of the 1024-element block, fp32 and
+  bf16 inputs, both formats, and scales that push values into saturation and subnormals.
+* Delayed scaling's history (first step = current scaling; one push per backward; oldest dropped;
+  scale from the history's max; saturation; nothing recorded by forward-only or recomputed calls,
+  also in a converted program cut into checkpointed regions by the recompute pass). bf16 operands.
+* The pass on llama3-tiny (14 of 15 linears at tp=1 and 2; at tp=4 the 8-row kv shards stay) and on
+  HF GPT-2 (Conv1D matmuls; the LM head tied to the embedding stays), traced by torch.export and
+  by AOTAutograd (forward and backward one opaque node each; the history update a copy_ in backward).
+* The runtime: Config(fp8=...) through mc.parallelize at tp=2 (gloo workers).
+* Training: FP8 (current scaling) tracks fp32 on llama3-tiny for 200 steps — see
+  test_fp8_training_tracks_fp32 for the bound and its justification.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+# before anything imports triton, which reads it once (TRITON_INTERPRET=0 keeps a GPU run compiled)
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from mcompile import ops  # noqa: E402
+from mcompile.kernels import fp8  # noqa: E402
+from mcompile.kernels.fp8 import E4M3, E5M2  # noqa: E402
+from mcompile.passes.fp8 import FP8, convert_fp8  # noqa: E402
+from mcompile.runtime.sim import ThreadedWorld  # noqa: E402
+
+from conftest import build, compiled, pool  # noqa: E402
+
+U = {E4M3: 2.0**-4 + 2.0**-22, E5M2: 2.0**-3 + 2.0**-22}  # relative rounding bound (module docstring)
+A = {E4M3: 2.0**-10, E5M2: 2.0**-17}  # absolute bound below the smallest normal (half the subnormal step)
+PROPERTY = settings(max_examples=25, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate),
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- casts ---------------------------------------------------------------------------------------
+def _spread(n: int, seed: int) -> torch.Tensor:
+    """Values over 12 binades (log-uniform magnitudes, random signs): normals and, after scaling,
+    subnormals of both formats."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.exp2(torch.rand(n, generator=g, dtype=torch.float64) * 12 - 10)
+    return (mag * torch.randint(0, 2, (n,), generator=g).mul(2).sub(1)).float()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_cast_round_trip_within_half_an_ulp(dtype):
+    x = _spread(20000, 0)
+    scale = fp8.compute_scale(fp8.amax(x), dtype)
+    x8, amax = fp8.cast_to_fp8(x, scale, dtype)
+    assert amax == x.abs().max()
+    back = x8.double() / scale.double()
+    bound = U[dtype] * x.double().abs() + A[dtype] / scale.double()
+    err = (back - x.double()).abs()
+    assert (err <= bound).all(), (err / bound).max()
+    # nearest rounding reaches the bound: the worst normal case, a midpoint just above a power of two,
+    # is u/(1+u) of the value (0.94 u for E4M3, 0.89 u for E5M2); truncation would exceed it (2u/(1+2u))
+    assert (err / bound).max() > 0.85
+    assert x8.float().abs().max() == fp8.fp8_max(dtype)  # the current scale puts amax on the largest value
+
+
+def test_scale_edge_cases():
+    zero, inf, nan = torch.tensor(0.0), torch.tensor(math.inf), torch.tensor(math.nan)
+    for a in (zero, inf, nan, torch.tensor(1e-45)):  # no finite positive scale: keep magnitudes
+        assert fp8.compute_scale(a, E4M3) == 1.0
+    assert fp8.compute_scale(torch.tensor(2.0), E4M3, margin=1) == 448.0 / 2 / 2
+    x8, _ = fp8.cast_to_fp8(torch.tensor([1e6, -1e6, math.inf]), torch.tensor(1.0), E4M3)
+    assert x8.float().tolist() == [448.0, -448.0, 448.0]  # saturation, as Transformer Engine casts
+
+
+def _bound(a, b, ua, aa, ub, ab, a_hat, b_hat):
+    """Elementwise bound on |â b̂ − a b| (module docstring): a (M, K), b (K, N) in float64."""
+    k = a.shape[1]
+    gamma = k * 2.0**-24 / (1 - k * 2.0**-24) + 4 * 2.0**-24
+    a, b = a.abs(), b.abs()
+    return ((ua * a + aa) @ ((1 + ub) * b + ab) + a @ (ub * b + ab)
+            + gamma * (a_hat.abs() @ b_hat.abs()))
+
+
+def test_fp8_linear_forward_and_backward_against_float64():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 16, 64, generator=g) * 3
+    w = torch.randn(48, 64, generator=g) * 0.02
+    dy = torch.randn(3, 16, 48, generator=g) * 1e-3
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8.fp8_linear(xr, wr)
+    y.backward(dy)
+    x64, w64, g64 = x.double().reshape(-1, 64), w.double(), dy.double().reshape(-1, 48)
+    sx, sw, sg = (fp8.compute_scale(fp8.amax(t), dt) for t, dt in ((x, E4M3), (w, E4M3), (dy, E5M2)))
+    xh = fp8.cast_to_fp8_reference(x64.float(), sx, E4M3)[0].double() / sx.double()
+    wh = fp8.cast_to_fp8_reference(w, sw, E4M3)[0].double() / sw.double()
+    gh = fp8.cast_to_fp8_reference(g64.float(), sg, E5M2)[0].double() / sg.double()
+    ax, aw, ag = A[E4M3] / sx.double(), A[E4M3] / sw.double(), A[E5M2] / sg.double()
+    cases = {  # name: (result, exact product, dequantized operands, bound, u of the first operand)
+        "y": (y.reshape(-1, 48), x64 @ w64.T, (xh, wh.T), _bound(x64, w64.T, U[E4M3], ax, U[E4M3], aw, xh, wh.T)),
+        "dx": (xr.grad.reshape(-1, 64), g64 @ w64, (gh, wh), _bound(g64, w64, U[E5M2], ag, U[E4M3], aw, gh, wh)),
+        "dw": (wr.grad, g64.T @ x64, (gh.T, xh), _bound(g64.T, x64, U[E5M2], ag, U[E4M3], ax, gh.T, xh)),
+    }
+    for name, (got, exact, (a_hat, b_hat), bound) in cases.items():
+        got = got.double()
+        assert ((got - exact).abs() <= bound).all(), (name, ((got - exact).abs() / bound).max())
+        # tight: the product of the dequantized operands, up to fp32 accumulation (γ_K) alone
+        k = a_hat.shape[1]
+        gamma = k * 2.0**-24 / (1 - k * 2.0**-24) + 4 * 2.0**-24
+        assert ((got - a_hat @ b_hat).abs() <= gamma * (a_hat.abs() @ b_hat.abs())).all(), name
+        # and the quantization error is really there, of FP8's size (not an fp32 matmul in disguise):
+        # relative error of the result between 2^-8 and twice the larger operand's rounding bound
+        rel = ((got - exact).norm() / exact.norm()).item()
+        assert 2.0**-8 < rel < 2 * (U[E4M3] if name == "y" else U[E5M2]), (name, rel)
+
+
+def test_fp8_linear_in_bf16():
+    """Under Config(dtype=bfloat16) the op gets bf16 activations and the bf16 copy of the weight: y and
+    dx come back in bf16, dw in the weight's dtype, each one rounding of the fp32 result."""
+    x, w, dy = (t.to(torch.bfloat16) for t in _linear_inputs())
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8.fp8_linear(xr, wr)
+    y.backward(dy.to(torch.bfloat16))
+    assert y.dtype == xr.grad.dtype == wr.grad.dtype == torch.bfloat16
+    y32 = fp8.fp8_linear(x.float(), w.float())  # bf16 values are exact in fp32: the same FP8 operands
+    assert torch.equal(y, y32.to(torch.bfloat16))
+
+
+def test_scaled_mm_equals_the_dequantized_fallback():
+    g = torch.Generator().manual_seed(2)
+    a8 = (torch.randn(32, 64, generator=g) * 50).to(E4M3)
+    b8 = (torch.randn(64, 48, generator=g) * 1e-2 * 2**16).to(E5M2)
+    sa, sb = torch.tensor(0.37), torch.tensor(2.0**-16)
+    got = fp8.scaled_mm(a8, b8, sa, sb, torch.float32)
+    ref = (a8.double() * sa.double()) @ (b8.double() * sb.double())
+    assert torch.allclose(got.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+
+
+# ---- the Triton kernel ---------------------------------------------------------------------------
+@pytest.mark.skipif(fp8.triton is None, reason="triton is not installed (Linux-only dependency)")
+@PROPERTY
+@given(shape=st.lists(st.integers(1, 70), min_size=1, max_size=3).filter(lambda s: math.prod(s) <= 6000)
+       | st.sampled_from([(1024,), (1025,), (2047,), (3, 1024)]),
+       dtype=st.sampled_from([E4M3, E5M2]), in_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       log_scale=st.floats(-24, 24), seed=st.integers(0, 2**16))
+def test_triton_cast_amax_matches_torch(shape, dtype, in_dtype, log_scale, seed):
+    if not fp8.uses_triton("cpu"):
+        pytest.skip("TRITON_INTERPRET=0: the kernel is compiled for a GPU; CPU tensors take the reference")
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * torch.exp2(torch.randint(-12, 12, shape, generator=g).float()))
+    x = x.to(in_dtype)
+    scale = torch.tensor(2.0**log_scale)
+    got8, got_amax = fp8.cast_to_fp8(x, scale, dtype)
+    ref8, ref_amax = fp8.cast_to_fp8_reference(x, scale, dtype)
+    assert got8.dtype == dtype and got8.shape == x.shape
+    assert torch.equal(got8.view(torch.uint8), ref8.view(torch.uint8))
+    assert torch.equal(got_amax, ref_amax)
+
+
+@pytest.mark.skipif(fp8.triton is None, reason="triton is not installed (Linux-only dependency)")
+def test_triton_cast_special_values():
+    if not fp8.uses_triton("cpu"):
+        pytest.skip("TRITON_INTERPRET=0: the kernel is compiled for a GPU; CPU tensors take the reference")
+    x = torch.tensor([0.0, -0.0, 1.0625, 17.0, -7.9161, 2.0**-12, 3 * 2.0**-18, 460.0, 1e30, -math.inf])
+    for dtype in (E4M3, E5M2):  # ties to even, carries into the exponent, subnormals, saturation
+        got8, amax = fp8.cast_to_fp8(x, torch.tensor(1.0), dtype)
+        assert torch.equal(got8.view(torch.uint8), fp8.cast_to_fp8_reference(x, torch.tensor(1.0), dtype)[0]
+                           .view(torch.uint8))
+        assert amax == math.inf
+    got8, amax = fp8.cast_to_fp8(torch.tensor([1.0, math.nan]), torch.tensor(1.0), E4M3)
+    assert amax.isnan() and got8.float()[1].isnan()  # NaN propagates: delayed scaling must see it
+
+
+# ---- delayed scaling -----------------------------------------------------------------------------
+def _linear_inputs(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(4, 32, generator=g), torch.randn(16, 32, generator=g) * 0.05, torch.randn(4, 16, generator=g)
+
+
+def test_delayed_scaling_history():
+    x, w, dy = _linear_inputs()
+    hist = fp8.new_amax_history(3)
+    # first step: empty history -> current scaling, exactly
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8.fp8_linear_delayed(xr, wr, hist)
+    assert torch.equal(y, fp8.fp8_linear(x, w))
+    assert not hist.any()  # forward records nothing
+    y.backward(dy)
+    assert hist[:, 0].tolist() == [fp8.amax(x).item(), fp8.amax(w).item(), fp8.amax(dy).item()]
+    assert not hist[:, 1:].any()
+    # steps 2..4: one push per backward, newest first; the oldest falls off after 3
+    for k in (2.0, 0.5, 0.25):
+        fp8.fp8_linear_delayed((x * k).requires_grad_(), w, hist).backward(dy)
+    assert hist[0].tolist() == pytest.approx([0.25 * x.abs().max().item(), 0.5 * x.abs().max().item(),
+                                              2.0 * x.abs().max().item()])
+    # the scale comes from the history's max (2·amax(x)), not from x: x's values land at 448 / 2
+    out = torch.ops.mcompile.fp8_linear_delayed(x, w, hist, 0)
+    x_scale_inv = out[2]
+    assert x_scale_inv == pytest.approx(2 * x.abs().max().item() / 448, rel=1e-6)
+    assert out[1].float().abs().max() == pytest.approx(224, rel=2**-3)
+    # a value beyond the history saturates instead of overflowing
+    big = torch.ops.mcompile.fp8_linear_delayed(x * 10, w, hist, 0)
+    assert big[1].float().abs().max() == 448 and torch.isfinite(big[0]).all()
+    # forward-only runs leave the history alone
+    before = hist.clone()
+    with torch.no_grad():
+        fp8.fp8_linear_delayed(x, w, hist)
+    assert torch.equal(hist, before)
+
+
+def test_delayed_scaling_recompute_records_once():
+    x, w, dy = _linear_inputs()
+    results = []
+    for use_checkpoint in (False, True):
+        hist = fp8.new_amax_history(4)
+        wr = w.clone().requires_grad_()
+        for step in range(3):
+            xr = (x * (step + 1)).requires_grad_()
+            if use_checkpoint:
+                y = torch.utils.checkpoint.checkpoint(fp8.fp8_linear_delayed, xr, wr, hist, use_reentrant=False)
+            else:
+                y = fp8.fp8_linear_delayed(xr, wr, hist)
+            y.backward(dy)
+        results.append((hist.clone(), wr.grad.clone()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert results[0][0][:, :3].all() and not results[0][0][:, 3].any()  # three steps, three columns
+
+
+def test_opcheck():
+    x, w, _ = _linear_inputs()
+    torch.library.opcheck(torch.ops.mcompile.fp8_linear.default, (x, w, 0))
+    torch.library.opcheck(torch.ops.mcompile.fp8_linear_delayed.default, (x, w, fp8.new_amax_history(2), 0))
+
+
+# ---- the pass ------------------------------------------------------------------------------------
+def _convert(name, mesh, recipe="current", rank=0):
+    _, inputs, c, _ = compiled(name, mesh, False)
+    gm = copy.deepcopy(c.program(rank))
+    return c, inputs, gm, convert_fp8(gm, c.plan, dict(c.captured.params), recipe=recipe,
+                                      user_inputs=set(c.captured.user_inputs))
+
+
+@pytest.mark.parametrize("tp, converted, kept", [
+    (1, 14, {"output.weight"}),
+    (2, 14, {"output.weight"}),
+    (4, 10, {"output.weight"} | {f"layers.{i}.attention.{p}.weight" for i in (0, 1) for p in ("wk", "wv")}),
+])
+def test_pass_converts_the_llama_linears(tp, converted, kept):
+    _, _, gm, report = _convert("llama3-tiny", f"tp={tp}")
+    assert len(report.converted) == converted  # 2 layers x (q, k, v, o, gate, up, down)
+    assert {s.fqn for s in report.skipped} == kept
+    assert "LM head" in next(s.reason for s in report.skipped if s.fqn == "output.weight")
+    if tp == 4:  # kv heads: 32 rows / 4 = 8, below torch._scaled_mm's multiple of 16
+        assert all("multiples of 16" in s.reason for s in report.skipped if s.fqn != "output.weight")
+    ops_ = [n for n in gm.graph.nodes if n.target is torch.ops.mcompile.fp8_linear.default]
+    assert len(ops_) == converted and all(n.meta[FP8] == "current" and n.meta.get("mc_layer") is not None
+                                          for n in ops_)
+    assert sum(n.target is torch.ops.aten.linear.default for n in gm.graph.nodes) == len(kept)
+
+
+def test_pass_on_hf_gpt2_conv1d_and_tied_head():
+    _, _, gm, report = _convert("hf-gpt2", "tp=1")
+    assert len(report.converted) == 8  # 2 layers x (c_attn, attn c_proj, c_fc, mlp c_proj): matmul(x, W)
+    (head,) = report.skipped
+    assert "embedding" in head.reason  # lm_head is wte: one weight, kept
+    assert not any(n.target is torch.ops.aten.matmul.default and n.args[1].op == "placeholder"
+                   for n in gm.graph.nodes)
+
+
+def test_config_and_backend_errors():
+    from mcompile.config import Config
+
+    with pytest.raises(ValueError, match="'current' or 'delayed'"):
+        Config(fp8="e4m3")
+    with pytest.raises(ValueError, match="positive integer"):
+        Config(fp8="delayed", fp8_amax_history_len=0)
+    with pytest.raises(ValueError, match="use 'mcompile' or 'te'"):
+        Config(fp8="current", fp8_backend="cublas")
+    _, _, c, _ = compiled("llama3-tiny", "tp=1", False)
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="Transformer Engine"):
+            convert_fp8(copy.deepcopy(c.program(0)), c.plan, dict(c.captured.params), backend="te")
+    else:  # pragma: no cover - not installed on our machines
+        with pytest.raises(NotImplementedError):
+            convert_fp8(copy.deepcopy(c.program(0)), c.plan, dict(c.captured.params), backend="te")
+
+
+def test_cli_shows_the_fp8_linears(capsys):
+    from mcompile.cli import main
+
+    assert main(["show", "llama3-tiny", "--mesh", "tp=2", "--fp8", "delayed"]) == 0
+    out = capsys.readouterr().out
+    assert "14 linears in FP8, 1 kept" in out and out.count("mcompile.fp8_linear_delayed.default(") == 14
+
+
+# ---- tracing -------------------------------------------------------------------------------------
+def _program_args(c, inputs, gm, requires_grad=False):
+    state = c.local_state(0)
+    user = dict(zip(c.captured.user_inputs, inputs))
+    return [state[n].detach().clone().requires_grad_(requires_grad and n in c.captured.params)
+            if n in state else user[n] for n in (p.name for p in gm.graph.nodes if p.op == "placeholder")]
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_converted_program_traces(recipe, monkeypatch):
+    from functorch.compile import aot_module, make_boxed_func
+
+    monkeypatch.setattr(fp8, "_INTERPRETED", False)  # tracing, not the kernel, is under test here
+    c, inputs, gm, _ = _convert("llama3-tiny", "tp=1", recipe)
+    comm = ThreadedWorld(c.mesh).communicator(0)
+    with ops.bind(comm):
+        ep = torch.export.export(copy.deepcopy(gm), tuple(_program_args(c, inputs, gm)), strict=False)
+    op = torch.ops.mcompile.fp8_linear if recipe == "current" else torch.ops.mcompile.fp8_linear_delayed
+    assert sum(n.target is op.default for n in ep.graph.nodes) == 14
+    graphs = {}
+
+    def keep(name):
+        def compiler(g, _):
+            graphs[name] = g
+            return make_boxed_func(g.forward)
+        return compiler
+
+    traced = copy.deepcopy(gm)
+    aot = aot_module(traced, fw_compiler=keep("fw"), bw_compiler=keep("bw"))
+    runs = []
+    for fn in (aot, gm):
+        args = _program_args(c, inputs, gm, requires_grad=True)
+        with ops.bind(comm, process_wide=True):
+            (loss,) = fn(*args)
+            loss.backward()
+        runs.append((loss.detach(), [a.grad for a in args if isinstance(a, torch.Tensor) and a.grad is not None]))
+    assert torch.equal(runs[0][0], runs[1][0]) and all(map(torch.equal, runs[0][1], runs[1][1]))
+    targets = {name: [n.target for n in g.graph.nodes] for name, g in graphs.items()}
+    backward = torch.ops.mcompile.fp8_linear_backward if recipe == "current" else \
+        torch.ops.mcompile.fp8_linear_delayed_backward
+    assert targets["fw"].count(op.default) == 14 and targets["bw"].count(backward.default) == 14
+    if recipe == "delayed":  # the history pushes: copied into the 14 buffers at the end of backward
+        assert targets["bw"].count(torch.ops.aten.copy_.default) == 14
+        assert all(torch.equal(a, b) for a, b in zip(traced.buffers(), gm.buffers()))
+        assert all(b[:, 0].all() for b in gm.buffers())
+
+
+def test_delayed_program_under_recompute_is_exact(monkeypatch):
+    """A converted program cut into checkpointed regions (the runtime applies recompute after fp8):
+    two steps give the same loss, gradients and amax histories, bit for bit — the recomputed forwards
+    use the same scales and record nothing (the history's get_attr nodes travel into the regions)."""
+    from mcompile.passes.recompute import apply_recompute, recompute_nodes
+
+    monkeypatch.setattr(fp8, "_INTERPRETED", False)
+    runs = []
+    for mode in ("none", "full", "selective"):
+        c, inputs, gm, report = _convert("llama3-tiny", "tp=1", "delayed")
+        program = apply_recompute(gm, recompute_nodes(gm, mode, "uniform", 1))
+        args = _program_args(c, inputs, program, requires_grad=True)
+        for _ in range(2):
+            with ops.bind(ThreadedWorld(c.mesh).communicator(0), process_wide=True):
+                (loss,) = program(*args)
+                loss.backward()
+        runs.append((loss.detach(), [a.grad for a in args if isinstance(a, torch.Tensor) and a.grad is not None],
+                     list(report.histories.values())))
+    assert all(h[:, :2].all() and not h[:, 2:].any() for h in runs[0][2])  # two steps, two columns
+    for loss, grads, hist in runs[1:]:
+        assert torch.equal(loss, runs[0][0]) and all(map(torch.equal, grads, runs[0][1]))
+        assert all(map(torch.equal, hist, runs[0][2]))
+
+
+# ---- runtime ------------------------------------------------------------------------------------
+def fp8_train_steps(rank, world, mesh, recipe, steps=2):
+    """Worker: train_step under Config(fp8=recipe); losses, what was converted, the histories."""
+    import mcompile as mc
+
+    model, inputs = build("llama3-tiny", batch=4)
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, fp8=recipe)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        losses.append(pm.train_step(*inputs).item())
+        opt.step()
+        opt.zero_grad()
+    report = pm.fp8
+    histories = {k: v.clone() for k, v in report.histories.items()} if report else {}
+    return losses, (len(report.converted) if report else 0), histories
+
+
+def test_runtime_applies_fp8():
+    p = pool(2)
+    ref = p.run(fp8_train_steps, "tp=2", None)[0][0]
+    for recipe in ("current", "delayed"):
+        (losses, converted, hist), (losses1, _, _) = p.run(fp8_train_steps, "tp=2", recipe)
+        assert converted == 14 and losses == losses1
+        # Two steps from the same start (the workers run the Triton kernel in its interpreter: slow).
+        # FP8 rounds each operand element by ≤ 2^-4 (gradients 2^-3), errors of random sign that
+        # average out in 64- to 128-term sums and the 256-way softmax of the (higher-precision) LM
+        # head. Measured: 1.4e-4 relative at step 1, ≤ 3e-4 after AdamW steps at lr 1e-3; 2e-3 leaves
+        # 7x room, and a wrong FP8 linear (a missed scale) moves the loss by O(1).
+        for a, b in zip(losses, ref):
+            assert abs(a - b) / b < 2e-3, (recipe, losses, ref)
+        if recipe == "delayed":
+            assert len(hist) == 14 and all(h[:, :2].all() and not h[:, 2:].any() for h in hist.values())
+
+
+# ---- training ------------------------------------------------------------------------------------
+STEPS, BATCH, SEQ, LR = 200, 8, 64, 3e-3
+SEEDS = (0, 1, 2, 3)
+
+
+def _train_curve(c, data, recipe, seed):
+    """200 AdamW steps (clipping 1.0) of llama3-tiny's rank-0 program at tp=1, initialised with
+    ``seed``; the training loss of every step."""
+    from mcompile.models import get_preset
+
+    gm = copy.deepcopy(c.program(0))
+    if recipe:
+        convert_fp8(gm, c.plan, dict(c.captured.params), recipe=recipe)
+    torch.manual_seed(seed)
+    weights = get_preset("llama3-tiny").build().state_dict()
+    state = {ph: t.detach().clone() for ph, t in c.captured.state_values().items()}
+    state.update({ph: weights[fqn].detach().clone().requires_grad_() for ph, fqn in c.captured.params.items()})
+    params = [state[ph] for ph in c.captured.params]
+    opt = torch.optim.AdamW(params, lr=LR)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    comm = ThreadedWorld(c.mesh).communicator(0)
+    losses = []
+    for x, y in data:
+        user = dict(zip(c.captured.user_inputs, (x, y)))
+        with ops.bind(comm, process_wide=True):
+            (loss,) = gm(*[state[n] if n in state else user[n] for n in names])
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.timeout(300)
+def test_fp8_training_tracks_fp32(monkeypatch):
+    """llama3-tiny, 200 steps of 8 x 64 bytes of mcompile.demo's corpus, fp32 vs FP8 (current scaling),
+    for 4 initialisations; "final loss" = mean training loss of the last 20 steps (the same batches
+    in both runs).
+
+    Why a mean over the last 20 steps and over seeds, and why 2%. The runs do not follow one
+    trajectory: at lr 3e-3 even a 1e-6 relative perturbation of fp32 weights moves the last step's
+    loss by 0.8% (measured), and FP8's rounding (≤ 2^-4 per operand element, ≤ 2^-3 per gradient
+    element) is a far larger perturbation at every step. So each seed's final-loss gap is a random
+    quantity: over seeds 0-9 it ranged from −1.8% to +2.3% (σ ≈ 1.2%), about the spread of the fp32
+    final loss between seeds itself. What must hold is that FP8 has no systematic cost: the mean gap
+    over seeds 0-9 was +0.2%, over the 4 seeds here +0.1% (standard error ≈ 0.6%), so the bound of 2%
+    sits > 3 standard errors away and passes for the right reason. It fails for a recipe that costs
+    loss: FP8 without scaling (every scale 1: weights of ~0.02 on E4M3's subnormal grid, gradients of
+    the mean loss, ~1e-5, partly below E5M2's smallest subnormal 2^-16) gave a mean gap of +2.7% over
+    these 4 seeds (measured with fp8.compute_scale patched to return 1). bench/fp8_curve.py runs the
+    same comparison through mc.parallelize over 8 seeds (current: +0.13%, delayed: -0.5%).
+    """
+    from mcompile.demo import batches
+
+    # the Triton kernel is bit-identical to its reference (test_triton_cast_amax_matches_torch); the
+    # interpreter would take minutes for 2 x 4 x 200 steps
+    monkeypatch.setattr(fp8, "_INTERPRETED", False)
+    _, _, c, _ = compiled("llama3-tiny", "tp=1", False)
+    data = batches(STEPS, BATCH, SEQ)
+    final = {None: [], "current": []}
+    for seed in SEEDS:
+        for recipe in final:
+            losses = _train_curve(c, data, recipe, seed)
+            assert math.isfinite(losses[-1]) and losses[-1] < losses[0] / 5  # it trained (5.5 -> ~0.5)
+            final[recipe].append(sum(losses[-20:]) / 20)
+    fp32, fp8_ = (sum(v) / len(v) for v in final.values())
+    assert abs(fp8_ - fp32) / fp32 <= 0.02, final
