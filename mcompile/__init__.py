@@ -8,9 +8,11 @@
 from mcompile.api import compile_plan, parallelize, plan
 from mcompile.capture import CaptureError
 from mcompile.config import Config
+from mcompile.cost import Estimate, Layout, Workload, estimate
 from mcompile.mesh import Mesh
 from mcompile.plan import Plan
 from mcompile.propagate import PlanError
 
 __version__ = "0.1.0"
-__all__ = ["CaptureError", "Config", "Mesh", "Plan", "PlanError", "compile_plan", "parallelize", "plan", "__version__"]
+__all__ = ["CaptureError", "Config", "Estimate", "Layout", "Mesh", "Plan", "PlanError", "Workload", "compile_plan",
+           "estimate", "parallelize", "plan", "__version__"]

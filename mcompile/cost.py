@@ -1,0 +1,1089 @@
+"""The cost model: step time, memory and throughput of a layout, from the annotated graph.
+
+``estimate(layout, model, hardware="h100", global_batch=B)`` → :class:`Estimate`. A
+:class:`Layout` says how the model is split (dp, tp, pp, virtual stages, cp, ep, microbatch size,
+schedule, sequence parallelism, recompute, ZeRO); a :class:`Workload` is the model, captured once
+and analysed per (tp, sp); a :class:`~mcompile.hardware.Hardware` profile gives peak rates and
+links. Everything below is symbolic in the batch and the sequence length: the same functions run on
+numbers (``estimate``) and on sympy symbols (``step_time_expr``).
+
+What is analysed
+----------------
+ONE transformer block: the nodes of the captured graph whose ``annotate.layer_index`` is a layer
+(the mean over the captured layers, so a 2-layer capture of a 96-layer preset is enough), times the
+number of layers; plus the nodes before the first layer (embedding: the first pipeline stage) and
+after the last (final norm, head, loss: the last stage). Per node: forward FLOPs and bytes from
+``mcompile.annotate`` (sympy in batch, seq), its op class, and its share on one tp rank from the
+plan's placements (sharded or Partial output, or a sharded operand not all-gathered for it: 1/tp).
+Collectives come from the plan (:class:`mcompile.plan.CollectiveSpec`: kind, axis, bytes, forward and
+backward), so the model's communication is what the compiler really inserts.
+
+Compute time per op (a roofline per node, efficiency constants per op class — never per model)
+------------------------------------------------------------------------------------------------
+    GEMM (linear, matmul):   t_f = max(F / (peak · e_gemm), Y / (bw_hbm · e_mem))
+    attention (SDPA):        t_f = max(F / (peak_bf16 · e_attn), Y / (bw_hbm · e_mem))
+      unfused (``attention_kernel="unfused"``: bmm → softmax → dropout → bmm, Megatron 2021):
+                             t_f = F / (peak_bf16 · e_attn) + (Y + 13 · a·s²·b) / (bw_hbm · e_mem)
+                             (the s×s scores through HBM, 13 bytes per score: ``UNFUSED_ATTENTION_BYTES``)
+    everything else:         t_f = Y / (bw_hbm · e_mem)          (norms, pointwise, softmax, copies:
+                                                                  memory-bound)
+    backward: GEMM/attention 2 · t_f (annotate's BACKWARD_MULTIPLIER); memory-bound ops
+              k_c · t_f with k_c = 2 for elementwise/norm/softmax/loss (read the output gradient and
+              the saved input, write the input gradient), 1 for copies and reductions;
+    weight gradient (zero-bubble split): t_w = t_f of each GEMM with a parameter operand.
+
+F and Y are the node's forward FLOPs and bytes (read + written) on one rank; ``peak`` is the dense
+peak of the layout's precision (FP8 applies to GEMMs only). A layer's time is the sum over its nodes
+(kernels run one after another); the captured layers are averaged (each node and collective counts
+1/n of n captured layers).
+
+Communication (α-β per mesh axis; Thakur, Rabenseifner & Gropp 2005, ring algorithms)
+----------------------------------------------------------------------------------------
+n ranks on the axis, B bytes of the full tensor, β the axis's bandwidth, α its per-step latency:
+
+    all-reduce                2(n−1)·α + 2(n−1)/n · B/β
+    all-gather, reduce-scatter (n−1)·α + (n−1)/n · B/β
+    all-to-all                (n−1)·α + (n−1)/n · B/β
+    send/recv                 α + B/β
+
+Mesh axes are ordered dp, pp, cp, ep, tp (tp innermost: neighbouring ranks). An axis with stride σ
+(product of the sizes inside it) and size n lies inside a node when σ·n ≤ G (G GPUs per node): β =
+NVLink · e_intra. Otherwise it crosses nodes; the group has k = max(1, G/σ) members per node, each
+with its own NIC, so β = min(NVLink, k · NIC) · e_inter and α is the network's.
+
+Per microbatch and layer: tp collectives of the plan (forward ones in forward and again in a full
+recompute, backward ones in backward), not overlapped (Megatron's default without
+``--tp-comm-overlap``); cp: the K/V all-gather (forward) and the dK/dV reduce-scatter (backward),
+overlapped with the attention core: exposed max(0, t_comm − t_attention).
+
+Recompute: full = one more forward of every layer (its collectives included); selective = one
+more forward of the attention core (Korthikanti et al. 2022).
+
+Pipeline (p stages, m = B_global/(dp·b) microbatches, v virtual stages; Narayanan et al. SC'21; Qi
+et al. 2023 for zero bubble)
+--------------------------------------------------------------------------------------------------
+T = t_f + t_b + t_r + t_comm + t_p2p is one microbatch on the slowest stage (L/p layers, plus the
+embedding on the first and the head on the last); the step's pipeline time is
+
+    m · T + bubble,  bubble = (p−1) · T            GPipe, 1F1B  (fraction (p−1)/(m+p−1) of the total)
+                             (p−1) · T / v         interleaved 1F1B
+                             (p−1) · (T − 2 t_w)   ZB-H1: (p−1)(T_F + T_B − T_W) with T_B the input
+                                                   gradient only (≈ 1/3 of 1F1B's when F = B = W)
+
+p2p: each stage sends v activations forward and v gradients backward per microbatch, b·s·h·2 bytes
+(/tp: Megatron's scatter-gather across the tp ranks, SC'21 §4.1, or already sharded under SP; then
+an all-gather over tp), on the pp axis's link; not overlapped.
+
+Data parallelism and the optimizer
+----------------------------------
+Gradients of the slowest stage's local parameters (grad_dtype) are all-reduced over dp·cp (ZeRO-1:
+reduce-scatter of gradients + all-gather of parameters in param_dtype), on the dp axis's link.
+With ``overlap_grad_reduce`` it runs during the last microbatch's backward on the stage: exposed
+max(t_dp − t_window, t_dp / L_stage) (the last layer's bucket always waits); without, all of t_dp.
+The optimizer step is memory-bound: 24 + G (+ P when the parameters are not the fp32 master) bytes
+per local parameter — read and write the fp32 master and two moments, read the gradient, write the
+low-precision copy; ZeRO-1: 1/dp of the parameters — at bw_hbm · e_mem.
+
+    step_time = compute + recompute + tp_comm + cp_comm + pp_p2p + pp_bubble + dp_comm + optimizer
+
+Throughput: ``tflops_per_gpu`` counts matmul-class FLOPs executed (forward, backward = 2×, and the
+recompute forward: Megatron's 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)) for a GPT with full recompute)
+per second per GPU; ``mfu`` counts the model's 3× forward only, against the peak.
+
+Memory: :mod:`mcompile.memory_model` (model state per parameter by precision and ZeRO; activations
+per layer from the graph or Korthikanti's formulas; in-flight microbatches per schedule).
+
+Efficiency constants (:class:`Efficiency`): one set for every model and layout; see its docstring
+for the values and where they come from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import cached_property
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+from mcompile import memory_model as MM
+from mcompile.annotate import BACKWARD_MULTIPLIER, MATMUL_CATEGORIES, layer_index, layer_path, node_cost
+from mcompile.hardware import Hardware, get_hardware
+from mcompile.meta import BYTES_READ, BYTES_WRITTEN, FLOPS, OUT_BYTES
+from mcompile.placements import BlockShard, Partial, Shard
+
+__all__ = [
+    "Schedule",
+    "Recompute",
+    "Layout",
+    "Efficiency",
+    "DEFAULT_EFFICIENCY",
+    "Workload",
+    "ModelProfile",
+    "Estimate",
+    "estimate",
+    "step_time_expr",
+    "collective_time",
+    "axis_link",
+]
+
+BATCH = sympy.Symbol("batch", positive=True, integer=True)
+SEQ = sympy.Symbol("seq", positive=True, integer=True)
+GLOBAL_BATCH = sympy.Symbol("global_batch", positive=True, integer=True)
+
+MESH_ORDER = ("dp", "pp", "cp", "ep", "tp")
+
+
+# --------------------------------------------------------------------------- layout
+
+
+class Schedule(StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"  # interleaved 1F1B (Narayanan et al. SC'21)
+    ZB_H1 = "zb-h1"  # zero bubble, 1F1B memory (Qi et al. 2023)
+
+
+_SCHEDULE_ALIASES = {"zbh1": "zb-h1", "zb_h1": "zb-h1", "interleaved_1f1b": "interleaved",
+                     "interleaved-1f1b": "interleaved"}
+
+
+class Recompute(StrEnum):
+    NONE = "none"
+    SELECTIVE = "selective"  # the attention core (Korthikanti et al. 2022)
+    FULL = "full"  # every layer: only its input is kept
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How a model is laid out: what the search enumerates and ``estimate`` prices.
+
+    Mesh axes in the order dp, pp, cp, ep, tp (tp innermost, on neighbouring GPUs). ``virtual``:
+    model chunks per pipeline stage (interleaved schedule only). ``microbatch_size``: sequences per
+    microbatch per data-parallel rank."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    virtual: int = 1
+    cp: int = 1
+    ep: int = 1
+    microbatch_size: int = 1
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    sequence_parallel: bool = False
+    recompute: Recompute = Recompute.NONE
+    zero: int = 0
+    overlap_grad_reduce: bool = True
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "virtual", "cp", "ep", "microbatch_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Layout {name}={v!r} must be a positive integer")
+        try:
+            name = _SCHEDULE_ALIASES.get(str(self.schedule).lower(), str(self.schedule).lower())
+            object.__setattr__(self, "schedule", Schedule(name))
+        except ValueError:
+            raise ValueError(f"schedule={self.schedule!r}: use one of {', '.join(s.value for s in Schedule)}") from None
+        try:
+            object.__setattr__(self, "recompute", Recompute(self.recompute))
+        except ValueError:
+            raise ValueError(f"recompute={self.recompute!r}: use 'none', 'selective' or 'full'") from None
+        if self.virtual > 1 and self.schedule != Schedule.INTERLEAVED:
+            raise ValueError(f"virtual={self.virtual} needs schedule='interleaved' (got {self.schedule.value!r})")
+        if self.schedule == Schedule.INTERLEAVED and self.pp == 1:
+            raise ValueError("schedule='interleaved' needs pp > 1; with pp=1 use the default '1f1b'")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=True needs tp > 1 (it shards the sequence over the tp ranks)")
+        if self.zero not in (0, 1):
+            raise ValueError(f"zero={self.zero!r}: use 0 (replicated optimizer) or 1 (optimizer state over dp)")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.cp * self.ep * self.tp
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """Axis sizes in mesh order (dp, pp, cp, ep, tp)."""
+        return {a: getattr(self, a) for a in MESH_ORDER}
+
+    def __str__(self) -> str:
+        axes = " ".join(f"{a}={n}" for a, n in self.mesh.items() if n > 1) or "1 GPU"
+        extra = [f"mbs={self.microbatch_size}"]
+        if self.pp > 1:
+            extra.append(self.schedule.value + (f"(v={self.virtual})" if self.virtual > 1 else ""))
+        if self.sequence_parallel:
+            extra.append("sp")
+        if self.recompute != Recompute.NONE:
+            extra.append(f"recompute={self.recompute.value}")
+        if self.zero:
+            extra.append(f"zero={self.zero}")
+        return f"{axes} ({', '.join(extra)})"
+
+
+# --------------------------------------------------------------------------- efficiency constants
+
+
+@dataclass(frozen=True, kw_only=True)
+class Efficiency:
+    """Fractions of a datasheet peak that each op class reaches: ONE set for all models and layouts.
+
+    Chosen once, as round numbers inside the range each kind of kernel is known to reach, and
+    checked against Narayanan et al. SC'21 Table 1 (Megatron-LM on up to 3072 A100s) as a whole —
+    never per row (tests/test_cost.py, bench/cost_sc21.py: every row within ±15 %, at most ~10 %):
+
+    - ``gemm`` 0.80: cuBLAS fp16/bf16 GEMMs of transformer shapes (b·s = 2048+ rows, h ≥ 2k) run at
+      ~240-270 of A100's 312 TFLOP/s.
+    - ``attention`` 0.50: the matmul part of attention (QKᵀ and PV, K = head dim 64-160) runs at
+      about half of peak — flash kernels (FlashAttention-2 on A100: 50-70 %) and batched GEMMs alike.
+      An unfused attention (``attention_kernel="unfused"``, Megatron 2021) additionally moves its
+      s×s scores through HBM (``UNFUSED_ATTENTION_BYTES``), priced at the ``memory`` rate.
+    - ``memory`` 0.85: copies and elementwise kernels on large tensors reach 85-90 % of HBM
+      bandwidth (A100 80GB: ~1.75 of 2.04 TB/s); per-op bytes come unfused from the graph.
+    - ``intra_node`` 0.75: NCCL all-reduce bus bandwidth on DGX A100 (~230 GB/s) over NVLink's
+      300 GB/s per direction.
+    - ``inter_node`` 0.85: NCCL over InfiniBand reaches ~21-23 of HDR's 25 GB/s per NIC.
+
+    A profile measured on its machine (``Hardware.measured``) uses 1 for what was measured and keeps
+    the attention/gemm ratio for attention."""
+
+    gemm: float = 0.80
+    attention: float = 0.50
+    memory: float = 0.85
+    intra_node: float = 0.75
+    inter_node: float = 0.85
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not 0 < v <= 1:
+                raise ValueError(f"Efficiency.{f.name}={v!r} must be in (0, 1]")
+
+    def for_hardware(self, hw: Hardware) -> Efficiency:
+        m = set(hw.measured)
+        return Efficiency(
+            gemm=1.0 if m & {"bf16_flops", "fp32_flops"} else self.gemm,
+            attention=self.attention / self.gemm if m & {"bf16_flops", "fp32_flops"} else self.attention,
+            memory=1.0 if "hbm_bandwidth" in m else self.memory,
+            intra_node=1.0 if "intra_node_bandwidth" in m else self.intra_node,
+            inter_node=1.0 if "inter_node_bandwidth" in m else self.inter_node,
+        )
+
+
+DEFAULT_EFFICIENCY = Efficiency()
+
+# Unfused attention (bmm → softmax → dropout → bmm, Megatron 2021): HBM bytes per s×s score element in
+# forward: QKᵀ writes the scores (2), softmax reads them and writes probabilities (2 + 2), dropout reads
+# those and writes its output and a 1-byte mask (2 + 2 + 1), the PV bmm reads the dropout output (2).
+UNFUSED_ATTENTION_BYTES = 13
+
+# backward bytes multiplier of memory-bound ops, by annotate category (module docstring)
+BACKWARD_BYTES = {"elementwise": 2, "norm": 2, "softmax": 2, "loss": 2, "reduction": 1, "memory": 1, "other": 1,
+                  "unknown": 1, "view": 0}
+
+
+# --------------------------------------------------------------------------- the analysed model
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One node of an analysed section, on one tp rank, forward, per microbatch (sympy in batch, seq)."""
+
+    name: str
+    op_class: str  # "gemm" | "attention" | "memory"
+    category: str  # annotate's category (backward bytes multiplier)
+    flops: sympy.Expr
+    bytes: sympy.Expr
+    weight_grad: bool  # a GEMM with a parameter operand: half its backward is the weight gradient
+    full_flops: sympy.Expr  # the node's FLOPs unsharded (all tp ranks together)
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One collective per microbatch: kind, axis, bytes of the full tensor over the axis, phase."""
+
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | send_recv
+    axis: str
+    bytes: sympy.Expr
+    phase: str  # "forward" | "backward"
+    purpose: str = ""
+    count: sympy.Rational = sympy.Integer(1)  # times per microbatch (1/n for each of n captured layers)
+
+
+@dataclass(frozen=True)
+class Section:
+    """A part of the model on one rank: one transformer layer, or what comes before/after the layers."""
+
+    ops: tuple[OpCost, ...]
+    comms: tuple[CommOp, ...]
+    params: float  # local parameters on one tp rank
+    activations: dict[str, sympy.Expr]  # saved-for-backward bytes per microbatch, by recompute mode
+
+    def _exprs(self) -> list[sympy.Expr]:
+        return ([o.flops for o in self.ops] + [o.bytes for o in self.ops] + [c.bytes for c in self.comms]
+                + [sympy.Add(*[o.full_flops for o in self.ops if o.op_class != "memory"]),
+                   sympy.Add(*[o.full_flops for o in self.ops if o.op_class == "attention"])]
+                + [self.activations[m] for m in RECOMPUTE_MODES])
+
+    @cached_property
+    def _fn(self) -> Callable:
+        return sympy.lambdify((BATCH, SEQ), self._exprs(), modules="math")
+
+    def evaluate(self, b, s) -> SectionValues:
+        """Every quantity of the section at batch b, seq s (numbers: a compiled function; sympy: subs)."""
+        if _is_symbolic(b) or _is_symbolic(s):
+            vals = [sympy.sympify(e).subs({BATCH: b, SEQ: s}) for e in self._exprs()]
+        else:
+            vals = list(self._fn(b, s))
+        n, k = len(self.ops), len(self.comms)
+        return SectionValues(flops=vals[:n], bytes=vals[n:2 * n], comm_bytes=vals[2 * n:2 * n + k],
+                             matmul_flops=vals[2 * n + k], attention_flops=vals[2 * n + k + 1],
+                             activations=dict(zip(RECOMPUTE_MODES, vals[2 * n + k + 2:])))
+
+
+@dataclass(frozen=True)
+class SectionValues:
+    flops: list  # per op, one tp rank, forward
+    bytes: list  # per op
+    comm_bytes: list  # per collective
+    matmul_flops: Any  # unsharded forward FLOPs of GEMMs and attention (all tp ranks together)
+    attention_flops: Any  # unsharded forward FLOPs of attention
+    activations: dict  # saved-for-backward bytes on one rank, by recompute mode
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A model analysed at one (tp, sequence parallel): the sections the cost and memory models price."""
+
+    name: str
+    n_layers: int
+    hidden: int
+    heads: int | None
+    kv_heads: int | None
+    vocab: int | None
+    seq_len: int | None
+    tp: int
+    sequence_parallel: bool
+    sp_variant: str
+    layer: Section
+    pre: Section  # before the first layer (first pipeline stage)
+    post: Section  # after the last layer (last pipeline stage)
+    tied_params: float  # local parameters counted in both pre and post (tied embedding/head)
+    activation_bytes: int = 2  # bytes per element of the residual stream (p2p messages)
+
+
+def _is_symbolic(x) -> bool:
+    return isinstance(x, sympy.Basic) and not x.is_number
+
+
+def _max(*xs):
+    if any(_is_symbolic(x) for x in xs):
+        return sympy.Max(*xs)
+    return max(float(x) for x in xs)
+
+
+def _op_class(category: str) -> str:
+    if category == "attention":
+        return "attention"
+    if category in MATMUL_CATEGORIES:
+        return "gemm"
+    return "memory"
+
+
+def _is_sharded(p) -> bool:
+    if isinstance(p, tuple):
+        return any(_is_sharded(x) for x in p)
+    return isinstance(p, (Shard, BlockShard))
+
+
+def _is_partial(p) -> bool:
+    if isinstance(p, tuple):
+        return any(_is_partial(x) for x in p)
+    return isinstance(p, Partial)
+
+
+def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int | None = None,
+            kv_heads: int | None = None, seq_len: int | None = None) -> ModelProfile:
+    """Analyse a :class:`mcompile.api.Compiled` (captured, annotated, planned) into a ModelProfile.
+
+    ``n_layers``: layers of the real model (the capture may hold fewer: each section is the mean of
+    the captured layers, scaled by ``n_layers``)."""
+    cap, plan = compiled.captured, compiled.plan
+    gm: fx.GraphModule = cap.gm
+    tp = plan.mesh.get("tp", 1)
+    tp_index = list(plan.mesh).index("tp") if "tp" in plan.mesh else None
+    sub = {cap.symbols[k]: v for k, v in (("batch", BATCH), ("seq", SEQ)) if k in cap.symbols}
+    params_ph = set(cap.params) | set(cap.buffers) | set(cap.constants)
+    is_param = lambda n: n.op == "placeholder" and n.name in params_ph  # noqa: E731
+
+    # where each node belongs: a layer index, or before ("pre") / after ("post") the layers
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    layer_of = {n: layer_index(n) for n in nodes}
+    layered = [i for i, n in enumerate(nodes) if layer_of[n] is not None]
+    if not layered:
+        raise ValueError("the captured model has no numbered layers (modules like `layers.0`, `h.0`): the cost "
+                         "model analyses one transformer block and scales it by the layer count")
+    first = layered[0]
+    section_of = {}
+    for i, n in enumerate(nodes):
+        section_of[n] = layer_of[n] if layer_of[n] is not None else ("pre" if i < first else "post")
+    layer_ids = sorted({v for v in layer_of.values() if v is not None})
+    n_cap = len(layer_ids)
+    n_layers = n_layers or n_cap
+
+    gathered = {c.origin for c in plan.collectives if c.forward == "all_gather"}
+    by_name = {n.name: n for n in nodes}
+
+    def placement_of(n: fx.Node):
+        if n.op == "placeholder":
+            fqn = cap.params.get(n.name)
+            if fqn is None or tp_index is None:
+                return None
+            return plan.params[fqn].placements[tp_index]
+        placements = plan.activations.get(n.name)
+        return None if placements is None or tp_index is None else placements[tp_index]
+
+    def share(n: fx.Node) -> sympy.Expr:
+        """The share of node n's work one tp rank does."""
+        if tp == 1:
+            return sympy.Integer(1)
+        out = placement_of(n)
+        if _is_sharded(out) or _is_partial(out):
+            return sympy.Rational(1, tp)
+        for a in n.all_input_nodes:
+            if _is_sharded(placement_of(a)) and a.name not in gathered:
+                return sympy.Rational(1, tp)
+        return sympy.Integer(1)
+
+    def local_fraction(x: fx.Node, consumer: fx.Node):
+        if tp == 1:
+            return sympy.Integer(1)
+        if _is_sharded(placement_of(x)) and x.name not in gathered:
+            return sympy.Rational(1, tp)
+        if _is_sharded(placement_of(x)) and x.name in gathered and plan.options.sp_variant == "regather":
+            return sympy.Rational(1, tp)
+        return sympy.Integer(1)
+
+    def ops_of(members: list[fx.Node], weight) -> list[OpCost]:
+        out = []
+        for n in members:
+            f = sympy.sympify(n.meta.get(FLOPS, 0)).subs(sub)
+            y = sympy.sympify(n.meta.get(BYTES_READ, 0) + n.meta.get(BYTES_WRITTEN, 0)).subs(sub)
+            if f == 0 and y == 0:
+                continue
+            cat = node_cost(n).category if isinstance(n.target, torch._ops.OpOverload) else "other"
+            k = share(n)
+            wgrad = _op_class(cat) == "gemm" and any(is_param(a) for a in n.all_input_nodes)
+            out.append(OpCost(n.name, _op_class(cat), cat, sympy.expand(f * k * weight), sympy.expand(y * k * weight),
+                              wgrad, sympy.expand(f * weight)))
+        return out
+
+    def comms_of(key) -> list[CommOp]:
+        out = []
+        for c in plan.collectives:
+            if c.axis != "tp":
+                continue
+            origin = by_name.get(c.origin)
+            where = c.layer if c.layer is not None else (section_of.get(origin, "post") if origin else "post")
+            if (key == "layer" and not isinstance(where, int)) or (key != "layer" and where != key):
+                continue
+            b = sympy.sympify(c.bytes, locals={"batch": BATCH, "seq": SEQ})
+            w = sympy.Rational(1, n_cap) if key == "layer" else sympy.Integer(1)
+            for phase, kind in (("forward", c.forward), ("backward", c.backward)):
+                kind = {"all_reduce_max": "all_reduce"}.get(kind, kind)
+                if kind in ("all_reduce", "all_gather", "reduce_scatter"):
+                    out.append(CommOp(kind, "tp", b, phase, c.purpose, w))
+        return out
+
+    # parameters per section: layers by module path, the rest by the section that uses them
+    layer_paths = {i: {layer_path(n) for n in nodes if layer_of[n] == i} for i in layer_ids}
+    used_by: dict[str, set] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a.op == "placeholder" and a.name in cap.params:
+                used_by.setdefault(cap.params[a.name], set()).add("layer" if isinstance(section_of[n], int)
+                                                                  else section_of[n])
+    layer_params = pre_params = post_params = tied = 0
+    for fqn, pp in plan.params.items():
+        n_local = pp.local_numel
+        if any(fqn.startswith(p + ".") for ps in layer_paths.values() for p in ps if p):
+            layer_params += n_local
+            continue
+        users = used_by.get(fqn, {"post"})
+        if "pre" in users:
+            pre_params += n_local
+        if "post" in users or "layer" in users:
+            post_params += n_local
+        if "pre" in users and ("post" in users or "layer" in users):
+            tied += n_local
+
+    def acts(members: list[fx.Node], weight, mode: str) -> sympy.Expr:
+        rec = ()
+        if mode == "full":
+            rec = members
+        elif mode == "selective":
+            rec = [n for n in members if _op_class(_cat(n)) == "attention" or _cat(n) == "softmax"]
+        keep = lambda x: BATCH in sympy.sympify(x.meta.get(OUT_BYTES, 0)).subs(sub).free_symbols  # noqa: E731
+        e = MM.saved_for_backward(members, is_param=is_param, local_fraction=local_fraction, recomputed=rec,
+                                  keep_input=keep)
+        return sympy.expand(e.subs(sub) * weight)
+
+    def section(key) -> Section:
+        if key == "layer":
+            members = [n for n in nodes if isinstance(section_of[n], int)]
+            w = sympy.Rational(1, n_cap)
+            # each layer on its own: a recomputed region is one layer (its input kept), never two
+            groups = [[n for n in members if section_of[n] == i] for i in layer_ids]
+            a = {m: sympy.Add(*[acts(g, w, m) for g in groups]) for m in RECOMPUTE_MODES}
+        else:
+            members = [n for n in nodes if section_of[n] == key]
+            w = sympy.Integer(1)
+            a = dict.fromkeys(RECOMPUTE_MODES, acts(members, w, "none"))
+        params = {"layer": layer_params / n_cap, "pre": pre_params, "post": post_params}[key]
+        return Section(tuple(ops_of(members, w)), tuple(comms_of(key)), params, a)
+
+    hidden, vocab, q_heads, k_heads = _shapes(nodes, cap, plan)
+    return ModelProfile(
+        name=name or cap.model_name or plan.model, n_layers=n_layers, hidden=hidden,
+        heads=heads or q_heads, kv_heads=kv_heads or k_heads or heads or q_heads, vocab=vocab, seq_len=seq_len,
+        tp=tp, sequence_parallel=plan.options.sequence_parallel, sp_variant=str(plan.options.sp_variant),
+        layer=section("layer"), pre=section("pre"), post=section("post"), tied_params=tied,
+    )
+
+
+def _cat(n: fx.Node) -> str:
+    return node_cost(n).category if isinstance(n.target, torch._ops.OpOverload) else "other"
+
+
+def _shapes(nodes, cap, plan) -> tuple[int, int | None, int | None, int | None]:
+    """hidden (embedding width), vocabulary (embedding rows), query and key heads (first SDPA)."""
+    hidden = vocab = qh = kh = None
+    for n in nodes:
+        pk = getattr(n.target, "overloadpacket", None)
+        if pk is torch.ops.aten.embedding and vocab is None:
+            w = n.args[0]
+            fqn = cap.params.get(w.name) if isinstance(w, fx.Node) else None
+            if fqn is not None:
+                shape = plan.params[fqn].shape
+                if vocab is None or shape[0] > vocab:
+                    vocab, hidden = shape[0], shape[1]
+        if pk is torch.ops.aten.scaled_dot_product_attention and qh is None:
+            q, k = n.args[0].meta["val"], n.args[1].meta["val"]
+            qh, kh = int(q.shape[-3]), int(k.shape[-3])
+    if hidden is None:
+        raise ValueError("could not find the model's hidden size (no embedding of a parameter table)")
+    return hidden, vocab, qh, kh
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+class Workload:
+    """A model for the cost model: captured on the meta device once per (tp, sequence parallel),
+    annotated, planned, analysed (:func:`analyse`), cached.
+
+    ``Workload.from_preset("llama3-70b")`` captures a 2-layer version of the preset and scales by
+    its layer count. ``Workload(model, example_inputs, n_layers=...)`` takes any model whose
+    forward returns the loss; ``n_layers`` defaults to the captured layers. Build one Workload and
+    reuse it: each new (tp, sp) costs one plan (about a second)."""
+
+    def __init__(self, model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None, *,
+                 n_layers: int | None = None, name: str = "", heads: int | None = None, kv_heads: int | None = None,
+                 seq_len: int | None = None, dtype: torch.dtype = torch.bfloat16):
+        self.model, self.example_inputs, self.example_kwargs = model, example_inputs, example_kwargs
+        self.n_layers, self.name, self.heads, self.kv_heads = n_layers, name, heads, kv_heads
+        self.seq_len, self.dtype = seq_len, dtype
+        self._profiles: dict[tuple[int, bool], ModelProfile] = {}
+
+    @classmethod
+    def from_preset(cls, preset, *, capture_layers: int = 2, dtype: torch.dtype = torch.bfloat16) -> Workload:
+        """A preset (name or :class:`mcompile.models.presets.Preset`) captured with ``capture_layers``
+        layers on the meta device and scaled to its real depth."""
+        from mcompile.models.gpt import GPTConfig
+        from mcompile.models.presets import Preset, get_preset
+
+        p: Preset = get_preset(preset) if isinstance(preset, str) else preset
+        cfg = p.config
+        if isinstance(cfg, GPTConfig):
+            depth, heads, kv = cfg.n_layer, cfg.n_head, cfg.n_head
+            small = dataclasses.replace(p, config=dataclasses.replace(cfg, n_layer=min(capture_layers, depth)))
+        else:
+            depth, heads, kv = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads
+            small = dataclasses.replace(p, config=dataclasses.replace(cfg, n_layers=min(capture_layers, depth)))
+        model = small.build("meta", dtype)
+        inputs = small.example_inputs(batch=2, seq=min(16, p.max_seq_len), device="meta")
+        return cls(model, inputs, n_layers=depth, name=p.name, heads=heads, kv_heads=kv, seq_len=p.max_seq_len,
+                   dtype=dtype)
+
+    @classmethod
+    def from_compiled(cls, compiled, *, n_layers: int | None = None, name: str = "") -> Workload:
+        """The Workload of an already planned model: its own (tp, sp) only."""
+        w = cls(None, (), n_layers=n_layers, name=name)
+        prof = analyse(compiled, n_layers=n_layers, name=name)
+        w._profiles[(prof.tp, prof.sequence_parallel)] = prof
+        return w
+
+    def profile(self, tp: int = 1, sequence_parallel: bool = False) -> ModelProfile:
+        key = (tp, bool(sequence_parallel and tp > 1))
+        if key not in self._profiles:
+            if self.model is None:
+                have = ", ".join(f"tp={t}{' sp' if s else ''}" for t, s in self._profiles)
+                raise ValueError(f"this Workload was made from one compiled plan ({have}); to price tp={tp} "
+                                 f"sp={key[1]}, build it from the model: Workload(model, example_inputs)")
+            from mcompile.api import compile_plan  # the façade: capture, canonicalize, annotate, plan, lower
+            from mcompile.mesh import Mesh
+
+            compiled = compile_plan(self.model, Mesh.fake(tp=tp), self.example_inputs, self.example_kwargs,
+                                    sequence_parallel=key[1], meta_dtype=self.dtype)
+            self._profiles[key] = analyse(compiled, n_layers=self.n_layers, name=self.name, heads=self.heads,
+                                          kv_heads=self.kv_heads, seq_len=self.seq_len)
+        return self._profiles[key]
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def axis_link(layout: Layout, axis: str, hw: Hardware, eff: Efficiency) -> tuple[float, float]:
+    """(β bytes/s, α seconds) of a group along ``axis`` of the layout's mesh (module docstring)."""
+    mesh = layout.mesh
+    n = mesh[axis]
+    stride = math.prod(mesh[a] for a in MESH_ORDER[MESH_ORDER.index(axis) + 1:])
+    g = hw.gpus_per_node
+    if stride * n <= g:
+        return hw.intra_node_bandwidth * eff.intra_node, hw.intra_node_latency
+    per_node = max(1, g // stride)
+    bw = min(hw.intra_node_bandwidth, per_node * hw.inter_node_bandwidth)
+    return bw * eff.inter_node, hw.inter_node_latency
+
+
+def collective_time(kind: str, nbytes, n: int, bandwidth: float, latency: float):
+    """Ring-algorithm time of one collective over n ranks (Thakur et al. 2005); ``nbytes`` is the
+    full tensor (all-gather: the gathered size; reduce-scatter: the input; all-to-all: one rank's
+    buffer; send/recv: the message)."""
+    if n <= 1 and kind != "send_recv":
+        return 0
+    if kind == "all_reduce":
+        return 2 * (n - 1) * latency + _ratio(2 * (n - 1), n, nbytes) * nbytes / bandwidth
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) * latency + _ratio(n - 1, n, nbytes) * nbytes / bandwidth
+    if kind == "send_recv":
+        return latency + nbytes / bandwidth
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _ratio(a: int, b: int, like):
+    """a/b: exact when ``like`` is symbolic, a float otherwise (fast numeric path)."""
+    return sympy.Rational(a, b) if _is_symbolic(like) else a / b
+
+
+def _num(x):
+    """sympy numbers → float; symbolic expressions unchanged."""
+    if isinstance(x, sympy.Basic) and x.is_number:
+        return float(x)
+    return x
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a layout costs: step time (seconds), memory of the largest rank (bytes), throughput."""
+
+    layout: Layout
+    hardware: Hardware
+    global_batch: int
+    seq: int
+    step_time_s: float
+    breakdown: dict[str, float]  # seconds per step, summing to step_time_s
+    memory_bytes: float  # the largest rank
+    memory_breakdown: dict[str, float]  # bytes on that rank
+    fits: bool
+    hardware_flops: float  # matmul-class FLOPs executed per step, all GPUs (recompute included)
+    model_flops: float  # matmul-class FLOPs of forward + backward (3× forward), all GPUs
+    tokens_per_s: float
+    details: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.hardware_flops / self.step_time_s / self.layout.world / 1e12
+
+    @property
+    def mfu(self) -> float:
+        peak = self.details.get("peak_flops", self.hardware.bf16_flops)
+        return self.model_flops / self.step_time_s / self.layout.world / peak
+
+    def __str__(self) -> str:
+        gib = 2**30
+        lines = [f"{self.layout} on {self.layout.world} x {self.hardware.name}, global batch {self.global_batch} "
+                 f"x seq {self.seq}",
+                 f"  step {self.step_time_s:.3f} s   {self.tflops_per_gpu:.1f} TFLOP/s per GPU   MFU {self.mfu:.1%}   "
+                 f"{self.tokens_per_s:,.0f} tokens/s",
+                 f"  memory {self.memory_bytes / gib:.1f} GiB of {self.hardware.hbm_bytes / gib:.1f} GiB "
+                 f"({'fits' if self.fits else 'does NOT fit'})"]
+        lines.append("  time:   " + "  ".join(f"{k} {v:.3g}s" for k, v in self.breakdown.items() if v))
+        lines.append("  memory: " + "  ".join(f"{k} {v / gib:.2f}GiB" for k, v in self.memory_breakdown.items() if v))
+        return "\n".join(lines)
+
+
+def _validate(layout: Layout, prof: ModelProfile, global_batch, seq) -> None:
+    if prof.heads and prof.heads % layout.tp:
+        ok = [t for t in range(1, prof.heads + 1) if prof.heads % t == 0 and
+              (not prof.kv_heads or prof.kv_heads % t == 0)]
+        raise ValueError(f"tp={layout.tp} does not divide num_heads={prof.heads}; valid tp sizes: "
+                         f"{', '.join(map(str, ok))}")
+    if prof.kv_heads and prof.kv_heads % layout.tp:
+        ok = [t for t in range(1, prof.kv_heads + 1) if prof.kv_heads % t == 0]
+        raise ValueError(f"tp={layout.tp} does not divide num_kv_heads={prof.kv_heads}; valid tp sizes: "
+                         f"{', '.join(map(str, ok))}")
+    L = prof.n_layers
+    if layout.pp > L:
+        raise ValueError(f"pp={layout.pp} exceeds the {L} layers of {prof.name or 'the model'}")
+    if layout.schedule == Schedule.INTERLEAVED and L % (layout.pp * layout.virtual):
+        ok = [v for v in range(1, L // layout.pp + 1) if L % (layout.pp * v) == 0] if L % layout.pp == 0 else []
+        raise ValueError(f"interleaved: pp={layout.pp} x virtual={layout.virtual} does not divide {L} layers; "
+                         f"valid virtual sizes at pp={layout.pp}: {', '.join(map(str, ok)) or 'none'}")
+    if layout.ep > 1:
+        raise ValueError("ep > 1: the cost model has no expert (MoE) analysis yet; use ep=1")
+    if not _is_symbolic(global_batch) and global_batch % (layout.dp * layout.microbatch_size):
+        step = layout.dp * layout.microbatch_size
+        raise ValueError(f"the global batch of {global_batch} does not divide by dp={layout.dp} x "
+                         f"microbatch_size={layout.microbatch_size}; use a batch that is a multiple of {step}")
+    if not _is_symbolic(seq) and seq % layout.cp:
+        raise ValueError(f"cp={layout.cp} does not divide the sequence length {seq}")
+    if not _is_symbolic(seq) and layout.sequence_parallel and (seq // layout.cp) % layout.tp:
+        raise ValueError(f"sequence parallelism splits each rank's {seq // layout.cp} positions over tp={layout.tp}: "
+                         "use a sequence length that divides by cp x tp")
+
+
+def _section_times(sec: Section, b, s, layout: Layout, hw: Hardware, eff: Efficiency, precision: str,
+                   attention_kernel: str = "flash", head_dim: float = 1) -> dict:
+    """Per microbatch: forward, backward, weight-gradient, attention-forward times and tp comm, at the
+    rank's own sequence ``s`` (= seq/cp). Under cp a rank's queries still meet every key: attention
+    does cp × the work its s/cp-long piece would alone (s²/cp, not s²/cp²)."""
+    vals = sec.evaluate(b, s)
+    flops, nbytes, cbytes = vals.flops, vals.bytes, vals.comm_bytes
+    cp = layout.cp
+    peak_gemm = hw.peak_flops(precision)
+    peak_attn = hw.peak_flops("bf16" if precision == "fp8" else precision)
+    bw = hw.hbm_bandwidth * eff.memory
+    f = bk = w = attn = 0
+    for op, fl, y in zip(sec.ops, flops, nbytes):
+        if op.op_class == "gemm":
+            t = _max(fl / (peak_gemm * eff.gemm), y / bw)
+            tb = BACKWARD_MULTIPLIER.get(op.category, 2) * t
+            if op.weight_grad:
+                w += t
+        elif op.op_class == "attention":
+            fl, y = fl * cp, y * cp
+            if attention_kernel == "unfused":  # s×s scores through HBM: matmul time + their traffic
+                t = fl / (peak_attn * eff.attention) + (y + UNFUSED_ATTENTION_BYTES * fl / (4 * head_dim)) / bw
+            else:
+                t = _max(fl / (peak_attn * eff.attention), y / bw)
+            tb = BACKWARD_MULTIPLIER.get(op.category, 2) * t
+            attn += t
+        else:
+            t = y / bw
+            tb = BACKWARD_BYTES.get(op.category, 1) * t
+            if op.category == "softmax":
+                attn += t
+        f += t
+        bk += tb
+    cf = cb = 0
+    if layout.tp > 1:
+        beta, alpha = axis_link(layout, "tp", hw, eff)
+        for c, nb in zip(sec.comms, cbytes):
+            t = float(c.count) * collective_time(c.kind, nb, layout.tp, beta, alpha)
+            if c.phase == "forward":
+                cf += t
+            else:
+                cb += t
+    return {"f": f, "b": bk, "w": w, "attn": attn, "comm_f": cf, "comm_b": cb}
+
+
+def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B, s, *, precision: str,
+           param_dtype: str, grad_dtype: str, attention_kernel: str) -> tuple[dict, dict]:
+    """The step-time terms (seconds) and details; B and s may be sympy symbols."""
+    b = layout.microbatch_size
+    m = B / (layout.dp * b)  # microbatches per pipeline per step
+    p, v, cp = layout.pp, layout.virtual, layout.cp
+    s_loc = s / cp
+    L = prof.n_layers
+    L_stage = math.ceil(L / p)
+    kw = dict(attention_kernel=attention_kernel, head_dim=prof.hidden / (prof.heads or 1))
+    lay = _section_times(prof.layer, b, s_loc, layout, hw, eff, precision, **kw)
+    pre = _section_times(prof.pre, b, s_loc, layout, hw, eff, precision, **kw)
+    post = _section_times(prof.post, b, s_loc, layout, hw, eff, precision, **kw)
+
+    # recompute per layer
+    if layout.recompute == Recompute.FULL:
+        rec, rec_comm = lay["f"], lay["comm_f"]
+    elif layout.recompute == Recompute.SELECTIVE:
+        rec, rec_comm = lay["attn"], 0
+    else:
+        rec, rec_comm = 0, 0
+
+    # context parallelism: K/V all-gather forward, reduce-scatter backward, hidden behind attention
+    cp_f = cp_b = 0
+    if cp > 1:
+        beta, alpha = axis_link(layout, "cp", hw, eff)
+        kv = prof.kv_heads or prof.heads or 1
+        kv_bytes = 2 * b * s * prof.hidden * _ratio(kv, prof.heads or kv, s) * prof.activation_bytes / layout.tp
+        t = collective_time("all_gather", kv_bytes, cp, beta, alpha)
+        cp_f = _max(0, t - lay["attn"])
+        cp_b = _max(0, t - 2 * lay["attn"])
+        if layout.recompute == Recompute.FULL:
+            rec_comm = rec_comm + cp_f
+
+    def stage(extra: list[dict]) -> dict:
+        d = {k: L_stage * lay[k] for k in ("f", "b", "w", "comm_f", "comm_b")}
+        d["r"] = L_stage * rec
+        d["comm_r"] = L_stage * rec_comm
+        d["cp"] = L_stage * (cp_f + cp_b)
+        for e in extra:
+            for k in ("f", "b", "w", "comm_f", "comm_b"):
+                d[k] = d[k] + e[k]
+        return d
+
+    stages = [stage([pre, post])] if p == 1 else [stage([pre]), stage([post])]
+
+    # pipeline p2p per microbatch: v sends forward + v backward of b·s·h (/tp), then an all-gather over tp
+    p2p = 0
+    if p > 1:
+        beta, alpha = axis_link(layout, "pp", hw, eff)
+        msg = b * s_loc * prof.hidden * prof.activation_bytes / layout.tp
+        p2p = 2 * v * collective_time("send_recv", msg, 2, beta, alpha)
+        if layout.tp > 1 and not layout.sequence_parallel:
+            tb, ta = axis_link(layout, "tp", hw, eff)
+            p2p = p2p + 2 * v * collective_time("all_gather", msg * layout.tp, layout.tp, tb, ta)
+
+    def total(d):
+        return d["f"] + d["b"] + d["r"] + d["comm_f"] + d["comm_b"] + d["comm_r"] + d["cp"] + p2p
+
+    totals = [total(d) for d in stages]
+    slow = stages[0] if len(stages) == 1 or not _gt(totals[1], totals[0]) else stages[1]
+    T = total(slow)
+    if p == 1:
+        bubble = 0
+    elif layout.schedule == Schedule.INTERLEAVED:
+        bubble = (p - 1) * T / v
+    elif layout.schedule == Schedule.ZB_H1:
+        bubble = (p - 1) * (T - 2 * slow["w"])
+    else:
+        bubble = (p - 1) * T
+
+    # data-parallel gradient reduction (dp x cp ranks hold the same parameters) and the optimizer
+    P_stage = L_stage * prof.layer.params + (prof.pre.params + prof.post.params - prof.tied_params if p == 1
+                                             else max(prof.pre.params, prof.post.params))
+    g_bytes = MM.DTYPE_BYTES[grad_dtype]
+    p_bytes = MM.DTYPE_BYTES[param_dtype]
+    n_dp = layout.dp * cp
+    dp_t = 0
+    if n_dp > 1:
+        beta, alpha = axis_link(layout, "dp", hw, eff)
+        if layout.zero:
+            dp_t = (collective_time("reduce_scatter", P_stage * g_bytes, n_dp, beta, alpha)
+                    + collective_time("all_gather", P_stage * p_bytes, n_dp, beta, alpha))
+        else:
+            dp_t = collective_time("all_reduce", P_stage * g_bytes, n_dp, beta, alpha)
+    if layout.overlap_grad_reduce and n_dp > 1:
+        window = slow["b"] + slow["r"] + slow["comm_b"] + slow["comm_r"]
+        dp_exposed = _max(dp_t - window, dp_t / L_stage)
+    else:
+        dp_exposed = dp_t
+    opt_params = P_stage / (layout.dp if layout.zero else 1)
+    opt_bytes = 24 + g_bytes + (p_bytes if p_bytes != 4 else 0)
+    optimizer = opt_params * opt_bytes / (hw.hbm_bandwidth * eff.memory)
+
+    terms = {
+        "compute": m * (slow["f"] + slow["b"]),
+        "recompute": m * slow["r"],
+        "tp_comm": m * (slow["comm_f"] + slow["comm_b"] + slow["comm_r"]),
+        "cp_comm": m * slow["cp"],
+        "pp_p2p": m * p2p,
+        "pp_bubble": bubble,
+        "dp_comm": dp_exposed,
+        "optimizer": optimizer,
+    }
+    details = {"microbatches": m, "layers_per_stage": L_stage, "params_per_rank": P_stage, "stage_time": T,
+               "stage_weight_grad": slow["w"],
+               "dp_comm_total": dp_t, "layer_forward": lay["f"], "layer_backward": lay["b"],
+               "layer_tp_comm_forward": lay["comm_f"], "layer_tp_comm_backward": lay["comm_b"]}
+    return terms, details
+
+
+def _gt(a, b) -> bool:
+    try:
+        return bool(a > b)
+    except TypeError:  # symbolic: cannot decide; the last stage (head) is usually the slower
+        return True
+
+
+def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_dtype: str,
+            activations: str) -> tuple[float, dict]:
+    """Bytes of the largest rank and its breakdown (module docstring of mcompile.memory_model)."""
+    b, p, v = layout.microbatch_size, layout.pp, layout.virtual
+    m = B / (layout.dp * b)
+    s_loc = s / layout.cp
+    L_stage = math.ceil(prof.n_layers / p)
+    per = MM.model_state_bytes_per_param(param_dtype, grad_dtype, layout.zero, layout.dp * layout.cp)
+    mode = layout.recompute.value
+    if activations == "formula":
+        if not prof.heads:
+            raise ValueError("activations='formula' needs the number of heads (Workload(..., heads=...))")
+        layer_act = MM.activation_bytes_per_layer(s_loc, b, prof.hidden, prof.heads, tp=layout.tp,
+                                                  sequence_parallel=layout.sequence_parallel, recompute=mode,
+                                                  sp_variant=prof.sp_variant)
+        post_act = MM.output_layer_activation_bytes(s_loc, b, prof.hidden, prof.vocab or 0, tp=layout.tp,
+                                                    sequence_parallel=layout.sequence_parallel)
+        pre_act = 0
+    elif activations == "graph":
+        layer_act = prof.layer.evaluate(b, s_loc).activations[mode]
+        pre_act = prof.pre.evaluate(b, s_loc).activations["none"]
+        post_act = prof.post.evaluate(b, s_loc).activations["none"]
+    else:
+        raise ValueError(f"activations={activations!r}: use 'graph' (saved tensors of the captured graph) or "
+                         "'formula' (Korthikanti et al. 2022)")
+    stages = range(p) if p > 1 else [0]
+    best, best_d = None, None
+    for i in (stages[0], stages[-1]) if p > 1 else stages:
+        n_par = L_stage * prof.layer.params
+        extra_act = 0
+        if i == 0:
+            n_par += prof.pre.params
+            extra_act += pre_act
+        if i == p - 1:
+            n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
+            extra_act += post_act
+        inflight = MM.inflight_microbatches(layout.schedule.value, p, i, m, v)
+        d = {
+            "params": n_par * per.params,
+            "grads": n_par * per.grads,
+            "optimizer": n_par * per.optimizer,
+            "activations": inflight * (L_stage * layer_act + extra_act),
+        }
+        tot = sum(d.values())
+        if best is None or _gt(tot, best):
+            best, best_d = tot, {**d, "stage": i, "inflight_microbatches": inflight}
+    return best, best_d
+
+
+def _layout_of(plan_or_layout, model, overrides: dict) -> tuple[Layout, Any]:
+    from mcompile.plan import Plan
+
+    if isinstance(plan_or_layout, Layout):
+        return (dataclasses.replace(plan_or_layout, **overrides) if overrides else plan_or_layout), model
+    compiled = None
+    if hasattr(plan_or_layout, "captured") and hasattr(plan_or_layout, "plan"):  # an api.Compiled
+        compiled, plan = plan_or_layout, plan_or_layout.plan
+    elif isinstance(plan_or_layout, Plan):
+        plan = plan_or_layout
+    else:
+        raise TypeError(f"estimate() takes a Layout, a Plan or a compiled plan, not {type(plan_or_layout).__name__}")
+    fields = {a: plan.mesh.get(a, 1) for a in MESH_ORDER}
+    fields["sequence_parallel"] = plan.options.sequence_parallel
+    if plan.schedule:
+        fields["schedule"] = plan.schedule
+    if getattr(plan, "pipeline", None) and plan.pipeline.get("virtual"):  # the partitioner's stage table
+        fields["virtual"] = int(plan.pipeline["virtual"])
+    fields.update(overrides)
+    layout = Layout(**fields)
+    if model is None and compiled is not None:
+        model = Workload.from_compiled(compiled)
+    return layout, model
+
+
+def _workload(model) -> Workload:
+    if isinstance(model, Workload):
+        return model
+    if model is None:
+        raise ValueError("estimate() needs the model: model=Workload(...), a preset name, or pass a compiled plan")
+    from mcompile.models.presets import Preset
+
+    if isinstance(model, (str, Preset)):
+        return Workload.from_preset(model)
+    raise TypeError(f"model={type(model).__name__}: pass a Workload, a preset name or a Preset")
+
+
+def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", global_batch: int,
+             seq: int | None = None, precision: str = "bf16", param_dtype: str = "bf16", grad_dtype: str = "fp32",
+             activations: str = "graph", attention_kernel: str = "flash", efficiency: Efficiency | None = None,
+             **layout_fields) -> Estimate:
+    """Price a layout: step time, memory of the largest rank, throughput.
+
+    ``plan_or_layout``: a :class:`Layout`; a :class:`mcompile.plan.Plan` (dp/tp/pp from its mesh,
+    sequence parallelism from its options; other Layout fields as keywords); or a compiled plan
+    (``mc.compile_plan(...)``: also gives the model). ``model``: a :class:`Workload` (reuse it), a
+    preset name or Preset. ``seq`` defaults to the model's maximum sequence length.
+    ``activations``: "graph" (saved tensors of the captured graph) or "formula" (Korthikanti et al.).
+    ``attention_kernel``: "flash" (fused SDPA) or "unfused" (Megatron 2021's bmm-softmax-dropout-bmm).
+    ``precision``: matmul precision ("bf16", "fp8" for GEMMs, "fp32"); ``param_dtype``/``grad_dtype``:
+    storage of parameters and of the gradients the data-parallel reduction moves.
+    """
+    if attention_kernel not in ("flash", "unfused"):
+        raise ValueError(f"attention_kernel={attention_kernel!r}: use 'flash' (fused SDPA, what mcompile runs) or "
+                         "'unfused' (bmm, softmax, dropout, bmm: s×s scores through memory)")
+    layout, model = _layout_of(plan_or_layout, model, layout_fields)
+    work = _workload(model)
+    hw = get_hardware(hardware)
+    eff = (efficiency or DEFAULT_EFFICIENCY).for_hardware(hw)
+    prof = work.profile(layout.tp, layout.sequence_parallel)
+    seq = seq or prof.seq_len
+    if seq is None:
+        raise ValueError("estimate() needs seq= (the model states no maximum sequence length)")
+    _validate(layout, prof, global_batch, seq)
+    terms, details = _terms(layout, prof, hw, eff, global_batch, seq, precision=precision, param_dtype=param_dtype,
+                            grad_dtype=grad_dtype, attention_kernel=attention_kernel)
+    terms = {k: float(_num(v)) for k, v in terms.items()}
+    step = sum(terms.values())
+    mem, mem_d = _memory(layout, prof, global_batch, seq, param_dtype=param_dtype, grad_dtype=grad_dtype,
+                         activations=activations)
+    mem = float(_num(mem))
+    mem_d = {k: (float(_num(v)) if k != "stage" else v) for k, v in mem_d.items()}
+    stage_info = {"stage": mem_d.pop("stage"), "inflight_microbatches": mem_d.pop("inflight_microbatches")}
+
+    # matmul-class FLOPs per step (all GPUs): 3x forward, + the recompute forward
+    b = layout.microbatch_size
+    n_seqs = global_batch / b
+    lay_v = prof.layer.evaluate(b, seq)
+    lay_mm = float(lay_v.matmul_flops) * prof.n_layers
+    out_mm = float(prof.pre.evaluate(b, seq).matmul_flops + prof.post.evaluate(b, seq).matmul_flops)
+    model_flops = n_seqs * 3 * (lay_mm + out_mm)
+    if layout.recompute == Recompute.FULL:
+        rec = lay_mm
+    elif layout.recompute == Recompute.SELECTIVE:
+        rec = float(lay_v.attention_flops) * prof.n_layers
+    else:
+        rec = 0.0
+    hardware_flops = model_flops + n_seqs * rec
+    details = {k: float(_num(v)) if not isinstance(v, int) else v for k, v in details.items()}
+    details.update(stage_info, peak_flops=hw.peak_flops(precision), efficiency=eff, activations=activations)
+    return Estimate(layout=layout, hardware=hw, global_batch=global_batch, seq=seq, step_time_s=step,
+                    breakdown=terms, memory_bytes=mem, memory_breakdown=mem_d, fits=mem <= hw.hbm_bytes,
+                    hardware_flops=hardware_flops, model_flops=model_flops, tokens_per_s=global_batch * seq / step,
+                    details=details)
+
+
+def step_time_expr(layout: Layout, model, *, hardware: str | Hardware = "h100", precision: str = "bf16",
+                   param_dtype: str = "bf16", grad_dtype: str = "fp32", attention_kernel: str = "flash",
+                   efficiency: Efficiency | None = None) -> dict[str, sympy.Expr]:
+    """The step-time terms as sympy expressions in ``global_batch`` and ``seq`` (``GLOBAL_BATCH``,
+    ``SEQ``), plus their sum under "step_time"."""
+    work = _workload(model)
+    hw = get_hardware(hardware)
+    eff = (efficiency or DEFAULT_EFFICIENCY).for_hardware(hw)
+    prof = work.profile(layout.tp, layout.sequence_parallel)
+    _validate(layout, prof, GLOBAL_BATCH, SEQ)
+    terms, _ = _terms(layout, prof, hw, eff, GLOBAL_BATCH, SEQ, precision=precision, param_dtype=param_dtype,
+                      grad_dtype=grad_dtype, attention_kernel=attention_kernel)
+    terms = {k: sympy.sympify(v) for k, v in terms.items()}
+    terms["step_time"] = sympy.Add(*terms.values())
+    return terms

@@ -1,0 +1,339 @@
+"""Hardware profiles: what the cost model (:mod:`mcompile.cost`) knows about a machine.
+
+A profile is data — peak dense FLOP/s per precision, HBM capacity and bandwidth, intra-node
+(NVLink) and inter-node (InfiniBand) bandwidth and latency, GPUs per node — and every number
+carries its source. Datasheet numbers are *peaks*; the cost model applies its per-op-class
+efficiency constants (:class:`mcompile.cost.Efficiency`) to them. A profile measured on the machine
+itself (:func:`calibrate`) holds *achieved* rates instead, and lists those fields in ``measured``:
+the cost model then uses efficiency 1 for what was measured.
+
+Conventions
+-----------
+* FLOP/s are dense (no 2:4 sparsity): NVIDIA's datasheets print the sparse figure with an
+  asterisk; the dense one is half of it.
+* Link bandwidths are per GPU and per direction, in bytes/s (NVIDIA quotes NVLink as the
+  bidirectional total: 600 GB/s on A100 is 300 GB/s each way). InfiniBand: one NIC per GPU on
+  DGX/HGX systems, so a GPU's inter-node bandwidth is its NIC's line rate (HDR 200 Gb/s =
+  25 GB/s, NDR 400 Gb/s = 50 GB/s).
+* HBM capacity in bytes as printed (``80 GB`` → 80e9; the usable GiB reported by ``nvidia-smi``
+  is a little larger, so ``fits`` is conservative); HBM bandwidth in bytes/s.
+* Latencies (the α of the α-β model, per ring step) are not datasheet numbers: they are the
+  order of magnitude of NCCL's small-message step latency (NCCL's own tuning model uses a few
+  microseconds per step over NVLink and a few more over the network). Calibrate on the target
+  cluster where latency matters (small messages, many steps).
+
+``get_hardware(name)`` accepts a profile name or alias, case-insensitive; an unknown name is an
+error listing the known ones. ``calibrate()`` measures the current machine: matmul FLOP/s
+(``torch.matmul``), memcpy bandwidth (``Tensor.copy_``: read + write bytes / time) and the α-β of a
+gloo all-reduce over 2 local processes (:func:`mcompile.runtime.launch.spawn`), fitted by least
+squares to the ring all-reduce time 2(n−1)α + 2(n−1)/n · B/β (Thakur et al. 2005).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Hardware", "HARDWARE", "get_hardware", "list_hardware", "calibrate", "measure_collective"]
+
+GB = 1e9
+TB = 1e12
+
+# Sources, cited once and referred to by key from every number below.
+_SRC = {
+    "a100": "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf), "
+    "A100 80GB SXM column",
+    "dgx_a100": "NVIDIA DGX A100 datasheet (nvidia-dgx-a100-80gb-datasheet-web-us.pdf): 8x single-port "
+    "ConnectX-6 HDR 200 Gb/s InfiniBand for compute, 8 GPUs",
+    "h100": "NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100/, datasheet "
+    "2287922), H100 SXM column",
+    "dgx_h100": "NVIDIA DGX H100 datasheet (nvidia.com/en-us/data-center/dgx-h100/): 8x ConnectX-7 "
+    "400 Gb/s (NDR) for compute, 8 GPUs",
+    "h200": "NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200/), H200 SXM column",
+    "dgx_h200": "NVIDIA DGX H200 datasheet (nvidia.com/en-us/data-center/dgx-h200/): 8x ConnectX-7 "
+    "400 Gb/s for compute, 8 GPUs",
+    "b200": "NVIDIA HGX B200 specifications (nvidia.com/en-us/data-center/hgx/, 'Individual Blackwell GPU "
+    "Specifications', HGX B200 column)",
+    "dgx_b200": "NVIDIA DGX B200 datasheet (nvidia.com/en-us/data-center/dgx-b200/): 8x ConnectX-7 "
+    "400 Gb/s for compute, 8 GPUs",
+    "nccl_latency": "assumed order of magnitude of NCCL's per-step latency (NCCL tuning model / "
+    "nccl-tests small-message times); not a datasheet number — calibrate() on the cluster",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One accelerator type in its usual node. Every number is per GPU; ``sources`` says where
+    each came from (field name → citation)."""
+
+    name: str
+    bf16_flops: float  # dense peak, FLOP/s
+    fp8_flops: float | None  # dense peak, FLOP/s; None: no FP8 tensor cores
+    fp32_flops: float  # FLOP/s of fp32 matmuls (TF32 tensor cores on GPUs)
+    hbm_bytes: float
+    hbm_bandwidth: float  # bytes/s
+    intra_node_bandwidth: float  # bytes/s per GPU per direction (NVLink)
+    intra_node_latency: float  # seconds per ring step
+    inter_node_bandwidth: float  # bytes/s per GPU per direction (its NIC)
+    inter_node_latency: float  # seconds per ring step
+    gpus_per_node: int
+    measured: tuple[str, ...] = ()  # fields holding achieved rates (calibrate()), not datasheet peaks
+    sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    def peak_flops(self, dtype: str = "bf16") -> float:
+        """Dense peak FLOP/s of matmuls in ``dtype`` ("bf16"/"fp16", "fp8", "fp32")."""
+        dtype = _DTYPE_ALIASES.get(str(dtype).replace("torch.", ""), str(dtype))
+        if dtype == "bf16":
+            return self.bf16_flops
+        if dtype == "fp32":
+            return self.fp32_flops
+        if dtype == "fp8":
+            if self.fp8_flops is None:
+                raise ValueError(f"{self.name} has no FP8 tensor cores: use precision 'bf16'")
+            return self.fp8_flops
+        raise ValueError(f"unknown precision {dtype!r}: use 'bf16', 'fp8' or 'fp32'")
+
+    def replace(self, **changes) -> Hardware:
+        """A copy with some numbers changed (their sources marked as user-given unless given)."""
+        sources = dict(self.sources)
+        for k in changes:
+            if k in _NUMBER_FIELDS:
+                sources[k] = "given by the user"
+        sources.update(changes.pop("sources", {}))
+        return dataclasses.replace(self, **changes, sources=sources)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Hardware:
+        d = json.loads(text)
+        d["measured"] = tuple(d.get("measured", ()))
+        return cls(**d)
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Hardware:
+        return cls.from_json(Path(path).read_text())
+
+    def describe(self) -> str:
+        """The numbers with their sources, one per line."""
+        lines = [self.name]
+        for f in _NUMBER_FIELDS:
+            tag = " (measured)" if f in self.measured else ""
+            lines.append(f"  {f:22s} {getattr(self, f)!s:>12}{tag}  [{self.sources.get(f, '?')}]")
+        return "\n".join(lines)
+
+
+_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "bf16", "fp16": "bf16", "half": "bf16", "float32": "fp32",
+                  "float": "fp32", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "fp8": "fp8", "bf16": "bf16",
+                  "fp32": "fp32"}
+_NUMBER_FIELDS = ("bf16_flops", "fp8_flops", "fp32_flops", "hbm_bytes", "hbm_bandwidth", "intra_node_bandwidth",
+                  "intra_node_latency", "inter_node_bandwidth", "inter_node_latency", "gpus_per_node")
+
+
+def _gpu(name, *, bf16, fp8, fp32, hbm, hbm_bw, nvlink_bidir, nic_gbit, chip, node, lat_intra=3e-6,
+         lat_inter=6e-6) -> Hardware:
+    src = {
+        "bf16_flops": _SRC[chip] + " (BF16 Tensor Core, sparse figure / 2)",
+        "fp8_flops": (_SRC[chip] + " (FP8 Tensor Core, sparse figure / 2)") if fp8 else _SRC[chip] + " (no FP8)",
+        "fp32_flops": _SRC[chip] + " (TF32 Tensor Core, sparse figure / 2)",
+        "hbm_bytes": _SRC[chip] + " (GPU memory)",
+        "hbm_bandwidth": _SRC[chip] + " (GPU memory bandwidth)",
+        "intra_node_bandwidth": _SRC[chip] + f" (NVLink {nvlink_bidir:g} GB/s bidirectional, / 2 per direction)",
+        "intra_node_latency": _SRC["nccl_latency"],
+        "inter_node_bandwidth": _SRC[node] + f" ({nic_gbit} Gb/s per GPU / 8 bits)",
+        "inter_node_latency": _SRC["nccl_latency"],
+        "gpus_per_node": _SRC[node],
+    }
+    return Hardware(
+        name=name, bf16_flops=bf16 * TB, fp8_flops=fp8 * TB if fp8 else None, fp32_flops=fp32 * TB,
+        hbm_bytes=hbm * GB, hbm_bandwidth=hbm_bw * GB, intra_node_bandwidth=nvlink_bidir / 2 * GB,
+        intra_node_latency=lat_intra, inter_node_bandwidth=nic_gbit / 8 * GB, inter_node_latency=lat_inter,
+        gpus_per_node=8, sources=src,
+    )
+
+
+# Datasheet numbers (dense TFLOP/s; GB; GB/s). Each profile's sources are filled by _gpu().
+_DATASHEETS: dict[str, Hardware] = {
+    "a100-80gb": _gpu("a100-80gb", bf16=312, fp8=None, fp32=156, hbm=80, hbm_bw=2039, nvlink_bidir=600,
+                      nic_gbit=200, chip="a100", node="dgx_a100"),
+    "h100-sxm": _gpu("h100-sxm", bf16=989.5, fp8=1979, fp32=494.5, hbm=80, hbm_bw=3350, nvlink_bidir=900,
+                     nic_gbit=400, chip="h100", node="dgx_h100"),
+    "h200": _gpu("h200", bf16=989.5, fp8=1979, fp32=494.5, hbm=141, hbm_bw=4800, nvlink_bidir=900,
+                 nic_gbit=400, chip="h200", node="dgx_h200"),
+    "b200": _gpu("b200", bf16=2250, fp8=4500, fp32=1100, hbm=180, hbm_bw=7700, nvlink_bidir=1800,
+                 nic_gbit=400, chip="b200", node="dgx_b200"),
+}
+
+# This project's CPU development machine (2 AMD EPYC cores with AVX-512 BF16, torch 2.13 CPU), measured
+# with calibrate(): bf16 matmuls vary 3e11-9e11 FLOP/s between runs, fp32 5e10-7e10, copy 1.4e10-1.7e10
+# B/s, gloo all-reduce β 1.9e9-2.3e9 B/s, α ~7e-5 s; rounded. Re-measure with calibrate() on another machine.
+_CPU_MEASURED = "measured by mcompile.hardware.calibrate() on the project's 2-core CPU development machine"
+_CPU_GLOO = Hardware(
+    name="cpu-gloo", bf16_flops=4.0e11, fp8_flops=None, fp32_flops=6.0e10, hbm_bytes=25e9,
+    hbm_bandwidth=1.6e10, intra_node_bandwidth=2.0e9, intra_node_latency=7e-5,
+    inter_node_bandwidth=2.0e9, inter_node_latency=7e-5, gpus_per_node=2,
+    measured=("bf16_flops", "fp32_flops", "hbm_bandwidth", "intra_node_bandwidth", "intra_node_latency",
+              "inter_node_bandwidth", "inter_node_latency"),
+    sources={f: _CPU_MEASURED for f in _NUMBER_FIELDS}
+    | {"hbm_bytes": "physical memory of the machine (os.sysconf)", "gpus_per_node": "CPU cores of the machine",
+       "fp8_flops": "no FP8 matmul on CPU",
+       "inter_node_bandwidth": "one machine: same as intra-node",
+       "inter_node_latency": "one machine: same as intra-node"},
+)
+
+HARDWARE: dict[str, Hardware] = {**_DATASHEETS, "cpu-gloo": _CPU_GLOO}
+
+_ALIASES = {
+    "a100": "a100-80gb", "a100-sxm": "a100-80gb", "a100-sxm4-80gb": "a100-80gb", "a100_80gb": "a100-80gb",
+    "h100": "h100-sxm", "h100-sxm5": "h100-sxm", "h200-sxm": "h200", "b200-sxm": "b200", "cpu": "cpu-gloo",
+}
+
+
+def list_hardware() -> list[str]:
+    return sorted(HARDWARE)
+
+
+def get_hardware(name: str | Hardware) -> Hardware:
+    """The profile called ``name`` (case-insensitive; aliases like "h100", "a100"), or ``name`` itself
+    if it already is a :class:`Hardware`."""
+    if isinstance(name, Hardware):
+        return name
+    key = str(name).strip().lower()
+    key = _ALIASES.get(key, key)
+    if key not in HARDWARE:
+        raise ValueError(
+            f"unknown hardware {name!r}; known profiles: {', '.join(list_hardware())} "
+            f"(aliases: {', '.join(sorted(_ALIASES))}); or measure this machine with mcompile.hardware.calibrate()"
+        )
+    return HARDWARE[key]
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def _time(fn, reps: int, sync) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _measure_matmul(device, dtype, n: int, reps: int) -> float:
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    return 2 * n**3 / _time(lambda: torch.mm(a, b), reps, sync)
+
+
+def _measure_copy(device, nbytes: int, reps: int) -> float:
+    import torch
+
+    src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    return 2 * src.numel() * 4 / _time(lambda: dst.copy_(src), reps, sync)  # read + write
+
+
+def _allreduce_times(rank: int, world: int, sizes: list[int], reps: int) -> list[float]:
+    """Runs on every rank of a gloo group (spawn): best time of an fp32 all-reduce per size."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    out = []
+    for nbytes in sizes:
+        t = torch.ones(max(1, nbytes // 4))
+        dist.barrier()
+        out.append(_time(lambda t=t: dist.all_reduce(t), reps, lambda: None))
+    return out
+
+
+def fit_alpha_beta(sizes: list[int], times: list[float], n: int) -> tuple[float, float]:
+    """Least-squares fit of t = 2(n−1)α + 2(n−1)/n · B/β (ring all-reduce) → (α seconds, β bytes/s)."""
+    k = len(sizes)
+    mx = sum(sizes) / k
+    mt = sum(times) / k
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    slope = sum((x - mx) * (t - mt) for x, t in zip(sizes, times)) / sxx if sxx else 0.0
+    intercept = mt - slope * mx
+    # a negative intercept is noise: then bound α by the smallest message's whole time
+    alpha = (intercept if intercept > 0 else min(times)) / (2 * (n - 1))
+    beta = (2 * (n - 1) / n) / slope if slope > 0 else float("inf")
+    return alpha, beta
+
+
+def measure_collective(nprocs: int = 2, sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24),
+                       reps: int = 5) -> tuple[float, float]:
+    """α (s) and β (bytes/s) of a gloo all-reduce over ``nprocs`` local CPU processes."""
+    from mcompile.runtime.launch import spawn
+
+    per_rank = spawn(_allreduce_times, nprocs, list(sizes), reps)
+    times = [max(r[i] for r in per_rank) for i in range(len(sizes))]  # a collective ends with its slowest rank
+    return fit_alpha_beta(list(sizes), times, nprocs)
+
+
+def calibrate(base: str | Hardware | None = None, *, device: str | None = None, collectives: bool = True,
+              matmul_size: int | None = None, copy_bytes: int | None = None, reps: int = 5) -> Hardware:
+    """Measure this machine and return a profile of it (the measured fields listed in ``measured``).
+
+    - matmul FLOP/s: ``torch.mm`` of two square ``matmul_size`` matrices, best of ``reps``, in bf16
+      (and fp32 on CPU) (CPU: 1024; CUDA: 8192);
+    - memcpy bandwidth: ``copy_`` of ``copy_bytes`` (CPU 64 MB, CUDA 1 GB), counted as read + write;
+    - collectives (CPU only, ``collectives=True``): gloo all-reduce α-β over 2 local processes.
+
+    ``base``: a datasheet profile whose other numbers (links of a GPU node, FP8) are kept — e.g.
+    ``calibrate("h200")`` on one H200 measures its matmul and copy rates and keeps its NVLink/IB.
+    Without ``base`` on CPU the result is a "cpu-gloo" profile of this machine.
+
+    The collective measurement spawns processes: call it under ``if __name__ == "__main__":`` in a
+    script (Python's spawn start method re-imports the main module).
+    """
+    import torch
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = dev.type == "cuda"
+    n = matmul_size or (8192 if gpu else 1024)
+    nbytes = copy_bytes or ((1 << 30) if gpu else (64 << 20))
+    bf16 = _measure_matmul(dev, torch.bfloat16, n, reps)
+    copy_bw = _measure_copy(dev, nbytes, reps)
+    where = torch.cuda.get_device_name(dev) if gpu else "this CPU"
+    what = f"measured by calibrate() on {where} (torch {torch.__version__})"
+    src = {"bf16_flops": what, "hbm_bandwidth": what}
+    changes: dict = dict(bf16_flops=bf16, hbm_bandwidth=copy_bw)
+    if not gpu:  # on a GPU the profile's fp32 figure is TF32's, which torch.mm does not use by default
+        changes["fp32_flops"] = _measure_matmul(dev, torch.float32, n, reps)
+        src["fp32_flops"] = what
+    if collectives and not gpu:
+        alpha, beta = measure_collective(2)
+        changes |= dict(intra_node_bandwidth=beta, intra_node_latency=alpha, inter_node_bandwidth=beta,
+                        inter_node_latency=alpha)
+        src |= {k: what + " (gloo all-reduce, 2 processes)" for k in
+                ("intra_node_bandwidth", "intra_node_latency", "inter_node_bandwidth", "inter_node_latency")}
+    if base is None:
+        if gpu:
+            raise ValueError("calibrate() on a GPU needs base= a datasheet profile for its links "
+                             f"(one of {', '.join(list_hardware())})")
+        base_hw = _CPU_GLOO
+        changes |= dict(hbm_bytes=float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+                        gpus_per_node=os.cpu_count() or 1)
+    else:
+        base_hw = get_hardware(base)
+    name = base_hw.name if base is not None else "cpu-gloo"
+    measured = tuple(dict.fromkeys((*base_hw.measured, *src)))
+    return dataclasses.replace(base_hw, name=f"{name} (calibrated)" if base is not None else name,
+                               measured=measured, sources={**base_hw.sources, **src}, **changes)

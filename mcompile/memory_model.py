@@ -1,0 +1,320 @@
+"""Memory per rank: parameters, gradients, optimizer state, activations, in-flight microbatches.
+
+Model state (per parameter; Megatron-LM's distributed-optimizer table, docs/source/api-guide/
+dist_optimizer.md, and Rajbhandari et al. 2020, ZeRO)
+-----------------------------------------------------------------------------------------------
+params in ``param_dtype`` (P B), gradients in ``grad_dtype`` (G B), AdamW's two moments in fp32
+(8 B) plus an fp32 master copy when the parameters are not fp32 (4 B):
+
+    ZeRO-0 (plain data parallelism):      P + G + (8 + 4·[P≠4])           bf16+fp32 grads: 2+4+12 = 18 B
+    ZeRO-1 (distributed optimizer, dp=d): P + G + (8 + 4·[P≠4]) / d       bf16+fp32 grads: 6 + 12/d B
+    fp32 params and grads:                4 + 4 + 8 = 16 B,  ZeRO-1: 8 + 8/d B
+
+Activations per transformer layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", Table 2; s sequence, b microbatch, h hidden, a heads, t tp; 16-bit
+activations and 1-byte dropout masks; Megatron's attention with an explicit s×s softmax)
+-------------------------------------------------------------------------------------------------
+
+    no parallelism                  sbh · (34 + 5as/h)
+    tensor parallel                 sbh · (10 + 24/t + 5as/(ht))
+    tensor + sequence parallel      sbh/t · (34 + 5as/h)
+    tp + selective recompute        sbh · (10 + 24/t)
+    tp + sp + selective recompute   sbh/t · 34
+    full recompute                  2sbh (the layer input only; 2sbh/t under sp)
+
+34 = attention 11 (QKV input 2, Q and K 4, V 2, projection input 2, dropout mask 1) + MLP 19 (2 + GeLU
+input 8 + second linear input 8 + mask 1) + two layer-norm inputs 4; 5as/h = softmax output 2as²b +
+its dropout mask as²b + dropout output 2as²b. The sequence-parallel rows assume Megatron's variant
+that saves the *sharded* layer-norm outputs and all-gathers them again in backward
+(``sp_variant="regather"``); mcompile's ``save_gathered`` keeps the gathered ones, adding
+2 · 2sbh·(1 − 1/t) (:func:`activation_bytes_per_layer`).
+
+Outside the layers (Korthikanti §4.3): the first stage's embedding dropout mask sbh/t (sp) and the
+last stage's final norm input, head input and fp32 logits 4sbh/t·(1 + v/h)-ish; modelled by
+:func:`output_layer_activation_bytes`.
+
+Graph path (:func:`saved_for_backward`): the tensors autograd would keep, read off the captured
+graph by op rule — a linear keeps its activation input, SDPA its q, k, v, output and log-sum-exp, a
+norm or a non-linear pointwise op its input, a product its inputs, softmax its output, dropout
+(p > 0) its 1-byte mask; views resolve to the tensor they alias and each tensor counts once. A
+recomputed region keeps its inputs from outside instead of what its own nodes save. It reflects
+the kernels the model really uses (flash attention: no s² term) and any architecture.
+
+In-flight microbatches (activations of how many microbatches a pipeline stage holds at its peak)
+-------------------------------------------------------------------------------------------------
+With p stages, m microbatches, stage i (0-based), v virtual stages (Narayanan et al. SC'21 §2.2):
+
+    GPipe                    m
+    1F1B                     min(p − i, m)
+    interleaved 1F1B         min((2(p − i − 1) + (v − 1)·p + 1) / v, m)   (stage 0: p + (p−1)/v,
+                             Korthikanti's factor 1 + (p−1)/(pv) over 1F1B)
+    ZB-H1                    as 1F1B (Qi et al. 2023, "Zero Bubble Pipeline Parallelism": same peak)
+
+in units of the stage's full activations for one microbatch (an interleaved chunk holds 1/v).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+from mcompile.meta import OUT_BYTES
+
+__all__ = [
+    "DTYPE_BYTES",
+    "MemoryPerRank",
+    "memory_per_rank",
+    "model_state_bytes_per_param",
+    "activation_bytes_per_layer",
+    "output_layer_activation_bytes",
+    "inflight_microbatches",
+    "saved_for_backward",
+]
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "float": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
+               "half": 2, "fp8": 1, "float64": 8}
+
+
+def _nbytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[str(dtype).replace("torch.", "")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}") from None
+
+
+# --------------------------------------------------------------------------- model state
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of one rank's model state."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes_per_param(param_dtype: str = "bf16", grad_dtype: str = "fp32", zero: int = 0,
+                                dp: int = 1) -> StateBytes:
+    """Bytes per parameter (see the module docstring): AdamW, ZeRO level 0 or 1 over ``dp`` ranks."""
+    if zero not in (0, 1):
+        raise ValueError(f"zero={zero}: the memory model knows ZeRO levels 0 and 1")
+    p, g = _nbytes(param_dtype), _nbytes(grad_dtype)
+    opt = 8 + (4 if p != 4 else 0)
+    return StateBytes(p, g, opt / dp if zero >= 1 else opt)
+
+
+@dataclass(frozen=True)
+class MemoryPerRank:
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def memory_per_rank(plan, dtype: str | None = None, zero: int = 0) -> MemoryPerRank:
+    """Bytes of parameters, gradients and AdamW state that one rank of ``plan`` holds (the largest
+    rank: every rank holds the same under tp/dp). Gradients fp32 (Megatron's ``main_grad``); AdamW's
+    moments fp32 plus an fp32 master copy of non-fp32 parameters; plus AdamW's 4-byte step count per
+    parameter tensor. Sharded parameters count their local (padded) piece, tied ones once. ZeRO-1
+    divides the optimizer state by the plan's dp size."""
+    dp = plan.mesh.get("dp", 1)
+    p = g = o = 0
+    for pp in plan.params.values():
+        per = model_state_bytes_per_param(dtype or pp.dtype, "fp32", zero, dp)
+        n = pp.local_numel
+        p += n * int(per.params)
+        g += n * int(per.grads)
+        o += (n * (8 + (4 if per.params != 4 else 0))) // (dp if zero else 1) + 4  # + AdamW's 0-d step
+    return MemoryPerRank(p, g, o)
+
+
+# --------------------------------------------------------------------------- activations (formulas)
+
+
+def activation_bytes_per_layer(s, b, h, a, *, tp: int = 1, sequence_parallel: bool = False,
+                               recompute: str = "none", sp_variant: str = "regather"):
+    """Korthikanti et al. 2022, Table 2: bytes one transformer layer keeps for backward, per rank.
+
+    Works on numbers and on sympy symbols alike. ``recompute``: "none", "selective", "full"."""
+    t = tp
+    sp = sequence_parallel and t > 1
+    if recompute == "full":
+        return 2 * s * b * h / t if sp else 2 * s * b * h
+    attn_core = 5 * a * s / h  # softmax output, its dropout mask, dropout output
+    if recompute == "selective":
+        attn_core = 0
+    elif recompute != "none":
+        raise ValueError(f"recompute={recompute!r}: use 'none', 'selective' or 'full'")
+    if sp:
+        out = s * b * h / t * (34 + attn_core)
+        if sp_variant == "save_gathered":  # QKV and first-MLP inputs kept all-gathered
+            out += 2 * (2 * s * b * h) * (1 - sympy.Rational(1, t) if isinstance(s, sympy.Basic) else 1 - 1 / t)
+        return out
+    return s * b * h * (10 + sympy.Rational(24, t) + attn_core / t if isinstance(s, sympy.Basic)
+                        else 10 + 24 / t + attn_core / t)
+
+
+def output_layer_activation_bytes(s, b, h, vocab, *, tp: int = 1, sequence_parallel: bool = False,
+                                  logits_bytes: int = 4):
+    """Last pipeline stage, outside the layers: final-norm input (2sbh), head input (2sbh, /t under sp)
+    and the logits the loss keeps (``logits_bytes`` per element: fp32 by default), vocab-parallel /t."""
+    t = tp
+    hidden = 4 * s * b * h / t if sequence_parallel and t > 1 else 4 * s * b * h
+    return hidden + logits_bytes * s * b * vocab / t
+
+
+def inflight_microbatches(schedule: str, pp: int, stage: int, microbatches, virtual: int = 1):
+    """How many microbatches' activations stage ``stage`` holds at its peak (module docstring)."""
+    p, i, m, v = pp, stage, microbatches, virtual
+    if p == 1:
+        return 1  # gradient accumulation: one microbatch at a time
+    if schedule == "gpipe":
+        return m
+    if schedule in ("1f1b", "zb-h1"):
+        return _min(p - i, m)
+    if schedule == "interleaved":
+        return _min(sympy.Rational(2 * (p - i - 1) + (v - 1) * p + 1, v), m)
+    raise ValueError(f"schedule {schedule!r}: use 'gpipe', '1f1b', 'interleaved' or 'zb-h1'")
+
+
+def _min(a, b):
+    if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
+        return sympy.Min(a, b)
+    return min(a, b)
+
+
+# --------------------------------------------------------------------------- activations (graph)
+
+aten = torch.ops.aten
+
+_KEEPS_ACTIVATION_INPUTS = {  # linear algebra: keeps the activation operands (weights are parameters)
+    aten.linear, aten.mm, aten.matmul, aten.bmm, aten.addmm, aten.baddbmm, aten.einsum, aten.mul, aten.div,
+    aten.addcmul, aten._scaled_mm,
+}
+_KEEPS_INPUT = {  # norms and non-linear pointwise ops: keep their (first) input
+    aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten.group_norm, aten.gelu, aten.silu, aten.tanh,
+    aten.sigmoid, aten.relu, aten.exp, aten.log, aten.pow, aten.sqrt, aten.sin, aten.cos, aten.var, aten.std,
+    aten.cross_entropy_loss, aten.nll_loss, aten.embedding, aten.mish, aten.softplus, aten.elu, aten.leaky_relu,
+}
+_KEEPS_OUTPUT = {aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.rsqrt, aten.reciprocal}
+_ATTENTION = {
+    getattr(aten, n) for n in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                               "_scaled_dot_product_efficient_attention",
+                               "_scaled_dot_product_flash_attention_for_cpu",
+                               "_scaled_dot_product_cudnn_attention") if hasattr(aten, n)
+}
+
+
+def _packet(node: fx.Node):
+    return getattr(node.target, "overloadpacket", None)
+
+
+def _is_tensor_node(n) -> bool:
+    return isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The node that allocated the storage ``node``'s value lives in (views, getitem, in-place)."""
+    seen = 0
+    while seen < 64:
+        seen += 1
+        if node.op != "call_function":
+            return node
+        out = node.meta.get(OUT_BYTES)
+        if out is not None and out != 0:
+            return node
+        ins = [a for a in node.all_input_nodes if _is_tensor_node(a) or a.op == "call_function"]
+        if not ins:
+            return node
+        node = ins[0]
+    return node
+
+
+def _saved_by(node: fx.Node, is_param: Callable[[fx.Node], bool]) -> list[tuple[fx.Node, str, sympy.Expr | None]]:
+    """What ``node``'s backward keeps: (tensor node, kind, bytes) with kind "tensor" (the tensor's own
+    bytes, ``None``), "mask" (a dropout mask) or "lse" (attention's log-sum-exp)."""
+    from mcompile.annotate import numel
+
+    pk = _packet(node)
+    acts = [a for a in node.all_input_nodes if _is_tensor_node(a) and not is_param(a)]
+    if pk in _ATTENTION:
+        out = node.meta.get("val")
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        kept = [(x, "tensor", None) for x in node.args[:3] if isinstance(x, fx.Node)] + [(node, "tensor", None)]
+        if isinstance(out, torch.Tensor) and out.dim() >= 2:  # fp32 log-sum-exp per (batch, head, query)
+            kept.append((node, "lse", numel(out) / _to_expr(out.shape[-1]) * 4))
+        return kept
+    if pk is aten.dropout:
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.0)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        if not train or not p:
+            return []
+        return [(node, "mask", numel(node.meta["val"]))]  # 1 byte per element
+    if pk in _KEEPS_ACTIVATION_INPUTS:
+        return [(a, "tensor", None) for a in acts if a.meta["val"].dim() > 0]
+    if pk in _KEEPS_INPUT:
+        return [(acts[0], "tensor", None)] if acts else []
+    if pk in _KEEPS_OUTPUT:
+        return [(node, "tensor", None)]
+    return []
+
+
+def _to_expr(x):
+    from mcompile.annotate import to_sympy
+
+    return to_sympy(x)
+
+
+def saved_for_backward(
+    nodes: Iterable[fx.Node],
+    *,
+    is_param: Callable[[fx.Node], bool],
+    local_fraction: Callable[[fx.Node, fx.Node | None], sympy.Expr | float] = lambda x, c: 1,
+    recomputed: Iterable[fx.Node] = (),
+    keep_input: Callable[[fx.Node], bool] = lambda x: True,
+) -> sympy.Expr:
+    """Bytes of the tensors autograd keeps for the backward of ``nodes`` (annotated: OUT_BYTES set).
+
+    ``is_param(n)``: placeholders that are parameters/buffers (not activation memory).
+    ``local_fraction(x, consumer)``: the share of tensor x one rank holds as ``consumer`` uses it
+    (1/tp for a tp-sharded value; 1 when the consumer sees it all-gathered).
+    ``recomputed``: nodes run again in backward (checkpointed): what they keep is dropped and their
+    inputs from outside the recomputed set are kept instead (filtered by ``keep_input``).
+    """
+    nodes = [n for n in nodes if n.op == "call_function"]
+    rset = set(recomputed)
+    kept: dict[tuple[fx.Node, str], sympy.Expr] = {}
+    for n in nodes:
+        if n in rset:
+            continue
+        for x, kind, size in _saved_by(n, is_param):
+            base = _base(x) if kind == "tensor" else x
+            if base.op == "placeholder" and is_param(base):
+                continue
+            if size is None:
+                size = base.meta.get(OUT_BYTES, 0)
+            kept.setdefault((base, kind), sympy.sympify(size) * local_fraction(base, n))
+    for n in nodes:
+        if n not in rset:
+            continue
+        for a in n.all_input_nodes:
+            if a in rset or not _is_tensor_node(a):
+                continue
+            base = _base(a)
+            if base in rset or (base.op == "placeholder" and is_param(base)) or not keep_input(base):
+                continue
+            kept.setdefault((base, "tensor"), sympy.sympify(base.meta.get(OUT_BYTES, 0)) * local_fraction(base, n))
+    return sympy.expand(sympy.Add(*kept.values())) if kept else sympy.Integer(0)
+
