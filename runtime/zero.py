@@ -1,0 +1,473 @@
+"""ZeRO-1: optimizer state and fp32 master weights sharded over the data-parallel axis.
+
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
+(stage 1, optimizer-state partitioning), laid out as Megatron-LM's distributed optimizer does:
+flat buffers per gradient bucket, each dp rank owning one contiguous range of each
+(:mod:`mcompile.buckets`).
+
+Memory per parameter with AdamW (Megatron's table; d = dp size)::
+
+                      parameter  gradient  fp32 master  Adam m + v   total
+    bf16, zero=0          2         4          4           8         18
+    bf16, zero=1          2         4          4/d         8/d       6 + 12/d
+    fp32, zero=1          4         4          -           8/d       8 + 8/d
+
+Under ``Config(dtype=bfloat16, zero=1)`` the model's parameters are held in bf16 (the compute
+dtype) and the fp32 masters live only as this rank's shard; under fp32 the parameters are the fp32
+weights and the master shard *is* this rank's range of the parameter buffer (no copy). Exactly:
+buffers are padded to a multiple of d; the master shard covers the padding of its range; torch's
+optimizer allocates its state per owned parameter segment (padding excluded) and AdamW a 4-byte
+step count per segment (:func:`mcompile.buckets.zero1_memory` predicts all of it to the byte;
+:func:`mcompile.report.memory_per_rank` with ``zero=1`` is the per-tensor table without the layout).
+Everything here is local to the parameters this rank holds, so under pipeline parallelism each
+stage shards its own parameters.
+
+One step:
+
+1. backward: each parameter's gradient is added, as soon as autograd has accumulated it, into its
+   slice of the bucket's fp32 gradient buffer (Megatron's ``main_grad``), and ``.grad`` is freed;
+   when the last piece's backward has finished a whole bucket, the buffer is reduce-scattered over
+   dp in place (fp32, asynchronous, overlapped with the rest of backward): rank r's range now holds
+   the sum over dp of its range;
+2. ``train_step`` ends: gradients Partial over tp (sequence-parallel norm weights) are all-reduced
+   over tp on the owned segments only (1/d of the bytes), and everything is divided by the global
+   token count; gradients kept from an earlier ``train_step`` (no ``zero_grad`` between) are added;
+3. ``DistributedOptimizer.step``: any element-wise torch optimizer updates this rank's segments
+   (its parameters are the segments of the fp32 master shard, each with its gradient slice as
+   ``.grad``); the updated range is cast into the parameter buffer and the buffer all-gathered over
+   dp in place, so every rank again holds all parameters.
+
+Gradient clipping (:meth:`DistributedOptimizer.clip_grad_norm_`): the global norm
+``||g||_p = (sum over distinct elements |g|^p)^(1/p)`` with each element counted once. Over dp the
+owned ranges partition the buffer: a sum over dp. Over every other axis an element is distinct per
+rank if its parameter is sharded over that axis (sum over the axis), and the same on every rank if
+it is replicated there (count it on the axis's rank 0 only). So per rank, one partial sum per
+"set of axes the parameter is sharded over"; all-reduce the vector over dp; then, per other axis,
+zero the entries of parameters replicated over it on ranks other than its rank 0 and all-reduce
+over it (adding exact zeros: no rounding). Under pipeline parallelism the stages hold disjoint
+parameters: pp sums like a sharded axis.
+
+``pm.parameters()`` carry no ``.grad`` under zero=1 (the gradients live in the buffers), so
+``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)`` is for zero=0 only; ``pm.full_grads()``
+all-gathers the owned ranges.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from mcompile.buckets import BucketLayout, Segment, bucket_layouts
+from mcompile.placements import BlockShard, Shard
+from mcompile.runtime.comm import _ALL_GATHER, _REDUCE_SCATTER
+
+__all__ = ["DistributedOptimizer", "ZeroBuffers"]
+
+# Optimizers whose update of an element depends on other elements of the same tensor (factored or
+# orthogonalised statistics, line searches, sparse gradients): a flat segment of a parameter would
+# give another update than the whole tensor.
+_NOT_ELEMENTWISE = tuple(getattr(torch.optim, n) for n in ("LBFGS", "Adafactor", "Muon", "SparseAdam")
+                         if hasattr(torch.optim, n))
+
+
+@dataclass
+class _Bucket:
+    layout: BucketLayout
+    params: list  # the model's parameters (DTensors), in layout order
+    param_buf: torch.Tensor  # (padded,) in the parameter dtype; the parameters' local pieces are views
+    grad_buf: torch.Tensor  # (padded,) fp32
+    master: torch.Tensor  # (shard,) fp32: this rank's range (a view of param_buf when that is fp32)
+    lo: int
+    hi: int
+    ready: int = 0
+    work: object = None
+    open: bool = False  # gradients of this step are being accumulated
+    valid: bool = False  # the owned range holds gradients (not zeroed since)
+    saved: torch.Tensor | None = None  # owned gradients of an earlier train_step, added back at the end
+    grad_views: dict = field(default_factory=dict)  # id(param) -> flat fp32 slice of grad_buf
+
+    @property
+    def owned_grad(self) -> torch.Tensor:
+        return self.grad_buf[self.lo:self.hi]
+
+
+class ZeroBuffers:
+    """The flat parameter / gradient / master buffers of one rank (``ParallelModule._zero``).
+
+    Built by the ParallelModule when ``Config(zero=1)`` and dp > 1: re-registers every parameter as
+    a view of its bucket's parameter buffer (in the compute dtype) and keeps the fp32 master shard."""
+
+    def __init__(self, pm):
+        self.dp = pm.mesh.size("dp")
+        self.dp_rank = pm._coords["dp"]
+        self.coords = dict(pm._coords)
+        self.axis_names = pm.mesh.axis_names
+        self.axis_sizes = {a: pm.mesh.size(a) for a in self.axis_names}
+        self.groups = pm._comm.groups
+        self.param_dtype = pm.config.dtype
+        self.optimizer_attached = False
+        plan = pm.plan
+        order = []
+        for fqn in reversed(list(pm._params)):
+            p = pm._params[fqn]
+            axes = [a for a in plan.params[fqn].grad_partial_axes if pm.mesh.size(a) > 1]
+            if "dp" in axes:
+                order.append((fqn, p.to_local().numel()))
+            elif p.requires_grad:
+                raise NotImplementedError(f"ZeRO-1: {fqn} has a gradient that is not reduced over dp")
+        layouts = bucket_layouts(order, self.dp, int(pm.config.bucket_mb * 2**20))
+        self.fqn_order = [f for f in pm._params if any(f in lay.fqns for lay in layouts)]
+        self.buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        # the placement of each parameter over every axis but dp: which axes its elements differ on
+        self._sharded_axes: dict[str, frozenset] = {}
+        for fqn in self.fqn_order:
+            pp = plan.params[fqn]
+            sharded = {a for a, pl in zip(self.axis_names, pp.placements) if isinstance(pl, Shard | BlockShard)}
+            if "pp" in self.axis_sizes:
+                sharded.add("pp")  # stages hold disjoint parameters
+            self._sharded_axes[fqn] = frozenset(a for a in sharded if a != "dp" and self.axis_sizes[a] > 1)
+        self._norm_keys = sorted(set(self._sharded_axes.values()), key=sorted)
+        pipe = getattr(pm, "_pipe", None)  # a tied weight on two pipeline stages: its owner counts it
+        self._not_counted = {f for f in self.fqn_order if pipe is not None and pipe.owner[f] != pipe.pp_rank}
+        for lay in layouts:
+            params = [pm._params[f] for f in lay.fqns]
+            full = torch.zeros(lay.padded, dtype=torch.float32, device=pm._device)
+            for p, off, n in zip(params, lay.offsets, lay.numels):
+                full[off:off + n].copy_(p.detach().to_local().reshape(-1))
+            lo, hi = lay.owned(self.dp_rank)
+            if self.param_dtype == torch.float32:
+                param_buf = full
+                master = full[lo:hi]  # the master shard is the parameters' own range
+            else:
+                master = full[lo:hi].clone()
+                param_buf = full.to(self.param_dtype)
+                del full
+            b = _Bucket(lay, [], param_buf, torch.zeros(lay.padded, dtype=torch.float32, device=pm._device),
+                        master, lo, hi)
+            for fqn, p, off, n in zip(lay.fqns, params, lay.offsets, lay.numels):
+                local = param_buf[off:off + n].view(p.to_local().shape)
+                dt = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                        stride=p.stride())
+                new = torch.nn.Parameter(dt, requires_grad=True)
+                pm._register(fqn, new)
+                b.params.append(new)
+                b.grad_views[id(new)] = b.grad_buf[off:off + n]
+                self._bucket_of[id(new)] = b
+            self.buckets.append(b)
+        # the optimizer's parameters: this rank's segments of the master shard, with their gradients
+        self.segments: list[tuple[Segment, _Bucket, torch.nn.Parameter]] = []
+        for b in self.buckets:
+            for seg in b.layout.segments(self.dp_rank):
+                master_seg = torch.nn.Parameter(b.master[seg.start - b.lo:seg.stop - b.lo], requires_grad=True)
+                self.segments.append((seg, b, master_seg))
+        self._tp_partial = {f for f in self.fqn_order if "tp" in plan.params[f].grad_partial_axes
+                            and pm.mesh.size("tp") > 1}
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for b in self.buckets for p in b.params]
+
+    # -- gradients ----------------------------------------------------------------------------------
+    def grad_ready(self, p, armed: bool) -> None:
+        """Post-accumulate-grad hook: add ``p.grad`` into the fp32 buffer, free it; once the last
+        piece has finished a bucket, reduce-scatter it over dp (asynchronously)."""
+        if not self.optimizer_attached:
+            raise RuntimeError(
+                "Config(zero=1) keeps gradients and optimizer state sharded over dp: create the optimizer "
+                "with mcompile.runtime.zero.DistributedOptimizer(pm, torch.optim.AdamW, lr=...) before "
+                "train_step (a torch optimizer over pm.parameters() would see no gradients)")
+        b = self._bucket_of[id(p)]
+        if not b.open:
+            if b.valid:  # gradients of an earlier train_step: kept out of this step's reduction
+                b.saved = b.owned_grad.clone()
+            b.grad_buf.zero_()
+            b.open = True
+        b.grad_views[id(p)].add_(p.grad.to_local().reshape(-1))
+        p.grad = None
+        if armed:
+            b.ready += 1
+            if b.ready == len(b.params):
+                b.work = _REDUCE_SCATTER(b.owned_grad, b.grad_buf, group=self.groups["dp"], async_op=True)
+
+    def finish(self, scale: torch.Tensor) -> None:
+        """End of train_step: wait for the reductions, reduce tp-partial gradients over tp, scale."""
+        opened = []
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            elif b.open:  # not every parameter's hook fired in the last piece: reduce now
+                _REDUCE_SCATTER(b.owned_grad, b.grad_buf, group=self.groups["dp"])
+            if b.open:
+                opened.append(b)
+            b.ready, b.work, b.open = 0, None, False
+        if self._tp_partial:  # sequence-parallel norm weights: their owned segments, one all-reduce
+            views = [b.grad_buf[seg.start:seg.stop] for seg, b, _ in self.segments
+                     if seg.fqn in self._tp_partial and any(b is o for o in opened)]
+            if views:
+                flat = torch.cat(views)
+                dist.all_reduce(flat, group=self.groups["tp"])
+                torch._foreach_copy_(views, list(flat.split([v.numel() for v in views])))
+        for b in opened:
+            owned = b.owned_grad
+            owned.mul_(scale)
+            if b.saved is not None:
+                owned.add_(b.saved)
+                b.saved = None
+            b.valid = True
+        for seg, b, master_seg in self.segments:
+            if b.valid:
+                master_seg.grad = b.grad_buf[seg.start:seg.stop]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for b in self.buckets:
+            b.valid = False
+            if not set_to_none:
+                b.owned_grad.zero_()
+        for _, _, master_seg in self.segments:
+            if set_to_none:
+                master_seg.grad = None
+
+    def local_grads(self) -> dict[str, torch.Tensor]:
+        """Each parameter's reduced local (tp-sharded) gradient: the owned ranges all-gathered over dp."""
+        out = {}
+        for b in self.buckets:
+            if not b.valid:
+                continue
+            full = torch.empty_like(b.grad_buf)
+            _ALL_GATHER(full, b.owned_grad.contiguous(), group=self.groups["dp"])
+            for fqn, p, off, n in zip(b.layout.fqns, b.params, b.layout.offsets, b.layout.numels):
+                out[fqn] = full[off:off + n].view(p.to_local().shape)
+        return {f: out[f] for f in self.fqn_order if f in out}
+
+    def grad_norm(self, norm_type: float) -> torch.Tensor:
+        """The global gradient norm (see the module docstring), the same on every rank."""
+        device = self.buckets[0].grad_buf.device if self.buckets else None
+        parts = torch.zeros(len(self._norm_keys), dtype=torch.float32, device=device)
+        index = {k: i for i, k in enumerate(self._norm_keys)}
+        for seg, b, _ in self.segments:
+            if not b.valid or seg.fqn in self._not_counted:
+                continue
+            g = b.grad_buf[seg.start:seg.stop]
+            i = index[self._sharded_axes[seg.fqn]]
+            if norm_type == float("inf"):
+                parts[i] = torch.maximum(parts[i], g.abs().max())
+            elif norm_type == 2.0:
+                parts[i] += torch.dot(g, g)
+            else:
+                parts[i] += g.abs().pow(norm_type).sum()
+        if norm_type == float("inf"):  # a maximum may see a replicated element any number of times
+            for ax in self.axis_names:
+                if self.axis_sizes[ax] > 1:
+                    dist.all_reduce(parts, op=dist.ReduceOp.MAX, group=self.groups[ax])
+            return parts.max() if parts.numel() else torch.zeros(())
+        dist.all_reduce(parts, group=self.groups["dp"])
+        for ax in self.axis_names:
+            if ax == "dp" or self.axis_sizes[ax] == 1:
+                continue
+            if self.coords[ax] != 0:
+                for k, i in index.items():
+                    if ax not in k:
+                        parts[i] = 0.0
+            dist.all_reduce(parts, group=self.groups[ax])
+        return parts.sum() ** (1.0 / norm_type)
+
+    def scale_grads(self, factor: torch.Tensor) -> None:
+        for b in self.buckets:
+            if b.valid:
+                b.owned_grad.mul_(factor)
+
+    # -- parameters ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def publish(self) -> None:
+        """After the optimizer updated the master shards: parameters <- masters, all-gathered over dp."""
+        works = []
+        for b in self.buckets:
+            if self.param_dtype != torch.float32:
+                b.param_buf[b.lo:b.hi].copy_(b.master)
+            works.append(_ALL_GATHER(b.param_buf, b.param_buf[b.lo:b.hi], group=self.groups["dp"], async_op=True))
+        for w in works:
+            w.wait()
+
+    @torch.no_grad()
+    def set_master(self, fqn: str, local: torch.Tensor) -> None:
+        """New fp32 values of one parameter's local piece (load_full_state_dict): its master segments."""
+        if self.param_dtype == torch.float32:
+            return  # the masters are the parameters
+        flat = local.reshape(-1)
+        for seg, _, master_seg in self.segments:
+            if seg.fqn == fqn:
+                master_seg.copy_(flat[seg.start - seg.offset:seg.stop - seg.offset])
+
+    def masters(self) -> list[torch.Tensor]:
+        """fp32 master shards held in addition to the parameters (none under fp32)."""
+        return [] if self.param_dtype == torch.float32 else [b.master for b in self.buckets]
+
+    def layout_signature(self) -> str:
+        layout = {"dp": self.dp, "dtype": str(self.param_dtype),
+                  "buckets": [[list(b.layout.fqns), list(b.layout.numels)] for b in self.buckets]}
+        return hashlib.sha256(json.dumps(layout).encode()).hexdigest()
+
+
+class DistributedOptimizer:
+    """A torch optimizer over this rank's ZeRO-1 shard (Rajbhandari et al. 2020, stage 1).
+
+    ``DistributedOptimizer(pm, torch.optim.AdamW, lr=3e-4, weight_decay=0.1)``: ``optimizer`` is a
+    class or a factory ``f(params, **kwargs) -> torch.optim.Optimizer``. Its update must be
+    element-wise (SGD, Adam, AdamW, RMSprop, Adagrad, ...): each rank updates flat segments of
+    parameters. ``options_for(fqn) -> dict`` puts parameters into groups with their own options
+    (e.g. ``{"weight_decay": 0.0}`` for norms). With ``Config(zero=0)`` or dp = 1 it is a plain
+    optimizer over ``pm.parameters()`` with the same interface.
+
+    The inner optimizer is ``.optimizer`` (attach LR schedulers to it); ``state_dict()`` is this
+    rank's shard; ``pm.save_checkpoint(path, optimizer=opt)`` saves every rank's shard."""
+
+    def __init__(self, pm, optimizer: Callable[..., torch.optim.Optimizer], *,
+                 options_for: Callable[[str], dict] | None = None, **kwargs):
+        if isinstance(optimizer, type) and issubclass(optimizer, _NOT_ELEMENTWISE):
+            raise ValueError(f"{optimizer.__name__} does not update elements independently, so it cannot "
+                             "run on flat shards of parameters; use an element-wise optimizer (AdamW, SGD, ...) "
+                             "or Config(zero=0)")
+        self._pm = pm
+        self._zero: ZeroBuffers | None = pm._zero
+        if self._zero is None:
+            named = [(f, p) for f, p in pm.named_parameters() if p.requires_grad]
+        else:
+            named = [(seg.fqn, master_seg) for seg, _, master_seg in self._zero.segments]
+            if not named:  # a rank whose ranges hold only padding (tiny model, large dp): torch wants one
+                named = [("", torch.nn.Parameter(torch.empty(0, device=pm._device)))]
+        self.optimizer = optimizer(_groups(named, options_for), **kwargs)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, not a "
+                            "torch.optim.Optimizer")
+        if isinstance(self.optimizer, _NOT_ELEMENTWISE) and self._zero is not None:
+            raise ValueError(f"{type(self.optimizer).__name__} cannot run on flat shards of parameters")
+        if self._zero is not None:
+            self._zero.optimizer_attached = True
+
+    @property
+    def sharded(self) -> bool:
+        return self._zero is not None
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None and self._zero is not None:
+            raise ValueError("DistributedOptimizer.step takes no closure under zero=1")
+        out = self.optimizer.step(closure)
+        if self._zero is not None:
+            self._zero.publish()
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._zero is None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            self._zero.zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients so that their global ``norm_type``-norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` on the single-device model; returns the norm before."""
+        if self._zero is None:
+            return torch.nn.utils.clip_grad_norm_(self._pm.parameters(), max_norm, norm_type)
+        norm_type = float(norm_type)
+        total = self._zero.grad_norm(norm_type)
+        self._zero.scale_grads(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        return total
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shard: the inner optimizer's state dict, and the fp32 master shards (bf16)."""
+        sd = {"optimizer": self.optimizer.state_dict()}
+        if self._zero is not None:
+            sd["masters"] = self._zero.masters()
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self._zero is not None:
+            for mine, theirs in zip(self._zero.masters(), state.get("masters", []), strict=True):
+                mine.copy_(theirs)
+
+    def sharded_state_dict(self, for_load: bool = False) -> dict:
+        """For torch.distributed.checkpoint: this rank's shard under a key of its own (shards of
+        different ranks are different tensors; DCP would keep one of equal keys). ``for_load``
+        first creates the optimizer's state tensors (DCP loads into existing tensors)."""
+        if for_load:
+            self._materialize_state()
+        return {f"rank{dist.get_rank()}": self.state_dict()}
+
+    def load_sharded_state_dict(self, state: dict) -> None:
+        self.load_state_dict(state[f"rank{dist.get_rank()}"])
+
+    def layout_signature(self) -> str | None:
+        return self._zero.layout_signature() if self._zero is not None else None
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank holds, by MemoryTracker category: parameter and gradient buffers, and the
+        optimizer's state with the fp32 master shards."""
+        state = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        if self._zero is None:
+            ps = [p.to_local() for p in self._pm.parameters()]
+            return {"parameters": ps, "gradients": [p.grad.to_local() for p in self._pm.parameters()
+                                                    if p.grad is not None], "optimizer": state}
+        z = self._zero
+        return {"parameters": [b.param_buf for b in z.buckets], "gradients": [b.grad_buf for b in z.buckets],
+                "optimizer": z.masters() + state}
+
+    @torch.no_grad()
+    def _materialize_state(self) -> None:
+        """Create the inner optimizer's state (one step at lr 0 with zero gradients), leaving the
+        parameters, their gradients and the options as they were."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if not params or all(self.optimizer.state.get(p) for p in params):
+            return
+        values = [p.detach().clone() for p in params]
+        grads = [p.grad for p in params]
+        lrs = [g.get("lr") for g in self.optimizer.param_groups]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in self.optimizer.param_groups:
+            if "lr" in g:
+                g["lr"] = 0.0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.optimizer.step()
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            if lr is not None:
+                g["lr"] = lr
+        for p, v, gr in zip(params, values, grads):
+            p.copy_(v)
+            p.grad = gr
+
+
+def _groups(named: list[tuple[str, torch.Tensor]], options_for: Callable[[str], dict] | None):
+    if options_for is None:
+        return [p for _, p in named]
+    groups: list[dict] = []
+    for fqn, p in named:
+        opts = dict(options_for(fqn) or {})
+        for g in groups:
+            if g["_opts"] == opts:
+                g["params"].append(p)
+                break
+        else:
+            groups.append({"_opts": opts, "params": [p], **opts})
+    for g in groups:
+        del g["_opts"]
+    return groups
