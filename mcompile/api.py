@@ -26,6 +26,7 @@ class Compiled:
     axes: list[AxisPlanResult]
     canonical: dict = field(default_factory=dict)
     annotation: AnnotationSummary | None = None  # FLOPs / bytes of the captured graph (mcompile.annotate)
+    partition: object = None  # mcompile.partition.StagePartition when the mesh has pp > 1
     _programs: dict = field(default_factory=dict)
 
     def axis_infos(self, rank: int):
@@ -96,6 +97,13 @@ def compile_plan(
     vocab_pad_multiple: int = 1,
     meta_dtype: torch.dtype | None = None,
     token_weighted_loss: bool = False,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    microbatches: int = 1,
+    pipeline_granularity: str = "layer",
+    layers_per_stage=None,
+    stage_cuts=None,
+    pipeline_seq: int | None = None,
 ) -> Compiled:
     """Capture, plan and lower (rank 0's program; others on demand).
 
@@ -104,6 +112,8 @@ def compile_plan(
     (:mod:`mcompile.passes.loss`)."""
     from mcompile.passes import canonicalize, lower_program, mean_loss_to_sum_count
 
+    if mesh.size("pp") > 1 and set(mesh.axis_names) == {"pp"}:  # a degenerate dp axis carries the stages' params
+        mesh = Mesh.fake(dp=1, pp=mesh.size("pp")) if mesh.fake_mesh else Mesh(dp=1, pp=mesh.size("pp"))
     cap = capture(model, example_inputs, example_kwargs, meta_dtype=meta_dtype)
     canon = canonicalize(cap.gm)
     if token_weighted_loss:
@@ -119,7 +129,41 @@ def compile_plan(
     gm, specs = lower_program(cap, compiled.axis_infos(0))
     compiled._programs[(0, None)] = (gm, specs)
     plan.collectives = list(specs)
+    if mesh.size("pp") > 1:
+        _plan_pipeline(compiled, schedule, virtual_stages, microbatches, pipeline_granularity, layers_per_stage,
+                       stage_cuts, pipeline_seq or hints.get(cap.symbols.get(SEQ), 2048))
     return compiled
+
+
+def _plan_pipeline(compiled: Compiled, schedule, virtual, microbatches, granularity, layers_per_stage, cuts, seq):
+    """Stage partition (mcompile.partition) and the schedule, recorded in the plan."""
+    from mcompile.partition import partition
+    from mcompile.runtime.schedules import bubble_fraction, build_schedule
+
+    pp = compiled.mesh.size("pp")
+    build_schedule(schedule, pp, virtual, microbatches)  # validates microbatches / interleaving first
+    part = partition(compiled.captured, pp, virtual, granularity=granularity, seq=seq,
+                     layers_per_stage=list(layers_per_stage) if layers_per_stage else None,
+                     cuts=list(cuts) if cuts else None)
+    compiled.partition = part
+    plan = compiled.plan
+    plan.stage_cuts = part.cut_nodes()
+    plan.schedule = schedule
+    local = [0] * part.num_stages  # this rank's elements of each stage's parameters (tied: first stage)
+    trunk = part.trunk
+    for ph in compiled.captured.param_nodes:
+        uses = [trunk.pos[u.name] for u in ph.users if u.name in trunk.pos]
+        if uses:
+            local[part.stage_of_position(min(uses))] += plan.params[compiled.captured.params[ph.name]].local_numel
+    plan.pipeline = {
+        "pp": pp, "virtual": virtual, "microbatches": microbatches, "granularity": granularity, "seq": seq,
+        "stages": [{"rank": s % pp, "layers": list(part.layers(s)), "params": part.stage_params[s],
+                    "local_params": local[s],
+                    "cost": part.stage_cost[s], "act_bytes_per_sample": part.stage_act_bytes[s]}
+                   for s in range(part.num_stages)],
+        "imbalance": part.imbalance, "optimum": part.optimum, "pinned": part.pinned,
+        "bubble": bubble_fraction(schedule, pp, microbatches, virtual),
+    }
 
 
 def _hints(cap: Captured, inputs, kwargs, seq, batch) -> dict:
@@ -181,11 +225,17 @@ def parallelize(
             f"the mesh axes equal the number of processes (launch {mesh.size()} processes, or change the mesh)"
         )
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    dmesh = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
+    shape, names = mesh.shape, mesh.axis_names
+    if mesh.size("pp") > 1 and len(names) == 1:  # stage parameters live on the other axes: give them one
+        shape, names = (1, *shape), ("dp", *names)
+    dmesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     compiled = compile_plan(
         model, mesh, example_inputs, example_kwargs, sequence_parallel=config.sequence_parallel,
         overrides=config.overrides or None, vocab_pad_multiple=config.vocab_pad_multiple,
-        meta_dtype=config.dtype, token_weighted_loss=True,
+        meta_dtype=config.dtype, token_weighted_loss=True, schedule=config.schedule,
+        virtual_stages=config.virtual_stages, microbatches=config.microbatches,
+        pipeline_granularity=config.pipeline_granularity, layers_per_stage=config.layers_per_stage,
+        stage_cuts=config.stage_cuts, pipeline_seq=config.pipeline_seq,
     )
     # every rank planned on its own: they must agree, or collectives would not match (a hang)
     digest = hashlib.sha256(compiled.plan.to_json().encode()).hexdigest()

@@ -1,7 +1,9 @@
 """The ``mcompile`` command line: plan, show (and later explain, search, demo, train, ...).
 
     mcompile plan MODEL --mesh dp=8,tp=8 [--seq S] [--batch B] [--sp] [--json]
-    mcompile show MODEL --mesh tp=2 --rank 1
+    mcompile plan MODEL --mesh dp=2,pp=4,tp=2 --microbatches 8 --schedule interleaved --virtual 2
+    mcompile timeline TRACE.json [-o out.png]
+    mcompile show MODEL --mesh tp=2 --rank 1 [--fuse] [--fp8 current|delayed]
     mcompile demo [--steps N]
 
 MODEL is a preset name (``mcompile plan --list``) or ``package.module:factory``, a callable that
@@ -77,8 +79,11 @@ def _compile(args, device: str):
     for o in args.override or []:
         key, _, spec = o.partition("=")
         overrides[key] = spec
+    layers = [int(x) for x in args.layers_per_stage.split(",")] if args.layers_per_stage else None
     c = compile_plan(model, mesh, inputs, sequence_parallel=args.sp, overrides=overrides or None,
-                     seq=args.seq, batch=args.batch)
+                     seq=args.seq, batch=args.batch, schedule=args.schedule, virtual_stages=args.virtual,
+                     microbatches=args.microbatches, pipeline_granularity=args.granularity,
+                     layers_per_stage=layers, pipeline_seq=args.seq)
     c.plan.model = name
     return c
 
@@ -124,9 +129,16 @@ def cmd_plan(args) -> int:
             coll["bytes_at_sizes"] = collective_bytes(coll["bytes"], sizes)
         if measured is not None:
             d["measured_per_rank"] = measured
+        fp8 = _fp8_report(args, c)
+        if fp8 is not None:
+            d["fp8"] = fp8.to_dict()
         print(json.dumps(d, indent=1))
     else:
         print(plan_text(c.plan, sizes, args.dtype))
+        if c.plan.pipeline:
+            from mcompile.report import pipeline_text
+
+            print(pipeline_text(c.plan, args.batch, args.dtype))
         if measured is not None:
             mem = memory_per_rank(c.plan, args.dtype)
             print("measured (one step, every rank, live tensor bytes): predicted / measured")
@@ -134,7 +146,20 @@ def cmd_plan(args) -> int:
                 print(f"  rank {r}: parameters {mem.params} / {m['parameters']}, gradients {mem.grads} / "
                       f"{m['gradients']}, optimizer {mem.optimizer} / {m['optimizer']}, "
                       f"peak activations - / {m['peak_activations']}")
+        fp8 = _fp8_report(args, c)
+        if fp8 is not None:
+            print(fp8.text())
     return 0
+
+
+def _fp8_report(args, c, rank: int = 0):
+    """``--fp8``: run the FP8 pass (Config(fp8=...)) on a rank's program, in place; its report."""
+    if not args.fp8:
+        return None
+    from mcompile.passes.fp8 import convert_fp8
+
+    return convert_fp8(c.program(rank), c.plan, dict(c.captured.params), recipe=args.fp8,
+                       user_inputs=set(c.captured.user_inputs))
 
 
 def cmd_show(args) -> int:
@@ -143,7 +168,33 @@ def cmd_show(args) -> int:
         raise CLIError(f"--rank {args.rank} is outside the mesh of {c.mesh.size()} ranks")
     gm = c.program(args.rank)
     print(f"# per-rank program of rank {args.rank} {c.mesh.coords(args.rank)} on {c.mesh!r}")
-    print(gm.code)
+    fp8 = _fp8_report(args, c, args.rank)  # FP8 linears: mcompile::fp8_linear* calls in the program below
+    if fp8 is not None:
+        print("\n".join(f"# {line}" for line in fp8.text().splitlines()))
+    if not args.fuse:
+        print(gm.code)
+        return 0
+    from mcompile.passes.fuse import FUSED, fuse
+    from mcompile.report import fused_summary, mark_fused
+
+    counts = fuse(gm, {n.name: n for n in c.captured.gm.graph.nodes}, set(c.captured.params))
+    print(mark_fused(gm, FUSED))
+    print(f"# {fused_summary(counts)}")
+    return 0
+
+
+def cmd_timeline(args) -> int:
+    from pathlib import Path
+
+    from mcompile import timeline
+
+    path = Path(args.trace)
+    if not path.is_file():
+        raise CLIError(f"no trace at {path}: write one with pm.start_timeline() ... pm.save_timeline(path)")
+    trace = timeline.load_trace(path)
+    out = timeline.draw(trace, args.out or path.with_suffix(".png"))
+    b = timeline.bubble(trace)
+    print(f"wrote {out}; measured bubble per rank: " + ", ".join(f"{r}: {v:.1%}" for r, v in b.items()))
     return 0
 
 
@@ -169,6 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="parameter dtype for memory figures (default: the model's)")
         sp.add_argument("--override", action="append", metavar="FQN=AXIS=PLACEMENT",
                         help="pin a placement, e.g. 'output.weight=tp=S(0)' (repeatable)")
+        sp.add_argument("--fp8", choices=["current", "delayed"], default=None,
+                        help="FP8 linears (Config(fp8=...)): list which run in FP8 and which stay in higher precision")
+
+        sp.add_argument("--microbatches", type=int, default=1, help="pipeline microbatches per step")
+        sp.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved, zbh1")
+        sp.add_argument("--virtual", type=int, default=1, help="pipeline stages per rank (interleaved)")
+        sp.add_argument("--granularity", choices=["layer", "sublayer"], default="layer",
+                        help="pipeline cuts at layer boundaries only, or also inside layers")
+        sp.add_argument("--layers-per-stage", default=None, metavar="N,N,...", help="pin the pipeline split")
 
     pp = sub.add_parser("plan", help="print the plan: placements, collectives, memory per rank")
     common(pp)
@@ -180,7 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("show", help="print the per-rank program as Python")
     common(ps)
     ps.add_argument("--rank", type=int, default=0)
+    ps.add_argument("--fuse", action="store_true",
+                    help="apply the fusion pass (Config(fuse=True)); fused nodes are marked, counts summed up")
     ps.set_defaults(func=cmd_show)
+    pt = sub.add_parser("timeline", help="draw a pipeline timeline (Chrome trace from pm.save_timeline) as a PNG")
+    pt.add_argument("trace", help="trace JSON written by ParallelModule.save_timeline")
+    pt.add_argument("-o", "--out", default=None, help="PNG path (default: the trace's name with .png)")
+    pt.set_defaults(func=cmd_timeline)
     pd = sub.add_parser("demo", help="train a tiny Llama on 4 CPU processes (dp=2 x tp=2, SP) vs one device")
     pd.add_argument("--steps", type=int, default=40)
     pd.set_defaults(func=cmd_demo)
@@ -191,14 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     import warnings
 
     from mcompile.capture import CaptureError
+    from mcompile.partition import PartitionError
     from mcompile.propagate import PlanError
+    from mcompile.runtime.schedules import ScheduleError
 
     args = build_parser().parse_args(argv)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*bos_token_id.*")
             return args.func(args)
-    except (CLIError, PlanError, CaptureError) as e:
+    except (CLIError, PlanError, CaptureError, PartitionError, ScheduleError) as e:
         print(f"mcompile: error: {e}", file=sys.stderr)
         return 2
 

@@ -26,6 +26,22 @@ class Config:
     recompute: str = "none"  # "none" | "full" | "selective" (attention core), mcompile.passes.recompute
     recompute_method: str = "uniform"  # full recompute: "uniform" (groups of layers) or "block" (first layers)
     recompute_num_layers: int = 1
+    # pipeline parallelism (a "pp" mesh axis): mcompile.partition, mcompile.runtime.schedules
+    schedule: str = "1f1b"  # "gpipe" | "1f1b" | "interleaved" | "zbh1"
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved schedule)
+    pipeline_granularity: str = "layer"  # cut at layer boundaries, or "sublayer" (also between attention and MLP)
+    layers_per_stage: tuple | None = None  # pin the split: layers of each stage, in order
+    stage_cuts: tuple | None = None  # pin the split: captured node names where stages 1..K-1 begin
+    pipeline_seq: int | None = None  # sequence length at which stage costs are balanced (default: the example's)
+    # FP8 linears (mcompile.passes.fp8): None (off) | "current" | "delayed" per-tensor scaling
+    fp8: str | None = None
+    fp8_amax_history_len: int = 16  # delayed scaling: steps of amax history behind each scale
+    fp8_margin: int = 0  # scale = fp8_max / amax / 2**margin
+    fp8_backend: str = "mcompile"  # "mcompile" (our kernels) | "te" (Transformer Engine, optional)
+    # ZeRO stage: 0, or 1 = optimizer state and fp32 master weights sharded over dp, gradients
+    # reduce-scattered (mcompile.runtime.zero; create the optimizer with its DistributedOptimizer).
+    # A no-op (with a warning) when the mesh has no dp axis > 1.
+    zero: int = 0
 
     def __post_init__(self):
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -39,5 +55,29 @@ class Config:
             raise ValueError(f"recompute_method={self.recompute_method!r}: use 'uniform' or 'block'")
         if self.recompute_num_layers < 1:
             raise ValueError(f"recompute_num_layers={self.recompute_num_layers} must be >= 1")
+        if self.zero not in (0, 1) or isinstance(self.zero, bool):
+            raise ValueError(f"zero={self.zero!r}: use 0 (off) or 1 (optimizer state and fp32 master weights sharded "
+                             "over dp); ZeRO stages 2 and 3 are not implemented")
+        from mcompile.runtime.schedules import SCHEDULES
+
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise ValueError(f"virtual_stages={self.virtual_stages!r} must be a positive integer")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved'")
+        if self.pipeline_granularity not in ("layer", "sublayer"):
+            raise ValueError(f"pipeline_granularity={self.pipeline_granularity!r}: use 'layer' or 'sublayer'")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be positive")
+        self._check_fp8()
+
+    def _check_fp8(self):
+        if self.fp8 not in (None, "current", "delayed"):
+            raise ValueError(f"fp8={self.fp8!r}: use None (off), 'current' or 'delayed' (per-tensor scaling recipes)")
+        if not isinstance(self.fp8_amax_history_len, int) or self.fp8_amax_history_len < 1:
+            raise ValueError(f"fp8_amax_history_len={self.fp8_amax_history_len!r} must be a positive integer")
+        if not isinstance(self.fp8_margin, int) or self.fp8_margin < 0:
+            raise ValueError(f"fp8_margin={self.fp8_margin!r} must be an integer >= 0 (powers of 2 of headroom)")
+        if self.fp8_backend not in ("mcompile", "te"):
+            raise ValueError(f"fp8_backend={self.fp8_backend!r}: use 'mcompile' or 'te' (Transformer Engine)")

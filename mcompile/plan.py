@@ -12,7 +12,8 @@ defaults, never change the meaning of these.
   and backward: kind, axis, tensor dim, bytes (a sympy expression in ``batch`` and ``seq`` as a
   string), the backward collective it implies, and the layer it belongs to.
 - ``options``: sequence parallelism and its variant, vocabulary padding.
-- ``stage_cuts``, ``recompute``, ``schedule``: reserved for pipeline / recompute passes.
+- ``stage_cuts`` (captured nodes where pipeline stages 1..K-1 begin), ``schedule``, ``pipeline``
+  (the stage table); ``recompute`` (the recomputed nodes).
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ class Plan:
     stage_cuts: list[str] = field(default_factory=list)
     recompute: list[str] = field(default_factory=list)
     schedule: str | None = None
+    # pipeline (pp > 1): pp, virtual, microbatches, granularity, per-stage layers / parameters /
+    # cost / activation bytes, imbalance, predicted bubble (mcompile.partition)
+    pipeline: dict = field(default_factory=dict)
     version: int = SCHEMA_VERSION
 
     @property
@@ -161,6 +165,7 @@ class Plan:
             options=PlanOptions(opts["sequence_parallel"], SPVariant(opts["sp_variant"]), opts["vocab_pad_multiple"]),
             model=d["model"], fallbacks=list(d["fallbacks"]), overrides=dict(d["overrides"]),
             stage_cuts=list(d["stage_cuts"]), recompute=list(d["recompute"]), schedule=d["schedule"],
+            pipeline=dict(d.get("pipeline", {})),
         )
 
     def diff(self, other: Plan) -> list[str]:

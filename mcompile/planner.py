@@ -189,10 +189,12 @@ def megatron_policies(mesh: Mesh, sequence_parallel: bool, overrides: dict | Non
                                    allow_static_dims=True, shard_contraction_weights=True,
                                    prefer_seq_reduce_scatter=sequence_parallel,
                                    param_overrides=p_over[ax], node_overrides=n_over[ax]))
+        elif ax == "pp":
+            continue  # pipeline stages split the graph itself (mcompile.partition); nothing is sharded over pp
         else:
             raise PlanError(
-                f"mesh axis {ax}={n}: this planner handles dp and tp so far (pp, cp and ep come with their "
-                "passes); use a mesh like Mesh(dp=..., tp=...)"
+                f"mesh axis {ax}={n}: this planner handles dp, pp and tp so far (cp and ep come with their "
+                "passes); use a mesh like Mesh(dp=..., pp=..., tp=...)"
             )
     return pols
 
@@ -246,7 +248,8 @@ def assemble_plan(cap: Captured, mesh: Mesh, axes: list[AxisPlanResult], options
         fqn = cap.params[node.name]
         val = node.meta["val"]
         shape = tuple(int(s) for s in val.shape)
-        pls = tuple(ap.result.params.get(node.name, R) for ap in axes)
+        by_axis = {ap.policy.axis: ap for ap in axes}
+        pls = tuple(by_axis[a].result.params.get(node.name, R) if a in by_axis else R for a in names)
         padded = list(shape)
         local = list(shape)
         for ax, p in zip(names, pls):
@@ -268,7 +271,9 @@ def assemble_plan(cap: Captured, mesh: Mesh, axes: list[AxisPlanResult], options
     acts = {}
     for node in cap.gm.graph.nodes:
         if node.op == "call_function" and any(node.name in ap.result.placements for ap in axes):
-            acts[node.name] = tuple(ap.result.placements.get(node.name) for ap in axes)
+            by_axis = {ap.policy.axis: ap for ap in axes}
+            acts[node.name] = tuple(by_axis[a].result.placements.get(node.name) if a in by_axis else R
+                                    for a in names)
     fallbacks = sorted(set().union(*(ap.result.fallbacks for ap in axes))) if axes else []
     return Plan(mesh=dict(mesh.axes), params=params, activations=acts, options=options,
                 model=cap.model_name, fallbacks=fallbacks,

@@ -1,50 +1,20 @@
 """Human-readable views of a Plan: parameters, collectives per layer, memory per rank.
 
-Memory per rank (the convention of Megatron-LM's distributed-optimizer table, Shoeybi et al. /
-Korthikanti et al.): parameters in their dtype; gradients in fp32 (Megatron's ``main_grad``;
-with fp32 parameters that is the parameter dtype anyway); AdamW's two moments in fp32, plus an
-fp32 master copy when the parameters are not fp32. Per parameter: fp32 -> 4 + 4 + 8 = 16 B,
-bf16 -> 2 + 4 + 4 + 8 = 18 B; plus AdamW's 4-byte step count per parameter tensor. Sharded
-parameters count their local (padded) piece; tied parameters once.
+Memory per rank is :func:`mcompile.memory_model.memory_per_rank` (Megatron-LM's accounting:
+fp32 -> 4 + 4 + 8 = 16 B per parameter, bf16 -> 2 + 4 + 4 + 8 = 18 B, plus AdamW's step counts).
 """
 
 from __future__ import annotations
 
 import io
 import re
-from dataclasses import dataclass
 
 import sympy
 
+from mcompile.memory_model import MemoryPerRank as MemoryPerRank  # re-exported: report used to define it
+from mcompile.memory_model import memory_per_rank
 from mcompile.placements import format_placement
 from mcompile.plan import Plan
-
-_ITEMSIZE = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
-
-
-@dataclass(frozen=True)
-class MemoryPerRank:
-    params: int
-    grads: int
-    optimizer: int
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer
-
-
-def memory_per_rank(plan: Plan, dtype: str | None = None) -> MemoryPerRank:
-    """Bytes of parameters, gradients and AdamW state that one rank holds (the largest rank: every
-    rank holds the same under tp/dp)."""
-    p = g = o = 0
-    for pp in plan.params.values():
-        dt = dtype or pp.dtype
-        size = _ITEMSIZE[dt]
-        n = pp.local_numel
-        p += n * size
-        g += n * 4
-        o += n * (8 + (4 if size != 4 else 0)) + 4  # + AdamW's 0-d fp32 step count per parameter
-    return MemoryPerRank(p, g, o)
 
 
 def _gib(b: int) -> str:
@@ -158,3 +128,63 @@ def measure_per_rank(compiled, inputs: tuple, lr: float = 1e-3) -> list[dict[str
                 "optimizer": tracker.current["optimizer"], "peak_activations": tracker.max["activations"]}
 
     return run_threads(ThreadedWorld(compiled.mesh), rank_fn)
+
+
+# ---- fused nodes in `mcompile show` ---------------------------------------------------------------
+# The fusion pass (mcompile.passes.fuse) names the op it put in place of a pattern in node.meta[key];
+# the key comes from the caller, so this core module needs nothing from passes/.
+def mark_fused(gm, key: str) -> str:
+    """``gm.code`` with ``# fused: <op>`` after each line that calls a fused op."""
+    import operator
+
+    label = {n.name: n.meta[key] for n in gm.graph.nodes if n.meta.get(key) and n.target is not operator.getitem}
+    lines = []
+    for line in gm.code.splitlines():
+        name = line.strip().partition(" = ")[0]
+        lines.append(f"{line}  # fused: {label[name]}" if name in label else line)
+    return "\n".join(lines)
+
+
+def fused_summary(counts: dict[str, int]) -> str:
+    """One line, e.g. ``fused: rms_norm x1, add_rms_norm x4, swiglu x2, rope x4`` (patterns found)."""
+    found = [f"{op} x{n}" for op, n in counts.items() if n]
+    return "fused: " + (", ".join(found) if found else "nothing")
+
+
+# ---- pipeline stages in `mcompile plan` -------------------------------------------------------------
+def pipeline_text(plan: Plan, batch: int = 1, dtype: str | None = None, width: int = 160) -> str:
+    """The stage table of a pipelined plan: layers, parameters and their memory, activations held
+    at the peak of the schedule, cost share; imbalance and the schedule's predicted bubble."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from mcompile.runtime.schedules import build_schedule, peak_activation_bytes
+
+    pl = plan.pipeline
+    pp, v, m = pl["pp"], pl["virtual"], pl["microbatches"]
+    per_param = 18 if dtype in ("bfloat16", "float16") else 16  # weights + fp32 grads + AdamW (Megatron)
+    mb = max(1, batch // m) if batch >= m else 1
+    actions = build_schedule(plan.schedule, pp, v, m)
+    stage_bytes = {i: st["act_bytes_per_sample"] * mb / plan.mesh.get("tp", 1) for i, st in enumerate(pl["stages"])}
+    peak = [peak_activation_bytes(actions[r], {s: b for s, b in stage_bytes.items() if s % pp == r})
+            for r in range(pp)]
+    total_cost = sum(st["cost"] for st in pl["stages"]) or 1.0
+    t = Table(title=f"Pipeline: {len(pl['stages'])} stages on pp={pp} (virtual {v}), schedule {plan.schedule}, "
+                    f"{m} microbatches of {mb}, cuts at {pl['granularity']} granularity")
+    for col in ("stage", "rank", "layers", "parameters", "per rank", "param+grad+optim per rank",
+                "activations / microbatch (captured / tp)", "cost share"):
+        t.add_column(col)
+    for i, st in enumerate(pl["stages"]):
+        lo, hi = st["layers"]
+        lo_s = "embed" if lo < 0 else f"{lo:g}"
+        t.add_row(str(i), str(st["rank"]), f"{lo_s} - {hi:g}", f"{st['params']:,}", f"{st['local_params']:,}",
+                  _gib(st["local_params"] * per_param), _gib(int(stage_bytes[i])), f"{st['cost'] / total_cost:.1%}")
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    console.print(t)
+    console.print("peak activations held per rank (forward until backward, as the schedule runs): "
+                  + ", ".join(f"rank {r}: {_gib(int(b))}" for r, b in enumerate(peak)))
+    console.print(f"stage imbalance (max / mean cost - 1): {pl['imbalance']:.1%}"
+                  + ("" if pl.get("pinned") else " (the min-max optimum at this granularity)")
+                  + f"; predicted bubble of {plan.schedule}: {pl['bubble']:.1%}")
+    return buf.getvalue()

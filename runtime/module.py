@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from mcompile import ops
@@ -75,9 +75,24 @@ class ParallelModule(torch.nn.Module):
 
             cap0 = compiled.captured
             self.fused = fuse(program, {n.name: n for n in cap0.gm.graph.nodes}, set(cap0.params))
+        self.fp8 = None  # FP8 linears: what was converted / kept and why (mcompile.passes.fp8.Fp8Report)
+        if config.fp8:
+            from mcompile.passes.fp8 import convert_fp8
+
+            self.fp8 = convert_fp8(program, self.plan, dict(compiled.captured.params), recipe=config.fp8,
+                                   amax_history_len=config.fp8_amax_history_len, margin=config.fp8_margin,
+                                   backend=config.fp8_backend, device=self._device,
+                                   user_inputs=set(compiled.captured.user_inputs))
         groups = recompute_nodes(program, config.recompute, config.recompute_method, config.recompute_num_layers)
         self.plan.recompute = sorted({n.meta.get(M.ORIGIN, n.name) for n in program.graph.nodes if n.name in groups})
-        object.__setattr__(self, "_program", apply_recompute(program, groups))
+        self._pipe = None
+        if self.mesh.size("pp") > 1:  # pipeline: this rank runs its stages (recompute applied inside each)
+            from mcompile.runtime.pipeline import Pipeline
+
+            self._pipe = Pipeline(self, program, config)
+            object.__setattr__(self, "_program", program)
+        else:
+            object.__setattr__(self, "_program", apply_recompute(program, groups))
         cap = compiled.captured
         self._token_weighted = bool(compiled.canonical.get("mean_loss_to_sum_count"))
         self._tied = {fqn: ties for fqn, ties in cap.tied.items()}
@@ -90,7 +105,8 @@ class ParallelModule(torch.nn.Module):
             t = full[fqn].to(self._device, torch.float32 if full[fqn].is_floating_point() else full[fqn].dtype)
             t = t.contiguous().clone()
             dist.broadcast(t, src=0)
-            self._register(fqn, self._make_param(fqn, t))
+            if self._pipe is None or fqn in self._pipe.own_params:  # under pp: the parameters of our stages
+                self._register(fqn, self._make_param(fqn, t))
         self._extra: dict[str, torch.Tensor] = {}  # buffers and lifted constants, replicated
         named_buffers = dict(model.named_buffers())
         for ph, fqn in {**cap.buffers, **cap.constants}.items():
@@ -117,7 +133,13 @@ class ParallelModule(torch.nn.Module):
         pp = self.plan.params[fqn]
         local = pp.local_piece(full, self.mesh, self._coords)
         shape = torch.Size(pp.padded_shape or pp.shape)
-        dt = DTensor.from_local(local.contiguous(), self.device_mesh, [_torch_placement(p) for p in pp.placements],
+        mesh, placements = self.device_mesh, list(pp.placements)
+        if self._pipe is not None:  # a stage's parameters live on the mesh of the other axes
+            keep = [a for a in self.device_mesh.mesh_dim_names if a != "pp"]
+            mesh = self.device_mesh[tuple(keep)] if len(keep) > 1 else self.device_mesh[keep[0]]
+            names = self.mesh.axis_names
+            placements = [pp.placements[names.index(a)] if a in names else Replicate() for a in keep]
+        dt = DTensor.from_local(local.contiguous(), mesh, [_torch_placement(p) for p in placements],
                                 run_check=False, shape=shape, stride=_contiguous_stride(shape))
         return torch.nn.Parameter(dt, requires_grad=full.is_floating_point())
 
@@ -196,7 +218,12 @@ class ParallelModule(torch.nn.Module):
         total = torch.zeros((), dtype=torch.float32, device=self._device)
         count = torch.zeros((), dtype=torch.float32, device=self._device)
         with ops.bind(self._comm, process_wide=True):  # backward runs the collectives' backwards
-            for i, (a, k) in enumerate(pieces):
+            if self._pipe is not None:  # the schedule's microbatches through this rank's stages
+                pipe_stats = self._pipe.reduce_results(self._pipe.run(pieces))
+                self._armed = True
+                self._pipe.push_grads()  # leaf gradients -> parameters (data-parallel hooks fire)
+                total, count = pipe_stats[0], pipe_stats[1]
+            for i, (a, k) in enumerate(pieces if self._pipe is None else ()):
                 self._armed = i == len(pieces) - 1
                 loss_sum, c = self._loss_parts(self._run(a, k))
                 loss_sum.backward()
@@ -215,6 +242,8 @@ class ParallelModule(torch.nn.Module):
     @torch.no_grad()
     def forward(self, *args, **kwargs):
         """Forward only: the model's own output for the global batch (a loss: the global mean)."""
+        if self._pipe is not None:
+            return self._pipe_forward(args, kwargs)
         pieces = self._split(args, kwargs) if self.config.microbatches == 1 else None
         if pieces is None:
             raise ValueError("forward runs the whole local batch at once: use a Config with microbatches=1")
@@ -231,10 +260,44 @@ class ParallelModule(torch.nn.Module):
             outs = tuple(self._comm.all_gather(o.contiguous(), 0, "dp") if o.ndim else o for o in outs)
         return outs[0] if len(outs) == 1 else outs
 
+    def _pipe_forward(self, args, kwargs):
+        """Forward through the pipeline: every microbatch, outputs from the last stage to all ranks."""
+        with ops.bind(self._comm, process_wide=True):
+            results = self._pipe.run(self._split(args, kwargs), forward_only=True)
+        if self._token_weighted:
+            stats = self._pipe.reduce_results(results)
+            if self.mesh.size("dp") > 1:
+                dist.all_reduce(stats, group=self._comm.groups["dp"])
+            return stats[0] / stats[1]
+        box = [[results[i] for i in sorted(results)] if results else None]
+        dist.broadcast_object_list(box, src=self._pipe.peer_of_stage(self._pipe.k - 1),
+                                   group=self._comm.groups["pp"])
+        per_mb = [o if isinstance(o, tuple | list) else (o,) for o in box[0]]
+        outs = tuple(torch.cat([mb[j] for mb in per_mb]) if per_mb[0][j].ndim else per_mb[0][j]
+                     for j in range(len(per_mb[0])))
+        if self.mesh.size("dp") > 1:
+            outs = tuple(self._comm.all_gather(o.contiguous(), 0, "dp") if o.ndim else o for o in outs)
+        return outs[0] if len(outs) == 1 else outs
+
     # -- gradient reduction -----------------------------------------------------------------------
     def _build_buckets(self):
         """dp: buckets of ``bucket_mb`` (reverse registration order, roughly the order backward
-        finishes gradients); tp: the parameters whose gradient is Partial over tp (SP norms)."""
+        finishes gradients); tp: the parameters whose gradient is Partial over tp (SP norms).
+        ``Config(zero=1)`` with dp > 1: flat buffers reduce-scattered over dp (runtime/zero.py)."""
+        self._zero = None
+        if self.config.zero and self.mesh.size("dp") > 1:
+            from mcompile.runtime.zero import ZeroBuffers
+
+            self._zero = ZeroBuffers(self)  # re-registers the parameters as views of flat buffers
+            for p in self._zero.params():
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+            self._buckets, self._tp_partial, self._armed = [], [], False
+            return
+        if self.config.zero:
+            import warnings
+
+            warnings.warn("Config(zero=1) with dp=1: there is no data-parallel axis to shard the optimizer over; "
+                          "running as zero=0", stacklevel=2)
         limit = int(self.config.bucket_mb * 2**20)
         dp_params, self._tp_partial = [], []
         for fqn in reversed(list(self._params)):
@@ -262,6 +325,9 @@ class ParallelModule(torch.nn.Module):
         self._armed = False
 
     def _grad_ready(self, p):
+        if self._zero is not None:  # every piece accumulates into the fp32 buffer; the last one reduces
+            self._zero.grad_ready(p, self._armed)
+            return
         if not self._armed:
             return
         b = self._bucket_of[id(p)]
@@ -285,6 +351,9 @@ class ParallelModule(torch.nn.Module):
                            torch.zeros(q.to_local().numel(), device=self._device)).float() for q in params])
 
     def _finish_grads(self, scale: torch.Tensor):
+        if self._zero is not None:
+            self._zero.finish(scale)
+            return
         for b in self._buckets:
             if b.work is not None:
                 b.work.wait()
@@ -319,8 +388,8 @@ class ParallelModule(torch.nn.Module):
         """Same keys and values as ``model.state_dict()`` (tied keys both present, persistent buffers
         included), on every rank."""
         out = {}
-        for fqn, p in self._params.items():
-            full = self._gather_full(fqn, p.detach().to_local())
+        fulls = {fqn: self._gather_full(fqn, p.detach().to_local()) for fqn, p in self._params.items()}
+        for fqn, full in self._across_stages(fulls).items():
             for name in self._tied.get(fqn, (fqn,)):
                 out[name] = full
         for fqn in self._persistent_buffers:
@@ -336,14 +405,93 @@ class ParallelModule(torch.nn.Module):
             local = self.plan.params[fqn].local_piece(state[fqn].to(self._device, torch.float32), self.mesh,
                                                       self._coords)
             p.to_local().copy_(local)
+            if self._zero is not None:  # bf16 parameters: their fp32 masters too
+                self._zero.set_master(fqn, local)
         for fqn in self._persistent_buffers:
             if fqn in state:
                 self._extra[self._buffer_ph[fqn]].copy_(state[fqn])
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Unsharded gradients, keys as ``named_parameters()``."""
-        return {fqn: self._gather_full(fqn, p.grad.to_local()) for fqn, p in self._params.items()
-                if p.grad is not None}
+        if self._zero is not None:  # ZeRO-1: the gradients live in the dp-sharded buffers
+            fulls = {fqn: self._gather_full(fqn, g) for fqn, g in self._zero.local_grads().items()}
+        else:
+            fulls = {fqn: self._gather_full(fqn, p.grad.to_local()) for fqn, p in self._params.items()
+                     if p.grad is not None}
+        return self._across_stages(fulls)
+
+    # -- pipeline timeline -------------------------------------------------------------------------
+    def start_timeline(self) -> None:
+        """Record every pipeline action and message wait of the following steps (mcompile.timeline)."""
+        if self._pipe is None:
+            raise ValueError("the timeline records pipeline schedules: use a mesh with a pp axis")
+        self._pipe.record = True
+        self._pipe.events = []
+
+    def save_timeline(self, path) -> dict | None:
+        """Gather every rank's recorded events; rank 0 writes a Chrome trace to ``path`` and returns
+        it (other ranks return None). Collective: call it on every rank."""
+        from mcompile import timeline
+
+        if self._pipe is None:
+            raise ValueError("the timeline records pipeline schedules: use a mesh with a pp axis")
+        mine = [e.__dict__ for e in self._pipe.events if e.cat != "step"]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        if self._rank != 0:
+            return None
+        meta = {"schedule": self._pipe.schedule, "pp": self._pipe.pp, "virtual": self._pipe.virtual,
+                "microbatches": self._pipe.m, "bubble_formula": self.plan.pipeline.get("bubble")}
+        timeline.save_trace(path, [e for r in everyone for e in r], meta)
+        return timeline.load_trace(path)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model, on every layout: each gradient
+        element is counted once (replicas over dp, tp-replicated weights and tied weights on two
+        pipeline stages are not counted twice). Under pipeline parallelism use this one: a rank's
+        ``parameters()`` are its stages' only. Returns the total norm."""
+        if norm_type != 2.0:
+            raise NotImplementedError("clip_grad_norm_: only the 2-norm")
+        total = torch.zeros((), dtype=torch.float64, device=self._device)
+        grads = []
+        for fqn, p in self._params.items():
+            if p.grad is None:
+                continue
+            g = p.grad.to_local()
+            grads.append(g)
+            counted = all(self._coords[a] == 0 for a, pl in zip(self.mesh.axis_names, self.plan.params[fqn].placements)
+                          if a != "pp" and not isinstance(pl, Shard | BlockShard))
+            if self._pipe is not None and self._pipe.owner[fqn] != self._pipe.pp_rank:
+                counted = False  # a tied weight: its owner stage counts it
+            if counted:
+                total += g.double().pow(2).sum()
+        dist.all_reduce(total)
+        norm = total.sqrt().float()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return norm
+
+    def _across_stages(self, fulls: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Under pipeline parallelism each rank holds its stages' tensors: every one is broadcast
+        from the pipeline rank that owns it, so all ranks return the whole model."""
+        if self._pipe is None:
+            return fulls
+        group = self._comm.groups["pp"]
+        have = [None] * self.mesh.size("pp")
+        dist.all_gather_object(have, sorted(fulls), group=group)
+        out = {}
+        for fqn in self._compiled.captured.params.values():
+            owner = self._pipe.owner[fqn]
+            if fqn not in have[owner]:
+                continue
+            pp = self.plan.params[fqn]
+            t = fulls[fqn] if self._pipe.pp_rank == owner else \
+                torch.empty(pp.shape, dtype=torch.float32, device=self._device)
+            dist.broadcast(t, src=self._pipe.peer_of_stage(owner), group=group)
+            out[fqn] = t
+        return out
 
     def _buffer_state(self) -> dict[str, torch.Tensor]:
         return {fqn: self._extra[self._buffer_ph[fqn]] for fqn in self._persistent_buffers}

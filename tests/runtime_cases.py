@@ -23,7 +23,10 @@ def train(rank, world, name, mesh, options, steps=3, batch=4, want_grads_at=None
     want = steps - 1 if want_grads_at is None else want_grads_at
     for step in range(steps):
         loss = pm.train_step(*inputs)
-        torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)
+        if "pp" in mesh:  # a rank's parameters() are its stages' only: the module clips the whole model
+            pm.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)
         if step == want:
             grads = pm.full_grads()
         opt.step()

@@ -1,0 +1,157 @@
+"""Structure of a captured graph: its trunk, its narrow points and its repeated blocks.
+
+Found from the dataflow alone, never from module names (the pipeline partitioner and the search
+build on it):
+
+- **Trunk**: the call_function nodes in program order. A node is *input-only* when it depends on
+  no parameter (causal masks, position ids, RoPE tables, the token count of the labels): such
+  values can be recomputed wherever they are needed, so they never have to cross a pipeline cut.
+  Every other node is an *activation*.
+- **Narrow point** ``i``: the cut just before trunk position ``i`` across which exactly one
+  activation is live (defined before ``i``, used at or after it). In a pre-norm transformer these
+  are the residual stream between layers and, inside a layer, between attention and MLP.
+- **Repeated blocks**: parameters are listed in order of first use, each with a signature (its
+  shape and dtype, the op that consumes it); the longest run of ``k >= 2`` repetitions of one
+  period of signatures is the stack of transformer layers (``k`` layers). The first layer begins
+  at the last narrow point before its first parameter is used; every other boundary (and the end
+  of the last layer) is the first narrow point after the previous layer's last parameter use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+__all__ = ["Trunk", "analyse"]
+
+
+@dataclass
+class Trunk:
+    nodes: list[fx.Node]  # call_function nodes, program order
+    pos: dict[str, int]  # node name -> trunk position
+    input_only: set[str]  # names of nodes that depend on no parameter
+    narrow: list[int]  # narrow points (cut before trunk position i), increasing
+    crossing: dict[int, str]  # narrow point -> the one activation live across it
+    layer_starts: list[int] = field(default_factory=list)  # narrow point where each repeated block begins
+    layers_end: int | None = None  # narrow point after the last block (start of the head)
+    period: int = 0  # parameters per block
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_starts)
+
+    def layer_of(self, position: int) -> float:
+        """Where trunk ``position`` lies in layer units: 0.0 = start of the first block,
+        ``num_layers`` = end of the last one; negative in the embedding, beyond in the head."""
+        starts = self.layer_starts + [self.layers_end if self.layers_end is not None else len(self.nodes)]
+        if not self.layer_starts:
+            return 0.0
+        if position < starts[0]:
+            return -1.0
+        for i in range(len(starts) - 1):
+            if starts[i] <= position < starts[i + 1]:
+                return i + (position - starts[i]) / max(1, starts[i + 1] - starts[i])
+        return float(len(self.layer_starts))
+
+
+def _signature(ph: fx.Node, user: fx.Node) -> tuple:
+    val = ph.meta.get("val")
+    shape = tuple(str(s) for s in getattr(val, "shape", ()))
+    return shape, str(getattr(val, "dtype", "")), str(user.target), user.args.index(ph) if ph in user.args else -1
+
+
+def analyse(gm: fx.GraphModule, params: set[str] | dict) -> Trunk:
+    """Trunk, narrow points and repeated blocks of a captured graph; ``params`` are the
+    placeholder names of the parameters."""
+    params = set(params)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    pos = {n.name: i for i, n in enumerate(nodes)}
+    end = len(nodes)
+    dependent: set[str] = set(params)
+    for n in nodes:
+        if any(a.name in dependent for a in n.all_input_nodes):
+            dependent.add(n.name)
+    input_only = {n.name for n in nodes if n.name not in dependent}
+    # liveness of activations across each cut: +1 on (def, last use]
+    delta = [0] * (end + 2)
+    last_user: dict[str, str] = {}
+    for n in nodes:
+        if n.name not in dependent:
+            continue
+        uses = [pos.get(u.name, end) for u in n.users]  # the output node counts as the end
+        if not uses:
+            continue
+        last = max(uses)
+        if last > pos[n.name]:
+            delta[pos[n.name] + 1] += 1
+            delta[last + 1] -= 1
+            last_user[n.name] = last
+    live, narrow, crossing = 0, [], {}
+    seen_activation = False
+    for i in range(end + 1):
+        live += delta[i]
+        if i and nodes[i - 1].name in dependent:
+            seen_activation = True
+        if i < end and seen_activation and live == 1:
+            narrow.append(i)
+    if narrow:
+        alive = sorted((pos[k], v, k) for k, v in last_user.items())
+        for i in narrow:
+            crossing[i] = next(k for p, v, k in alive if p < i <= v)
+    trunk = Trunk(nodes, pos, input_only, narrow, crossing)
+    _find_blocks(trunk, gm, params)
+    return trunk
+
+
+def _find_blocks(trunk: Trunk, gm: fx.GraphModule, params: set[str]) -> None:
+    first_use: list[tuple[int, fx.Node, fx.Node]] = []
+    for ph in gm.graph.nodes:
+        if ph.op == "placeholder" and ph.name in params:
+            users = [u for u in ph.users if u.name in trunk.pos]
+            if users:
+                u = min(users, key=lambda u: trunk.pos[u.name])
+                first_use.append((trunk.pos[u.name], ph, u))
+    first_use.sort(key=lambda t: t[0])
+    sigs = [_signature(ph, u) for _, ph, u in first_use]
+    n = len(sigs)
+    best = (0, 0, 0)  # (coverage, -period, -start) maximised
+    for period in range(1, n // 2 + 1):
+        run = [0] * (n + 1)  # run[j]: how many consecutive equal pairs sig[j+t] == sig[j+t+period]
+        for j in range(n - period - 1, -1, -1):
+            run[j] = run[j + 1] + 1 if sigs[j] == sigs[j + period] else 0
+        for start in range(n - period):
+            k = 1 + run[start] // period
+            if k >= 2 and (k * period, -period, -start) > best:
+                best = (k * period, -period, -start)
+    if not best[0]:
+        return
+    coverage, period, start = best[0], -best[1], -best[2]
+    k = coverage // period
+    narrow = trunk.narrow
+    last_use: dict[str, int] = {}
+    for _, ph, _ in first_use:
+        last_use[ph.name] = max(trunk.pos[u.name] for u in ph.users if u.name in trunk.pos)
+
+    def before(position: int) -> int | None:
+        ok = [p for p in narrow if p <= position]
+        return ok[-1] if ok else None
+
+    def after(position: int) -> int | None:
+        ok = [p for p in narrow if p > position]
+        return ok[0] if ok else None
+
+    def block_end(b: int) -> int | None:
+        """The first narrow point after the last use of block b's parameters."""
+        params = [first_use[start + b * period + j][1].name for j in range(period)]
+        return after(max(last_use[p] for p in params))
+
+    starts = [before(first_use[start][0])]
+    for b in range(1, k):
+        starts.append(block_end(b - 1))
+    if any(a is None for a in starts) or any(b <= a for a, b in zip(starts[:-1], starts[1:])):
+        return  # blocks that no narrow point separates: no layer structure to cut at
+    end = block_end(k - 1)
+    if end is not None and end <= starts[-1]:
+        end = None
+    trunk.layer_starts, trunk.layers_end, trunk.period = starts, end, period

@@ -1,0 +1,510 @@
+"""Pipeline execution: run a schedule's actions over stage programs with send/recv between ranks.
+
+:class:`PipelineExecutor` is generic: a *stage* is anything with ``forward(mb, inputs)``,
+``backward(mb, grads)`` and ``backward_weight(mb)`` (:class:`FxStage` wraps a stage program of
+:mod:`mcompile.passes.pipeline_split`; tests drive it with synthetic stages that sleep). For every
+action of the rank's list (:mod:`mcompile.runtime.schedules`):
+
+- ``F(s, i)``: wait for stage ``s-1``'s tensors of microbatch ``i`` (``irecv`` from the rank
+  holding it), run the stage, ``isend`` its outputs to the rank of ``s+1``;
+- ``B(s, i)``: wait for the gradients of those outputs from ``s+1``, run the backward, ``isend``
+  the gradients of the stage inputs to ``s-1``; ``W(s, i)``: the deferred weight gradient.
+
+Every message has its own tag, and a receiver posts its receives from one peer in the order that
+peer sends them (it knows the peer's action list), so pairs never disagree on order even when a
+rank holds several stages (interleaving). Sends are waited for at the end of the step. With
+``record=True`` every action and every wait is timed (wall clock, comparable across processes on
+one machine) for the Chrome-trace timeline (:mod:`mcompile.timeline`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mcompile.runtime.schedules import Action
+
+__all__ = ["PipelineExecutor", "FxStage", "MessageSpec", "Event"]
+
+
+@dataclass(frozen=True)
+class MessageSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    differentiable: bool
+
+
+@dataclass
+class Event:
+    rank: int
+    name: str
+    cat: str  # "F" | "B" | "W" | "wait" | "step"
+    start: float
+    end: float
+    stage: int = -1
+    mb: int = -1
+
+
+@dataclass
+class _Slot:
+    inputs: list = field(default_factory=list)  # received tensors (requires_grad where differentiable)
+    outputs: object = None
+
+
+class PipelineExecutor:
+    def __init__(self, *, rank: int, pp_rank: int, num_stages: int, actions: list[list[Action]], microbatches: int,
+                 peer_of_stage, stages: dict, send_specs: dict[int, list[MessageSpec]], record: bool = False):
+        self.rank = rank
+        self.pp_rank = pp_rank
+        self.k = num_stages
+        self.pp = len(actions)
+        self.actions = actions
+        self.m = microbatches
+        self.peer_of_stage = peer_of_stage
+        self.stages = stages
+        self.send_specs = send_specs
+        self.record = record
+        self.events: list[Event] = []
+        self._width = max([len(v) for v in send_specs.values()] + [1])
+        self._incoming = self._incoming_order()
+
+    # -- message bookkeeping ------------------------------------------------------------------------
+    def _tag(self, kind: str, stage: int, mb: int, j: int) -> int:
+        return (((0 if kind == "act" else 1) * self.k + stage) * self.m + mb) * self._width + j
+
+    def _specs(self, kind: str, sender: int) -> list[MessageSpec]:
+        """Activations from ``sender`` are its outputs; gradients from ``sender`` belong to the
+        outputs of ``sender - 1``."""
+        return self.send_specs.get(sender if kind == "act" else sender - 1, [])
+
+    def _messages(self, kind: str, sender: int) -> list[int]:
+        return [j for j, s in enumerate(self._specs(kind, sender)) if kind == "act" or s.differentiable]
+
+    def _incoming_order(self) -> dict[int, list[tuple]]:
+        """peer pipeline rank -> the messages it sends to this rank, in its send order."""
+        mine = {s for s in range(self.k) if s % self.pp == self.pp_rank}
+        out: dict[int, list[tuple]] = {}
+        for q, acts in enumerate(self.actions):
+            for a in acts:
+                if a.kind == "F" and a.stage + 1 < self.k and a.stage + 1 in mine:
+                    out.setdefault(q, []).extend(("act", a.stage, a.mb, j) for j in self._messages("act", a.stage))
+                elif a.kind == "B" and a.stage > 0 and a.stage - 1 in mine:
+                    out.setdefault(q, []).extend(("grad", a.stage, a.mb, j) for j in self._messages("grad", a.stage))
+        return out
+
+    def _post_until(self, key: tuple) -> None:
+        kind, stage, mb, j = key
+        q = stage % self.pp  # the sending stage's pipeline rank
+        order = self._incoming[q]
+        while self._posted[q] < len(order):
+            k2 = order[self._posted[q]]
+            self._posted[q] += 1
+            spec = self._specs(k2[0], k2[1])[k2[3]]
+            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            work = dist.irecv(buf, src=self.peer_of_stage(k2[1]), tag=self._tag(*k2))
+            self._recvs[k2] = (buf, work)
+            if k2 == key:
+                return
+
+    def _receive(self, kind: str, stage: int, mb: int) -> list[torch.Tensor]:
+        out = []
+        for j in self._messages(kind, stage):
+            key = (kind, stage, mb, j)
+            if key not in self._recvs:
+                self._post_until(key)
+            buf, work = self._recvs.pop(key)
+            t0 = time.time()
+            work.wait()
+            if self.record:
+                self.events.append(Event(self.rank, f"recv {kind} {stage}.{mb}", "wait", t0, time.time(), stage, mb))
+            out.append(buf)
+        return out
+
+    def _send(self, kind: str, stage: int, mb: int, tensors: list, dst_stage: int) -> None:
+        """Send ``stage``'s activations (to ``stage + 1``) or the gradients of its inputs (to ``stage - 1``)."""
+        specs = self._specs(kind, stage)
+        for j in self._messages(kind, stage):
+            t = tensors[j]
+            if t is None:
+                t = torch.zeros(specs[j].shape, dtype=specs[j].dtype, device=self.device)
+            t = t.detach().contiguous()
+            if tuple(t.shape) != tuple(specs[j].shape) or t.dtype != specs[j].dtype:
+                raise RuntimeError(f"stage {stage} produced {kind} #{j} of shape {list(t.shape)} {t.dtype}, but "
+                                   f"{list(specs[j].shape)} {specs[j].dtype} was planned (rerun shape inference)")
+            self._sends.append((t, dist.isend(t, dst=self.peer_of_stage(dst_stage), tag=self._tag(kind, stage, mb, j))))
+
+    # -- the step -------------------------------------------------------------------------------------
+    def run(self, device: torch.device, forward_only: bool = False) -> dict[int, object]:
+        """Run this rank's actions; returns the last stage's outputs per microbatch (if held here)."""
+        self.device = device
+        self._posted = {q: 0 for q in self._incoming}
+        self._recvs: dict[tuple, tuple] = {}
+        self._sends: list = []
+        slots: dict[tuple[int, int], _Slot] = {}
+        results: dict[int, object] = {}
+        acts = self.actions[self.pp_rank]
+        if forward_only:
+            acts = [a for a in acts if a.kind == "F"]
+        t_step = time.time()
+        for a in acts:
+            t0 = time.time()
+            stage = self.stages[a.stage]
+            if a.kind == "F":
+                inputs = self._receive("act", a.stage - 1, a.mb) if a.stage > 0 else []
+                if a.stage > 0 and not forward_only:
+                    inputs = [x.requires_grad_() if s.differentiable else x
+                              for x, s in zip(inputs, self.send_specs[a.stage - 1])]
+                t0 = time.time()
+                out = stage.forward(a.mb, inputs)
+                if a.stage == self.k - 1:
+                    results[a.mb] = out
+                else:
+                    self._send("act", a.stage, a.mb, list(out), a.stage + 1)
+                if not forward_only:
+                    slots[(a.stage, a.mb)] = _Slot(inputs, out)
+            elif a.kind == "B":
+                slot = slots[(a.stage, a.mb)]
+                grads = self._receive("grad", a.stage + 1, a.mb) if a.stage < self.k - 1 else None
+                t0 = time.time()
+                dinputs = stage.backward(a.mb, slot.outputs, grads, slot.inputs)
+                if a.stage > 0:
+                    self._send("grad", a.stage, a.mb, list(dinputs), a.stage - 1)
+                slot.outputs = None
+                if not getattr(stage, "splits_weight", False):
+                    slots.pop((a.stage, a.mb))
+            else:  # W
+                stage.backward_weight(a.mb)
+                slots.pop((a.stage, a.mb), None)
+            if self.record:
+                self.events.append(Event(self.rank, str(a), a.kind, t0, time.time(), a.stage, a.mb))
+        for _, work in self._sends:
+            work.wait()
+        if self.recvs_left():
+            raise RuntimeError(f"rank {self.rank}: {len(self._recvs)} posted receives were never used")
+        if self.record:
+            self.events.append(Event(self.rank, "step", "step", t_step, time.time()))
+        self._sends = []
+        return results
+
+    def recvs_left(self) -> int:
+        return len(self._recvs)
+
+
+class FxStage:
+    """One stage program (:class:`~mcompile.passes.pipeline_split.StageProgram`) made runnable.
+
+    Zero-bubble split (``split_weight``): B computes the gradients of the received inputs only and
+    keeps the autograd intermediates the weight gradients need; W finishes them (torch's
+    ``stage_backward_input`` / ``stage_backward_weight``). The first stage receives nothing, so
+    its B is the whole backward and its W does nothing.
+
+    ``inputs_fn(mb)`` returns the stage's non-received inputs by placeholder name (parameters as
+    per-step leaf tensors, so a zero-bubble W can find them, buffers, the microbatch's user inputs);
+    the last stage's outputs are the program's outputs, and its backward starts from ``loss_fn(out)``.
+    """
+
+    def __init__(self, program, inputs_fn, loss_fn=None, split_weight: bool = False, weights_fn=None):
+        self.program = program
+        self.inputs_fn = inputs_fn
+        self.loss_fn = loss_fn
+        self.splits_weight = split_weight
+        self.weights_fn = weights_fn
+        self._groups: dict[int, list] = {}
+
+    def forward(self, mb: int, received: list):
+        named = self.inputs_fn(mb)
+        args = [named[n] for n in self.program.inputs[:len(self.program.inputs) - len(received)]] + list(received)
+        out = self.program.gm(*args)
+        return out if self.program.is_last else tuple(out)
+
+    def _roots(self, outputs, grads):
+        if self.program.is_last:
+            return [self.loss_fn(outputs)], None
+        pairs = [(o, g) for o, g in zip(outputs, _expand(grads, outputs)) if isinstance(o, torch.Tensor)
+                 and o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def backward(self, mb: int, outputs, grads, received: list):
+        roots, gs = self._roots(outputs, grads)
+        if self.splits_weight and any(isinstance(x, torch.Tensor) and x.requires_grad for x in received):
+            from torch.distributed.pipelining._backward import stage_backward_input
+
+            dinputs, groups = stage_backward_input(roots, gs, list(received), iter(self.weights_fn()))
+            self._groups[mb] = groups
+            return list(dinputs)
+        if roots:
+            torch.autograd.backward(roots, gs)
+        return [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in received]
+
+    def backward_weight(self, mb: int) -> None:
+        from torch.distributed.pipelining._backward import stage_backward_weight
+
+        groups = self._groups.pop(mb, None)
+        if groups is not None:
+            stage_backward_weight(iter(self.weights_fn()), groups)
+
+
+def _expand(grads, outputs):
+    """Gradients arrive for the differentiable outputs only; put None for the others."""
+    if grads is None:
+        return [None] * len(outputs)
+    it = iter(grads)
+    return [next(it) if isinstance(o, torch.Tensor) and o.is_floating_point() else None for o in outputs]
+
+
+# ------------------------------------------------------------------------------------------------
+# The glue between a ParallelModule and the executor
+# ------------------------------------------------------------------------------------------------
+_COMM_OPS = {"all_reduce": 1, "all_reduce_max": 1, "reduce_scatter": 2, "all_gather": 2}  # op -> axis arg
+
+
+class _RecordCollectives(torch.utils._python_dispatch.TorchDispatchMode):
+    """Under fake tensors: the communicating mcompile ops, in the order autograd runs them."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, str, tuple, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "mcompile":
+            name = func._opname
+            if name in _COMM_OPS:
+                x = args[0]
+                self.ops.append((name, args[_COMM_OPS[name]], tuple(int(s) for s in x.shape), str(x.dtype)))
+        return out
+
+
+class Pipeline:
+    """Pipeline parallelism inside a :class:`~mcompile.runtime.module.ParallelModule`: the stage
+    partition, this rank's stage programs, shape inference and verification, the schedule run."""
+
+    def __init__(self, pm, program, config):
+        from mcompile.partition import partition
+        from mcompile.passes.pipeline_split import split_stages
+        from mcompile.passes.recompute import apply_recompute, recompute_nodes
+        from mcompile.runtime.schedules import build_schedule
+
+        self.pm = pm
+        cap = pm._compiled.captured
+        mesh = pm.mesh
+        self.pp = mesh.size("pp")
+        self.pp_rank = pm._coords["pp"]
+        self.virtual = config.virtual_stages
+        self.m = config.microbatches
+        self.partition = pm._compiled.partition or partition(
+            cap, self.pp, self.virtual, granularity=config.pipeline_granularity,
+            layers_per_stage=list(config.layers_per_stage) if config.layers_per_stage else None,
+            cuts=list(config.stage_cuts) if config.stage_cuts else None, seq=config.pipeline_seq or 2048)
+        self.k = self.partition.num_stages
+        self.schedule = config.schedule
+        self.actions = build_schedule(config.schedule, self.pp, self.virtual, self.m)
+        self.stages = split_stages(program, self.partition, cap.params, cap.user_inputs)
+        self.own = [s for s in range(self.k) if s % self.pp == self.pp_rank]
+        for s in self.own:  # recompute inside each stage program
+            st = self.stages[s]
+            groups = recompute_nodes(st.gm, config.recompute, config.recompute_method, config.recompute_num_layers)
+            st.gm = apply_recompute(st.gm, groups)
+        self.param_of_ph = dict(cap.params)
+        self.own_params = sorted({self.param_of_ph[p] for s in self.own for p in self.stages[s].params},
+                                 key=list(cap.params.values()).index)
+        # stages (hence pipeline ranks) using each parameter: tied weights live on several
+        users: dict[str, set[int]] = {}
+        for st in self.stages:
+            for p in st.params:
+                users.setdefault(self.param_of_ph[p], set()).add(st.index % self.pp)
+        self.param_ranks = users
+        self.owner = {fqn: min(r) for fqn, r in users.items()}
+        self.tied_groups = self._make_tied_groups(mesh)
+        self.record = False
+        self.events: list[Event] = []
+        self._probed: dict = {}
+        self._leaves: dict[str, torch.Tensor] = {}
+
+    # -- groups ---------------------------------------------------------------------------------------
+    def _make_tied_groups(self, mesh) -> dict[str, object]:
+        """A process group per set of pipeline ranks sharing a parameter, for each (dp, tp, ...)
+        coordinate; every rank creates every group in the same order (torch.distributed's rule)."""
+        out = {}
+        sets = sorted({tuple(sorted(r)) for r in self.param_ranks.values() if len(r) > 1})
+        coords = self.pm._coords
+        others = [a for a in mesh.axis_names if a != "pp"]
+        import itertools
+
+        for ranks in sets:
+            for combo in itertools.product(*[range(mesh.size(a)) for a in others]):
+                c = dict(zip(others, combo))
+                members = [mesh.rank_of(**{**c, "pp": r}) for r in ranks]
+                g = dist.new_group(members)
+                if all(coords[a] == c[a] for a in others) and self.pp_rank in ranks:
+                    for fqn, r in self.param_ranks.items():
+                        if tuple(sorted(r)) == ranks:
+                            out[fqn] = (g, members)
+        return out
+
+    def peer_of_stage(self, s: int) -> int:
+        return self.pm.mesh.rank_of(**{**self.pm._coords, "pp": s % self.pp})
+
+    # -- shapes and verification ----------------------------------------------------------------------
+    def _probe(self, piece_inputs: dict[str, torch.Tensor]):
+        """Fake-run every stage (forward, and backward of this rank's): message shapes per stage
+        and this rank's collectives in order; then verify all ranks' communication."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from mcompile.runtime.verify import CommOp, rank_ops, verify
+
+        key = tuple((n, tuple(t.shape), t.dtype) for n, t in sorted(piece_inputs.items()))
+        if key in self._probed:
+            return self._probed[key]
+        pm = self.pm
+        mesh = pm.mesh
+        dtype = pm.config.dtype
+        send_specs: dict[int, list[MessageSpec]] = {}
+        fwd_ops: dict[int, list] = {}
+        bwd_ops: dict[int, list] = {}
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, torch.enable_grad():  # the backward's collectives too, even when called under no_grad
+            params = {}
+            for ph, fqn in self.param_of_ph.items():
+                pp_ = pm.plan.params[fqn]
+                leaf = torch.empty(pp_.local_shape, dtype=torch.float32, device=pm._device).requires_grad_()
+                params[ph] = leaf.to(dtype) if dtype != torch.float32 else leaf
+            state = {k: mode.from_tensor(v) for k, v in pm._extra.items()}
+            users = {k: mode.from_tensor(v) for k, v in piece_inputs.items()}
+            carried: list = []
+            for st in self.stages:
+                named = {**params, **state, **users}
+                recv = [x.detach().requires_grad_() if x.is_floating_point() else x.detach() for x in carried]
+                args = [named[n] for n in st.inputs[:len(st.inputs) - len(recv)]] + recv
+                rec = _RecordCollectives()
+                with rec:
+                    out = st.gm(*args)
+                fwd_ops[st.index] = rec.ops
+                if not st.is_last:
+                    out = tuple(out)
+                    send_specs[st.index] = [MessageSpec(tuple(int(s) for s in o.shape), o.dtype, o.is_floating_point())
+                                            for o in out]
+                if st.index in self.own:
+                    rec = _RecordCollectives()
+                    with rec:
+                        if st.is_last:
+                            pm._loss_parts(out)[0].backward()
+                        else:
+                            roots = [o for o in out if o.requires_grad]
+                            torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
+                    bwd_ops[st.index] = rec.ops
+                carried = [] if st.is_last else [o.detach() for o in out]
+
+        def group(axis):
+            return next(tuple(g) for g in mesh.group_ranks(axis) if pm._rank in g)
+
+        def comm(ops):
+            return [CommOp("coll", name, shape, dt, group=group(axis), axis=axis) for name, axis, shape, dt in ops]
+
+        stage_comm = {s: {"recv": [(sp.shape, str(sp.dtype), sp.differentiable) for sp in send_specs.get(s - 1, [])],
+                          "send": [(sp.shape, str(sp.dtype), sp.differentiable) for sp in send_specs.get(s, [])],
+                          "fwd": comm(fwd_ops[s]), "bwd": comm(bwd_ops.get(s, []))} for s in range(self.k)}
+        mine = rank_ops(self.actions[self.pp_rank], stage_comm, self.k, self.peer_of_stage, self.step_end_ops())
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        verify(dict(enumerate(everyone)))
+        self._probed[key] = send_specs
+        return send_specs
+
+    def step_end_ops(self) -> list:
+        from mcompile.runtime.verify import CommOp
+
+        mesh = self.pm.mesh
+        out = []
+        for fqn, (_, members) in sorted(self.tied_groups.items()):
+            shape = tuple(self.pm.plan.params[fqn].local_shape)
+            out.append(CommOp("coll", f"all_reduce tied {fqn}", shape, "torch.float32", group=tuple(members),
+                              axis="pp"))
+        pp_group = next(tuple(g) for g in mesh.group_ranks("pp") if self.pm._rank in g)
+        out.append(CommOp("coll", "broadcast loss", (2,), "torch.float32", group=pp_group, axis="pp"))
+        return out
+
+    # -- running --------------------------------------------------------------------------------------
+    def _inputs_fn(self, pieces):
+        pm = self.pm
+        cap = pm._compiled.captured
+        dtype = pm.config.dtype
+
+        def fn(mb):
+            args, kwargs = pieces[mb]
+            user = list(args) + [kwargs[n] for n in cap.input_names[len(args):]]
+            named = dict(zip(cap.user_inputs, user))
+            named.update(pm._extra)
+            for ph, fqn in self.param_of_ph.items():
+                leaf = self._leaves.get(fqn)
+                if leaf is not None:
+                    named[ph] = leaf.to(dtype) if dtype != torch.float32 and leaf.is_floating_point() else leaf
+            return named
+
+        return fn
+
+    def run(self, pieces, forward_only: bool = False):
+        """One step over the microbatches; returns (loss sum, token count) of the whole local batch
+        on every rank of the pipeline (forward_only: the last stage's outputs, broadcast)."""
+        pm = self.pm
+        cap = pm._compiled.captured
+        args0, kwargs0 = pieces[0]
+        user0 = list(args0) + [kwargs0[n] for n in cap.input_names[len(args0):]]
+        specs = self._probe({n: t for n, t in zip(cap.user_inputs, user0) if isinstance(t, torch.Tensor)})
+        self._leaves = {fqn: pm._params[fqn].to_local().detach().requires_grad_(not forward_only)
+                        for fqn in self.own_params}
+        inputs_fn = self._inputs_fn(pieces)
+        split = self.schedule == "zbh1"
+        stages = {}
+        for s in self.own:
+            st = self.stages[s]
+            weights = [self._leaves[self.param_of_ph[p]] for p in st.params]
+            stages[s] = FxStage(st, inputs_fn, loss_fn=lambda out: pm._loss_parts(out)[0], split_weight=split,
+                                weights_fn=lambda w=weights: w)
+        ex = PipelineExecutor(rank=pm._rank, pp_rank=self.pp_rank, num_stages=self.k, actions=self.actions,
+                              microbatches=len(pieces), peer_of_stage=self.peer_of_stage, stages=stages,
+                              send_specs=specs, record=self.record)
+        if len(pieces) != self.m:
+            raise ValueError(f"the schedule was built for {self.m} microbatches, got {len(pieces)}")
+        if forward_only:
+            with torch.no_grad():
+                results = ex.run(pm._device, forward_only=True)
+        else:
+            results = ex.run(pm._device)
+        if self.record:  # the latest step's events (the timeline shows one step)
+            self.events = list(ex.events)
+        return results
+
+    def reduce_results(self, results) -> torch.Tensor:
+        """(loss sum, token count) summed over this rank's last-stage microbatches, broadcast from
+        the last pipeline rank to the others."""
+        pm = self.pm
+        stats = torch.zeros(2, dtype=torch.float32, device=pm._device)
+        for out in results.values():
+            loss_sum, c = pm._loss_parts(out)
+            stats += torch.stack([loss_sum.detach(), c])
+        last = self.peer_of_stage(self.k - 1)
+        dist.broadcast(stats, src=last, group=pm._comm.groups["pp"])
+        return stats
+
+    def push_grads(self) -> None:
+        """Tied weights: sum the leaf gradients of every rank holding them; then hand every leaf
+        gradient to its DTensor parameter through autograd (so the data-parallel hooks fire)."""
+        for fqn, (g, _) in sorted(self.tied_groups.items()):
+            leaf = self._leaves[fqn]
+            if leaf.grad is None:
+                leaf.grad = torch.zeros_like(leaf)
+            dist.all_reduce(leaf.grad, group=g)
+        roots, grads = [], []
+        for fqn in self.own_params:
+            leaf = self._leaves[fqn]
+            if leaf.grad is not None:
+                p = self.pm._params[fqn]
+                roots.append(p.to_local(grad_placements=p.placements))
+                grads.append(leaf.grad)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        self._leaves = {}

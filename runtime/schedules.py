@@ -1,0 +1,232 @@
+"""Pipeline schedules as per-rank action lists, and their bubble formulas.
+
+An action is ``F`` (forward of one microbatch through one stage), ``B`` (its backward; with a
+zero-bubble schedule only the gradient of the stage's inputs) or ``W`` (the deferred gradient of
+the stage's weights). Stage ``s`` of ``K = pp * virtual`` lives on pipeline rank ``s % pp``
+(Megatron's interleaving). Communication is implied: ``F(s, i)`` receives stage ``s-1``'s output
+for microbatch ``i`` and sends its own to ``s+1``; ``B(s, i)`` receives the gradient from ``s+1``
+and sends one to ``s-1``. :mod:`mcompile.runtime.verify` checks the lists before anything runs.
+
+- ``gpipe``: all forwards, then all backwards (Huang et al. 2019). Bubble ``(p-1)/(m+p-1)``.
+- ``1f1b``: ``p-r-1`` warm-up forwards, then one forward / one backward, then the remaining
+  backwards (PipeDream-Flush, Narayanan et al. 2021). Same bubble, at most ``p-r`` microbatches in
+  flight instead of ``m``.
+- ``interleaved``: 1F1B over ``v`` virtual stages per rank in Megatron's order (Narayanan et al.
+  SC'21): forwards of chunk ``c`` for ``p`` microbatches at a time; warm-up ``(p-r-1)*2 + (v-1)*p``.
+  Bubble ``(p-1)/(v*m + p-1)``. Needs ``m`` to be a multiple of ``p``.
+- ``zbh1``: ZB-H1 of Qi et al. 2023 ("Zero Bubble Pipeline Parallelism"): 1F1B with the backward
+  split into B and W; later ranks defer W's (at most ``p-1`` pending) so gradients travel back at
+  the pace of B alone, and the W's fill the cool-down. Idle time ``(p-1)(t_F + t_B - t_W)`` against
+  1F1B's ``(p-1)(t_F + t_B + t_W)`` (``t_B`` here is the input part only): a third when all three
+  take equal time.
+
+These orders are generated here rather than taken from ``torch.distributed.pipelining``: its
+schedules drive its own ``PipelineStage`` objects (one module, one input tensor per stage, its own
+shape inference and loss handling); ours run generated multi-input stages and must expose the
+exact order of every send and receive to the static verifier and the timeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Action", "SCHEDULES", "build_schedule", "bubble_fraction", "simulate", "ScheduleError"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1")
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F" | "B" | "W"
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.stage}.{self.mb}"
+
+
+def _check(name: str, pp: int, virtual: int, m: int) -> None:
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    if m < 1:
+        raise ScheduleError(f"microbatches={m} must be >= 1")
+    if virtual > 1 and name != "interleaved":
+        raise ScheduleError(f"virtual={virtual} stages per rank need schedule='interleaved' (got {name!r})")
+    if name == "interleaved" and m % pp:
+        ok = [x for x in range(pp, 4 * pp + 1, pp)]
+        raise ScheduleError(f"the interleaved schedule needs microbatches divisible by pp={pp}; got {m}; "
+                            f"valid: {', '.join(map(str, ok))}, ...")
+
+
+def build_schedule(name: str, pp: int, virtual: int, m: int) -> list[list[Action]]:
+    """The action list of every pipeline rank."""
+    _check(name, pp, virtual, m)
+    if name == "gpipe":
+        return [[Action("F", r, i) for i in range(m)] + [Action("B", r, i) for i in range(m)] for r in range(pp)]
+    if name == "1f1b":
+        return [_one_f_one_b(r, pp, m) for r in range(pp)]
+    if name == "zbh1":
+        return _zero_bubble_h1(pp, m)
+    return [_interleaved(r, pp, virtual, m) for r in range(pp)]
+
+
+def _one_f_one_b(r: int, p: int, m: int) -> list[Action]:
+    warm = min(p - r - 1, m)
+    out = [Action("F", r, i) for i in range(warm)]
+    f, b = warm, 0
+    while f < m:
+        out += [Action("F", r, f), Action("B", r, b)]
+        f, b = f + 1, b + 1
+    out += [Action("B", r, i) for i in range(b, m)]
+    return out
+
+
+def _zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
+    """ZB-H1 by list scheduling on unit-time F, B and W (the paper's greedy idea in its simplest form).
+
+    A free rank runs, in this order of preference: a W if ``p - 1`` are already pending (bounds the
+    memory W's keep: the inputs of the weight-gradient matmuls), a ready B (it unblocks the ranks
+    before it), the next F if fewer than ``p - r`` microbatches await their B (1F1B's activation
+    memory), else the oldest pending W. Deferring W's on the later ranks lets gradients travel back
+    at the pace of B alone, which is where the bubble shrinks to ``(p-1)(t_F + t_B - t_W)``."""
+    out: list[list[Action]] = [[] for _ in range(p)]
+    done: dict[tuple, int] = {}
+    nf, nb = [0] * p, [0] * p
+    pending: list[list[int]] = [[] for _ in range(p)]
+    free = [0] * p
+    t = 0
+    while any(len(o) < 3 * m for o in out):
+        for r in range(p):
+            if free[r] > t or len(out[r]) == 3 * m:
+                continue
+            b, f = nb[r], nf[r]
+            dep_b = ("B", r + 1, b) if r < p - 1 else ("F", r, b)
+            if len(pending[r]) > p - 1:
+                a = Action("W", r, pending[r][0])
+            elif b < f and done.get(dep_b, t + 1) <= t:
+                a = Action("B", r, b)
+            elif f < m and f - b < p - r and (r == 0 or done.get(("F", r - 1, f), t + 1) <= t):
+                a = Action("F", r, f)
+            elif pending[r]:
+                a = Action("W", r, pending[r][0])
+            else:
+                continue
+            if a.kind == "B":
+                nb[r] += 1
+                pending[r].append(b)
+            elif a.kind == "F":
+                nf[r] += 1
+            else:
+                pending[r].pop(0)
+            out[r].append(a)
+            free[r] = t + 1
+            done[(a.kind, a.stage, a.mb)] = t + 1
+        t += 1
+    return out
+
+
+def _interleaved(r: int, p: int, v: int, m: int) -> list[Action]:
+    total = m * v
+
+    def fwd(k: int) -> Action:  # the k-th forward of this rank
+        chunk = (k // p) % v
+        mb = (k // (p * v)) * p + k % p
+        return Action("F", chunk * p + r, mb)
+
+    def bwd(k: int) -> Action:
+        chunk = v - 1 - (k // p) % v
+        mb = (k // (p * v)) * p + k % p
+        return Action("B", chunk * p + r, mb)
+
+    warm = min((p - r - 1) * 2 + (v - 1) * p, total) if v > 1 else min(p - r - 1, total)
+    out = [fwd(k) for k in range(warm)]
+    f, b = warm, 0
+    while f < total:
+        out.append(fwd(f))
+        f += 1
+        out.append(bwd(b))
+        b += 1
+    while b < total:
+        out.append(bwd(b))
+        b += 1
+    return out
+
+
+def bubble_fraction(name: str, pp: int, m: int, virtual: int = 1, t_f: float = 1.0, t_b: float = 2.0,
+                    t_w: float | None = None) -> float:
+    """Idle fraction of each rank's step under ideal conditions (uniform stages, free messages).
+
+    ``t_b`` is the whole backward (input and weight gradients); for ``zbh1`` give ``t_w``, the part
+    of it that is the weight gradient (default: half of ``t_b``)."""
+    p = pp
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if name == "interleaved":
+        return (p - 1) / (virtual * m + p - 1)
+    if name == "zbh1":
+        tw = t_b / 2 if t_w is None else t_w
+        tb = t_b - tw
+        idle = (p - 1) * max(0.0, t_f + tb - tw)
+        return idle / (m * (t_f + tb + tw) + idle)
+    raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
+
+
+def simulate(actions: list[list[Action]], t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0,
+             virtual: int = 1) -> tuple[float, list[float]]:
+    """Run the action lists on an ideal machine (messages free, each action its time: ``t_b`` is the
+    backward without the weight part when W actions exist). Returns (makespan, busy time per rank);
+    raises :class:`ScheduleError` if the lists cannot complete (a cyclic wait)."""
+    pp = len(actions)
+    k = pp * virtual
+    done: dict[tuple, float] = {}
+    pos = [0] * pp
+    clock = [0.0] * pp
+    busy = [0.0] * pp
+    dur = {"F": t_f / virtual, "B": t_b / virtual, "W": t_w / virtual}
+    while any(pos[r] < len(actions[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while pos[r] < len(actions[r]):
+                a = actions[r][pos[r]]
+                if a.kind == "F":
+                    dep = ("F", a.stage - 1, a.mb) if a.stage > 0 else None
+                elif a.kind == "B":
+                    dep = ("B", a.stage + 1, a.mb) if a.stage < k - 1 else ("F", a.stage, a.mb)
+                else:
+                    dep = ("B", a.stage, a.mb)
+                if dep is not None and dep not in done:
+                    break
+                start = max(clock[r], done[dep] if dep is not None else 0.0)
+                clock[r] = start + dur[a.kind]
+                busy[r] += dur[a.kind]
+                done[(a.kind, a.stage, a.mb)] = clock[r]
+                pos[r] += 1
+                moved = True
+        if not moved:
+            raise ScheduleError(f"the action lists cannot complete: ranks stop at {pos}")
+    return max(clock), busy
+
+
+def peak_activation_bytes(actions: list[Action], bytes_of_stage: dict[int, float]) -> float:
+    """Peak of the activations a rank holds while running its action list: a microbatch's stage
+    activations are held from its F until its B (until its W when the schedule splits them)."""
+    split = any(a.kind == "W" for a in actions)
+    held = 0.0
+    peak = 0.0
+    first_stage = min(a.stage for a in actions) if actions else 0
+    for a in actions:
+        b = bytes_of_stage.get(a.stage, 0.0)
+        if a.kind == "F":
+            held += b
+            peak = max(peak, held)
+        elif a.kind == "W" or (a.kind == "B" and (not split or a.stage == first_stage and _receives_nothing(a))):
+            held -= b
+    return peak
+
+
+def _receives_nothing(a: Action) -> bool:
+    return a.stage == 0  # the first stage's B is its whole backward (it has no input gradient to split)
