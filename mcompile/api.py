@@ -151,16 +151,20 @@ def _plan_pipeline(compiled: Compiled, schedule, virtual, microbatches, granular
     plan.schedule = schedule
     local = [0] * part.num_stages  # this rank's elements of each stage's parameters (tied: first stage)
     trunk = part.trunk
+    param_stages = {}  # fqn -> every stage using it (tied weights: two)
     for ph in compiled.captured.param_nodes:
         uses = [trunk.pos[u.name] for u in ph.users if u.name in trunk.pos]
         if uses:
-            local[part.stage_of_position(min(uses))] += plan.params[compiled.captured.params[ph.name]].local_numel
+            fqn = compiled.captured.params[ph.name]
+            local[part.stage_of_position(min(uses))] += plan.params[fqn].local_numel
+            param_stages[fqn] = sorted({part.stage_of_position(u) for u in uses})
     plan.pipeline = {
         "pp": pp, "virtual": virtual, "microbatches": microbatches, "granularity": granularity, "seq": seq,
         "stages": [{"rank": s % pp, "layers": list(part.layers(s)), "params": part.stage_params[s],
                     "local_params": local[s],
                     "cost": part.stage_cost[s], "act_bytes_per_sample": part.stage_act_bytes[s]}
                    for s in range(part.num_stages)],
+        "param_stages": param_stages,
         "imbalance": part.imbalance, "optimum": part.optimum, "pinned": part.pinned,
         "bubble": bubble_fraction(schedule, pp, microbatches, virtual),
     }

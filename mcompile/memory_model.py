@@ -128,10 +128,22 @@ def memory_per_rank(plan, dtype: str | None = None, zero: int = 0) -> MemoryPerR
     rank: every rank holds the same under tp/dp). Gradients fp32 (Megatron's ``main_grad``); AdamW's
     moments fp32 plus an fp32 master copy of non-fp32 parameters; plus AdamW's 4-byte step count per
     parameter tensor. Sharded parameters count their local (padded) piece, tied ones once. ZeRO-1
-    divides the optimizer state by the plan's dp size."""
-    dp = plan.mesh.get("dp", 1)
+    divides the optimizer state by the plan's dp size. Under pipeline parallelism a rank holds its
+    stages' parameters only (tied ones on every stage using them): the largest pipeline rank."""
+    pipe = getattr(plan, "pipeline", None) or {}
+    if pipe.get("param_stages"):
+        per_rank = []
+        for r in range(pipe["pp"]):
+            mine = {f for f, stages in pipe["param_stages"].items() if any(s % pipe["pp"] == r for s in stages)}
+            per_rank.append(_state_bytes([pp for f, pp in plan.params.items() if f in mine], dtype, zero,
+                                         plan.mesh.get("dp", 1)))
+        return max(per_rank, key=lambda m: m.total)
+    return _state_bytes(list(plan.params.values()), dtype, zero, plan.mesh.get("dp", 1))
+
+
+def _state_bytes(params, dtype: str | None, zero: int, dp: int) -> MemoryPerRank:
     p = g = o = 0
-    for pp in plan.params.values():
+    for pp in params:
         per = model_state_bytes_per_param(dtype or pp.dtype, "fp32", zero, dp)
         n = pp.local_numel
         p += n * int(per.params)
