@@ -249,6 +249,9 @@ PP_CASES = [
     ("pp=2", {"microbatches": 4, "schedule": "interleaved", "virtual_stages": 2, **SUB}),
     ("pp=2,tp=2", {"microbatches": 2, "sequence_parallel": True}),
     ("dp=2,pp=2,tp=2", {"microbatches": 2, "sequence_parallel": True}),
+    # the other passes run inside the stages: fusion before the split, recompute per stage
+    ("pp=2,tp=2", {"microbatches": 2, "sequence_parallel": True, "fuse": True}),
+    ("pp=2", {"microbatches": 2, "recompute": "full", "schedule": "zbh1"}),
 ]
 
 
