@@ -415,16 +415,34 @@ class Pipeline:
         return send_specs
 
     def step_end_ops(self) -> list:
+        """The collectives after the schedule, in the order train_step issues them: the loss
+        broadcast over pp, tied-weight gradient sums, the dp bucket reductions (all-reduce, or
+        ZeRO-1's reduce-scatter), the loss statistics over dp, the SP norm gradients over tp."""
         from mcompile.runtime.verify import CommOp
 
-        mesh = self.pm.mesh
-        out = []
+        pm = self.pm
+        mesh = pm.mesh
+
+        def group(axis):
+            return next(tuple(g) for g in mesh.group_ranks(axis) if pm._rank in g)
+
+        f32 = "torch.float32"
+        out = [CommOp("coll", "broadcast loss", (2,), f32, group=group("pp"), axis="pp")]
         for fqn, (_, members) in sorted(self.tied_groups.items()):
-            shape = tuple(self.pm.plan.params[fqn].local_shape)
-            out.append(CommOp("coll", f"all_reduce tied {fqn}", shape, "torch.float32", group=tuple(members),
-                              axis="pp"))
-        pp_group = next(tuple(g) for g in mesh.group_ranks("pp") if self.pm._rank in g)
-        out.append(CommOp("coll", "broadcast loss", (2,), "torch.float32", group=pp_group, axis="pp"))
+            shape = tuple(pm.plan.params[fqn].local_shape)
+            out.append(CommOp("coll", f"all_reduce tied {fqn}", shape, f32, group=tuple(members), axis="pp"))
+        if mesh.size("dp") > 1:
+            zero = getattr(pm, "_zero", None)
+            if zero is not None:
+                out += [CommOp("coll", "reduce_scatter dp bucket", (b.grad_buf.numel(),), f32, group=group("dp"),
+                               axis="dp") for b in zero.buckets]
+            else:
+                out += [CommOp("coll", "all_reduce dp bucket", (sum(q.to_local().numel() for q in b.params),), f32,
+                               group=group("dp"), axis="dp") for b in pm._buckets]
+            out.append(CommOp("coll", "all_reduce loss", (2,), f32, group=group("dp"), axis="dp"))
+        if getattr(pm, "_tp_partial", None):
+            n = sum(q.to_local().numel() for q in pm._tp_partial)
+            out.append(CommOp("coll", "all_reduce sp norm grads", (n,), f32, group=group("tp"), axis="tp"))
         return out
 
     # -- running --------------------------------------------------------------------------------------
