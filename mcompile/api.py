@@ -100,7 +100,7 @@ def compile_plan(
     schedule: str = "1f1b",
     virtual_stages: int = 1,
     microbatches: int = 1,
-    pipeline_granularity: str = "layer",
+    pipeline_granularity: str = "auto",
     layers_per_stage=None,
     stage_cuts=None,
     pipeline_seq: int | None = None,
@@ -159,7 +159,7 @@ def _plan_pipeline(compiled: Compiled, schedule, virtual, microbatches, granular
             local[part.stage_of_position(min(uses))] += plan.params[fqn].local_numel
             param_stages[fqn] = sorted({part.stage_of_position(u) for u in uses})
     plan.pipeline = {
-        "pp": pp, "virtual": virtual, "microbatches": microbatches, "granularity": granularity, "seq": seq,
+        "pp": pp, "virtual": virtual, "microbatches": microbatches, "granularity": part.granularity, "seq": seq,
         "stages": [{"rank": s % pp, "layers": list(part.layers(s)), "params": part.stage_params[s],
                     "local_params": local[s],
                     "cost": part.stage_cost[s], "act_bytes_per_sample": part.stage_act_bytes[s]}

@@ -226,8 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--microbatches", type=int, default=1, help="pipeline microbatches per step")
         sp.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved, zbh1")
         sp.add_argument("--virtual", type=int, default=1, help="pipeline stages per rank (interleaved)")
-        sp.add_argument("--granularity", choices=["layer", "sublayer"], default="layer",
-                        help="pipeline cuts at layer boundaries only, or also inside layers")
+        sp.add_argument("--granularity", choices=["auto", "layer", "sublayer"], default="auto",
+                        help="pipeline cuts at layer boundaries only, also inside layers, or inside only where "
+                             "that balances better (auto)")
         sp.add_argument("--layers-per-stage", default=None, metavar="N,N,...", help="pin the pipeline split")
 
     pp = sub.add_parser("plan", help="print the plan: placements, collectives, memory per rank")

@@ -29,7 +29,8 @@ class Config:
     # pipeline parallelism (a "pp" mesh axis): mcompile.partition, mcompile.runtime.schedules
     schedule: str = "1f1b"  # "gpipe" | "1f1b" | "interleaved" | "zbh1"
     virtual_stages: int = 1  # stages per pipeline rank (interleaved schedule)
-    pipeline_granularity: str = "layer"  # cut at layer boundaries, or "sublayer" (also between attention and MLP)
+    pipeline_granularity: str = "auto"  # "layer" boundaries, "sublayer" (also between attention and MLP), or
+    #                                      "auto": inside layers only where that lowers the slowest stage
     layers_per_stage: tuple | None = None  # pin the split: layers of each stage, in order
     stage_cuts: tuple | None = None  # pin the split: captured node names where stages 1..K-1 begin
     pipeline_seq: int | None = None  # sequence length at which stage costs are balanced (default: the example's)
@@ -66,8 +67,8 @@ class Config:
             raise ValueError(f"virtual_stages={self.virtual_stages!r} must be a positive integer")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved'")
-        if self.pipeline_granularity not in ("layer", "sublayer"):
-            raise ValueError(f"pipeline_granularity={self.pipeline_granularity!r}: use 'layer' or 'sublayer'")
+        if self.pipeline_granularity not in ("layer", "sublayer", "auto"):
+            raise ValueError(f"pipeline_granularity={self.pipeline_granularity!r}: use 'auto', 'layer' or 'sublayer'")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be positive")
         self._check_fp8()

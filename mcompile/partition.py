@@ -7,7 +7,9 @@ token count) is recomputed by every stage that needs it. Two granularities:
 - ``"layer"``: cuts only where a repeated block begins (the embedding stays with the first layer,
   the head and loss with the last one) — Megatron's layer-wise split;
 - ``"sublayer"``: any narrow point between the first block and the head — in a pre-norm
-  transformer also between attention and MLP, which balances stages more finely.
+  transformer also between attention and MLP, which balances stages more finely;
+- ``"auto"`` (the runtime's default): whole layers, unless cutting inside them lowers the most
+  expensive stage (or there are fewer layers than stages).
 
 The cost of a node is a roofline time proxy from its annotation, ``max(flops, intensity * bytes)``
 (FLOPs and bytes of the node's forward at batch 1 and the planning sequence length; ``intensity``
@@ -32,7 +34,7 @@ from mcompile.blocks import Trunk, analyse
 
 __all__ = ["PartitionError", "StagePartition", "partition", "min_max_reference"]
 
-GRANULARITIES = ("layer", "sublayer")
+GRANULARITIES = ("layer", "sublayer", "auto")
 
 
 class PartitionError(ValueError):
@@ -202,6 +204,15 @@ def partition(
     if pp < 1 or virtual < 1:
         raise PartitionError(f"pp={pp} and virtual={virtual} must be positive")
     trunk = trunk or analyse(captured.gm, captured.params)
+    if granularity == "auto":  # whole layers unless cutting inside them lowers the slowest stage
+        kw = dict(seq=seq, intensity=intensity, layers_per_stage=layers_per_stage, cuts=cuts,
+                  memory_limit=memory_limit, bytes_per_param=bytes_per_param, microbatch=microbatch, trunk=trunk)
+        try:
+            whole = partition(captured, pp, virtual, granularity="layer", **kw)
+        except PartitionError:
+            return partition(captured, pp, virtual, granularity="sublayer", **kw)
+        finer = partition(captured, pp, virtual, granularity="sublayer", **kw)
+        return finer if max(finer.stage_cost) < max(whole.stage_cost) * (1 - 1e-9) else whole
     k = pp * virtual
     num_layers = trunk.num_layers
     if k == 1:

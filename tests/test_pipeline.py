@@ -127,6 +127,19 @@ def test_llama3_70b_over_pp8_is_optimal_and_reports_its_imbalance():
     assert 0.05 < out["layer"] < 0.10
 
 
+def test_auto_granularity_cuts_inside_layers_only_when_that_is_cheaper():
+    _, _, c, _ = compiled("llama3-tiny", "tp=1", False)
+    for k in (2, 3, 4):
+        auto = partition(c.captured, k, granularity="auto", seq=16)
+        finer = partition(c.captured, k, granularity="sublayer", seq=16)
+        try:
+            whole = max(partition(c.captured, k, granularity="layer", seq=16).stage_cost)
+        except PartitionError:  # more stages than layers: only cuts inside layers can do it
+            whole = float("inf")
+        assert max(auto.stage_cost) == min(whole, max(finer.stage_cost))
+        assert auto.granularity == ("layer" if whole <= max(finer.stage_cost) else "sublayer")
+
+
 def test_pinned_splits_and_bad_input():
     _, _, c, _ = compiled("llama3-tiny", "tp=1", False)
     part = partition(c.captured, 2, layers_per_stage=[1, 1])
@@ -342,7 +355,7 @@ def test_plan_cli_shows_the_stages(capsys):
                  "sublayer", "--seq", "16"]) == 0
     out = capsys.readouterr().out
     assert "Pipeline: 2 stages on pp=2" in out and "predicted bubble of 1f1b: 20.0%" in out
-    assert main(["plan", "llama3-tiny", "--mesh", "pp=4", "--microbatches", "4"]) == 2
+    assert main(["plan", "llama3-tiny", "--mesh", "pp=4", "--microbatches", "4", "--granularity", "layer"]) == 2
     assert "more than the model's 2 layers" in capsys.readouterr().err
 
 
