@@ -1,0 +1,1407 @@
+"""Cost-driven auto-parallel search: the fastest layout the runtime can execute, under a memory limit.
+
+``mc.search(model, world=N, hardware="h100", global_batch=B, seq=S)`` → :class:`SearchResult`, a list
+of :class:`Candidate` ranked by predicted step time (each unpacks as ``layout, estimate``). The
+ideas are Alpa's (Zheng et al., OSDI 2022: an outer search over meshes and pipeline stages, an inner
+exact solver for the operators' placements) on Megatron's space of layouts (Narayanan et al. SC'21:
+tp inside a node, pp across, dp outside; microbatch size, interleaving and recompute as knobs).
+
+The model is analysed ONCE
+--------------------------
+Capture costs seconds and grows with depth (DESIGN §10: ~10 s for GPT-3's 96 layers). A
+:class:`SearchWorkload` captures a 2-layer version — a preset built with 2 layers, or a module whose
+longest ``nn.ModuleList`` of identical blocks is cut to 2 in a shallow copy (the user's module is
+untouched; if that capture fails the whole model is captured) — canonicalises and annotates it once,
+and re-plans that one graph per (tp, sequence parallel) (~0.1 s each) instead of re-capturing.
+:mod:`mcompile.cost` then prices one layer and scales by the real depth.
+
+The space (only what the runtime executes)
+------------------------------------------
+- mesh ``dp x pp x tp = world`` (mesh order dp, pp, tp: tp on neighbouring GPUs); tp passes the
+  planner's divisibility checks (:func:`mcompile.planner.check_divisibility`: heads, kv heads,
+  every contraction weight); pp <= the layers found; dp divides the global batch;
+- microbatch size b dividing the per-dp batch B/dp (m = B/(dp·b) microbatches);
+- schedule: pp = 1 → gradient accumulation; pp > 1 → 1f1b, zbh1 and interleaved with every
+  v > 1 such that pp·v divides the layers and pp divides m (the runtime's rules); gpipe only on
+  request (same bubble as 1f1b, more memory: always dominated);
+- sequence parallelism on/off when tp > 1 (and tp divides the sequence); recompute none /
+  selective / full; ZeRO 0/1 when dp > 1.
+
+Pruning (exact: never discards a layout that could rank first)
+--------------------------------------------------------------
+1. Memory lower bound per (tp, sp, pp, dp, ZeRO): the model state (parameters, gradients, optimizer)
+   averaged over the pipeline ranks — no layout of the group can need less on its largest rank.
+   Groups above the limit are skipped whole.
+2. Microbatch size: for a fixed schedule, a rank's in-flight activations min(in-flight, m)·b never
+   fall as b grows (m = B/(dp·b)), so once even full recompute is over the limit at b, every larger
+   b is skipped.
+3. Recompute dominance: for fixed everything else, recompute none → selective → full strictly adds
+   time (m·t_r, of which overlap can hide at most one microbatch's t_r of the dp reduction) and
+   removes memory, so the first mode that fits is the only one priced.
+The smallest footprint seen is kept for the error when nothing fits. ``exhaustive=True`` turns all
+three off (tests/test_search.py checks the pruned search against it).
+
+Stage cuts: the partitioner's, priced by the cost model
+------------------------------------------------------
+:func:`mcompile.cost.estimate` assumes ⌈L/p⌉ layers on every pipeline rank. The search instead
+takes the cuts the runtime would make: :mod:`mcompile.partition`'s exact min-max split at layer
+granularity (its roofline cost proxy at the search's sequence length, microbatch 1). With a full-depth
+capture that is :func:`mcompile.partition.partition` itself; with a 2-layer capture it is the same
+dynamic program (``partition._min_max``) over the depth's item weights — [embedding + layer, layer,
+…, layer + head] — read off the captured block, which is what ``partition`` computes on the full
+graph when the layers are identical. Each pipeline rank then has n_r layers (the sum over its
+virtual chunks), and the cost model's formulas are evaluated with n_r instead of ⌈L/p⌉: per rank
+T_r = n_r·t_layer + [first]·t_pre + [last]·t_post + t_p2p; the slowest rank sets the pipeline
+(m·T + bubble), the rank with most parameters sets the data-parallel reduction and the optimizer,
+and memory is the largest over all ranks (:func:`price`; with ``uniform=True`` it reproduces
+``estimate`` to rounding, which tests/test_search.py checks). ``Candidate.estimate`` is this priced
+estimate; ``estimate.details["uniform_step_time_s"]`` keeps the ⌈L/p⌉ number.
+
+Placements inside a block: an exact solver
+------------------------------------------
+:func:`block_placements` chooses, for every node of ONE repeated block on one tp axis, a strategy
+among the rule registry's candidates (the same ones :mod:`mcompile.propagate` scores greedily),
+minimising compute + communication time exactly, as an integer program solved by HiGHS (its
+docstring states the program). At training sizes it returns Megatron's layout — the planner's — for
+Llama and GPT blocks, at an objective equal to the greedy's; where the cost model prefers otherwise
+(a few tokens per microbatch, replicated weights allowed) it finds the cheaper layout the greedy
+misses. The search itself prices the planner's layout per tp (what the runtime executes); the solver
+is the check that this layout is optimal under the cost model, not yet a source of plans.
+
+parallelize(plan="auto")
+------------------------
+:func:`auto_layout`: the search for the world size, on rank 0 (``mcompile.api`` broadcasts the
+choice), with the runtime's precision (parameters and gradients fp32, matmuls in the Config's dtype);
+options the user gave restrict the space.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from mcompile import cost as C
+from mcompile import memory_model as MM
+from mcompile.cost import Estimate, Layout, Recompute, Schedule, Workload
+from mcompile.hardware import Hardware, get_hardware
+
+__all__ = ["search", "price", "Candidate", "SearchResult", "SearchError", "SearchWorkload", "enumerate_layouts",
+           "StageSplit", "stage_split", "auto_layout", "explain_pair", "block_placements", "BlockSolution"]
+
+log = logging.getLogger("mcompile.search")
+
+DEFAULT_SCHEDULES = ("1f1b", "zbh1", "interleaved")
+_COST_SCHEDULE = {"1f1b": Schedule.ONE_F_ONE_B, "zbh1": Schedule.ZB_H1, "zb-h1": Schedule.ZB_H1,
+                  "interleaved": Schedule.INTERLEAVED, "gpipe": Schedule.GPIPE}
+_RUNTIME_SCHEDULE = {Schedule.ONE_F_ONE_B: "1f1b", Schedule.ZB_H1: "zbh1", Schedule.INTERLEAVED: "interleaved",
+                     Schedule.GPIPE: "gpipe"}
+RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # increasing time, decreasing memory
+
+
+class SearchError(ValueError):
+    """No layout can be searched or fits; the message says what was tried and what to change."""
+
+
+# --------------------------------------------------------------------------- the workload, captured once
+
+
+def _truncated(model: torch.nn.Module, keep: int = 2) -> tuple[torch.nn.Module, int | None]:
+    """A shallow copy of ``model`` whose longest ``nn.ModuleList`` of same-type blocks keeps ``keep``
+    of them (parameters shared, the user's module untouched); and the original block count."""
+    best = None
+    for name, mod in model.named_modules():
+        if name and isinstance(mod, torch.nn.ModuleList) and len(mod) > keep and \
+                len({type(c) for c in mod}) == 1 and (best is None or len(mod) > len(best[1])):
+            best = (name, mod)
+    if best is None:
+        return model, None
+    *path, last = best[0].split(".")
+    root = copy.copy(model)
+    root._modules = dict(root._modules)
+    cur = root
+    for part in path:
+        child = copy.copy(cur._modules[part])
+        child._modules = dict(child._modules)
+        cur._modules[part] = child
+        cur = child
+    cur._modules[last] = torch.nn.ModuleList(list(best[1])[:keep])
+    return root, len(best[1])
+
+
+class SearchWorkload(Workload):
+    """A :class:`mcompile.cost.Workload` that captures its model ONCE and re-plans the captured graph
+    for each (tp, sequence parallel), instead of capturing again (module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._weights: dict[int, tuple[float, float, float]] = {}  # seq -> (pre, layer, post) stage proxy
+        self._splits: dict[tuple[int, int, int], StageSplit] = {}  # (pp, virtual, seq) -> stage split
+        self._compiled: dict[tuple[int, bool], object] = {}  # (tp, sp) -> the planned api.Compiled
+
+    @cached_property
+    def captured(self):
+        from mcompile.annotate import annotate
+        from mcompile.capture import capture
+        from mcompile.passes import canonicalize
+
+        cap = capture(self.model, self.example_inputs, self.example_kwargs, meta_dtype=self.dtype)
+        canonicalize(cap.gm)
+        self._annotation = annotate(cap.gm)
+        return cap
+
+    @cached_property
+    def trunk(self):
+        from mcompile.blocks import analyse
+
+        return analyse(self.captured.gm, self.captured.params)
+
+    @property
+    def depth(self) -> int:
+        """Layers of the real model (the capture may hold fewer)."""
+        return self.n_layers or self.trunk.num_layers or 1
+
+    @property
+    def full_depth(self) -> bool:
+        return self.trunk.num_layers == self.depth
+
+    def tp_error(self, tp: int) -> str | None:
+        """Why tp cannot shard this model (the planner's divisibility checks), or None."""
+        from mcompile.planner import check_divisibility
+        from mcompile.propagate import PlanError
+
+        try:
+            check_divisibility(self.captured, tp)
+        except PlanError as e:
+            return str(e).split(". File")[0]
+        return None
+
+    def profile(self, tp: int = 1, sequence_parallel: bool = False) -> C.ModelProfile:
+        key = (tp, bool(sequence_parallel and tp > 1))
+        if key not in self._profiles:
+            if self.model is None:
+                return super().profile(tp, sequence_parallel)
+            self._profiles[key] = C.analyse(self.compiled(*key), n_layers=self.n_layers, name=self.name,
+                                            heads=self.heads, kv_heads=self.kv_heads, seq_len=self.seq_len)
+        return self._profiles[key]
+
+    def compiled(self, tp: int, sequence_parallel: bool = False):
+        """The planner's plan of the captured graph at this tp (an :class:`mcompile.api.Compiled`)."""
+        key = (tp, bool(sequence_parallel and tp > 1))
+        if key not in self._compiled:
+            self._compiled[key] = self._plan(*key)
+        return self._compiled[key]
+
+    def _plan(self, tp: int, sp: bool):
+        """What :func:`mcompile.api.compile_plan` does after capture, on the shared graph."""
+        from mcompile.api import Compiled, _hints
+        from mcompile.mesh import Mesh
+        from mcompile.passes import lower_program
+        from mcompile.plan import PlanOptions, SPVariant
+        from mcompile.planner import assemble_plan, plan_axes
+
+        cap = self.captured
+        mesh = Mesh.fake(tp=tp)
+        axes = plan_axes(cap, mesh, sp, None, _hints(cap, self.example_inputs, self.example_kwargs, None, None))
+        plan = assemble_plan(cap, mesh, axes, PlanOptions(sequence_parallel=sp, sp_variant=SPVariant.SAVE_GATHERED),
+                             None)
+        compiled = Compiled(cap, plan, mesh, axes, {}, self._annotation)
+        _, specs = lower_program(cap, compiled.axis_infos(0))
+        plan.collectives = list(specs)
+        return compiled
+
+    @classmethod
+    def of(cls, model, example_inputs=(), example_kwargs=None, *, dtype=torch.bfloat16,
+           capture_layers: int = 2) -> SearchWorkload:
+        """From a preset name or Preset, a Workload, or a module with its example inputs."""
+        from mcompile.models.presets import Preset
+
+        if isinstance(model, SearchWorkload):
+            return model
+        if isinstance(model, (str, Preset)):
+            return cls.from_preset(model, capture_layers=capture_layers, dtype=dtype)
+        if isinstance(model, Workload):
+            if model.model is None:
+                raise SearchError("this Workload was made from one compiled plan: the search needs the model "
+                                  "(Workload(model, example_inputs) or a preset)")
+            w = cls(model.model, model.example_inputs, model.example_kwargs, n_layers=model.n_layers,
+                    name=model.name, heads=model.heads, kv_heads=model.kv_heads, seq_len=model.seq_len,
+                    dtype=model.dtype)
+            w._profiles.update(model._profiles)
+            return w
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"search() takes a module, a preset name, a Preset or a Workload, not "
+                            f"{type(model).__name__}")
+        if not example_inputs and not example_kwargs:
+            raise SearchError("search(module) needs example_inputs=(...) (a template: shapes and dtypes)")
+        from mcompile.capture import CaptureError
+
+        short, depth = _truncated(model, capture_layers)
+        if depth is not None:
+            w = cls(short, tuple(example_inputs), example_kwargs, n_layers=depth, dtype=dtype)
+            try:
+                w.captured  # noqa: B018 - capture now: fall back to the whole model if the cut one fails
+                w.trunk  # noqa: B018
+                if w.trunk.num_layers == capture_layers:
+                    return w
+            except (CaptureError, RuntimeError, ValueError, TypeError, IndexError) as e:
+                log.info("capturing %d of %d blocks failed (%s): capturing the whole model", capture_layers, depth, e)
+        return cls(model, tuple(example_inputs), example_kwargs, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- stage cuts
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """The partitioner's split of the layers over pp x virtual stages."""
+
+    layers_per_stage: tuple[int, ...]  # one per stage (pp·virtual), stage s on pipeline rank s % pp
+    layers_per_rank: tuple[int, ...]  # sum over each rank's virtual stages
+    imbalance: float  # the partitioner's cost proxy: slowest stage / mean stage - 1
+    cut_nodes: tuple[str, ...] = ()  # captured node names where stages 1.. begin (full-depth capture only)
+
+    def __str__(self) -> str:
+        return f"{_runs(self.layers_per_stage)} layers per stage (imbalance {self.imbalance:.1%})"
+
+
+def _runs(counts) -> str:
+    """Layer counts per stage, run-length encoded past a few stages: "4+4+3" or "2 (x15)+3 (x32)+2"."""
+    counts = list(counts)
+    if len(counts) <= 6:
+        return "+".join(map(str, counts))
+    out, i = [], 0
+    while i < len(counts):
+        j = i
+        while j < len(counts) and counts[j] == counts[i]:
+            j += 1
+        out.append(f"{counts[i]} (x{j - i})" if j - i > 1 else str(counts[i]))
+        i = j
+    return "+".join(out)
+
+
+def _bytes(x: float) -> str:
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if x >= 2**k:
+            return f"{x / 2**k:.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _layer_weights(work: SearchWorkload, seq: int) -> tuple[float, float, float]:
+    """(pre, one layer, post) in the partitioner's cost proxy, read off the captured blocks."""
+    from mcompile.partition import _cost_arrays
+
+    cache = work._weights
+    if seq in cache:
+        return cache[seq]
+    trunk = work.trunk
+    cost, _ = _cost_arrays(trunk, work.captured.symbols, 1, seq, 300.0)
+    starts = list(trunk.layer_starts)
+    if not starts:
+        out = 0.0, float(sum(cost)), 0.0
+    else:
+        end = trunk.layers_end if trunk.layers_end is not None else len(cost)
+        edges = starts + [end]
+        layers = [sum(cost[a:b]) for a, b in zip(edges[:-1], edges[1:])]
+        out = float(sum(cost[:starts[0]])), float(np.mean(layers)), float(sum(cost[end:]))
+    cache[seq] = out
+    return out
+
+
+def stage_split(work: SearchWorkload, pp: int, virtual: int, seq: int) -> StageSplit:
+    """The runtime's stage cuts for (pp, virtual), as layer counts (module docstring)."""
+    cache = work._splits
+    if (pp, virtual, seq) not in cache:
+        cache[(pp, virtual, seq)] = _stage_split(work, pp, virtual, seq)
+    return cache[(pp, virtual, seq)]
+
+
+def _stage_split(work: SearchWorkload, pp: int, virtual: int, seq: int) -> StageSplit:
+    L = work.depth
+    k = pp * virtual
+    if k == 1:
+        return StageSplit((L,), (L,), 0.0)
+    from mcompile.partition import _min_max, partition
+
+    if work.full_depth:
+        part = partition(work.captured, pp, virtual, seq=seq, trunk=work.trunk)
+        starts = work.trunk.layer_starts
+        counts = tuple(sum(1 for x in starts if lo <= x < hi) for lo, hi in part.bounds())
+        cuts, imb = tuple(part.cut_nodes()), part.imbalance
+    else:
+        pre, lay, post = _layer_weights(work, seq)
+        w = np.full(L, lay)
+        w[0] += pre
+        w[-1] += post
+        _, starts = _min_max(w, k)
+        edges = [0, *starts, L]
+        counts = tuple(b - a for a, b in zip(edges[:-1], edges[1:]))
+        sc = [float(w[a:b].sum()) for a, b in zip(edges[:-1], edges[1:])]
+        cuts, imb = (), max(sc) / (sum(sc) / len(sc)) - 1
+    per_rank = tuple(sum(counts[s] for s in range(r, k, pp)) for r in range(pp))
+    return StageSplit(counts, per_rank, imb, cuts)
+
+
+# --------------------------------------------------------------------------- pricing
+
+
+@dataclass(frozen=True)
+class _Settings:
+    hw: Hardware
+    eff: C.Efficiency
+    global_batch: int
+    seq: int
+    precision: str
+    param_dtype: str
+    grad_dtype: str
+    attention_kernel: str
+    efficiency: C.Efficiency | None  # as given (estimate() adapts it to the hardware itself)
+
+
+class _Sections:
+    """Per (tp, sp, microbatch size): the cost model's section times and activation bytes."""
+
+    def __init__(self, prof: C.ModelProfile, b: int, st: _Settings):
+        kw = dict(attention_kernel=st.attention_kernel, head_dim=prof.hidden / (prof.heads or 1))
+        lay = Layout(tp=prof.tp)  # tp is innermost: its link depends on tp alone
+        self.lay = C._section_times(prof.layer, b, st.seq, lay, st.hw, st.eff, st.precision, **kw)
+        self.pre = C._section_times(prof.pre, b, st.seq, lay, st.hw, st.eff, st.precision, **kw)
+        self.post = C._section_times(prof.post, b, st.seq, lay, st.hw, st.eff, st.precision, **kw)
+        self.layer_act = {m: float(v) for m, v in prof.layer.evaluate(b, st.seq).activations.items()}
+        self.pre_act = float(prof.pre.evaluate(b, st.seq).activations["none"])
+        self.post_act = float(prof.post.evaluate(b, st.seq).activations["none"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _ranks_to_check(layers: tuple[int, ...]) -> tuple[int, ...]:
+    """Pipeline ranks that can hold the most memory: the first, the last, and the first middle rank of
+    each distinct layer count (in-flight microbatches never grow with the rank)."""
+    p = len(layers)
+    out, seen = [0], set()
+    for i in range(1, p - 1):
+        if layers[i] not in seen:
+            seen.add(layers[i])
+            out.append(i)
+    if p > 1:
+        out.append(p - 1)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=65536)
+def _inflight(schedule: str, p: int, i: int, m: float, v: int) -> float:
+    return float(MM.inflight_microbatches(schedule, p, i, m, v))
+
+
+def _memory(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[int, ...], st: _Settings):
+    """:func:`mcompile.cost._memory` (graph activations) with ``layers[i]`` layers on pipeline rank i."""
+    per = MM.model_state_bytes_per_param(st.param_dtype, st.grad_dtype, layout.zero, layout.dp * layout.cp)
+    m = st.global_batch / (layout.dp * layout.microbatch_size)
+    one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
+    return _memory_of(prof, sec, layers, per, layout.schedule.value, layout.virtual, m, layout.recompute.value,
+                      one_pass=one_pass, reduce_bytes=reduce_bytes)
+
+
+def _lifetimes(layers: tuple[int, ...], m: float, zero: int, dp: int) -> tuple[bool, float]:
+    """As :func:`mcompile.cost._memory`: gradients meet the activations unless the step is one
+    microbatch on one stage without ZeRO; zero=0 reduces over dp from an fp32 flat copy (4 B/param)."""
+    return len(layers) == 1 and m == 1 and not zero, (4.0 if dp > 1 and not zero else 0.0)
+
+
+def _memory_of(prof, sec: _Sections, layers: tuple[int, ...], per, schedule: str, v: int, m: float, mode: str,
+               detail: bool = True, *, one_pass: bool = False, reduce_bytes: float = 0.0):
+    """The largest rank's bytes (and its breakdown when ``detail``), from its parts
+    (:func:`mcompile.memory_model.peak_bytes`: what is live together at the peak)."""
+    p = len(layers)
+    layer_act = sec.layer_act[mode]
+    best, best_d = None, None
+    for i in _ranks_to_check(layers):
+        n_par = layers[i] * prof.layer.params
+        extra_act = 0
+        if i == 0:
+            n_par += prof.pre.params
+            extra_act += sec.pre_act
+        if i == p - 1:
+            n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
+            extra_act += sec.post_act
+        inflight = _inflight(schedule, p, i, m, v)
+        tot, d = MM.peak_bytes(n_par * per.params, n_par * per.grads, n_par * per.optimizer,
+                               inflight * (layers[i] * layer_act + extra_act),
+                               gradients_meet_activations=not one_pass, reduction_buffer=n_par * reduce_bytes)
+        if best is None or tot > best:
+            best, best_d = tot, (d, i, inflight)
+    if not detail:
+        return float(best), None
+    d, i, inflight = best_d
+    return float(best), {**d, "stage": i, "inflight_microbatches": inflight}
+
+
+def _links(layout: Layout, st: _Settings) -> dict:
+    """(β, α) of the layout's pp, tp and dp axes (:func:`mcompile.cost.axis_link`)."""
+    return {a: C.axis_link(layout, a, st.hw, st.eff) for a in ("pp", "tp", "dp")}
+
+
+def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[int, ...], st: _Settings,
+           links: dict | None = None):
+    """:func:`mcompile.cost._terms` with ``layers[r]`` layers on pipeline rank r (cp = 1); ``links``:
+    :func:`_links` of the layout, when already known."""
+    hw, eff = st.hw, st.eff
+    links = links or _links(layout, st)
+    b, p, v = layout.microbatch_size, layout.pp, layout.virtual
+    m = st.global_batch / (layout.dp * b)
+    lay, pre, post = sec.lay, sec.pre, sec.post
+    if layout.recompute == Recompute.FULL:
+        rec, rec_comm = lay["f"], lay["comm_f"]
+    elif layout.recompute == Recompute.SELECTIVE:
+        rec, rec_comm = lay["attn"], 0
+    else:
+        rec, rec_comm = 0, 0
+
+    def stage(n: int, extra: list[dict]) -> dict:
+        d = {k: n * lay[k] for k in ("f", "b", "w", "comm_f", "comm_b")}
+        d["r"] = n * rec
+        d["comm_r"] = n * rec_comm
+        d["cp"] = n * 0
+        for e in extra:
+            for k in ("f", "b", "w", "comm_f", "comm_b"):
+                d[k] = d[k] + e[k]
+        return d
+
+    p2p = 0
+    if p > 1:
+        beta, alpha = links["pp"]
+        msg = b * st.seq * prof.hidden * prof.activation_bytes / layout.tp
+        p2p = 2 * v * C.collective_time("send_recv", msg, 2, beta, alpha, st.hw.collective_call_latency)
+        if layout.tp > 1 and not layout.sequence_parallel:
+            tb, ta = links["tp"]
+            p2p = p2p + 2 * v * C.collective_time("all_gather", msg * layout.tp, layout.tp, tb, ta,
+                                                    st.hw.collective_call_latency)
+
+    def total(d):
+        return d["f"] + d["b"] + d["r"] + d["comm_f"] + d["comm_b"] + d["comm_r"] + d["cp"] + p2p
+
+    slow, T, n_slow, P_stage = None, None, None, None
+    for i in _ranks_to_check(layers):
+        extra = ([pre] if i == 0 else []) + ([post] if i == p - 1 else [])
+        d = stage(layers[i], extra)
+        t = total(d)
+        if slow is None or t > T:
+            slow, T, n_slow = d, t, layers[i]
+        params = layers[i] * prof.layer.params + (prof.pre.params if i == 0 else 0) + \
+            (prof.post.params - (prof.tied_params if p == 1 else 0) if i == p - 1 else 0)
+        P_stage = params if P_stage is None else max(P_stage, params)
+    if p == 1:
+        bubble = 0
+    elif layout.schedule == Schedule.INTERLEAVED:
+        bubble = (p - 1) * T / v
+    elif layout.schedule == Schedule.ZB_H1:
+        bubble = (p - 1) * (T - 2 * slow["w"])
+    else:
+        bubble = (p - 1) * T
+
+    g_bytes, p_bytes = MM.DTYPE_BYTES[st.grad_dtype], MM.DTYPE_BYTES[st.param_dtype]
+    n_dp = layout.dp * layout.cp
+    dp_t = 0
+    if n_dp > 1:
+        beta, alpha = links["dp"]
+        if layout.zero:
+            call = st.hw.collective_call_latency
+            dp_t = (C.collective_time("reduce_scatter", P_stage * g_bytes, n_dp, beta, alpha, call)
+                    + C.collective_time("all_gather", P_stage * p_bytes, n_dp, beta, alpha, call))
+        else:
+            dp_t = C.collective_time("all_reduce", P_stage * g_bytes, n_dp, beta, alpha, st.hw.collective_call_latency)
+    # the reduction hides behind backward only where collectives run beside compute (Hardware docs)
+    if layout.overlap_grad_reduce and n_dp > 1 and getattr(hw, "comm_overlaps_compute", True):
+        window = slow["b"] + slow["r"] + slow["comm_b"] + slow["comm_r"]
+        dp_exposed = max(dp_t - window, dp_t / max(n_slow, 1))
+    else:
+        dp_exposed = dp_t
+    opt_params = P_stage / (layout.dp if layout.zero else 1)
+    optimizer = opt_params * (24 + g_bytes + (p_bytes if p_bytes != 4 else 0)) / (hw.hbm_bandwidth * eff.memory)
+    terms = {"compute": m * (slow["f"] + slow["b"]), "recompute": m * slow["r"],
+             "tp_comm": m * (slow["comm_f"] + slow["comm_b"] + slow["comm_r"]), "cp_comm": m * slow["cp"],
+             "pp_p2p": m * p2p, "pp_bubble": bubble, "dp_comm": dp_exposed, "optimizer": optimizer}
+    details = {"microbatches": m, "layers_per_stage": n_slow, "params_per_rank": P_stage, "stage_time": T,
+               "stage_weight_grad": slow["w"], "dp_comm_total": dp_t}
+    return {k: float(x) for k, x in terms.items()}, details
+
+
+def _settings(hardware, global_batch, seq, precision, param_dtype, grad_dtype, attention_kernel, efficiency):
+    hw = get_hardware(hardware)
+    eff = (efficiency or C.DEFAULT_EFFICIENCY).for_hardware(hw)
+    return _Settings(hw, eff, int(global_batch), int(seq), precision, param_dtype, grad_dtype, attention_kernel,
+                     efficiency)
+
+
+def price(layout: Layout, model, *, hardware: str | Hardware = "h100", global_batch: int, seq: int | None = None,
+          precision: str = "bf16", param_dtype: str = "bf16", grad_dtype: str = "fp32",
+          attention_kernel: str = "flash", efficiency: C.Efficiency | None = None, uniform: bool = False,
+          stages: StageSplit | None = None, example_inputs: tuple = (), example_kwargs: dict | None = None,
+          dtype: torch.dtype = torch.bfloat16) -> Estimate:
+    """Price one layout as the search does: :func:`mcompile.cost.estimate` with the partitioner's
+    stage cuts (``uniform=True``: the cost model's ⌈L/p⌉ layers on every rank instead). ``model`` as
+    for :func:`search`; reuse a :class:`SearchWorkload` to price many layouts."""
+    work = SearchWorkload.of(model, example_inputs, example_kwargs, dtype=dtype)
+    prof = work.profile(layout.tp, layout.sequence_parallel)
+    seq = seq or prof.seq_len
+    st = _settings(hardware, global_batch, seq, precision, param_dtype, grad_dtype, attention_kernel, efficiency)
+    C._validate(layout, prof, global_batch, seq)
+    if layout.cp > 1 or layout.ep > 1:
+        raise ValueError("the search prices dp x pp x tp layouts (cp and ep are not executed by the runtime yet)")
+    if uniform:
+        split = None
+        layers = (math.ceil(work.depth / layout.pp),) * layout.pp
+    else:
+        split = stages or stage_split(work, layout.pp, layout.virtual, seq)
+        layers = split.layers_per_rank
+    sec = _Sections(prof, layout.microbatch_size, st)
+    return _finish(layout, work, prof, sec, layers, split, st)
+
+
+def _finish(layout, work, prof, sec, layers, split, st) -> Estimate:
+    """The full Estimate: cost.estimate's (FLOPs, throughput) with the step time and memory priced on
+    the given per-rank layer counts."""
+    base = C.estimate(layout, work, hardware=st.hw, global_batch=st.global_batch, seq=st.seq,
+                      precision=st.precision, param_dtype=st.param_dtype, grad_dtype=st.grad_dtype,
+                      attention_kernel=st.attention_kernel, efficiency=st.efficiency)
+    terms, det = _terms(layout, prof, sec, layers, st)
+    mem, mem_d = _memory(layout, prof, sec, layers, st)
+    step = sum(terms.values())
+    mem_d = {k: float(v) if k != "stage" else v for k, v in mem_d.items()}
+    info = {"stage": mem_d.pop("stage"), "inflight_microbatches": mem_d.pop("inflight_microbatches")}
+    details = {**base.details, **{k: float(v) for k, v in det.items()}, **info,
+               "uniform_step_time_s": base.step_time_s, "uniform_memory_bytes": base.memory_bytes,
+               "layers_per_rank": list(layers),
+               "stage_split": split}
+    return dataclasses.replace(base, step_time_s=step, breakdown=terms, memory_bytes=mem, memory_breakdown=mem_d,
+                               fits=mem <= st.hw.hbm_bytes, tokens_per_s=st.global_batch * st.seq / step,
+                               details=details)
+
+
+# --------------------------------------------------------------------------- the space
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class _Space:
+    """What may vary, and the reasons whole parts of the space were invalid (for errors)."""
+
+    world: int
+    depth: int
+    global_batch: int
+    seq: int
+    schedules: tuple[str, ...]
+    recompute: tuple[Recompute, ...]
+    zero: tuple[int, ...]
+    sequence_parallel: tuple[bool, ...]
+    microbatch_sizes: tuple[int, ...] | None
+    overlap_grad_reduce: bool
+    tried: list = field(default_factory=list, compare=False)
+
+    def groups(self, tp_error) -> Iterator[tuple[int, bool, int, int, int]]:
+        """(tp, sp, pp, dp, zero) of every valid mesh; invalid ones are explained in ``tried``."""
+        for tp in _divisors(self.world):
+            why = tp_error(tp) if tp > 1 else None
+            if why:
+                self.tried.append(f"tp={tp}: {why}")
+                continue
+            sps = [sp for sp in self.sequence_parallel if not sp or (tp > 1 and self.seq % tp == 0)]
+            if not sps:
+                self.tried.append(f"tp={tp}: sequence parallelism was required but tp does not divide seq={self.seq}")
+                continue
+            for pp in _divisors(self.world // tp):
+                dp = self.world // (tp * pp)
+                if pp > self.depth:
+                    self.tried.append(f"tp={tp} pp={pp}: more pipeline stages than the model's {self.depth} layers")
+                    continue
+                if self.global_batch % dp:
+                    self.tried.append(f"tp={tp} pp={pp} dp={dp}: the global batch {self.global_batch} does not "
+                                      f"divide by dp={dp}")
+                    continue
+                zs = [z for z in self.zero if not (z and dp == 1)]
+                if not zs:
+                    self.tried.append(f"tp={tp} pp={pp} dp=1: ZeRO-1 was required but needs dp > 1")
+                for sp in sps:
+                    for z in zs:
+                        yield tp, sp, pp, dp, z
+
+    def variants(self, pp: int, dp: int) -> Iterator[tuple[Schedule, int, int]]:
+        """(schedule, virtual, microbatch size), microbatch sizes increasing."""
+        per_dp = self.global_batch // dp
+        sizes = [b for b in _divisors(per_dp) if self.microbatch_sizes is None or b in self.microbatch_sizes]
+        if pp == 1:
+            scheds = [(Schedule.ONE_F_ONE_B, 1)]
+        else:
+            scheds = []
+            for name in self.schedules:
+                s = _COST_SCHEDULE[name]
+                if s != Schedule.INTERLEAVED:
+                    scheds.append((s, 1))
+                elif self.depth % pp == 0:
+                    scheds += [(s, v) for v in _divisors(self.depth // pp) if v > 1]
+        for s, v in scheds:
+            for b in sizes:
+                if s == Schedule.INTERLEAVED and (per_dp // b) % pp:
+                    continue  # the runtime's interleaved schedule needs microbatches divisible by pp
+                yield s, v, b
+
+    def layout(self, tp, sp, pp, dp, z, s, v, b, rec) -> Layout:
+        return Layout(dp=dp, tp=tp, pp=pp, virtual=v, microbatch_size=b, schedule=s, sequence_parallel=sp,
+                      recompute=rec, zero=z, overlap_grad_reduce=self.overlap_grad_reduce)
+
+
+def _space(work: SearchWorkload, world: int, global_batch: int, seq: int, schedules, recompute, zero,
+           sequence_parallel, microbatch_sizes, overlap_grad_reduce) -> _Space:
+    bad = [s for s in schedules if s not in _COST_SCHEDULE]
+    if bad:
+        raise SearchError(f"schedules {bad}: use any of gpipe, 1f1b, interleaved, zbh1")
+    rec = tuple(r for r in RECOMPUTE_ORDER if r.value in {Recompute(x).value for x in recompute})
+    if not isinstance(world, int) or world < 1:
+        raise SearchError(f"world={world!r} must be a positive number of GPUs")
+    return _Space(world, work.depth, int(global_batch), int(seq), tuple(schedules), rec, tuple(zero),
+                  tuple(bool(x) for x in sequence_parallel),
+                  tuple(microbatch_sizes) if microbatch_sizes else None, overlap_grad_reduce)
+
+
+def enumerate_layouts(model, world: int, *, global_batch: int, seq: int, schedules=DEFAULT_SCHEDULES,
+                      recompute=("none", "selective", "full"), zero=(0, 1), sequence_parallel=(False, True),
+                      microbatch_sizes=None, overlap_grad_reduce: bool = True, example_inputs: tuple = (),
+                      example_kwargs: dict | None = None) -> Iterator[Layout]:
+    """Every layout of the search space, unpruned (what :func:`search` ranks, before pruning)."""
+    work = SearchWorkload.of(model, example_inputs, example_kwargs)
+    sp = _space(work, world, global_batch, seq, schedules, recompute, zero, sequence_parallel, microbatch_sizes,
+                overlap_grad_reduce)
+    for tp, spar, pp, dp, z in sp.groups(work.tp_error):
+        for s, v, b in sp.variants(pp, dp):
+            for rec in sp.recompute:
+                yield sp.layout(tp, spar, pp, dp, z, s, v, b, rec)
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One ranked layout: unpacks as ``layout, estimate``."""
+
+    layout: Layout
+    estimate: Estimate
+    stages: StageSplit | None = None
+
+    def __iter__(self):
+        return iter((self.layout, self.estimate))
+
+    @property
+    def step_time_s(self) -> float:
+        return self.estimate.step_time_s
+
+    def mesh(self, fake: bool = False):
+        """The :class:`mcompile.Mesh` (axes of size 1 dropped; dp, pp, tp in that order)."""
+        from mcompile.mesh import Mesh
+
+        axes = {a: n for a, n in (("dp", self.layout.dp), ("pp", self.layout.pp), ("tp", self.layout.tp)) if n > 1}
+        axes = axes or {"dp": 1}
+        return Mesh.fake(**axes) if fake else Mesh(**axes)
+
+    def options(self) -> dict:
+        """:class:`mcompile.Config` fields that run this layout."""
+        lay = self.layout
+        out = {"sequence_parallel": lay.sequence_parallel,
+               "microbatches": int(self.estimate.global_batch // (lay.dp * lay.microbatch_size)),
+               "recompute": lay.recompute.value, "zero": lay.zero}
+        if lay.pp > 1:
+            out.update(schedule=_RUNTIME_SCHEDULE[lay.schedule], virtual_stages=lay.virtual,
+                       pipeline_seq=self.estimate.seq)
+        return out
+
+    def __str__(self) -> str:
+        e = self.estimate
+        return (f"{self.layout}: {e.step_time_s:.4g} s/step, {e.tflops_per_gpu:.3g} TFLOP/s per GPU, "
+                f"{_bytes(e.memory_bytes)}" + (f", {self.stages}" if self.stages else ""))
+
+
+class SearchResult(list):
+    """The ranked candidates (best first) and how the search went."""
+
+    def __init__(self, items, *, workload, world, hardware, global_batch, seq, memory_limit, stats, seconds):
+        super().__init__(items)
+        self.workload, self.world, self.hardware = workload, world, hardware
+        self.global_batch, self.seq, self.memory_limit = global_batch, seq, memory_limit
+        self.stats, self.seconds = stats, seconds
+        self.priced: list[tuple[float, float, Layout]] = []  # (step time, memory, layout) of every layout priced
+
+    @property
+    def best(self) -> Candidate:
+        return self[0]
+
+    HEADER = ("#", "dp", "pp", "tp", "v", "mbs", "m", "schedule", "sp", "recompute", "zero", "step s", "TFLOP/s",
+              "MFU", "memory", "layers/stage", "largest terms")
+
+    def rows(self) -> list[list[str]]:
+        """The ranking as rows of text under :attr:`HEADER` (the CLI's table and :meth:`table`)."""
+        rows = []
+        for i, c in enumerate(self, 1):
+            lay, e = c.layout, c.estimate
+            top = sorted(e.breakdown.items(), key=lambda kv: -kv[1])[:3]
+            rows.append([str(i), str(lay.dp), str(lay.pp), str(lay.tp), str(lay.virtual), str(lay.microbatch_size),
+                         str(int(e.details["microbatches"])), _RUNTIME_SCHEDULE[lay.schedule] if lay.pp > 1 else "-",
+                         "yes" if lay.sequence_parallel else "-", lay.recompute.value, str(lay.zero),
+                         f"{e.step_time_s:.4g}", f"{e.tflops_per_gpu:.3g}", f"{e.mfu:.1%}", _bytes(e.memory_bytes),
+                         _runs(c.stages.layers_per_stage) if c.stages and lay.pp > 1 else "-",
+                         ", ".join(f"{k} {v / e.step_time_s:.0%}" for k, v in top)])
+        return rows
+
+    def summary(self) -> tuple[str, str]:
+        """(title, how the search went) lines."""
+        s = self.stats
+        return (f"{self.workload.name or 'model'} on {self.world} x {self.hardware.name}, global batch "
+                f"{self.global_batch} x seq {self.seq}, memory limit {_bytes(self.memory_limit)}",
+                f"searched {s['space']} layouts over {s['groups']} meshes x options in {self.seconds:.2f} s: "
+                f"{s['priced']} priced, {s['pruned_memory']} over the memory limit, {s['pruned_dominated']} "
+                "dominated (a cheaper recompute mode fits)")
+
+    def table(self) -> str:
+        """The ranking as an aligned text table."""
+        head, rows = list(self.HEADER), self.rows()
+        widths = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
+        left = {"schedule", "recompute", "layers/stage", "largest terms"}
+        fmt = lambda r: "  ".join(x.ljust(w) if h in left else x.rjust(w)  # noqa: E731
+                                  for h, x, w in zip(head, r, widths)).rstrip()
+        return "\n".join([*self.summary(), fmt(head), *map(fmt, rows)])
+
+    def explain(self, i: int = 0, j: int | None = None) -> str:
+        """Why candidate ``i`` beats candidate ``j`` (default: the runner-up): what differs in the
+        layout, and every step-time and memory term that differs, largest first."""
+        if len(self) < 2:
+            return f"only one layout fits: {self[0]}" if self else "no layout fits"
+        j = i + 1 if j is None else j
+        return explain_pair(self[i], self[j])
+
+    def to_dict(self) -> dict:
+        return {"world": self.world, "hardware": self.hardware.name, "global_batch": self.global_batch,
+                "seq": self.seq, "memory_limit": self.memory_limit, "seconds": self.seconds, "stats": self.stats,
+                "candidates": [_candidate_dict(c) for c in self]}
+
+
+def _candidate_dict(c: Candidate) -> dict:
+    e = c.estimate
+    return {"layout": dataclasses.asdict(c.layout) | {"schedule": c.layout.schedule.value,
+                                                      "recompute": c.layout.recompute.value},
+            "describe": str(c.layout), "mesh": dict(c.mesh(fake=True).axes), "options": c.options(),
+            "step_time_s": e.step_time_s, "uniform_step_time_s": e.details.get("uniform_step_time_s"),
+            "breakdown": e.breakdown, "memory_bytes": e.memory_bytes, "memory_breakdown": e.memory_breakdown,
+            "tflops_per_gpu": e.tflops_per_gpu, "mfu": e.mfu, "tokens_per_s": e.tokens_per_s,
+            "layers_per_stage": list(c.stages.layers_per_stage) if c.stages else None,
+            "stage_imbalance": c.stages.imbalance if c.stages else None,
+            "cut_nodes": list(c.stages.cut_nodes) if c.stages else None}
+
+
+_FIELDS = ("dp", "pp", "tp", "virtual", "microbatch_size", "schedule", "sequence_parallel", "recompute", "zero")
+
+
+def explain_pair(a: Candidate, b: Candidate) -> str:
+    """Why ``a`` is predicted faster than (or as fast as) ``b``: their layout differences and the
+    breakdown terms that differ, largest difference first."""
+    ea, eb = a.estimate, b.estimate
+    diff = [f"{f}: {_v(getattr(a.layout, f))} vs {_v(getattr(b.layout, f))}" for f in _FIELDS
+            if getattr(a.layout, f) != getattr(b.layout, f)]
+    d = eb.step_time_s - ea.step_time_s
+    lines = [f"best:      {a}", f"runner-up: {b}",
+             f"the best is {d:.4g} s per step faster ({d / eb.step_time_s:.2%} of the runner-up's "
+             f"{eb.step_time_s:.4g} s)" if d > 0 else "both are predicted equally fast",
+             "layout differences: " + ("; ".join(diff) or "none")]
+    terms = sorted(set(ea.breakdown) | set(eb.breakdown),
+                   key=lambda k: -abs(eb.breakdown.get(k, 0) - ea.breakdown.get(k, 0)))
+    rows = [(k, ea.breakdown.get(k, 0.0), eb.breakdown.get(k, 0.0)) for k in terms]
+    rows = [r for r in rows if abs(r[2] - r[1]) > 1e-12 * max(eb.step_time_s, 1e-30)]
+    if rows:
+        lines.append("step-time terms that differ (best vs runner-up, runner-up minus best):")
+        for k, x, y in rows:
+            lines.append(f"  {k:<10} {x:>10.4g} s  {y:>10.4g} s   {y - x:+.4g} s")
+    mrows = [(k, ea.memory_breakdown.get(k, 0.0), eb.memory_breakdown.get(k, 0.0))
+             for k in ("params", "grads", "optimizer", "activations")]
+    mrows = [r for r in mrows if abs(r[2] - r[1]) > 1]
+    if mrows:
+        lines.append("memory of the largest rank that differs (best vs runner-up):")
+        for k, x, y in mrows:
+            lines.append(f"  {k:<11} {_bytes(x):>10}  {_bytes(y):>10}   {'+' if y >= x else '-'}{_bytes(abs(y - x))}")
+    return "\n".join(lines)
+
+
+def _v(x) -> str:
+    return x.value if hasattr(x, "value") else str(x)
+
+
+# --------------------------------------------------------------------------- the search
+
+
+def search(model, world: int | None = None, *, hardware: str | Hardware = "h100", global_batch: int,
+           example_inputs: tuple = (), example_kwargs: dict | None = None, seq: int | None = None, top_k: int = 5,
+           memory_limit: float | None = None, precision: str = "bf16", param_dtype: str = "bf16",
+           grad_dtype: str = "fp32", attention_kernel: str = "flash", efficiency: C.Efficiency | None = None,
+           schedules=DEFAULT_SCHEDULES, recompute=("none", "selective", "full"), zero=(0, 1),
+           sequence_parallel=(False, True), microbatch_sizes=None, overlap_grad_reduce: bool = True,
+           dtype: torch.dtype = torch.bfloat16, exhaustive: bool = False) -> SearchResult:
+    """The ``top_k`` fastest layouts of ``model`` on ``world`` GPUs that fit in ``memory_limit`` bytes
+    per GPU (default: the hardware's HBM), ranked by predicted step time (module docstring).
+
+    ``model``: a module with ``example_inputs`` (a meta-device one is fine), a preset name or Preset,
+    or a :class:`mcompile.cost.Workload`. ``seq`` defaults to the model's maximum sequence length.
+    ``precision``/``param_dtype``/``grad_dtype``/``attention_kernel``/``efficiency`` are
+    :func:`mcompile.cost.estimate`'s. ``schedules``, ``recompute``, ``zero``, ``sequence_parallel``,
+    ``microbatch_sizes`` restrict the space. ``exhaustive``: price every layout, no pruning (tests)."""
+    t0 = time.perf_counter()
+    hw = get_hardware(hardware)  # an unknown name: the error lists the known profiles
+    if world is None:
+        raise SearchError("search() needs world=N, the number of GPUs")
+    work = SearchWorkload.of(model, example_inputs, example_kwargs, dtype=dtype)
+    prof1 = work.profile(1, False)
+    seq = seq or prof1.seq_len or _input_seq(example_inputs)
+    if not seq:
+        raise SearchError("search() needs seq= (the model states no maximum sequence length)")
+    st = _settings(hw, global_batch, seq, precision, param_dtype, grad_dtype, attention_kernel, efficiency)
+    limit = float(memory_limit) if memory_limit is not None else hw.hbm_bytes
+    space = _space(work, world, global_batch, seq, schedules, recompute, zero, sequence_parallel, microbatch_sizes,
+                   overlap_grad_reduce)
+    sections: dict[tuple, _Sections] = {}
+    splits: dict[tuple, StageSplit] = {}
+    found: list[tuple] = []  # (step, memory, index, layout, layers, split)
+    smallest: list = [math.inf, None]
+    stats = dict(space=0, groups=0, priced=0, pruned_memory=0, pruned_dominated=0, pruned_groups=0)
+    pruned_groups: list[tuple] = []
+
+    def sec_of(tp, sp, b):
+        key = (tp, sp, b)
+        if key not in sections:
+            sections[key] = _Sections(work.profile(tp, sp), b, st)
+        return sections[key]
+
+    def split_of(pp, v):
+        if (pp, v) not in splits:
+            splits[(pp, v)] = stage_split(work, pp, v, seq)
+        return splits[(pp, v)]
+
+    for tp, sp, pp, dp, z in space.groups(work.tp_error):
+        stats["groups"] += 1
+        prof = work.profile(tp, sp)
+        variants = list(space.variants(pp, dp))
+        n_variants = len(variants) * len(space.recompute)
+        stats["space"] += n_variants
+        # 1. memory lower bound of the group: model state averaged over the pipeline ranks
+        per = MM.model_state_bytes_per_param(param_dtype, grad_dtype, z, dp)
+        total_params = work.depth * prof.layer.params + prof.pre.params + prof.post.params - prof.tied_params
+        if not exhaustive and total_params * per.total / pp > limit:
+            stats["pruned_groups"] += 1
+            stats["pruned_memory"] += n_variants
+            pruned_groups.append((tp, sp, pp, dp, z))
+            continue
+        over_at: dict[tuple, int] = {}  # (schedule, v) -> smallest microbatch size over the limit
+        links = None
+        for s, v, b in variants:
+            if not exhaustive and (s, v) in over_at:  # memory never falls as the microbatch grows (docstring)
+                stats["pruned_memory"] += len(space.recompute)
+                continue
+            sec = sec_of(tp, sp, b)
+            split = split_of(pp, v)
+            layers = split.layers_per_rank
+            m = global_batch / (dp * b)
+            fitted = False
+            for k, rec in enumerate(space.recompute):
+                one_pass, reduce_bytes = _lifetimes(layers, m, z, dp)
+                mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, rec.value, detail=False,
+                                    one_pass=one_pass, reduce_bytes=reduce_bytes)
+                if mem < smallest[0]:
+                    smallest[:] = [mem, space.layout(tp, sp, pp, dp, z, s, v, b, rec)]
+                if mem > limit:
+                    stats["pruned_memory"] += 1
+                    continue
+                lay = space.layout(tp, sp, pp, dp, z, s, v, b, rec)
+                links = links or _links(lay, st)
+                terms, _ = _terms(lay, prof, sec, layers, st, links)
+                stats["priced"] += 1
+                found.append((sum(terms.values()), mem, len(found), lay, layers, split))
+                fitted = True
+                if not exhaustive:  # 3. recompute dominance: the slower modes need no pricing
+                    stats["pruned_dominated"] += len(space.recompute) - k - 1
+                    break
+            if not fitted:
+                over_at[(s, v)] = b
+    if stats["groups"] == 0:
+        raise SearchError(_nothing_valid(work, space))
+    if not found:
+        raise SearchError(_nothing_fits(work, space, pruned_groups, smallest, limit, st, sec_of, split_of))
+    found.sort(key=lambda r: (r[0], r[1], r[2]))
+    top = []
+    for *_, lay, layers, split in found[:max(1, top_k)]:
+        prof = work.profile(lay.tp, lay.sequence_parallel)
+        est = _finish(lay, work, prof, sec_of(lay.tp, lay.sequence_parallel, lay.microbatch_size), layers, split, st)
+        top.append(Candidate(lay, est, split if lay.pp > 1 else None))
+    res = SearchResult(top, workload=work, world=world, hardware=hw, global_batch=int(global_batch), seq=int(seq),
+                       memory_limit=limit, stats=stats, seconds=time.perf_counter() - t0)
+    res.priced = [(r[0], r[1], r[3]) for r in found]
+    return res
+
+
+def _input_seq(example_inputs) -> int | None:
+    first = next((t for t in example_inputs if isinstance(t, torch.Tensor) and t.ndim > 1), None)
+    return int(first.shape[1]) if first is not None else None
+
+
+def _nothing_valid(work: SearchWorkload, space: _Space) -> str:
+    tried = "\n  ".join(space.tried) or "(nothing)"
+    return (f"no dp x pp x tp factorization of world={space.world} can run {work.name or 'the model'} "
+            f"({space.depth} layers, global batch {space.global_batch}); tried:\n  {tried}\n"
+            "use a world size whose factors divide the model's heads and the global batch, or change the batch")
+
+
+def _nothing_fits(work, space, pruned_groups, smallest, limit, st, sec_of, split_of) -> str:
+    # the groups pruned by their lower bound: their real footprints at each schedule's smallest microbatch
+    # under the most memory-saving recompute mode allowed
+    for tp, sp, pp, dp, z in pruned_groups:
+        prof = work.profile(tp, sp)
+        seen = set()
+        for s, v, b in space.variants(pp, dp):
+            if (s, v) in seen:
+                continue
+            seen.add((s, v))
+            lay = space.layout(tp, sp, pp, dp, z, s, v, b, space.recompute[-1])
+            mem, _ = _memory(lay, prof, sec_of(tp, sp, b), split_of(pp, v).layers_per_rank, st)
+            if mem < smallest[0]:
+                smallest[:] = [mem, lay]
+    mem, lay = smallest
+    if lay is None:
+        return (f"no layout of {work.name or 'the model'} on {space.world} GPUs: no schedule and microbatch size of "
+                f"the allowed ones ({', '.join(space.schedules)}; microbatch sizes "
+                f"{space.microbatch_sizes or 'any'}) is valid for its meshes; allow more schedules or sizes")
+    allow = [what for what, ok in (("ZeRO-1", 1 in space.zero), ("full recompute", Recompute.FULL in space.recompute),
+                                   ("sequence parallelism", True in space.sequence_parallel)) if not ok]
+    return (f"no layout of {work.name or 'the model'} on {space.world} GPUs fits in {_bytes(limit)} per GPU: "
+            f"the smallest footprint found is {_bytes(mem)}, with {lay}; use more GPUs or a larger memory_limit"
+            + (f", or allow {' and '.join(allow)}" if allow else ""))
+
+
+# --------------------------------------------------------------------------- parallelize(plan="auto")
+
+_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "bf16"}
+_SEARCHED_OPTIONS = ("sequence_parallel", "recompute", "zero", "schedule")  # fixed by the user: a restriction
+_CHOSEN_OPTIONS = ("microbatches", "virtual_stages", "layers_per_stage", "stage_cuts")  # only the search sets
+
+
+def auto_layout(model, world: int, example_inputs: tuple, example_kwargs: dict | None, options: dict, *,
+                hardware=None, global_batch: int | None = None, device_type: str = "cpu"):
+    """What ``parallelize(..., plan="auto")`` runs (on rank 0): the best layout for this world, as a
+    (mesh axes, Config options, explanation) triple. Options the user gave keep their values (the
+    searched ones restrict the space); the runtime keeps parameters and gradients in fp32."""
+    from mcompile.config import Config, Inputs
+
+    given = [k for k in _CHOSEN_OPTIONS if k in options]
+    if given:
+        raise ValueError(f"plan='auto' chooses {', '.join(given)} itself: leave them out, or give a mesh")
+    config = Config(**options)
+    hardware = hardware or ("cpu-gloo" if device_type == "cpu" else "h100")
+    tensors = [t for t in list(example_inputs) + list((example_kwargs or {}).values()) if isinstance(t, torch.Tensor)]
+    if global_batch is None:
+        if config.inputs == Inputs.LOCAL:
+            raise ValueError("plan='auto' with inputs='local' needs global_batch= (the template is one rank's slice)")
+        if not tensors or tensors[0].ndim == 0:
+            raise ValueError("plan='auto' needs global_batch= (no batched example input to read it from)")
+        global_batch = int(tensors[0].shape[0])
+    seq = int(tensors[0].shape[1]) if tensors and tensors[0].ndim > 1 else None
+    restrict = {}
+    if "sequence_parallel" in options:
+        restrict["sequence_parallel"] = (bool(options["sequence_parallel"]),)
+    if "recompute" in options:
+        restrict["recompute"] = (options["recompute"],)
+    if "zero" in options:
+        restrict["zero"] = (options["zero"],)
+    if "schedule" in options:
+        restrict["schedules"] = (options["schedule"],)
+    res = search(model, world, hardware=hardware, global_batch=global_batch, example_inputs=example_inputs,
+                 example_kwargs=example_kwargs, seq=seq, top_k=2, precision=_PRECISION[config.dtype],
+                 param_dtype="fp32", grad_dtype="fp32", dtype=config.dtype, **restrict)
+    best = res[0]
+    chosen = best.options()
+    why = (f"plan='auto' on {world} x {res.hardware.name}: {best}\n"
+           f"{res.stats['space']} layouts searched in {res.seconds:.2f} s\n{res.explain()}")
+    return dict(best.mesh(fake=True).axes), {**options, **chosen}, why
+
+
+# --------------------------------------------------------------------------- exact placements of one block
+
+
+@dataclass
+class BlockSolution:
+    """Placements of ONE repeated block on one tp axis, solved exactly, next to the planner's greedy ones.
+
+    ``objective_s`` / ``greedy_objective_s``: seconds per microbatch on one rank, forward and backward,
+    of the block's compute plus its redistributions (:func:`block_placements`)."""
+
+    tp: int
+    sequence_parallel: bool
+    layer: int
+    nodes: list[str]
+    strategies: dict[str, object]  # node name -> the chosen rule Strategy
+    params: dict[str, object]  # parameter FQN -> placement, exact
+    greedy_params: dict[str, object]  # parameter FQN -> placement, the planner's (mcompile.propagate)
+    objective_s: float
+    greedy_objective_s: float
+    compute_s: float
+    comm_s: float
+    greedy_compute_s: float
+    greedy_comm_s: float
+    variables: int
+    constraints: int
+    solve_s: float
+    strategy_names: dict[str, str] = field(default_factory=dict)  # FQN -> rule strategy name of its first consumer
+
+    @property
+    def matches_planner(self) -> bool:
+        return self.params == self.greedy_params
+
+    def text(self) -> str:
+        sp = " with SP" if self.sequence_parallel else ""
+        lines = [f"block {self.layer} ({len(self.nodes)} nodes) at tp={self.tp}{sp}: "
+                 f"exact {self.objective_s * 1e3:.4g} ms (compute {self.compute_s * 1e3:.4g}, comm "
+                 f"{self.comm_s * 1e3:.4g}) vs the planner's {self.greedy_objective_s * 1e3:.4g} ms per microbatch; "
+                 f"{self.variables} variables, {self.constraints} constraints, {self.solve_s:.2f} s"]
+        w = max(len(k) for k in self.params) if self.params else 0
+        for fqn, p in self.params.items():
+            g = self.greedy_params.get(fqn)
+            lines.append(f"  {fqn:<{w}}  {p!r:<10} {self.strategy_names.get(fqn, ''):<14} "
+                         f"{'=' if p == g else '!='} planner {g!r}")
+        return "\n".join(lines)
+
+
+def _quiet_highs():
+    """A HiGHS instance without its banner (printed from C on the first construction)."""
+    import os
+    import sys
+
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    h.setOptionValue("output_flag", False)
+    return h
+
+
+def block_placements(model, tp: int, *, sequence_parallel: bool = False, hardware: str | Hardware = "h100",
+                     microbatch_size: int = 1, seq: int | None = None, precision: str = "bf16",
+                     require_sharded_weights: bool = True, efficiency: C.Efficiency | None = None,
+                     example_inputs: tuple = (), example_kwargs: dict | None = None) -> BlockSolution:
+    """Choose a rule strategy for every node of ONE repeated block (the first layer that
+    :mod:`mcompile.blocks` finds; every layer has its signature) on one tp axis, exactly, by an
+    integer program solved with HiGHS (Alpa's intra-operator pass, Zheng et al. 2022, on our rules).
+
+    Variables: s[v,k] ∈ {0,1} — node v runs strategy k of its rule (:mod:`mcompile.rules`, filtered as
+    :mod:`mcompile.propagate` filters them: a tp axis never shards the batch, the sequence only under
+    SP, Partial never flows through a non-contraction op, a fused projection keeps its block layout;
+    with ``require_sharded_weights`` every contraction weight is sharded, the planner's tp policy);
+    x[w,q] ∈ {0,1} — parameter w has placement q; y[e,p,q] ∈ [0,1] — edge e (value u into input i of
+    node v) carries u in placement p where v needs q; z[u,p,q] >= y[e,p,q] for every edge e leaving u —
+    a redistribution of u to q is paid once however many nodes read it (the propagator's reuse: one
+    all-gather feeds q, k and v).
+
+    Constraints: Σ_k s[v,k] = 1; Σ_q x[w,q] = 1 and s[v,k] <= x[w,q] where strategy k reads w as q;
+    Σ_q y[e,p,q] = Σ_{k: u's output is p} s[u,k] and Σ_p y[e,p,q] = Σ_{k: v's input i is q} s[v,k]
+    (pairs p→q the lowering cannot do have no y: they are infeasible); values entering the block and
+    the one leaving it (the residual stream) keep the planner's placements, so blocks chain.
+
+    Objective (seconds per microbatch on one rank, forward + backward, the cost model's constants):
+    Σ s[v,k]·t_v·share_k + Σ z[u,p,q]·c(p→q), t_v the node's roofline time (:mod:`mcompile.cost`),
+    share_k = 1/tp when strategy k shards the node's work; c: R→S a slice (its backward all-gathers the
+    gradient), P→R an all-reduce, P→S a reduce-scatter (+ all-gather back), S→R an all-gather
+    (+ reduce-scatter back), on the tp link of ``hardware``; tensors at ``microbatch_size`` × ``seq``.
+
+    The planner's greedy choice is priced by the same objective (``greedy_objective_s``): the exact
+    optimum can only be lower or equal."""
+    from mcompile.annotate import BACKWARD_MULTIPLIER
+    from mcompile.meta import BYTES_READ, BYTES_WRITTEN, FLOPS
+    from mcompile.placements import BlockShard, Partial, Replicate, Shard
+    from mcompile.propagate import CONTRACTION_WEIGHT_ARGS, _out_metas, requires_grad_nodes
+    from mcompile.rules import OpInfo, TensorMeta, get_rule, replicate_all, tensor_input_nodes
+
+    t0 = time.perf_counter()
+    work = SearchWorkload.of(model, example_inputs, example_kwargs)
+    cap, trunk = work.captured, work.trunk
+    if not trunk.layer_starts:
+        raise SearchError("no repeated blocks found in the graph: nothing to solve per block")
+    sp = bool(sequence_parallel and tp > 1)
+    compiled = work.compiled(tp, sp)
+    greedy = compiled.axes[0].result if tp > 1 else None
+    if greedy is None:
+        raise SearchError("block_placements needs tp > 1 (one tp axis to place on)")
+    policy = compiled.axes[0].policy
+    hw = get_hardware(hardware)
+    eff = (efficiency or C.DEFAULT_EFFICIENCY).for_hardware(hw)
+    prof = work.profile(1, False)
+    seq = seq or prof.seq_len or 2048
+    sub = {cap.symbols[k]: v for k, v in (("batch", microbatch_size), ("seq", seq)) if k in cap.symbols}
+    beta, alpha = C.axis_link(Layout(tp=tp), "tp", hw, eff)
+    rg = requires_grad_nodes(cap.gm, set(cap.params))
+    lo = trunk.layer_starts[0]
+    hi = trunk.layer_starts[1] if len(trunk.layer_starts) > 1 else (trunk.layers_end or len(trunk.nodes))
+    block = trunk.nodes[lo:hi]
+    in_block = {n.name for n in block}
+    seq_sym = cap.symbols.get("seq")
+    batch_sym = cap.symbols.get("batch")
+
+    def nbytes(meta: TensorMeta) -> float:
+        numel = 1
+        for d in meta.shape:
+            numel *= int(d.subs(sub)) if hasattr(d, "subs") else int(d)
+        return float(numel * meta.dtype.itemsize)
+
+    def static(meta: TensorMeta, dim: int) -> bool:
+        d = meta.shape[dim % meta.ndim]
+        return not getattr(d, "free_symbols", None)
+
+    def shard_allowed(meta: TensorMeta, p) -> bool:  # mcompile.propagate's rule for a tp axis
+        if not isinstance(p, Shard | BlockShard):
+            return True
+        d = meta.shape[p.dim % meta.ndim]
+        free = getattr(d, "free_symbols", set())
+        if not free:
+            return policy.allow_static_dims
+        if batch_sym in free:
+            return False
+        return sp and d == seq_sym
+
+    def coll(kind: str, b: float) -> float:
+        return float(C.collective_time(kind, b, tp, beta, alpha))
+
+    def redistribute(src: str, p, q, meta: TensorMeta) -> float:
+        if p == q:
+            return 0.0
+        if isinstance(q, Shard) and static(meta, q.dim):
+            return math.inf  # static dims are sharded by contractions, never by a collective
+        b, grad = nbytes(meta), src in rg
+        if isinstance(p, Replicate) and isinstance(q, Shard):
+            return 1e-9 + (coll("all_gather", b) if grad else 0.0)
+        if isinstance(p, Partial) and isinstance(q, Replicate) and (p.reduce_op == "sum" or not grad):
+            return coll("all_reduce", b)
+        if isinstance(p, Partial) and p.reduce_op == "sum" and isinstance(q, Shard):
+            return coll("reduce_scatter", b) + (coll("all_gather", b) if grad else 0.0)
+        if isinstance(p, Shard) and isinstance(q, Replicate):
+            return coll("all_gather", b) + (coll("reduce_scatter", b) if grad else 0.0)
+        return math.inf
+
+    def node_time(n) -> float:
+        f = float(sympy_sub(n.meta.get(FLOPS, 0), sub))
+        y = float(sympy_sub(n.meta.get(BYTES_READ, 0), sub)) + float(sympy_sub(n.meta.get(BYTES_WRITTEN, 0), sub))
+        cat = C._cat(n)
+        cls = C._op_class(cat)
+        bw = hw.hbm_bandwidth * eff.memory
+        if cls == "gemm":
+            t = max(f / (hw.peak_flops(precision) * eff.gemm), y / bw)
+            return t * (1 + BACKWARD_MULTIPLIER.get(cat, 2))
+        if cls == "attention":
+            t = max(f / (hw.peak_flops("bf16" if precision == "fp8" else precision) * eff.attention), y / bw)
+            return t * (1 + BACKWARD_MULTIPLIER.get(cat, 2))
+        return y / bw * (1 + C.BACKWARD_BYTES.get(cat, 1))
+
+    def sharded(pl) -> bool:
+        return isinstance(pl, Shard | BlockShard | Partial)
+
+    # -- values, placements of what enters the block, and the candidate strategies of each node
+    import operator
+
+    def value(a) -> tuple[str, int]:
+        if a.op == "call_function" and a.target is operator.getitem:
+            return a.args[0].name, a.args[1]
+        return a.name, 0
+
+    def fixed_placement(name: str, idx: int):
+        pl = greedy.placements.get(name, Replicate())
+        return pl[idx] if isinstance(pl, tuple) else (pl if pl is not None else Replicate())
+
+    producers = [n for n in block if n.target is not operator.getitem and _out_metas(n)]
+    params_in = {}
+    cands: dict[str, list] = {}
+    inputs_of: dict[str, list] = {}
+    for n in producers:
+        ins = tensor_input_nodes(n)
+        metas = [TensorMeta.of(a.meta["val"]) for a in ins]
+        outs = _out_metas(n)
+        current = tuple(greedy.params.get(a.name) if a.name in cap.params else fixed_placement(*value(a))
+                        for a in ins)
+        info = OpInfo(n, n.target, tuple(n.args), dict(n.kwargs), metas, outs, tp, current)
+        rule = get_rule(n.target)
+        options = rule(info) if rule is not None else [replicate_all(info)]
+        weight_args = CONTRACTION_WEIGHT_ARGS.get(n.target, ())
+        keep = []
+        for s in options:
+            ok = all(shard_allowed(o, p) for o, p in zip(outs, s.outputs))
+            ok = ok and not (any(isinstance(p, Partial) for p in s.inputs) and any(isinstance(p, Partial)
+                                                                                  for p in s.outputs))
+            for i, (a, req) in enumerate(zip(ins, s.inputs)):
+                if a.name in cap.params:
+                    hint = policy.param_hints.get(a.name)
+                    if isinstance(req, Partial) or (isinstance(hint, BlockShard) and req != hint) or \
+                            (require_sharded_weights and i in weight_args and isinstance(req, Replicate)):
+                        ok = False
+                    params_in.setdefault(a.name, set()).add(req)
+            if ok and s not in keep:
+                keep.append(s)
+        if not keep:
+            raise SearchError(f"{n.name} ({n.target}): no strategy fits a tp axis")
+        cands[n.name] = keep
+        inputs_of[n.name] = list(zip(ins, metas))
+
+    # -- the integer program
+    cols_cost: list[float] = []
+    cols_int: list[bool] = []
+
+    def var(cost: float = 0.0, integer: bool = False) -> int:
+        cols_cost.append(cost)
+        cols_int.append(integer)
+        return len(cols_cost) - 1
+
+    rows: list[tuple[float, float, list[int], list[float]]] = []
+    svar = {}
+    for n in producers:  # compute: the node's time, 1/tp of it where the strategy shards the work
+        t = node_time(n)
+        svar[n.name] = [var(t / (tp if any(sharded(p) for p in (*s.inputs, *s.outputs)) else 1), True)
+                        for s in cands[n.name]]
+        rows.append((1, 1, svar[n.name], [1.0] * len(svar[n.name])))
+    xvar = {}
+    for ph, places in params_in.items():
+        xvar[ph] = {q: var(0.0, True) for q in sorted(places, key=repr)}
+        rows.append((1, 1, list(xvar[ph].values()), [1.0] * len(xvar[ph])))
+
+    def out_indicator(u: str, idx: int) -> dict:
+        """placement -> [(column, coefficient)] saying value (u, idx) has that placement (fixed: {})."""
+        if u not in cands:
+            return {fixed_placement(u, idx): []}
+        out: dict = {}
+        for s, c in zip(cands[u], svar[u]):
+            out.setdefault(s.outputs[idx], []).append(c)
+        return out
+
+    zvar: dict[tuple, int] = {}
+    for name in cands:
+        for i, (a, meta) in enumerate(inputs_of[name]):
+            if a.name in cap.params:
+                for s, c in zip(cands[name], svar[name]):
+                    rows.append((-math.inf, 0, [c, xvar[a.name][s.inputs[i]]], [1.0, -1.0]))
+                continue
+            u, idx = value(a)
+            src = out_indicator(u, idx)
+            need: dict = {}
+            for s, c in zip(cands[name], svar[name]):
+                need.setdefault(s.inputs[i], []).append(c)
+            y = {}
+            for p in src:
+                for q in need:
+                    cost = redistribute(u, p, q, meta)
+                    if math.isfinite(cost):
+                        y[(p, q)] = var()
+                        if p != q:
+                            key = (u, idx, p, q)
+                            if key not in zvar:
+                                zvar[key] = var(cost)
+                            rows.append((0, math.inf, [zvar[key], y[(p, q)]], [1.0, -1.0]))
+            for p, cs in src.items():  # Σ_q y[p,q] = [u is p]
+                yc = [y[(p, q)] for q in need if (p, q) in y]
+                if cs:
+                    rows.append((0, 0, yc + cs, [1.0] * len(yc) + [-1.0] * len(cs)))
+                else:
+                    rows.append((1, 1, yc, [1.0] * len(yc)))
+            for q, cs in need.items():  # Σ_p y[p,q] = [v needs q]
+                yc = [y[(p, q)] for p in src if (p, q) in y]
+                rows.append((0, 0, yc + cs, [1.0] * len(yc) + [-1.0] * len(cs)))
+    # values leaving the block keep the planner's placement (the next block expects it)
+    for n in producers:
+        for idx in range(len(_out_metas(n))):
+            users = [u for u in n.users if u.name not in in_block or
+                     (u.target is operator.getitem and any(w.name not in in_block for w in u.users))]
+            if users:
+                want = fixed_placement(n.name, idx)
+                cs = out_indicator(n.name, idx).get(want, [])
+                if not cs:
+                    raise SearchError(f"{n.name}: no strategy produces the placement {want!r} the next block reads")
+                rows.append((1, 1, cs, [1.0] * len(cs)))
+
+    h = _quiet_highs()
+    import highspy
+
+    n_cols = len(cols_cost)
+    h.addVars(n_cols, np.zeros(n_cols), np.ones(n_cols))
+    h.changeColsCost(n_cols, np.arange(n_cols, dtype=np.int32), np.array(cols_cost, dtype=np.float64))
+    ints = np.array([i for i, b in enumerate(cols_int) if b], dtype=np.int32)
+    h.changeColsIntegrality(len(ints), ints, np.array([highspy.HighsVarType.kInteger] * len(ints)))
+    for lo_, hi_, idx, val in rows:
+        h.addRow(lo_ if math.isfinite(lo_) else -highspy.kHighsInf, hi_ if math.isfinite(hi_) else highspy.kHighsInf,
+                 len(idx), np.array(idx, dtype=np.int32), np.array(val, dtype=np.float64))
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        raise SearchError(f"the block's integer program was not solved to optimality: {h.getModelStatus()}")
+    sol = np.array(h.getSolution().col_value)
+
+    chosen = {name: cands[name][int(np.argmax(sol[svar[name]]))] for name in cands}
+    params = {cap.params[ph]: max(xs, key=lambda q: sol[xs[q]]) for ph, xs in xvar.items()}
+    greedy_params = {cap.params[ph]: greedy.params[ph] for ph in xvar}
+
+    def price_assignment(strategies: dict, param_pl: dict) -> tuple[float, float]:
+        compute = sum(cols_cost[svar[name][cands[name].index(s)]] for name, s in strategies.items())
+        paid = set()
+        comm = 0.0
+        for name, s in strategies.items():
+            for i, (a, meta) in enumerate(inputs_of[name]):
+                if a.name in cap.params:
+                    continue
+                u, idx = value(a)
+                p = strategies[u].outputs[idx] if u in strategies else fixed_placement(u, idx)
+                q = s.inputs[i]
+                if p != q and (u, idx, q) not in paid:
+                    paid.add((u, idx, q))
+                    comm += redistribute(u, p, q, meta)
+        return compute, comm
+
+    compute, comm = price_assignment(chosen, params)
+    g_strats = {}
+    for name in cands:
+        g = greedy.strategies.get(name)
+        match = [s for s in cands[name] if g is not None and s.inputs == g.inputs and s.outputs == g.outputs]
+        g_strats[name] = match[0] if match else None
+    if any(s is None for s in g_strats.values()):
+        g_compute = g_comm = math.inf  # the planner chose outside the space (cannot happen with the same filters)
+    else:
+        g_compute, g_comm = price_assignment(g_strats, greedy_params)
+    names = {}
+    for name in cands:
+        for a, _ in inputs_of[name]:
+            if a.name in cap.params and cap.params[a.name] not in names:
+                names[cap.params[a.name]] = chosen[name].name or "local"
+    return BlockSolution(
+        tp=tp, sequence_parallel=sp, layer=0, nodes=[n.name for n in block], strategies=chosen, params=params,
+        greedy_params=greedy_params, objective_s=compute + comm, greedy_objective_s=g_compute + g_comm,
+        compute_s=compute, comm_s=comm, greedy_compute_s=g_compute, greedy_comm_s=g_comm, variables=n_cols,
+        constraints=len(rows), solve_s=time.perf_counter() - t0, strategy_names=names)
+
+
+def sympy_sub(x, sub) -> float:
+    """A node annotation (int, float or sympy in batch/seq) at the given sizes."""
+    if isinstance(x, int | float):
+        return float(x)
+    import sympy
+
+    return float(sympy.sympify(x).subs(sub))
