@@ -37,6 +37,12 @@ peak of the layout's precision (FP8 applies to GEMMs only). A layer's time is th
 (kernels run one after another); the captured layers are averaged (each node and collective counts
 1/n of n captured layers).
 
+Host overhead per op: every aten call of a section adds ``Hardware.op_overhead_forward`` to its
+forward, every differentiable one (an input is a parameter or such a node) ``op_overhead_backward``
+to its backward — Python, dispatcher and autograd time that no roofline sees. Measured on a CPU
+(``calibrate``), where the same cores run it; 0 on the GPU profiles, whose kernels launch
+asynchronously.
+
 Communication (α-β per mesh axis; Thakur, Rabenseifner & Gropp 2005, ring algorithms)
 ----------------------------------------------------------------------------------------
 n ranks on the axis, B bytes of the full tensor, β the axis's bandwidth, α its per-step latency:
@@ -45,6 +51,9 @@ n ranks on the axis, B bytes of the full tensor, β the axis's bandwidth, α its
     all-gather, reduce-scatter (n−1)·α + (n−1)/n · B/β
     all-to-all                (n−1)·α + (n−1)/n · B/β
     send/recv                 α + B/β
+
+plus ``Hardware.collective_call_latency`` per call (0 on the GPU profiles; gloo on a CPU measures one:
+a waiting process's idle core must be woken for its peer's data, once per call, not per ring step).
 
 Mesh axes are ordered dp, pp, cp, ep, tp (tp innermost: neighbouring ranks). An axis with stride σ
 (product of the sizes inside it) and size n lies inside a node when σ·n ≤ G (G GPUs per node): β =
@@ -79,7 +88,9 @@ Data parallelism and the optimizer
 Gradients of the slowest stage's local parameters (grad_dtype) are all-reduced over dp·cp (ZeRO-1:
 reduce-scatter of gradients + all-gather of parameters in param_dtype), on the dp axis's link.
 With ``overlap_grad_reduce`` it runs during the last microbatch's backward on the stage: exposed
-max(t_dp − t_window, t_dp / L_stage) (the last layer's bucket always waits); without, all of t_dp.
+max(t_dp − t_window, t_dp / L_stage) (the last layer's bucket always waits); without, all of t_dp —
+and all of it too where collectives cannot run beside compute (``Hardware.comm_overlaps_compute``
+False: gloo on a CPU whose cores all compute).
 The optimizer step is memory-bound: 24 + G (+ P when the parameters are not the fp32 master) bytes
 per local parameter — read and write the fp32 master and two moments, read the gradient, write the
 low-precision copy; ZeRO-1: 1/dp of the parameters — at bw_hbm · e_mem.
@@ -91,7 +102,12 @@ recompute forward: Megatron's 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)) for a GP
 per second per GPU; ``mfu`` counts the model's 3× forward only, against the peak.
 
 Memory: :mod:`mcompile.memory_model` (model state per parameter by precision and ZeRO; activations
-per layer from the graph or Korthikanti's formulas; in-flight microbatches per schedule).
+per layer from the graph or Korthikanti's formulas; in-flight microbatches per schedule; what is live
+at the peak: gradients of zero=0 exist from backward on, so one microbatch on one stage peaks at
+P + O + max(A, G + R), R the data-parallel reduction's fp32 copy; otherwise P + O + G + max(A, R)).
+
+Against reality (bench/cost_vs_measured.py): gloo layouts of a small Llama on this machine, each
+predicted on a profile ``calibrate(processes=W)`` measured in the same run.
 
 Efficiency constants (:class:`Efficiency`): one set for every model and layout; see its docstring
 for the values and where they come from.
@@ -323,6 +339,10 @@ class Section:
     comms: tuple[CommOp, ...]
     params: float  # local parameters on one tp rank
     activations: dict[str, sympy.Expr]  # saved-for-backward bytes per microbatch, by recompute mode
+    # aten calls per microbatch (views included), and those autograd differentiates: each costs the
+    # profile's per-op host overhead (Hardware.op_overhead_forward / _backward; 0 on GPUs)
+    forward_nodes: float = 0
+    backward_nodes: float = 0
 
     def _exprs(self) -> list[sympy.Expr]:
         return ([o.flops for o in self.ops] + [o.bytes for o in self.ops] + [c.bytes for c in self.comms]
@@ -536,6 +556,16 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
                                   keep_input=keep)
         return sympy.expand(e.subs(sub) * weight)
 
+    # aten calls, and which of them autograd records (an input is a parameter or such a node)
+    differentiable: set = set()
+    for n in nodes:
+        if any((a.op == "placeholder" and a.name in cap.params) or a in differentiable for a in n.all_input_nodes):
+            differentiable.add(n)
+
+    def node_counts(members: list[fx.Node], weight) -> tuple[float, float]:
+        calls = [n for n in members if isinstance(n.target, torch._ops.OpOverload)]
+        return float(len(calls) * weight), float(sum(n in differentiable for n in calls) * weight)
+
     def section(key) -> Section:
         if key == "layer":
             members = [n for n in nodes if isinstance(section_of[n], int)]
@@ -548,14 +578,19 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
             w = sympy.Integer(1)
             a = dict.fromkeys(RECOMPUTE_MODES, acts(members, w, "none"))
         params = {"layer": layer_params / n_cap, "pre": pre_params, "post": post_params}[key]
-        return Section(tuple(ops_of(members, w)), tuple(comms_of(key)), params, a)
+        return Section(tuple(ops_of(members, w)), tuple(comms_of(key)), params, a, *node_counts(members, w))
 
     hidden, vocab, q_heads, k_heads = _shapes(nodes, cap, plan)
+    # bytes per element of the residual stream (pipeline messages): the embedding output's dtype
+    emb = next((n for n in nodes if getattr(n.target, "overloadpacket", None) is torch.ops.aten.embedding), None)
+    val = emb.meta.get("val") if emb is not None else None
+    act_bytes = val.element_size() if isinstance(val, torch.Tensor) else 2
     return ModelProfile(
         name=name or cap.model_name or plan.model, n_layers=n_layers, hidden=hidden,
         heads=heads or q_heads, kv_heads=kv_heads or k_heads or heads or q_heads, vocab=vocab, seq_len=seq_len,
         tp=tp, sequence_parallel=plan.options.sequence_parallel, sp_variant=str(plan.options.sp_variant),
         layer=section("layer"), pre=section("pre"), post=section("post"), tied_params=tied,
+        activation_bytes=act_bytes,
     )
 
 
@@ -664,18 +699,19 @@ def axis_link(layout: Layout, axis: str, hw: Hardware, eff: Efficiency) -> tuple
     return bw * eff.inter_node, hw.inter_node_latency
 
 
-def collective_time(kind: str, nbytes, n: int, bandwidth: float, latency: float):
+def collective_time(kind: str, nbytes, n: int, bandwidth: float, latency: float, call_latency: float = 0.0):
     """Ring-algorithm time of one collective over n ranks (Thakur et al. 2005); ``nbytes`` is the
     full tensor (all-gather: the gathered size; reduce-scatter: the input; all-to-all: one rank's
-    buffer; send/recv: the message)."""
+    buffer; send/recv: the message). ``call_latency``: a cost per call on top of the per-step
+    ``latency`` (``Hardware.collective_call_latency``: 0 on GPUs; gloo on a CPU measures one)."""
     if n <= 1 and kind != "send_recv":
         return 0
     if kind == "all_reduce":
-        return 2 * (n - 1) * latency + _ratio(2 * (n - 1), n, nbytes) * nbytes / bandwidth
+        return call_latency + 2 * (n - 1) * latency + _ratio(2 * (n - 1), n, nbytes) * nbytes / bandwidth
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) * latency + _ratio(n - 1, n, nbytes) * nbytes / bandwidth
+        return call_latency + (n - 1) * latency + _ratio(n - 1, n, nbytes) * nbytes / bandwidth
     if kind == "send_recv":
-        return latency + nbytes / bandwidth
+        return call_latency + latency + nbytes / bandwidth
     raise ValueError(f"unknown collective {kind!r}")
 
 
@@ -797,11 +833,14 @@ def _section_times(sec: Section, b, s, layout: Layout, hw: Hardware, eff: Effici
                 attn += t
         f += t
         bk += tb
+    # host overhead per aten call (Hardware.op_overhead_*: measured on a CPU, 0 on GPUs)
+    f += sec.forward_nodes * hw.op_overhead_forward
+    bk += sec.backward_nodes * hw.op_overhead_backward
     cf = cb = 0
     if layout.tp > 1:
         beta, alpha = axis_link(layout, "tp", hw, eff)
         for c, nb in zip(sec.comms, cbytes):
-            t = float(c.count) * collective_time(c.kind, nb, layout.tp, beta, alpha)
+            t = float(c.count) * collective_time(c.kind, nb, layout.tp, beta, alpha, hw.collective_call_latency)
             if c.phase == "forward":
                 cf += t
             else:
@@ -837,7 +876,7 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
         beta, alpha = axis_link(layout, "cp", hw, eff)
         kv = prof.kv_heads or prof.heads or 1
         kv_bytes = 2 * b * s * prof.hidden * _ratio(kv, prof.heads or kv, s) * prof.activation_bytes / layout.tp
-        t = collective_time("all_gather", kv_bytes, cp, beta, alpha)
+        t = collective_time("all_gather", kv_bytes, cp, beta, alpha, hw.collective_call_latency)
         cp_f = _max(0, t - lay["attn"])
         cp_b = _max(0, t - 2 * lay["attn"])
         if layout.recompute == Recompute.FULL:
@@ -860,10 +899,11 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
     if p > 1:
         beta, alpha = axis_link(layout, "pp", hw, eff)
         msg = b * s_loc * prof.hidden * prof.activation_bytes / layout.tp
-        p2p = 2 * v * collective_time("send_recv", msg, 2, beta, alpha)
+        p2p = 2 * v * collective_time("send_recv", msg, 2, beta, alpha, hw.collective_call_latency)
         if layout.tp > 1 and not layout.sequence_parallel:
             tb, ta = axis_link(layout, "tp", hw, eff)
-            p2p = p2p + 2 * v * collective_time("all_gather", msg * layout.tp, layout.tp, tb, ta)
+            p2p = p2p + 2 * v * collective_time("all_gather", msg * layout.tp, layout.tp, tb, ta,
+                                                hw.collective_call_latency)
 
     def total(d):
         return d["f"] + d["b"] + d["r"] + d["comm_f"] + d["comm_b"] + d["comm_r"] + d["cp"] + p2p
@@ -890,11 +930,12 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
     if n_dp > 1:
         beta, alpha = axis_link(layout, "dp", hw, eff)
         if layout.zero:
-            dp_t = (collective_time("reduce_scatter", P_stage * g_bytes, n_dp, beta, alpha)
-                    + collective_time("all_gather", P_stage * p_bytes, n_dp, beta, alpha))
+            dp_t = (collective_time("reduce_scatter", P_stage * g_bytes, n_dp, beta, alpha, hw.collective_call_latency)
+                    + collective_time("all_gather", P_stage * p_bytes, n_dp, beta, alpha, hw.collective_call_latency))
         else:
-            dp_t = collective_time("all_reduce", P_stage * g_bytes, n_dp, beta, alpha)
-    if layout.overlap_grad_reduce and n_dp > 1:
+            dp_t = collective_time("all_reduce", P_stage * g_bytes, n_dp, beta, alpha, hw.collective_call_latency)
+    # the reduction hides behind backward only where collectives run beside compute (Hardware docs)
+    if layout.overlap_grad_reduce and n_dp > 1 and hw.comm_overlaps_compute:
         window = slow["b"] + slow["r"] + slow["comm_b"] + slow["comm_r"]
         dp_exposed = _max(dp_t - window, dp_t / L_stage)
     else:
@@ -964,13 +1005,13 @@ def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_
             n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
             extra_act += post_act
         inflight = MM.inflight_microbatches(layout.schedule.value, p, i, m, v)
-        d = {
-            "params": n_par * per.params,
-            "grads": n_par * per.grads,
-            "optimizer": n_par * per.optimizer,
-            "activations": inflight * (L_stage * layer_act + extra_act),
-        }
-        tot = sum(d.values())
+        # lifetimes (memory_model "Lifetimes"): gradients made by backward (zero=0) meet no activations
+        # when the step is one microbatch on one stage; zero=0 reduces over dp from fp32 flat copies
+        one_pass = p == 1 and not _is_symbolic(m) and m == 1 and not layout.zero
+        reduce_copy = n_par * MM.DTYPE_BYTES["fp32"] if layout.dp * layout.cp > 1 and not layout.zero else 0
+        tot, d = MM.peak_bytes(n_par * per.params, n_par * per.grads, n_par * per.optimizer,
+                               inflight * (L_stage * layer_act + extra_act), gradients_meet_activations=not one_pass,
+                               reduction_buffer=reduce_copy)
         if best is None or _gt(tot, best):
             best, best_d = tot, {**d, "stage": i, "inflight_microbatches": inflight}
     return best, best_d
