@@ -12,7 +12,8 @@ from mcompile.cost import Estimate, Layout, Workload, estimate
 from mcompile.mesh import Mesh
 from mcompile.plan import Plan
 from mcompile.propagate import PlanError
+from mcompile.search import search
 
 __version__ = "0.1.0"
 __all__ = ["CaptureError", "Config", "Estimate", "Layout", "Mesh", "Plan", "PlanError", "Workload", "compile_plan",
-           "estimate", "parallelize", "plan", "__version__"]
+           "estimate", "parallelize", "plan", "search", "__version__"]

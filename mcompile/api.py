@@ -198,17 +198,24 @@ def plan(
 
 def parallelize(
     model: torch.nn.Module,
-    mesh: Mesh,
+    mesh: Mesh | None = None,
     example_inputs: tuple = (),
     example_kwargs: dict | None = None,
     *,
     config=None,
+    plan: str | None = None,
+    hardware=None,
+    global_batch: int | None = None,
     **options,
 ):
     """Plan ``model`` over ``mesh`` and return a :class:`~mcompile.runtime.module.ParallelModule`
     that trains it on this process's rank (DESIGN §3). Call it on every rank with the same model
     (rank 0's weights are broadcast) and the same arguments; options are :class:`mcompile.Config`
-    fields, as keywords or one ``config=``."""
+    fields, as keywords or one ``config=``.
+
+    ``plan="auto"`` (no mesh): :func:`mcompile.search.search` picks the mesh and the options for the
+    world size on ``hardware`` (default "cpu-gloo" on CPU, "h100" on GPU) at ``global_batch`` (default:
+    the example inputs' batch); rank 0 logs the choice and why (logger ``mcompile.search``)."""
     import hashlib
 
     import torch.distributed as dist
@@ -220,9 +227,14 @@ def parallelize(
 
     if config is not None and options:
         raise TypeError("pass options either as keywords or as config=, not both")
+    if plan not in (None, "auto") or (plan is None) == (mesh is None):
+        raise ValueError("parallelize() takes a mesh, or plan='auto' (no mesh) to search one")
     config = config or Config(**options)
     init_distributed()
     world = dist.get_world_size()
+    if plan == "auto":
+        mesh, config = _auto_plan(model, world, example_inputs, example_kwargs, config, options, hardware,
+                                  global_batch)
     if mesh.size() != world:
         raise ValueError(
             f"{mesh!r} has {mesh.size()} ranks but the world has {world} processes: make the product of "
@@ -250,3 +262,35 @@ def parallelize(
         raise RuntimeError(f"ranks {bad} planned differently from rank 0: build the same model with the same "
                            "example inputs and options on every rank")
     return ParallelModule(compiled, dmesh, config, model)
+
+
+def _auto_plan(model, world, example_inputs, example_kwargs, config, options, hardware, global_batch):
+    """``parallelize(plan="auto")``: rank 0 searches (mcompile.search.auto_layout) and broadcasts its
+    choice (or its error: every rank raises it rather than waiting); the mesh and the Config."""
+    import dataclasses
+    import logging
+
+    import torch.distributed as dist
+
+    from mcompile.config import Config
+    from mcompile.search import auto_layout
+
+    if not options:  # given as config=: its non-default fields are the user's choices
+        default = Config()
+        options = {f.name: getattr(config, f.name) for f in dataclasses.fields(Config)
+                   if getattr(config, f.name) != getattr(default, f.name)}
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = auto_layout(model, world, tuple(example_inputs), example_kwargs, dict(options), hardware=hardware,
+                                 global_batch=global_batch,
+                                 device_type="cuda" if dist.get_backend() == "nccl" else "cpu")
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    axes, chosen, why = box[0]
+    if dist.get_rank() == 0:
+        logging.getLogger("mcompile.search").info(why)
+    return Mesh(**axes), Config(**chosen)

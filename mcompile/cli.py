@@ -1,9 +1,11 @@
-"""The ``mcompile`` command line: plan, show (and later explain, search, demo, train, ...).
+"""The ``mcompile`` command line: plan, show, search, explain, timeline, demo (and later train, ...).
 
     mcompile plan MODEL --mesh dp=8,tp=8 [--seq S] [--batch B] [--sp] [--json]
     mcompile plan MODEL --mesh dp=2,pp=4,tp=2 --microbatches 8 --schedule interleaved --virtual 2
     mcompile timeline TRACE.json [-o out.png]
     mcompile show MODEL --mesh tp=2 --rank 1 [--fuse] [--fp8 current|delayed]
+    mcompile search MODEL --gpus 1024 --gpu h100 --global-batch 1536 [--seq S] [--top K] [--json]
+    mcompile explain MODEL --gpus 1024 --gpu h100 --global-batch 1536   (why the best beats the runner-up)
     mcompile demo [--steps N]
 
 MODEL is a preset name (``mcompile plan --list``) or ``package.module:factory``, a callable that
@@ -149,7 +151,33 @@ def cmd_plan(args) -> int:
         fp8 = _fp8_report(args, c)
         if fp8 is not None:
             print(fp8.text())
+    if args.gpu:
+        print(_fit_text(c, args), file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def _fit_text(c, args) -> str:
+    """``--gpu``: the cost model (mcompile.cost.estimate) on this plan — predicted step time and the
+    largest rank's peak memory against the device's, and whether it fits."""
+    from mcompile.cost import estimate
+    from mcompile.hardware import get_hardware
+
+    try:
+        hw = get_hardware(args.gpu)
+    except (KeyError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    if args.batch % args.microbatches:
+        raise CLIError(f"--batch {args.batch} does not divide into --microbatches {args.microbatches}")
+    est = estimate(c, hardware=hw, global_batch=args.batch * c.mesh.size("dp"), seq=args.seq,
+                   microbatch_size=args.batch // args.microbatches)
+    gib = 2**30
+    parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in est.memory_breakdown.items() if isinstance(v, int | float) and v)
+    verdict = "fits" if est.fits else (
+        f"does NOT fit: {est.memory_bytes / gib:.1f} GiB needed, {hw.hbm_bytes / gib:.1f} GiB on the device; try "
+        "more tp/pp, ZeRO-1, recompute, or `mcompile search`")
+    return (f"predicted on {hw.name}: step {est.step_time_s:.3f} s, {est.tflops_per_gpu:.0f} TFLOP/s per GPU; "
+            f"peak memory of the largest rank {est.memory_bytes / gib:.2f} GiB of {hw.hbm_bytes / gib:.1f} GiB "
+            f"({parts} GiB) — {verdict}")
 
 
 def _fp8_report(args, c, rank: int = 0):
@@ -205,6 +233,82 @@ def cmd_demo(args) -> int:
     return 0 if result["max_abs_diff"] < 1e-3 else 1
 
 
+# --------------------------------------------------------------------------- search / explain
+
+
+def _search(args):
+    from mcompile.hardware import get_hardware
+    from mcompile.models import PRESETS
+    from mcompile.search import search
+
+    if not args.model:
+        raise CLIError(f"{args.command} needs a MODEL (a preset name, see `mcompile plan --list`, or module:factory)")
+    try:
+        hw = get_hardware(args.gpu)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    seq = args.seq or _default_seq(args.model)
+    if args.model in PRESETS:
+        model, inputs = args.model, ()
+        try:
+            PRESETS[args.model].example_inputs(batch=2, seq=seq, device="meta")  # validates seq
+        except ValueError as e:
+            raise CLIError(str(e)) from e
+    else:
+        model, inputs, _ = load_model(args.model, "meta", 2, min(seq, 16))
+    kw = {}
+    if args.schedules:
+        kw["schedules"] = tuple(x.strip() for x in args.schedules.split(","))
+    if args.recompute:
+        kw["recompute"] = tuple(x.strip() for x in args.recompute.split(","))
+    return search(model, args.gpus, hardware=hw, global_batch=args.global_batch, example_inputs=inputs, seq=seq,
+                  top_k=args.top, precision=args.precision,
+                  memory_limit=args.memory_limit * 2**30 if args.memory_limit else None, **kw)
+
+
+def cmd_search(args) -> int:
+    res = _search(args)
+    if args.json:
+        print(json.dumps(res.to_dict(), indent=1, default=str))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    title, how = res.summary()
+    table = Table(title=title, title_justify="left")
+    left = {"schedule", "recompute", "layers/stage", "largest terms"}
+    for col in res.HEADER:
+        table.add_column(col, justify="left" if col in left else "right")
+    for row in res.rows():
+        table.add_row(*row)
+    console.print(table)
+    console.print(how, highlight=False)
+    best = res[0]
+    mesh = ", ".join(f"{a}={n}" for a, n in best.mesh(fake=True).axes)
+    opts = ", ".join(f"{k}={v!r}" for k, v in best.options().items())
+    console.print(f"run it: mc.parallelize(model, mc.Mesh({mesh}), inputs, {opts})", highlight=False)
+    return 0
+
+
+def cmd_explain(args) -> int:
+    args.top = max(args.top, 2)
+    res = _search(args)
+    if args.json:
+        from mcompile.search import _candidate_dict
+
+        a, b = res[0], res[1] if len(res) > 1 else None
+        d = {"best": _candidate_dict(a), "runner_up": _candidate_dict(b) if b else None}
+        if b is not None:
+            d["terms"] = {k: {"best": a.estimate.breakdown[k], "runner_up": b.estimate.breakdown[k],
+                              "difference": b.estimate.breakdown[k] - a.estimate.breakdown[k]}
+                          for k in a.estimate.breakdown}
+        print(json.dumps(d, indent=1, default=str))
+        return 0
+    print(res.explain())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mcompile", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -234,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp = sub.add_parser("plan", help="print the plan: placements, collectives, memory per rank")
     common(pp)
     pp.add_argument("--json", action="store_true")
+    pp.add_argument("--gpu", default=None, metavar="NAME",
+                    help="a hardware profile (h100, a100, ...): the cost model's step time and peak memory per rank, "
+                         "and whether the layout fits")
     pp.add_argument("--list", action="store_true", help="list the presets")
     pp.add_argument("--measure", action="store_true",
                     help="small models: also run one step of every rank (threads) and measure its memory")
@@ -248,6 +355,23 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("trace", help="trace JSON written by ParallelModule.save_timeline")
     pt.add_argument("-o", "--out", default=None, help="PNG path (default: the trace's name with .png)")
     pt.set_defaults(func=cmd_timeline)
+    for name, fn, text in (("search", cmd_search, "rank the layouts of MODEL on N GPUs by predicted step time"),
+                           ("explain", cmd_explain, "why the searched best layout beats the runner-up")):
+        px = sub.add_parser(name, help=text)
+        px.add_argument("model", nargs="?", help="preset name or package.module:factory")
+        px.add_argument("--gpus", type=int, required=True, help="number of GPUs (the world size)")
+        px.add_argument("--gpu", default="h100", help="hardware profile: a100, h100, h200, b200, cpu-gloo")
+        px.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+        px.add_argument("--seq", type=int, default=None, help="sequence length (default: 2048, or the model's "
+                        "maximum if smaller)")
+        px.add_argument("--top", type=int, default=5, help="how many layouts to show (default 5)")
+        px.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
+                        help="GiB per GPU (default: the GPU's memory)")
+        px.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp32"], help="matmul precision")
+        px.add_argument("--schedules", default=None, help="pipeline schedules to consider, e.g. 1f1b,interleaved")
+        px.add_argument("--recompute", default=None, help="recompute modes to consider, e.g. selective,full")
+        px.add_argument("--json", action="store_true")
+        px.set_defaults(func=fn)
     pd = sub.add_parser("demo", help="train a tiny Llama on 4 CPU processes (dp=2 x tp=2, SP) vs one device")
     pd.add_argument("--steps", type=int, default=40)
     pd.set_defaults(func=cmd_demo)
@@ -261,13 +385,14 @@ def main(argv: list[str] | None = None) -> int:
     from mcompile.partition import PartitionError
     from mcompile.propagate import PlanError
     from mcompile.runtime.schedules import ScheduleError
+    from mcompile.search import SearchError
 
     args = build_parser().parse_args(argv)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*bos_token_id.*")
             return args.func(args)
-    except (CLIError, PlanError, CaptureError, PartitionError, ScheduleError) as e:
+    except (CLIError, PlanError, CaptureError, PartitionError, ScheduleError, SearchError) as e:
         print(f"mcompile: error: {e}", file=sys.stderr)
         return 2
 

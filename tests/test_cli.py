@@ -118,3 +118,15 @@ def test_plan_measure_equals_prediction_to_the_byte(capsys):
         assert rank["gradients"] == pred["grads"]
         assert rank["optimizer"] == pred["optimizer"]
         assert rank["peak_activations"] > 0
+
+
+def test_plan_says_whether_a_layout_fits_the_device(capsys):
+    from mcompile.cli import main
+
+    assert main(["plan", "llama3-tiny", "--mesh", "tp=2", "--seq", "16", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted on h100-sxm" in out and "— fits" in out
+    assert main(["plan", "llama3-8b", "--mesh", "dp=2", "--gpu", "a100"]) == 0
+    assert "does NOT fit" in capsys.readouterr().out  # 8B unsharded: > 100 GiB of weights, grads and AdamW
+    assert main(["plan", "llama3-tiny", "--mesh", "tp=2", "--gpu", "v100"]) == 2
+    assert "known profiles: a100-80gb, b200" in capsys.readouterr().err
