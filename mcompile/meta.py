@@ -23,3 +23,8 @@ COLLECTIVE = "mc_collective"  # mcompile.plan.CollectiveSpec on every inserted c
 ORIGIN = "mc_origin"  # str: name of the captured-graph node this local node implements
 LAYER = "mc_layer"  # int | None: transformer layer index (reporting only), from nn_module_stack
 PARAM_FQN = "mc_param_fqn"  # str: original FQN on parameter/buffer placeholders
+
+# Later per-rank passes (their values are set by the pass named).
+FUSED = "mc_fused"  # str: the fused op that replaced a matched pattern (mcompile.passes.fuse)
+FP8 = "mc_fp8"  # str: the FP8 scaling recipe of a converted linear, "current" | "delayed" (passes.fp8)
+STAGE = "mc_stage"  # int | None: the pipeline stage of a node (passes.pipeline_split); None: input-only

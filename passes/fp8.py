@@ -40,7 +40,7 @@ import torch.fx as fx
 from mcompile import meta as M
 
 aten = torch.ops.aten
-FP8 = "mc_fp8"  # str on converted nodes: the scaling recipe ("current" | "delayed")
+FP8 = M.FP8  # str on converted nodes: the scaling recipe ("current" | "delayed")
 RECIPES = ("current", "delayed")
 BACKENDS = ("mcompile", "te")
 MULTIPLE = 16  # torch._scaled_mm on CUDA: both dims of the weight multiples of 16

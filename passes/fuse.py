@@ -43,7 +43,7 @@ import torch.fx as fx
 from mcompile import meta as M
 
 aten = torch.ops.aten
-FUSED = "mc_fused"
+FUSED = M.FUSED
 PATTERNS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "layer_norm")  # the keys fuse() counts
 _CASTS = {aten.to.dtype, aten._to_copy.default, aten.type_as.default, aten.to.dtype_layout}
 _END = 2**63 - 1  # the stop of a slice written x[..., a:]

@@ -28,7 +28,7 @@ from mcompile import meta as M
 
 __all__ = ["StageProgram", "split_stages", "PipelineSplitError"]
 
-STAGE = "mc_stage"  # int | None on every call_function node of a split program's source
+STAGE = M.STAGE  # int | None on every call_function node of a split program's source
 
 
 class PipelineSplitError(RuntimeError):
