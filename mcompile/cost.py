@@ -699,6 +699,29 @@ def axis_link(layout: Layout, axis: str, hw: Hardware, eff: Efficiency) -> tuple
     return bw * eff.inter_node, hw.inter_node_latency
 
 
+def pipeline_bubble(schedule, p: int, v: int, stage_time, weight_time):
+    """Idle time of a step's slowest rank: ``(p-1)`` stage times (GPipe, 1F1B), divided by ``v``
+    (interleaved), less twice the weight-gradient time per microbatch (ZB-H1: ``(p-1)(F+B-W)``)."""
+    if p == 1:
+        return 0
+    if schedule == Schedule.INTERLEAVED:
+        return (p - 1) * stage_time / v
+    if schedule == Schedule.ZB_H1:
+        return (p - 1) * (stage_time - 2 * weight_time)
+    return (p - 1) * stage_time
+
+
+def dp_reduction_time(zero: int, n: int, params, grad_bytes: int, param_bytes: int, bandwidth: float,
+                      latency: float, hw: Hardware):
+    """The data-parallel gradient reduction of ``params`` parameters over ``n`` ranks: an all-reduce,
+    or ZeRO-1's reduce-scatter of gradients plus all-gather of the updated parameters."""
+    call = hw.collective_call_latency
+    if zero:
+        return (collective_time("reduce_scatter", params * grad_bytes, n, bandwidth, latency, call)
+                + collective_time("all_gather", params * param_bytes, n, bandwidth, latency, call))
+    return collective_time("all_reduce", params * grad_bytes, n, bandwidth, latency, call)
+
+
 def collective_time(kind: str, nbytes, n: int, bandwidth: float, latency: float, call_latency: float = 0.0):
     """Ring-algorithm time of one collective over n ranks (Thakur et al. 2005); ``nbytes`` is the
     full tensor (all-gather: the gathered size; reduce-scatter: the input; all-to-all: one rank's
@@ -911,14 +934,7 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
     totals = [total(d) for d in stages]
     slow = stages[0] if len(stages) == 1 or not _gt(totals[1], totals[0]) else stages[1]
     T = total(slow)
-    if p == 1:
-        bubble = 0
-    elif layout.schedule == Schedule.INTERLEAVED:
-        bubble = (p - 1) * T / v
-    elif layout.schedule == Schedule.ZB_H1:
-        bubble = (p - 1) * (T - 2 * slow["w"])
-    else:
-        bubble = (p - 1) * T
+    bubble = pipeline_bubble(layout.schedule, p, v, T, slow["w"])
 
     # data-parallel gradient reduction (dp x cp ranks hold the same parameters) and the optimizer
     P_stage = L_stage * prof.layer.params + (prof.pre.params + prof.post.params - prof.tied_params if p == 1
@@ -928,12 +944,7 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
     n_dp = layout.dp * cp
     dp_t = 0
     if n_dp > 1:
-        beta, alpha = axis_link(layout, "dp", hw, eff)
-        if layout.zero:
-            dp_t = (collective_time("reduce_scatter", P_stage * g_bytes, n_dp, beta, alpha, hw.collective_call_latency)
-                    + collective_time("all_gather", P_stage * p_bytes, n_dp, beta, alpha, hw.collective_call_latency))
-        else:
-            dp_t = collective_time("all_reduce", P_stage * g_bytes, n_dp, beta, alpha, hw.collective_call_latency)
+        dp_t = dp_reduction_time(layout.zero, n_dp, P_stage, g_bytes, p_bytes, *axis_link(layout, "dp", hw, eff), hw)
     # the reduction hides behind backward only where collectives run beside compute (Hardware docs)
     if layout.overlap_grad_reduce and n_dp > 1 and hw.comm_overlaps_compute:
         window = slow["b"] + slow["r"] + slow["comm_b"] + slow["comm_r"]

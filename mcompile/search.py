@@ -498,26 +498,13 @@ def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[i
         params = layers[i] * prof.layer.params + (prof.pre.params if i == 0 else 0) + \
             (prof.post.params - (prof.tied_params if p == 1 else 0) if i == p - 1 else 0)
         P_stage = params if P_stage is None else max(P_stage, params)
-    if p == 1:
-        bubble = 0
-    elif layout.schedule == Schedule.INTERLEAVED:
-        bubble = (p - 1) * T / v
-    elif layout.schedule == Schedule.ZB_H1:
-        bubble = (p - 1) * (T - 2 * slow["w"])
-    else:
-        bubble = (p - 1) * T
+    bubble = C.pipeline_bubble(layout.schedule, p, v, T, slow["w"])
 
     g_bytes, p_bytes = MM.DTYPE_BYTES[st.grad_dtype], MM.DTYPE_BYTES[st.param_dtype]
     n_dp = layout.dp * layout.cp
     dp_t = 0
     if n_dp > 1:
-        beta, alpha = links["dp"]
-        if layout.zero:
-            call = st.hw.collective_call_latency
-            dp_t = (C.collective_time("reduce_scatter", P_stage * g_bytes, n_dp, beta, alpha, call)
-                    + C.collective_time("all_gather", P_stage * p_bytes, n_dp, beta, alpha, call))
-        else:
-            dp_t = C.collective_time("all_reduce", P_stage * g_bytes, n_dp, beta, alpha, st.hw.collective_call_latency)
+        dp_t = C.dp_reduction_time(layout.zero, n_dp, P_stage, g_bytes, p_bytes, *links["dp"], st.hw)
     # the reduction hides behind backward only where collectives run beside compute (Hardware docs)
     if layout.overlap_grad_reduce and n_dp > 1 and getattr(hw, "comm_overlaps_compute", True):
         window = slow["b"] + slow["r"] + slow["comm_b"] + slow["comm_r"]

@@ -182,15 +182,12 @@ class PipelineExecutor:
                 self.events.append(Event(self.rank, str(a), a.kind, t0, time.time(), a.stage, a.mb))
         for _, work in self._sends:
             work.wait()
-        if self.recvs_left():
+        if self._recvs:
             raise RuntimeError(f"rank {self.rank}: {len(self._recvs)} posted receives were never used")
         if self.record:
             self.events.append(Event(self.rank, "step", "step", t_step, time.time()))
         self._sends = []
         return results
-
-    def recvs_left(self) -> int:
-        return len(self._recvs)
 
 
 class FxStage:

@@ -217,16 +217,11 @@ def peak_activation_bytes(actions: list[Action], bytes_of_stage: dict[int, float
     split = any(a.kind == "W" for a in actions)
     held = 0.0
     peak = 0.0
-    first_stage = min(a.stage for a in actions) if actions else 0
     for a in actions:
         b = bytes_of_stage.get(a.stage, 0.0)
         if a.kind == "F":
             held += b
             peak = max(peak, held)
-        elif a.kind == "W" or (a.kind == "B" and (not split or a.stage == first_stage and _receives_nothing(a))):
+        elif a.kind == "W" or (a.kind == "B" and (not split or a.stage == 0)):  # stage 0's B is its whole backward
             held -= b
     return peak
-
-
-def _receives_nothing(a: Action) -> bool:
-    return a.stage == 0  # the first stage's B is its whole backward (it has no input gradient to split)
