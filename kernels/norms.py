@@ -36,14 +36,23 @@ Math, per row (r = rstd, g = dy·w, <·> = mean over the N columns, Σ = sum ove
 
 The dx formulas come from differentiating through the row statistics: ∂r/∂x_j = −r³·x_j/N for
 RMSNorm (Zhang & Sennrich 2019), plus ∂μ/∂x_j = 1/N for LayerNorm (Ba et al. 2016), so RMSNorm is
-LayerNorm with μ = 0 and no <g> term — one backward kernel serves both. Work layout follows
-Triton's layer-norm tutorial (one program per row, the row walked in column blocks, so any N
-works) and the two-stage weight-gradient reduction of Apex's fused layer norm, which Megatron uses
-(``cuComputePartGradGammaBeta`` then ``cuComputeGradGammaBeta``): partial sums over row groups in
-fp32 into a (groups, N) buffer, then one sum over groups — deterministic, unlike the tutorial's
-lock-and-accumulate. Fusing the residual add into the norm is the pre-norm transformer pattern of
-Megatron/Transformer Engine and vLLM's ``fused_add_rms_norm``: one kernel reads x and residual
-and writes both h and y.
+LayerNorm with μ = 0 and no <g> term — one backward kernel serves both.
+
+Work layout. Forward: one program per row (Triton's layer-norm tutorial). A row of up to
+``_MAX_BLOCK_N`` columns (every hidden size up to Llama-3 405B's 16384) is read from memory once
+and kept in registers; wider rows are walked in column blocks, so any N works. Backward, for rows
+that fit one block: one kernel whose programs (about one per SM) each take a run of consecutive
+rows, write dx row by row and sum dy·x̂ (and dy) over their rows in registers, then store those
+sums as one row of a (programs, N) fp32 buffer that a final sum over programs reduces — the
+two-stage weight-gradient reduction of Apex's fused layer norm, which Megatron uses
+(``cuComputePartGradGammaBeta`` then ``cuComputeGradGammaBeta``), with the first stage folded into
+the dx kernel as Liger-Kernel's RMSNorm backward does. dy and x are read once for dx and dw: the
+minimum of 3 row-sized tensors moved (dy, x in, dx out; 4 with add_rms_norm's dh), where separate
+dx and dw kernels move 5. Deterministic (fixed programs, fixed order), unlike the tutorial's
+lock-and-accumulate. Wider rows fall back to exactly that split: a dx kernel walking the row in
+blocks, then a tiled weight-gradient kernel over (row group, column block) tiles. Fusing the
+residual add into the norm is the pre-norm transformer pattern of Megatron/Transformer Engine and
+vLLM's ``fused_add_rms_norm``: one kernel reads x and residual and writes both h and y.
 """
 
 from __future__ import annotations
@@ -62,9 +71,10 @@ __all__ = [
     "rms_norm_reference", "layer_norm_reference", "add_rms_norm_reference",
 ]
 
-_MAX_BLOCK_N = 4096  # widest column block of the row kernels; wider rows loop over blocks
-_DW_BLOCK_M, _DW_BLOCK_N = 32, 128  # tile of the weight-gradient kernel
-_DW_MAX_GROUPS = 256  # row groups (partial sums) of the weight-gradient reduction
+_MAX_BLOCK_N = 16384  # widest column block of the row kernels; wider rows loop over blocks
+_DW_BLOCK_M, _DW_BLOCK_N = 32, 128  # tile of the weight-gradient kernel (rows wider than one block)
+_DW_MAX_GROUPS = 256  # row groups (partial sums) of the weight-gradient reduction (rows wider than one block)
+_INTERPRETER_BWD_PROGRAMS = 8  # programs of the one-block backward under the interpreter (several rows each)
 
 
 # ---- dispatch ------------------------------------------------------------------------------
@@ -93,7 +103,36 @@ def _launch_config(n: int) -> tuple[int, int]:
             "own functions (tl.zeros, tl.sum) and these kernels were built for different modes: set it before "
             "anything imports triton (importing torch.export or mcompile does), e.g. at the top of conftest.py")
     block = min(triton.next_power_of_2(n), _MAX_BLOCK_N)
-    return block, min(max(block // 256, 1), 16)
+    # a row of `block` fp32 values spread over the program's threads: more warps for wider rows, so
+    # each thread holds at most 16 values per live array (the usual step table of Triton row kernels)
+    return block, 32 if block >= 16384 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
+def _bwd_layout(m: int, n: int, device: torch.device) -> tuple[bool, int, int, int, int]:
+    """(one_block, BLOCK_N, num_warps, programs, rows per program) of the backward of m rows of n.
+
+    One block (n <= BLOCK_N): about one program per SM for the widest rows (what their registers
+    allow), more for narrower ones; a few under the interpreter. Wider rows: the weight-gradient
+    kernel's row groups (rows per program unused)."""
+    block, warps = _launch_config(n)
+    if n > block:
+        return False, block, warps, max(1, min(triton.cdiv(m, _DW_BLOCK_M), _DW_MAX_GROUPS)), 0
+    if device.type == "cuda":
+        target = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        target *= max(1, 8192 // block)
+    else:
+        target = _INTERPRETER_BWD_PROGRAMS
+    per = triton.cdiv(m, max(1, min(m, target)))
+    return True, block, warps, triton.cdiv(m, per) if m else 1, per
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def _check(name: str, x: Tensor, *params: Tensor) -> None:
@@ -127,61 +166,129 @@ def _store(ptr, value, mask):
 
 @_jit
 def _rms_fwd_kernel(X, RES, W, Y, H, RSTD, stride, N, eps,
-                    HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program per row: r = (<h²> + eps)^-1/2, y = h·r·w, with h = x (+ residual, stored)."""
+                    HAS_RES: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per row: r = (<h²> + eps)^-1/2, y = h·r·w, with h = x (+ residual, stored).
+    ONE_BLOCK (N <= BLOCK_N): the row is read once and kept in registers; else walked twice in blocks."""
     row = tl.program_id(0).to(tl.int64)
     X += row * stride
     Y += row * stride
     RES += row * stride
     H += row * stride
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for off in range(0, N, BLOCK_N):
-        cols = off + tl.arange(0, BLOCK_N)
+    if ONE_BLOCK:
+        cols = tl.arange(0, BLOCK_N)
         mask = cols < N
         x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:  # h rounded to x's dtype, as the unfused x + residual would be
             x = _round(x + tl.load(RES + cols, mask=mask, other=0.0).to(tl.float32), X.dtype.element_ty)
             tl.store(H + cols, x.to(H.dtype.element_ty), mask=mask)
-        acc += x * x
-    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
-    tl.store(RSTD + row, rstd)
-    for off in range(0, N, BLOCK_N):  # recompute h rather than read back this program's own store
-        cols = off + tl.arange(0, BLOCK_N)
-        mask = cols < N
-        x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            x = _round(x + tl.load(RES + cols, mask=mask, other=0.0).to(tl.float32), X.dtype.element_ty)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+        tl.store(RSTD + row, rstd)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         _store(Y + cols, x * rstd * w, mask)
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for off in range(0, N, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RES:
+                x = _round(x + tl.load(RES + cols, mask=mask, other=0.0).to(tl.float32), X.dtype.element_ty)
+                tl.store(H + cols, x.to(H.dtype.element_ty), mask=mask)
+            acc += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+        tl.store(RSTD + row, rstd)
+        for off in range(0, N, BLOCK_N):  # recompute h rather than read back this program's own store
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RES:
+                x = _round(x + tl.load(RES + cols, mask=mask, other=0.0).to(tl.float32), X.dtype.element_ty)
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            _store(Y + cols, x * rstd * w, mask)
 
 
 @_jit
-def _ln_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride, N, eps, BLOCK_N: tl.constexpr):
-    """One program per row: mean, then variance about the mean (two passes: stable), then y."""
+def _ln_fwd_kernel(X, W, B, Y, MEAN, RSTD, stride, N, eps, ONE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per row: mean, then variance about the mean (two passes over the values: stable),
+    then y. ONE_BLOCK: the row is read from memory once; else each pass walks it in blocks."""
     row = tl.program_id(0).to(tl.int64)
     X += row * stride
     Y += row * stride
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for off in range(0, N, BLOCK_N):
-        cols = off + tl.arange(0, BLOCK_N)
-        acc += tl.load(X + cols, mask=cols < N, other=0.0).to(tl.float32)
-    mean = tl.sum(acc, axis=0) / N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for off in range(0, N, BLOCK_N):
-        cols = off + tl.arange(0, BLOCK_N)
-        mask = cols < N
-        d = tl.where(mask, tl.load(X + cols, mask=mask, other=0.0).to(tl.float32) - mean, 0.0)
-        acc += d * d
-    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
-    tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
-    for off in range(0, N, BLOCK_N):
-        cols = off + tl.arange(0, BLOCK_N)
+    if ONE_BLOCK:
+        cols = tl.arange(0, BLOCK_N)
         mask = cols < N
         x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / N
+        d = tl.where(mask, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / N + eps)
+        tl.store(MEAN + row, mean)
+        tl.store(RSTD + row, rstd)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-        _store(Y + cols, (x - mean) * rstd * w + b, mask)
+        _store(Y + cols, d * rstd * w + b, mask)
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for off in range(0, N, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            acc += tl.load(X + cols, mask=cols < N, other=0.0).to(tl.float32)
+        mean = tl.sum(acc, axis=0) / N
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for off in range(0, N, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            d = tl.where(mask, tl.load(X + cols, mask=mask, other=0.0).to(tl.float32) - mean, 0.0)
+            acc += d * d
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+        tl.store(MEAN + row, mean)
+        tl.store(RSTD + row, rstd)
+        for off in range(0, N, BLOCK_N):
+            cols = off + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            x = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+            _store(Y + cols, (x - mean) * rstd * w + b, mask)
+
+
+@_jit
+def _norm_bwd_fused_kernel(DY, X, W, MEAN, RSTD, DH, DX, DW_PART, DB_PART, stride, M, N, rows_per_program,
+                           CENTERED: tl.constexpr, HAS_DH: tl.constexpr, HAS_DB: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+    """Rows that fit one block (N <= BLOCK_N): program p takes rows [p·R, (p+1)·R), R = rows_per_program,
+    and for each writes dx = r·(g − [<g>] − x̂·<g·x̂>) (+ dh) while summing dy·x̂ (and dy) over its rows in
+    registers; row p of the partials gets the sums. dy and x are read from memory once for both dx
+    and the weight gradient (the split dx + dw kernels below read them twice)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    acc_w = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = pid.to(tl.int64) * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    for row in range(first, last):
+        offs = row * stride + cols
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        if CENTERED:
+            xhat = tl.where(mask, (x - tl.load(MEAN + row)) * rstd, 0.0)
+        else:
+            xhat = x * rstd
+        g = dy * w  # 0 off the row
+        dx = g - xhat * (tl.sum(g * xhat, axis=0) / N)
+        if CENTERED:
+            dx -= tl.sum(g, axis=0) / N
+        dx *= rstd
+        if HAS_DH:
+            dx += tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+        _store(DX + offs, dx, mask)
+        acc_w += dy * xhat
+        if HAS_DB:
+            acc_b += dy
+    tl.store(DW_PART + pid * N + cols, acc_w, mask=mask)
+    if HAS_DB:
+        tl.store(DB_PART + pid * N + cols, acc_b, mask=mask)
 
 
 @_jit
@@ -264,7 +371,7 @@ def _triton_rms_fwd(x2: Tensor, res2: Tensor | None, weight: Tensor, eps: float)
     if m:
         block, warps = _launch_config(n)
         _rms_fwd_kernel[(m,)](x2, res2 if res2 is not None else x2, weight, y, h, rstd, x2.stride(0), n, eps,
-                              HAS_RES=res2 is not None, BLOCK_N=block, num_warps=warps)
+                              HAS_RES=res2 is not None, ONE_BLOCK=n <= block, BLOCK_N=block, num_warps=warps)
     return y, h, rstd
 
 
@@ -276,28 +383,40 @@ def _triton_ln_fwd(x2: Tensor, weight: Tensor, bias: Tensor, eps: float):
     rstd = torch.empty_like(mean)
     if m:
         block, warps = _launch_config(n)
-        _ln_fwd_kernel[(m,)](x2, weight, bias, y, mean, rstd, x2.stride(0), n, eps, BLOCK_N=block, num_warps=warps)
+        _ln_fwd_kernel[(m,)](x2, weight, bias, y, mean, rstd, x2.stride(0), n, eps, ONE_BLOCK=n <= block,
+                             BLOCK_N=block, num_warps=warps)
     return y, mean, rstd
 
 
 def _triton_bwd(dy2: Tensor, x2: Tensor, weight: Tensor, mean: Tensor | None, rstd: Tensor,
                 dh2: Tensor | None = None, with_db: bool = False):
-    """(dx, dw, db or None) for the row stats given; mean None means RMSNorm."""
+    """(dx, dw, db or None) for the row stats given; mean None means RMSNorm.
+
+    Rows that fit one block: one kernel, each program a run of rows, dx written and the weight
+    gradient summed in registers as it goes (dy, x read once). Wider rows: a dx kernel walking the
+    row in blocks, then the tiled weight-gradient kernel (dy, x read again)."""
     m, n = x2.shape
     weight = weight.contiguous()
     dx = torch.empty_like(x2)
-    groups = max(1, min(triton.cdiv(m, _DW_BLOCK_M), _DW_MAX_GROUPS))
-    dw_part = torch.zeros(groups, n, dtype=torch.float32, device=x2.device)
-    db_part = torch.zeros_like(dw_part) if with_db else dw_part
+    one_block, block, warps, groups, per = _bwd_layout(m, n, x2.device)
+    # every (group, column) is written when rows exist (each group gets at least one row or row tile)
+    alloc = torch.empty if m else torch.zeros
+    dw_part = alloc(groups, n, dtype=torch.float32, device=x2.device)
+    db_part = alloc(groups, n, dtype=torch.float32, device=x2.device) if with_db else dw_part
     if m:
         centered = mean is not None
-        block, warps = _launch_config(n)
         stat = mean if centered else rstd  # stands in for the absent mean: never read
-        _norm_bwd_dx_kernel[(m,)](dy2, x2, weight, stat, rstd, dh2 if dh2 is not None else dy2, dx, x2.stride(0), n,
-                                  CENTERED=centered, HAS_DH=dh2 is not None, BLOCK_N=block, num_warps=warps)
-        _norm_bwd_dw_kernel[(triton.cdiv(n, _DW_BLOCK_N), groups)](
-            dy2, x2, stat, rstd, dw_part, db_part, x2.stride(0), m, n, CENTERED=centered, HAS_DB=with_db,
-            BLOCK_M=_DW_BLOCK_M, BLOCK_N=_DW_BLOCK_N, num_warps=4)
+        dh = dh2 if dh2 is not None else dy2  # likewise for the absent dh
+        if one_block:
+            _norm_bwd_fused_kernel[(groups,)](
+                dy2, x2, weight, stat, rstd, dh, dx, dw_part, db_part, x2.stride(0), m, n, per,
+                CENTERED=centered, HAS_DH=dh2 is not None, HAS_DB=with_db, BLOCK_N=block, num_warps=warps)
+        else:
+            _norm_bwd_dx_kernel[(m,)](dy2, x2, weight, stat, rstd, dh, dx, x2.stride(0), n, CENTERED=centered,
+                                      HAS_DH=dh2 is not None, BLOCK_N=block, num_warps=warps)
+            _norm_bwd_dw_kernel[(triton.cdiv(n, _DW_BLOCK_N), groups)](
+                dy2, x2, stat, rstd, dw_part, db_part, x2.stride(0), m, n, CENTERED=centered, HAS_DB=with_db,
+                BLOCK_M=_DW_BLOCK_M, BLOCK_N=_DW_BLOCK_N, num_warps=4)
     dw = dw_part.sum(0).to(weight.dtype)
     return dx, dw, db_part.sum(0).to(weight.dtype) if with_db else None
 

@@ -171,22 +171,42 @@ def test_op_matches_reference(op, device, case):
 @pytest.mark.parametrize("op", list(RUNS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wide_rows_loop_over_column_blocks(op, dtype, device):
-    """4097 columns > the widest block (4096): each row kernel walks two column blocks."""
-    assert 4097 > norms._MAX_BLOCK_N
+    """16385 columns > the widest block (16384): each row kernel walks two column blocks (the second
+    one column wide), and backward takes the split dx + weight-gradient kernels."""
+    n = norms._MAX_BLOCK_N + 1
+    assert norms._bwd_layout(3, n, torch.device(device))[0] is False
     with kernels_on(device):
-        RUNS[op]((3, 4097), dtype, dtype, 0, device)
+        RUNS[op]((3, n), dtype, dtype, 0, device)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("op", list(RUNS))
 @pytest.mark.parametrize("groups", [1, 2])
 def test_weight_grad_row_groups_loop_over_tiles(op, groups, monkeypatch):
-    """Fewer row groups than row tiles (which takes > 8192 rows at the default cap): each program
-    of the weight-gradient kernel sums several tiles of rows."""
+    """Rows wider than the widest block (capped at 16 columns here; 40 columns walk 3 blocks) and
+    fewer row groups than row tiles (which takes > 8192 rows at the default cap): each program of
+    the weight-gradient kernel sums several tiles of rows."""
+    monkeypatch.setattr(norms, "_MAX_BLOCK_N", 16)
     monkeypatch.setattr(norms, "_DW_MAX_GROUPS", groups)
     assert 150 > 2 * groups * norms._DW_BLOCK_M
+    assert norms._bwd_layout(150, 40, torch.device("cpu"))[::3] == (False, groups)
     with kernels_on("cpu"):
         RUNS[op]((150, 40), torch.float32, torch.float32, 2, "cpu")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("op", list(RUNS))
+@pytest.mark.parametrize("rows", [1, 7, 8, 37])
+def test_one_block_backward_splits_rows_over_programs(op, rows):
+    """Rows that fit one block: one backward kernel, each program a run of consecutive rows whose
+    weight gradient it sums in registers — fewer rows than programs, as many, and 37 rows over 8
+    programs of 5 (the last takes 2)."""
+    one_block, _, _, programs, per = norms._bwd_layout(rows, 96, torch.device("cpu"))
+    assert one_block and programs == min(rows, norms._INTERPRETER_BWD_PROGRAMS)
+    assert (programs - 1) * per < rows <= programs * per
+    with kernels_on("cpu"):
+        for dtype in (torch.float32, torch.bfloat16):
+            RUNS[op]((rows, 96), dtype, dtype, rows, "cpu")
 
 
 @pytest.mark.timeout(300)
