@@ -23,6 +23,8 @@ percentage of the device's copy bandwidth measured in the same run (a large devi
 Timing (CUDA): CUDA events around each repeat; before each, the L2 cache is flushed (a 256 MiB
 memset, as Triton's ``do_bench``) and the GPU is given a backlog (``torch.cuda._sleep``) so that the
 host's launch and dispatch overhead is hidden: device time, median of the repeats after warmup.
+That it is hidden is checked, per repeat: the host time of the launches against the backlog's device
+time; a figure where it was not says so (``<impl>_host_bound``: then it is host time).
 The first call of each implementation and phase (Triton's JIT, torch.compile's compilation) is
 made and timed on its own before the warmup (``<impl>_first_call_s``): never in the timed repeats.
 CPU (``--smoke``): wall time, median — a check that the script and its figures work, not a measurement.
@@ -117,10 +119,15 @@ class Timer:
         self.cuda = device.type == "cuda"
         self.warmup, self.repeats = warmup, repeats
         self.flush = torch.empty(256 << 20, dtype=torch.int8, device=device) if self.cuda else None
+        self.last: dict = {}  # CUDA: host_s, backlog_s, host_bound of the last call
 
-    def __call__(self, fn: Callable[[], object], backlog_cycles: int = 1_000_000) -> float:
+    def __call__(self, fn: Callable[[], object], backlog_cycles: int = 2_000_000) -> float:
         """Median seconds of fn() (device time on CUDA). ``backlog_cycles``: the GPU spin queued ahead
-        of each repeat (1M cycles ≈ 0.5 ms on an H100/H200), to be longer than fn's host-side time."""
+        of each repeat (2M cycles ≈ 1 ms on an H100/H200), to be longer than fn's host-side time.
+        Whether it was is measured, not assumed: each repeat's host time (launching fn) against its
+        backlog's device time (flush + spin); ``self.last["host_bound"]`` is True where a repeat's
+        host time reached its backlog — the GPU may then have waited for launches, and the figure
+        is host time, not device time."""
         for _ in range(self.warmup):
             fn()
         if not self.cuda:
@@ -131,17 +138,23 @@ class Timer:
                 times.append(time.perf_counter() - t0)
             return statistics.median(times)
         torch.cuda.synchronize()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(self.repeats)]
-        for start, end in events:
+        events = [tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)) for _ in range(self.repeats)]
+        host = []
+        for queued, start, end in events:
+            queued.record()
             self.flush.zero_()
             if hasattr(torch.cuda, "_sleep"):
                 torch.cuda._sleep(backlog_cycles)  # GPU spin: the host queues fn's launches meanwhile
             start.record()
+            t0 = time.perf_counter()
             fn()
             end.record()
+            host.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) / 1e3 for s, e in events)
+        backlog = [q.elapsed_time(s) / 1e3 for q, s, _ in events]
+        self.last = {"host_s": statistics.median(host), "backlog_s": statistics.median(backlog),
+                     "host_bound": any(h >= b for h, b in zip(host, backlog))}
+        return statistics.median(s.elapsed_time(e) / 1e3 for _, s, e in events)
 
 
 def _sync(device) -> None:
@@ -297,10 +310,16 @@ def _time_impl(name: str, fn, case: Case, row: dict, device, timer: Timer, copy_
     # first calls apart: the grad-mode graph above, the no_grad one, and the backward (AOTAutograd compiles it
     # at its first run)
     first = time.perf_counter() - t0 + sum(_first_call(runner, device) for runner in runners.values())
-    seconds = {phase: timer(runner) for phase, runner in runners.items()}
+    seconds, launch = {}, {}
+    for phase, runner in runners.items():
+        seconds[phase] = timer(runner)
+        launch[phase] = timer.last
     row[f"{name}_first_call_s"] = first
     for phase, res in ((p, row[p]) for p in seconds):
         res[f"{name}_s"] = seconds[phase]
+        if launch[phase]:  # CUDA: was the timed figure device time? (see Timer)
+            res[f"{name}_host_s"] = launch[phase]["host_s"]
+            res[f"{name}_host_bound"] = launch[phase]["host_bound"]
         res[f"{name}_gbps"] = res["bytes"] / seconds[phase] / 1e9
         if copy_gbps:
             res[f"{name}_pct_of_copy"] = 100 * res[f"{name}_gbps"] / copy_gbps
@@ -445,6 +464,8 @@ def _bench_layer(row: dict, impls: dict, inputs: list, names: list[str], dy: tor
             for phase, runner in (("fwd", forward), ("fwd_bwd", forward_backward)):
                 res = row[phase]
                 res[f"{name}_s"] = timer(runner, LAYER_BACKLOG)
+                if timer.last:
+                    res[f"{name}_host_bound"] = timer.last["host_bound"]
                 res[f"{name}_tflops"] = res["flops"] / res[f"{name}_s"] / 1e12
                 if name != "bf16":
                     res[f"{name}_speedup_vs_bf16"] = res["bf16_s"] / res[f"{name}_s"]
