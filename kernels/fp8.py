@@ -62,7 +62,9 @@ backward (measured). Recording everything in backward also makes the update exac
   column. Backward runs once per forward, so a recomputed forward (activation checkpointing)
   uses the same scales and records nothing twice, and the history advances once per training step
   (per microbatch under gradient accumulation, as Transformer Engine advances per forward).
-  Forward-only calls (evaluation) leave it alone;
+  Forward-only calls (evaluation) leave it alone. Where autograd runs one node's backward twice
+  (a zero-bubble pipeline's weight step re-runs it for dW), the second call reuses the history the
+  first one saw and pushes nothing;
 - an empty history (the first step) falls back to current scaling. That fallback is chosen without
   a host sync (``torch.where``), so delayed scaling also reads each tensor once for its current
   amax; the single-pass cast it is meant for needs a host-known step count, which the runtime's
@@ -389,9 +391,16 @@ def _delayed_setup(ctx, inputs, output):
 
 def _delayed_backward(ctx, dy, *_unused):
     x8, x_inv, w8, w_inv, amax_xw = ctx.saved_tensors
-    dx, dw, ag = torch.ops.mcompile.fp8_linear_delayed_backward(dy.contiguous(), x8, x_inv, w8, w_inv, ctx.history,
+    # A second backward of the same node (a zero-bubble pipeline's W step: torch's stage_backward_weight
+    # runs this node again, from the dy its B step saw, for the weight gradient) scales dy from the
+    # history as the first call saw it and records nothing: one push per forward, the same dW.
+    seen = getattr(ctx, "history_seen", None)
+    history = ctx.history if seen is None else seen
+    dx, dw, ag = torch.ops.mcompile.fp8_linear_delayed_backward(dy.contiguous(), x8, x_inv, w8, w_inv, history,
                                                                ctx.margin, ctx.w_dtype)
-    torch.ops.mcompile.fp8_history_push(ctx.history, torch.cat([amax_xw, ag.view(1)]))
+    if seen is None:
+        ctx.history_seen = ctx.history.clone()
+        torch.ops.mcompile.fp8_history_push(ctx.history, torch.cat([amax_xw, ag.view(1)]))
     return (dx if ctx.needs[0] else None), (dw if ctx.needs[1] else None), None, None
 
 

@@ -63,7 +63,9 @@ class Fp8Report:
     recipe: str
     converted: list[Fp8Linear] = field(default_factory=list)
     skipped: list[Fp8Linear] = field(default_factory=list)
-    histories: dict[str, torch.Tensor] = field(default_factory=dict)  # node -> amax history (delayed)
+    # node -> amax history (delayed); under pp a rank runs (and checkpoints) only its stages' ones:
+    # ParallelModule.fp8_histories()
+    histories: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         row = lambda c: {"node": c.node, "weight": c.fqn, "local_shape": list(c.local_shape)}  # noqa: E731

@@ -14,7 +14,9 @@ Stage ``t``'s program takes: the parameters, buffers and user inputs it uses, th
 *receives* — every activation made by a stage before ``t`` and used by ``t`` or later (normally
 just the residual stream). It returns what it *sends*: every activation made by stages ``<= t``
 and used after ``t``; the last stage returns the model's outputs. A value that is not a tensor
-(a size) may not cross a cut: the pass raises, naming it.
+(a size) may not cross a cut: the pass raises, naming it. State the program reads through
+``get_attr`` (the FP8 amax histories) goes to the stages that read it, and only to those, as the
+same tensor: a stage's updates are the program's.
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ def _build(prog, by_name, nodes, output, stage, last_use, t, k, params, user_inp
             need.add(a.name)
             stack.extend(a.all_input_nodes)
     body = [n for n in nodes if n.name in need or stage[n.name] == t]
+    body_set = set(body) | ({output} if t == k - 1 else set())
     used_ph = []
     seen = set()
     for n in body + ([output] if t == k - 1 else []):
@@ -151,6 +154,10 @@ def _build(prog, by_name, nodes, output, stage, last_use, t, k, params, user_inp
         src = by_name[name]
         env[src] = g.placeholder(f"recv_{name}")
         env[src].meta = dict(src.meta)
+    for n in prog.graph.nodes:  # state read through get_attr (FP8 amax histories): only where used
+        if n.op == "get_attr" and any(u in body_set for u in n.users):
+            env[n] = g.get_attr(n.target)
+            env[n].meta = dict(n.meta)
     recv_set = set(recv)
     for n in body:
         if n.name in recv_set:

@@ -501,18 +501,34 @@ class ParallelModule(torch.nn.Module):
         for fqn, t in state.items():
             self._extra[self._buffer_ph[fqn]].copy_(t)
 
+    def fp8_histories(self) -> dict[str, torch.Tensor]:
+        """This rank's delayed-scaling amax histories (program node -> the live (3, history_len)
+        buffer): every one of ``self.fp8.histories`` without pipeline parallelism, under it those of
+        the linears this rank's stages run (the others are never read or updated here). Each rank's
+        own: scales are per rank and per shard (tp shards, dp slices and stages see other amaxes)."""
+        if self.fp8 is None or not self.fp8.histories:
+            return {}
+        if self._pipe is None:
+            return dict(self.fp8.histories)
+        live = {id(b) for s in self._pipe.own for b in self._pipe.stages[s].gm.buffers()}
+        return {n: h for n, h in self.fp8.histories.items() if id(h) in live}
+
     def save_checkpoint(self, path, optimizer=None, extra: dict | None = None) -> None:
-        """Save parameters, persistent buffers and optimizer state with torch.distributed.checkpoint
-        (every rank its shards); ``extra`` (a small JSON-able dict, e.g. the step) is kept beside."""
+        """Save parameters, persistent buffers, optimizer state and (``fp8="delayed"``) every rank's
+        FP8 amax histories with torch.distributed.checkpoint (every rank its shards); ``extra`` (a
+        small JSON-able dict, e.g. the step) is kept beside."""
         from mcompile.runtime import checkpoint
 
         checkpoint.save(self, path, optimizer, extra)
 
-    def load_checkpoint(self, path, optimizer=None) -> dict:
-        """Restore a checkpoint saved under the same plan; returns its ``extra``."""
+    def load_checkpoint(self, path, optimizer=None, fp8_state: bool = True) -> dict:
+        """Restore a checkpoint saved under the same plan; returns its ``extra``. The FP8 amax
+        histories must match this model's (``Config(fp8="delayed")`` with the same history length
+        on both sides, or on neither); ``fp8_state=False`` loads everything else and leaves this
+        model's histories as they are (empty in a new model: its next step scales as a first step)."""
         from mcompile.runtime import checkpoint
 
-        return checkpoint.load(self, path, optimizer)
+        return checkpoint.load(self, path, optimizer, fp8_state=fp8_state)
 
     def program_code(self) -> str:
         return self._program.code

@@ -301,10 +301,12 @@ class Pipeline:
         self.actions = build_schedule(config.schedule, self.pp, self.virtual, self.m)
         self.stages = split_stages(program, self.partition, cap.params, cap.user_inputs)
         self.own = [s for s in range(self.k) if s % self.pp == self.pp_rank]
+        groups = {st.index: recompute_nodes(st.gm, config.recompute, config.recompute_method,
+                                            config.recompute_num_layers) for st in self.stages}
+        self._check_delayed_fp8_recompute(groups, config)
         for s in self.own:  # recompute inside each stage program
             st = self.stages[s]
-            groups = recompute_nodes(st.gm, config.recompute, config.recompute_method, config.recompute_num_layers)
-            st.gm = apply_recompute(st.gm, groups)
+            st.gm = apply_recompute(st.gm, groups[s])
         self.param_of_ph = dict(cap.params)
         self.own_params = sorted({self.param_of_ph[p] for s in self.own for p in self.stages[s].params},
                                  key=list(cap.params.values()).index)
@@ -320,6 +322,31 @@ class Pipeline:
         self.events: list[Event] = []
         self._probed: dict = {}
         self._leaves: dict[str, torch.Tensor] = {}
+
+    def _check_delayed_fp8_recompute(self, groups: dict[int, dict], config) -> None:
+        """FP8 delayed scaling reads a linear's amax history in forward and advances it in backward.
+        A stage whose schedule runs the forward of microbatch j between the forward and the backward
+        of microbatch i (1F1B's warm-up, GPipe) would recompute j's forward from a history that i's
+        backward has moved on: other scales than j's forward used (autograd's saved-tensor version
+        check stops it, obscurely). Refused here, on every rank alike (all stages are checked)."""
+        from mcompile import meta as M
+
+        if config.fp8 != "delayed":
+            return
+        for st in self.stages:
+            if not any(n.meta.get(M.FP8) == "delayed" and n.name in groups[st.index] for n in st.gm.graph.nodes):
+                continue
+            pending: list[int] = []
+            for a in (a for acts in self.actions for a in acts if a.stage == st.index and a.kind in "FB"):
+                if a.kind == "F" and pending:
+                    raise NotImplementedError(
+                        f"fp8='delayed' with recompute={config.recompute!r} under pipeline parallelism: stage "
+                        f"{st.index} runs the forward of microbatch {a.mb} before the backward of microbatch "
+                        f"{pending[0]} (schedule {config.schedule!r}), so recomputing {a.mb}'s FP8 linears would "
+                        "read an amax history that an earlier backward has advanced, with other scales than "
+                        "their forward used. Use recompute='selective' (the linears are kept, not recomputed), "
+                        "fp8='current', or microbatches=1")
+                (pending.append if a.kind == "F" else pending.remove)(a.mb)
 
     # -- groups ---------------------------------------------------------------------------------------
     def _make_tied_groups(self, mesh) -> dict[str, object]:

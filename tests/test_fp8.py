@@ -26,7 +26,9 @@ What is isolated, and the bounds (Micikevicius et al. 2022, "FP8 Formats for Dee
 * The pass on llama3-tiny (14 of 15 linears at tp=1 and 2; at tp=4 the 8-row kv shards stay) and on
   HF GPT-2 (Conv1D matmuls; the LM head tied to the embedding stays), traced by torch.export and
   by AOTAutograd (forward and backward one opaque node each; the history update a copy_ in backward).
-* The runtime: Config(fp8=...) through mc.parallelize at tp=2 (gloo workers).
+* The runtime: Config(fp8=...) through mc.parallelize at tp=2 (gloo workers); under pipeline
+  parallelism (pp=2 and pp=2,tp=2 against pp=1, the histories in the stages that run them, ZB-H1);
+  the delayed histories through a checkpoint (a resumed run equal to the bit, mismatches refused).
 * Training: FP8 (current scaling) tracks fp32 on llama3-tiny for 200 steps — see
   test_fp8_training_tracks_fp32 for the bound and its justification.
 """
@@ -42,6 +44,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from fp8_cases import fp8_checkpoint, fp8_runs  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -246,6 +249,23 @@ def test_delayed_scaling_recompute_records_once():
     assert results[0][0][:, :3].all() and not results[0][0][:, 3].any()  # three steps, three columns
 
 
+def test_delayed_backward_run_twice_pushes_once():
+    """A zero-bubble pipeline's B step takes dx only, its W step runs the same node's backward again
+    for dW (torch's stage_backward_input / stage_backward_weight): one push, and the dW of a single
+    backward — the second call scales dy from the history the first one saw."""
+    x, w, dy = _linear_inputs()
+    hist, ref = fp8.new_amax_history(4), fp8.new_amax_history(4)
+    ref[:, 0] = hist[:, 0] = torch.tensor([3.0, 0.5, 0.01])  # a past step: delayed scales, not current
+    wr = w.clone().requires_grad_()
+    fp8.fp8_linear_delayed(x.clone().requires_grad_(), wr, ref).backward(dy)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8.fp8_linear_delayed(xs, ws, hist)
+    (dx,) = torch.autograd.grad(y, xs, dy, retain_graph=True)
+    (dw,) = torch.autograd.grad(y, ws, dy)
+    assert torch.equal(hist, ref) and hist[:, :2].all() and not hist[:, 2:].any()
+    assert torch.equal(dw, wr.grad) and torch.isfinite(dx).all()
+
+
 def test_opcheck():
     x, w, _ = _linear_inputs()
     torch.library.opcheck(torch.ops.mcompile.fp8_linear.default, (x, w, 0))
@@ -419,6 +439,93 @@ def test_runtime_applies_fp8():
             assert abs(a - b) / b < 2e-3, (recipe, losses, ref)
         if recipe == "delayed":
             assert len(hist) == 14 and all(h[:, :2].all() and not h[:, 2:].any() for h in hist.values())
+
+
+# ---- pipeline parallelism and checkpoints (workers in fp8_cases.py: reference casts, see there) -------
+M2 = {"microbatches": 2}
+# Pipeline parallelism only reorders the same microbatches' work, so pp=2 must give the pp=1 losses up
+# to fp32 rounding (the loss sum, the gradient accumulation and the token-count division run in another
+# order). Measured over 5 AdamW steps: FP8 current scaling at pp=2 vs pp=1 ≤ 9.0e-8 relative (one ulp
+# of a loss of 5.3, 4.8e-7), delayed scaling with one microbatch ≤ 9.8e-8, and without FP8 ≤ 2.8e-7;
+# pp=2,tp=2 vs tp=2 equal to the bit. 1e-6 (~8 ulp) leaves that room. What it catches: FP8 lost
+# inside a stage moves the loss by ≥ 3e-5 (1.6e-4 at step 1), the other recipe by ≥ 1.6e-5.
+PP_RTOL = 1e-6
+
+
+def _close(losses, ref):
+    return all(abs(a - b) <= PP_RTOL * abs(b) for a, b in zip(losses, ref, strict=True))
+
+
+@pytest.mark.timeout(300)
+def test_fp8_under_pipeline_parallelism():
+    """pp=2 (two stages of llama3-tiny, 7 FP8 linears each) against pp=1 with the same microbatches.
+
+    Current scaling, 2 microbatches, and delayed scaling with 1 microbatch: the same losses (PP_RTOL).
+    Delayed scaling with 2 microbatches is *not* compared with pp=1: 1F1B runs stage 0's forward of
+    microbatch 1 before the backward of microbatch 0, so that forward scales from a history without
+    microbatch 0's amaxes, where pp=1 (F0 B0 F1 B1) has them — delayed scaling follows the order
+    microbatches run in, as Transformer Engine's does (measured: 7.7e-6 relative at step 1, up to
+    1.7e-4 by step 5, the size of the gap between the two recipes). What must hold there: each stage
+    program holds the history buffers of its own linears, as the report's tensors (so its pushes are
+    the runtime's state), every one advanced exactly once per microbatch (2 columns a step, as at
+    pp=1) and the other stage's untouched; and ZB-H1, whose weight step runs each linear's backward a
+    second time, gives the 1F1B losses and histories to the bit (the same F/B order per stage; before
+    the fix its last stage pushed twice per microbatch and lost 8e-6 at step 2)."""
+    from runtime_cases import expect_error
+
+    steps = 3
+    ref = pool(1).run(fp8_runs, "tp=1", [("current", M2), ("delayed", {"microbatches": 1})], steps)[0]
+    runs = [("current", M2), ("delayed", {"microbatches": 1}), ("delayed", M2),
+            ("delayed", {**M2, "schedule": "zbh1"})]
+    res = pool(2).run(fp8_runs, "pp=2", runs, steps)
+    for r in res:
+        assert [x["losses"] for x in r] == [x["losses"] for x in res[0]]  # every rank returns the loss
+        assert _close(r[0]["losses"], ref[0]["losses"]), (r[0]["losses"], ref[0]["losses"])
+        assert _close(r[1]["losses"], ref[1]["losses"]), (r[1]["losses"], ref[1]["losses"])
+        delayed, zbh1 = r[2], r[3]
+        (stage, (names, shared)), = delayed["stages"].items()
+        assert shared and names == sorted(delayed["histories"]) and not delayed["idle"]
+        assert all(h[:, :2 * steps].all() and not h[:, 2 * steps:].any() for h in delayed["histories"].values())
+        assert zbh1["losses"] == delayed["losses"]
+        assert all(torch.equal(zbh1["histories"][n], h) for n, h in delayed["histories"].items())
+    mine = [set(r[2]["histories"]) for r in res]
+    assert len(mine[0]) == len(mine[1]) == 7 and not mine[0] & mine[1] and res[0][2]["converted"] == 14
+    # recomputing a delayed FP8 linear whose history an earlier microbatch's backward advanced: refused
+    err = pool(2).run(expect_error, "llama3-tiny", "pp=2", {**M2, "fp8": "delayed", "recompute": "full"})[0]
+    assert err.startswith("NotImplementedError: fp8='delayed' with recompute='full' under pipeline") and \
+        "before the backward of microbatch 0" in err, err
+
+
+@pytest.mark.timeout(300)
+def test_fp8_delayed_checkpoint_resumes_bit_identically(tmp_path):
+    """pp=2,tp=2: FP8 current scaling gives the tp=2 losses (PP_RTOL); delayed scaling trained 4
+    steps with a checkpoint at step 2, resumed by a fresh module from other initial weights: the same
+    losses and histories to the bit. Each rank saves its own histories: the two tp ranks of a stage hold
+    different ones (amaxes of their own shards) — resuming with the histories left empty, or with tp
+    rank 0's on both, moves the resumed losses by 5e-5 to 9e-5 (measured), so the check is sharp.
+    Then what loading refuses, with what to do, and fp8_state=False."""
+    ref = pool(2).run(fp8_runs, "tp=2", [("current", M2)], 3)[0][0]
+    res = pool(4).run(fp8_runs, "pp=2,tp=2", [("current", M2)], 3)
+    assert all(_close(r[0]["losses"], ref["losses"]) for r in res), ([r[0]["losses"] for r in res], ref)
+
+    out = pool(4).run(fp8_checkpoint, "pp=2,tp=2", str(tmp_path), M2)
+    for r in out:
+        assert r["resumed"] == r["continued"][2:] and r["extra"] == {"step": 2} and r["fresh_empty"]
+        assert sorted(r["loaded"]) == sorted(r["saved"]) and len(r["saved"]) == 7
+        assert all(torch.equal(r["loaded"][n], h) for n, h in r["saved"].items())
+        assert all(torch.equal(r["resumed_final"][n], h) for n, h in r["final"].items())
+        assert r["skip_kept"] and r["skip_loaded"]
+    by_stage: dict = {}
+    for r in out:
+        by_stage.setdefault(tuple(sorted(r["saved"])), []).append(r["saved"])
+    assert len(by_stage) == 2  # two stages, disjoint linears, two tp ranks each with their own histories
+    for a, b in by_stage.values():
+        assert all(not torch.equal(a[n], b[n]) for n in a)
+    errors = out[0]["errors"]
+    assert "holds FP8 delayed-scaling amax histories" in errors["into_current"] and \
+        "fp8='current'" in errors["into_current"] and "fp8_state=False" in errors["into_current"]
+    assert "of 16 steps" in errors["into_len8"] and "keeps 8" in errors["into_len8"]
+    assert "holds no FP8 amax histories (saved with fp8='current')" in errors["current_into_delayed"]
 
 
 # ---- training ------------------------------------------------------------------------------------
