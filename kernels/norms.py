@@ -41,17 +41,18 @@ LayerNorm with μ = 0 and no <g> term — one backward kernel serves both.
 Work layout. Forward: one program per row (Triton's layer-norm tutorial). A row of up to
 ``_MAX_BLOCK_N`` columns (every hidden size up to Llama-3 405B's 16384) is read from memory once
 and kept in registers; wider rows are walked in column blocks, so any N works. Backward, for rows
-that fit one block: one kernel whose programs (about one per SM) each take a run of consecutive
-rows, write dx row by row and sum dy·x̂ (and dy) over their rows in registers, then store those
-sums as one row of a (programs, N) fp32 buffer that a final sum over programs reduces — the
-two-stage weight-gradient reduction of Apex's fused layer norm, which Megatron uses
-(``cuComputePartGradGammaBeta`` then ``cuComputeGradGammaBeta``), with the first stage folded into
-the dx kernel as Liger-Kernel's RMSNorm backward does. dy and x are read once for dx and dw: the
-minimum of 3 row-sized tensors moved (dy, x in, dx out; 4 with add_rms_norm's dh), where separate
-dx and dw kernels move 5. Deterministic (fixed programs, fixed order), unlike the tutorial's
-lock-and-accumulate. Wider rows fall back to exactly that split: a dx kernel walking the row in
-blocks, then a tiled weight-gradient kernel over (row group, column block) tiles. Fusing the
-residual add into the norm is the pre-norm transformer pattern of Megatron/Transformer Engine and
+of up to ``_MAX_FUSED_BWD_N`` = 8192 columns (wider, its registers spill on sm_90): one kernel
+whose programs (about one per SM) each take a run of consecutive rows, write dx row by row and sum
+dy·x̂ (and dy) over their rows in registers, then store those sums as one row of a (programs, N)
+fp32 buffer that a final sum over programs reduces — the two-stage weight-gradient reduction of
+Apex's fused layer norm, which Megatron uses (``cuComputePartGradGammaBeta`` then
+``cuComputeGradGammaBeta``), with the first stage folded into the dx kernel as Liger-Kernel's
+RMSNorm backward does. dy and x are read once for dx and dw: the minimum of 3 row-sized tensors
+moved (dy, x in, dx out; 4 with add_rms_norm's dh), where separate dx and dw kernels move 5.
+Deterministic (fixed programs, fixed order), unlike the tutorial's lock-and-accumulate. Wider rows
+fall back to that split: a dx kernel walking the row in blocks, then a tiled weight-gradient kernel
+over (row group, column block) tiles. Fusing the residual add into the norm is the pre-norm
+transformer pattern of Megatron/Transformer Engine and
 vLLM's ``fused_add_rms_norm``: one kernel reads x and residual and writes both h and y.
 """
 
@@ -74,6 +75,11 @@ __all__ = [
 _MAX_BLOCK_N = 16384  # widest column block of the row kernels; wider rows loop over blocks
 _DW_BLOCK_M, _DW_BLOCK_N = 32, 128  # tile of the weight-gradient kernel (rows wider than one block)
 _DW_MAX_GROUPS = 256  # row groups (partial sums) of the weight-gradient reduction (rows wider than one block)
+# widest row of the one-kernel backward: a program keeps x, dy, w and the weight-gradient sums of a
+# row in registers; at 16384 columns the sm_90 build spills them to the stack whatever the warps
+# (bench/kernels_sm90.py: 64 registers a thread at 32 warps, 104-208 stack bytes), at 8192 it takes
+# 114-120 registers at 16 warps and spills nothing. Wider rows take the split dx + dw kernels.
+_MAX_FUSED_BWD_N = 8192
 _INTERPRETER_BWD_PROGRAMS = 8  # programs of the one-block backward under the interpreter (several rows each)
 
 
@@ -111,11 +117,11 @@ def _launch_config(n: int) -> tuple[int, int]:
 def _bwd_layout(m: int, n: int, device: torch.device) -> tuple[bool, int, int, int, int]:
     """(one_block, BLOCK_N, num_warps, programs, rows per program) of the backward of m rows of n.
 
-    One block (n <= BLOCK_N): about one program per SM for the widest rows (what their registers
+    One block (n <= _MAX_FUSED_BWD_N): about one program per SM for the widest rows (what their registers
     allow), more for narrower ones; a few under the interpreter. Wider rows: the weight-gradient
     kernel's row groups (rows per program unused)."""
     block, warps = _launch_config(n)
-    if n > block:
+    if n > block or n > _MAX_FUSED_BWD_N:
         return False, block, warps, max(1, min(triton.cdiv(m, _DW_BLOCK_M), _DW_MAX_GROUPS)), 0
     if device.type == "cuda":
         target = _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -37,6 +37,10 @@ from mcompile.kernels._triton import runs_triton, tl, triton
 __all__ = ["uses_triton", "rope", "rope_reference", "rotate_half"]
 
 _TILE = 4096  # elements per program: BLOCK_M rows x BLOCK_H half-row columns
+# 8 warps: 16 elements of each of the six half-row tiles per thread. With Triton's default 4 the
+# sm_90 build took 156 registers a thread (bench/kernels_sm90.py), so few warps fit an SM to hide
+# the memory latency of a kernel that only streams.
+_WARPS = 8
 
 
 
@@ -128,7 +132,7 @@ def _apply(x, cos, sin, backward: bool, out_dtype):
     block_m = max(1, min(_pow2(n_rows), _TILE // block_h))
     _rope_kernel[(triton.cdiv(n_rows, block_m),)](
         x, cos, sin, y, n_rows, h, s, half, *x.stride(), *cos.stride(), *sin.stride(),
-        BACKWARD=backward, BLOCK_M=block_m, BLOCK_H=block_h,
+        BACKWARD=backward, BLOCK_M=block_m, BLOCK_H=block_h, num_warps=_WARPS,
     )
     return y
 

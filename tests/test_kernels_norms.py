@@ -194,6 +194,15 @@ def test_weight_grad_row_groups_loop_over_tiles(op, groups, monkeypatch):
         RUNS[op]((150, 40), torch.float32, torch.float32, 2, "cpu")
 
 
+def test_backward_layout_by_width():
+    """One backward kernel up to 8192 columns; wider rows (their registers would spill on sm_90, see
+    bench/kernels_sm90.py) take the split dx + weight-gradient kernels, also where one block holds them."""
+    cpu = torch.device("cpu")
+    assert [norms._bwd_layout(64, n, cpu)[0] for n in (1, 4096, 8192, 8193, 16384, 16385)] == \
+        [True, True, True, False, False, False]
+    assert norms._launch_config(16384)[0] == 16384  # one forward block all the same
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("op", list(RUNS))
 @pytest.mark.parametrize("rows", [1, 7, 8, 37])
