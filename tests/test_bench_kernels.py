@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,22 @@ def test_kernel_benchmark_spent_budget_skips_and_says_so(tmp_path):
     assert d["complete"] is False and "budget" in d["status"] and d["timeline"] == []
     assert [s["item"] for s in d["skipped"]][:2] == ["copy bandwidth", "gemm n=64"]
     assert all("--budget" in s["reason"] for s in d["skipped"]) and d["layers"] == [] and d["gemm"] == []
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
+def test_gpu_run_script_writes_json_and_log_into_out(tmp_path):
+    """bench/gpu_run.sh, the one command for a lent GPU machine, end to end with --smoke passed
+    through (one op, one width): its versions header, the package view it imports mcompile from
+    (the GPU machine has the tree, not an install), and the JSON and log written into $OUT."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, OMP_NUM_THREADS="1", MCOMPILE_COMMIT="abc1234")
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_run.sh"), "--smoke", "--sections", "kernels",
+                           "--only", "rms_norm", "--widths", "64"], capture_output=True, text=True, timeout=80,
+                          env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (out / "kernels.log").read_text()
+    assert "== bench/gpu_run.sh" in log and "torch._scaled_mm:" in log and "package view:" in log
+    assert "mcompile.kernels from" in log and "bench/kernels.py exited 0" in log
+    d = json.loads((out / "kernels.json").read_text())
+    assert d["complete"] and d["commit"] == "abc1234" and [k["op"] for k in d["kernels"]] == ["rms_norm"]
