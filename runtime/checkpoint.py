@@ -74,10 +74,11 @@ def _delayed_len(pm) -> int | None:
     return pm.config.fp8_amax_history_len if pm.config.fp8 == "delayed" else None
 
 
-def _fp8_meta(pm) -> dict:
+def _fp8_meta(pm, histories: dict) -> dict:
     """What the checkpoint says of FP8 state: the recipe and, for delayed scaling, the history length
-    and the linears (program nodes) whose histories each rank saved. Collective."""
-    names = sorted(pm.fp8_histories())
+    and the linears (program nodes) whose histories each rank saved (``histories``: this rank's).
+    Collective."""
+    names = sorted(histories)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, names)
     out = {"recipe": pm.config.fp8}
@@ -151,9 +152,10 @@ def save(pm, path: str | Path, optimizer=None, extra: dict | None = None) -> Non
     state = {"model": model_sd, "buffers": pm._buffer_state()}
     if optim_sd is not None:
         state["optimizer"] = optim_sd
-    if pm.fp8_histories():  # this rank's own, under a key of its own (DCP would keep one of equal keys)
-        state["fp8"] = {_fp8_key(): pm.fp8_histories()}
-    fp8 = _fp8_meta(pm)
+    histories = pm.fp8_histories()
+    if histories:  # this rank's own, under a key of its own (DCP would keep one of equal keys)
+        state["fp8"] = {_fp8_key(): histories}
+    fp8 = _fp8_meta(pm, histories)
     dcp.save(_blockwise(state), checkpoint_id=str(tmp_path))
     dist.barrier()
     if dist.get_rank() == 0:

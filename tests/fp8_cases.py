@@ -13,6 +13,7 @@ import contextlib
 from pathlib import Path
 
 import torch
+from runtime_cases import train_steps
 
 import mcompile as mc
 
@@ -38,15 +39,6 @@ def _module(mesh, recipe, options, seed=0):
     return pm, torch.optim.AdamW(pm.parameters(), lr=1e-3), inputs
 
 
-def _train(pm, opt, inputs, steps):
-    losses = []
-    for _ in range(steps):
-        losses.append(pm.train_step(*inputs).item())
-        opt.step()
-        opt.zero_grad()
-    return losses
-
-
 def _stage_buffers(pm) -> dict:
     """Under pp: for each of this rank's stages, the report's nodes whose history buffer the stage
     program holds, and whether every one is the report's own tensor (so the stage updates it)."""
@@ -68,7 +60,7 @@ def fp8_runs(rank, world, mesh, runs, steps=3):
     with _reference_casts():
         for recipe, options in runs:
             pm, opt, inputs = _module(mesh, recipe, options)
-            losses = _train(pm, opt, inputs, steps)
+            losses = train_steps(pm, opt, inputs, steps)
             mine = pm.fp8_histories()
             out.append({"losses": losses, "histories": {n: h.clone() for n, h in mine.items()},
                         "stages": _stage_buffers(pm),
@@ -89,18 +81,18 @@ def fp8_checkpoint(rank, world, mesh, path, options, steps=4, save_at=2):
     out = {}
     with _reference_casts():
         pm, opt, inputs = _module(mesh, "delayed", options)
-        out["continued"] = _train(pm, opt, inputs, save_at)
+        out["continued"] = train_steps(pm, opt, inputs, save_at)
         pm.save_checkpoint(path / "delayed", opt, extra={"step": save_at})
         out["saved"] = {n: h.clone() for n, h in pm.fp8_histories().items()}
         weights = {k: v.clone() for k, v in pm.full_state_dict().items()}
-        out["continued"] += _train(pm, opt, inputs, steps - save_at)
+        out["continued"] += train_steps(pm, opt, inputs, steps - save_at)
         out["final"] = {n: h.clone() for n, h in pm.fp8_histories().items()}
 
         pm2, opt2, _ = _module(mesh, "delayed", options, seed=1)
         out["fresh_empty"] = not any(h.any() for h in pm2.fp8_histories().values())
         out["extra"] = pm2.load_checkpoint(path / "delayed", opt2)
         out["loaded"] = {n: h.clone() for n, h in pm2.fp8_histories().items()}
-        out["resumed"] = _train(pm2, opt2, inputs, steps - save_at)
+        out["resumed"] = train_steps(pm2, opt2, inputs, steps - save_at)
         out["resumed_final"] = {n: h.clone() for n, h in pm2.fp8_histories().items()}
 
         errors = {}

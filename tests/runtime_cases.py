@@ -68,6 +68,19 @@ def profiled_step(rank, world, name, mesh, options):
     return dict(names), [(c.op, c.forward, c.backward, c.axis) for c in pm.plan.collectives]
 
 
+def train_steps(pm, opt, inputs, steps, before_step=None):
+    """Losses of ``steps`` optimizer steps on the fixed batch ``inputs``; ``before_step()`` runs
+    between each backward and its step (gradient clipping)."""
+    losses = []
+    for _ in range(steps):
+        losses.append(pm.train_step(*inputs).item())
+        if before_step is not None:
+            before_step()
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 def train_and_save(rank, world, name, mesh, options, path, steps=10, save_at=5):
     """Train ``steps`` steps, saving after ``save_at``; the losses of every step."""
     model, inputs = build(name, batch=4)
@@ -90,12 +103,7 @@ def resume(rank, world, name, mesh, options, path, steps=10):
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     start = pm.load_checkpoint(path, opt)["step"]
-    losses = []
-    for _ in range(start + 1, steps + 1):
-        losses.append(pm.train_step(*inputs).item())
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return train_steps(pm, opt, inputs, steps - start)
 
 
 def load_into(rank, world, name, mesh, options, path):
@@ -113,13 +121,7 @@ def curve(rank, world, name, mesh, options, steps=50, lr=3e-3):
     model, inputs = build(name, batch=4)
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
-        losses.append(pm.train_step(*inputs).item())
-        torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return train_steps(pm, opt, inputs, steps, lambda: torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0))
 
 
 def expect_error(rank, world, name, mesh, options, batch=4, global_batch=None):

@@ -47,6 +47,7 @@ import torch  # noqa: E402
 from fp8_cases import fp8_checkpoint, fp8_runs  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from runtime_cases import train_steps  # noqa: E402
 
 from mcompile import ops  # noqa: E402
 from mcompile.kernels import fp8  # noqa: E402
@@ -451,12 +452,7 @@ def fp8_train_steps(rank, world, mesh, recipe, steps=2):
 
     model, inputs = build("llama3-tiny", batch=4)
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, fp8=recipe)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(steps):
-        losses.append(pm.train_step(*inputs).item())
-        opt.step()
-        opt.zero_grad()
+    losses = train_steps(pm, torch.optim.AdamW(pm.parameters(), lr=1e-3), inputs, steps)
     report = pm.fp8
     histories = {k: v.clone() for k, v in report.histories.items()} if report else {}
     return losses, (len(report.converted) if report else 0), histories

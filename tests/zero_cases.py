@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from runtime_cases import LR
+from runtime_cases import LR, train_steps
 
 import mcompile as mc
 from mcompile.runtime.zero import DistributedOptimizer
@@ -71,12 +71,7 @@ def curve(rank, world, name, mesh, options, steps=5, lr=3e-3):
     model, inputs = build_model(name, batch=4)
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
     opt = DistributedOptimizer(pm, torch.optim.AdamW, lr=lr)
-    losses = []
-    for _ in range(steps):
-        losses.append(pm.train_step(*inputs).item())
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return train_steps(pm, opt, inputs, steps)
 
 
 def accumulate(rank, world, name, mesh, options):
@@ -161,13 +156,7 @@ def resume(rank, world, name, mesh, options, path, steps=6):
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
     opt = DistributedOptimizer(pm, torch.optim.AdamW, lr=1e-3)
     start = pm.load_checkpoint(path, opt)["step"]
-    losses = []
-    for _ in range(start + 1, steps + 1):
-        losses.append(pm.train_step(*inputs).item())
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return train_steps(pm, opt, inputs, steps - start, lambda: opt.clip_grad_norm_(1.0))
 
 
 def load_error(rank, world, name, mesh, options, path):
