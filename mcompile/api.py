@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from mcompile.annotate import AnnotationSummary, annotate
+from mcompile.arguments import check_arguments
 from mcompile.capture import BATCH, SEQ, Captured, capture
 from mcompile.mesh import Mesh
 from mcompile.plan import Plan, PlanOptions, SPVariant
@@ -104,12 +105,14 @@ def compile_plan(
     layers_per_stage=None,
     stage_cuts=None,
     pipeline_seq: int | None = None,
+    for_runtime: bool = False,
 ) -> Compiled:
     """Capture, plan and lower (rank 0's program; others on demand).
 
     ``meta_dtype``: capture on the meta device with parameters in this dtype (the runtime's compute
     dtype). ``token_weighted_loss``: rewrite a mean cross-entropy output into (sum, count)
-    (:mod:`mcompile.passes.loss`)."""
+    (:mod:`mcompile.passes.loss`). ``for_runtime``: the programs will run (``parallelize``), so what
+    the runtime cannot do yet is refused too (:func:`mcompile.arguments.check_arguments`)."""
     from mcompile.passes import canonicalize, lower_program, mean_loss_to_sum_count
 
     if mesh.size("pp") > 1 and set(mesh.axis_names) == {"pp"}:  # a degenerate dp axis carries the stages' params
@@ -118,6 +121,7 @@ def compile_plan(
     canon = canonicalize(cap.gm)
     if token_weighted_loss:
         canon["mean_loss_to_sum_count"] = int(mean_loss_to_sum_count(cap.gm))
+    check_arguments(cap.gm, mesh, microbatches, runtime=for_runtime)
     annotation = annotate(cap.gm)
     hints = _hints(cap, example_inputs, example_kwargs, seq, batch)
     axes = plan_axes(cap, mesh, sequence_parallel, overrides, hints)
@@ -251,7 +255,7 @@ def parallelize(
         meta_dtype=config.dtype, token_weighted_loss=True, schedule=config.schedule,
         virtual_stages=config.virtual_stages, microbatches=config.microbatches,
         pipeline_granularity=config.pipeline_granularity, layers_per_stage=config.layers_per_stage,
-        stage_cuts=config.stage_cuts, pipeline_seq=config.pipeline_seq,
+        stage_cuts=config.stage_cuts, pipeline_seq=config.pipeline_seq, for_runtime=True,
     )
     # every rank planned on its own: they must agree, or collectives would not match (a hang)
     digest = hashlib.sha256(compiled.plan.to_json().encode()).hexdigest()

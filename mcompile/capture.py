@@ -191,9 +191,11 @@ def capture(
                 model, args, kwargs, dynamic_shapes={**shapes_named[0], **_arg_names(model, shapes_named[1])},
                 strict=False,
             )
-        except torch._dynamo.exc.UserError:
+        except torch._dynamo.exc.UserError as e:
             if not dynamic:
                 raise
+            ep = _export_with_suggested_fixes(model, args, kwargs, shapes_named, e)
+        if ep is None:
             # The model constrains a dim (e.g. a static sequence length): let export infer it.
             auto = lambda t: None if not isinstance(t, torch.Tensor) or t.ndim == 0 else {  # noqa: E731
                 d: Dim.AUTO for d in range(min(t.ndim, 2))
@@ -215,6 +217,25 @@ def capture(
             "(use torch.where, torch.cond), or make the op traceable."
         ) from e
     return _from_exported(ep, model, name)
+
+
+def _export_with_suggested_fixes(model, args, kwargs, shapes_named, error) -> torch.export.ExportedProgram | None:
+    """Export again with the dims refined as torch suggests (a bound such as ``seq <= 40`` from a
+    learned position table), keeping batch and sequence shared by all inputs; None when torch
+    suggests nothing usable (the caller then lets export infer every dim on its own)."""
+    from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
+
+    msg = str(error)
+    if "Suggested fixes:" not in msg:
+        return None
+    head, fixes = msg.split("Suggested fixes:", 1)
+    fixes = "\n".join(line for line in fixes.strip().split("\n\n")[0].splitlines() if " = " in line)
+    shapes = {**shapes_named[0], **_arg_names(model, shapes_named[1])}
+    try:
+        refined = refine_dynamic_shapes_from_suggested_fixes(f"{head}Suggested fixes:\n{fixes}", shapes)
+        return torch.export.export(model, args, kwargs, dynamic_shapes=refined, strict=False)
+    except Exception:  # noqa: BLE001 - fall back to export's own inference
+        return None
 
 
 def _arg_names(model: torch.nn.Module, specs: tuple) -> dict:

@@ -1,4 +1,6 @@
 """Token-weighted loss: rewrite a mean cross-entropy output into a (sum, count) pair (DESIGN §3).
+Class weights and label smoothing are kept: the count is then the summed weight of the counted
+targets, the divisor torch's own mean uses.
 
 A model returning ``cross_entropy(logits, targets, ignore_index=-100)`` (mean over the targets not
 ignored) computes the mean of *its* batch. Split over data-parallel ranks and microbatches, the
@@ -38,7 +40,8 @@ def mean_loss_to_sum_count(gm: fx.GraphModule) -> bool:
     x, target, weight, reduction, ignore, smoothing = args[:6]
     reduction = 1 if reduction is None else reduction
     ignore = -100 if ignore is None else ignore
-    if node.kwargs or reduction != 1 or weight is not None or smoothing not in (None, 0, 0.0):
+    smoothing = 0.0 if smoothing is None else smoothing
+    if node.kwargs or reduction != 1:
         return False
     if len(node.users) != 1 and results[0] is not node:
         return False
@@ -47,13 +50,24 @@ def mean_loss_to_sum_count(gm: fx.GraphModule) -> bool:
             up = gm.graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
             up.meta["val"] = _fake_call(aten._to_copy.default, (x,), {"dtype": torch.float32})
         x = up
-    node.args = (x, target, None, 2, ignore)
+    # torch's mean divides the summed (weighted, smoothed) token losses by the summed weights of the
+    # counted targets -- by their number without a class weight (LossNLL.cpp, label smoothing too)
+    node.args = (x, target, weight, 2, ignore) + ((smoothing,) if smoothing else ())
     node.meta["val"] = _fake_call(aten.cross_entropy_loss.default, node.args)
+
+    def call(op, *args):
+        n = gm.graph.call_function(op, args)
+        n.meta["val"] = _fake_call(op, args)
+        return n
+
     with gm.graph.inserting_before(out_node):
-        kept = gm.graph.call_function(aten.ne.Scalar, (target, ignore))
-        kept.meta["val"] = _fake_call(aten.ne.Scalar, (target, ignore))
-        count = gm.graph.call_function(aten.sum.default, (kept,))
-        count.meta["val"] = _fake_call(aten.sum.default, (kept,))
+        kept = call(aten.ne.Scalar, target, ignore)
+        if weight is None:
+            count = call(aten.sum.default, kept)
+        else:  # sum of weight[target] over the counted targets
+            safe = call(aten.masked_fill.Scalar, target, call(aten.logical_not.default, kept), 0)
+            picked = call(aten.index.Tensor, weight, [safe])
+            count = call(aten.sum.default, call(aten.mul.Tensor, picked, kept))
     out_node.args = ((results[0], count),)
     gm.graph.lint()
     gm.recompile()

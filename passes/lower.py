@@ -36,6 +36,7 @@ from mcompile.placements import BlockShard, Partial, Replicate, Shard
 from mcompile.plan import CollectiveKind, CollectiveSpec
 from mcompile.propagate import AxisResult, requires_grad_nodes
 from mcompile.rules import get_localizer, tensor_input_nodes, to_expr
+from mcompile.rules.matmul import embedding_args
 
 aten = torch.ops.aten
 R = Replicate()
@@ -306,17 +307,23 @@ def _arg(x, want, env, sym, device):
 
 # ---- special lowerings ------------------------------------------------------------------------
 def vocab_parallel_embedding(g, node, want, ax: AxisInfo, emit, ax_i, place, device):
-    """Rows [start, start + V/n) live here: look up in-range ids, zero the others (output Partial)."""
+    """Rows [start, start + V/n) live here: look up in-range ids, zero the others (output Partial).
+
+    ``padding_idx`` (a row that gets no gradient) becomes the local row it falls on, or none where
+    it lives on another rank. ``scale_grad_by_freq`` never reaches here: the rule offers no
+    vocab-parallel strategy for it (out-of-range ids looked up as row 0 would count as row 0)."""
     weight, ids = (want[a.name] for a in tensor_input_nodes(node)[:2])
     w_meta = tensor_input_nodes(node)[0].meta["val"]
     v_local = math.ceil(int(w_meta.shape[0]) / ax.size)
     start = ax.rank * v_local
+    padding_idx = embedding_args(node)[0]
+    local_padding = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + v_local else -1
     shifted = g.call_function(aten.sub.Tensor, (ids, start))
     below = g.call_function(aten.lt.Scalar, (shifted, 0))
     above = g.call_function(aten.ge.Scalar, (shifted, v_local))
     outside = g.call_function(aten.logical_or.default, (below, above))
     safe = g.call_function(aten.masked_fill.Scalar, (shifted, outside, 0))
-    rows = g.call_function(aten.embedding.default, (weight, safe))
+    rows = g.call_function(aten.embedding.default, (weight, safe, local_padding))
     mask = g.call_function(aten.unsqueeze.default, (outside, -1))
     return g.call_function(aten.masked_fill.Scalar, (rows, mask, 0.0))
 
@@ -324,11 +331,14 @@ def vocab_parallel_embedding(g, node, want, ax: AxisInfo, emit, ax_i, place, dev
 def vocab_parallel_cross_entropy(g, node, want, ax: AxisInfo, emit, ax_i, place, device):
     """Cross-entropy over vocab-sharded logits without gathering them (Megatron's
     ``vocab_parallel_cross_entropy``): a max all-reduce (detached), then the sum of exponentials and
-    the target logit, each summed over the axis; padded vocabulary columns are masked to -inf."""
+    the target logit, each summed over the axis; padded vocabulary columns are masked to -inf. Carries
+    ``ignore_index``, ``reduction`` and ``label_smoothing``; a class ``weight`` is not offered this
+    strategy (the rule keeps such logits whole)."""
     x_node, t_node = tensor_input_nodes(node)[:2]
     x, target = want[x_node.name], want[t_node.name]
     reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
     ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+    smoothing = float((node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)) or 0.0)
     vocab = int(x_node.meta["val"].shape[1])
     n = ax.size
     v_local = math.ceil(vocab / n)
@@ -358,7 +368,18 @@ def vocab_parallel_cross_entropy(g, node, want, ax: AxisInfo, emit, ax_i, place,
     picked = g.call_function(aten.masked_fill.Scalar, (picked, outside, 0.0))
     picked = emit("all_reduce", (picked, ax.name, n), node, ax_i, CollectiveKind.ALL_REDUCE,
                   CollectiveKind.NONE, None, "vocab-parallel loss: target logit", _meta_like(x_node, None), pl)
-    loss = g.call_function(aten.sub.Tensor, (g.call_function(aten.log.default, (sumexp,)), picked))
+    log_sumexp = g.call_function(aten.log.default, (sumexp,))
+    loss = g.call_function(aten.sub.Tensor, (log_sumexp, picked))
+    if smoothing:
+        # torch's label smoothing: (1 - e) * nll + e * mean over the true vocabulary of -log p, where
+        # -sum_c log p_c = V * log(sum exp) - sum_c z_c: one more all-reduce, of sum_c z_c
+        z_valid = z if start + v_local <= vocab else g.call_function(aten.masked_fill.Scalar, (z, pad, 0.0))
+        zsum = emit("all_reduce", (g.call_function(aten.sum.dim_IntList, (z_valid, [1])), ax.name, n), node, ax_i,
+                    CollectiveKind.ALL_REDUCE, CollectiveKind.NONE, None, "vocab-parallel loss: label smoothing",
+                    _meta_like(x_node, None), pl)
+        smooth = g.call_function(aten.sub.Tensor, (log_sumexp, g.call_function(aten.div.Tensor, (zsum, vocab))))
+        loss = g.call_function(aten.add.Tensor, (g.call_function(aten.mul.Tensor, (loss, 1.0 - smoothing)),
+                                                 g.call_function(aten.mul.Tensor, (smooth, smoothing))))
     ignored = g.call_function(aten.eq.Scalar, (target, ignore))
     loss = g.call_function(aten.masked_fill.Scalar, (loss, ignored, 0.0))
     if reduction == 1:

@@ -12,9 +12,10 @@ import collections
 
 import pytest
 import torch
+from sim_harness import combine_grads, run_sim
 
 from mcompile.ops import OPS
-from mcompile.placements import BlockShard, Replicate, Shard, unshard_tensors
+from mcompile.placements import BlockShard, Shard
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
 from conftest import MODELS, compiled
@@ -85,60 +86,6 @@ def test_megatron_layout(name, tp, sp):
     assert n_nodes == len(c.plan.collectives)
 
 
-def _combine_grads(c, grads_per_rank):
-    """Full gradients from every rank's local ones, by the plan's placements and partial axes."""
-    mesh = c.mesh
-    full = {}
-    for fqn, pp in c.plan.params.items():
-        ph = next(k for k, v in c.captured.params.items() if v == fqn)
-        pieces = {r: grads_per_rank[r][ph] for r in range(mesh.size())}
-        for ax, pl in reversed(list(zip(mesh.axis_names, pp.placements))):
-            merged = {}
-            for group in mesh.group_ranks(ax):
-                vals = [pieces[r] for r in group]
-                if isinstance(pl, Replicate):
-                    out = sum(vals) if ax in pp.grad_partial_axes else vals[0]
-                    if ax == "dp":
-                        out = out / len(vals)  # each dp rank's loss is its own batch mean
-                else:
-                    true = pp.shape[pl.dim % len(pp.shape)]
-                    out = unshard_tensors(vals, pl, true_size=true)
-                for r in group:
-                    merged[r] = out
-            pieces = merged
-        full[fqn] = pieces[0]
-    return full
-
-
-def _run(c, inputs, backward: bool):
-    world = ThreadedWorld(c.mesh)
-    state = c.captured.state_values()
-    dp = c.mesh.size("dp")
-
-    def rank_fn(r):
-        local = {k: v.detach().clone().requires_grad_(k in c.captured.params) for k, v in
-                 c.local_state(r, state).items()}
-        coords = c.mesh.coords(r)
-        mine = tuple(t.chunk(dp)[coords.get("dp", 0)] for t in inputs)
-        (loss,) = c.run_local(r, local, mine)
-        grads = None
-        if backward:
-            loss.backward()
-            grads = {k: v.grad for k, v in local.items() if k in c.captured.params}
-        return loss.detach(), grads, list(world_comm_logs.setdefault(r, []))
-
-    world_comm_logs: dict = {}
-    orig = world.communicator
-
-    def communicator(r):
-        comm = orig(r)
-        world_comm_logs[r] = comm.log
-        return comm
-
-    world.communicator = communicator
-    return run_threads(world, rank_fn)
-
-
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", MODELS)
@@ -147,7 +94,7 @@ def test_forward_parity_in_one_process(name, tp, sp):
     relative: fp32 with a different summation order over tp pieces; measured ~1e-7)."""
     model, inputs, c, _ = compiled(name, f"tp={tp}", sp)
     ref = model(*inputs)
-    results = _run(c, inputs, backward=False)
+    results = run_sim(c, inputs, backward=False)
     for loss, _, _log in results:
         assert torch.allclose(loss, ref, rtol=1e-6, atol=0), (loss.item(), ref.item())
     # forward collectives executed == the plan's forward collectives (counted at run time)
@@ -174,8 +121,8 @@ def test_backward_parity_and_counts(name, mesh, sp):
         ref_loss = model(*inputs)
     ref_loss.backward()
     ref = {k: p.grad for k, p in model.named_parameters()}
-    results = _run(c, inputs, backward=True)
-    full = _combine_grads(c, [g for _, g, _ in results])
+    results = run_sim(c, inputs, backward=True)
+    full = combine_grads(c, [g for _, g, _ in results])
     for fqn, g in full.items():
         # fp32, different reduction order over tp pieces: measured <= 3e-7 relative
         assert torch.allclose(g, ref[fqn], rtol=1e-5, atol=1e-7), (fqn, (g - ref[fqn]).abs().max())

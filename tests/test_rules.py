@@ -228,6 +228,76 @@ def run_strategy(op, args, kwargs, s: Strategy, ref: list[torch.Tensor], n: int,
                 assert_same(locs[r], want, f"{ctx}: {s!r}: output {i} (Replicate) on rank {r}", values)
         else:
             assert_same(combine(locs, p, n), want, f"{ctx}: {s!r}: output {i} combined by {p!r}", values)
+    if values:
+        check_backward(op, args, kwargs, s, pieces, n, gen, ctx)
+
+
+# tensor inputs (tensor_input_nodes order) that autograd refuses to differentiate
+_NOT_DIFFERENTIABLE = {aten.cross_entropy_loss.default: {2}}  # the class weight
+
+
+def check_backward(op, args, kwargs, s: Strategy, pieces, n: int, gen, ctx: str):
+    """The gradients of every floating input, from each rank's backward of its local pieces, combined
+    as the lowering combines them, equal single-device autograd's. Each rank's backward gets the
+    cotangent of its output pieces: a Shard's chunk; the whole cotangent for Replicate and Partial(sum)
+    outputs (a Partial output's true value is the sum of the pieces, so each piece sees it all). A
+    Shard input's gradient is the Shard of its pieces; a Partial(sum) input's (every piece counts
+    once) is the whole gradient on every rank; a Replicate input's is the sum over the ranks (Partial:
+    Megatron's f) unless every output is Replicate, when every rank holds it whole. Partial(avg / max /
+    min) values are never differentiated through in a program (the lowering reduces them detached or
+    refuses them) and are not checked here."""
+    placements = list(s.inputs) + list(s.outputs)
+    if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in placements):
+        return
+    skip = _NOT_DIFFERENTIABLE.get(op, set())
+    full = [t.detach().clone().requires_grad_(t.is_floating_point() and j not in skip)
+            for j, t in enumerate(_tensors(args, kwargs))]
+    if not any(t.requires_grad for t in full):
+        return
+    it = iter(full)
+    ref_out = _outputs(op(*_walk(args, lambda _t: next(it)), **_walk(kwargs, lambda _t: next(it))))
+    diff = [i for i, o in enumerate(ref_out) if o.requires_grad]
+    if not diff:
+        return
+    cots = [torch.randn(ref_out[i].shape, dtype=ref_out[i].dtype, generator=gen) for i in diff]
+    want = torch.autograd.grad([ref_out[i] for i in diff], [t for t in full if t.requires_grad], cots,
+                               allow_unused=True)
+    dense = lambda g: g.to_dense() if g is not None and g.is_sparse else g  # noqa: E731 - sparse_grad=True
+    want = iter(want)
+    want = [(dense(next(want)) if t.requires_grad else None) for t in full]
+    loc = get_localizer(op)
+    local_out = [local_shape(o.shape, p, n) for o, p in zip(ref_out, s.outputs)]
+    grads = []  # grads[r][j]: rank r's gradient of tensor input j
+    for r in range(n):
+        leaves = [pc[r].detach().clone().requires_grad_(t.requires_grad) for pc, t in zip(pieces, full)]
+        it = iter(leaves)
+        a = _walk(args, lambda _t, it=it: next(it))
+        k = _walk(kwargs, lambda _t, it=it: next(it))
+        if loc is not None:
+            a, k = loc(a, k, None, s.outputs, local_out, n)
+        outs = _outputs(op(*a, **k))
+        local_cots = [c if not isinstance(s.outputs[i], Shard | BlockShard) else shard_tensor(c, s.outputs[i], r, n)
+                      for i, c in zip(diff, cots)]
+        used = [(o, c) for o, c in zip([outs[i] for i in diff], local_cots) if o.requires_grad]
+        wrt = [x for x in leaves if x.requires_grad]
+        got = torch.autograd.grad([o for o, _ in used], wrt, [c for _, c in used], allow_unused=True) if used else \
+            [None] * len(wrt)
+        got = iter(got)
+        grads.append([(dense(next(got)) if x.requires_grad else None) for x in leaves])
+    all_replicate_out = all(isinstance(p, Replicate) for p in s.outputs)
+    for j, (t, p, w) in enumerate(zip(full, s.inputs, want)):
+        if not t.requires_grad:
+            continue
+        w = torch.zeros_like(t) if w is None else w
+        g = [torch.zeros_like(pieces[j][r]) if grads[r][j] is None else grads[r][j] for r in range(n)]
+        what = f"{ctx}: {s!r}: gradient of input {j} ({p!r})"
+        if isinstance(p, Shard | BlockShard):
+            assert_same(unshard_tensors(g, p), w, what)
+        elif isinstance(p, Partial) or all_replicate_out:
+            for r in range(n):
+                assert_same(g[r], w, f"{what} on rank {r}")
+        else:
+            assert_same(torch.stack(g).sum(0), w, f"{what} summed over the ranks")
 
 
 def check(op, args, kwargs=None, *, n: int, current=None, gen=None, expect=(), values: bool = True,
@@ -1050,14 +1120,99 @@ def test_embedding(data):
     ids_shape = draw_shape(data, n, 1, 3)
     w = make([vocab, hidden], "f", gen)
     ids = torch.randint(0, vocab, ids_shape, generator=gen)
-    args = (w, ids) if not data.draw(st.booleans(), label="padding_idx") else (w, ids, 0)
+    padding_idx = data.draw(st.sampled_from([-1, 0, vocab - 1]), label="padding_idx")
+    freq = data.draw(st.booleans(), label="scale_grad_by_freq")
+    args = (w, ids, padding_idx, freq)
     current = data.draw(st.sampled_from([(R, R), (Shard(1), R), *[(R, s) for s in shard_choices(ids_shape, n)]]),
                         label="current")
-    expect = [((R, Shard(d)), (Shard(d),)) for d in divisible_dims(ids_shape, n)]
+    # scale_grad_by_freq counts ids over the whole lookup: only strategies that keep the ids whole
+    expect = [] if freq else [((R, Shard(d)), (Shard(d),)) for d in divisible_dims(ids_shape, n)]
     if hidden % n == 0:
         expect.append(((Shard(1), R), (Shard(len(ids_shape)),)))
     tested = check(aten.embedding.default, args, n=n, current=current, gen=gen, expect=expect)
     assert all(s.name != "vocab_parallel" for s in tested)
+    if freq:
+        assert all(s.inputs[1] == R for s in get_rule(aten.embedding.default)(_info(aten.embedding.default, args, n,
+                                                                                   current)))
+
+
+@pytest.mark.timeout(120)
+@hyp(25)
+@given(data=st.data())
+def test_gather(data):
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 1, 3)
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1), label="dim")
+    d = dim % len(shape)
+    idx_shape = [data.draw(st.sampled_from([s, n]), label="idx") if k == d else s for k, s in enumerate(shape)]
+    x = make(shape, "f", gen)
+    index = torch.randint(0, shape[d], idx_shape, generator=gen)
+    sparse = data.draw(st.booleans(), label="sparse_grad")
+    current = data.draw(st.sampled_from([(R, R), *[(p, p) for p in shard_choices(shape, n) if p.dim != d]]),
+                        label="current")
+    expect = [((Shard(k), Shard(k)), (Shard(k),)) for k in divisible_dims(shape, n) if k != d]
+    if idx_shape[d] % n == 0:
+        expect.append(((R, Shard(d)), (Shard(d),)))
+    check(aten.gather.default, (x, dim, index), {"sparse_grad": sparse} if sparse else {}, n=n, current=current,
+          gen=gen, expect=expect)
+
+
+@pytest.mark.timeout(120)
+@hyp(25)
+@given(data=st.data())
+def test_index_select(data):
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 1, 3)
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1), label="dim")
+    d = dim % len(shape)
+    k = data.draw(st.sampled_from([n, 2 * n, 3]), label="picked")
+    x = make(shape, "f", gen)
+    index = torch.randint(0, shape[d], (k,), generator=gen)
+    current = data.draw(st.sampled_from([(R, R), *[(p, R) for p in shard_choices(shape, n) if p.dim != d]]),
+                        label="current")
+    expect = [((Shard(j), R), (Shard(j),)) for j in divisible_dims(shape, n) if j != d]
+    if k % n == 0:
+        expect.append(((R, Shard(0)), (Shard(d),)))
+    check(aten.index_select.default, (x, dim, index), n=n, current=current, gen=gen, expect=expect)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", [aten.tril.default, aten.triu.default], ids=str)
+@hyp(25)
+@given(data=st.data())
+def test_tril_triu(op, data):
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 2, 4)
+    kind = data.draw(st.sampled_from(["f", "bool"]), label="kind")
+    x = make(shape, kind, gen)
+    diagonal = data.draw(st.integers(-2, 2), label="diagonal")
+    current = (draw_current(data, x, n, partial=kind == "f", blocks=False),)
+    expect = [((Shard(j),), (Shard(j),)) for j in divisible_dims(shape, n) if j < len(shape) - 2]
+    if kind == "f":
+        expect.append(((P,), (P,)))
+    check(op, (x, diagonal), n=n, current=current, gen=gen, expect=expect)
+
+
+@pytest.mark.timeout(120)
+@hyp(25)
+@given(data=st.data())
+def test_cumsum(data):
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 1, 3)
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1), label="dim")
+    d = dim % len(shape)
+    kind = data.draw(st.sampled_from(["f", "int"]), label="kind")
+    x = make(shape, kind, gen)
+    kwargs = {"dtype": F64} if kind == "int" and data.draw(st.booleans(), label="dtype") else {}
+    current = (draw_current(data, x, n, partial=kind == "f", blocks=False),)
+    expect = [((Shard(j),), (Shard(j),)) for j in divisible_dims(shape, n) if j != d]
+    if kind == "f":
+        expect.append(((P,), (P,)))
+    check(aten.cumsum.default, (x, dim), kwargs, n=n, current=current, gen=gen, expect=expect)
 
 
 @pytest.mark.timeout(120)
@@ -1116,9 +1271,10 @@ def test_sdpa(data):
 @hyp(25)
 @given(data=st.data())
 def test_cross_entropy(data):
-    """Batch-sharded cross-entropy: none -> S(0), sum -> P(sum), mean -> P(avg). The mean is exact
-    only when every rank sees the same count (and weight sum) of non-ignored targets, so for mean
-    each rank's targets are a permutation of the same chunk. Vocab-parallel needs its lowering."""
+    """Batch-sharded cross-entropy: none -> S(0), sum -> P(sum). A mean is never split over the batch:
+    the mean of per-rank means is the global mean only when every rank counts the same (weighted)
+    number of targets, which a rule cannot know (issue 21; the runtime rewrites a mean loss into a
+    sum and a count first). Vocab-parallel needs its lowering."""
     n = data.draw(st.sampled_from(NS), label="n")
     gen = new_gen(data)
     reduction = data.draw(st.sampled_from([0, 1, 2]), label="reduction")
@@ -1142,9 +1298,12 @@ def test_cross_entropy(data):
     args = (x, target, weight, reduction, ignore, smoothing)
     nin = 2 + (weight is not None)
     current = data.draw(st.sampled_from([(R,) * nin, (Shard(0), Shard(0)) + (R,) * (nin - 2)]), label="current")
-    out = Shard(0) if reduction == 0 else Partial("avg" if reduction == 1 else "sum")
-    expect = [((Shard(0), Shard(0)) + (R,) * (nin - 2), (out,)), ((R,) * nin, (R,))]
-    check(aten.cross_entropy_loss.default, args, n=n, current=current, gen=gen, expect=expect)
+    expect = [((R,) * nin, (R,))]
+    if reduction != 1:
+        expect.append(((Shard(0), Shard(0)) + (R,) * (nin - 2), (Shard(0) if reduction == 0 else Partial("sum"),)))
+    tested = check(aten.cross_entropy_loss.default, args, n=n, current=current, gen=gen, expect=expect)
+    if reduction == 1:
+        assert all(s.name == "replicate" for s in tested), tested
 
 
 @pytest.mark.timeout(120)
@@ -1320,7 +1479,8 @@ TESTED_OPS = (
     | {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
        aten.outer.default, aten.embedding.default, aten.scaled_dot_product_attention.default,
        aten.cross_entropy_loss.default}
-    | {aten.index.Tensor}
+    | {aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.cumsum.default,
+       aten.tril.default, aten.triu.default}
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
 )
 # Registered ops deliberately without a test here (with the reason). Empty: every rule is tested.

@@ -113,14 +113,25 @@ def matmul(info: OpInfo) -> list[Strategy]:
                 Strategy((R, R), (R,), name="replicate")]
 
 
+def embedding_args(node_or_info) -> tuple[int, bool]:
+    """``aten.embedding``'s (padding_idx, scale_grad_by_freq), from a node or an OpInfo."""
+    args, kwargs = node_or_info.args, node_or_info.kwargs
+    padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+    freq = args[3] if len(args) > 3 else kwargs.get("scale_grad_by_freq", False)
+    return int(padding_idx), bool(freq)
+
+
 @rule(aten.embedding.default)
 def embedding(info: OpInfo) -> list[Strategy]:
     ids = info.inputs[1]
     o = info.outputs[0]
-    s = [
-        Strategy((Shard(0), R), (P,), lowering="vocab_parallel_embedding", name="vocab_parallel"),
-        Strategy((Shard(1), R), (Shard(o.ndim - 1),), name="hidden_parallel"),
-    ]
+    hidden = Strategy((Shard(1), R), (Shard(o.ndim - 1),), name="hidden_parallel")
+    if embedding_args(info)[1]:
+        # scale_grad_by_freq counts each id over all the ids the op sees: only strategies that keep the
+        # ids whole (the vocab-parallel lowering looks out-of-range ids up as row 0, which would count)
+        info.notes.append("scale_grad_by_freq: the ids stay whole (no vocab-parallel or id-sharded lookup)")
+        return [hidden, Strategy((R, R), (R,), name="replicate")]
+    s = [Strategy((Shard(0), R), (P,), lowering="vocab_parallel_embedding", name="vocab_parallel"), hidden]
     s += [Strategy((R, Shard(d)), (Shard(d),), name=f"ids_S{d}") for d in range(ids.ndim)]
     return s + [Strategy((R, R), (R,), name="replicate")]
 
@@ -148,16 +159,15 @@ def cross_entropy(info: OpInfo) -> list[Strategy]:
     x = info.inputs[0]
     reduction = info.arg(3, "reduction", 1)  # 0 none, 1 mean, 2 sum
     weight = len(info.inputs) > 2
-    smoothing = info.arg(5, "label_smoothing", 0.0)
     s = []
     cdim = 1 if x.ndim >= 2 else 0
-    if not weight and not smoothing:
+    if not weight:  # the lowering carries ignore_index, reduction and label_smoothing
         s.append(Strategy((Shard(cdim), R), (R,), lowering="vocab_parallel_cross_entropy", name="vocab_parallel"))
-    if x.ndim >= 2:
-        out = Shard(0) if reduction == 0 else Partial("sum" if reduction == 2 else "avg")
-        # mean over a batch-sharded target is the mean of per-rank means: exact only when every rank
-        # counts the same number of non-ignored targets. Rewriting the loss into a global sum and
-        # count (DESIGN §3) is the runtime's job; it is not done yet.
+    if x.ndim >= 2 and reduction != 1:
+        # a mean over a batch-sharded target would be the mean of per-rank means, exact only when every
+        # rank counts the same (weighted) number of non-ignored targets: never offered. The runtime
+        # rewrites a mean loss into a sum and a count (passes/loss.py) before planning.
+        out = Shard(0) if reduction == 0 else Partial("sum")
         s.append(Strategy((Shard(0), Shard(0)) + (R,) * weight, (out,), name="batch"))
     return s + [Strategy((R,) * len(info.inputs), (R,), name="replicate")]
 

@@ -66,3 +66,17 @@ def layer_norm(info: OpInfo) -> list[Strategy]:
     ]
     out.sort(key=lambda s: s.inputs[0] != _cur(info))
     return out + [Strategy((R,) * (1 + extra), (R,), name="replicate")]
+
+
+@rule(aten.cumsum.default)
+def cumsum(info: OpInfo) -> list[Strategy]:
+    """A prefix sum along ``dim``: any other dim may be sharded; linear, so a Partial sum stays one
+    (float only: an integer cumsum of pieces would be exact too, but ids are never Partial). ``dtype``
+    is carried as it is."""
+    nd = info.inputs[0].ndim
+    dim = norm_dim(info.arg(1), nd)
+    out = [Strategy((Shard(d),), (Shard(d),), name="other_dim") for d in range(nd) if d != dim]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    if info.outputs[0].dtype.is_floating_point:
+        out.append(Strategy((Partial(),), (Partial(),), name="partial"))
+    return out + [Strategy((R,), (R,), name="replicate")]

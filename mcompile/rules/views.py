@@ -314,3 +314,41 @@ def index(info: OpInfo) -> list[Strategy]:
             s.append(Strategy((Shard(d),) + (R,) * n_idx, (Shard(out_nd - (x_nd - d)),), name="other_dim"))
         s.sort(key=lambda st: st.inputs[0] != _cur(info))
     return s + [Strategy((R,) * len(info.inputs), (R,), name="replicate")]
+
+
+@rule(aten.gather.default)
+def gather(info: OpInfo) -> list[Strategy]:
+    """``out[..., i, ...] = x[..., index[..., i, ...], ...]`` along ``dim``: a dim other than ``dim`` may be
+    sharded on both (positions pair up when the two sizes are equal); ``index`` sharded along ``dim``
+    reads a whole ``x`` (each output position looks up any row). ``sparse_grad`` only picks the
+    gradient's layout: carried as it is."""
+    x, idx = info.inputs[0], info.inputs[1]
+    dim = norm_dim(info.arg(1), x.ndim)
+    s = [Strategy((Shard(d), Shard(d)), (Shard(d),), name="other_dim")
+         for d in range(x.ndim) if d != dim and same(x.shape[d], idx.shape[d])]
+    s.append(Strategy((R, Shard(dim)), (Shard(dim),), name="index_dim"))
+    s.sort(key=lambda st: st.inputs[0] != _cur(info))
+    return s + [Strategy((R, R), (R,), name="replicate")]
+
+
+@rule(aten.index_select.default)
+def index_select(info: OpInfo) -> list[Strategy]:
+    """``x.index_select(dim, index)``: any other dim of ``x`` may stay sharded; a sharded ``index`` reads
+    a whole ``x`` and shards the output along ``dim``."""
+    x = info.inputs[0]
+    dim = norm_dim(info.arg(1), x.ndim)
+    s = [Strategy((Shard(d), R), (Shard(d),), name="other_dim") for d in range(x.ndim) if d != dim]
+    s.sort(key=lambda st: st.inputs[0] != _cur(info))
+    return s + [Strategy((R, Shard(0)), (Shard(dim),), name="index_dim"), Strategy((R, R), (R,), name="replicate")]
+
+
+@rule(aten.tril.default, aten.triu.default)
+def triangle(info: OpInfo) -> list[Strategy]:
+    """``tril`` / ``triu`` keep or zero by (row, column) position in the last two dims: a leading dim may
+    be sharded; ``diagonal`` is carried as it is. Linear, so a Partial sum stays one."""
+    nd = info.inputs[0].ndim
+    out = [Strategy((Shard(d),), (Shard(d),), name="other_dim") for d in range(nd - 2)]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    if info.outputs[0].dtype.is_floating_point:
+        out.append(Strategy((Partial(),), (Partial(),), name="partial"))
+    return out + [Strategy((R,), (R,), name="replicate")]

@@ -1,0 +1,62 @@
+"""Per-rank programs run together in one process (mcompile.runtime.sim): the single-device loss and
+gradients from a compiled plan, without processes. Shared by tests/test_planner.py and
+tests/test_op_args.py."""
+
+from __future__ import annotations
+
+from mcompile.placements import Replicate, unshard_tensors
+from mcompile.runtime.sim import ThreadedWorld, run_threads
+
+
+def combine_grads(c, grads_per_rank):
+    """Full gradients from every rank's local ones, by the plan's placements and partial axes."""
+    mesh = c.mesh
+    full = {}
+    for fqn, pp in c.plan.params.items():
+        ph = next(k for k, v in c.captured.params.items() if v == fqn)
+        pieces = {r: grads_per_rank[r][ph] for r in range(mesh.size())}
+        for ax, pl in reversed(list(zip(mesh.axis_names, pp.placements))):
+            merged = {}
+            for group in mesh.group_ranks(ax):
+                vals = [pieces[r] for r in group]
+                if isinstance(pl, Replicate):
+                    out = sum(vals) if ax in pp.grad_partial_axes else vals[0]
+                    if ax == "dp":
+                        out = out / len(vals)  # each dp rank's loss is its own batch mean
+                else:
+                    true = pp.shape[pl.dim % len(pp.shape)]
+                    out = unshard_tensors(vals, pl, true_size=true)
+                for r in group:
+                    merged[r] = out
+            pieces = merged
+        full[fqn] = pieces[0]
+    return full
+
+
+def run_sim(c, inputs, backward: bool):
+    world = ThreadedWorld(c.mesh)
+    state = c.captured.state_values()
+    dp = c.mesh.size("dp")
+
+    def rank_fn(r):
+        local = {k: v.detach().clone().requires_grad_(k in c.captured.params) for k, v in
+                 c.local_state(r, state).items()}
+        coords = c.mesh.coords(r)
+        mine = tuple(t.chunk(dp)[coords.get("dp", 0)] for t in inputs)
+        (loss,) = c.run_local(r, local, mine)
+        grads = None
+        if backward:
+            loss.backward()
+            grads = {k: v.grad for k, v in local.items() if k in c.captured.params}
+        return loss.detach(), grads, list(world_comm_logs.setdefault(r, []))
+
+    world_comm_logs: dict = {}
+    orig = world.communicator
+
+    def communicator(r):
+        comm = orig(r)
+        world_comm_logs[r] = comm.log
+        return comm
+
+    world.communicator = communicator
+    return run_threads(world, rank_fn)
