@@ -48,9 +48,17 @@ With p stages, m microbatches, stage i (0-based), v virtual stages (Narayanan et
     1F1B                     min(p − i, m)
     interleaved 1F1B         min((2(p − i − 1) + (v − 1)·p + 1) / v, m)   (stage 0: p + (p−1)/v,
                              Korthikanti's factor 1 + (p−1)/(pv) over 1F1B)
-    ZB-H1                    as 1F1B (Qi et al. 2023, "Zero Bubble Pipeline Parallelism": same peak)
+    ZB-H1                    min(p, m) on every stage (Qi et al. 2023, "Zero Bubble Pipeline
+                             Parallelism" §2.1: 1F1B's peak, that of its stage 0, on all workers)
 
-in units of the stage's full activations for one microbatch (an interleaved chunk holds 1/v).
+in units of the stage's full activations for one microbatch (an interleaved chunk holds 1/v). ZB-H1
+splits the backward into B (input gradient) and W (weight gradient). On a stage after the first the
+runtime keeps the weight-gradient graph, with the tensors it saved, from B until W
+(``runtime/pipeline.py``, torch's ``stage_backward_input``), and ``runtime/schedules.py`` runs
+W(j) on stage i right after B(j + i): min(p − i, m) microbatches before their B plus up to i
+between B and W, min(p, m) in all (stage 0's B is its whole backward and its W follows at once).
+A microbatch between B and W counts as the stage's full activations, as ``peak_activation_bytes``
+counts it; the output gradients B leaves at the weights' nodes for W come on top, not modelled.
 
 Lifetimes: what is live at the peak (:func:`peak_bytes`)
 ----------------------------------------------------------
@@ -213,8 +221,10 @@ def inflight_microbatches(schedule: str, pp: int, stage: int, microbatches, virt
         return 1  # gradient accumulation: one microbatch at a time
     if schedule == "gpipe":
         return m
-    if schedule in ("1f1b", "zb-h1"):
+    if schedule == "1f1b":
         return _min(p - i, m)
+    if schedule == "zb-h1":
+        return _min(p, m)  # F until W: p - i before their B, up to i more awaiting W (docstring)
     if schedule == "interleaved":
         return _min(sympy.Rational(2 * (p - i - 1) + (v - 1) * p + 1, v), m)
     raise ValueError(f"schedule {schedule!r}: use 'gpipe', '1f1b', 'interleaved' or 'zb-h1'")

@@ -14,11 +14,13 @@ and sends one to ``s-1``. :mod:`mcompile.runtime.verify` checks the lists before
 - ``interleaved``: 1F1B over ``v`` virtual stages per rank in Megatron's order (Narayanan et al.
   SC'21): forwards of chunk ``c`` for ``p`` microbatches at a time; warm-up ``(p-r-1)*2 + (v-1)*p``.
   Bubble ``(p-1)/(v*m + p-1)``. Needs ``m`` to be a multiple of ``p``.
-- ``zbh1``: ZB-H1 of Qi et al. 2023 ("Zero Bubble Pipeline Parallelism"): 1F1B with the backward
-  split into B and W; later ranks defer W's (at most ``p-1`` pending) so gradients travel back at
-  the pace of B alone, and the W's fill the cool-down. Idle time ``(p-1)(t_F + t_B - t_W)`` against
-  1F1B's ``(p-1)(t_F + t_B + t_W)`` (``t_B`` here is the input part only): a third when all three
-  take equal time.
+- ``zbh1``: ZB-H1 of Qi et al. 2023 ("Zero Bubble Pipeline Parallelism", §2.1): 1F1B's order with
+  the backward split into B and W, rank ``r`` running ``W(i)`` right after ``B(i+r)`` (the last
+  ``r`` W's at the end), so gradients travel back at the pace of B alone and the W's fill the
+  cool-down. Every rank holds ``min(m, p)`` microbatches from F until W (1F1B's peak of rank 0).
+  Idle time ``(p-1)(t_F + t_B - t_W)`` against 1F1B's ``(p-1)(t_F + t_B + t_W)`` (``t_B`` here is
+  the input part only; ``m >= p`` and ``t_W <= min(t_F, t_B)``): a third when all three take equal
+  time.
 
 These orders are generated here rather than taken from ``torch.distributed.pipelining``: its
 schedules drive its own ``PipelineStage`` objects (one module, one input tensor per stage, its own
@@ -86,46 +88,32 @@ def _one_f_one_b(r: int, p: int, m: int) -> list[Action]:
 
 
 def _zero_bubble_h1(p: int, m: int) -> list[list[Action]]:
-    """ZB-H1 by list scheduling on unit-time F, B and W (the paper's greedy idea in its simplest form).
+    """ZB-H1, the memory-efficient zero-bubble schedule of Qi et al. 2023 ("Zero Bubble Pipeline
+    Parallelism", §2.1): 1F1B's order of F and B on every rank, with each W started ``r`` backwards
+    late on rank ``r``.
 
-    A free rank runs, in this order of preference: a W if ``p - 1`` are already pending (bounds the
-    memory W's keep: the inputs of the weight-gradient matmuls), a ready B (it unblocks the ranks
-    before it), the next F if fewer than ``p - r`` microbatches await their B (1F1B's activation
-    memory), else the oldest pending W. Deferring W's on the later ranks lets gradients travel back
-    at the pace of B alone, which is where the bubble shrinks to ``(p-1)(t_F + t_B - t_W)``."""
-    out: list[list[Action]] = [[] for _ in range(p)]
-    done: dict[tuple, int] = {}
-    nf, nb = [0] * p, [0] * p
-    pending: list[list[int]] = [[] for _ in range(p)]
-    free = [0] * p
-    t = 0
-    while any(len(o) < 3 * m for o in out):
-        for r in range(p):
-            if free[r] > t or len(out[r]) == 3 * m:
-                continue
-            b, f = nb[r], nf[r]
-            dep_b = ("B", r + 1, b) if r < p - 1 else ("F", r, b)
-            if len(pending[r]) > p - 1:
-                a = Action("W", r, pending[r][0])
-            elif b < f and done.get(dep_b, t + 1) <= t:
-                a = Action("B", r, b)
-            elif f < m and f - b < p - r and (r == 0 or done.get(("F", r - 1, f), t + 1) <= t):
-                a = Action("F", r, f)
-            elif pending[r]:
-                a = Action("W", r, pending[r][0])
-            else:
-                continue
-            if a.kind == "B":
-                nb[r] += 1
-                pending[r].append(b)
-            elif a.kind == "F":
-                nf[r] += 1
-            else:
-                pending[r].pop(0)
-            out[r].append(a)
-            free[r] = t + 1
-            done[(a.kind, a.stage, a.mb)] = t + 1
-        t += 1
+    Rank ``r`` runs 1F1B's ``min(p - r - 1, m)`` warm-up forwards, then F / B pairs, then the
+    remaining B's (:func:`_one_f_one_b`), and puts ``W(i)`` right after ``B(i + r)``; the last
+    ``min(r, m)`` W's, whose ``B(i + r)`` does not exist, run at the end. Rank 0 therefore runs
+    ``B(i) W(i)`` as 1F1B's whole backward; the last rank, which has no warm-up, defers most (the
+    paper: "adjusts the starting points of W depending on the number of warm-up microbatches").
+
+    In flight (F run, W not yet; the runtime keeps a stage's weight-gradient graph from B to W):
+    ``min(m, p)`` on every rank, 1F1B's peak of rank 0 ("all workers maintain the same number of
+    in-flight microbatches"); at most ``min(m, r + 1)`` B's wait for their W at once, and before
+    their B exactly 1F1B's ``min(m, p - r)``. Idle time with uniform stages, ``m >= p`` and
+    ``t_W <= min(t_F, t_B)`` (the paper's equal times among them; ``t_B`` the input part only):
+    ``(p - 1)(t_F + t_B - t_W)`` against 1F1B's ``(p - 1)(t_F + t_B + t_W)``: the B's travel back at
+    the pace of B alone and the deferred W's fill the cool-down."""
+    out = []
+    for r in range(p):
+        acts: list[Action] = []
+        for a in _one_f_one_b(r, p, m):
+            acts.append(a)
+            if a.kind == "B" and a.mb >= r:
+                acts.append(Action("W", r, a.mb - r))
+        acts += [Action("W", r, i) for i in range(max(0, m - r), m)]
+        out.append(acts)
     return out
 
 
