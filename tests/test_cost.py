@@ -1,9 +1,12 @@
 """The cost model (mcompile.cost), the memory model (mcompile.memory_model) and hardware profiles.
 
-The acceptance test prices Megatron-LM's own layouts of Narayanan et al. SC'21 Table 1
+The SC'21 *calibration* check prices Megatron-LM's own layouts of Narayanan et al. SC'21 Table 1
 (tests/data/megatron_sc21_a100.json) with ONE set of efficiency constants and compares the
 predicted TFLOP/s per GPU with the published ones, like with like (both count the recompute
 forward). Each row's GPT is captured with 2 layers on the meta device and scaled by its depth.
+The constants were chosen against this table as a whole, so it calibrates them; it does not
+validate them. Their validation, each constant against published figures that did not fit it
+(NCCL bus bandwidths, FlashAttention, GEMM, STREAM), is tests/test_cost_published.py.
 The memory tests hold the activation bytes read off the captured graph to Korthikanti et al.
 2022, Table 2.
 """
@@ -69,7 +72,11 @@ SC21_SETTINGS = dict(hardware="a100", precision="bf16", param_dtype="fp16", grad
                      attention_kernel="unfused")
 
 
-def test_sc21_table_within_15_percent(capsys):
+def test_sc21_calibration_within_15_percent(capsys):
+    """Calibration, not validation: the default constants were chosen against this table as a whole
+    (never per row), so every row lying within ±15 % says the one constant set reproduces Megatron's
+    SC'21 throughputs, not that each constant is right — several wrong constants can offset one
+    another here. tests/test_cost_published.py checks each against data it was not fitted to."""
     s, V = SC21["common"]["seq_len"], SC21["common"]["vocab"]
     lines = [f"{'params':>8} {'tp':>3} {'pp':>3} {'dp':>3} {'v':>2} {'predicted':>9} {'published':>9} {'error':>7}"]
     errors = []
@@ -86,12 +93,13 @@ def test_sc21_table_within_15_percent(capsys):
                      f"{est.tflops_per_gpu:>9.1f} {row['tflops_per_gpu']:>9} {err:>+7.1%}")
     table = "\n".join(lines)
     with capsys.disabled():
-        print("\nSC'21 Table 1, TFLOP/s per A100 (predicted vs published):\n" + table)
+        print("\nSC'21 Table 1 (calibration), TFLOP/s per A100 (predicted vs published):\n" + table)
     assert all(abs(e) <= 0.15 for e in errors), table
 
 
-def test_sc21_constants_are_the_defaults():
-    """The SC'21 check uses the library's default constants, not a set of its own."""
+def test_sc21_calibration_uses_the_default_constants():
+    """The SC'21 calibration prices with the library's default constants, not a set of its own: the
+    constants it calibrates are the ones tests/test_cost_published.py validates."""
     assert Efficiency() == mc.cost.DEFAULT_EFFICIENCY
     assert "efficiency" not in SC21_SETTINGS
 
@@ -167,7 +175,9 @@ def test_inflight_microbatches():
     assert inflight_microbatches("1f1b", p, 0, 4) == 4  # never more than there are
     for v in (2, 4):
         assert inflight_microbatches("interleaved", p, 0, m, v) == p + sympy.Rational(p - 1, v)
-    assert inflight_microbatches("zb-h1", p, 3, m) == inflight_microbatches("1f1b", p, 3, m)
+    # ZB-H1 holds each microbatch until its W: 1F1B's stage-0 count p on every stage (test_schedule_memory)
+    assert [inflight_microbatches("zb-h1", p, i, m) for i in range(p)] == [p] * p
+    assert inflight_microbatches("zb-h1", p, 3, 4) == 4
     assert inflight_microbatches("1f1b", 1, 0, m) == 1
 
 
