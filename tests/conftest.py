@@ -28,7 +28,14 @@ def build(name: str, seed: int = 0, device=None, batch: int = 2):
         from transformers.utils import logging
 
         logging.set_verbosity_error()
-        if name == "hf-llama":
+        if name == "hf-roberta":  # an encoder: masked-LM head, learned positions, token types, padding_idx=1
+            from transformers import RobertaConfig, RobertaForMaskedLM
+
+            cfg = RobertaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, max_position_embeddings=40, type_vocab_size=2,
+                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+            model = HFLoss(RobertaForMaskedLM(cfg))
+        elif name == "hf-llama":
             cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=8, num_key_value_heads=4)
             model = HFLoss(LlamaForCausalLM(cfg))
@@ -48,6 +55,9 @@ def build(name: str, seed: int = 0, device=None, batch: int = 2):
     tokens = torch.randint(0, vocab, (batch, 16), generator=g)
     targets = torch.randint(0, vocab, (batch, 16), generator=g)
     targets[0, :5] = -100
+    if name == "hf-roberta":
+        tokens[tokens == 1] = 2
+        tokens[0, -3:] = 1  # padding: the word and position rows 1 must get no gradient
     return model, (tokens, targets)
 
 
