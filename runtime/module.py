@@ -412,12 +412,17 @@ class ParallelModule(torch.nn.Module):
                 self._extra[self._buffer_ph[fqn]].copy_(state[fqn])
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        """Unsharded gradients, keys as ``named_parameters()``."""
+        """Unsharded gradients, keys as ``named_parameters()``: copies, every one (a replicated
+        parameter's local gradient is the whole one; returned as itself, a later in-place clip or
+        ``zero_grad`` would change what the caller holds, while a sharded one's would not)."""
         if self._zero is not None:  # ZeRO-1: the gradients live in the dp-sharded buffers
-            fulls = {fqn: self._gather_full(fqn, g) for fqn, g in self._zero.local_grads().items()}
+            locals_ = self._zero.local_grads()
         else:
-            fulls = {fqn: self._gather_full(fqn, p.grad.to_local()) for fqn, p in self._params.items()
-                     if p.grad is not None}
+            locals_ = {fqn: p.grad.to_local() for fqn, p in self._params.items() if p.grad is not None}
+        fulls = {}
+        for fqn, local in locals_.items():
+            full = self._gather_full(fqn, local)
+            fulls[fqn] = full.clone() if full is local else full
         return self._across_stages(fulls)
 
     # -- pipeline timeline -------------------------------------------------------------------------
