@@ -17,6 +17,8 @@ line and what to do:
   (``aten.embedding_renorm_``): a sharded or gathered copy would be renormalised, not the parameter.
 - ``scale_grad_by_freq=True`` divides each row's gradient by the number of times its id occurs in
   the batch: when the batch is split (dp, microbatches) each piece would count only its own ids.
+- ``sparse=True`` embeddings (a sparse weight gradient): parameters are DTensors with dense,
+  reduced and sharded gradients (when the programs are to run).
 - dropout in training mode (``p > 0``) under tensor parallelism: a rank-local mask on a sharded
   activation repeats the other ranks' masks, and a replicated activation needs the same mask on every
   tp rank; both need Megatron's per-rank RNG streams (Korthikanti et al. 2022, §4.3; Megatron's
@@ -80,6 +82,14 @@ def check_arguments(gm: fx.GraphModule, mesh: Mesh, microbatches: int = 1, runti
                 f"id occurs in the whole batch, but {' and '.join(batch_split)} split the batch, so each piece "
                 "would count only its own ids. Use scale_grad_by_freq=False, or a layout that keeps the batch "
                 "whole (tp / pp without microbatches)."
+            )
+        sparse = node.target is aten.embedding.default and (
+            node.args[4] if len(node.args) > 4 else node.kwargs.get("sparse", False))
+        if sparse and runtime:
+            raise PlanError(
+                f"embedding with sparse=True{_where(node)} asks for a sparse weight gradient, but mcompile's "
+                "parameters are DTensors whose gradients are reduced and sharded dense (the vocab-parallel "
+                "lookup computes a dense one). Use sparse=False (and a dense optimizer)."
             )
         p = training_dropout_p(node)
         if p > 0 and tp > 1 and runtime:
