@@ -300,6 +300,31 @@ def check_backward(op, args, kwargs, s: Strategy, pieces, n: int, gen, ctx: str)
             assert_same(torch.stack(g).sum(0), w, f"{what} summed over the ranks")
 
 
+# op -> names of the schema arguments with a default that some drawn case gave another value
+DRAWN_NON_DEFAULT: dict = {}
+
+
+def _record_arguments(op, args, kwargs) -> None:
+    seen = DRAWN_NON_DEFAULT.setdefault(op, set())
+    for i, a in enumerate(op._schema.arguments):
+        if not a.has_default_value():
+            continue
+        if i < len(args) and not a.kwarg_only:
+            value, given = args[i], True
+        else:
+            value, given = kwargs.get(a.name), a.name in kwargs
+        if given and not _same_value(value, a.default_value):
+            seen.add(a.name)
+
+
+def _same_value(value, default) -> bool:
+    if isinstance(value, torch.Tensor) or isinstance(default, torch.Tensor):
+        return False
+    if isinstance(value, list | tuple) and isinstance(default, list | tuple):
+        return list(value) == list(default)
+    return value == default
+
+
 def check(op, args, kwargs=None, *, n: int, current=None, gen=None, expect=(), values: bool = True,
           current_first: bool = False, replicate_fallback: bool = True) -> list[Strategy]:
     """Ask ``op``'s rule for its strategies given ``current``; verify every applicable one.
@@ -309,6 +334,7 @@ def check(op, args, kwargs=None, *, n: int, current=None, gen=None, expect=(), v
     the first input comes first. ``replicate_fallback``: an all-Replicate strategy must be offered
     (not for ops that accept their input wherever it is). Returns the verified strategies."""
     kwargs = dict(kwargs or {})
+    _record_arguments(op, args, kwargs)
     gen = gen if gen is not None else torch.Generator().manual_seed(0)
     tensors = _tensors(args, kwargs)
     current = tuple(current) if current is not None else tuple(R for _ in tensors)
@@ -428,8 +454,8 @@ UNARY = {
     aten.logical_not.default: [("bool", lambda x: (x,)), ("small", lambda x: (x,))],
     aten.bitwise_not.default: [("int", lambda x: (x,)), ("bool", lambda x: (x,))],
     aten.clamp.default: [("f", lambda x: (x, -0.5, 0.5)), ("f", lambda x: (x, None, 0.2))],
-    aten.add.Scalar: [("f", lambda x: (x, 1.5))],
-    aten.sub.Scalar: [("f", lambda x: (x, 1.5))],
+    aten.add.Scalar: [("f", lambda x: (x, 1.5)), ("f", lambda x: (x, 1.5, -0.5))],
+    aten.sub.Scalar: [("f", lambda x: (x, 1.5)), ("f", lambda x: (x, 1.5, 3.0))],
     aten.mul.Scalar: [("f", lambda x: (x, -3.0))],
     aten.div.Scalar: [("f", lambda x: (x, 4.0))],
     aten.eq.Scalar: [("small", lambda x: (x, 1))],
@@ -439,7 +465,7 @@ UNARY = {
     aten.gt.Scalar: [("small", lambda x: (x, 0))],
     aten.ge.Scalar: [("small", lambda x: (x, 0))],
     aten.log_sigmoid_forward.default: [("f", lambda x: (x,))],
-    aten.rsub.Scalar: [("f", lambda x: (x, 2.0))],
+    aten.rsub.Scalar: [("f", lambda x: (x, 2.0)), ("f", lambda x: (x, 2.0, 0.5))],
 }
 # Ops linear in their input: a Partial input must be able to stay Partial.
 LINEAR_UNARY = {aten.neg.default, aten.clone.default, aten.mul.Scalar, aten.div.Scalar, aten.to.dtype,
@@ -476,7 +502,8 @@ def test_unary_pointwise(op, data):
 BINARY = {
     aten.add.Tensor: [("f", "f", lambda x, y: (x, y)), ("f", "f", lambda x, y: ((x, y), {"alpha": 2.0})),
                       ("f", "scalar", lambda x, y: (x, 2.0))],
-    aten.sub.Tensor: [("f", "f", lambda x, y: (x, y)), ("f", "scalar", lambda x, y: (x, 2.0))],
+    aten.sub.Tensor: [("f", "f", lambda x, y: (x, y)), ("f", "scalar", lambda x, y: (x, 2.0)),
+                      ("f", "f", lambda x, y: ((x, y), {"alpha": -3.0}))],
     aten.mul.Tensor: [("f", "f", lambda x, y: (x, y)), ("f", "scalar", lambda x, y: (x, -2.0)),
                       ("f", "bool", lambda x, y: (x, y))],
     aten.div.Tensor: [("f", "nz", lambda x, y: (x, y)), ("f", "scalar", lambda x, y: (x, 4.0))],
@@ -497,7 +524,7 @@ BINARY = {
     aten.__or__.Tensor: [("bool", "bool", lambda x, y: (x, y))],
     aten.masked_fill.Tensor: [("f", "bool", lambda x, m: (x, m, torch.tensor(-7.0, dtype=F64)))],
     aten.masked_fill.Scalar: [("f", "bool", lambda x, m: (x, m, -7.0))],
-    aten.rsub.Tensor: [("f", "f", lambda x, y: (x, y))],
+    aten.rsub.Tensor: [("f", "f", lambda x, y: (x, y)), ("f", "f", lambda x, y: ((x, y), {"alpha": 0.25}))],
     aten.atan2.default: [("f", "f", lambda x, y: (x, y))],
     aten.type_as.default: [("f", "f32", lambda x, y: (x, y)), ("int", "f", lambda x, y: (x, y))],
 }
@@ -664,9 +691,9 @@ def test_norms(op, data):
     w = make(norm_shape, "f", gen) if data.draw(st.booleans(), label="weight") else None
     if op is aten.layer_norm.default:
         b = make(norm_shape, "f", gen) if data.draw(st.booleans(), label="bias") else None
-        args = (x, norm_shape, w, b, 1e-5)
+        args = (x, norm_shape, w, b, data.draw(st.sampled_from([1e-5, 1e-3, 0.5]), label="eps"))
     else:
-        args = (x, norm_shape, w, 1e-6)
+        args = (x, norm_shape, w, data.draw(st.sampled_from([None, 1e-6, 0.5]), label="eps"))
     tensors = _tensors(args, {})
     current = (draw_current(data, x, n, partial=False, blocks=False),) + (R,) * (len(tensors) - 1)
     rest = (R,) * (len(tensors) - 1)
@@ -1122,7 +1149,9 @@ def test_embedding(data):
     ids = torch.randint(0, vocab, ids_shape, generator=gen)
     padding_idx = data.draw(st.sampled_from([-1, 0, vocab - 1]), label="padding_idx")
     freq = data.draw(st.booleans(), label="scale_grad_by_freq")
-    args = (w, ids, padding_idx, freq)
+    # a sparse weight gradient (compared dense); torch refuses it with scale_grad_by_freq
+    sparse = not freq and data.draw(st.booleans(), label="sparse")
+    args = (w, ids, padding_idx, freq, sparse)
     current = data.draw(st.sampled_from([(R, R), (Shard(1), R), *[(R, s) for s in shard_choices(ids_shape, n)]]),
                         label="current")
     # scale_grad_by_freq counts ids over the whole lookup: only strategies that keep the ids whole
@@ -1494,3 +1523,37 @@ def test_every_registered_op_is_tested():
     assert not missing, f"rules without a test in tests/test_rules.py: {sorted(map(str, missing))}"
     stale = TESTED_OPS - registered
     assert not stale, f"tested ops that have no rule any more: {sorted(map(str, stale))}"
+
+
+# Arguments with a default that no drawn case changes, each with why that proves nothing less.
+NOT_DRAWN = {
+    "dtype": "sets the output dtype of a factory / cast / reduction; checked by the output dtype of every case",
+    "layout": "only torch.strided exists in a program",
+    "device": "rewritten to the device the program runs on by the lowering (tests/test_planner.py)",
+    "pin_memory": "host-memory hint, no value effect",
+    "memory_format": "a stride layout, no value effect",
+    "non_blocking": "a copy hint, no value effect",
+    "copy": "forces a copy, no value effect",
+    "cudnn_enable": "a kernel choice, no value effect",
+    "implicit": "marks an expand inserted by broadcasting, no value effect",
+    "requires_grad": "aten.tensor of constants: never a parameter",
+    "size": "_assert_tensor_metadata: dropped by the lowering (an assert on global sizes)",
+    "stride": "_assert_tensor_metadata: dropped by the lowering",
+    "dropout_p": "SDPA's random masks have no single-device value to compare; refused under tp by parallelize "
+                 "(mcompile/arguments.py, tests/test_op_args.py), the same op per rank elsewhere",
+}
+
+
+@pytest.mark.timeout(60)
+def test_every_argument_is_drawn_with_a_non_default_value():
+    """Issue 21: for every op whose rule test ran in this session, every schema argument that has a
+    default was drawn with another value in some case (forward and backward checked there), or is
+    listed in NOT_DRAWN with the reason it cannot change a value."""
+    if not DRAWN_NON_DEFAULT:
+        pytest.skip("reads what the rule tests above drew: run the whole of tests/test_rules.py")
+    missing = []
+    for op, seen in DRAWN_NON_DEFAULT.items():
+        for a in op._schema.arguments:
+            if a.has_default_value() and a.name not in seen and a.name not in NOT_DRAWN:
+                missing.append(f"{op}: {a.name}")
+    assert not missing, f"arguments never drawn with a non-default value: {missing}"
