@@ -3,7 +3,9 @@
     torchrun --standalone --nproc-per-node 2 examples/train_tiny.py --steps 20
 
 Every rank builds the same plain model (rank 0's weights are broadcast), mcompile plans it and
-each rank trains its shard. Prints the loss of every step on rank 0.
+each rank trains its shard. Prints the loss of every step and the total gradient norm that clipping
+saw, on rank 0. ``--save-grads PATH`` also saves the full gradients of the first step, before
+clipping (rank 0, ``torch.save``), to compare with a single-device run.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import mcompile as mc
 from mcompile.demo import batches
@@ -23,6 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--sp", action="store_true", help="sequence parallelism")
+    ap.add_argument("--save-grads", metavar="PATH", help="save the first step's unclipped full gradients (rank 0)")
     args = ap.parse_args()
 
     init_distributed()  # reads torchrun's environment
@@ -34,11 +38,16 @@ def main() -> None:
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
     for step, (x, y) in enumerate(data, 1):
         loss = pm.train_step(x, y)
-        torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)
+        if args.save_grads and step == 1:
+            grads = pm.full_grads()  # collective: every rank calls it
+            if dist.get_rank() == 0:
+                torch.save(grads, args.save_grads)
+        norm = torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)  # the norm before clipping
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # over DTensors: a DTensor
         opt.step()
         opt.zero_grad()
         if dist.get_rank() == 0:
-            print(f"step {step} loss {loss.item():.5f}", flush=True)
+            print(f"step {step} loss {loss.item():.7f} grad_norm {norm.item():.8e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,43 +14,61 @@ from conftest import build
 LR = 1e-4  # see test_runtime.py for why
 
 
+def norm_value(norm) -> float:
+    """The total norm a clipping call returned, as a float: ``torch.nn.utils.clip_grad_norm_`` over
+    DTensor parameters returns a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+
+
 def train(rank, world, name, mesh, options, steps=3, batch=4, want_grads_at=None):
-    """Three AdamW steps with clipping; per-step losses, and full gradients at one step (rank 0)."""
+    """Three AdamW steps with clipping. Per-step losses; full gradients at one step, taken *before*
+    clipping (rank 0); this rank's local parameter sizes; the total norm each clipping returned.
+    Clipping to norm 1 before comparing would hide a gradient wrong by a constant factor (DESIGN,
+    "Learned since"): the unclipped gradients and the returned norms are what parity compares."""
     model, inputs = build(name, batch=batch)
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    losses, grads = [], None
+    losses, grads, norms = [], None, []
     want = steps - 1 if want_grads_at is None else want_grads_at
     for step in range(steps):
         loss = pm.train_step(*inputs)
-        if "pp" in mesh:  # a rank's parameters() are its stages' only: the module clips the whole model
-            pm.clip_grad_norm_(1.0)
-        else:
-            torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)
         if step == want:
-            grads = pm.full_grads()
+            grads = pm.full_grads()  # copies: the clipping below leaves them as they are
+        if "pp" in mesh:  # a rank's parameters() are its stages' only: the module clips the whole model
+            norms.append(norm_value(pm.clip_grad_norm_(1.0)))
+        else:
+            norms.append(norm_value(torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     local_numels = {k: p.to_local().numel() for k, p in pm.named_parameters()}
-    return losses, grads if rank == 0 else None, local_numels
+    return losses, grads if rank == 0 else None, local_numels, norms
 
 
 def reference(name, steps=3, batch=4, want_grads_at=None):
+    """``train`` on one device: per-step losses, the unclipped gradients at one step, the clip norms."""
     model, inputs = build(name, batch=batch)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], None
+    losses, grads, norms = [], None, []
     want = steps - 1 if want_grads_at is None else want_grads_at
     for step in range(steps):
         loss = model(*inputs)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if step == want:
             grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, grads
+    return losses, grads, norms
+
+
+def grad_errors(grads: dict, ref: dict) -> dict[str, float]:
+    """Per tensor, the relative error in norm of a (full, unclipped) gradient against the reference."""
+    assert sorted(grads) == sorted(ref)
+    return {k: ((g - ref[k]).norm() / ref[k].norm()).item() for k, g in grads.items()}
 
 
 def profiled_step(rank, world, name, mesh, options):

@@ -245,7 +245,9 @@ def test_verification_reports_a_deadlock_instead_of_hanging():
 def _parity(name, mesh, options):
     from test_runtime import _check
 
-    results = _check(name, mesh, options)  # loss and full gradients vs one device, 1e-5
+    # loss, clip norm (the module's clip_grad_norm_ over every stage) and unclipped full gradients
+    # vs one device, 1e-5
+    results = _check(name, mesh, options)
     # a real split: every rank holds only its stages' parameters, together the whole model
     held = [set(r[2]) for r in results]
     everything = set(results[0][1])

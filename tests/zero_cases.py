@@ -35,16 +35,17 @@ def build_model(name, seed=0, batch=4):
 
 def train(rank, world, name, mesh, options, steps=3, batch=4):
     """AdamW through DistributedOptimizer with its gradient clipping: per-step losses and clipping
-    norms, and the full gradients (after clipping) of the last step on rank 0."""
+    norms, and the full gradients of the last step *before* clipping on rank 0 (clipped gradients
+    would hide a uniform scale error: tests/test_runtime.py)."""
     model, inputs = build_model(name, batch=batch)
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
     opt = DistributedOptimizer(pm, torch.optim.AdamW, lr=LR)
     losses, norms, grads = [], [], None
     for step in range(steps):
         losses.append(pm.train_step(*inputs).item())
-        norms.append(opt.clip_grad_norm_(1.0).item())
         if step == steps - 1:
-            grads = pm.full_grads()
+            grads = pm.full_grads()  # copies: clipping leaves them as they are
+        norms.append(opt.clip_grad_norm_(1.0).item())
         opt.step()
         opt.zero_grad()
     return losses, norms, grads if rank == 0 else None
@@ -57,9 +58,9 @@ def reference(name, steps=3, batch=4):
     for step in range(steps):
         loss = model(*inputs)
         loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
         if step == steps - 1:
             grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
