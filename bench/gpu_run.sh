@@ -55,23 +55,7 @@ EOF
 
 # the package as pyproject.toml lays it out, from symbolic links (nothing installed, nothing written in the tree)
 view="$(mktemp -d)/site"
-if ! "$py" - "$view" <<'EOF' 2>&1 | tee -a "$log"
-import os
-import sys
-import tomllib
-
-root, view = os.getcwd(), sys.argv[1]
-with open("pyproject.toml", "rb") as f:
-    dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
-top = next(p for p in dirs if "." not in p)
-os.makedirs(os.path.join(view, top))
-for name in os.listdir(dirs[top]):  # the top package: a real folder of links to its files
-    os.symlink(os.path.join(root, dirs[top], name), os.path.join(view, top, name))
-for pkg, d in dirs.items():  # each subpackage: a link to its folder
-    if pkg != top:
-        os.symlink(os.path.join(root, d), os.path.join(view, *pkg.split(".")))
-print("package view:", view, {p: d for p, d in dirs.items()})
-EOF
+if ! "$py" bench/pkg_view.py "$view" 2>&1 | tee -a "$log"  # (bench/pkg_view.py: shared with bench/mutants.py)
 then
   echo "could not lay out the package view" | tee -a "$log"
   exit 2

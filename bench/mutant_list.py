@@ -1,0 +1,484 @@
+"""The mutants bench/mutants.py plants, one realistic bug each, with the tests meant to catch it.
+
+A mutant replaces ``old`` (a snippet that must occur exactly once in ``file``: the runner and
+tests/test_mutants.py refuse a mutant whose snippet moved or doubled, so none rots silently) by
+``new``. ``targets`` are the tests that must fail with the bug planted: pytest node ids
+(``tests/test_x.py::test_y[id]``; without ``[id]`` every parametrization) or ``"tests/test_x.py -k
+expr"``. Keep them narrow (the runner runs them with ``-x``) and prefer fast single-process tests
+that really are the ones meant to catch the bug: a mutant caught only by a test of something else
+says little. When you add a capability, add the mutant of its most likely bug here, with the test
+that guards it (docs/guide.md, "Mutation testing").
+
+The targets' order matters only for time: with ``-x`` the first failure ends the run, so put the
+cheapest catching test first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Mutant", "MUTANTS"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # relative to the repository root
+    old: str  # must occur exactly once in ``file``
+    new: str
+    description: str  # the bug it plants, in one line
+    targets: tuple[str, ...]  # pytest node ids, or "path -k expr"
+    timeout: float = 420.0  # seconds for the targets' run; past it the outcome is "timeout"
+
+
+# tests used by several mutants
+_BWD_TP = "tests/test_planner.py::test_backward_parity_and_counts[llama3-tiny-tp=2-False]"
+_BWD_SP = "tests/test_planner.py::test_backward_parity_and_counts[llama3-tiny-tp=2-True]"
+_FWD_TP = "tests/test_planner.py::test_forward_parity_in_one_process[llama3-tiny-2-tp]"
+_FWD_SP = "tests/test_planner.py::test_forward_parity_in_one_process[llama3-tiny-2-tp+sp]"
+_FWD_PADDED = "tests/test_planner.py::test_forward_parity_in_one_process[hf-gpt2-2-tp]"  # vocab 129 -> 130
+_RT_TP = "tests/test_runtime.py::test_parity_presets[llama3-tiny-tp=2-]"
+_RT_SP = "tests/test_runtime.py::test_parity_presets[llama3-tiny-tp=2-sequence_parallel=True]"
+_RT_DP = "tests/test_runtime.py::test_parity_presets[llama3-tiny-dp=2-]"
+_RT_DP_MB = "tests/test_runtime.py::test_parity_presets[llama3-tiny-dp=2-microbatches=2]"
+_BUBBLE = "tests/test_pipeline.py::test_schedules_run_every_action_once_and_meet_their_bubble"
+_SCHED_MEM = "tests/test_schedule_memory.py"  # schedule in-flight counts and peak_activation_bytes
+_PUBLISHED = "tests/test_cost_published.py::test_published_figure_within_margin"  # constants vs published data
+_COLL = "tests/test_collectives.py"  # every collective op, forward and backward, per rank
+_ARGS = "tests/test_op_args.py::test_padding_idx_on_either_rank_and_label_smoothing"  # issue 21's cases pinned
+_ARGS_DRAWN = "tests/test_op_args.py::test_non_default_arguments_forward_and_backward"
+
+MUTANTS: list[Mutant] = [
+    # ---- collectives' forward and backward (mcompile/ops.py) ----------------------------------------
+    Mutant(
+        name="ops-all-reduce-backward-reduces-again",
+        file="mcompile/ops.py",
+        old='    "mcompile::all_reduce", lambda ctx, g: (g, None, None), '
+            'setup_context=lambda ctx, inputs, output: None',
+        new='    "mcompile::all_reduce", lambda ctx, g: (all_reduce(g, ctx.axis, ctx.n), None, None),\n'
+            '    setup_context=lambda ctx, inputs, output: '
+            'setattr(ctx, "axis", inputs[1]) or setattr(ctx, "n", inputs[2])',
+        description="g's backward all-reduces the gradient again instead of passing it through "
+                    "(functional collectives' autograd: tp x gradients)",
+        targets=(_COLL, _BWD_TP),
+    ),
+    Mutant(
+        name="ops-copy-ar-backward-skips-all-reduce",
+        file="mcompile/ops.py",
+        old='"mcompile::copy_ar_bwd", lambda ctx, g: (all_reduce(g, ctx.axis, ctx.n), None, None), '
+            'setup_context=_f_setup',
+        new='"mcompile::copy_ar_bwd", lambda ctx, g: (g, None, None), setup_context=_f_setup',
+        description="f's backward is the identity: gradients entering a tp region stay partial",
+        targets=(_COLL, _BWD_TP),
+    ),
+    Mutant(
+        name="ops-reduce-scatter-backward-tiles-local-grad",
+        file="mcompile/ops.py",
+        old='    "mcompile::reduce_scatter",\n'
+            '    lambda ctx, g: (all_gather(g, ctx.dim, ctx.axis, ctx.n, "split"), None, None, None),',
+        new='    "mcompile::reduce_scatter",\n'
+            '    lambda ctx, g: (torch.cat([g] * ctx.n, ctx.dim), None, None, None),',
+        description="reduce_scatter's backward repeats this rank's gradient chunk instead of all-gathering "
+                    "every rank's (SP exit)",
+        targets=(_COLL, _BWD_SP),
+    ),
+    Mutant(
+        name="ops-all-gather-backward-modes-swapped",
+        file="mcompile/ops.py",
+        old='    if ctx.grad == "reduce_scatter":\n        gi = reduce_scatter(g, ctx.dim, ctx.axis, ctx.n)',
+        new='    if ctx.grad == "split":\n        gi = reduce_scatter(g, ctx.dim, ctx.axis, ctx.n)',
+        description="all_gather's backward reduce-scatters where it should keep the local chunk and vice versa",
+        targets=(_COLL, _BWD_SP),
+    ),
+    Mutant(
+        name="ops-all-gather-split-backward-rank0-chunk",
+        file="mcompile/ops.py",
+        old='    """The local chunk, used as a backward (of all_gather(split)); its own backward is not needed."""\n'
+            '    return _chunk(x, dim, axis, n)',
+        new='    """The local chunk, used as a backward (of all_gather(split)); its own backward is not needed."""\n'
+            '    return x.narrow(dim, 0, x.shape[dim] // n).clone()',
+        description="all_gather(split)'s backward keeps rank 0's chunk of the gradient on every rank "
+                    "(the rank offset forgotten)",
+        targets=(_COLL, _BWD_SP),
+    ),
+    # ---- every op argument honoured or refused (issue 21) --------------------------------------------
+    Mutant(
+        name="lower-embedding-padding-idx-dropped",
+        file="passes/lower.py",
+        old="    rows = g.call_function(aten.embedding.default, (weight, safe, local_padding))",
+        new="    rows = g.call_function(aten.embedding.default, (weight, safe))",
+        description="the vocab-parallel embedding drops padding_idx: the padding row gets gradient (issue 21)",
+        targets=(_ARGS,),
+    ),
+    Mutant(
+        name="lower-embedding-padding-idx-not-shifted",
+        file="passes/lower.py",
+        old="    local_padding = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + v_local "
+            "else -1",
+        new="    local_padding = padding_idx",
+        description="padding_idx passed to every rank's lookup unshifted: the wrong local row loses its gradient",
+        targets=(_ARGS,),
+    ),
+    Mutant(
+        name="lower-cross-entropy-label-smoothing-dropped",
+        file="passes/lower.py",
+        old="    if smoothing:\n        # torch's label smoothing",
+        new="    if False:\n        # torch's label smoothing",
+        description="the vocab-parallel loss ignores label_smoothing",
+        targets=(_ARGS,),
+    ),
+    Mutant(
+        name="loss-weighted-count-unweighted",
+        file="passes/loss.py",
+        old="        if weight is None:\n            count = call(aten.sum.default, kept)",
+        new="        if True:\n            count = call(aten.sum.default, kept)",
+        description="the token-weighted loss divides a class-weighted sum by the number of targets, not their weight",
+        targets=(_ARGS_DRAWN,),
+    ),
+    Mutant(
+        name="rules-embedding-freq-shards-ids",
+        file="mcompile/rules/matmul.py",
+        old="    if embedding_args(info)[1]:",
+        new="    if False:",
+        description="scale_grad_by_freq offered id-sharded and vocab-parallel lookups (counts per piece)",
+        targets=("tests/test_rules.py::test_embedding",),
+    ),
+    Mutant(
+        name="arguments-max-norm-not-refused",
+        file="mcompile/arguments.py",
+        old="        if node.target is aten.embedding_renorm_.default and mesh.size() > 1:",
+        new="        if False:",
+        description="nn.Embedding(max_norm) planned: the in-place renorm hits a gathered copy, silently",
+        targets=("tests/test_op_args.py::test_arguments_no_layout_keeps_are_refused_by_name",),
+    ),
+    Mutant(
+        name="runtime-full-grads-alias-replicated",
+        file="runtime/module.py",
+        old="            fulls[fqn] = full.clone() if full is local else full",
+        new="            fulls[fqn] = full",
+        description="full_grads() returns a replicated parameter's .grad itself: a later clip rescales it",
+        targets=("tests/test_op_args.py::test_hugging_face_encoder_trains_exactly[tp=2]",),
+    ),
+    # ---- lowering (passes/lower.py) ---------------------------------------------------------------------
+    Mutant(
+        name="lower-embedding-floor-vocab-shard",
+        file="passes/lower.py",
+        old="    v_local = math.ceil(int(w_meta.shape[0]) / ax.size)",
+        new="    v_local = int(w_meta.shape[0]) // ax.size",
+        description="vocab-parallel embedding rows per rank rounded down: with a padded vocabulary (129 at "
+                    "tp=2) every rank but 0 looks up ids at the wrong offset",
+        targets=(_FWD_PADDED,),
+    ),
+    Mutant(
+        name="lower-embedding-out-of-range-rows-kept",
+        file="passes/lower.py",
+        old="    return g.call_function(aten.masked_fill.Scalar, (rows, mask, 0.0))",
+        new="    return rows",
+        description="vocab-parallel embedding does not zero the rows of ids that live on another rank "
+                    "(each rank adds its row 0 for them)",
+        targets=(_FWD_TP,),
+    ),
+    Mutant(
+        name="lower-cross-entropy-ignored-targets-counted",
+        file="passes/lower.py",
+        old="    loss = g.call_function(aten.masked_fill.Scalar, (loss, ignored, 0.0))",
+        new="    loss = loss  # targets equal to ignore_index not masked out",
+        description="vocab-parallel cross-entropy keeps the loss of targets equal to ignore_index (-100)",
+        targets=(_FWD_TP,),
+    ),
+    Mutant(
+        name="lower-cross-entropy-padded-columns-not-masked",
+        file="passes/lower.py",
+        old='        xf = g.call_function(aten.masked_fill.Scalar, (xf, pad, float("-inf")))',
+        new="        xf = xf  # padded vocabulary columns left at their logits",
+        description="the padded vocabulary columns' logits (0) are not masked to -inf: they enter the "
+                    "max and the sum of exponentials",
+        targets=(_FWD_PADDED,),
+    ),
+    Mutant(
+        name="lower-sp-gather-backward-not-reduce-scattered",
+        file="passes/lower.py",
+        old='                mode = "reduce_scatter" if need_f else "split"',
+        new='                mode = "split"',
+        description="SP: the all-gather entering a tp region keeps the local gradient chunk in backward "
+                    "instead of reduce-scattering the partial gradients (f fused into it lost)",
+        targets=(_BWD_SP,),
+    ),
+    Mutant(
+        name="lower-f-only-before-partial-outputs",
+        file="passes/lower.py",
+        old="                    ax.loss_replicated and isinstance(r, Replicate) and not isinstance(out_p, Replicate)",
+        new="                    ax.loss_replicated and isinstance(r, Replicate) and isinstance(out_p, Partial)",
+        description="Megatron's f is placed only before ops with a Partial output, not before "
+                    "column-parallel ones (sharded output): their input gradients stay partial",
+        targets=(_BWD_TP,),
+    ),
+    # ---- the token-weighted loss and the gradient reductions (passes/loss.py, runtime/module.py) ---------
+    Mutant(
+        name="loss-count-includes-ignored-targets",
+        file="passes/loss.py",
+        old="        kept = call(aten.ne.Scalar, target, ignore)",
+        new="        kept = call(aten.ge.Scalar, target, ignore)",
+        description="the token count of the rewritten mean counts the ignored targets (-100) too",
+        targets=(_RT_TP,),
+    ),
+    Mutant(
+        name="runtime-grads-not-divided-by-token-count",
+        file="runtime/module.py",
+        old="        self._finish_grads(scale=1.0 / stats[1])",
+        new="        self._finish_grads(scale=torch.ones_like(stats[1]))",
+        description="gradients are not divided by the global token count: every gradient ~59x too large "
+                    "(the loss stays right)",
+        targets=(_RT_TP,),
+    ),
+    Mutant(
+        name="runtime-grads-divided-by-local-token-count",
+        file="runtime/module.py",
+        old='        stats = torch.stack([total, count])\n'
+            '        if self.mesh.size("dp") > 1:\n'
+            '            dist.all_reduce(stats, group=self._comm.groups["dp"])\n'
+            '        self._finish_grads(scale=1.0 / stats[1])',
+        new='        stats = torch.stack([total, count])\n'
+            '        local_count = stats[1].clone()\n'
+            '        if self.mesh.size("dp") > 1:\n'
+            '            dist.all_reduce(stats, group=self._comm.groups["dp"])\n'
+            '        self._finish_grads(scale=1.0 / local_count)',
+        description="each dp rank divides the summed gradients by its own token count instead of the "
+                    "global one (ranks count 27 and 32 targets)",
+        targets=(_RT_DP,),
+    ),
+    Mutant(
+        name="runtime-dp-bucket-reduced-after-first-microbatch",
+        file="runtime/module.py",
+        old="                self._armed = i == len(pieces) - 1",
+        new="                self._armed = True",
+        description="the dp gradient buckets are armed on every microbatch: reduced after the first one, "
+                    "the later microbatches' gradients are overwritten",
+        targets=(_RT_DP_MB,),
+    ),
+    Mutant(
+        name="runtime-sp-norm-grads-not-reduced-over-tp",
+        file="runtime/module.py",
+        old='            flat = self._flat_grads(self._tp_partial)\n'
+            '            dist.all_reduce(flat, group=self._comm.groups["tp"])\n',
+        new='            flat = self._flat_grads(self._tp_partial)\n',
+        description="sequence-parallel norm weights' gradients (Partial over tp) are not all-reduced over tp",
+        targets=(_RT_SP,),
+    ),
+    # ---- ZeRO-1 buffers (runtime/zero.py, mcompile/buckets.py) -----------------------------------------
+    Mutant(
+        name="zero-grads-not-divided-by-token-count",
+        file="runtime/zero.py",
+        old="            owned.mul_(scale)\n",
+        new="",
+        description="ZeRO-1: the reduce-scattered gradients are not divided by the global token count",
+        targets=("tests/test_zero.py::test_zero1_parity[dp=2,tp=2-]",),
+    ),
+    Mutant(
+        name="zero-sp-norm-grads-not-reduced-over-tp",
+        file="runtime/zero.py",
+        old='                dist.all_reduce(flat, group=self.groups["tp"])\n',
+        new="",
+        description="ZeRO-1: the owned segments of SP norm-weight gradients are not all-reduced over tp",
+        targets=("tests/test_zero.py::test_zero1_parity[dp=2,tp=2-sequence_parallel=True-bucket_mb=0.01]",),
+    ),
+    Mutant(
+        name="buckets-padding-rounds-down",
+        file="mcompile/buckets.py",
+        old="        return -(-self.numel // self.dp) * self.dp",
+        new="        return self.numel // self.dp * self.dp",
+        description="a bucket's flat buffer is rounded down to a multiple of dp instead of padded up",
+        targets=("tests/test_zero.py::test_zero1_parity_with_padded_buffers",),
+    ),
+    Mutant(
+        name="zero-checkpoint-shards-under-a-shared-key",
+        file="runtime/zero.py",
+        old='        return {f"rank{dist.get_rank()}": self.state_dict()}\n\n'
+            '    def load_sharded_state_dict(self, state: dict) -> None:\n'
+            '        self.load_state_dict(state[f"rank{dist.get_rank()}"])',
+        new='        return {"shard": self.state_dict()}\n\n'
+            '    def load_sharded_state_dict(self, state: dict) -> None:\n'
+            '        self.load_state_dict(state["shard"])',
+        description="ZeRO-1 checkpoints save every rank's optimizer shard under one key: DCP keeps one "
+                    "rank's copy, every rank loads it",
+        targets=("tests/test_zero.py::test_zero1_checkpoint_resume_is_bit_identical",),
+    ),
+    # ---- pipeline schedules (runtime/schedules.py) and the split (passes/pipeline_split.py) -------------
+    Mutant(
+        name="schedule-1f1b-one-more-warmup-forward",
+        file="runtime/schedules.py",
+        old="    warm = min(p - r - 1, m)",
+        new="    warm = min(p - r, m)",
+        description="1F1B runs p - r warm-up forwards instead of p - r - 1 (one microbatch more in flight)",
+        targets=(_BUBBLE, f"{_SCHED_MEM} -k 1f1b"),
+    ),
+    Mutant(
+        name="schedule-1f1b-rank0-first-backward-early",
+        file="runtime/schedules.py",
+        old='        out += [Action("F", r, f), Action("B", r, b)]',
+        new='        out += [Action("B", r, b), Action("F", r, f)] if (r == 0 and b == 0) else '
+            '[Action("F", r, f), Action("B", r, b)]',
+        description="1F1B: rank 0's first backward is swapped with the forward after it (found blind: "
+                    "the bubble and every action still check out)",
+        targets=(_BUBBLE, f"{_SCHED_MEM} -k 1f1b"),
+    ),
+    Mutant(
+        name="schedule-interleaved-backward-chunk-order",
+        file="runtime/schedules.py",
+        old="        chunk = v - 1 - (k // p) % v",
+        new="        chunk = (k // p) % v",
+        description="interleaved 1F1B runs the backwards of a rank's chunks first-to-last instead of last-to-first",
+        targets=(_BUBBLE,),
+    ),
+    Mutant(
+        name="schedule-interleaved-warmup-without-factor-2",
+        file="runtime/schedules.py",
+        old="    warm = min((p - r - 1) * 2 + (v - 1) * p, total) if v > 1 else min(p - r - 1, total)",
+        new="    warm = min((p - r - 1) + (v - 1) * p, total) if v > 1 else min(p - r - 1, total)",
+        description="interleaved 1F1B warm-up (p - r - 1) + (v - 1)p forwards instead of Megatron's "
+                    "2(p - r - 1) + (v - 1)p",
+        targets=(_BUBBLE, f"{_SCHED_MEM} -k interleaved"),
+    ),
+    Mutant(
+        name="schedule-zbh1-w-never-deferred",
+        file="runtime/schedules.py",
+        old='            if a.kind == "B" and a.mb >= r:\n'
+            '                acts.append(Action("W", r, a.mb - r))\n'
+            '        acts += [Action("W", r, i) for i in range(max(0, m - r), m)]',
+        new='            if a.kind == "B":\n'
+            '                acts.append(Action("W", r, a.mb))',
+        description="ZB-H1 runs each W right after its own B on every rank instead of r backwards later "
+                    "on rank r (no deferral: 1F1B's bubble)",
+        targets=(_BUBBLE, f"{_SCHED_MEM} -k zbh1"),
+    ),
+    Mutant(
+        name="schedule-peak-activations-freed-at-b",
+        file="runtime/schedules.py",
+        old='        elif a.kind == "W" or (a.kind == "B" and (not split or a.stage == 0)):',
+        new='        elif a.kind == "B":',
+        description="peak_activation_bytes frees a microbatch's activations at B even when its W still "
+                    "holds them (zero-bubble split)",
+        targets=(f"{_SCHED_MEM} -k peak_bytes",),
+    ),
+    Mutant(
+        name="pipeline-split-sends-values-used-only-here",
+        file="passes/pipeline_split.py",
+        old="                                   and last_use.get(n.name, -1) > t]",
+        new="                                   and last_use.get(n.name, -1) >= t]",
+        description="a stage also sends the activations whose last use is its own (off by one at the cut)",
+        targets=("tests/test_pipeline.py::test_pipeline_parity[llama3-tiny-pp=2-microbatches=2]",),
+    ),
+    # ---- memory model (mcompile/memory_model.py) -----------------------------------------------------------
+    Mutant(
+        name="memory-fp32-master-counted-for-fp32-params",
+        file="mcompile/memory_model.py",
+        old="    opt = 8 + (4 if p != 4 else 0)",
+        new="    opt = 8 + 4",
+        description="bytes per parameter count an fp32 master copy even when the parameters are fp32 (20 B, not 16)",
+        targets=("tests/test_cost.py::test_model_state_bytes_megatron_table",),
+    ),
+    Mutant(
+        name="memory-inflight-1f1b-ignores-stage",
+        file="mcompile/memory_model.py",
+        old="        return _min(p - i, m)",
+        new="        return _min(p, m)",
+        description="1F1B: every stage is taken to hold p microbatches (p - i on stage i)",
+        targets=("tests/test_cost.py::test_inflight_microbatches", f"{_SCHED_MEM} -k memory_model"),
+    ),
+    Mutant(
+        name="memory-inflight-interleaved-off-by-one",
+        file="mcompile/memory_model.py",
+        old="        return _min(sympy.Rational(2 * (p - i - 1) + (v - 1) * p + 1, v), m)",
+        new="        return _min(sympy.Rational(2 * (p - i - 1) + (v - 1) * p, v), m)",
+        description="interleaved 1F1B: in-flight chunks = the warm-up count, without the one in steady state",
+        targets=("tests/test_cost.py::test_inflight_microbatches", f"{_SCHED_MEM} -k memory_model"),
+    ),
+    # ---- cost model (mcompile/cost.py) ----------------------------------------------------------------------
+    Mutant(
+        name="cost-intra-node-efficiency-30pct-low",
+        file="mcompile/cost.py",
+        old="    intra_node: float = 0.75",
+        new="    intra_node: float = 0.525",
+        description="NVLink collective efficiency 30% low (0.525 instead of 0.75)",
+        targets=(_PUBLISHED,),
+    ),
+    Mutant(
+        name="cost-inter-node-efficiency-30pct-low",
+        file="mcompile/cost.py",
+        old="    inter_node: float = 0.85",
+        new="    inter_node: float = 0.595",
+        description="InfiniBand collective efficiency 30% low (0.595 instead of 0.85)",
+        targets=(_PUBLISHED,),
+    ),
+    Mutant(
+        name="cost-attention-efficiency-30pct-low",
+        file="mcompile/cost.py",
+        old="    attention: float = 0.50",
+        new="    attention: float = 0.35",
+        description="attention kernel efficiency 30% low (0.35 instead of 0.50)",
+        targets=(_PUBLISHED,),
+    ),
+    Mutant(
+        name="cost-all-reduce-without-factor-2",
+        file="mcompile/cost.py",
+        old="_ratio(2 * (n - 1), n, nbytes) * nbytes / bandwidth",
+        new="_ratio(n - 1, n, nbytes) * nbytes / bandwidth",
+        description="ring all-reduce moves (n-1)/n of the bytes instead of 2(n-1)/n",
+        targets=("tests/test_cost.py::test_collective_formulas_and_links", _PUBLISHED),
+    ),
+    # ---- FP8 scaling (kernels/fp8.py) ------------------------------------------------------------------------
+    Mutant(
+        name="fp8-margin-multiplies-scale",
+        file="kernels/fp8.py",
+        old="    s = fp8_max(dtype) / amax_value.float() / 2.0 ** margin",
+        new="    s = fp8_max(dtype) / amax_value.float() * 2.0 ** margin",
+        description="the FP8 scale's margin multiplies by 2^margin instead of dividing (less headroom, not more)",
+        targets=("tests/test_fp8.py::test_scale_edge_cases",),
+    ),
+    Mutant(
+        name="fp8-scale-uses-e4m3-max-for-every-format",
+        file="kernels/fp8.py",
+        old="    s = fp8_max(dtype) / amax_value.float() / 2.0 ** margin",
+        new="    s = fp8_max(torch.float8_e4m3fn) / amax_value.float() / 2.0 ** margin",
+        description="the scale formula uses E4M3's largest value (448) for E5M2 gradients too (57344): "
+                    "gradients use a fraction of their range",
+        targets=("tests/test_fp8.py::test_cast_round_trip_within_half_an_ulp",
+                 "tests/test_fp8.py::test_fp8_linear_forward_and_backward_against_float64"),
+    ),
+    Mutant(
+        name="fp8-delayed-scale-from-newest-amax",
+        file="kernels/fp8.py",
+        old="    past = row.amax()",
+        new="    past = row[0]",
+        description="delayed scaling takes the newest amax of the history instead of the largest",
+        targets=("tests/test_fp8.py::test_delayed_scaling_history",),
+    ),
+    Mutant(
+        name="fp8-amax-history-shifts-wrong-way",
+        file="kernels/fp8.py",
+        old="    history.copy_(torch.cat([amaxes.to(history.dtype).view(3, 1), history[:, :-1]], 1))",
+        new="    history.copy_(torch.cat([amaxes.to(history.dtype).view(3, 1), history[:, 1:]], 1))",
+        description="the amax history push drops the newest past column instead of the oldest",
+        targets=("tests/test_fp8.py::test_delayed_scaling_history",),
+    ),
+    # ---- checkpoints (runtime/checkpoint.py) -------------------------------------------------------------
+    Mutant(
+        name="checkpoint-optimizer-state-keyed-by-group-index",
+        file="runtime/checkpoint.py",
+        old="_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)",
+        new="_OPTIONS = StateDictOptions()",
+        description="optimizer state saved keyed by param-group index, not by FQN: under pp every rank's "
+                    "group 0 holds other parameters and DCP keeps one rank's options",
+        targets=("tests/test_pipeline.py::test_state_dict_forward_timeline_and_checkpoint_under_pp",
+                 "tests/test_fp8.py::test_fp8_delayed_checkpoint_resumes_bit_identically"),
+    ),
+    Mutant(
+        name="checkpoint-fp8-histories-under-a-shared-key",
+        file="runtime/checkpoint.py",
+        old='def _fp8_key() -> str:\n    return f"rank{dist.get_rank()}"',
+        new='def _fp8_key() -> str:\n    return "histories"',
+        description="FP8 amax histories saved under a key shared by all ranks: DCP keeps one rank's, the "
+                    "tp ranks of a stage resume with the same histories",
+        targets=("tests/test_fp8.py::test_fp8_delayed_checkpoint_resumes_bit_identically",),
+    ),
+]
