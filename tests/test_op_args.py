@@ -151,7 +151,11 @@ def _check_parity(a: Args, sp: bool, seed: int, fuse: bool = False):
     inputs = _inputs(a, seed)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no op may fall back to replicated
-        c = compile_plan(model, Mesh.parse("tp=2"), inputs, sequence_parallel=sp)
+        # a mean loss goes through the runtime's rewrite into (sum, count) (passes/loss.py), which
+        # must keep ignore_index, class weights and label smoothing
+        c = compile_plan(model, Mesh.parse("tp=2"), inputs, sequence_parallel=sp,
+                         token_weighted_loss=a.reduction == "mean")
+    assert c.canonical.get("mean_loss_to_sum_count", 0) == (a.reduction == "mean")
     aten = torch.ops.aten
     emb = _strategy_names(c, aten.embedding.default)
     assert emb[0] == ("hidden_parallel" if a.freq else "vocab_parallel"), emb
