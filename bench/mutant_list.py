@@ -232,6 +232,15 @@ MUTANTS: list[Mutant] = [
         targets=(_RT_TP,),
     ),
     Mutant(
+        name="demo-grads-not-divided-by-token-count",
+        file="runtime/module.py",
+        old="        self._finish_grads(scale=1.0 / stats[1])",
+        new="        self._finish_grads(scale=torch.ones_like(stats[1]))",
+        description="the same bug seen by the demo (found blind: its test only read a heading): the "
+                    "gradient norm's printed difference is bounded now",
+        targets=("tests/test_launch.py::test_demo_command",),
+    ),
+    Mutant(
         name="runtime-grads-divided-by-local-token-count",
         file="runtime/module.py",
         old='        stats = torch.stack([total, count])\n'
@@ -310,7 +319,7 @@ MUTANTS: list[Mutant] = [
         old="    warm = min(p - r - 1, m)",
         new="    warm = min(p - r, m)",
         description="1F1B runs p - r warm-up forwards instead of p - r - 1 (one microbatch more in flight)",
-        targets=(_BUBBLE, f"{_SCHED_MEM} -k 1f1b"),
+        targets=(f"{_SCHED_MEM} -k 1f1b", _BUBBLE),
     ),
     Mutant(
         name="schedule-1f1b-rank0-first-backward-early",
@@ -320,7 +329,20 @@ MUTANTS: list[Mutant] = [
             '[Action("F", r, f), Action("B", r, b)]',
         description="1F1B: rank 0's first backward is swapped with the forward after it (found blind: "
                     "the bubble and every action still check out)",
-        targets=(_BUBBLE, f"{_SCHED_MEM} -k 1f1b"),
+        targets=(f"{_SCHED_MEM} -k 1f1b", _BUBBLE),
+    ),
+    Mutant(
+        name="schedule-1f1b-rank0-first-backward-late",
+        file="runtime/schedules.py",
+        old='    out += [Action("B", r, i) for i in range(b, m)]\n    return out',
+        new='    out += [Action("B", r, i) for i in range(b, m)]\n'
+            '    if r == 0 and m > p:\n'
+            '        k = out.index(Action("B", 0, 0))\n'
+            '        out[k], out[k + 1] = out[k + 1], out[k]\n'
+            '    return out',
+        description="1F1B: rank 0's first backward swapped with the forward after it: p + 1 microbatches in "
+                    "flight, same makespan (issue 12's blind spot: every pipeline test passed)",
+        targets=(f"{_SCHED_MEM} -k 1f1b",),
     ),
     Mutant(
         name="schedule-interleaved-backward-chunk-order",
