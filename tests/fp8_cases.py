@@ -60,9 +60,11 @@ def fp8_runs(rank, world, mesh, runs, steps=3):
     with _reference_casts():
         for recipe, options in runs:
             pm, opt, inputs = _module(mesh, recipe, options)
-            losses = train_steps(pm, opt, inputs, steps)
+            grads = []  # every step's unclipped full gradients (a scale error leaves losses nearly alone)
+            losses = train_steps(pm, opt, inputs, steps, lambda pm=pm, grads=grads: grads.append(pm.full_grads()))
             mine = pm.fp8_histories()
             out.append({"losses": losses, "histories": {n: h.clone() for n, h in mine.items()},
+                        "grads": grads if rank == 0 else None,
                         "stages": _stage_buffers(pm),
                         "idle": sorted(n for n, h in (pm.fp8.histories.items() if pm.fp8 else ()) if n not in mine
                                        and h.any()),

@@ -490,6 +490,18 @@ def _close(losses, ref):
     return all(abs(a - b) <= PP_RTOL * abs(b) for a, b in zip(losses, ref, strict=True))
 
 
+GRAD_RTOL = 1e-5  # per tensor in norm: FP8 casts of the same scales, reductions in another order
+
+
+def _assert_grads_close(steps, ref_steps):
+    assert len(steps) == len(ref_steps)
+    for step, (grads, ref) in enumerate(zip(steps, ref_steps)):
+        assert sorted(grads) == sorted(ref)
+        for k, g in grads.items():
+            err = ((g - ref[k]).norm() / ref[k].norm()).item()
+            assert err <= GRAD_RTOL, (step, k, err)
+
+
 @pytest.mark.timeout(300)
 def test_fp8_under_pipeline_parallelism():
     """pp=2 (two stages of llama3-tiny, 7 FP8 linears each) against pp=1 with the same microbatches.
@@ -516,6 +528,8 @@ def test_fp8_under_pipeline_parallelism():
         assert [x["losses"] for x in r] == [x["losses"] for x in res[0]]  # every rank returns the loss
         assert _close(r[0]["losses"], ref[0]["losses"]), (r[0]["losses"], ref[0]["losses"])
         assert _close(r[1]["losses"], ref[1]["losses"]), (r[1]["losses"], ref[1]["losses"])
+    for run in (0, 1):  # and every step's unclipped gradients
+        _assert_grads_close(res[0][run]["grads"], ref[run]["grads"])
         delayed, zbh1 = r[2], r[3]
         (stage, (names, shared)), = delayed["stages"].items()
         assert shared and names == sorted(delayed["histories"]) and not delayed["idle"]
@@ -541,6 +555,7 @@ def test_fp8_delayed_checkpoint_resumes_bit_identically(tmp_path):
     ref = pool(2).run(fp8_runs, "tp=2", [("current", M2)], 3)[0][0]
     res = pool(4).run(fp8_runs, "pp=2,tp=2", [("current", M2)], 3)
     assert all(_close(r[0]["losses"], ref["losses"]) for r in res), ([r[0]["losses"] for r in res], ref)
+    _assert_grads_close(res[0][0]["grads"], ref["grads"])
 
     out = pool(4).run(fp8_checkpoint, "pp=2,tp=2", str(tmp_path), M2)
     for r in out:
