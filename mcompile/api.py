@@ -220,13 +220,14 @@ def parallelize(
     ``plan="auto"`` (no mesh): :func:`mcompile.search.search` picks the mesh and the options for the
     world size on ``hardware`` (default "cpu-gloo" on CPU, "h100" on GPU) at ``global_batch`` (default:
     the example inputs' batch); rank 0 logs the choice and why (logger ``mcompile.search``)."""
+    import datetime
     import hashlib
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from mcompile.config import Config
-    from mcompile.runtime.launch import init_distributed
+    from mcompile.runtime.launch import init_distributed, rank_device
     from mcompile.runtime.module import ParallelModule
 
     if config is not None and options:
@@ -234,7 +235,7 @@ def parallelize(
     if plan not in (None, "auto") or (plan is None) == (mesh is None):
         raise ValueError("parallelize() takes a mesh, or plan='auto' (no mesh) to search one")
     config = config or Config(**options)
-    init_distributed()
+    init_distributed(timeout=datetime.timedelta(seconds=config.collective_timeout_s))
     world = dist.get_world_size()
     if plan == "auto":
         mesh, config = _auto_plan(model, world, example_inputs, example_kwargs, config, options, hardware,
@@ -244,7 +245,7 @@ def parallelize(
             f"{mesh!r} has {mesh.size()} ranks but the world has {world} processes: make the product of "
             f"the mesh axes equal the number of processes (launch {mesh.size()} processes, or change the mesh)"
         )
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_type = rank_device().type  # also the current CUDA device on NCCL (LOCAL_RANK)
     shape, names = mesh.shape, mesh.axis_names
     if mesh.size("pp") > 1 and len(names) == 1:  # stage parameters live on the other axes: give them one
         shape, names = (1, *shape), ("dp", *names)
@@ -277,6 +278,7 @@ def _auto_plan(model, world, example_inputs, example_kwargs, config, options, ha
     import torch.distributed as dist
 
     from mcompile.config import Config
+    from mcompile.runtime.launch import uses_nccl
     from mcompile.search import auto_layout
 
     if not options:  # given as config=: its non-default fields are the user's choices
@@ -288,7 +290,7 @@ def _auto_plan(model, world, example_inputs, example_kwargs, config, options, ha
         try:
             box[0] = auto_layout(model, world, tuple(example_inputs), example_kwargs, dict(options), hardware=hardware,
                                  global_batch=global_batch,
-                                 device_type="cuda" if dist.get_backend() == "nccl" else "cpu")
+                                 device_type="cuda" if uses_nccl(dist.get_backend()) else "cpu")
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             box[0] = e
     dist.broadcast_object_list(box, src=0)

@@ -43,6 +43,10 @@ class Config:
     # reduce-scattered (mcompile.runtime.zero; create the optimizer with its DistributedOptimizer).
     # A no-op (with a warning) when the mesh has no dp axis > 1.
     zero: int = 0
+    # how long a collective may wait before the process group gives up, when parallelize initialises
+    # torch.distributed itself: planning, the first step's compilation and checkpoint I/O happen between
+    # collectives, so it is long (torch's NCCL default is 10 minutes)
+    collective_timeout_s: float = 1800.0
 
     def __post_init__(self):
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -71,6 +75,8 @@ class Config:
             raise ValueError(f"pipeline_granularity={self.pipeline_granularity!r}: use 'auto', 'layer' or 'sublayer'")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be positive")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} must be a positive number of seconds")
         self._check_fp8()
 
     def _check_fp8(self):

@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["init_distributed", "shutdown_distributed", "spawn", "WorkerPool", "free_port"]
+__all__ = ["init_distributed", "shutdown_distributed", "spawn", "WorkerPool", "free_port", "rank_device",
+           "uses_nccl"]
 
-DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)  # the test pools and spawn: a hang fails fast
 
 
 def free_port() -> int:
@@ -36,8 +37,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
-    """Initialise the default process group from torchrun's environment (if not done already)."""
+def init_distributed(backend: str | None = None, timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> None:
+    """Initialise the default process group from torchrun's environment (if not done already).
+
+    ``timeout``: how long a collective may wait; planning, the first step and checkpoint I/O run
+    between collectives, so the default is long (``Config.collective_timeout_s`` in parallelize)."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
@@ -46,9 +50,35 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta = D
             "`torchrun --nproc-per-node N script.py`, or use mcompile.runtime.launch.spawn"
         )
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if uses_nccl(backend):
+        torch.cuda.set_device(_local_cuda_index(int(os.environ["RANK"])))
     dist.init_process_group(backend, timeout=timeout)
+
+
+def uses_nccl(backend: str) -> bool:
+    """Whether a process-group backend string runs CUDA tensors over NCCL: ``"nccl"``, or a per-device
+    map such as ``"cpu:gloo,cuda:nccl"`` (what ``dist.get_backend()`` returns for one)."""
+    parts = [p.strip() for p in backend.lower().split(",")]
+    return any(p == "nccl" or p == "cuda:nccl" for p in parts)
+
+
+def _local_cuda_index(rank: int) -> int:
+    """This process's GPU: ``LOCAL_RANK`` (torchrun sets it), else the rank modulo the GPUs here."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    return rank % max(1, torch.cuda.device_count())
+
+
+def rank_device() -> torch.device:
+    """The device this rank's programs run on, for an initialised default group. On NCCL it is also
+    made the current CUDA device: a user who called ``init_process_group`` without ``set_device``
+    would otherwise put every rank's tensors (and NCCL's communicators) on GPU 0."""
+    if not uses_nccl(dist.get_backend()):
+        return torch.device("cpu")
+    index = _local_cuda_index(dist.get_rank())
+    if torch.cuda.current_device() != index:
+        torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def shutdown_distributed() -> None:

@@ -77,3 +77,43 @@ def test_demo_command():
     assert found, proc.stdout[-3000:]
     loss_rel, norm_rel = float(found[2]), float(found[3])
     assert loss_rel < 1e-5 and norm_rel < 1e-5, (loss_rel, norm_rel)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("backend,nccl", [("nccl", True), ("gloo", False), ("cpu:gloo,cuda:nccl", True),
+                                          ("cuda:nccl,cpu:gloo", True), ("cpu:gloo", False), ("NCCL", True)])
+def test_backend_strings_that_run_cuda_over_nccl(backend, nccl):
+    """dist.get_backend() returns a device map such as "cpu:gloo,cuda:nccl" for a mixed group: reading
+    it as "not nccl" put every rank of such a group on the CPU."""
+    from mcompile.runtime.launch import uses_nccl
+
+    assert uses_nccl(backend) is nccl
+
+
+@pytest.mark.timeout(30)
+def test_init_distributed_takes_the_device_from_local_rank_and_a_long_timeout(monkeypatch):
+    """Under torchrun, NCCL ranks land on their LOCAL_RANK GPU (not all on GPU 0), and parallelize's
+    collective timeout (Config.collective_timeout_s, 30 min) reaches init_process_group."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from mcompile import Config
+    from mcompile.runtime import launch
+
+    calls = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: calls.update(backend=backend,
+                                                                                          timeout=timeout))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.update(device=i))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("RANK", "13")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    launch.init_distributed("nccl", timeout=datetime.timedelta(seconds=Config().collective_timeout_s))
+    assert calls == {"backend": "nccl", "timeout": datetime.timedelta(minutes=30), "device": 5}
+    monkeypatch.delenv("LOCAL_RANK")
+    launch.init_distributed("cpu:gloo,cuda:nccl")
+    assert calls["device"] == 13 % 8 and calls["backend"] == "cpu:gloo,cuda:nccl"
+    with pytest.raises(ValueError, match="collective_timeout_s"):
+        Config(collective_timeout_s=0)
