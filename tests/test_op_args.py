@@ -346,3 +346,43 @@ def test_hugging_face_bert_plans_without_fallback_and_is_exact():
     # the word table is tied to the MLM decoder (its padding row gets the decoder's gradient), the
     # position table is not: its padding-free lookup is vocab-parallel too
     assert _strategy_names(c, torch.ops.aten.embedding.default)[0] == "vocab_parallel"
+
+
+class _TiedOddVocab(torch.nn.Module):
+    """A vocabulary of 17 (padded to 18 at tp=2), the head tied to the embedding as GPT-2's."""
+
+    def __init__(self, smoothing):
+        super().__init__()
+        self.smoothing = smoothing
+        self.emb = torch.nn.Embedding(17, HIDDEN)
+        self.mix = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, 17, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.mix(self.emb(ids))))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=self.smoothing)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2+sp"])
+def test_label_smoothing_over_a_padded_vocabulary(sp):
+    """The smoothing term averages -log p over the true vocabulary: the padded column (masked to -inf
+    for the max and the sum of exponentials) must not enter the sum of logits, nor the count."""
+    torch.manual_seed(0)
+    model = _TiedOddVocab(0.2)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 17, (2, 8), generator=g), torch.randint(0, 17, (2, 8), generator=g)
+    labels[0, :2] = -100
+    c = compile_plan(model, Mesh.parse("tp=2"), (ids, labels), sequence_parallel=sp, token_weighted_loss=True)
+    assert c.plan.params["emb.weight"].padded_shape == (18, HIDDEN)
+    assert _strategy_names(c, torch.ops.aten.cross_entropy_loss.default) == ["vocab_parallel"]
+    model.zero_grad()
+    ref_loss = model(ids, labels)
+    ref_loss.backward()
+    results = run_sim(c, (ids, labels), backward=True)
+    assert torch.allclose(results[0][0], ref_loss, rtol=1e-6, atol=0)
+    full = combine_grads(c, [gr for _, gr, _ in results])
+    for k, p in model.named_parameters():
+        err = ((full[k] - p.grad).norm() / p.grad.norm()).item()
+        assert err <= 1e-5, (k, err)
