@@ -214,8 +214,10 @@ def parallelize(
 ):
     """Plan ``model`` over ``mesh`` and return a :class:`~mcompile.runtime.module.ParallelModule`
     that trains it on this process's rank (DESIGN §3). Call it on every rank with the same model
-    (rank 0's weights are broadcast) and the same arguments; options are :class:`mcompile.Config`
-    fields, as keywords or one ``config=``.
+    (rank 0's weights are broadcast; a model built on the meta device is initialised piece by piece on
+    every rank by its own initialisers, seeded per tensor name from ``init_seed``: the same values at
+    every layout, :mod:`mcompile.runtime.init`) and the same arguments; options are
+    :class:`mcompile.Config` fields, as keywords or one ``config=``.
 
     ``plan="auto"`` (no mesh): :func:`mcompile.search.search` picks the mesh and the options for the
     world size on ``hardware`` (default "cpu-gloo" on CPU, "h100" on GPU) at ``global_batch`` (default:

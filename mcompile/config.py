@@ -47,6 +47,9 @@ class Config:
     # torch.distributed itself: planning, the first step's compilation and checkpoint I/O happen between
     # collectives, so it is long (torch's NCCL default is 10 minutes)
     collective_timeout_s: float = 1800.0
+    # a model built on the meta device is initialised with its own initialisation, each tensor's generator
+    # seeded from (init_seed, its name): the same values on every layout (mcompile.runtime.init)
+    init_seed: int = 0
 
     def __post_init__(self):
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -77,6 +80,8 @@ class Config:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be positive")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} must be a positive number of seconds")
+        if not isinstance(self.init_seed, int) or isinstance(self.init_seed, bool) or self.init_seed < 0:
+            raise ValueError(f"init_seed={self.init_seed!r} must be an integer >= 0")
         self._check_fp8()
 
     def _check_fp8(self):

@@ -113,14 +113,23 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """GPT-2 init: normal(0, 0.02), zero biases, c_proj scaled by 1/sqrt(2*n_layer)."""
-        self.apply(self._init_weights)
+        self.apply(self._init_plain)
         std_proj = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=std_proj)
 
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """The same init, one module at a time (Hugging Face's convention), e.g. for a model built on
+        the meta device: called for every module after its children, it sets the module's own
+        tensors, and an attention or MLP block re-draws its ``c_proj.weight`` with the scaled std."""
+        self._init_plain(module)
+        if isinstance(module, (CausalSelfAttention, MLP)):
+            nn.init.normal_(module.c_proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+
     @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def _init_plain(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if module.bias is not None:

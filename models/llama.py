@@ -162,6 +162,24 @@ class Llama(nn.Module):
             nn.init.normal_(layer.attention.wo.weight, mean=0.0, std=std_proj)
             nn.init.normal_(layer.feed_forward.w2.weight, mean=0.0, std=std_proj)
 
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """The same init, one module at a time (Hugging Face's convention), e.g. for a model built on
+        the meta device: called for every module after its children, it sets the module's own
+        tensors; an attention / feed-forward block re-draws its output projection with the scaled
+        std, and the model itself recomputes its RoPE buffer."""
+        std_proj = 0.02 / math.sqrt(2 * self.config.n_layers)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, Attention):
+            nn.init.normal_(module.wo.weight, mean=0.0, std=std_proj)
+        elif isinstance(module, FeedForward):
+            nn.init.normal_(module.w2.weight, mean=0.0, std=std_proj)
+        elif module is self:
+            self.init_buffers()
+
     def num_params(self) -> int:
         """Parameter count, tied weights counted once (``parameters()`` de-duplicates)."""
         return sum(p.numel() for p in self.parameters())

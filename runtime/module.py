@@ -97,19 +97,26 @@ class ParallelModule(torch.nn.Module):
         self._token_weighted = bool(compiled.canonical.get("mean_loss_to_sum_count"))
         self._tied = {fqn: ties for fqn, ties in cap.tied.items()}
         self._placeholders = [n.name for n in self._program.graph.nodes if n.op == "placeholder"]
-        # parameters: rank 0's values, broadcast (never trust that every rank built the same weights)
+        # parameters: rank 0's values, broadcast (never trust that every rank built the same weights);
+        # those of a model built on the meta device: computed on every rank, piece by piece (runtime/init.py)
         full = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
         self._param_of_ph: dict[str, str] = dict(cap.params)
         self._params: dict[str, torch.nn.Parameter] = {}
+        self._extra: dict[str, torch.Tensor] = {}  # buffers and lifted constants, replicated
+        made_buffers = self._init_meta(model, cap)
         for fqn in cap.params.values():
+            if full[fqn].is_meta:  # initialised above (if this rank holds it)
+                continue
             t = full[fqn].to(self._device, torch.float32 if full[fqn].is_floating_point() else full[fqn].dtype)
             t = t.contiguous().clone()
             dist.broadcast(t, src=0)
             if self._pipe is None or fqn in self._pipe.own_params:  # under pp: the parameters of our stages
                 self._register(fqn, self._make_param(fqn, t))
-        self._extra: dict[str, torch.Tensor] = {}  # buffers and lifted constants, replicated
         named_buffers = dict(model.named_buffers())
         for ph, fqn in {**cap.buffers, **cap.constants}.items():
+            if ph in made_buffers:
+                self._extra[ph] = made_buffers[ph]
+                continue
             if ph in cap.buffers:
                 t = named_buffers[fqn].detach().to(self._device).clone()
             else:
@@ -129,9 +136,45 @@ class ParallelModule(torch.nn.Module):
         self._build_buckets()
 
     # -- parameters -----------------------------------------------------------------------------
+    def _init_meta(self, model: torch.nn.Module, cap) -> dict[str, torch.Tensor]:
+        """The parameters and buffers the model has on the meta device, initialised by the model's own
+        initialisation seeded from ``(config.init_seed, name)`` (runtime/init.py): every rank computes
+        the full value of one tensor at a time and keeps its piece; no broadcast. Registers this rank's
+        parameters; returns the buffers (placeholder -> tensor). A failure on any rank (e.g. a module
+        without initialiser, named) is raised on every rank, before anything else is communicated."""
+        from mcompile.runtime import init
+
+        params = init.meta_names(model, list(cap.params.values()))
+        buffers = {fqn: ph for ph, fqn in cap.buffers.items() if fqn in init.meta_names(model, [fqn])}
+        if not params and not buffers:
+            return {}
+        mine = [f for f in params if self._pipe is None or f in self._pipe.own_params]
+        made, error = {}, None
+        try:
+            init.check_initialisers(model, params + list(buffers))  # every rank: the same answer
+            for fqn, t in init.init_tensors(model, mine + list(buffers), self.config.init_seed):
+                if fqn in buffers:
+                    made[buffers[fqn]] = t.to(self._device).clone()
+                    continue
+                t = t.to(self._device, torch.float32 if t.is_floating_point() else t.dtype)
+                self._register(fqn, self._make_param(fqn, t))  # the piece is a copy: the full tensor goes
+                del t
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            error = e
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if bad:
+            raise init.MetaInitError(f"initialising the meta-device model failed on rank {bad[0][0]}: {bad[0][1]}")
+        return made
+
     def _make_param(self, fqn: str, full: torch.Tensor) -> torch.nn.Parameter:
         pp = self.plan.params[fqn]
         local = pp.local_piece(full, self.mesh, self._coords)
+        if local.numel() < full.numel() and local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+            local = local.clone()  # a view of a shard would keep the whole tensor alive
         shape = torch.Size(pp.padded_shape or pp.shape)
         mesh, placements = self.device_mesh, list(pp.placements)
         if self._pipe is not None:  # a stage's parameters live on the mesh of the other axes
