@@ -159,6 +159,16 @@ MUTANTS: list[Mutant] = [
         description="full_grads() returns a replicated parameter's .grad itself: a later clip rescales it",
         targets=("tests/test_op_args.py::test_hugging_face_encoder_trains_exactly[tp=2]",),
     ),
+    # ---- meta-device initialisation (runtime/init.py, part of issue 11) ------------------------------
+    Mutant(
+        name="init-not-seeded-per-tensor",
+        file="runtime/init.py",
+        old="torch.default_generator.manual_seed(tensor_seed(seed, fqn))",
+        new="torch.default_generator.initial_seed()",
+        description="a meta model's tensors drawn from whatever state the generator is in: values depend on "
+                    "the rank's history and which tensors it holds, not on (seed, name)",
+        targets=("tests/test_init.py::test_meta_init_is_bit_identical_on_every_layout",),
+    ),
     # ---- lowering (passes/lower.py) ---------------------------------------------------------------------
     Mutant(
         name="lower-embedding-floor-vocab-shard",
