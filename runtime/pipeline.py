@@ -5,16 +5,41 @@
 :mod:`mcompile.passes.pipeline_split`; tests drive it with synthetic stages that sleep). For every
 action of the rank's list (:mod:`mcompile.runtime.schedules`):
 
-- ``F(s, i)``: wait for stage ``s-1``'s tensors of microbatch ``i`` (``irecv`` from the rank
-  holding it), run the stage, ``isend`` its outputs to the rank of ``s+1``;
-- ``B(s, i)``: wait for the gradients of those outputs from ``s+1``, run the backward, ``isend``
-  the gradients of the stage inputs to ``s-1``; ``W(s, i)``: the deferred weight gradient.
+- ``F(s, i)``: stage ``s-1``'s tensors of microbatch ``i`` (from the rank holding it), run the
+  stage, its outputs go to the rank of ``s+1``;
+- ``B(s, i)``: the gradients of those outputs from ``s+1``, run the backward, the gradients of the
+  stage inputs go to ``s-1``; ``W(s, i)``: the deferred weight gradient.
 
-Every message has its own tag, and a receiver posts its receives from one peer in the order that
-peer sends them (it knows the peer's action list), so pairs never disagree on order even when a
-rank holds several stages (interleaving). Sends are waited for at the end of the step. With
-``record=True`` every action and every wait is timed (wall clock, comparable across processes on
-one machine) for the Chrome-trace timeline (:mod:`mcompile.timeline`).
+**Posting order** (:func:`p2p_plan`, the one code path both the executor and the verifier's
+:func:`~mcompile.runtime.verify.rank_ops` read): before an action, the receives it needs are posted
+(``irecv``; a receiver posts its receives from one peer in the order that peer sends them, since it
+knows the peer's action list: NCCL ignores tags and pairs messages in posting order, and with
+several stages per rank the order of use can differ) and waited for; after it, one ``isend`` per
+output, waited for at the end of the step.
+
+**A communicator per direction** (:meth:`Pipeline._make_p2p_groups`: a two-rank process group for
+each sending and receiving pipeline rank). On NCCL a send completes only when its receive is
+posted, and the operations of one communicator run in order; torch's default puts both
+directions between two ranks on one communicator, and in 1F1B's steady state both neighbours send
+first, each send queueing the receive its peer waits for behind it: a hang for any message larger
+than NCCL's buffers (gloo buffers sends and hid it). With a communicator per direction a rank's
+sends to a peer queue only behind earlier sends to it, whose receives the peer posts in the same
+order before it needs any later message, and sends never block the host: the step completes
+under NCCL's rules exactly when it does with buffered sends (:mod:`mcompile.runtime.verify`
+proves both). Batching the crossing send and receive into one ``batch_isend_irecv`` (Megatron's
+``send_forward_recv_backward``) also breaks the cycle, at the price of holding each send back
+until the next action's receives are posted with it: the plain rule (the previous action's sends
+with the next one's receives) deadlocks interleaved schedules (63 of 84 configurations up to
+pp=8, v=4, m=4pp; GPipe, 1F1B and ZB-H1 pass), and Megatron's fix for them, one exchange per
+forward/backward pair, sends each activation a backward late (one measurement of the interleaved
+bubble at pp=4, m=8 on gloo: 0.28 against 0.16). The cost of the choice: two communicators per
+neighbour pair instead of one (NCCL buffers, and a group every rank creates); for pipelines of a
+few neighbours, small. NCCL creates a communicator at its first operation, blocking the host
+until the peer joins, so the groups are exercised once when they are made
+(:meth:`Pipeline._make_p2p_groups`).
+
+With ``record=True`` every action and every wait is timed (wall clock, comparable across
+processes on one machine) for the Chrome-trace timeline (:mod:`mcompile.timeline`).
 """
 
 from __future__ import annotations
@@ -27,7 +52,7 @@ import torch.distributed as dist
 
 from mcompile.runtime.schedules import Action
 
-__all__ = ["PipelineExecutor", "FxStage", "MessageSpec", "Event"]
+__all__ = ["PipelineExecutor", "FxStage", "MessageSpec", "Event", "Post", "Wait", "p2p_plan"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +73,80 @@ class Event:
     mb: int = -1
 
 
+# A message: (kind, sending stage, microbatch, index among the sender's messages); "act" goes to
+# stage + 1, "grad" (the gradient of the sender's input j, i.e. of output j of stage - 1) to stage - 1.
+@dataclass(frozen=True)
+class Post:
+    """Ops posted together: one ``batch_isend_irecv`` (``batched``) or a single isend / irecv."""
+    id: int
+    ops: tuple  # (("send" | "recv", message), ...)
+    batched: bool = True
+
+
+@dataclass(frozen=True)
+class Wait:
+    id: int  # the Post waited for
+
+
+def p2p_plan(actions: list, pp_rank: int | None, num_stages: int, out_diff: dict[int, list[bool]]) -> list:
+    """The step of pipeline rank ``pp_rank``: its actions with the postings and waits around them.
+
+    ``actions``: every pipeline rank's action list (a receiver posts its receives from a peer in
+    the order that peer sends them; with ``pp_rank=None``, one rank's list, whose receives are
+    then posted in the order it uses them); ``out_diff``: stage -> for each of its outputs, whether it is
+    differentiable (a gradient comes back for it). Before an action, the receives it needs are
+    posted (with any earlier messages of the same peer not yet posted) and waited for; after it,
+    each output is posted as its own send, waited for at the end of the step. Every posting is a
+    single op (``Post.batched`` False) on the communicator of its direction. Returns a list of
+    :class:`~mcompile.runtime.schedules.Action`, :class:`Post` and :class:`Wait`."""
+    def messages(kind: str, sender: int, mb: int) -> list[tuple]:
+        flags = out_diff.get(sender if kind == "act" else sender - 1, [])
+        return [(kind, sender, mb, j) for j, d in enumerate(flags) if kind == "act" or d]
+
+    def sends(a: Action) -> list[tuple]:
+        if a.kind == "F" and a.stage < num_stages - 1:
+            return messages("act", a.stage, a.mb)
+        if a.kind == "B" and a.stage > 0:
+            return messages("grad", a.stage, a.mb)
+        return []
+
+    def needs(a: Action) -> list[tuple]:
+        if a.kind == "F" and a.stage > 0:
+            return messages("act", a.stage - 1, a.mb)
+        if a.kind == "B" and a.stage < num_stages - 1:
+            return messages("grad", a.stage + 1, a.mb)
+        return []
+
+    if pp_rank is None:
+        pp, pp_rank = 1, 0
+        actions = [actions]
+        incoming = {0: [msg for a in actions[0] for msg in needs(a)]}
+    else:
+        pp = len(actions)
+        incoming: dict[int, list[tuple]] = {}  # peer -> the messages it sends here, in its order
+        for q, acts in enumerate(actions):
+            for a in acts:
+                for msg in sends(a):
+                    if (msg[1] + 1 if msg[0] == "act" else msg[1] - 1) % pp == pp_rank:
+                        incoming.setdefault(q, []).append(msg)
+    posted = {q: 0 for q in incoming}
+    post_of: dict[tuple, int] = {}
+    plan: list = []
+    for a in actions[pp_rank]:
+        for msg in needs(a):
+            q = msg[1] % pp
+            while msg not in post_of:
+                nxt = incoming[q][posted[q]]
+                posted[q] += 1
+                post_of[nxt] = len(plan)
+                plan.append(Post(len(plan), (("recv", nxt),), batched=False))
+            plan.append(Wait(post_of.pop(msg)))
+        plan.append(a)
+        for msg in sends(a):
+            plan.append(Post(len(plan), (("send", msg),), batched=False))
+    return plan
+
+
 @dataclass
 class _Slot:
     inputs: list = field(default_factory=list)  # received tensors (requires_grad where differentiable)
@@ -56,7 +155,8 @@ class _Slot:
 
 class PipelineExecutor:
     def __init__(self, *, rank: int, pp_rank: int, num_stages: int, actions: list[list[Action]], microbatches: int,
-                 peer_of_stage, stages: dict, send_specs: dict[int, list[MessageSpec]], record: bool = False):
+                 peer_of_stage, stages: dict, send_specs: dict[int, list[MessageSpec]], record: bool = False,
+                 groups: dict | None = None):
         self.rank = rank
         self.pp_rank = pp_rank
         self.k = num_stages
@@ -67,89 +167,99 @@ class PipelineExecutor:
         self.stages = stages
         self.send_specs = send_specs
         self.record = record
+        # (sending pipeline rank, receiving pipeline rank) -> the process group of that direction
+        # (None, or missing: the default group, e.g. on gloo, where the sharing is harmless)
+        self.groups = groups or {}
         self.events: list[Event] = []
         self._width = max([len(v) for v in send_specs.values()] + [1])
-        self._incoming = self._incoming_order()
 
     # -- message bookkeeping ------------------------------------------------------------------------
     def _tag(self, kind: str, stage: int, mb: int, j: int) -> int:
         return (((0 if kind == "act" else 1) * self.k + stage) * self.m + mb) * self._width + j
 
-    def _specs(self, kind: str, sender: int) -> list[MessageSpec]:
-        """Activations from ``sender`` are its outputs; gradients from ``sender`` belong to the
-        outputs of ``sender - 1``."""
-        return self.send_specs.get(sender if kind == "act" else sender - 1, [])
+    def _spec(self, msg: tuple) -> MessageSpec:
+        """Activations from ``stage`` are its outputs; gradients from ``stage`` belong to the
+        outputs of ``stage - 1``."""
+        kind, stage, _, j = msg
+        return self.send_specs[stage if kind == "act" else stage - 1][j]
 
-    def _messages(self, kind: str, sender: int) -> list[int]:
-        return [j for j, s in enumerate(self._specs(kind, sender)) if kind == "act" or s.differentiable]
+    def plan(self, actions: list[list[Action]]) -> list:
+        return p2p_plan(actions, self.pp_rank, self.k,
+                        {s: [sp.differentiable for sp in v] for s, v in self.send_specs.items()})
 
-    def _incoming_order(self) -> dict[int, list[tuple]]:
-        """peer pipeline rank -> the messages it sends to this rank, in its send order."""
-        mine = {s for s in range(self.k) if s % self.pp == self.pp_rank}
-        out: dict[int, list[tuple]] = {}
-        for q, acts in enumerate(self.actions):
-            for a in acts:
-                if a.kind == "F" and a.stage + 1 < self.k and a.stage + 1 in mine:
-                    out.setdefault(q, []).extend(("act", a.stage, a.mb, j) for j in self._messages("act", a.stage))
-                elif a.kind == "B" and a.stage > 0 and a.stage - 1 in mine:
-                    out.setdefault(q, []).extend(("grad", a.stage, a.mb, j) for j in self._messages("grad", a.stage))
-        return out
+    def _post(self, post: Post) -> tuple[list, list]:
+        ops = []
+        for op, msg in post.ops:
+            kind, stage, mb, j = msg
+            dst = stage + 1 if kind == "act" else stage - 1
+            group = self.groups.get((stage % self.pp, dst % self.pp))
+            if op == "send":
+                t = self._outbox.pop(msg)
+                ops.append(dist.P2POp(dist.isend, t, self.peer_of_stage(dst), group, self._tag(*msg)))
+            else:
+                spec = self._spec(msg)
+                t = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+                self._inbox[msg] = t
+                ops.append(dist.P2POp(dist.irecv, t, self.peer_of_stage(stage), group, self._tag(*msg)))
+        if post.batched:
+            works = dist.batch_isend_irecv(ops)
+        else:
+            (o,) = ops
+            works = [o.op(o.tensor, o.peer, o.group, o.tag)]
+        return works, [o.tensor for o in ops]  # the tensors stay alive until the wait (NCCL: one work per group)
 
-    def _post_until(self, key: tuple) -> None:
-        kind, stage, mb, j = key
-        q = stage % self.pp  # the sending stage's pipeline rank
-        order = self._incoming[q]
-        while self._posted[q] < len(order):
-            k2 = order[self._posted[q]]
-            self._posted[q] += 1
-            spec = self._specs(k2[0], k2[1])[k2[3]]
-            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-            work = dist.irecv(buf, src=self.peer_of_stage(k2[1]), tag=self._tag(*k2))
-            self._recvs[k2] = (buf, work)
-            if k2 == key:
-                return
+    def _wait(self, post_id: int) -> None:
+        t0 = time.time()
+        works, _ = self._works.pop(post_id)
+        for w in works:
+            if w is not None:
+                w.wait()
+        recv = next((m for op, m in self._posts[post_id].ops if op == "recv"), None)
+        if self.record and recv is not None:
+            self.events.append(Event(self.rank, f"recv {recv[0]} {recv[1]}.{recv[2]}", "wait", t0, time.time(),
+                                     recv[1], recv[2]))
 
     def _receive(self, kind: str, stage: int, mb: int) -> list[torch.Tensor]:
-        out = []
-        for j in self._messages(kind, stage):
-            key = (kind, stage, mb, j)
-            if key not in self._recvs:
-                self._post_until(key)
-            buf, work = self._recvs.pop(key)
-            t0 = time.time()
-            work.wait()
-            if self.record:
-                self.events.append(Event(self.rank, f"recv {kind} {stage}.{mb}", "wait", t0, time.time(), stage, mb))
-            out.append(buf)
-        return out
+        return [self._inbox.pop(m) for m in sorted(m for m in self._inbox if m[:3] == (kind, stage, mb))]
 
-    def _send(self, kind: str, stage: int, mb: int, tensors: list, dst_stage: int) -> None:
-        """Send ``stage``'s activations (to ``stage + 1``) or the gradients of its inputs (to ``stage - 1``)."""
-        specs = self._specs(kind, stage)
-        for j in self._messages(kind, stage):
+    def _send(self, kind: str, stage: int, mb: int, tensors: list) -> None:
+        """Queue ``stage``'s activations (to ``stage + 1``) or the gradients of its inputs (to ``stage - 1``)
+        for the next posting."""
+        specs = self.send_specs.get(stage if kind == "act" else stage - 1, [])
+        for j, spec in enumerate(specs):
+            if kind == "grad" and not spec.differentiable:
+                continue
             t = tensors[j]
             if t is None:
-                t = torch.zeros(specs[j].shape, dtype=specs[j].dtype, device=self.device)
+                t = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
             t = t.detach().contiguous()
-            if tuple(t.shape) != tuple(specs[j].shape) or t.dtype != specs[j].dtype:
+            if tuple(t.shape) != tuple(spec.shape) or t.dtype != spec.dtype:
                 raise RuntimeError(f"stage {stage} produced {kind} #{j} of shape {list(t.shape)} {t.dtype}, but "
-                                   f"{list(specs[j].shape)} {specs[j].dtype} was planned (rerun shape inference)")
-            self._sends.append((t, dist.isend(t, dst=self.peer_of_stage(dst_stage), tag=self._tag(kind, stage, mb, j))))
+                                   f"{list(spec.shape)} {spec.dtype} was planned (rerun shape inference)")
+            self._outbox[(kind, stage, mb, j)] = t
 
     # -- the step -------------------------------------------------------------------------------------
     def run(self, device: torch.device, forward_only: bool = False) -> dict[int, object]:
         """Run this rank's actions; returns the last stage's outputs per microbatch (if held here)."""
         self.device = device
-        self._posted = {q: 0 for q in self._incoming}
-        self._recvs: dict[tuple, tuple] = {}
-        self._sends: list = []
+        self._inbox: dict[tuple, torch.Tensor] = {}
+        self._outbox: dict[tuple, torch.Tensor] = {}
+        self._works: dict[int, tuple[list, list]] = {}
+        self._posts: dict[int, Post] = {}
         slots: dict[tuple[int, int], _Slot] = {}
         results: dict[int, object] = {}
-        acts = self.actions[self.pp_rank]
+        acts = self.actions
         if forward_only:
-            acts = [a for a in acts if a.kind == "F"]
+            acts = [[a for a in lst if a.kind == "F"] for lst in acts]
         t_step = time.time()
-        for a in acts:
+        for a in self.plan(acts):
+            if isinstance(a, Post):
+                self._posts[a.id] = a
+                self._works[a.id] = self._post(a)
+                continue
+            if isinstance(a, Wait):
+                self._wait(a.id)
+                continue
             t0 = time.time()
             stage = self.stages[a.stage]
             if a.kind == "F":
@@ -157,21 +267,19 @@ class PipelineExecutor:
                 if a.stage > 0 and not forward_only:
                     inputs = [x.requires_grad_() if s.differentiable else x
                               for x, s in zip(inputs, self.send_specs[a.stage - 1])]
-                t0 = time.time()
                 out = stage.forward(a.mb, inputs)
                 if a.stage == self.k - 1:
                     results[a.mb] = out
                 else:
-                    self._send("act", a.stage, a.mb, list(out), a.stage + 1)
+                    self._send("act", a.stage, a.mb, list(out))
                 if not forward_only:
                     slots[(a.stage, a.mb)] = _Slot(inputs, out)
             elif a.kind == "B":
                 slot = slots[(a.stage, a.mb)]
                 grads = self._receive("grad", a.stage + 1, a.mb) if a.stage < self.k - 1 else None
-                t0 = time.time()
                 dinputs = stage.backward(a.mb, slot.outputs, grads, slot.inputs)
                 if a.stage > 0:
-                    self._send("grad", a.stage, a.mb, list(dinputs), a.stage - 1)
+                    self._send("grad", a.stage, a.mb, list(dinputs))
                 slot.outputs = None
                 if not getattr(stage, "splits_weight", False):
                     slots.pop((a.stage, a.mb))
@@ -180,13 +288,13 @@ class PipelineExecutor:
                 slots.pop((a.stage, a.mb), None)
             if self.record:
                 self.events.append(Event(self.rank, str(a), a.kind, t0, time.time(), a.stage, a.mb))
-        for _, work in self._sends:
-            work.wait()
-        if self._recvs:
-            raise RuntimeError(f"rank {self.rank}: {len(self._recvs)} posted receives were never used")
+        for post_id in [i for i in self._works if all(op == "send" for op, _ in self._posts[i].ops)]:
+            self._wait(post_id)  # the sends; a receive still posted here is an error below, not a hang
+        if self._inbox or self._outbox:
+            raise RuntimeError(f"rank {self.rank}: {len(self._inbox)} received and {len(self._outbox)} produced "
+                               "messages were never used")
         if self.record:
             self.events.append(Event(self.rank, "step", "step", t_step, time.time()))
-        self._sends = []
         return results
 
 
@@ -318,6 +426,7 @@ class Pipeline:
         self.param_ranks = users
         self.owner = {fqn: min(r) for fqn, r in users.items()}
         self.tied_groups = self._make_tied_groups(mesh)
+        self.p2p_groups = self._make_p2p_groups(mesh)
         self.record = False
         self.events: list[Event] = []
         self._probed: dict = {}
@@ -367,6 +476,38 @@ class Pipeline:
                     for fqn, r in self.param_ranks.items():
                         if tuple(sorted(r)) == ranks:
                             out[fqn] = (g, members)
+        return out
+
+    def _make_p2p_groups(self, mesh) -> dict[tuple[int, int], object]:
+        """A process group per direction of every pair of pipeline ranks that exchange messages (for
+        each (dp, tp, ...) coordinate), so that on NCCL each direction has its own communicator and
+        stream (module docstring); created by every rank in the same order."""
+        import itertools
+
+        pairs = set()
+        for a in (a for acts in self.actions for a in acts):
+            if a.kind == "F" and a.stage < self.k - 1:
+                pairs.add((a.stage % self.pp, (a.stage + 1) % self.pp))
+            elif a.kind == "B" and a.stage > 0:
+                pairs.add((a.stage % self.pp, (a.stage - 1) % self.pp))
+        coords = self.pm._coords
+        others = [a for a in mesh.axis_names if a != "pp"]
+        out = {}
+        for src, dst in sorted(p for p in pairs if p[0] != p[1]):
+            for combo in itertools.product(*[range(mesh.size(a)) for a in others]):
+                c = dict(zip(others, combo))
+                g = dist.new_group([mesh.rank_of(**{**c, "pp": r}) for r in (src, dst)])
+                if all(coords[a] == c[a] for a in others) and self.pp_rank in (src, dst):
+                    out[(src, dst)] = g
+        # NCCL creates a communicator at its first operation, blocking until the peer joins: a
+        # first send would then wait on the host for its receive. One element over every direction,
+        # in one global order, creates them all now (each rank blocks only where both peers meet).
+        one = torch.zeros(1, device=self.pm._device)
+        for (src, dst), g in sorted(out.items()):
+            if self.pp_rank == src:
+                dist.send(one, dst=mesh.rank_of(**{**coords, "pp": dst}), group=g)
+            else:
+                dist.recv(one, src=mesh.rank_of(**{**coords, "pp": src}), group=g)
         return out
 
     def peer_of_stage(self, s: int) -> int:
@@ -431,7 +572,8 @@ class Pipeline:
         stage_comm = {s: {"recv": [(sp.shape, str(sp.dtype), sp.differentiable) for sp in send_specs.get(s - 1, [])],
                           "send": [(sp.shape, str(sp.dtype), sp.differentiable) for sp in send_specs.get(s, [])],
                           "fwd": comm(fwd_ops[s]), "bwd": comm(bwd_ops.get(s, []))} for s in range(self.k)}
-        mine = rank_ops(self.actions[self.pp_rank], stage_comm, self.k, self.peer_of_stage, self.step_end_ops())
+        mine = rank_ops(self.actions[self.pp_rank], stage_comm, self.k, self.peer_of_stage, self.step_end_ops(),
+                        schedule=self.actions, pp_rank=self.pp_rank)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         verify(dict(enumerate(everyone)))
@@ -508,7 +650,7 @@ class Pipeline:
                                 weights_fn=lambda w=weights: w)
         ex = PipelineExecutor(rank=pm._rank, pp_rank=self.pp_rank, num_stages=self.k, actions=self.actions,
                               microbatches=len(pieces), peer_of_stage=self.peer_of_stage, stages=stages,
-                              send_specs=specs, record=self.record)
+                              send_specs=specs, record=self.record, groups=self.p2p_groups)
         if len(pieces) != self.m:
             raise ValueError(f"the schedule was built for {self.m} microbatches, got {len(pieces)}")
         if forward_only:

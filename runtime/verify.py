@@ -1,22 +1,41 @@
 """Static verification: the communication of every rank matches, before anything runs (DESIGN §7.4).
 
-Each rank describes its step as a list of :class:`CommOp` — the sends, receives and collectives
-its schedule and stage programs will issue, in order, backward included (``rank_ops`` builds it
-from the action list and the stages' collective nodes). :func:`verify` then checks, over all
-ranks:
+Each rank describes its step as a list of :class:`CommOp` — the sends, receives, waits and
+collectives its schedule and stage programs will issue, in order, backward included. ``rank_ops``
+builds it from the *same* posting plan the executor runs (:func:`mcompile.runtime.pipeline.p2p_plan`),
+so a change in the runtime's posting order is what gets verified. :func:`verify` then checks, over
+all ranks:
 
 1. **collectives**: in every process group, every member issues the same sequence (kind, shape,
    dtype); the error names two ranks of the group and the first operation where they diverge;
 2. **point-to-point**: every receive has exactly one matching send (same message, same peer,
-   same shape and dtype) and no send is left unreceived; receivers post their receives in the
-   sender's order (messages are tagged), so the per-pair order needs no further agreement;
-3. **progress**: a simulation with non-blocking sends, blocking receives and collectives that
-   wait for every member completes — a cyclic wait is reported with each blocked rank and what
-   it waits for, instead of a hang.
+   same shape and dtype) and no send is left unreceived; and, since NCCL ignores tags and pairs
+   the messages between two ranks on one communicator in posting order, the k-th send from ``q``
+   to ``r`` on a communicator must be the k-th receive ``r`` posts from ``q`` there;
+3. **progress under NCCL's rules** (which are stricter than gloo's, where sends are buffered):
+
+   - a send completes only when its matching receive is posted, and a receive only when its send
+     is (rendezvous; NCCL's internal buffers do not hold a large activation);
+   - a *posting* is the ops of one rank with the same ``batch`` id: one ``batch_isend_irecv``
+     (a grouped launch: all its sends and receives are posted at once and progress
+     independently; it completes when all of them have) or one single ``isend``/``irecv``; an op
+     with ``batch=None`` is a posting of its own;
+   - the postings of a rank on one communicator run in posting order, each blocking the next until
+     it completes. The communicator is the op's ``comm`` (the runtime's: one per direction,
+     ``("direction", src, dst)``; batched postings: their group's) or, when None, the one torch
+     gives a rank pair by default, which both directions share;
+   - the host continues after posting; it blocks at a ``wait`` for a posting (a receive with
+     ``batch=None`` is waited for at once, a send with ``batch=None`` at the end of the step) and
+     at a collective until every member of its group has reached it. Postings never waited for
+     must still complete by the end of the step.
+
+   A state where nothing can progress is reported as a deadlock naming each blocked rank, the op
+   it waits at, and what its posting is queued behind, instead of a hang.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 __all__ = ["CommOp", "VerificationError", "verify", "rank_ops"]
@@ -28,51 +47,60 @@ class VerificationError(RuntimeError):
 
 @dataclass(frozen=True)
 class CommOp:
-    kind: str  # "send" | "recv" | "coll"
-    what: str  # message id ("act 1->2 mb0 #0") or collective ("all_reduce sum")
+    kind: str  # "send" | "recv" | "wait" | "coll"
+    what: str  # message id ("act 1->2 mb0 #0"), collective ("all_reduce sum") or "posting 3" (wait)
     shape: tuple = ()
     dtype: str = ""
     peer: int | None = None  # send / recv
     group: tuple[int, ...] | None = None  # collectives: the global ranks of the group
     axis: str = ""
+    batch: int | None = None  # send / recv: the posting it belongs to (None: a single isend/irecv); wait: which
+    comm: tuple | None = None  # batched send / recv: the communicator (None: the rank pair's)
 
     def __str__(self) -> str:
+        if self.kind == "wait":
+            return f"wait {self.what}"
         where = f" peer={self.peer}" if self.peer is not None else f" {self.axis}{list(self.group or ())}"
         return f"{self.kind} {self.what} {list(self.shape)} {self.dtype}{where}"
 
 
-def rank_ops(actions, stage_comm, num_stages: int, peer_of_stage, step_end=()) -> list[CommOp]:
+def rank_ops(actions, stage_comm, num_stages: int, peer_of_stage, step_end=(), plan=None, schedule=None,
+             pp_rank: int | None = None, comm: str = "direction") -> list[CommOp]:
     """The ops of one rank.
 
     ``actions``: its schedule (:class:`~mcompile.runtime.schedules.Action` list); ``stage_comm``:
     stage -> dict with ``recv``/``send`` (lists of (shape, dtype, differentiable)), ``fwd``/``bwd``
     (lists of CommOp collectives in program order); ``peer_of_stage``: stage -> global rank;
-    ``step_end``: collectives after the schedule (gradient reductions)."""
+    ``step_end``: collectives after the schedule (gradient reductions). The sends, receives and
+    waits are those of the runtime's posting plan (:func:`~mcompile.runtime.pipeline.p2p_plan`,
+    from every rank's list ``schedule`` and this ``pp_rank``, or from ``actions`` alone), or of
+    ``plan`` if given. ``comm``: the communicator of a single isend / irecv, ``"direction"`` (one
+    per sending and receiving rank: the runtime's) or ``"pair"`` (both directions share one, torch's
+    default); batched postings use the default group's."""
+    from mcompile.runtime.pipeline import Post, Wait, p2p_plan
+
+    if plan is None:
+        diff = {s: [d for _, _, d in sc["send"]] for s, sc in stage_comm.items()}
+        plan = p2p_plan(actions if schedule is None else schedule, None if schedule is None else pp_rank,
+                        num_stages, diff)
     out: list[CommOp] = []
-    for a in actions:
-        sc = stage_comm[a.stage]
-        if a.kind == "F":
-            if a.stage > 0:
-                for j, (shape, dtype, _) in enumerate(sc["recv"]):
-                    out.append(CommOp("recv", f"act {a.stage - 1}->{a.stage} mb{a.mb} #{j}", shape, dtype,
-                                      peer=peer_of_stage(a.stage - 1)))
-            out.extend(sc["fwd"])
-            if a.stage < num_stages - 1:
-                for j, (shape, dtype, _) in enumerate(sc["send"]):
-                    out.append(CommOp("send", f"act {a.stage}->{a.stage + 1} mb{a.mb} #{j}", shape, dtype,
-                                      peer=peer_of_stage(a.stage + 1)))
-        elif a.kind == "B":
-            if a.stage < num_stages - 1:
-                for j, (shape, dtype, diff) in enumerate(sc["send"]):
-                    if diff:
-                        out.append(CommOp("recv", f"grad {a.stage + 1}->{a.stage} mb{a.mb} #{j}", shape, dtype,
-                                          peer=peer_of_stage(a.stage + 1)))
-            out.extend(sc["bwd"])
-            if a.stage > 0:
-                for j, (shape, dtype, diff) in enumerate(sc["recv"]):
-                    if diff:
-                        out.append(CommOp("send", f"grad {a.stage}->{a.stage - 1} mb{a.mb} #{j}", shape, dtype,
-                                          peer=peer_of_stage(a.stage - 1)))
+    for e in plan:
+        if isinstance(e, Post):
+            for op, (kind, s, mb, j) in e.ops:
+                dst = s + 1 if kind == "act" else s - 1
+                # each side's own view: the sending stage's outputs / inputs, the receiving one's inputs / outputs
+                mine = s if op == "send" else dst
+                side = "send" if (kind == "act") == (op == "send") else "recv"
+                shape, dtype, _ = stage_comm[mine][side][j]
+                src_rank, dst_rank = peer_of_stage(s), peer_of_stage(dst)
+                c = (("default group",) if e.batched else
+                     ("direction", src_rank, dst_rank) if comm == "direction" else None)
+                out.append(CommOp(op, f"{kind} {s}->{dst} mb{mb} #{j}", shape, dtype,
+                                  peer=dst_rank if op == "send" else src_rank, batch=e.id, comm=c))
+        elif isinstance(e, Wait):
+            out.append(CommOp("wait", f"posting {e.id}", batch=e.id))
+        else:
+            out.extend(stage_comm[e.stage]["fwd" if e.kind == "F" else "bwd"] if e.kind in "FB" else ())
     out.extend(step_end)
     return out
 
@@ -134,31 +162,128 @@ def _check_p2p(ops) -> None:
         raise VerificationError(f"rank {src} sends {op} that rank {dst} never receives")
 
 
+def _comm(r: int, op: CommOp) -> tuple:
+    return op.comm if op.comm is not None else ("pair", min(r, op.peer), max(r, op.peer))
+
+
+def _describe_comm(c: tuple) -> str:
+    if c[0] == "pair":
+        return f"the communicator of ranks {c[1]} and {c[2]}"
+    if c[0] == "direction":
+        return f"the communicator of rank {c[1]} -> rank {c[2]}"
+    return f"communicator {c[0]!r}"
+
+
 def _simulate(ops) -> None:
+    """NCCL's progress rules (module docstring) over every rank's list."""
+    # postings: (rank, id) -> indices of their ops; the id is ("b", batch) or ("i", index) for a single op
+    def posting(r: int, i: int) -> tuple:
+        op = ops[r][i]
+        return (r, "b", op.batch) if op.batch is not None else (r, "i", i)
+
+    members: dict[tuple, list[int]] = {}
+    comm_of: dict[tuple, tuple] = {}
+    lanes: dict[tuple, dict[str, list[int]]] = {}  # (src, dst, comm) -> sends / recvs in posting order
+    for r, lst in ops.items():
+        for i, op in enumerate(lst):
+            if op.kind not in ("send", "recv"):
+                continue
+            p = posting(r, i)
+            c = _comm(r, op)
+            if comm_of.setdefault(p, c) != c:
+                raise VerificationError(f"rank {r} posts {op} in one batch with ops on another communicator")
+            members.setdefault(p, []).append(i)
+            src, dst = (r, op.peer) if op.kind == "send" else (op.peer, r)
+            lanes.setdefault((src, dst, c), {"send": [], "recv": []})[op.kind].append(i)
+    partner: dict[tuple[int, int], tuple[int, int]] = {}
+    for (src, dst, c), lane in lanes.items():
+        s_, r_ = lane["send"], lane["recv"]
+        for k in range(max(len(s_), len(r_))):
+            a = ops[src][s_[k]] if k < len(s_) else None
+            b = ops[dst][r_[k]] if k < len(r_) else None
+            if a is None or b is None or a.what != b.what:
+                raise VerificationError(
+                    f"NCCL pairs the messages of rank {src} to rank {dst} on {_describe_comm(c)} in posting order "
+                    f"(tags are ignored): its #{k} send is {a.what if a else 'nothing'}, the #{k} receive rank "
+                    f"{dst} posts is {b.what if b else 'nothing'}")
+            partner[(src, s_[k])] = (dst, r_[k])
+            partner[(dst, r_[k])] = (src, s_[k])
+
     pos = {r: 0 for r in ops}
-    sent: set[tuple] = set()
+    queues: dict[tuple, deque] = {}  # (rank, comm) -> postings in posting order; the head is active
+    posted: set[tuple] = set()
+    done_ops: set[tuple[int, int]] = set()
+    complete: set[tuple] = set()
+
+    def post(r: int, i: int) -> tuple:
+        p = posting(r, i)
+        if p not in posted:
+            posted.add(p)
+            queues.setdefault((r, comm_of[p]), deque()).append(p)
+        return p
+
+    def active(p: tuple) -> bool:
+        q = queues.get((p[0], comm_of[p]))
+        return bool(q) and q[0] == p
+
     progress = True
     while progress:
         progress = False
-        for r, lst in ops.items():
+        for r, lst in ops.items():  # hosts run until they block
             while pos[r] < len(lst):
                 op = lst[pos[r]]
-                if op.kind == "send":
-                    sent.add((r, op.peer, op.what))
-                elif op.kind == "recv":
-                    if (op.peer, r, op.what) not in sent:
+                if op.kind in ("send", "recv"):
+                    p = post(r, pos[r])
+                    if op.kind == "recv" and op.batch is None and p not in complete:
+                        break  # a single irecv is waited for at once
+                elif op.kind == "wait":
+                    if (r, "b", op.batch) not in complete:
                         break
                 else:
-                    members = [m for m in op.group if m in ops]
+                    group = [m for m in op.group if m in ops]
                     if not all(pos[m] < len(ops[m]) and ops[m][pos[m]].kind == "coll" and
-                               ops[m][pos[m]].group == op.group for m in members):
+                               ops[m][pos[m]].group == op.group for m in group):
                         break
-                    for m in members:  # the collective completes for all members at once
+                    for m in group:  # the collective completes for all members at once
                         if m != r:
                             pos[m] += 1
                 pos[r] += 1
                 progress = True
-    blocked = {r: ops[r][pos[r]] for r in ops if pos[r] < len(ops[r])}
-    if blocked:
-        lines = "; ".join(f"rank {r} waits at #{pos[r]}: {op}" for r, op in sorted(blocked.items())[:6])
-        raise VerificationError(f"the schedule would deadlock: {lines}")
+        for q in list(queues.values()):  # rendezvous between active postings
+            while q:
+                p = q[0]
+                for i in members[p]:
+                    if (p[0], i) not in done_ops:
+                        o = partner[(p[0], i)]
+                        if active(posting(*o)):
+                            done_ops.update(((p[0], i), o))
+                if not all((p[0], i) in done_ops for i in members[p]):
+                    break
+                q.popleft()
+                complete.add(p)
+                progress = True
+    stuck = sorted({r for r in ops if pos[r] < len(ops[r])} | {k[0] for k, q in queues.items() if q})
+    if not stuck:
+        return
+    lines = []
+    for r in stuck[:16]:
+        if pos[r] < len(ops[r]):
+            op = ops[r][pos[r]]
+            where = f"waits at #{pos[r]}: "
+            p = (r, "b", op.batch) if op.kind == "wait" else posting(r, pos[r]) if op.kind in ("send", "recv") else None
+        else:
+            where = "ends its step waiting for "
+            p = next(q[0] for k, q in queues.items() if k[0] == r and q)
+        if p is None:
+            lines.append(f"rank {r} {where}{op}")
+            continue
+        pending = [ops[r][i] for i in members[p] if (r, i) not in done_ops]
+        text = where + " + ".join(map(str, pending))
+        head = queues[(r, comm_of[p])][0]
+        if head != p:
+            behind = [ops[r][i] for i in members[head] if (r, i) not in done_ops]
+            text += f" (queued on {_describe_comm(comm_of[p])} behind {' + '.join(map(str, behind))})"
+        lines.append(f"rank {r} {text}")
+    more = f"; and {len(stuck) - 16} more ranks" if len(stuck) > 16 else ""
+    raise VerificationError(f"the schedule would deadlock: {'; '.join(lines)}{more} (NCCL's rules: a send completes "
+                            "when its receive is posted, postings on one communicator run in order)")
