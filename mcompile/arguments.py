@@ -39,9 +39,10 @@ __all__ = ["check_arguments", "training_dropout_p"]
 
 
 def _where(node: fx.Node) -> str:
-    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
-    frames = [line.strip() for line in lines if line.strip().startswith("File ")]
-    return f" (at {frames[-1]})" if frames else ""
+    from mcompile.planner import _where as source_line  # the planner's errors name the line alike
+
+    line = source_line(node)
+    return f" (at {line})" if line else ""
 
 
 def training_dropout_p(node: fx.Node) -> float:
