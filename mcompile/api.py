@@ -37,7 +37,8 @@ class Compiled:
         return [
             AxisInfo(ap.policy.axis, ap.policy.size, coords[ap.policy.axis], ap.result,
                      inputs_presharded=ap.policy.shard_inputs_dim0,
-                     loss_replicated=not ap.policy.shard_inputs_dim0)
+                     loss_replicated=not ap.policy.shard_inputs_dim0,
+                     vocab_pad_multiple=self.plan.options.vocab_pad_multiple)
             for ap in self.axes
         ]
 
@@ -95,7 +96,7 @@ def compile_plan(
     overrides: dict | None = None,
     seq: int | None = None,
     batch: int | None = None,
-    vocab_pad_multiple: int = 1,
+    vocab_pad_multiple: int = 128,
     meta_dtype: torch.dtype | None = None,
     token_weighted_loss: bool = False,
     schedule: str = "1f1b",

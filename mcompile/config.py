@@ -21,7 +21,9 @@ class Config:
     inputs: Inputs = Inputs.GLOBAL
     overrides: dict = field(default_factory=dict)  # placement overrides, see mcompile.planner
     bucket_mb: float = 25.0  # data-parallel gradient buckets (MB of fp32 gradients)
-    vocab_pad_multiple: int = 1
+    # a vocabulary that tp does not divide is padded to a multiple of tp * this, so each rank's slice is a
+    # multiple of it (Megatron's --make-vocab-size-divisible-by 128): GPT-2's 50257 at tp=8 -> 51200
+    vocab_pad_multiple: int = 128
     fuse: bool = False  # run RMSNorm / SwiGLU through mcompile's fused kernels (mcompile.passes.fuse)
     recompute: str = "none"  # "none" | "full" | "selective" (attention core), mcompile.passes.recompute
     recompute_method: str = "uniform"  # full recompute: "uniform" (groups of layers) or "block" (first layers)
@@ -78,6 +80,11 @@ class Config:
             raise ValueError(f"pipeline_granularity={self.pipeline_granularity!r}: use 'auto', 'layer' or 'sublayer'")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be positive")
+        if not isinstance(self.vocab_pad_multiple, int) or isinstance(self.vocab_pad_multiple, bool) \
+                or self.vocab_pad_multiple < 1:
+            raise ValueError(f"vocab_pad_multiple={self.vocab_pad_multiple!r} must be a positive integer (1: pad "
+                             "only to a multiple of tp; 128, the default: each tp rank's vocabulary slice a multiple "
+                             "of 128)")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} must be a positive number of seconds")
         if not isinstance(self.init_seed, int) or isinstance(self.init_seed, bool) or self.init_seed < 0:

@@ -100,7 +100,7 @@ class ParamPlan:
 class PlanOptions:
     sequence_parallel: bool = False
     sp_variant: SPVariant = SPVariant.SAVE_GATHERED
-    vocab_pad_multiple: int = 1  # vocab padded to a multiple of tp * this (Megatron uses 128)
+    vocab_pad_multiple: int = 128  # a vocab that tp does not divide: padded to a multiple of tp * this (Megatron's 128)
 
 
 @dataclass

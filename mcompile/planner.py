@@ -256,11 +256,11 @@ def assemble_plan(cap: Captured, mesh: Mesh, axes: list[AxisPlanResult], options
             if isinstance(p, Shard | BlockShard):
                 d = p.dim % len(shape)
                 n = mesh.size(ax)
-                mult = n * (options.vocab_pad_multiple if isinstance(p, Shard) else 1)
                 if shape[d] % n:
                     if node.name not in ap_padded(axes):
                         raise PlanError(f"{fqn} {list(shape)}: dim {d} does not divide by {ax}={n}")
-                    padded[d] = math.ceil(shape[d] / mult) * mult
+                    multiple = options.vocab_pad_multiple if isinstance(p, Shard) else 1
+                    padded[d] = n * vocab_local_size(shape[d], n, multiple)
                 local[d] = padded[d] // n
         params[fqn] = ParamPlan(
             fqn=fqn, shape=shape, dtype=str(val.dtype).replace("torch.", ""), placements=pls,
@@ -278,6 +278,22 @@ def assemble_plan(cap: Captured, mesh: Mesh, axes: list[AxisPlanResult], options
     return Plan(mesh=dict(mesh.axes), params=params, activations=acts, options=options,
                 model=cap.model_name, fallbacks=fallbacks,
                 overrides={k: str(v) for k, v in (overrides or {}).items()})
+
+
+def vocab_local_size(size: int, n: int, multiple: int = 1) -> int:
+    """Each rank's share of a static dim of ``size`` sharded over ``n`` ranks. A dim that divides is
+    split evenly; one that does not (a vocabulary: only vocab-parallel embeddings and heads are
+    sharded on such dims) is padded to a multiple of ``n * multiple`` (Megatron's
+    ``--make-vocab-size-divisible-by``, 128 by default, times tp), so each rank's slice is a multiple
+    of ``multiple``: GPT-2's 50257 at tp=8 becomes 51200, 6400 a rank. The planner
+    (``ParamPlan.padded_shape``) and the lowering (local sizes, the vocab-parallel embedding and
+    loss) both size padded dims with this function."""
+    if not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1:
+        raise ValueError(f"vocab_pad_multiple={multiple!r} must be a positive integer (1: pad only to a multiple of "
+                         "tp; 128, the default: each tp rank's vocabulary slice a multiple of 128)")
+    if size % n == 0:
+        return size // n
+    return math.ceil(size / (n * multiple)) * multiple
 
 
 def ap_padded(axes: list[AxisPlanResult]) -> set[str]:

@@ -19,7 +19,6 @@ symbolic dim is divided by the axis size.
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -34,6 +33,7 @@ from mcompile.capture import Captured
 from mcompile.ops import OPS
 from mcompile.placements import BlockShard, Partial, Replicate, Shard
 from mcompile.plan import CollectiveKind, CollectiveSpec
+from mcompile.planner import vocab_local_size
 from mcompile.propagate import AxisResult, requires_grad_nodes
 from mcompile.rules import get_localizer, tensor_input_nodes, to_expr
 from mcompile.rules.matmul import embedding_args
@@ -51,6 +51,12 @@ class AxisInfo:
     result: AxisResult
     inputs_presharded: bool  # dp: the program's inputs are already this rank's slice
     loss_replicated: bool  # grads of replicated values are exact (tp), not partial (dp)
+    vocab_pad_multiple: int = 1  # a Shard dim that does not divide: padded to size * this (PlanOptions)
+
+    def local_size(self, size: int, p) -> int:
+        """This rank's share of a static dim of ``size`` placed ``p`` (Shard or BlockShard) on this
+        axis: the plan's padded local size (:func:`mcompile.planner.vocab_local_size`)."""
+        return vocab_local_size(size, self.size, self.vocab_pad_multiple if isinstance(p, Shard) else 1)
 
 
 class _Sym:
@@ -135,7 +141,7 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
             if isinstance(p, Shard | BlockShard):
                 d = p.dim % len(shape)
                 if isinstance(shape[d], int):
-                    shape[d] = math.ceil(shape[d] / a.size)
+                    shape[d] = a.local_size(shape[d], p)
                 elif not a.inputs_presharded:
                     shape[d] = shape[d] / a.size
         return shape
@@ -209,6 +215,9 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                 bwd = CollectiveKind.REDUCE_SCATTER if (need_f and grad) else CollectiveKind.NONE
                 val = emit_collective("all_gather", (val, d, ax.name, n, mode), a, i, CollectiveKind.ALL_GATHER,
                                       bwd, d, "all-gather", meta_val, cur)
+                size = meta_val.shape[d]
+                if isinstance(size, int) and size % n:  # a padded vocabulary: drop the padding columns
+                    val = g.call_function(aten.narrow.default, (val, d, 0, size))
             elif isinstance(c, Replicate) and isinstance(w, Shard):
                 d = w.dim % meta_val.ndim
                 val = emit_collective("shard_slice", (val, d, ax.name, n), a, i, CollectiveKind.NONE,
@@ -314,7 +323,7 @@ def vocab_parallel_embedding(g, node, want, ax: AxisInfo, emit, ax_i, place, dev
     vocab-parallel strategy for it (out-of-range ids looked up as row 0 would count as row 0)."""
     weight, ids = (want[a.name] for a in tensor_input_nodes(node)[:2])
     w_meta = tensor_input_nodes(node)[0].meta["val"]
-    v_local = math.ceil(int(w_meta.shape[0]) / ax.size)
+    v_local = ax.local_size(int(w_meta.shape[0]), Shard(0))
     start = ax.rank * v_local
     padding_idx = embedding_args(node)[0]
     local_padding = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + v_local else -1
@@ -341,7 +350,7 @@ def vocab_parallel_cross_entropy(g, node, want, ax: AxisInfo, emit, ax_i, place,
     smoothing = float((node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)) or 0.0)
     vocab = int(x_node.meta["val"].shape[1])
     n = ax.size
-    v_local = math.ceil(vocab / n)
+    v_local = ax.local_size(vocab, Shard(1))
     start = ax.rank * v_local
     out_dtype = x_node.meta["val"].dtype
     xf = g.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})

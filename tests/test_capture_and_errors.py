@@ -81,9 +81,11 @@ def test_meta_device_model_plans_without_memory():
 
 def test_vocab_that_does_not_divide_is_padded():
     model, inputs = build("gpt2-tiny")  # vocab 257
-    p = plan(model, Mesh(tp=4), inputs)
+    p = plan(model, Mesh(tp=4), inputs)  # by default to a multiple of tp * 128 (tests/test_alignment.py)
     wte = p.params["transformer.wte.weight"]
-    assert wte.padded_shape == (260, 64) and wte.local_shape == (65, 64)
+    assert wte.padded_shape == (512, 64) and wte.local_shape == (128, 64)
+    wte = plan(model, Mesh(tp=4), inputs, vocab_pad_multiple=1).params["transformer.wte.weight"]
+    assert wte.padded_shape == (260, 64) and wte.local_shape == (65, 64)  # a multiple of tp only
 
 
 @pytest.mark.parametrize("name", ["llama3-tiny", "gpt2-tiny"])

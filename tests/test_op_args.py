@@ -349,7 +349,7 @@ def test_hugging_face_bert_plans_without_fallback_and_is_exact():
 
 
 class _TiedOddVocab(torch.nn.Module):
-    """A vocabulary of 17 (padded to 18 at tp=2), the head tied to the embedding as GPT-2's."""
+    """A vocabulary of 17 (padded at tp=2), the head tied to the embedding as GPT-2's."""
 
     def __init__(self, smoothing):
         super().__init__()
@@ -365,17 +365,21 @@ class _TiedOddVocab(torch.nn.Module):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("pad,padded", [(1, 18), (128, 256)], ids=["pad1", "pad128"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2+sp"])
-def test_label_smoothing_over_a_padded_vocabulary(sp):
-    """The smoothing term averages -log p over the true vocabulary: the padded column (masked to -inf
-    for the max and the sum of exponentials) must not enter the sum of logits, nor the count."""
+def test_label_smoothing_over_a_padded_vocabulary(sp, pad, padded):
+    """The smoothing term averages -log p over the true vocabulary: the padded columns (masked to -inf
+    for the max and the sum of exponentials) must not enter the sum of logits, nor the count. Padded
+    to a multiple of tp (one padded column, on rank 1), and to tp * 128, the default (rank 1's whole
+    slice is padding: its max is -inf)."""
     torch.manual_seed(0)
     model = _TiedOddVocab(0.2)
     g = torch.Generator().manual_seed(1)
     ids, labels = torch.randint(0, 17, (2, 8), generator=g), torch.randint(0, 17, (2, 8), generator=g)
     labels[0, :2] = -100
-    c = compile_plan(model, Mesh.parse("tp=2"), (ids, labels), sequence_parallel=sp, token_weighted_loss=True)
-    assert c.plan.params["emb.weight"].padded_shape == (18, HIDDEN)
+    c = compile_plan(model, Mesh.parse("tp=2"), (ids, labels), sequence_parallel=sp, token_weighted_loss=True,
+                     vocab_pad_multiple=pad)
+    assert c.plan.params["emb.weight"].padded_shape == (padded, HIDDEN)
     assert _strategy_names(c, torch.ops.aten.cross_entropy_loss.default) == ["vocab_parallel"]
     model.zero_grad()
     ref_loss = model(ids, labels)

@@ -102,10 +102,17 @@ def test_zero1_memory_equals_the_table_to_the_byte(name, mesh, bucket_mb):
     state 4 B of fp32 master per element of the owned range (padding included) and 8 B of Adam
     moments per owned parameter element, plus AdamW's 4-byte step per owned segment. Summed over the
     dp ranks, the optimizer state is 12 B per parameter plus 4 B per padding element: Megatron's
-    6 + 12/d. mcompile.report.memory_per_rank(zero=1) counts per parameter tensor without the layout
-    (no padding, 12n/d + 4 per tensor): within 1% here — padding is < dp elements per bucket and the
-    step counts differ by 4 B per tensor, against ~100 KB of state."""
+    6 + 12/d. The padding is the layout's alignment (mcompile.buckets: parameters start on multiples
+    of 64 elements, buffers end on multiples of dp * 64; tests/test_alignment.py).
+    mcompile.report.memory_per_rank(zero=1) counts per parameter tensor without the layout (no
+    padding, 12n/d + 4 per tensor): for parameters and gradients it is the measured bytes less
+    exactly 2 B and 4 B per padding element; within 1% of every category for llama3-tiny, whose sizes
+    are multiples of 64 (padding only at the ends of its 10 KB buckets, 0.6%; the step counts differ
+    by 4 B per tensor, against ~100 KB of state); not for odd-llama, whose 18-wide tensors are padded
+    by up to 38% (1 KB buckets)."""
     from zero_cases import memory
+
+    from mcompile.buckets import ALIGN
 
     dp = int(mesh.split("dp=")[1].split(",")[0])
     out = pool(4).run(memory, name, mesh, {}, bucket_mb)
@@ -113,7 +120,7 @@ def test_zero1_memory_equals_the_table_to_the_byte(name, mesh, bucket_mb):
         assert r["measured"] == r["predicted"] == r["summed"], r
         assert r["dtypes"] == ["torch.bfloat16"]  # the model's parameters are held in bf16
         for cat, b in r["table"].items():
-            assert abs(r["measured"][cat] - b) <= 0.01 * b, (cat, r["measured"][cat], b)
+            assert abs(r["measured"][cat] - b) <= 0.01 * b or name == "odd-llama", (cat, r["measured"][cat], b)
     groups: dict = {}  # the dp ranks of one tp rank share a layout
     for rank, r in enumerate(out):
         groups.setdefault(rank % (4 // dp), []).append(r)
@@ -122,11 +129,11 @@ def test_zero1_memory_equals_the_table_to_the_byte(name, mesh, bucket_mb):
         n = ranks[0]["local_numel"]
         assert sum(numel for numel, _, _ in layout) == n
         padded = sum(p for _, p, _ in layout)
-        assert all(p % dp == 0 and p - numel < dp for numel, p, _ in layout)
-        assert (padded > n) == (name == "odd-llama")  # the odd sizes are padded
+        assert all(p % (dp * ALIGN) == 0 and p >= numel for numel, p, _ in layout)  # whole aligned ranges
+        assert padded > n  # every case pads (odd sizes; ends of buckets)
         for r in ranks:
-            assert r["measured"]["parameters"] == 2 * padded
-            assert r["measured"]["gradients"] == 4 * padded
+            assert r["measured"]["parameters"] == 2 * padded == r["table"]["parameters"] + 2 * (padded - n)
+            assert r["measured"]["gradients"] == 4 * padded == r["table"]["gradients"] + 4 * (padded - n)
         steps = sum(4 * segs for r in ranks for _, _, segs in r["layout"])
         assert sum(r["measured"]["optimizer"] for r in ranks) - steps == 12 * n + 4 * (padded - n)
 
