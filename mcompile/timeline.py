@@ -1,6 +1,7 @@
 """Pipeline timelines: Chrome-trace JSON from the runtime's events, the measured bubble, a PNG.
 
-The runtime records, per rank, the start and end (wall clock) of every forward (F), backward (B),
+The runtime records, per rank, the start and end (wall clock, seconds; on a GPU from CUDA events
+anchored to the host clock, :class:`DeviceClock`) of every forward (F), backward (B),
 weight-gradient (W) action and every wait for a message (``pm.start_timeline()``; all ranks'
 events are gathered by ``pm.save_timeline(path)``). The trace opens in ``chrome://tracing`` or
 Perfetto: one process per rank, compute on thread 0, waits on thread 1. ``mcompile timeline``
@@ -13,9 +14,71 @@ over all ranks) in which it computes nothing: ``1 - busy / span``.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
-__all__ = ["chrome_trace", "save_trace", "load_trace", "bubble", "draw"]
+__all__ = ["chrome_trace", "save_trace", "load_trace", "bubble", "draw", "HostClock", "DeviceClock", "clock_for"]
+
+
+class HostClock:
+    """Marks are host times (``time.time()``, seconds): right on CPU, where every op runs on the host.
+
+    A clock's protocol (the executor's only use of time): ``start()`` at the step's start, ``mark()``
+    at every action and wait boundary (an opaque mark), ``seconds(marks)`` once at the step's end:
+    the marks as wall-clock seconds, comparable across processes on one machine."""
+
+    def start(self) -> None:
+        pass
+
+    def mark(self):
+        return time.time()
+
+    def seconds(self, marks: list) -> list[float]:
+        return list(marks)
+
+
+class DeviceClock:
+    """Marks are CUDA events on the current stream: on NCCL, ``wait()`` only orders the streams and
+    returns at once, so host times would put a wait's length into the next action's; an event
+    recorded after it completes when the GPU gets past the wait.
+
+    ``start()`` synchronizes the device once, then records a step-start event and takes the host
+    time: that pair anchors the device times to the wall clock. ``seconds`` (at the step's end, where
+    the executor waits anyway) synchronizes on the last mark and converts each mark to
+    ``anchor + elapsed_time(start event, mark)`` (milliseconds, to seconds). ``event_cls`` and
+    ``synchronize`` are injectable so the bookkeeping is tested on CPU with a fake event."""
+
+    def __init__(self, event_cls=None, synchronize=None):
+        import torch
+
+        self.event_cls = event_cls or torch.cuda.Event
+        self.synchronize = synchronize or torch.cuda.synchronize
+        self._start = None
+        self._anchor = 0.0
+
+    def start(self) -> None:
+        self.synchronize()  # the start event must not wait behind earlier queued work
+        self._start = self.event_cls(enable_timing=True)
+        self._start.record()
+        self._anchor = time.time()
+
+    def mark(self):
+        if self._start is None:
+            raise RuntimeError("DeviceClock.mark before start()")
+        e = self.event_cls(enable_timing=True)
+        e.record()
+        return e
+
+    def seconds(self, marks: list) -> list[float]:
+        if not marks:
+            return []
+        marks[-1].synchronize()  # events complete in stream order: the last one bounds them all
+        return [self._anchor + self._start.elapsed_time(e) / 1e3 for e in marks]
+
+
+def clock_for(device) -> HostClock | DeviceClock:
+    """The clock that tells the truth on ``device``: CUDA events on a GPU, host time elsewhere."""
+    return DeviceClock() if getattr(device, "type", str(device)) == "cuda" else HostClock()
 
 _COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "wait": "#C0C0C0"}
 

@@ -31,14 +31,25 @@ all ranks:
 
    A state where nothing can progress is reported as a deadlock naming each blocked rank, the op
    it waits at, and what its posting is queued behind, instead of a hang.
+
+**At scale** nothing is gathered whole. Every rank of a pipeline group derives every member's list
+from the plan (the schedules and the stage programs are the same on all of them) and runs
+:func:`verify` over those (point-to-point, NCCL progress, the collectives on pipeline groups). Every
+other group's collectives are compared by :func:`check_collectives_across`: each member hashes its
+own sequence on the group (:func:`collective_digest`, 32 bytes) and the group all-gathers the
+digests as a tensor; only when they differ are the lists gathered, to name two ranks and the first
+operation where they diverge. The pipeline group checks the same way that its members derived the
+same lists (:func:`check_derived_across`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["CommOp", "VerificationError", "verify", "rank_ops"]
+__all__ = ["CommOp", "VerificationError", "verify", "rank_ops", "collective_digest", "check_collectives_across",
+           "check_derived_across"]
 
 
 class VerificationError(RuntimeError):
@@ -110,6 +121,76 @@ def verify(ops: dict[int, list[CommOp]]) -> None:
     _check_collectives(ops)
     _check_p2p(ops)
     _simulate(ops)
+
+
+def collective_digest(ops: list[CommOp], group: tuple[int, ...]) -> bytes:
+    """SHA-256 (32 bytes) of the collectives ``ops`` issues on ``group``: what, shape, dtype, in order
+    (the fields :func:`verify` compares)."""
+    h = hashlib.sha256()
+    for op in ops:
+        if op.kind == "coll" and op.group == group:
+            h.update(repr((op.what, tuple(op.shape), op.dtype)).encode())
+            h.update(b"\0")
+    return h.digest()
+
+
+def check_collectives_across(mine: list[CommOp], groups, device=None) -> VerificationError | None:
+    """Compare this rank's collectives with the other members of each of ``groups`` without gathering
+    the lists: ``groups`` is a list of (process group, its global ranks as a tuple), in an order every
+    rank shares (each rank passes its own group of each mesh axis, axes in the mesh's order).
+
+    Per group one ``all_gather`` of a 32-byte digest per member (a uint8 tensor on ``device``); the
+    op lists themselves are gathered (``all_gather_object``, on that group only) only when the digests
+    differ, for an error naming two ranks and their first differing operation. Every group is
+    exchanged even after a mismatch (the other members are waiting in it); the first error is
+    returned, not raised, so the caller can agree with every rank on failing."""
+    import torch
+    import torch.distributed as dist
+
+    error = None
+    for pg, members in groups:
+        d = torch.tensor(list(collective_digest(mine, members)), dtype=torch.uint8, device=device)
+        everyone = [torch.empty_like(d) for _ in members]
+        dist.all_gather(everyone, d, group=pg)
+        if all(torch.equal(e, everyone[0]) for e in everyone[1:]):
+            continue
+        lists: list = [None] * len(members)
+        dist.all_gather_object(lists, [op for op in mine if op.kind == "coll" and op.group == members], group=pg)
+        try:
+            _check_collectives(dict(zip(members, lists)))
+        except VerificationError as e:
+            error = error or e
+        else:  # equal digests of different lists cannot happen; differing digests of equal lists neither
+            error = error or VerificationError(f"collective digests differ in group {list(members)} but the "
+                                               "lists agree (a digest of unstable fields)")
+    return error
+
+
+def check_derived_across(rank: int, derived: dict[int, list[CommOp]], pg, members: tuple[int, ...],
+                         device=None) -> VerificationError | None:
+    """The pipeline group's members each derived every member's list (``derived``: rank -> list): check
+    they derived the same, by a 32-byte digest of all the lists all-gathered over the group ``pg``.
+    Only when the digests differ is each member's list of its own step gathered (objects, on this
+    group) and :func:`verify` run over those, for the detailed error (two ranks, the op). Returns the
+    error, if any (see :func:`check_collectives_across`)."""
+    import torch
+    import torch.distributed as dist
+
+    h = hashlib.sha256(repr(sorted(derived.items())).encode()).digest()
+    d = torch.tensor(list(h), dtype=torch.uint8, device=device)
+    everyone = [torch.empty_like(d) for _ in members]
+    dist.all_gather(everyone, d, group=pg)
+    if all(torch.equal(e, everyone[0]) for e in everyone[1:]):
+        return None
+    lists: list = [None] * len(members)
+    dist.all_gather_object(lists, derived[rank], group=pg)
+    try:
+        verify(dict(zip(members, lists)))
+    except VerificationError as e:
+        return e
+    diff = [m for m, e in zip(members, everyone) if not torch.equal(e, everyone[0])]
+    return VerificationError(f"the ranks of pipeline group {list(members)} derived different programs (rank "
+                             f"{members[0]} and rank {diff[0]} differ), though their own steps match")
 
 
 def _check_collectives(ops) -> None:
