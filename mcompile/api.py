@@ -211,6 +211,7 @@ def parallelize(
     plan: str | None = None,
     hardware=None,
     global_batch: int | None = None,
+    weights=None,
     **options,
 ):
     """Plan ``model`` over ``mesh`` and return a :class:`~mcompile.runtime.module.ParallelModule`
@@ -222,7 +223,17 @@ def parallelize(
 
     ``plan="auto"`` (no mesh): :func:`mcompile.search.search` picks the mesh and the options for the
     world size on ``hardware`` (default "cpu-gloo" on CPU, "h100" on GPU) at ``global_batch`` (default:
-    the example inputs' batch); rank 0 logs the choice and why (logger ``mcompile.search``)."""
+    the example inputs' batch); rank 0 logs the choice and why (logger ``mcompile.search``).
+
+    ``weights=PATH``: every rank reads the pieces of the parameters it holds straight from a checkpoint,
+    one tensor at a time — a Hugging Face folder (``model.safetensors`` or a sharded
+    ``model.safetensors.index.json``), a ``.safetensors`` file, or a folder written by
+    ``pm.save_checkpoint`` under any plan (:mod:`mcompile.runtime.weights`). With a model built on the
+    meta device no rank ever holds the whole model; a model with values gets the checkpoint's values
+    (they win; nothing is broadcast). Keys are the model's ``state_dict()`` keys (a tied weight under
+    any of its names; a wrapper's common prefix such as ``m.`` is matched); a missing tensor, another
+    shape or no checkpoint at ``PATH`` is a :class:`~mcompile.runtime.weights.WeightsError` raised on
+    every rank before any value is read. Buffers the checkpoint lacks are initialised as without it."""
     import datetime
     import hashlib
 
@@ -269,7 +280,7 @@ def parallelize(
         bad = [r for r, d in enumerate(digests) if d != digests[0]]
         raise RuntimeError(f"ranks {bad} planned differently from rank 0: build the same model with the same "
                            "example inputs and options on every rank")
-    return ParallelModule(compiled, dmesh, config, model)
+    return ParallelModule(compiled, dmesh, config, model, weights=weights)
 
 
 def _auto_plan(model, world, example_inputs, example_kwargs, config, options, hardware, global_batch):
