@@ -36,7 +36,7 @@ _BWD_TP = "tests/test_planner.py::test_backward_parity_and_counts[llama3-tiny-tp
 _BWD_SP = "tests/test_planner.py::test_backward_parity_and_counts[llama3-tiny-tp=2-True]"
 _FWD_TP = "tests/test_planner.py::test_forward_parity_in_one_process[llama3-tiny-2-tp]"
 _FWD_SP = "tests/test_planner.py::test_forward_parity_in_one_process[llama3-tiny-2-tp+sp]"
-_FWD_PADDED = "tests/test_planner.py::test_forward_parity_in_one_process[hf-gpt2-2-tp]"  # vocab 129 -> 130
+_FWD_PADDED = "tests/test_planner.py::test_forward_parity_in_one_process[hf-gpt2-2-tp]"  # vocab 129 -> 256
 _RT_TP = "tests/test_runtime.py::test_parity_presets[llama3-tiny-tp=2-]"
 _RT_SP = "tests/test_runtime.py::test_parity_presets[llama3-tiny-tp=2-sequence_parallel=True]"
 _RT_DP = "tests/test_runtime.py::test_parity_presets[llama3-tiny-dp=2-]"
@@ -154,10 +154,29 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="runtime-full-grads-alias-replicated",
         file="runtime/module.py",
-        old="            fulls[fqn] = full.clone() if full is local else full",
-        new="            fulls[fqn] = full",
+        old="                out[fqn] = t.clone() if copy and t is pieces.get(fqn) else t",
+        new="                out[fqn] = t",
         description="full_grads() returns a replicated parameter's .grad itself: a later clip rescales it",
         targets=("tests/test_op_args.py::test_hugging_face_encoder_trains_exactly[tp=2]",),
+    ),
+    # ---- plain leaves and flat fp32 gradient buffers (runtime/leaves.py, part of issue 11) ---------
+    Mutant(
+        name="leaves-bf16-grads-accumulate-in-bf16",
+        file="runtime/leaves.py",
+        old="            if leaf.grad is not main:  # a bf16 leaf: its microbatch gradient, added in fp32",
+        new="            if leaf.grad is not main and self.armed:",
+        description="a bf16 leaf keeps its gradient over the microbatches (bf16 sums) and hands it to the "
+                    "fp32 buffer only in the last one: 256 + 7 ones stays 256",
+        targets=("tests/test_leaves.py::test_microbatch_gradients_accumulate_in_fp32",),
+    ),
+    Mutant(
+        name="leaves-pipeline-arms-every-backward",
+        file="runtime/pipeline.py",
+        old="            self.leaves.armed = mb == self.last_mb.get(kind)",
+        new="            self.leaves.armed = True",
+        description="under pp every microbatch's backward counts the buckets: reduced over dp after the "
+                    "first one, the later microbatches add onto a reduced buffer",
+        targets=("tests/test_leaves.py::test_microbatch_gradients_accumulate_in_fp32",),
     ),
     # ---- meta-device initialisation (runtime/init.py, part of issue 11) ------------------------------
     Mutant(
@@ -173,11 +192,28 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="lower-embedding-floor-vocab-shard",
         file="passes/lower.py",
-        old="    v_local = math.ceil(int(w_meta.shape[0]) / ax.size)",
+        old="    v_local = ax.local_size(int(w_meta.shape[0]), Shard(0))",
         new="    v_local = int(w_meta.shape[0]) // ax.size",
         description="vocab-parallel embedding rows per rank rounded down: with a padded vocabulary (129 at "
                     "tp=2) every rank but 0 looks up ids at the wrong offset",
         targets=(_FWD_PADDED,),
+    ),
+    Mutant(
+        name="lower-vocab-padded-to-tp-only",
+        file="passes/lower.py",
+        old="        return vocab_local_size(size, self.size, self.vocab_pad_multiple if isinstance(p, Shard) else 1)",
+        new="        return vocab_local_size(size, self.size, 1)",
+        description="the lowering sizes a padded vocabulary to a multiple of tp, the plan to a multiple of "
+                    "tp * 128: local shapes of the program and of the parameters disagree",
+        targets=(_FWD_PADDED,),
+    ),
+    Mutant(
+        name="lower-gathered-vocab-padding-kept",
+        file="passes/lower.py",
+        old="                    val = g.call_function(aten.narrow.default, (val, d, 0, size))\n",
+        new="",
+        description="logits of a padded vocabulary gathered to the user keep the padding columns (512 for 257)",
+        targets=("tests/test_alignment.py::test_logits_of_a_padded_vocabulary_have_the_true_width[tp=2-2-256]",),
     ),
     Mutant(
         name="lower-embedding-out-of-range-rows-kept",
@@ -235,8 +271,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="runtime-grads-not-divided-by-token-count",
         file="runtime/module.py",
-        old="        self._finish_grads(scale=1.0 / stats[1])",
-        new="        self._finish_grads(scale=torch.ones_like(stats[1]))",
+        old="        leaves.finish(1.0 / stats[1], self._tp_partial)",
+        new="        leaves.finish(torch.ones_like(stats[1]), self._tp_partial)",
         description="gradients are not divided by the global token count: every gradient ~59x too large "
                     "(the loss stays right)",
         targets=(_RT_TP,),
@@ -244,8 +280,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="demo-grads-not-divided-by-token-count",
         file="runtime/module.py",
-        old="        self._finish_grads(scale=1.0 / stats[1])",
-        new="        self._finish_grads(scale=torch.ones_like(stats[1]))",
+        old="        leaves.finish(1.0 / stats[1], self._tp_partial)",
+        new="        leaves.finish(torch.ones_like(stats[1]), self._tp_partial)",
         description="the same bug seen by the demo (found blind: its test only read a heading): the "
                     "gradient norm's printed difference is bounded now",
         targets=("tests/test_launch.py::test_demo_command",),
@@ -256,12 +292,12 @@ MUTANTS: list[Mutant] = [
         old='        stats = torch.stack([total, count])\n'
             '        if self.mesh.size("dp") > 1:\n'
             '            dist.all_reduce(stats, group=self._comm.groups["dp"])\n'
-            '        self._finish_grads(scale=1.0 / stats[1])',
+            '        leaves.finish(1.0 / stats[1], self._tp_partial)',
         new='        stats = torch.stack([total, count])\n'
             '        local_count = stats[1].clone()\n'
             '        if self.mesh.size("dp") > 1:\n'
             '            dist.all_reduce(stats, group=self._comm.groups["dp"])\n'
-            '        self._finish_grads(scale=1.0 / local_count)',
+            '        leaves.finish(1.0 / local_count, self._tp_partial)',
         description="each dp rank divides the summed gradients by its own token count instead of the "
                     "global one (ranks count 27 and 32 targets)",
         targets=(_RT_DP,),
@@ -269,18 +305,18 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="runtime-dp-bucket-reduced-after-first-microbatch",
         file="runtime/module.py",
-        old="                self._armed = i == len(pieces) - 1",
-        new="                self._armed = True",
+        old="                leaves.armed = i == len(pieces) - 1",
+        new="                leaves.armed = True",
         description="the dp gradient buckets are armed on every microbatch: reduced after the first one, "
                     "the later microbatches' gradients are overwritten",
         targets=(_RT_DP_MB,),
     ),
     Mutant(
         name="runtime-sp-norm-grads-not-reduced-over-tp",
-        file="runtime/module.py",
-        old='            flat = self._flat_grads(self._tp_partial)\n'
-            '            dist.all_reduce(flat, group=self._comm.groups["tp"])\n',
-        new='            flat = self._flat_grads(self._tp_partial)\n',
+        file="runtime/leaves.py",
+        old='            flat = torch.cat(views)\n'
+            '            dist.all_reduce(flat, group=pm._comm.groups["tp"])\n',
+        new='            flat = torch.cat(views)\n',
         description="sequence-parallel norm weights' gradients (Partial over tp) are not all-reduced over tp",
         targets=(_RT_SP,),
     ),
@@ -304,10 +340,18 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="buckets-padding-rounds-down",
         file="mcompile/buckets.py",
-        old="        return -(-self.numel // self.dp) * self.dp",
-        new="        return self.numel // self.dp * self.dp",
-        description="a bucket's flat buffer is rounded down to a multiple of dp instead of padded up",
+        old="        return _round_up(end, self.dp * self.align)",
+        new="        return end // (self.dp * self.align) * (self.dp * self.align)",
+        description="a bucket's flat buffer is rounded down to a multiple of dp * 64 instead of padded up",
         targets=("tests/test_zero.py::test_zero1_parity_with_padded_buffers",),
+    ),
+    Mutant(
+        name="buckets-offsets-not-aligned",
+        file="mcompile/buckets.py",
+        old="            acc = _round_up(acc, self.align)\n",
+        new="",
+        description="parameters are laid end to end: their offsets are not rounded up to 64 elements (128 B)",
+        targets=("tests/test_alignment.py::test_offsets_by_hand",),
     ),
     Mutant(
         name="zero-checkpoint-shards-under-a-shared-key",

@@ -1033,10 +1033,10 @@ def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_
             n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
             extra_act += post_act
         inflight = MM.inflight_microbatches(layout.schedule.value, p, i, m, v)
-        # lifetimes (memory_model "Lifetimes"): gradients made by backward (zero=0) meet no activations
-        # when the step is one microbatch on one stage; zero=0 reduces over dp from fp32 flat copies
-        one_pass = p == 1 and not _is_symbolic(m) and m == 1 and not layout.zero
-        reduce_copy = n_par * MM.DTYPE_BYTES["fp32"] if layout.dp * layout.cp > 1 and not layout.zero else 0
+        # lifetimes (memory_model "Lifetimes"): the gradients are persistent flat fp32 buffers
+        # (runtime/leaves.py), so they meet the activations on every layout; reduced over dp in place
+        one_pass = False
+        reduce_copy = 0
         tot, d = MM.peak_bytes(n_par * per.params, n_par * per.grads, n_par * per.optimizer,
                                inflight * (L_stage * layer_act + extra_act), gradients_meet_activations=not one_pass,
                                reduction_buffer=reduce_copy)

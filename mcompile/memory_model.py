@@ -63,16 +63,16 @@ counts it; the output gradients B leaves at the weights' nodes for W come on top
 Lifetimes: what is live at the peak (:func:`peak_bytes`)
 ----------------------------------------------------------
 Parameters P and optimizer state O live throughout (from the first step on). Activations A live
-from a microbatch's forward to its backward. Gradients G: a persistent buffer in Megatron and
-under mcompile's ZeRO-1 (``runtime/zero.py``); with a torch optimizer and zero=0 they are made by
-backward and freed by ``zero_grad()`` (set_to_none). The data-parallel reduction of zero=0 copies
-the gradients into flat fp32 buckets (R = 4 B per reduced parameter, ``runtime/module.py``) at the
-end of backward, when the activations are gone; ZeRO-1 reduce-scatters its buffer in place (R = 0).
+from a microbatch's forward to its backward. Gradients G: a persistent flat fp32 buffer, in Megatron
+(``main_grad``) and in mcompile's runtime (``runtime/leaves.py``; ZeRO-1's in ``runtime/zero.py``),
+reduced over dp in place (R = 0). A runtime whose gradients are made by backward and freed by
+``zero_grad()`` and that reduces from a flat copy (R = 4 B per reduced parameter) would peak
+differently when a step is one microbatch on one stage; :func:`peak_bytes` keeps both cases:
 
     gradients meet activations (a persistent buffer; several microbatches per step, whose later
     forwards run with the earlier ones' gradients; pipelines, where one microbatch's backward runs
     while others are in flight):                              P + O + G + max(A, R)
-    otherwise (one microbatch on one stage, zero=0):          P + O + max(A, G + R)
+    otherwise (gradients made by backward, one microbatch):   P + O + max(A, G + R)
 
 Checked against the tracker's peak of real gloo runs (tests/test_cost_measured.py: llama3-tiny,
 dp=2×tp=2 with and without SP, dp=4, pp=2×tp=2 with 4 microbatches: within 10 %). What the

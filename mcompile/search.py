@@ -411,9 +411,11 @@ def _memory(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[
 
 
 def _lifetimes(layers: tuple[int, ...], m: float, zero: int, dp: int) -> tuple[bool, float]:
-    """As :func:`mcompile.cost._memory`: gradients meet the activations unless the step is one
-    microbatch on one stage without ZeRO; zero=0 reduces over dp from an fp32 flat copy (4 B/param)."""
-    return len(layers) == 1 and m == 1 and not zero, (4.0 if dp > 1 and not zero else 0.0)
+    """As :func:`mcompile.cost._memory`: the runtime's gradients are persistent flat fp32 buffers
+    (runtime/leaves.py, ZeRO-1's too), reduced over dp in place: they meet the activations on every
+    layout, and no reduction copy is made. (``(one_pass, reduce_bytes)``, kept as parameters of
+    :func:`_memory_of` for a runtime whose gradients come and go.)"""
+    return False, 0.0
 
 
 def _memory_of(prof, sec: _Sections, layers: tuple[int, ...], per, schedule: str, v: int, m: float, mode: str,

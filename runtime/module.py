@@ -54,7 +54,8 @@ class _Bucket:
 
 
 class ParallelModule(torch.nn.Module):
-    def __init__(self, compiled, device_mesh: DeviceMesh, config: Config, model: torch.nn.Module):
+    def __init__(self, compiled, device_mesh: DeviceMesh, config: Config, model: torch.nn.Module,
+                 weights=None):
         super().__init__()
         object.__setattr__(self, "_compiled", compiled)
         self.plan = compiled.plan
@@ -98,14 +99,20 @@ class ParallelModule(torch.nn.Module):
         self._tied = {fqn: ties for fqn, ties in cap.tied.items()}
         self._placeholders = [n.name for n in self._program.graph.nodes if n.op == "placeholder"]
         # parameters: rank 0's values, broadcast (never trust that every rank built the same weights);
-        # those of a model built on the meta device: computed on every rank, piece by piece (runtime/init.py)
+        # those of a model built on the meta device: computed on every rank, piece by piece (runtime/init.py);
+        # with ``weights=``: every rank reads its pieces from the checkpoint (runtime/weights.py), which wins
         full = {k: v.detach() for k, v in model.state_dict(keep_vars=True).items()}
         self._param_of_ph: dict[str, str] = dict(cap.params)
         self._params: dict[str, torch.nn.Parameter] = {}
         self._extra: dict[str, torch.Tensor] = {}  # buffers and lifted constants, replicated
-        made_buffers = self._init_meta(model, cap)
+        made_buffers, loaded = {}, set()
+        if weights is not None:
+            from mcompile.runtime import weights as W
+
+            made_buffers, loaded = W.load(self, model, cap, weights)
+        made_buffers.update(self._init_meta(model, cap, skip=loaded))
         for fqn in cap.params.values():
-            if full[fqn].is_meta:  # initialised above (if this rank holds it)
+            if full[fqn].is_meta or fqn in loaded:  # initialised or loaded above (if this rank holds it)
                 continue
             t = full[fqn].to(self._device, torch.float32 if full[fqn].is_floating_point() else full[fqn].dtype)
             t = t.contiguous().clone()
@@ -136,16 +143,18 @@ class ParallelModule(torch.nn.Module):
         self._build_buckets()
 
     # -- parameters -----------------------------------------------------------------------------
-    def _init_meta(self, model: torch.nn.Module, cap) -> dict[str, torch.Tensor]:
+    def _init_meta(self, model: torch.nn.Module, cap, skip=frozenset()) -> dict[str, torch.Tensor]:
         """The parameters and buffers the model has on the meta device, initialised by the model's own
         initialisation seeded from ``(config.init_seed, name)`` (runtime/init.py): every rank computes
         the full value of one tensor at a time and keeps its piece; no broadcast. Registers this rank's
         parameters; returns the buffers (placeholder -> tensor). A failure on any rank (e.g. a module
-        without initialiser, named) is raised on every rank, before anything else is communicated."""
+        without initialiser, named) is raised on every rank, before anything else is communicated.
+        ``skip``: names already loaded from ``weights=`` (runtime/weights.py), neither initialised nor
+        checked for an initialiser."""
         from mcompile.runtime import init
 
-        params = init.meta_names(model, list(cap.params.values()))
-        buffers = {fqn: ph for ph, fqn in cap.buffers.items() if fqn in init.meta_names(model, [fqn])}
+        params = init.meta_names(model, [f for f in cap.params.values() if f not in skip])
+        buffers = {fqn: ph for ph, fqn in cap.buffers.items() if fqn not in skip and init.meta_names(model, [fqn])}
         if not params and not buffers:
             return {}
         mine = [f for f in params if self._pipe is None or f in self._pipe.own_params]
@@ -170,11 +179,15 @@ class ParallelModule(torch.nn.Module):
             raise init.MetaInitError(f"initialising the meta-device model failed on rank {bad[0][0]}: {bad[0][1]}")
         return made
 
-    def _make_param(self, fqn: str, full: torch.Tensor) -> torch.nn.Parameter:
+    def _make_param(self, fqn: str, full: torch.Tensor | None = None, *, local: torch.Tensor | None = None
+                    ) -> torch.nn.Parameter:
+        """The DTensor parameter of ``fqn`` from its full value, or from this rank's piece (``local=``)."""
         pp = self.plan.params[fqn]
-        local = pp.local_piece(full, self.mesh, self._coords)
-        if local.numel() < full.numel() and local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
-            local = local.clone()  # a view of a shard would keep the whole tensor alive
+        if local is None:
+            local = pp.local_piece(full, self.mesh, self._coords)
+            if local.numel() < full.numel() and \
+                    local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+                local = local.clone()  # a view of a shard would keep the whole tensor alive
         shape = torch.Size(pp.padded_shape or pp.shape)
         mesh, placements = self.device_mesh, list(pp.placements)
         if self._pipe is not None:  # a stage's parameters live on the mesh of the other axes
@@ -184,7 +197,7 @@ class ParallelModule(torch.nn.Module):
             placements = [pp.placements[names.index(a)] if a in names else Replicate() for a in keep]
         dt = DTensor.from_local(local.contiguous(), mesh, [_torch_placement(p) for p in placements],
                                 run_check=False, shape=shape, stride=_contiguous_stride(shape))
-        return torch.nn.Parameter(dt, requires_grad=full.is_floating_point())
+        return torch.nn.Parameter(dt, requires_grad=local.is_floating_point())
 
     def _register(self, fqn: str, param: torch.nn.Parameter):
         *path, name = fqn.split(".")
@@ -197,14 +210,12 @@ class ParallelModule(torch.nn.Module):
         self._params[fqn] = param
 
     def _local_inputs(self) -> dict[str, torch.Tensor]:
+        """placeholder -> tensor: buffers and constants, and each parameter's compute leaf (a plain
+        local tensor, runtime/leaves.py)."""
         out = dict(self._extra)
-        dtype = self.config.dtype
+        compute = self._leaves.compute
         for ph, fqn in self._param_of_ph.items():
-            p = self._params[fqn]
-            local = p.to_local(grad_placements=p.placements)
-            if dtype != torch.float32 and local.is_floating_point():
-                local = local.to(dtype)
-            out[ph] = local
+            out[ph] = compute[fqn]
         return out
 
     # -- running --------------------------------------------------------------------------------
@@ -227,16 +238,20 @@ class ParallelModule(torch.nn.Module):
             batch //= dp
         elif batch % m:
             raise ValueError(f"the local batch of {batch} does not divide by microbatches={m}")
+        if self._device.type == "cuda":  # this rank's slice pinned once: the copies below overlap the host
+            pin = lambda t: t.contiguous().pin_memory() if isinstance(t, torch.Tensor) and t.device.type == "cpu" \
+                else t  # noqa: E731
+            args = tuple(pin(a) for a in args)
+            kwargs = {k: pin(v) for k, v in kwargs.items()}
+        move = lambda t: t.to(self._device, non_blocking=True) if isinstance(t, torch.Tensor) else t  # noqa: E731
         pieces = []
         for i in range(m):
             cut = lambda t: t.chunk(m)[i] if _batched(t, batch) else t  # noqa: E731, B023
-            pieces.append((tuple(cut(a).to(self._device) if isinstance(a, torch.Tensor) else a for a in args),
-                           {k: cut(v).to(self._device) if isinstance(v, torch.Tensor) else v
-                            for k, v in kwargs.items()}))
+            pieces.append((tuple(move(cut(a)) for a in args), {k: move(cut(v)) for k, v in kwargs.items()}))
         return pieces
 
-    def _run(self, args: tuple, kwargs: dict):
-        local = self._local_inputs()
+    def _run(self, args: tuple, kwargs: dict, local: dict | None = None):
+        local = local if local is not None else self._local_inputs()
         cap = self._compiled.captured
         user = list(args) + [kwargs[n] for n in cap.input_names[len(args):]]
         by_name = dict(zip(cap.user_inputs, user))
@@ -255,36 +270,33 @@ class ParallelModule(torch.nn.Module):
         """Forward + backward of the global batch; gradients accumulate into ``.grad``; returns the
         single-device loss of the global batch (detached 0-d tensor, no host sync)."""
         pieces = self._split(args, kwargs)
-        stash = {}
-        for fqn, p in self._params.items():  # keep gradients already there out of the scaling
-            stash[fqn], p.grad = p.grad, None
+        leaves = self._leaves
+        leaves.begin()  # compute copies refreshed, main gradients cleared (earlier ones kept aside)
         total = torch.zeros((), dtype=torch.float32, device=self._device)
         count = torch.zeros((), dtype=torch.float32, device=self._device)
         with ops.bind(self._comm, process_wide=True):  # backward runs the collectives' backwards
             if self._pipe is not None:  # the schedule's microbatches through this rank's stages
                 pipe_stats = self._pipe.reduce_results(self._pipe.run(pieces))
-                self._armed = True
-                self._pipe.push_grads()  # leaf gradients -> parameters (data-parallel hooks fire)
+                self._pipe.push_grads()  # weights tied across stages: summed, then their buckets reduce
                 total, count = pipe_stats[0], pipe_stats[1]
+            local = self._local_inputs() if self._pipe is None else None
             for i, (a, k) in enumerate(pieces if self._pipe is None else ()):
-                self._armed = i == len(pieces) - 1
-                loss_sum, c = self._loss_parts(self._run(a, k))
+                leaves.armed = i == len(pieces) - 1
+                loss_sum, c = self._loss_parts(self._run(a, k, local))
                 loss_sum.backward()
                 total += loss_sum.detach()
                 count += c
-        self._armed = False
+        leaves.armed = False
         stats = torch.stack([total, count])
         if self.mesh.size("dp") > 1:
             dist.all_reduce(stats, group=self._comm.groups["dp"])
-        self._finish_grads(scale=1.0 / stats[1])
-        for fqn, p in self._params.items():
-            if stash[fqn] is not None:
-                p.grad = stash[fqn] if p.grad is None else p.grad + stash[fqn]
+        leaves.finish(1.0 / stats[1], self._tp_partial)
         return (stats[0] / stats[1]).detach()
 
     @torch.no_grad()
     def forward(self, *args, **kwargs):
         """Forward only: the model's own output for the global batch (a loss: the global mean)."""
+        self._leaves.refresh()
         if self._pipe is not None:
             return self._pipe_forward(args, kwargs)
         pieces = self._split(args, kwargs) if self.config.microbatches == 1 else None
@@ -304,7 +316,12 @@ class ParallelModule(torch.nn.Module):
         return outs[0] if len(outs) == 1 else outs
 
     def _pipe_forward(self, args, kwargs):
-        """Forward through the pipeline: every microbatch, outputs from the last stage to all ranks."""
+        """Forward through the pipeline: every microbatch, outputs from the last stage to all ranks.
+
+        The last stage concatenates its microbatches' outputs and broadcasts them over pp as tensors
+        (nothing pickled): an int64 header (the number of outputs, then per output its dtype code,
+        ndim and shape) sized by a one-element broadcast before it, then each output into a buffer
+        the others allocate from the header."""
         with ops.bind(self._comm, process_wide=True):
             results = self._pipe.run(self._split(args, kwargs), forward_only=True)
         if self._token_weighted:
@@ -312,131 +329,115 @@ class ParallelModule(torch.nn.Module):
             if self.mesh.size("dp") > 1:
                 dist.all_reduce(stats, group=self._comm.groups["dp"])
             return stats[0] / stats[1]
-        box = [[results[i] for i in sorted(results)] if results else None]
-        dist.broadcast_object_list(box, src=self._pipe.peer_of_stage(self._pipe.k - 1),
-                                   group=self._comm.groups["pp"])
-        per_mb = [o if isinstance(o, tuple | list) else (o,) for o in box[0]]
-        outs = tuple(torch.cat([mb[j] for mb in per_mb]) if per_mb[0][j].ndim else per_mb[0][j]
-                     for j in range(len(per_mb[0])))
+        dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+                  torch.int16, torch.int8, torch.uint8, torch.bool)  # the wire codes: indices here
+        src, group = self._pipe.peer_of_stage(self._pipe.k - 1), self._comm.groups["pp"]
+        i64 = {"dtype": torch.int64, "device": self._device}
+        if results:  # the last stage's rank
+            per_mb = [o if isinstance(o, tuple | list) else (o,) for o in (results[i] for i in sorted(results))]
+            # batch dims concatenated; a scalar (the pipeline's last stage returns one: its loss) is the
+            # mean over the equal microbatches, as the single-device model's mean over the whole batch
+            outs = tuple(torch.cat([mb[j] for mb in per_mb]) if per_mb[0][j].ndim else
+                         torch.stack([mb[j] for mb in per_mb]).mean(0) for j in range(len(per_mb[0])))
+            bad = [f"output #{j} is {o.dtype if isinstance(o, torch.Tensor) else type(o).__name__}"
+                   for j, o in enumerate(outs) if not isinstance(o, torch.Tensor) or o.dtype not in dtypes]
+            header = torch.tensor([len(outs)] + [x for o in outs for x in (dtypes.index(o.dtype), o.ndim, *o.shape)],
+                                  **i64) if not bad else None
+            size = torch.tensor([-1 if bad else header.numel()], **i64)
+        else:
+            bad, size = [], torch.zeros(1, **i64)
+        dist.broadcast(size, src=src, group=group)
+        if int(size) < 0:  # every rank raises, none waits for a broadcast that will not come
+            raise TypeError(f"forward under pipeline parallelism: {'; '.join(bad) or 'an output (see the last rank)'}"
+                            f" of the model; outputs are broadcast as tensors of {', '.join(map(str, dtypes))}")
+        if not results:
+            header = torch.empty(int(size), **i64)
+        dist.broadcast(header, src=src, group=group)
+        spec, at, bufs = header.tolist(), 1, []
+        for j in range(spec[0]):
+            code, ndim = spec[at], spec[at + 1]
+            shape, at = spec[at + 2:at + 2 + ndim], at + 2 + ndim
+            buf = outs[j].to(self._device).contiguous() if results else \
+                torch.empty(shape, dtype=dtypes[code], device=self._device)
+            dist.broadcast(buf, src=src, group=group)
+            bufs.append(buf)
+        outs = tuple(bufs)
+        if self.mesh.size("dp") > 1 and len(outs) == 1 and outs[0].ndim == 0:  # a loss: the mean over dp too
+            loss = outs[0].float().clone()
+            dist.all_reduce(loss, group=self._comm.groups["dp"])
+            return loss / self.mesh.size("dp")
         if self.mesh.size("dp") > 1:
             outs = tuple(self._comm.all_gather(o.contiguous(), 0, "dp") if o.ndim else o for o in outs)
         return outs[0] if len(outs) == 1 else outs
 
     # -- gradient reduction -----------------------------------------------------------------------
     def _build_buckets(self):
-        """dp: buckets of ``bucket_mb`` (reverse registration order, roughly the order backward
-        finishes gradients); tp: the parameters whose gradient is Partial over tp (SP norms).
-        ``Config(zero=1)`` with dp > 1: flat buffers reduce-scattered over dp (runtime/zero.py)."""
+        """Gradient buffers and compute leaves (runtime/leaves.py): dp buckets of ``bucket_mb``
+        (reverse registration order, roughly the order backward finishes gradients) reduced during
+        the last microbatch's backward; ``Config(zero=1)`` with dp > 1: ZeRO-1's flat buffers,
+        reduce-scattered over dp (runtime/zero.py); the parameters whose gradient is Partial over
+        tp (sequence-parallel norms) are summed over tp at the end of the step."""
+        from mcompile.runtime.leaves import Leaves
+
         self._zero = None
         if self.config.zero and self.mesh.size("dp") > 1:
             from mcompile.runtime.zero import ZeroBuffers
 
             self._zero = ZeroBuffers(self)  # re-registers the parameters as views of flat buffers
-            for p in self._zero.params():
-                p.register_post_accumulate_grad_hook(self._grad_ready)
-            self._buckets, self._tp_partial, self._armed = [], [], False
-            return
-        if self.config.zero:
+        elif self.config.zero:
             import warnings
 
             warnings.warn("Config(zero=1) with dp=1: there is no data-parallel axis to shard the optimizer over; "
                           "running as zero=0", stacklevel=2)
-        limit = int(self.config.bucket_mb * 2**20)
-        dp_params, self._tp_partial = [], []
-        for fqn in reversed(list(self._params)):
-            axes = [a for a in self.plan.params[fqn].grad_partial_axes if self.mesh.size(a) > 1]
-            if "dp" in axes:
-                dp_params.append(self._params[fqn])
-            if "tp" in axes:
-                self._tp_partial.append(self._params[fqn])
-        self._buckets: list[_Bucket] = []
-        cur, size = [], 0
-        for p in dp_params:
-            nbytes = p.to_local().numel() * 4
-            if cur and size + nbytes > limit:
-                self._buckets.append(_Bucket(cur, ("dp",)))
-                cur, size = [], 0
-            cur.append(p)
-            size += nbytes
-        if cur:
-            self._buckets.append(_Bucket(cur, ("dp",)))
-        self._bucket_of: dict[int, _Bucket] = {}
-        for b in self._buckets:
-            for p in b.params:
-                self._bucket_of[id(p)] = b
-                p.register_post_accumulate_grad_hook(self._grad_ready)
-        self._armed = False
-
-    def _grad_ready(self, p):
-        if self._zero is not None:  # every piece accumulates into the fp32 buffer; the last one reduces
-            self._zero.grad_ready(p, self._armed)
-            return
-        if not self._armed:
-            return
-        b = self._bucket_of[id(p)]
-        b.ready += 1
-        if b.ready == len(b.params):  # the whole bucket is final: reduce it over dp while backward goes on
-            b.flat = torch.cat([q.grad.to_local().reshape(-1).float() for q in b.params])
-            b.work = dist.all_reduce(b.flat, group=self._comm.groups["dp"], async_op=True)
-
-    @staticmethod
-    def _scatter_back(params, flat):
-        offset = 0
-        for q in params:
-            n = q.to_local().numel()
-            if q.grad is not None:
-                g = q.grad.to_local()
-                g.copy_(flat[offset:offset + n].view_as(g))
-            offset += n
-
-    def _flat_grads(self, params) -> torch.Tensor:
-        return torch.cat([(q.grad.to_local().reshape(-1) if q.grad is not None else
-                           torch.zeros(q.to_local().numel(), device=self._device)).float() for q in params])
-
-    def _finish_grads(self, scale: torch.Tensor):
-        if self._zero is not None:
-            self._zero.finish(scale)
-            return
-        for b in self._buckets:
-            if b.work is not None:
-                b.work.wait()
-            elif any(q.grad is not None for q in b.params):  # not launched during backward: now
-                b.flat = self._flat_grads(b.params)
-                dist.all_reduce(b.flat, group=self._comm.groups["dp"])
-            if b.flat is not None:
-                self._scatter_back(b.params, b.flat)
-            b.ready, b.work, b.flat = 0, None, None
-        if self._tp_partial:  # sequence-parallel norm weights: one coalesced all-reduce over tp per step
-            flat = self._flat_grads(self._tp_partial)
-            dist.all_reduce(flat, group=self._comm.groups["tp"])
-            self._scatter_back(self._tp_partial, flat)
-        for p in self._params.values():
-            if p.grad is not None:
-                p.grad.to_local().mul_(scale.to(p.grad.dtype))
+        self._tp_partial = [] if self._zero is not None else \
+            [fqn for fqn in reversed(list(self._params))
+             if "tp" in self.plan.params[fqn].grad_partial_axes and self.mesh.size("tp") > 1]
+        if self._pipe is not None:  # every parameter of this rank's stages; tied ones counted after their sum
+            counted = set(self._params)
+        else:
+            used = {n.name for n in self._program.graph.nodes if n.op == "placeholder" and n.users}
+            counted = {fqn for ph, fqn in self._param_of_ph.items() if ph in used}
+        self._leaves = Leaves(self, counted)
+        if self._pipe is not None:
+            self._leaves.deferred = set(self._pipe.tied_groups)
 
     # -- state ------------------------------------------------------------------------------------
     def _gather_full(self, fqn: str, local: torch.Tensor) -> torch.Tensor:
+        """The whole tensor ``fqn`` from this rank's piece, on the CPU (collective over the axes it is
+        sharded on). Gathered axis by axis; the last gather's pieces go to the CPU before they are
+        joined, so the device holds at most one full tensor's worth (its pieces) besides ``local``.
+        An unsharded tensor comes back as ``local.cpu()``: itself when on the CPU."""
         pp = self.plan.params[fqn]
+        if any(isinstance(p, Partial) for p in pp.placements):
+            raise NotImplementedError(f"{fqn}: Partial parameters")
+        sharded = [(ax, p) for ax, p in zip(self.mesh.axis_names, pp.placements) if isinstance(p, Shard | BlockShard)]
         t = local
-        for ax, p in zip(self.mesh.axis_names, pp.placements):
-            if isinstance(p, Shard | BlockShard):
-                pieces = [torch.empty_like(t) for _ in range(self.mesh.size(ax))]
-                dist.all_gather(pieces, t.contiguous(), group=self._comm.groups[ax])
-                t = unshard_tensors(pieces, p, true_size=pp.shape[p.dim % len(pp.shape)])
-            elif isinstance(p, Partial):
-                raise NotImplementedError(f"{fqn}: Partial parameters")
-        return t
+        for i, (ax, p) in enumerate(sharded):
+            pieces = [torch.empty_like(t) for _ in range(self.mesh.size(ax))]
+            dist.all_gather(pieces, t.contiguous(), group=self._comm.groups[ax])
+            if i == len(sharded) - 1:
+                pieces = [x.cpu() for x in pieces]
+            t = unshard_tensors(pieces, p, true_size=pp.shape[p.dim % len(pp.shape)])
+        return t.cpu()
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, rank: int | None = None) -> dict[str, torch.Tensor]:
         """Same keys and values as ``model.state_dict()`` (tied keys both present, persistent buffers
-        included), on every rank."""
+        included), as CPU tensors, on every rank (``rank``: on that global rank only; the others
+        return ``{}``). Collective: call it on every rank.
+
+        Memory: the tensors are gathered one at a time and moved to the CPU at once, so a device
+        holds at most one full tensor beyond its own shards at any time; the host holds the whole
+        model on every rank that receives it (pass ``rank`` to keep it on one). A replicated
+        parameter on a CPU rank is returned as its live storage, as ``model.state_dict()`` does."""
         out = {}
-        fulls = {fqn: self._gather_full(fqn, p.detach().to_local()) for fqn, p in self._params.items()}
-        for fqn, full in self._across_stages(fulls).items():
+        pieces = {fqn: p.detach().to_local() for fqn, p in self._params.items()}
+        for fqn, full in self._across_stages(pieces, rank=rank).items():
             for name in self._tied.get(fqn, (fqn,)):
                 out[name] = full
+        if rank is not None and rank != self._rank:
+            return {}
         for fqn in self._persistent_buffers:
-            out[fqn] = self._extra[self._buffer_ph[fqn]]
+            out[fqn] = self._extra[self._buffer_ph[fqn]].cpu()
         return {k: out[k] for k in self._state_keys if k in out}
 
     @torch.no_grad()
@@ -454,19 +455,19 @@ class ParallelModule(torch.nn.Module):
             if fqn in state:
                 self._extra[self._buffer_ph[fqn]].copy_(state[fqn])
 
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        """Unsharded gradients, keys as ``named_parameters()``: copies, every one (a replicated
-        parameter's local gradient is the whole one; returned as itself, a later in-place clip or
-        ``zero_grad`` would change what the caller holds, while a sharded one's would not)."""
+    def full_grads(self, rank: int | None = None) -> dict[str, torch.Tensor]:
+        """Unsharded gradients, keys as ``named_parameters()``, as CPU tensors: copies, every one (a
+        replicated parameter's local gradient is the whole one; returned as itself, a later in-place
+        clip or ``zero_grad`` would change what the caller holds, while a sharded one's would not).
+        On every rank (``rank``: on that global rank only; the others return ``{}``). Collective.
+
+        Memory: as :meth:`full_state_dict`: one full gradient at a time on a device, the whole set
+        on the host of every rank that receives it."""
         if self._zero is not None:  # ZeRO-1: the gradients live in the dp-sharded buffers
             locals_ = self._zero.local_grads()
         else:
             locals_ = {fqn: p.grad.to_local() for fqn, p in self._params.items() if p.grad is not None}
-        fulls = {}
-        for fqn, local in locals_.items():
-            full = self._gather_full(fqn, local)
-            fulls[fqn] = full.clone() if full is local else full
-        return self._across_stages(fulls)
+        return self._across_stages(locals_, rank=rank, held=True, copy=True)
 
     # -- pipeline timeline -------------------------------------------------------------------------
     def start_timeline(self) -> None:
@@ -521,24 +522,61 @@ class ParallelModule(torch.nn.Module):
             g.mul_(coef.to(g.dtype))
         return norm
 
-    def _across_stages(self, fulls: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Under pipeline parallelism each rank holds its stages' tensors: every one is broadcast
-        from the pipeline rank that owns it, so all ranks return the whole model."""
-        if self._pipe is None:
-            return fulls
-        group = self._comm.groups["pp"]
-        have = [None] * self.mesh.size("pp")
-        dist.all_gather_object(have, sorted(fulls), group=group)
+    def _across_stages(self, pieces: dict[str, torch.Tensor], rank: int | None = None, held: bool = False,
+                       copy: bool = False) -> dict[str, torch.Tensor]:
+        """The whole tensors of which ``pieces`` holds this rank's pieces (fqn -> piece), one at a
+        time, as CPU tensors (:meth:`_gather_full`): returned on every rank, or only on global rank
+        ``rank`` ({} elsewhere; every rank still takes part in the gathers).
+
+        Under pipeline parallelism a rank holds its stages' tensors only: the pipeline rank that owns
+        each one (``self._pipe.owner``) gathers it and broadcasts it over pp (``rank`` given: sends
+        it to ``rank`` alone, when ``rank`` is in this pipeline group and is not the owner). Which
+        tensors exist, and their dtypes, come from the plan; with ``held`` (gradients: a parameter
+        may have none) the owners say which they hold in one int32 vector over the model's
+        parameters, summed over pp. ``copy``: never return a piece itself (it may change later)."""
+        keep = rank is None or rank == self._rank
         out = {}
-        for fqn in self._compiled.captured.params.values():
-            owner = self._pipe.owner[fqn]
-            if fqn not in have[owner]:
-                continue
-            pp = self.plan.params[fqn]
-            t = fulls[fqn] if self._pipe.pp_rank == owner else \
-                torch.empty(pp.shape, dtype=torch.float32, device=self._device)
-            dist.broadcast(t, src=self._pipe.peer_of_stage(owner), group=group)
-            out[fqn] = t
+
+        def deliver(fqn, t):
+            if keep:
+                out[fqn] = t.clone() if copy and t is pieces.get(fqn) else t
+
+        if self._pipe is None:
+            for fqn, local in pieces.items():
+                deliver(fqn, self._gather_full(fqn, local))
+            return out if keep else {}
+        pipe, group = self._pipe, self._comm.groups["pp"]
+        order = list(dict.fromkeys(self._compiled.captured.params.values()))
+        codes = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
+        if held:  # per parameter: 0 (no tensor) or 1 + its dtype's code, from its owner
+            have = torch.zeros(len(order), dtype=torch.int32, device=self._device)
+            for i, fqn in enumerate(order):
+                if pipe.owner[fqn] == pipe.pp_rank and fqn in pieces:
+                    have[i] = 1 + codes.index(pieces[fqn].dtype)
+            dist.all_reduce(have, group=group)
+            dtypes = {fqn: codes[c - 1] for fqn, c in zip(order, have.tolist()) if c}
+        else:
+            dtypes = {fqn: getattr(torch, self.plan.params[fqn].dtype.removeprefix("torch.")) for fqn in order}
+        target_here = rank is not None and all(
+            v == self._coords[a] for a, v in self.mesh.coords(rank).items() if a != "pp")
+        for fqn in (f for f in order if f in dtypes):
+            owner = pipe.peer_of_stage(pipe.owner[fqn])
+            full = self._gather_full(fqn, pieces[fqn]) if owner == self._rank else None
+            shape = self.plan.params[fqn].shape
+            if rank is None:
+                buf = full.to(self._device) if full is not None else \
+                    torch.empty(shape, dtype=dtypes[fqn], device=self._device)
+                dist.broadcast(buf, src=owner, group=group)
+                deliver(fqn, full if full is not None else buf.cpu())
+            elif target_here and owner != rank:
+                if owner == self._rank:
+                    dist.send(full.to(self._device), dst=rank, group=group)
+                elif self._rank == rank:
+                    buf = torch.empty(shape, dtype=dtypes[fqn], device=self._device)
+                    dist.recv(buf, src=owner, group=group)
+                    deliver(fqn, buf.cpu())
+            elif full is not None:
+                deliver(fqn, full)
         return out
 
     def _buffer_state(self) -> dict[str, torch.Tensor]:

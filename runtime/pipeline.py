@@ -38,19 +38,21 @@ few neighbours, small. NCCL creates a communicator at its first operation, block
 until the peer joins, so the groups are exercised once when they are made
 (:meth:`Pipeline._make_p2p_groups`).
 
-With ``record=True`` every action and every wait is timed (wall clock, comparable across
-processes on one machine) for the Chrome-trace timeline (:mod:`mcompile.timeline`).
+With ``record=True`` every action and every wait is timed for the Chrome-trace timeline
+(:mod:`mcompile.timeline`): wall clock on CPU, comparable across processes on one machine; on a GPU
+CUDA events anchored to the host clock (:class:`mcompile.timeline.DeviceClock`), since a NCCL
+``wait()`` does not block the host.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from mcompile.runtime.schedules import Action
+from mcompile.timeline import clock_for
 
 __all__ = ["PipelineExecutor", "FxStage", "MessageSpec", "Event", "Post", "Wait", "p2p_plan"]
 
@@ -64,6 +66,10 @@ class MessageSpec:
 
 @dataclass
 class Event:
+    """One timed span of a rank's step: an action (F/B/W), a wait for a message, or the whole step.
+    ``start``/``end`` are seconds on the wall clock once the step has ended; during the step they hold
+    the clock's marks (:mod:`mcompile.timeline`: host times, or CUDA events resolved at the end)."""
+
     rank: int
     name: str
     cat: str  # "F" | "B" | "W" | "wait" | "step"
@@ -154,9 +160,20 @@ class _Slot:
 
 
 class PipelineExecutor:
+    """Runs one pipeline rank's step (module docstring).
+
+    Sent tensors: each posted send's tensor is held (with its work) until the send completes:
+    before every action, the sends whose works report ``is_completed()`` are released, the rest
+    are waited for at the end of the step. ``peak_held_sends`` is the most send buffers held at
+    once in the latest step (bounded by the sends in flight, not by the microbatches, when the
+    transport completes sends as their receives are posted).
+
+    ``clock`` (``record=True``): where the timeline's times come from
+    (:func:`mcompile.timeline.clock_for` the device when None: CUDA events on a GPU, host time on CPU)."""
+
     def __init__(self, *, rank: int, pp_rank: int, num_stages: int, actions: list[list[Action]], microbatches: int,
                  peer_of_stage, stages: dict, send_specs: dict[int, list[MessageSpec]], record: bool = False,
-                 groups: dict | None = None):
+                 groups: dict | None = None, clock=None):
         self.rank = rank
         self.pp_rank = pp_rank
         self.k = num_stages
@@ -171,6 +188,8 @@ class PipelineExecutor:
         # (None, or missing: the default group, e.g. on gloo, where the sharing is harmless)
         self.groups = groups or {}
         self.events: list[Event] = []
+        self.clock = clock
+        self.peak_held_sends = 0
         self._width = max([len(v) for v in send_specs.values()] + [1])
 
     # -- message bookkeeping ------------------------------------------------------------------------
@@ -209,15 +228,25 @@ class PipelineExecutor:
         return works, [o.tensor for o in ops]  # the tensors stay alive until the wait (NCCL: one work per group)
 
     def _wait(self, post_id: int) -> None:
-        t0 = time.time()
+        t0 = self._clock.mark() if self.record else None
         works, _ = self._works.pop(post_id)
         for w in works:
             if w is not None:
                 w.wait()
         recv = next((m for op, m in self._posts[post_id].ops if op == "recv"), None)
-        if self.record and recv is not None:
-            self.events.append(Event(self.rank, f"recv {recv[0]} {recv[1]}.{recv[2]}", "wait", t0, time.time(),
-                                     recv[1], recv[2]))
+        if self.record and recv is not None:  # marks now, seconds at the end of the step (the clock's)
+            self.events.append(Event(self.rank, f"recv {recv[0]} {recv[1]}.{recv[2]}", "wait", t0,
+                                     self._clock.mark(), recv[1], recv[2]))
+
+    def _is_send(self, post_id: int) -> bool:
+        return all(op == "send" for op, _ in self._posts[post_id].ops)
+
+    def _release_sent(self) -> None:
+        """Drop the tensors (and works) of the sends that have completed: an activation is freed once
+        its receiver has it, not at the end of the step."""
+        for post_id in [i for i, (works, _) in self._works.items()
+                        if self._is_send(i) and all(w is None or w.is_completed() for w in works)]:
+            del self._works[post_id]
 
     def _receive(self, kind: str, stage: int, mb: int) -> list[torch.Tensor]:
         return [self._inbox.pop(m) for m in sorted(m for m in self._inbox if m[:3] == (kind, stage, mb))]
@@ -251,16 +280,25 @@ class PipelineExecutor:
         acts = self.actions
         if forward_only:
             acts = [[a for a in lst if a.kind == "F"] for lst in acts]
-        t_step = time.time()
+        self._clock = self.clock or clock_for(device)
+        self.events = []
+        if self.record:
+            self._clock.start()
+            t_step = self._clock.mark()
+        self.peak_held_sends = held = 0
         for a in self.plan(acts):
             if isinstance(a, Post):
                 self._posts[a.id] = a
                 self._works[a.id] = self._post(a)
+                held += self._is_send(a.id)
+                self.peak_held_sends = max(self.peak_held_sends, held)
                 continue
             if isinstance(a, Wait):
                 self._wait(a.id)
                 continue
-            t0 = time.time()
+            self._release_sent()
+            held = sum(map(self._is_send, self._works))
+            t0 = self._clock.mark() if self.record else None
             stage = self.stages[a.stage]
             if a.kind == "F":
                 inputs = self._receive("act", a.stage - 1, a.mb) if a.stage > 0 else []
@@ -287,14 +325,17 @@ class PipelineExecutor:
                 stage.backward_weight(a.mb)
                 slots.pop((a.stage, a.mb), None)
             if self.record:
-                self.events.append(Event(self.rank, str(a), a.kind, t0, time.time(), a.stage, a.mb))
-        for post_id in [i for i in self._works if all(op == "send" for op, _ in self._posts[i].ops)]:
+                self.events.append(Event(self.rank, str(a), a.kind, t0, self._clock.mark(), a.stage, a.mb))
+        for post_id in [i for i in self._works if self._is_send(i)]:
             self._wait(post_id)  # the sends; a receive still posted here is an error below, not a hang
         if self._inbox or self._outbox:
             raise RuntimeError(f"rank {self.rank}: {len(self._inbox)} received and {len(self._outbox)} produced "
                                "messages were never used")
         if self.record:
-            self.events.append(Event(self.rank, "step", "step", t_step, time.time()))
+            self.events.append(Event(self.rank, "step", "step", t_step, self._clock.mark()))
+            times = iter(self._clock.seconds([m for e in self.events for m in (e.start, e.end)]))
+            for e in self.events:
+                e.start, e.end = next(times), next(times)
         return results
 
 
@@ -311,8 +352,11 @@ class FxStage:
     the last stage's outputs are the program's outputs, and its backward starts from ``loss_fn(out)``.
     """
 
-    def __init__(self, program, inputs_fn, loss_fn=None, split_weight: bool = False, weights_fn=None):
+    def __init__(self, program, inputs_fn, loss_fn=None, split_weight: bool = False, weights_fn=None,
+                 leaves=None, last_mb: dict | None = None):
         self.program = program
+        self.leaves = leaves  # runtime/leaves.Leaves: armed during the last microbatch's weight gradients
+        self.last_mb = last_mb or {}  # "B" / "W" -> the microbatch of this stage's last such action
         self.inputs_fn = inputs_fn
         self.loss_fn = loss_fn
         self.splits_weight = split_weight
@@ -332,7 +376,12 @@ class FxStage:
                  and o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
+    def _arm(self, kind: str, mb: int) -> None:
+        if self.leaves is not None:
+            self.leaves.armed = mb == self.last_mb.get(kind)
+
     def backward(self, mb: int, outputs, grads, received: list):
+        self._arm("B", mb)
         roots, gs = self._roots(outputs, grads)
         if self.splits_weight and any(isinstance(x, torch.Tensor) and x.requires_grad for x in received):
             from torch.distributed.pipelining._backward import stage_backward_input
@@ -349,7 +398,11 @@ class FxStage:
 
         groups = self._groups.pop(mb, None)
         if groups is not None:
-            stage_backward_weight(iter(self.weights_fn()), groups)
+            self._arm("W", mb)
+            weights = self.weights_fn()
+            stage_backward_weight(iter(weights), groups)
+            if self.leaves is not None:  # added by hand, not by AccumulateGrad: no hook fired
+                self.leaves.accumulated(weights)
 
 
 def _expand(grads, outputs):
@@ -430,7 +483,6 @@ class Pipeline:
         self.record = False
         self.events: list[Event] = []
         self._probed: dict = {}
-        self._leaves: dict[str, torch.Tensor] = {}
 
     def _check_delayed_fp8_recompute(self, groups: dict[int, dict], config) -> None:
         """FP8 delayed scaling reads a linear's amax history in forward and advances it in backward.
@@ -515,18 +567,38 @@ class Pipeline:
 
     # -- shapes and verification ----------------------------------------------------------------------
     def _probe(self, piece_inputs: dict[str, torch.Tensor]):
-        """Fake-run every stage (forward, and backward of this rank's): message shapes per stage
-        and this rank's collectives in order; then verify all ranks' communication."""
+        """Fake-run every stage, forward and backward: the message shapes per stage and each stage's
+        collectives in order; then verify this rank's communication without gathering anyone's list.
+
+        Every rank of the pipeline group derives every member's op list from the plan (the same
+        schedules and stage programs, each member's own process groups, recompute applied as on its
+        owner) and :func:`~mcompile.runtime.verify.verify` runs over them: sends and receives, NCCL's
+        progress rules, the collectives on pipeline groups. The collectives on the other axes' groups
+        (tp, dp, ...) are compared by a 32-byte digest per member
+        (:func:`~mcompile.runtime.verify.check_collectives_across`), and so are the derived lists over
+        the pipeline group (:func:`~mcompile.runtime.verify.check_derived_across`). Last, one int64 ``all_reduce``
+        (MIN over the world) makes every rank fail when any rank found an error, naming the lowest
+        such rank, instead of some ranks running into a hang. Nothing exchanged grows with the lists;
+        the world-wide exchange is one element."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from mcompile.runtime.verify import CommOp, rank_ops, verify
+        from mcompile.passes.recompute import apply_recompute, recompute_nodes
+        from mcompile.runtime.verify import (
+            CommOp,
+            VerificationError,
+            check_collectives_across,
+            check_derived_across,
+            rank_ops,
+            verify,
+        )
 
         key = tuple((n, tuple(t.shape), t.dtype) for n, t in sorted(piece_inputs.items()))
         if key in self._probed:
             return self._probed[key]
         pm = self.pm
         mesh = pm.mesh
-        dtype = pm.config.dtype
+        config = pm.config
+        dtype = config.dtype
         send_specs: dict[int, list[MessageSpec]] = {}
         fwd_ops: dict[int, list] = {}
         bwd_ops: dict[int, list] = {}
@@ -541,73 +613,114 @@ class Pipeline:
             users = {k: mode.from_tensor(v) for k, v in piece_inputs.items()}
             carried: list = []
             for st in self.stages:
+                gm = st.gm
+                if st.index not in self.own:  # as its owner runs it: recompute re-issues collectives in backward
+                    gm = apply_recompute(gm, recompute_nodes(gm, config.recompute, config.recompute_method,
+                                                             config.recompute_num_layers))
                 named = {**params, **state, **users}
                 recv = [x.detach().requires_grad_() if x.is_floating_point() else x.detach() for x in carried]
                 args = [named[n] for n in st.inputs[:len(st.inputs) - len(recv)]] + recv
                 rec = _RecordCollectives()
                 with rec:
-                    out = st.gm(*args)
+                    out = gm(*args)
                 fwd_ops[st.index] = rec.ops
                 if not st.is_last:
                     out = tuple(out)
                     send_specs[st.index] = [MessageSpec(tuple(int(s) for s in o.shape), o.dtype, o.is_floating_point())
                                             for o in out]
-                if st.index in self.own:
-                    rec = _RecordCollectives()
-                    with rec:
-                        if st.is_last:
-                            pm._loss_parts(out)[0].backward()
-                        else:
-                            roots = [o for o in out if o.requires_grad]
-                            torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
-                    bwd_ops[st.index] = rec.ops
+                rec = _RecordCollectives()
+                with rec:
+                    if st.is_last:
+                        pm._loss_parts(out)[0].backward()
+                    else:
+                        roots = [o for o in out if o.requires_grad]
+                        torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
+                bwd_ops[st.index] = rec.ops
                 carried = [] if st.is_last else [o.detach() for o in out]
 
-        def group(axis):
-            return next(tuple(g) for g in mesh.group_ranks(axis) if pm._rank in g)
+        known: dict[tuple[str, int], tuple[int, ...]] = {}
 
-        def comm(ops):
-            return [CommOp("coll", name, shape, dt, group=group(axis), axis=axis) for name, axis, shape, dt in ops]
+        def group_of(axis: str, rank: int) -> tuple[int, ...]:  # group_ranks walks the world: once per key
+            if (axis, rank) not in known:
+                known[(axis, rank)] = next(tuple(g) for g in mesh.group_ranks(axis) if rank in g)
+            return known[(axis, rank)]
 
-        stage_comm = {s: {"recv": [(sp.shape, str(sp.dtype), sp.differentiable) for sp in send_specs.get(s - 1, [])],
-                          "send": [(sp.shape, str(sp.dtype), sp.differentiable) for sp in send_specs.get(s, [])],
-                          "fwd": comm(fwd_ops[s]), "bwd": comm(bwd_ops.get(s, []))} for s in range(self.k)}
-        mine = rank_ops(self.actions[self.pp_rank], stage_comm, self.k, self.peer_of_stage, self.step_end_ops(),
-                        schedule=self.actions, pp_rank=self.pp_rank)
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        verify(dict(enumerate(everyone)))
+        def comm(ops, rank):
+            return [CommOp("coll", name, shape, dt, group=group_of(axis, rank), axis=axis)
+                    for name, axis, shape, dt in ops]
+
+        derived = {}  # global rank -> its step (the collectives after the schedule: on pipeline groups only)
+        full_end = self.step_end_ops()
+        msgs = {s: [(sp.shape, str(sp.dtype), sp.differentiable) for sp in send_specs.get(s, [])]
+                for s in range(-1, self.k)}
+        for q in range(self.pp):
+            rank = self.peer_of_stage(q)
+            stage_comm = {s: {"recv": msgs[s - 1], "send": msgs[s], "fwd": comm(fwd_ops[s], rank),
+                              "bwd": comm(bwd_ops[s], rank)} for s in range(self.k)}
+            end = self.step_end_ops(q)
+            derived[rank] = rank_ops(self.actions[q], stage_comm, self.k, self.peer_of_stage,
+                                     [op for op in end if op.axis == "pp"], schedule=self.actions, pp_rank=q)
+        self.derived_ops = derived
+        mine = derived[pm._rank] + [op for op in full_end if op.axis != "pp"]
+        error = None
+        try:
+            verify(derived)
+        except VerificationError as e:
+            error = e
+        groups = [(pm._comm.groups[a], group_of(a, pm._rank)) for a in mesh.axis_names
+                  if a != "pp" and mesh.size(a) > 1]
+        error = check_collectives_across(mine, groups, device=pm._device) or error
+        if self.pp > 1:  # the pipeline's members derived the same lists (plans or inputs could differ)
+            error = check_derived_across(pm._rank, derived, pm._comm.groups["pp"], group_of("pp", pm._rank),
+                                         device=pm._device) or error
+        world = dist.get_world_size()
+        first = torch.tensor([pm._rank if error is not None else world], dtype=torch.int64, device=pm._device)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        if error is not None:
+            raise error
+        if int(first) < world:
+            raise VerificationError(f"communication verification failed on rank {int(first)} (its error names the "
+                                    "cause); this rank's own lists match")
         self._probed[key] = send_specs
         return send_specs
 
-    def step_end_ops(self) -> list:
+    def step_end_ops(self, pp_rank: int | None = None) -> list:
         """The collectives after the schedule, in the order train_step issues them: the loss
         broadcast over pp, tied-weight gradient sums, the dp bucket reductions (all-reduce, or
-        ZeRO-1's reduce-scatter), the loss statistics over dp, the SP norm gradients over tp."""
+        ZeRO-1's reduce-scatter), the loss statistics over dp, the SP norm gradients over tp.
+
+        ``pp_rank`` (another rank of this pipeline group): its collectives on pipeline groups only,
+        derived from the plan (the loss broadcast, the sums of the tied weights it holds); its dp and
+        tp reductions are on groups this rank is not in, checked there."""
         from mcompile.runtime.verify import CommOp
 
         pm = self.pm
         mesh = pm.mesh
+        q = self.pp_rank if pp_rank is None else pp_rank
 
         def group(axis):
             return next(tuple(g) for g in mesh.group_ranks(axis) if pm._rank in g)
 
         f32 = "torch.float32"
         out = [CommOp("coll", "broadcast loss", (2,), f32, group=group("pp"), axis="pp")]
-        for fqn, (_, members) in sorted(self.tied_groups.items()):
-            shape = tuple(pm.plan.params[fqn].local_shape)
-            out.append(CommOp("coll", f"all_reduce tied {fqn}", shape, f32, group=tuple(members), axis="pp"))
+        for fqn, ranks in sorted(self.param_ranks.items()):
+            if len(ranks) > 1 and q in ranks:
+                members = tuple(mesh.rank_of(**{**pm._coords, "pp": r}) for r in sorted(ranks))
+                shape = tuple(pm.plan.params[fqn].local_shape)
+                out.append(CommOp("coll", f"all_reduce tied {fqn}", shape, f32, group=members, axis="pp"))
+        if q != self.pp_rank:
+            return out
         if mesh.size("dp") > 1:
             zero = getattr(pm, "_zero", None)
             if zero is not None:
                 out += [CommOp("coll", "reduce_scatter dp bucket", (b.grad_buf.numel(),), f32, group=group("dp"),
                                axis="dp") for b in zero.buckets]
             else:
-                out += [CommOp("coll", "all_reduce dp bucket", (sum(q.to_local().numel() for q in b.params),), f32,
-                               group=group("dp"), axis="dp") for b in pm._buckets]
+                out += [CommOp("coll", "all_reduce dp bucket", (b.buf.numel(),), f32,
+                               group=group("dp"), axis="dp") for b in pm._leaves.buckets if b.reduce_dp]
             out.append(CommOp("coll", "all_reduce loss", (2,), f32, group=group("dp"), axis="dp"))
         if getattr(pm, "_tp_partial", None):
-            n = sum(q.to_local().numel() for q in pm._tp_partial)
+            n = sum(pm._leaves.main[f].numel() for f in pm._tp_partial)
             out.append(CommOp("coll", "all_reduce sp norm grads", (n,), f32, group=group("tp"), axis="tp"))
         return out
 
@@ -615,17 +728,15 @@ class Pipeline:
     def _inputs_fn(self, pieces):
         pm = self.pm
         cap = pm._compiled.captured
-        dtype = pm.config.dtype
+        compute = pm._leaves.compute  # plain local leaves in the compute dtype (runtime/leaves.py)
+        params = {ph: compute[fqn] for ph, fqn in self.param_of_ph.items() if fqn in compute}
 
         def fn(mb):
             args, kwargs = pieces[mb]
             user = list(args) + [kwargs[n] for n in cap.input_names[len(args):]]
             named = dict(zip(cap.user_inputs, user))
             named.update(pm._extra)
-            for ph, fqn in self.param_of_ph.items():
-                leaf = self._leaves.get(fqn)
-                if leaf is not None:
-                    named[ph] = leaf.to(dtype) if dtype != torch.float32 and leaf.is_floating_point() else leaf
+            named.update(params)
             return named
 
         return fn
@@ -638,16 +749,17 @@ class Pipeline:
         args0, kwargs0 = pieces[0]
         user0 = list(args0) + [kwargs0[n] for n in cap.input_names[len(args0):]]
         specs = self._probe({n: t for n, t in zip(cap.user_inputs, user0) if isinstance(t, torch.Tensor)})
-        self._leaves = {fqn: pm._params[fqn].to_local().detach().requires_grad_(not forward_only)
-                        for fqn in self.own_params}
+        pm._leaves.refresh()
         inputs_fn = self._inputs_fn(pieces)
         split = self.schedule == "zbh1"
+        last = {(a.stage, a.kind): a.mb for a in self.actions[self.pp_rank] if a.kind in "BW"}
         stages = {}
         for s in self.own:
             st = self.stages[s]
-            weights = [self._leaves[self.param_of_ph[p]] for p in st.params]
+            weights = [pm._leaves.compute[self.param_of_ph[p]] for p in st.params]
             stages[s] = FxStage(st, inputs_fn, loss_fn=lambda out: pm._loss_parts(out)[0], split_weight=split,
-                                weights_fn=lambda w=weights: w)
+                                weights_fn=lambda w=weights: w, leaves=pm._leaves,
+                                last_mb={k: last[(s, k)] for k in "BW" if (s, k) in last})
         ex = PipelineExecutor(rank=pm._rank, pp_rank=self.pp_rank, num_stages=self.k, actions=self.actions,
                               microbatches=len(pieces), peer_of_stage=self.peer_of_stage, stages=stages,
                               send_specs=specs, record=self.record, groups=self.p2p_groups)
@@ -675,20 +787,12 @@ class Pipeline:
         return stats
 
     def push_grads(self) -> None:
-        """Tied weights: sum the leaf gradients of every rank holding them; then hand every leaf
-        gradient to its DTensor parameter through autograd (so the data-parallel hooks fire)."""
+        """Weights tied across stages: sum their main gradients over the pipeline ranks holding them,
+        then count them ready (their data-parallel buckets reduce; the others were launched during
+        each stage's last backward)."""
+        leaves = self.pm._leaves
+        leaves.armed = False  # the schedule is over
         for fqn, (g, _) in sorted(self.tied_groups.items()):
-            leaf = self._leaves[fqn]
-            if leaf.grad is None:
-                leaf.grad = torch.zeros_like(leaf)
-            dist.all_reduce(leaf.grad, group=g)
-        roots, grads = [], []
-        for fqn in self.own_params:
-            leaf = self._leaves[fqn]
-            if leaf.grad is not None:
-                p = self.pm._params[fqn]
-                roots.append(p.to_local(grad_placements=p.placements))
-                grads.append(leaf.grad)
-        if roots:
-            torch.autograd.backward(roots, grads)
-        self._leaves = {}
+            dist.all_reduce(leaves.main[fqn].view(self.pm._params[fqn]._local_tensor.shape), group=g)
+        for fqn in sorted(self.tied_groups):
+            leaves.ready(fqn)

@@ -15,20 +15,24 @@ Memory per parameter with AdamW (Megatron's table; d = dp size)::
 Under ``Config(dtype=bfloat16, zero=1)`` the model's parameters are held in bf16 (the compute
 dtype) and the fp32 masters live only as this rank's shard; under fp32 the parameters are the fp32
 weights and the master shard *is* this rank's range of the parameter buffer (no copy). Exactly:
-buffers are padded to a multiple of d; the master shard covers the padding of its range; torch's
-optimizer allocates its state per owned parameter segment (padding excluded) and AdamW a 4-byte
-step count per segment (:func:`mcompile.buckets.zero1_memory` predicts all of it to the byte;
+every parameter starts on a multiple of 64 elements (128 bytes of bf16) and the buffers are padded
+to a multiple of d x 64 (:mod:`mcompile.buckets`), so owned ranges and segments are aligned too;
+the master shard covers the padding of its range; torch's optimizer allocates its state per owned
+parameter segment (padding excluded) and AdamW a 4-byte step count per segment
+(:func:`mcompile.buckets.zero1_memory` predicts all of it to the byte;
 :func:`mcompile.report.memory_per_rank` with ``zero=1`` is the per-tensor table without the layout).
 Everything here is local to the parameters this rank holds, so under pipeline parallelism each
 stage shards its own parameters.
 
 One step:
 
-1. backward: each parameter's gradient is added, as soon as autograd has accumulated it, into its
-   slice of the bucket's fp32 gradient buffer (Megatron's ``main_grad``), and ``.grad`` is freed;
-   when the last piece's backward has finished a whole bucket, the buffer is reduce-scattered over
-   dp in place (fp32, asynchronous, overlapped with the rest of backward): rank r's range now holds
-   the sum over dp of its range;
+1. backward: the programs run on plain leaves aliasing the bf16 (or fp32) parameter buffer, and
+   each microbatch's gradient of a parameter is added into its slice of the bucket's fp32 gradient
+   buffer (Megatron's ``main_grad``; :mod:`mcompile.runtime.leaves`), so microbatches accumulate in
+   fp32 also under pipeline parallelism; when the last microbatch's backward has finished a whole
+   bucket (under pp: each stage's last backward; weights tied across stages after their sum), the
+   buffer is reduce-scattered over dp in place (fp32, asynchronous, overlapped with the rest of
+   backward): rank r's range now holds the sum over dp of its range;
 2. ``train_step`` ends: gradients Partial over tp (sequence-parallel norm weights) are all-reduced
    over tp on the owned segments only (1/d of the bytes), and everything is divided by the global
    token count; gradients kept from an earlier ``train_step`` (no ``zero_grad`` between) are added;
@@ -58,7 +62,7 @@ import hashlib
 import json
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -91,7 +95,6 @@ class _Bucket:
     open: bool = False  # gradients of this step are being accumulated
     valid: bool = False  # the owned range holds gradients (not zeroed since)
     saved: torch.Tensor | None = None  # owned gradients of an earlier train_step, added back at the end
-    grad_views: dict = field(default_factory=dict)  # id(param) -> flat fp32 slice of grad_buf
 
     @property
     def owned_grad(self) -> torch.Tensor:
@@ -125,7 +128,6 @@ class ZeroBuffers:
         layouts = bucket_layouts(order, self.dp, int(pm.config.bucket_mb * 2**20))
         self.fqn_order = [f for f in pm._params if any(f in lay.fqns for lay in layouts)]
         self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, _Bucket] = {}
         # the placement of each parameter over every axis but dp: which axes its elements differ on
         self._sharded_axes: dict[str, frozenset] = {}
         for fqn in self.fqn_order:
@@ -159,8 +161,6 @@ class ZeroBuffers:
                 new = torch.nn.Parameter(dt, requires_grad=True)
                 pm._register(fqn, new)
                 b.params.append(new)
-                b.grad_views[id(new)] = b.grad_buf[off:off + n]
-                self._bucket_of[id(new)] = b
             self.buckets.append(b)
         # the optimizer's parameters: this rank's segments of the master shard, with their gradients
         self.segments: list[tuple[Segment, _Bucket, torch.nn.Parameter]] = []
@@ -175,26 +175,25 @@ class ZeroBuffers:
         return [p for b in self.buckets for p in b.params]
 
     # -- gradients ----------------------------------------------------------------------------------
-    def grad_ready(self, p, armed: bool) -> None:
-        """Post-accumulate-grad hook: add ``p.grad`` into the fp32 buffer, free it; once the last
-        piece has finished a bucket, reduce-scatter it over dp (asynchronously)."""
+    def begin(self) -> None:
+        """Before a train_step's first microbatch: every bucket opens for this step's gradients
+        (added into the fp32 buffers by :class:`mcompile.runtime.leaves.Leaves`); owned gradients
+        of an earlier train_step (no ``zero_grad`` between) are kept aside and added back."""
         if not self.optimizer_attached:
             raise RuntimeError(
                 "Config(zero=1) keeps gradients and optimizer state sharded over dp: create the optimizer "
                 "with mcompile.runtime.zero.DistributedOptimizer(pm, torch.optim.AdamW, lr=...) before "
                 "train_step (a torch optimizer over pm.parameters() would see no gradients)")
-        b = self._bucket_of[id(p)]
-        if not b.open:
-            if b.valid:  # gradients of an earlier train_step: kept out of this step's reduction
+        for b in self.buckets:
+            if b.valid:
                 b.saved = b.owned_grad.clone()
             b.grad_buf.zero_()
             b.open = True
-        b.grad_views[id(p)].add_(p.grad.to_local().reshape(-1))
-        p.grad = None
-        if armed:
-            b.ready += 1
-            if b.ready == len(b.params):
-                b.work = _REDUCE_SCATTER(b.owned_grad, b.grad_buf, group=self.groups["dp"], async_op=True)
+            b.ready, b.work = 0, None
+
+    def launch(self, b: _Bucket) -> None:
+        """Every gradient of bucket ``b`` is final: reduce-scatter it over dp, asynchronously."""
+        b.work = _REDUCE_SCATTER(b.owned_grad, b.grad_buf, group=self.groups["dp"], async_op=True)
 
     def finish(self, scale: torch.Tensor) -> None:
         """End of train_step: wait for the reductions, reduce tp-partial gradients over tp, scale."""
@@ -311,7 +310,8 @@ class ZeroBuffers:
 
     def layout_signature(self) -> str:
         layout = {"dp": self.dp, "dtype": str(self.param_dtype),
-                  "buckets": [[list(b.layout.fqns), list(b.layout.numels)] for b in self.buckets]}
+                  "buckets": [[list(b.layout.fqns), list(b.layout.numels), list(b.layout.offsets), b.layout.padded]
+                              for b in self.buckets]}
         return hashlib.sha256(json.dumps(layout).encode()).hexdigest()
 
 

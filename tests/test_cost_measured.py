@@ -161,11 +161,10 @@ MEMORY_CASES = [  # mesh, Config options, the Layout the cost model prices (glob
 def test_memory_model_predicts_the_measured_peak(tiny_fp32, mesh, options, layout):
     """Peak live bytes of the largest rank over a steady-state step (train_step, AdamW step,
     zero_grad, with the optimizer state of the step before), measured by the tracker on 4 gloo
-    processes, within 10 % of the memory model's prediction. What peaks differs by layout — the
-    activations at the start of backward (dp=2×tp=2: gradients do not exist yet), the gradients and
-    their flat fp32 copy for the data-parallel all-reduce (dp=4), in-flight microbatches' activations
-    next to the gradients of those already done (pp) — and the model's lifetimes give each
-    (mcompile.memory_model, "Lifetimes"). The rest is backward's working set (a few %)."""
+    processes, within 10 % of the memory model's prediction. The gradients are persistent flat fp32
+    buffers reduced in place (runtime/leaves.py), so every layout peaks with them next to the kept
+    activations (pp: of the in-flight microbatches) — the model's lifetimes (mcompile.memory_model,
+    "Lifetimes"). The rest is backward's working set (a few %)."""
     from cost_cases import memory_peak
 
     batch = 8

@@ -1,0 +1,252 @@
+"""The tensors the programs run on, and the flat fp32 gradient buffers behind them.
+
+A :class:`~mcompile.runtime.module.ParallelModule` shows the optimizer and checkpoints its
+parameters as DTensors, but its programs run on *plain local tensors* (DESIGN §6, issue 11):
+wrapping each parameter with ``to_local(grad_placements=...)`` per microbatch, and letting autograd
+accumulate into a DTensor ``.grad``, costs per parameter and microbatch a DTensor dispatch in
+forward and in backward (about 17 times a plain tensor's bookkeeping, measured on CPU). Here:
+
+- **compute leaves** (:attr:`Leaves.compute`): per parameter one plain tensor that requires grad and
+  is fed to every microbatch. In fp32 it *is* the parameter's local storage (an alias: the
+  optimizer's in-place update is what the next step reads). In a lower compute dtype it is a copy in
+  that dtype, refreshed once per step with one ``_foreach_copy_`` (Megatron keeps bf16 weights
+  beside fp32 masters the same way), or, under ZeRO-1, where the parameters already are bf16 views
+  of the flat parameter buffer, an alias of that view. One copy per step, never one per
+  microbatch: under pipeline parallelism the cast used to keep a bf16 weight copy alive per
+  microbatch in flight.
+- **main gradients** (Megatron's ``main_grad``): per parameter an fp32 view into a flat buffer per
+  gradient bucket. An fp32 leaf has its view preset as ``.grad``, so autograd accumulates every
+  microbatch into it in place; a bf16 leaf's gradient is added into its fp32 view by a
+  post-accumulate-grad hook after each microbatch and freed. Gradients therefore accumulate over
+  microbatches in fp32 whatever the compute dtype (under ZeRO-1 × pp they used to accumulate in
+  bf16 in the pipeline's leaves).
+- **reduction during backward**: during the last microbatch's backward (``armed``) every hook
+  counts its bucket; a bucket whose parameters are all final is reduced over dp at once, in place,
+  asynchronously (all-reduce, or ZeRO-1's reduce-scatter), while backward goes on. Under pipeline
+  parallelism each stage arms its own last backward; weights tied across stages are counted after
+  their cross-stage sum.
+- after the step each parameter's ``.grad`` is a DTensor over its fp32 view (zero=0; under ZeRO-1
+  the gradients stay in the sharded buffers, :mod:`mcompile.runtime.zero`).
+
+Zero-bubble W (torch's ``stage_backward_weight``) adds weight gradients by hand, not through
+AccumulateGrad, so no hook fires: the stage calls :meth:`Leaves.accumulated` after it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from mcompile.buckets import bucket_layouts
+
+__all__ = ["Leaves"]
+
+
+class _GradBucket:
+    """zero=0: a run of parameters whose fp32 gradients live end to end in one flat buffer."""
+
+    def __init__(self, fqns, offsets, numels, padded, device, reduce_dp: bool):
+        self.fqns = list(fqns)
+        self.buf = torch.zeros(padded, dtype=torch.float32, device=device)
+        self.views = {f: self.buf[o:o + n] for f, o, n in zip(fqns, offsets, numels)}
+        self.reduce_dp = reduce_dp
+        self.expected = 0  # parameters whose hook counts towards readiness
+        self.ready = 0
+        self.work = None
+        self.saved: torch.Tensor | None = None
+
+
+class Leaves:
+    """Compute leaves and main gradients of one ParallelModule (module docstring)."""
+
+    def __init__(self, pm, counted: set[str]):
+        """``counted``: the parameters whose gradient this rank's programs produce (their hooks
+        make buckets ready; the others are reduced at the end of the step)."""
+        self.pm = pm
+        self.dtype = pm.config.dtype
+        self.zero = pm._zero
+        self.armed = False
+        self.counted = set(counted)
+        self.deferred: set[str] = set()  # tied across pipeline stages: counted after their sum
+        self.dp_group = pm._comm.groups.get("dp") if pm.mesh.size("dp") > 1 else None
+        params = {f: p for f, p in pm._params.items()}
+        self.trainable = [f for f, p in params.items() if p.requires_grad]
+        self.main: dict[str, torch.Tensor] = {}  # fqn -> flat fp32 view
+        self._bucket_of: dict[str, object] = {}
+        if self.zero is not None:
+            for zb in self.zero.buckets:
+                for fqn, off, n in zip(zb.layout.fqns, zb.layout.offsets, zb.layout.numels):
+                    self.main[fqn] = zb.grad_buf[off:off + n]
+                    self._bucket_of[fqn] = zb
+            self.buckets = []
+        else:
+            self.buckets = self._make_buckets(params)
+        self._expected = {}
+        for fqn in self.trainable:
+            if fqn in self.counted:
+                b = self._bucket_of[fqn]
+                self._expected[id(b)] = self._expected.get(id(b), 0) + 1
+        self._grad_dt: dict[str, DTensor] = {}
+        self.compute: dict[str, torch.Tensor] = {}
+        self._sources: dict[str, torch.Tensor] = {}  # fp32 parameter storage of a bf16 copy
+        self._ptrs: dict[str, int] = {}
+        self._kept: set[str] = set()
+        self.launches: list[bool] = []  # per bucket reduced early this step: launched during a backward?
+        self._build()
+
+    # -- layout -----------------------------------------------------------------------------------
+    def _make_buckets(self, params) -> list[_GradBucket]:
+        pm = self.pm
+        dp = pm.mesh.size("dp")
+        limit = int(pm.config.bucket_mb * 2**20)
+        order = list(reversed(self.trainable))  # roughly the order backward finishes them
+        reduced = [f for f in order if dp > 1 and "dp" in pm.plan.params[f].grad_partial_axes]
+        rest = [f for f in order if f not in set(reduced)]
+        out = []
+        for fqns, reduce_dp in ((reduced, True), (rest, False)):
+            numels = [(f, params[f]._local_tensor.numel()) for f in fqns]
+            for lay in bucket_layouts(numels, 1, limit):
+                b = _GradBucket(lay.fqns, lay.offsets, lay.numels, lay.padded, pm._device, reduce_dp)
+                for f in lay.fqns:
+                    self._bucket_of[f] = b
+                    self.main[f] = b.views[f]
+                out.append(b)
+        return out
+
+    def _build(self) -> None:
+        """(Re)make every parameter's compute leaf (after the parameters changed storage: a ZeRO
+        re-registration, a load that replaced a tensor)."""
+        pm = self.pm
+        self.compute, self._sources, self._ptrs = {}, {}, {}
+        for fqn, p in pm._params.items():
+            local = p._local_tensor
+            self._ptrs[fqn] = local.data_ptr()
+            if not p.requires_grad:
+                self.compute[fqn] = local.detach()
+                continue
+            main = self.main[fqn].view(local.shape)
+            if local.dtype == torch.float32 and self.dtype != torch.float32:
+                leaf = torch.empty(local.shape, dtype=self.dtype, device=local.device)
+                self._sources[fqn] = local
+            else:
+                leaf = local.detach()
+            leaf.requires_grad_(True)
+            if leaf.dtype == torch.float32:
+                leaf.grad = main  # autograd accumulates into the fp32 view in place
+            leaf.register_post_accumulate_grad_hook(self._hook(fqn, main))
+            self.compute[fqn] = leaf
+            if self.zero is None and fqn not in self._grad_dt:
+                self._grad_dt[fqn] = DTensor.from_local(main, p.device_mesh, p.placements, run_check=False,
+                                                        shape=p.shape, stride=p.stride())
+
+    def _hook(self, fqn: str, main: torch.Tensor):
+        def hook(leaf: torch.Tensor) -> None:
+            if leaf.grad is not main:  # a bf16 leaf: its microbatch gradient, added in fp32
+                main.add_(leaf.grad)
+                leaf.grad = None
+            if self.armed and fqn in self.counted and fqn not in self.deferred:
+                self.ready(fqn)
+        return hook
+
+    # -- one step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def begin(self) -> None:
+        """Before the first microbatch: refresh the compute copies, clear the main gradients (those
+        already in ``.grad`` are kept aside and added back at the end, as ``backward`` adds)."""
+        pm = self.pm
+        self.refresh()
+        self._kept = set()
+        self.launches = []
+        if self.zero is not None:
+            self.zero.begin()
+            return
+        for b in self.buckets:
+            kept = [(f, pm._params[f].grad) for f in b.fqns if pm._params[f].grad is not None]
+            b.saved = None
+            if kept:
+                self._kept.update(f for f, _ in kept)
+                b.saved = torch.zeros_like(b.buf)
+                for f, g in kept:
+                    b.saved[self._offset(b, f):self._offset(b, f) + b.views[f].numel()].copy_(
+                        g.to_local().reshape(-1))
+            b.buf.zero_()
+            b.ready, b.work = 0, None
+            for f in b.fqns:
+                pm._params[f].grad = None
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """The compute leaves follow the parameters: remade if a parameter changed storage, the
+        lower-precision copies recopied (after an optimizer step or a load). Before every run."""
+        if any(p._local_tensor.data_ptr() != self._ptrs[f] for f, p in self.pm._params.items()):
+            self._build()
+        if self._sources:
+            srcs = list(self._sources)
+            torch._foreach_copy_([self.compute[f] for f in srcs], [self._sources[f] for f in srcs])
+
+    @staticmethod
+    def _offset(b: _GradBucket, fqn: str) -> int:
+        return b.views[fqn].storage_offset() - b.buf.storage_offset()
+
+    def ready(self, fqn: str) -> None:
+        """``fqn``'s gradient is final for this step: reduce its bucket once all of them are."""
+        b = self._bucket_of[fqn]
+        b.ready += 1
+        if b.ready != self._expected.get(id(b), 0):
+            return
+        if self.zero is not None:
+            self.zero.launch(b)
+        elif b.reduce_dp:
+            b.work = dist.all_reduce(b.buf, group=self.dp_group, async_op=True)
+        else:
+            return
+        self.launches.append(self.armed)
+
+    def accumulated(self, leaves: list[torch.Tensor]) -> None:
+        """Gradients added to ``leaves`` outside AccumulateGrad (zero-bubble W): what the hook does."""
+        by_id = {id(t): f for f, t in self.compute.items()}
+        for leaf in leaves:
+            fqn = by_id.get(id(leaf))
+            if fqn is None or leaf.grad is None:
+                continue
+            main = self.main[fqn].view(leaf.shape)
+            if leaf.grad is not main and leaf.grad.data_ptr() != main.data_ptr():
+                main.add_(leaf.grad)
+                leaf.grad = None if leaf.dtype != torch.float32 else main
+            if self.armed and fqn in self.counted and fqn not in self.deferred:
+                self.ready(fqn)
+
+    @torch.no_grad()
+    def finish(self, scale: torch.Tensor, tp_partial: list[str]) -> None:
+        """After the last backward: wait for (or run) the dp reductions, sum the gradients that are
+        Partial over tp, divide by the token count, add back the kept gradients, publish ``.grad``."""
+        if self.zero is not None:
+            self.zero.finish(scale)
+            return
+        pm = self.pm
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            elif b.reduce_dp:  # not every hook fired in the last microbatch: reduce now
+                dist.all_reduce(b.buf, group=self.dp_group)
+            b.work, b.ready = None, 0
+        if tp_partial:  # sequence-parallel norm weights: one coalesced all-reduce over tp per step
+            views = [self.main[f] for f in tp_partial]
+            flat = torch.cat(views)
+            dist.all_reduce(flat, group=pm._comm.groups["tp"])
+            torch._foreach_copy_(views, list(flat.split([v.numel() for v in views])))
+        for b in self.buckets:
+            b.buf.mul_(scale)
+            if b.saved is not None:
+                b.buf.add_(b.saved)
+                b.saved = None
+        for fqn in self.counted | self._kept:
+            if fqn in self._grad_dt:
+                pm._params[fqn].grad = self._grad_dt[fqn]
+
+    def flat_buffers(self) -> list[torch.Tensor]:
+        """The fp32 gradient buffers (memory accounting)."""
+        if self.zero is not None:
+            return [b.grad_buf for b in self.zero.buckets]
+        return [b.buf for b in self.buckets]
