@@ -602,41 +602,46 @@ class Pipeline:
         send_specs: dict[int, list[MessageSpec]] = {}
         fwd_ops: dict[int, list] = {}
         bwd_ops: dict[int, list] = {}
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode, torch.enable_grad():  # the backward's collectives too, even when called under no_grad
-            params = {}
-            for ph, fqn in self.param_of_ph.items():
-                pp_ = pm.plan.params[fqn]
-                leaf = torch.empty(pp_.local_shape, dtype=torch.float32, device=pm._device).requires_grad_()
-                params[ph] = leaf.to(dtype) if dtype != torch.float32 else leaf
-            state = {k: mode.from_tensor(v) for k, v in pm._extra.items()}
-            users = {k: mode.from_tensor(v) for k, v in piece_inputs.items()}
-            carried: list = []
-            for st in self.stages:
-                gm = st.gm
-                if st.index not in self.own:  # as its owner runs it: recompute re-issues collectives in backward
-                    gm = apply_recompute(gm, recompute_nodes(gm, config.recompute, config.recompute_method,
-                                                             config.recompute_num_layers))
-                named = {**params, **state, **users}
-                recv = [x.detach().requires_grad_() if x.is_floating_point() else x.detach() for x in carried]
-                args = [named[n] for n in st.inputs[:len(st.inputs) - len(recv)]] + recv
-                rec = _RecordCollectives()
-                with rec:
-                    out = gm(*args)
-                fwd_ops[st.index] = rec.ops
-                if not st.is_last:
-                    out = tuple(out)
-                    send_specs[st.index] = [MessageSpec(tuple(int(s) for s in o.shape), o.dtype, o.is_floating_point())
-                                            for o in out]
-                rec = _RecordCollectives()
-                with rec:
-                    if st.is_last:
-                        pm._loss_parts(out)[0].backward()
-                    else:
-                        roots = [o for o in out if o.requires_grad]
-                        torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
-                bwd_ops[st.index] = rec.ops
-                carried = [] if st.is_last else [o.detach() for o in out]
+        trace_error = None
+        try:  # a rank failing here must not leave the others waiting in the exchanges below
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            with mode, torch.enable_grad():  # the backward's collectives too, even when called under no_grad
+                params = {}
+                for ph, fqn in self.param_of_ph.items():
+                    pp_ = pm.plan.params[fqn]
+                    leaf = torch.empty(pp_.local_shape, dtype=torch.float32, device=pm._device).requires_grad_()
+                    params[ph] = leaf.to(dtype) if dtype != torch.float32 else leaf
+                state = {k: mode.from_tensor(v) for k, v in pm._extra.items()}
+                users = {k: mode.from_tensor(v) for k, v in piece_inputs.items()}
+                carried: list = []
+                for st in self.stages:
+                    gm = st.gm
+                    if st.index not in self.own:  # as its owner runs it: recompute re-issues collectives in backward
+                        gm = apply_recompute(gm, recompute_nodes(gm, config.recompute, config.recompute_method,
+                                                                 config.recompute_num_layers))
+                    named = {**params, **state, **users}
+                    recv = [x.detach().requires_grad_() if x.is_floating_point() else x.detach() for x in carried]
+                    args = [named[n] for n in st.inputs[:len(st.inputs) - len(recv)]] + recv
+                    rec = _RecordCollectives()
+                    with rec:
+                        out = gm(*args)
+                    fwd_ops[st.index] = rec.ops
+                    if not st.is_last:
+                        out = tuple(out)
+                        send_specs[st.index] = [MessageSpec(tuple(int(s) for s in o.shape), o.dtype,
+                                                            o.is_floating_point()) for o in out]
+                    rec = _RecordCollectives()
+                    with rec:
+                        if st.is_last:
+                            pm._loss_parts(out)[0].backward()
+                        else:
+                            roots = [o for o in out if o.requires_grad]
+                            torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
+                    bwd_ops[st.index] = rec.ops
+                    carried = [] if st.is_last else [o.detach() for o in out]
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            trace_error = e
+        self._agree_on_trace(trace_error)
 
         known: dict[tuple[str, int], tuple[int, ...]] = {}
 
@@ -683,6 +688,27 @@ class Pipeline:
                                     "cause); this rank's own lists match")
         self._probed[key] = send_specs
         return send_specs
+
+    def _agree_on_trace(self, error: Exception | None) -> None:
+        """After the fake run: one int64 all-reduce (MIN over the world) says whether any rank failed
+        to trace its stages (a model whose last stage returns no scalar loss, an op the fake mode
+        cannot run); then every rank raises, the failing one its own error, the others naming it
+        and its message (gathered only then), instead of waiting in the exchanges that follow."""
+        pm = self.pm
+        world = dist.get_world_size()
+        first = torch.tensor([pm._rank if error is not None else world], dtype=torch.int64, device=pm._device)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        if int(first) == world:
+            return
+        messages: list = [None] * world
+        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        from mcompile.runtime.verify import VerificationError
+
+        r = int(first)
+        raise VerificationError(f"rank {r} failed to trace its pipeline stages, so no rank runs the step: "
+                                f"{messages[r]}")
 
     def step_end_ops(self, pp_rank: int | None = None) -> list:
         """The collectives after the schedule, in the order train_step issues them: the loss

@@ -155,3 +155,23 @@ def full_state_to_one_rank(rank, world, name, mesh, opts):
         out[f"grads@{r}"] = pm.full_grads(rank=r)
     out["devices"] = sorted({str(t.device) for d in out.values() for t in d.values()})
     return {k: ({n: t.clone() for n, t in v.items()} if isinstance(v, dict) else v) for k, v in out.items()}
+
+
+def one_rank_fails_to_trace(rank, world, name, mesh, opts, failing):
+    """Rank ``failing`` cannot trace its stages (its loss hook raises inside the fake run): every rank
+    must raise, none may wait in the verification's exchanges. Returns each rank's error."""
+    import mcompile as mc
+
+    from conftest import build
+
+    model, inputs = build(name, batch=4)
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **opts)
+    if rank == failing:
+        def broken(out):
+            raise RuntimeError("the last stage returned no scalar loss")
+        pm._loss_parts = broken
+    try:
+        pm.train_step(*inputs)
+    except Exception as e:  # noqa: BLE001 - the test reads it
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -299,3 +299,18 @@ def test_pipelined_forward_output_equals_the_single_device_one(mesh):
     for out, ref in pool(world).run(pipe_forward_outputs, mesh, {"microbatches": 2}):
         assert out.shape == ref.shape == () and out.dtype == ref.dtype and out.device.type == "cpu"
         assert out.item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_cannot_trace_its_stages_fails_every_rank():
+    """One rank's fake run raising (here its loss, on rank 1 only) is every rank's error, naming the
+    rank and its message, within one step: not a hang in the verification's digest exchanges."""
+    from scale_cases import one_rank_fails_to_trace
+
+    from conftest import pool
+
+    out = pool(4).run(one_rank_fails_to_trace, "gpt2-tiny", "pp=2,tp=2", {"microbatches": 2}, 1, timeout=100)
+    assert out[1] == "RuntimeError: the last stage returned no scalar loss"
+    for r in (0, 2, 3):
+        assert out[r] is not None and "rank 1 failed to trace" in out[r], (r, out[r])
+        assert "the last stage returned no scalar loss" in out[r]
