@@ -49,7 +49,8 @@ class _GradBucket:
     def __init__(self, fqns, offsets, numels, padded, device, reduce_dp: bool):
         self.fqns = list(fqns)
         self.buf = torch.zeros(padded, dtype=torch.float32, device=device)
-        self.views = {f: self.buf[o:o + n] for f, o, n in zip(fqns, offsets, numels)}
+        self.spans = {f: (o, o + n) for f, o, n in zip(fqns, offsets, numels)}
+        self.views = {f: self.buf[lo:hi] for f, (lo, hi) in self.spans.items()}
         self.reduce_dp = reduce_dp
         self.expected = 0  # parameters whose hook counts towards readiness
         self.ready = 0
@@ -70,7 +71,7 @@ class Leaves:
         self.counted = set(counted)
         self.deferred: set[str] = set()  # tied across pipeline stages: counted after their sum
         self.dp_group = pm._comm.groups.get("dp") if pm.mesh.size("dp") > 1 else None
-        params = {f: p for f, p in pm._params.items()}
+        params = pm._params
         self.trainable = [f for f, p in params.items() if p.requires_grad]
         self.main: dict[str, torch.Tensor] = {}  # fqn -> flat fp32 view
         self._bucket_of: dict[str, object] = {}
@@ -102,7 +103,8 @@ class Leaves:
         limit = int(pm.config.bucket_mb * 2**20)
         order = list(reversed(self.trainable))  # roughly the order backward finishes them
         reduced = [f for f in order if dp > 1 and "dp" in pm.plan.params[f].grad_partial_axes]
-        rest = [f for f in order if f not in set(reduced)]
+        done = set(reduced)
+        rest = [f for f in order if f not in done]
         out = []
         for fqns, reduce_dp in ((reduced, True), (rest, False)):
             numels = [(f, params[f]._local_tensor.numel()) for f in fqns]
@@ -119,6 +121,7 @@ class Leaves:
         re-registration, a load that replaced a tensor)."""
         pm = self.pm
         self.compute, self._sources, self._ptrs = {}, {}, {}
+        self._fqn_of: dict[int, str] = {}  # id(compute leaf) -> fqn (zero-bubble W hands leaves back)
         for fqn, p in pm._params.items():
             local = p._local_tensor
             self._ptrs[fqn] = local.data_ptr()
@@ -136,6 +139,7 @@ class Leaves:
                 leaf.grad = main  # autograd accumulates into the fp32 view in place
             leaf.register_post_accumulate_grad_hook(self._hook(fqn, main))
             self.compute[fqn] = leaf
+            self._fqn_of[id(leaf)] = fqn
             if self.zero is None and fqn not in self._grad_dt:
                 self._grad_dt[fqn] = DTensor.from_local(main, p.device_mesh, p.placements, run_check=False,
                                                         shape=p.shape, stride=p.stride())
@@ -166,10 +170,11 @@ class Leaves:
             b.saved = None
             if kept:
                 self._kept.update(f for f, _ in kept)
-                b.saved = torch.zeros_like(b.buf)
+                saved = torch.zeros_like(b.buf)
                 for f, g in kept:
-                    b.saved[self._offset(b, f):self._offset(b, f) + b.views[f].numel()].copy_(
-                        g.to_local().reshape(-1))
+                    lo, hi = b.spans[f]
+                    saved[lo:hi].copy_(g.to_local().reshape(-1))
+                b.saved = saved
             b.buf.zero_()
             b.ready, b.work = 0, None
             for f in b.fqns:
@@ -184,10 +189,6 @@ class Leaves:
         if self._sources:
             srcs = list(self._sources)
             torch._foreach_copy_([self.compute[f] for f in srcs], [self._sources[f] for f in srcs])
-
-    @staticmethod
-    def _offset(b: _GradBucket, fqn: str) -> int:
-        return b.views[fqn].storage_offset() - b.buf.storage_offset()
 
     def ready(self, fqn: str) -> None:
         """``fqn``'s gradient is final for this step: reduce its bucket once all of them are."""
@@ -205,9 +206,8 @@ class Leaves:
 
     def accumulated(self, leaves: list[torch.Tensor]) -> None:
         """Gradients added to ``leaves`` outside AccumulateGrad (zero-bubble W): what the hook does."""
-        by_id = {id(t): f for f, t in self.compute.items()}
         for leaf in leaves:
-            fqn = by_id.get(id(leaf))
+            fqn = self._fqn_of.get(id(leaf))
             if fqn is None or leaf.grad is None:
                 continue
             main = self.main[fqn].view(leaf.shape)
