@@ -8,12 +8,13 @@ One ``train_step``:
 
 1. split the global batch: this rank's data-parallel slice (``inputs="local"``: already sliced),
    then ``microbatches`` pieces;
-2. per piece: forward (parameters cast to the compute dtype; differentiable casts, so gradients
-   land in fp32 on the fp32 parameters), backward of the *summed* token loss;
+2. per piece: forward and backward of the *summed* token loss on plain local leaves (the
+   parameters' storage in fp32, or one compute-dtype copy per step), each piece's gradients added
+   in fp32 into flat bucket buffers (runtime/leaves.py);
 3. gradient reduction: every gradient that the plan marks Partial over an axis is all-reduced over
-   it — over dp in buckets of ``bucket_mb`` launched from post-accumulate-grad hooks during the
-   last piece's backward (overlapped with the rest of backward), over tp (sequence-parallel norm
-   weights) in one coalesced all-reduce; in fp32;
+   it — over dp per bucket of ``bucket_mb``, in place, launched from post-accumulate-grad hooks
+   during the last piece's backward (overlapped with the rest of backward), over tp
+   (sequence-parallel norm weights) in one coalesced all-reduce; in fp32;
 4. the token count of the global batch is summed and every new gradient divided by it, so the
    gradients and the returned loss are the single-device mean over the whole batch (labels -100
    ignored), however the batch was split. Gradients that were already in ``.grad`` are kept and
@@ -21,8 +22,6 @@ One ``train_step``:
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,15 +41,6 @@ def _torch_placement(p):
     if isinstance(p, BlockShard):
         return _StridedShard(p.dim, split_factor=p.blocks)
     return p
-
-
-@dataclass
-class _Bucket:
-    params: list
-    axes: tuple[str, ...]
-    ready: int = 0
-    flat: torch.Tensor | None = None
-    work: object = None
 
 
 class ParallelModule(torch.nn.Module):
