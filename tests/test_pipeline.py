@@ -303,21 +303,37 @@ def test_measured_bubble_matches_each_schedule():
     measured = {}
     for name in SCHEDULES:
         v = 2 if name == "interleaved" else 1
-        res = pool(p).run(sleep_pipeline, name, m, v, t_f, t_b, t_w)
-        events = [e for r in res for e in r]
-        trace = chrome_trace(events)
-        b = bubble(trace)
-        mean_b = sum(b.values()) / len(b)
         formula = bubble_fraction(name, p, m, v, t_f, t_b, t_w)
-        dur = {k: [e["end"] - e["start"] for e in events if e["cat"] == k] for k in "FBW"}
-        mean = {k: (sum(x) / len(x) if x else 0.0) for k, x in dur.items()}
-        acts = build_schedule(name, p, v, m)
-        # the simulation with the measured durations and 2 ms per message (latency) as an upper bound
-        slow = simulate(acts, mean["F"] * v + 0.002 * v, mean["B"] * v + 0.002 * v, mean["W"] * v, virtual=v)
-        upper = 1 - min(slow[1]) / slow[0]
+        # A stall of the machine (other processes on 2 cores) can only add idle time, never remove
+        # it; a wrong schedule adds it on every run. So the lower bound holds on every attempt, and
+        # the upper one must hold on one of three (one run in ~50 was seen 0.001 over it under load).
+        tries = []
+        for _ in range(3):
+            mean_b, upper = _measure_bubble(name, p, m, v, t_f, t_b, t_w)
+            assert formula - 0.01 <= mean_b, (name, mean_b, formula)
+            tries.append((mean_b, upper))
+            if mean_b <= upper + 0.02:
+                break
+        else:
+            raise AssertionError((name, "measured bubble above the simulation in 3 runs", tries, formula))
         measured[name] = mean_b
-        assert formula - 0.01 <= mean_b <= upper + 0.02, (name, mean_b, formula, upper)
     assert measured["interleaved"] < measured["1f1b"] and measured["zbh1"] < measured["1f1b"]
+
+
+def _measure_bubble(name, p, m, v, t_f, t_b, t_w):
+    """One run of the sleeping pipeline: the mean bubble over stages from the recorded timeline, and
+    the ideal simulation's bubble with the measured action durations and 2 ms per message."""
+    from mcompile.timeline import bubble, chrome_trace
+
+    res = pool(p).run(sleep_pipeline, name, m, v, t_f, t_b, t_w)
+    events = [e for r in res for e in r]
+    b = bubble(chrome_trace(events))
+    mean_b = sum(b.values()) / len(b)
+    dur = {k: [e["end"] - e["start"] for e in events if e["cat"] == k] for k in "FBW"}
+    mean = {k: (sum(x) / len(x) if x else 0.0) for k, x in dur.items()}
+    slow = simulate(build_schedule(name, p, v, m), mean["F"] * v + 0.002 * v, mean["B"] * v + 0.002 * v,
+                    mean["W"] * v, virtual=v)
+    return mean_b, 1 - min(slow[1]) / slow[0]
 
 
 # ---- the public contract under PP ----------------------------------------------------------------------------
