@@ -3,7 +3,7 @@
     mcompile plan MODEL --mesh dp=8,tp=8 [--seq S] [--batch B] [--sp] [--json]
     mcompile plan MODEL --mesh dp=2,pp=4,tp=2 --microbatches 8 --schedule interleaved --virtual 2
     mcompile timeline TRACE.json [-o out.png]
-    mcompile show MODEL --mesh tp=2 --rank 1 [--fuse] [--fp8 current|delayed]
+    mcompile show MODEL --mesh tp=2 --rank 1 [--fuse] [--fp8 current|delayed] [--after PASS]
     mcompile search MODEL --gpus 1024 --gpu h100 --global-batch 1536 [--seq S] [--top K] [--json]
     mcompile explain MODEL --gpus 1024 --gpu h100 --global-batch 1536   (why the best beats the runner-up)
     mcompile demo [--steps N]
@@ -87,6 +87,7 @@ def _compile(args, device: str):
                      microbatches=args.microbatches, pipeline_granularity=args.granularity,
                      layers_per_stage=layers, pipeline_seq=args.seq)
     c.plan.model = name
+    c.cli_inputs = inputs
     return c
 
 
@@ -194,6 +195,8 @@ def cmd_show(args) -> int:
     c = _compile(args, "meta")
     if not 0 <= args.rank < c.mesh.size():
         raise CLIError(f"--rank {args.rank} is outside the mesh of {c.mesh.size()} ranks")
+    if args.after is not None:
+        return _show_after(args, c)
     gm = c.program(args.rank)
     print(f"# per-rank program of rank {args.rank} {c.mesh.coords(args.rank)} on {c.mesh!r}")
     fp8 = _fp8_report(args, c, args.rank)  # FP8 linears: mcompile::fp8_linear* calls in the program below
@@ -208,6 +211,32 @@ def cmd_show(args) -> int:
     counts = fuse(gm, {n.name: n for n in c.captured.gm.graph.nodes}, set(c.captured.params))
     print(mark_fused(gm, FUSED))
     print(f"# {fused_summary(counts)}")
+    return 0
+
+
+def _show_after(args, c) -> int:
+    """``show --after PASS``: the rank's programs after that pass of mcompile.compiler.PASSES,
+    forward and backward once the joint passes have run."""
+    from mcompile import compiler
+    from mcompile.config import Config
+
+    try:
+        cfg = Config(sequence_parallel=args.sp, fuse=args.fuse, fp8=args.fp8, microbatches=args.microbatches,
+                     schedule=args.schedule, virtual_stages=args.virtual, recompute=args.recompute,
+                     activation_budget=args.activation_budget, codegen=args.codegen)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    from mcompile.models import PRESETS, get_preset
+
+    per_step = max(args.batch, 1) * c.mesh.size("dp") * args.microbatches
+    if args.model in PRESETS:
+        inputs = get_preset(args.model).example_inputs(batch=per_step, seq=args.seq, device="meta")
+    else:
+        inputs = c.cli_inputs
+    try:
+        print(compiler.show(c, args.rank, cfg, inputs, after=args.after))
+    except compiler.UnknownPassError as e:
+        raise CLIError(str(e)) from e
     return 0
 
 
@@ -351,6 +380,15 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--rank", type=int, default=0)
     ps.add_argument("--fuse", action="store_true",
                     help="apply the fusion pass (Config(fuse=True)); fused nodes are marked, counts summed up")
+    ps.add_argument("--after", default=None, metavar="PASS",
+                    help="print the programs after this pass of the compiler pipeline (lower, fuse, fp8, "
+                         "pipeline_split, joint, partition, split_weight, codegen): forward and backward once "
+                         "the joint passes ran")
+    ps.add_argument("--recompute", default="none", choices=["none", "full", "selective", "auto"],
+                    help="recompute policy for the partition pass (--after partition)")
+    ps.add_argument("--activation-budget", type=int, default=None, metavar="BYTES",
+                    help="recompute=auto: bytes of saved activations per rank and microbatch")
+    ps.add_argument("--codegen", default="eager", choices=["eager", "inductor"])
     ps.set_defaults(func=cmd_show)
     pt = sub.add_parser("timeline", help="draw a pipeline timeline (Chrome trace from pm.save_timeline) as a PNG")
     pt.add_argument("trace", help="trace JSON written by ParallelModule.save_timeline")

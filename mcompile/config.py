@@ -25,9 +25,15 @@ class Config:
     # multiple of it (Megatron's --make-vocab-size-divisible-by 128): GPT-2's 50257 at tp=8 -> 51200
     vocab_pad_multiple: int = 128
     fuse: bool = False  # run RMSNorm / SwiGLU through mcompile's fused kernels (mcompile.passes.fuse)
-    recompute: str = "none"  # "none" | "full" | "selective" (attention core), mcompile.passes.recompute
+    recompute: str = "none"  # "none" | "full" | "selective" (attention core) | "auto" (by cost under
+    #                          activation_budget: mcompile.passes.remat); on the joint graph (passes/joint.py)
     recompute_method: str = "uniform"  # full recompute: "uniform" (groups of layers) or "block" (first layers)
     recompute_num_layers: int = 1
+    activation_budget: int | None = None  # recompute="auto": bytes of saved activations per program call
+    # "joint": each program traced into forward + backward modules run without autograd (passes/joint.py);
+    # "autograd": the fallback for programs whose backward cannot be traced: forward under autograd
+    execution: str = "joint"
+    codegen: str = "eager"  # "eager" (fx-generated Python) | "inductor" (TorchInductor: mcompile.passes.codegen)
     # pipeline parallelism (a "pp" mesh axis): mcompile.partition, mcompile.runtime.schedules
     schedule: str = "1f1b"  # "gpipe" | "1f1b" | "interleaved" | "zbh1"
     virtual_stages: int = 1  # stages per pipeline rank (interleaved schedule)
@@ -59,8 +65,19 @@ class Config:
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype={self.dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
         object.__setattr__(self, "inputs", Inputs(self.inputs))
-        if self.recompute not in ("none", "full", "selective"):
-            raise ValueError(f"recompute={self.recompute!r}: use 'none', 'full' or 'selective'")
+        if self.recompute not in ("none", "full", "selective", "auto"):
+            raise ValueError(f"recompute={self.recompute!r}: use 'none', 'full', 'selective' or 'auto'")
+        if self.recompute == "auto" and (self.activation_budget is None or self.activation_budget < 0):
+            raise ValueError("recompute='auto' needs activation_budget=<bytes of saved activations per rank and "
+                             "microbatch> (>= 0)")
+        if self.execution not in ("joint", "autograd"):
+            raise ValueError(f"execution={self.execution!r}: use 'joint' (default) or 'autograd' (the fallback)")
+        if self.recompute == "auto" and self.execution != "joint":
+            raise ValueError("recompute='auto' chooses on the joint graph: use execution='joint'")
+        if self.codegen not in ("eager", "inductor"):
+            raise ValueError(f"codegen={self.codegen!r}: use 'eager' or 'inductor'")
+        if self.codegen != "eager" and self.execution != "joint":
+            raise ValueError("codegen='inductor' compiles the joint program's modules: use execution='joint'")
         if self.recompute_method not in ("uniform", "block"):
             raise ValueError(f"recompute_method={self.recompute_method!r}: use 'uniform' or 'block'")
         if self.recompute_num_layers < 1:

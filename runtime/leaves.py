@@ -218,6 +218,19 @@ class Leaves:
                 self.ready(fqn)
 
     @torch.no_grad()
+    def add_grads(self, args: list, positions: list[int], grads: list) -> None:
+        """Gradients computed by a joint program's backward (runtime/joint.py): ``grads[j]`` is that
+        of ``args[positions[j]]``; those of compute leaves are added into their fp32 views (what
+        AccumulateGrad and the hook do on the autograd path) and count towards their buckets."""
+        for pos, g in zip(positions, grads):
+            fqn = self._fqn_of.get(id(args[pos]))
+            if fqn is None or g is None:
+                continue
+            self.main[fqn].view(g.shape).add_(g)
+            if self.armed and fqn in self.counted and fqn not in self.deferred:
+                self.ready(fqn)
+
+    @torch.no_grad()
     def finish(self, scale: torch.Tensor, tp_partial: list[str]) -> None:
         """After the last backward: wait for (or run) the dp reductions, sum the gradients that are
         Partial over tp, divide by the token count, add back the kept gradients, publish ``.grad``."""

@@ -58,30 +58,31 @@ class ParallelModule(torch.nn.Module):
         self._device = torch.device("cuda", torch.cuda.current_device()) if device_mesh.device_type == "cuda" \
             else torch.device("cpu")
         from mcompile import meta as M
+        from mcompile.compiler import rank_programs
         from mcompile.passes.recompute import apply_recompute, recompute_nodes
 
-        program = compiled.program(self._rank, self._device)
+        # the rank passes (lower, fuse, fp8: mcompile.compiler.PASSES); the pipeline split below, the joint
+        # passes on each program's first call (runtime/joint.py)
+        rp = rank_programs(compiled, self._rank, config, self._device)
+        program = rp.program
         if config.fuse:
-            from mcompile.passes.fuse import fuse
-
-            cap0 = compiled.captured
-            self.fused = fuse(program, {n.name: n for n in cap0.gm.graph.nodes}, set(cap0.params))
-        self.fp8 = None  # FP8 linears: what was converted / kept and why (mcompile.passes.fp8.Fp8Report)
-        if config.fp8:
-            from mcompile.passes.fp8 import convert_fp8
-
-            self.fp8 = convert_fp8(program, self.plan, dict(compiled.captured.params), recipe=config.fp8,
-                                   amax_history_len=config.fp8_amax_history_len, margin=config.fp8_margin,
-                                   backend=config.fp8_backend, device=self._device,
-                                   user_inputs=set(compiled.captured.user_inputs))
-        groups = recompute_nodes(program, config.recompute, config.recompute_method, config.recompute_num_layers)
+            self.fused = rp.fused
+        self.fp8 = rp.fp8  # FP8 linears: what was converted / kept and why (mcompile.passes.fp8.Fp8Report)
+        groups = {} if config.recompute == "auto" else \
+            recompute_nodes(program, config.recompute, config.recompute_method, config.recompute_num_layers)
         self.plan.recompute = sorted({n.meta.get(M.ORIGIN, n.name) for n in program.graph.nodes if n.name in groups})
         self._pipe = None
+        self._runner = None  # the joint program's runner (runtime/joint.py), without pipeline parallelism
         if self.mesh.size("pp") > 1:  # pipeline: this rank runs its stages (recompute applied inside each)
             from mcompile.runtime.pipeline import Pipeline
 
             self._pipe = Pipeline(self, program, config)
             object.__setattr__(self, "_program", program)
+        elif config.execution == "joint":  # recompute is the joint program's saved set
+            from mcompile.runtime.joint import JointRunner
+
+            object.__setattr__(self, "_program", program)
+            self._runner = JointRunner(program, config, name=f"rank {self._rank}")
         else:
             object.__setattr__(self, "_program", apply_recompute(program, groups))
         cap = compiled.captured
@@ -240,14 +241,29 @@ class ParallelModule(torch.nn.Module):
             pieces.append((tuple(move(cut(a)) for a in args), {k: move(cut(v)) for k, v in kwargs.items()}))
         return pieces
 
-    def _run(self, args: tuple, kwargs: dict, local: dict | None = None):
+    def _call_args(self, args: tuple, kwargs: dict, local: dict | None = None) -> list:
+        """The program's positional inputs for one piece of the batch."""
         local = local if local is not None else self._local_inputs()
         cap = self._compiled.captured
         user = list(args) + [kwargs[n] for n in cap.input_names[len(args):]]
         by_name = dict(zip(cap.user_inputs, user))
-        call = [local[n] if n in local else by_name[n] for n in self._placeholders]
+        return [local[n] if n in local else by_name[n] for n in self._placeholders]
+
+    def _run(self, args: tuple, kwargs: dict, local: dict | None = None):
+        call = self._call_args(args, kwargs, local)
         with ops.bind(self._comm):
             return self._program(*call)
+
+    def _joint_step(self, args: tuple, kwargs: dict, local: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one piece on the joint program; weight gradients added into the
+        fp32 buffers. Returns (loss sum, token count)."""
+        call = self._call_args(args, kwargs, local)
+        runner = self._runner
+        outs, ctx = runner.forward(call)
+        loss_sum, c = self._loss_parts(outs)
+        grads = runner.backward(ctx, runner.tangents(ctx, outs))
+        self._leaves.add_grads(call, ctx.jp.joint.grad_primals, grads)
+        return loss_sum, c
 
     def _loss_parts(self, out) -> tuple[torch.Tensor, torch.Tensor]:
         if self._token_weighted:
@@ -272,8 +288,11 @@ class ParallelModule(torch.nn.Module):
             local = self._local_inputs() if self._pipe is None else None
             for i, (a, k) in enumerate(pieces if self._pipe is None else ()):
                 leaves.armed = i == len(pieces) - 1
-                loss_sum, c = self._loss_parts(self._run(a, k, local))
-                loss_sum.backward()
+                if self._runner is not None:
+                    loss_sum, c = self._joint_step(a, k, local)
+                else:
+                    loss_sum, c = self._loss_parts(self._run(a, k, local))
+                    loss_sum.backward()
                 total += loss_sum.detach()
                 count += c
         leaves.armed = False

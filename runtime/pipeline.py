@@ -405,6 +405,79 @@ class FxStage:
                 self.leaves.accumulated(weights)
 
 
+class JointStage:
+    """A stage program run as a joint program (runtime/joint.py): F runs its forward module and keeps
+    the saved tensors; B runs its backward module (split for zero-bubble schedules: B only the
+    gradients of the received inputs, on the backward graph's input-gradient part; W the weight
+    gradients, the rest of that graph); weight gradients are added into the fp32 buffers here.
+    Same interface as :class:`FxStage`."""
+
+    def __init__(self, program, runner, inputs_fn, loss_fn=None, split_weight: bool = False, leaves=None,
+                 last_mb: dict | None = None):
+        self.program = program
+        self.runner = runner
+        self.inputs_fn = inputs_fn
+        self.loss_fn = loss_fn
+        self.splits_weight = split_weight
+        self.leaves = leaves
+        self.last_mb = last_mb or {}
+        self._ctx: dict[int, tuple] = {}
+
+    def forward(self, mb: int, received: list):
+        named = self.inputs_fn(mb)
+        args = [named[n] for n in self.program.inputs[:len(self.program.inputs) - len(received)]] + list(received)
+        if not torch.is_grad_enabled():  # forward only: the plain program, nothing kept
+            out = self.program.gm(*args)
+            return out if self.program.is_last else tuple(out)
+        outs, ctx = self.runner.forward(args)
+        self._ctx[mb] = (ctx, args)
+        if self.program.is_last:
+            return outs if len(outs) != 1 else outs[0]
+        return outs
+
+    def _arm(self, kind: str, mb: int) -> None:
+        if self.leaves is not None:
+            self.leaves.armed = mb == self.last_mb.get(kind)
+
+    def backward(self, mb: int, outputs, grads, received: list):
+        ctx, args = self._ctx[mb]
+        runner = self.runner
+        outs = _flat(outputs)
+        if self.program.is_last:
+            tangents = runner.tangents(ctx, outs)
+        else:
+            expanded = _expand(grads, outs)
+            tangents = runner.tangents(ctx, outs, [expanded[i] for i in ctx.jp.joint.diff_outputs])
+        first = len(args) - len(received)
+        gp = ctx.jp.joint.grad_primals
+        if self.splits_weight and ctx.jp.backward_input is not None and ctx.jp.input_grads:
+            dins = runner.backward_input(ctx, tangents)
+            by_pos = {gp[j]: g for j, g in zip(ctx.jp.input_grads, dins)}
+            return [by_pos.get(first + i) for i in range(len(received))]
+        self._ctx.pop(mb)
+        self._arm("B", mb)
+        gs = runner.backward(ctx, tangents)
+        if self.leaves is not None:
+            self.leaves.add_grads(args, gp, gs)
+        by_pos = dict(zip(gp, gs))
+        return [by_pos.get(first + i) for i in range(len(received))]
+
+    def backward_weight(self, mb: int) -> None:
+        item = self._ctx.pop(mb, None)
+        if item is None:  # B ran the whole backward (nothing received)
+            return
+        ctx, args = item
+        self._arm("W", mb)
+        gs = self.runner.backward_weight(ctx)
+        gp = ctx.jp.joint.grad_primals
+        if self.leaves is not None:
+            self.leaves.add_grads(args, [gp[j] for j in ctx.jp.weight_grads], gs)
+
+
+def _flat(out) -> tuple:
+    return tuple(out) if isinstance(out, tuple | list) else (out,)
+
+
 def _expand(grads, outputs):
     """Gradients arrive for the differentiable outputs only; put None for the others."""
     if grads is None:
@@ -465,9 +538,19 @@ class Pipeline:
         groups = {st.index: recompute_nodes(st.gm, config.recompute, config.recompute_method,
                                             config.recompute_num_layers) for st in self.stages}
         self._check_delayed_fp8_recompute(groups, config)
-        for s in self.own:  # recompute inside each stage program
-            st = self.stages[s]
-            st.gm = apply_recompute(st.gm, groups[s])
+        self.runners = None  # joint execution: one runner per own stage (runtime/joint.py)
+        if config.execution == "joint":
+            from mcompile.runtime.joint import JointRunner
+
+            self.runners = {s: JointRunner(self.stages[s].gm, config, name=f"stage {s}",
+                                           split_inputs=list(range(len(self.stages[s].inputs) -
+                                                                   len(self.stages[s].received),
+                                                                   len(self.stages[s].inputs))))
+                            for s in self.own}
+        else:
+            for s in self.own:  # recompute inside each stage program
+                st = self.stages[s]
+                st.gm = apply_recompute(st.gm, groups[s])
         self.param_of_ph = dict(cap.params)
         self.own_params = sorted({self.param_of_ph[p] for s in self.own for p in self.stages[s].params},
                                  key=list(cap.params.values()).index)
@@ -602,6 +685,7 @@ class Pipeline:
         send_specs: dict[int, list[MessageSpec]] = {}
         fwd_ops: dict[int, list] = {}
         bwd_ops: dict[int, list] = {}
+        wgt_ops: dict[int, list] = {}  # joint execution, zero-bubble W: the weight-gradient graph's collectives
         trace_error = None
         try:  # a rank failing here must not leave the others waiting in the exchanges below
             mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -615,6 +699,17 @@ class Pipeline:
                 users = {k: mode.from_tensor(v) for k, v in piece_inputs.items()}
                 carried: list = []
                 for st in self.stages:
+                    if self.runners is not None:  # the joint programs, as they will run
+                        named = {**params, **state, **users}
+                        recv = [x.detach().requires_grad_() if x.is_floating_point() else x.detach() for x in carried]
+                        args = [named[n] for n in st.inputs[:len(st.inputs) - len(recv)]] + recv
+                        out, ops_ = self._probe_joint(st, args)
+                        fwd_ops[st.index], bwd_ops[st.index], wgt_ops[st.index] = ops_
+                        if not st.is_last:
+                            send_specs[st.index] = [MessageSpec(tuple(int(s) for s in o.shape), o.dtype,
+                                                                o.is_floating_point()) for o in out]
+                        carried = [] if st.is_last else [o.detach() for o in out]
+                        continue
                     gm = st.gm
                     if st.index not in self.own:  # as its owner runs it: recompute re-issues collectives in backward
                         gm = apply_recompute(gm, recompute_nodes(gm, config.recompute, config.recompute_method,
@@ -661,7 +756,8 @@ class Pipeline:
         for q in range(self.pp):
             rank = self.peer_of_stage(q)
             stage_comm = {s: {"recv": msgs[s - 1], "send": msgs[s], "fwd": comm(fwd_ops[s], rank),
-                              "bwd": comm(bwd_ops[s], rank)} for s in range(self.k)}
+                              "bwd": comm(bwd_ops[s], rank), "wgt": comm(wgt_ops.get(s, []), rank)}
+                          for s in range(self.k)}
             end = self.step_end_ops(q)
             derived[rank] = rank_ops(self.actions[q], stage_comm, self.k, self.peer_of_stage,
                                      [op for op in end if op.axis == "pp"], schedule=self.actions, pp_rank=q)
@@ -688,6 +784,39 @@ class Pipeline:
                                     "cause); this rank's own lists match")
         self._probed[key] = send_specs
         return send_specs
+
+    def _runner(self, s: int):
+        """Stage ``s``'s joint runner: this rank's own, or one made to derive another rank's ops."""
+        from mcompile.runtime.joint import JointRunner
+
+        if s not in self.runners:
+            st = self.stages[s]
+            self.runners[s] = JointRunner(st.gm, self.pm.config, name=f"stage {s}",
+                                          split_inputs=list(range(len(st.inputs) - len(st.received), len(st.inputs))))
+        return self.runners[s]
+
+    def _probe_joint(self, st, args: list):
+        """Under fake tensors: stage ``st``'s joint program on ``args`` (traced here once; the real
+        step reuses it), its outputs, and the collectives its forward, backward (B) and, split for
+        zero-bubble, weight-gradient (W) modules run, in their graph order."""
+        runner = self._runner(st.index)
+        rec = _RecordCollectives()
+        with rec:
+            outs, ctx = runner.forward(args)
+        fwd = rec.ops
+        if st.is_last:
+            self.pm._loss_parts(outs if len(outs) != 1 else outs[0])  # the last stage returns a loss (or raises)
+            tangents = runner.tangents(ctx, outs)
+        else:
+            tangents = [torch.ones_like(outs[i]) for i in ctx.jp.joint.diff_outputs]
+        rec_b, rec_w = _RecordCollectives(), _RecordCollectives()
+        split = self.schedule == "zbh1" and ctx.jp.backward_input is not None and ctx.jp.input_grads
+        with rec_b:
+            (runner.backward_input if split else runner.backward)(ctx, tangents)
+        if split:
+            with rec_w:
+                runner.backward_weight(ctx)
+        return outs, (fwd, rec_b.ops, rec_w.ops)
 
     def _agree_on_trace(self, error: Exception | None) -> None:
         """After the fake run: one int64 all-reduce (MIN over the world) says whether any rank failed
@@ -782,6 +911,11 @@ class Pipeline:
         stages = {}
         for s in self.own:
             st = self.stages[s]
+            last_mb = {k: last[(s, k)] for k in "BW" if (s, k) in last}
+            if self.runners is not None:
+                stages[s] = JointStage(st, self.runners[s], inputs_fn, loss_fn=lambda out: pm._loss_parts(out)[0],
+                                       split_weight=split, leaves=pm._leaves, last_mb=last_mb)
+                continue
             weights = [pm._leaves.compute[self.param_of_ph[p]] for p in st.params]
             stages[s] = FxStage(st, inputs_fn, loss_fn=lambda out: pm._loss_parts(out)[0], split_weight=split,
                                 weights_fn=lambda w=weights: w, leaves=pm._leaves,

@@ -25,10 +25,13 @@ class _Group:
         self.slots: list = [None] * size
 
     def exchange(self, index: int, value):
-        self.slots[index] = value
+        # a copy: a rank that returns first may reuse its input's memory (compiled code does) while the
+        # others still read it; the real runtime's collectives do not alias their inputs either
+        self.slots[index] = value.clone() if isinstance(value, torch.Tensor) else value
         self.barrier.wait()
         out = list(self.slots)
         self.barrier.wait()  # nobody overwrites a slot before everyone has read
+        self.slots[index] = None  # the group keeps no tensor alive (memory measured in the simulator)
         return out
 
 

@@ -111,7 +111,8 @@ def rank_ops(actions, stage_comm, num_stages: int, peer_of_stage, step_end=(), p
         elif isinstance(e, Wait):
             out.append(CommOp("wait", f"posting {e.id}", batch=e.id))
         else:
-            out.extend(stage_comm[e.stage]["fwd" if e.kind == "F" else "bwd"] if e.kind in "FB" else ())
+            # a zero-bubble W runs collectives only when its weight-gradient graph holds some ("wgt")
+            out.extend(stage_comm[e.stage].get({"F": "fwd", "B": "bwd", "W": "wgt"}[e.kind], ()))
     out.extend(step_end)
     return out
 

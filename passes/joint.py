@@ -1,0 +1,498 @@
+"""Joint forward + backward programs (DESIGN §5; issue 13).
+
+A per-rank program (or a pipeline stage's) is traced once per input signature into a **joint
+graph**: its forward and ``torch.autograd.grad`` of its differentiable outputs, traced together
+with ``make_fx`` over fake tensors — the way AOTAutograd builds its joint graph
+(``torch._functorch._aot_autograd``: forward + autograd.grad under proxy tracing). mcompile's
+collective ops trace through their registered backwards, so every collective of both directions is
+a node of one graph. The joint graph is then **partitioned** into
+
+- a forward module: ``primals -> (*outputs, *saved)``;
+- a backward module: ``(*saved, *primals it reads, *tangents) -> grads`` (one per primal that
+  requires grad, ``None`` where there is none), which recomputes every forward value it needs that
+  was not saved (activation recompute *is* the choice of the saved set: passes/remat.py).
+
+and, for zero-bubble schedules, the backward module is split on the graph into the input-gradient
+part (B) and the weight-gradient part (W), the values W needs from B handed over as a stash.
+
+The runtime executes these modules with autograd off (:class:`JointExecutable`): it calls forward,
+keeps the saved tensors, calls backward with the output gradients, and adds the weight gradients
+into its flat buffers itself. Node meta of the program (layer, origin) is carried to the joint
+graph through ``node.meta["custom"]`` (``torch.fx.traceback.preserve_node_meta``).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.fx import traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from mcompile import meta as M
+
+__all__ = ["JointGraph", "JointProgram", "JointTraceError", "trace_joint", "partition", "split_weight",
+           "forward_nodes", "saved_for_policy", "VIEW_OPS"]
+
+aten = torch.ops.aten
+
+# ops whose output aliases their input: recomputing them costs nothing, saving them costs their base
+VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+            aten.transpose.int, aten.permute.default, aten.expand.default, aten.unsqueeze.default,
+            aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.slice.Tensor, aten.select.int,
+            aten.detach.default, aten.alias.default, aten.as_strided.default, aten.split.Tensor,
+            aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default, aten.narrow.default,
+            aten.view_as_real.default, aten.view_as_complex.default, operator.getitem}
+
+
+class JointTraceError(RuntimeError):
+    """The program's backward cannot be traced into a graph."""
+
+
+@dataclass
+class JointGraph:
+    """A traced joint graph and what its inputs and outputs are."""
+
+    gm: fx.GraphModule
+    num_primals: int
+    num_outputs: int  # forward outputs (flattened), first in the output tuple
+    diff_outputs: list[int]  # forward outputs that get a tangent (require grad)
+    grad_primals: list[int]  # primals that require grad: the gradients follow the outputs, in this order
+    primal_names: list[str]
+    tangent_names: list[str]
+    constants: list = field(default_factory=list)  # the program's get_attr tensors: the last primals, passed by
+    #                                                the runner after the call's own inputs
+
+
+def _flat(out) -> tuple:
+    return tuple(out) if isinstance(out, tuple | list) else (out,)
+
+
+def _trace_failure(program: fx.GraphModule, e: Exception) -> str:
+    """What to tell the user when the joint trace failed: the op (an ``ns::name`` in the error, and
+    the program's node whose backward called it), the cause, and the fallback."""
+    import re
+
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    named = re.findall(r"\b([A-Za-z_]\w*::\w+)", str(e))
+    custom = [n for n in program.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+              and n.target.namespace not in ("aten", "prims", "mcompile", "mcompile_kernels")]
+    if named:
+        op = named[0]
+        nodes = [n.name for n in custom if n.target.name().split(".")[0] == op]
+        callers = ", ".join(sorted({str(n.target) for n in custom}))
+        where = f"the op {op}" + (f" (node {nodes[0]})" if nodes else
+                                  (f", reached from the backward of {callers}" if custom else ""))
+    else:
+        bad = _first_unsupported(program)
+        where = f"the op {bad}" if bad else "an op of the program"
+    return (f"mcompile could not trace this program's backward into a joint graph: {where}: {type(e).__name__}: "
+            f"{text}. Give the op a fake implementation (torch.library register_fake) and trace-safe autograd "
+            "formula, or run the model on the eager fallback with Config(execution='autograd'), which runs "
+            "forward under autograd")
+
+
+def _first_unsupported(program: fx.GraphModule) -> str | None:
+    """An op of the program that has no fake (meta) implementation, for the error message."""
+    for n in program.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            try:
+                if not torch._C._dispatch_has_kernel_for_dispatch_key(n.target.name(), "Meta") and \
+                        not torch._C._dispatch_has_kernel_for_dispatch_key(n.target.name(),
+                                                                           "CompositeImplicitAutograd") and \
+                        n.target.namespace not in ("aten", "prims", "mcompile"):
+                    return f"{n.target} (node {n.name})"
+            except RuntimeError:
+                continue
+        elif n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket) \
+                and n.target is not operator.getitem and getattr(n.target, "__module__", "").find("torch") < 0:
+            return f"{getattr(n.target, '__qualname__', n.target)} (node {n.name})"
+    return None
+
+
+def trace_joint(program: fx.GraphModule, args: list) -> JointGraph:
+    """Trace ``program(*args)`` and the gradients of its differentiable outputs with respect to the
+    arguments that require grad into one graph. ``args`` are the real (or fake) inputs of one call:
+    only their metadata is used. Raises :class:`JointTraceError` naming the op when the program's
+    backward cannot be traced (then ``Config(execution="autograd")`` runs it eagerly)."""
+    for n in program.graph.nodes:  # our meta, carried onto the traced nodes (module docstring)
+        if n.op == "call_function":
+            n.meta["custom"] = {**n.meta.get("custom", {}), M.LAYER: n.meta.get(M.LAYER),
+                                M.ORIGIN: n.meta.get(M.ORIGIN, n.name), "mc_program_node": n.name}
+    shapes: dict = {}
+
+    # module constants (an FP8 amax history, a fused op's table) become inputs of the trace: one that is
+    # changed in place is then changed on the tensor the runtime passes, not on a copy baked into the graph
+    consts = lifted_constants(program)
+    n_args = len(args)
+    args = list(args) + [t for _, t in consts]
+
+    class _Lifted(fx.Interpreter):
+        def get_attr(self, target, a, kw):
+            return self._consts[target] if target in self._consts else super().get_attr(target, a, kw)
+
+    def forward(*primals):
+        it = _Lifted(program)
+        it._consts = {name: primals[n_args + i] for i, (name, _) in enumerate(consts)}
+        with fx_traceback.preserve_node_meta():
+            return _flat(it.run(*primals[:n_args]))
+
+    def joint(primals, tangents):
+        outs = forward(*primals)
+        diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        req = [p for p in primals if isinstance(p, torch.Tensor) and p.requires_grad]
+        grads = torch.autograd.grad(diff, req, tangents, allow_unused=True) if diff and req else [None] * len(req)
+        return (*outs, *grads)
+
+    try:
+        from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = detect_fake_mode(args)  # already fake (a pipeline's shape probe): trace in that mode
+        if mode is None:
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        else:
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
+                    for a in args]
+        with mode, torch.enable_grad():  # the outputs, to size the tangents
+            outs = forward(*fake)
+        diff_idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        with mode:
+            tangents = [torch.empty_like(outs[i]) for i in diff_idx]
+        shapes["n_out"] = len(outs)
+        with mode, torch.enable_grad():
+            gm = make_fx(joint, tracing_mode="real")(fake, tangents)
+    except Exception as e:  # noqa: BLE001 - re-raised with what to do
+        raise JointTraceError(_trace_failure(program, e)) from e
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    gm.meta["mc_num_fwd_outputs"] = shapes["n_out"]
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    primal_names = [n.name for n in phs if n.name.startswith("primals")]
+    tangent_names = [n.name for n in phs if n.name.startswith("tangents")]
+    grad_primals = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    return JointGraph(gm, len(primal_names), shapes["n_out"], diff_idx, grad_primals, primal_names, tangent_names,
+                      [t for _, t in consts])
+
+
+def lifted_constants(program: fx.GraphModule) -> list[tuple[str, torch.Tensor]]:
+    """The tensors the program reads with ``get_attr``, in graph order (passed as trailing inputs of
+    the joint modules)."""
+    out, seen = [], set()
+    for n in program.graph.nodes:
+        if n.op == "get_attr" and n.target not in seen:
+            t = program
+            for part in n.target.split("."):
+                t = getattr(t, part)
+            if isinstance(t, torch.Tensor):
+                out.append((n.target, t))
+                seen.add(n.target)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# classification and the saved set
+# ---------------------------------------------------------------------------------------------
+def forward_nodes(jg: JointGraph) -> tuple[set[str], set[str]]:
+    """(forward, backward) call_function node names: forward ones are the ancestors of the forward
+    outputs, everything else is backward work (passes/remat.py ``classify``)."""
+    from mcompile.passes.remat import classify
+
+    return classify(jg.gm)
+
+
+def _output_args(jg: JointGraph) -> list:
+    out = next(n for n in jg.gm.graph.nodes if n.op == "output")
+    return list(out.args[0])
+
+
+def needed_by_backward(jg: JointGraph) -> list[str]:
+    """Forward nodes a backward node (or a gradient output) reads directly, in graph order."""
+    fwd, bwd = forward_nodes(jg)
+    needed = set()
+    for n in jg.gm.graph.nodes:
+        if n.name in bwd:
+            needed.update(a.name for a in n.all_input_nodes if a.name in fwd)
+    for a in _output_args(jg)[jg.num_outputs:]:  # a gradient that is a forward value (rare)
+        if isinstance(a, fx.Node) and a.name in fwd:
+            needed.add(a.name)
+    return [n.name for n in jg.gm.graph.nodes if n.name in needed]
+
+
+def _pinned(jg: JointGraph) -> set[str]:
+    """Forward nodes that must be saved, never recomputed: random ops (they would draw other numbers),
+    in-place ops and the values they write (an FP8 amax history advanced in forward)."""
+    from mcompile.passes.remat import _is_random, _mutated
+
+    out = set()
+    for n in jg.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if _is_random(n) or _mutated(n):
+            out.add(n.name)
+        out.update(m.name for m in _mutated(n))
+    return out
+
+
+def saved_for_policy(jg: JointGraph, policy: str, method: str = "uniform", num_layers: int = 1) -> list[str]:
+    """The saved set of a named policy (``none``, ``full``, ``selective``), as node names.
+
+    - ``none``: every forward value the backward reads, except views, recomputed from their input
+      when that input is available anyway (a primal or itself saved) — a view costs no FLOPs and
+      saving it would keep a second name for the same storage;
+    - ``full`` (Megatron's full recompute): per group of ``num_layers`` layers (``uniform``) only the
+      values entering the group from outside it; ``block``: the first ``num_layers`` layers that way,
+      the others as ``none``;
+    - ``selective`` (Korthikanti et al. 2022): as ``none``, but the attention core's outputs are
+      recomputed from its inputs (which are saved).
+    Random ops are always saved: recomputing them would draw other numbers.
+    """
+    nodes = {n.name: n for n in jg.gm.graph.nodes}
+    fwd, _ = forward_nodes(jg)
+    needed = needed_by_backward(jg)
+    primals = set(jg.primal_names)
+    pinned = _pinned(jg)
+
+    def layer(n: fx.Node):
+        return n.meta.get("custom", {}).get(M.LAYER)
+
+    if policy in ("none", "selective"):
+        recompute = set()
+        if policy == "selective":
+            recompute = {n for n in fwd if _is_attention(nodes[n]) or
+                         (nodes[n].target is operator.getitem and _is_attention(nodes[n].args[0]))}
+        return _close_over_views(jg, needed, recompute, fwd, primals, pinned)
+    if policy != "full":
+        raise ValueError(f"recompute {policy!r}: use 'none', 'full', 'selective' or 'auto'")
+    layers = sorted({layer(nodes[n]) for n in fwd if layer(nodes[n]) is not None})
+
+    def group(name: str):
+        lay = layer(nodes[name])
+        if lay is None:
+            return None
+        pos = layers.index(lay)
+        if method == "uniform":
+            return pos // num_layers
+        if method == "block":
+            return pos if pos < num_layers else None
+        raise ValueError(f"recompute method {method!r}: use 'uniform' or 'block'")
+
+    saved: list[str] = []
+    recomputed = {n for n in fwd if group(n) is not None and n not in pinned}
+    for name in needed:  # outside any recomputed group: saved as under 'none'
+        if name not in recomputed:
+            saved.append(name)
+    for name in recomputed:  # what a recomputed group reads from outside it (its input) is saved
+        for a in nodes[name].all_input_nodes:
+            if a.name in fwd and (a.name not in recomputed or group(a.name) != group(name)):
+                saved.append(a.name)
+    seen = set(saved)
+    out = [n.name for n in jg.gm.graph.nodes if n.name in seen]
+    return _close_over_views(jg, out, set(), fwd, primals, pinned)
+
+
+def _is_attention(n) -> bool:
+    return isinstance(n, fx.Node) and isinstance(n.target, torch._ops.OpOverload) and \
+        "scaled_dot_product" in n.target.name()
+
+
+def _close_over_views(jg, wanted: list[str], recompute: set[str], fwd: set[str], primals: set[str],
+                      pinned: set[str]) -> list[str]:
+    """Resolve ``wanted`` (values the backward reads) into a saved list: nodes in ``recompute`` and
+    views of available values are recomputed, their forward inputs wanted in turn."""
+    nodes = {n.name: n for n in jg.gm.graph.nodes}
+    saved: set[str] = set()
+    todo = list(wanted)
+    done: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in done or name in primals:
+            continue
+        done.add(name)
+        n = nodes[name]
+        ins = [a.name for a in n.all_input_nodes if a.name in fwd or a.name in primals]
+        if (name in recompute or n.target in VIEW_OPS) and name not in pinned:
+            # recomputed; a view always is (no FLOPs): its base is saved instead — one storage, and the
+            # saved bytes are what the storage holds (none for a view of a primal)
+            todo.extend(a for a in ins if a not in primals)
+            continue
+        saved.add(name)
+    return [n.name for n in jg.gm.graph.nodes if n.name in saved]
+
+
+# ---------------------------------------------------------------------------------------------
+# partition
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class JointProgram:
+    """A partitioned joint graph: the modules a rank runs and what flows between them."""
+
+    joint: JointGraph
+    forward: fx.GraphModule  # primals -> (*outputs, *saved)
+    backward: fx.GraphModule  # (*saved, *bwd_primals, *tangents) -> grads of grad_primals
+    saved: list[str]  # joint-graph node names returned by forward for backward
+    bwd_primals: list[int]  # primal indices the backward reads directly
+    recomputed: list[str]  # forward nodes the backward recomputes
+    saved_bytes: int = 0
+    recompute_flops: float = 0.0
+    # zero-bubble split of backward (split_weight): B -> (*input grads, *stash); W(*stash) -> weight grads
+    backward_input: fx.GraphModule | None = None
+    backward_weight: fx.GraphModule | None = None
+    input_grads: list[int] = field(default_factory=list)  # positions in grad_primals computed by B
+    weight_grads: list[int] = field(default_factory=list)  # positions computed by W
+
+
+def _copy_nodes(src_nodes: list[fx.Node], inputs: list[fx.Node], outputs: list, gm_src: fx.GraphModule,
+                placeholder_names: list[str] | None = None) -> fx.GraphModule:
+    """A new GraphModule: ``inputs`` become placeholders (in order), ``src_nodes`` are copied in
+    order, ``outputs`` (nodes or None) returned as a tuple."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, n in enumerate(inputs):
+        p = g.placeholder(placeholder_names[i] if placeholder_names else n.name)
+        p.meta = dict(n.meta)
+        env[n] = p
+
+    def arg(a: fx.Node) -> fx.Node:
+        if a not in env and a.op == "get_attr":  # a module constant (an FP8 amax history): the same tensor
+            env[a] = g.node_copy(a)
+        return env[a]
+
+    for n in src_nodes:
+        if n in env:
+            continue
+        env[n] = g.node_copy(n, arg)
+    g.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
+    g.eliminate_dead_code()
+    return fx.GraphModule(gm_src, g)
+
+
+def _ancestors(roots: list[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [r for r in roots if isinstance(r, fx.Node)]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in stop:
+            continue
+        todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _bytes(vals) -> int:
+    if isinstance(vals, torch.Tensor):
+        return vals.numel() * vals.element_size()
+    if isinstance(vals, tuple | list):
+        return sum(_bytes(v) for v in vals)
+    return 0
+
+
+def partition(jg: JointGraph, saved: list[str]) -> JointProgram:
+    """Forward and backward modules of ``jg`` for the saved set ``saved`` (joint node names): the
+    backward recomputes every forward value it reads that is neither saved nor a primal."""
+    gm = jg.gm
+    nodes = {n.name: n for n in gm.graph.nodes}
+    order = [n for n in gm.graph.nodes if n.op == "call_function"]
+    outs = _output_args(jg)
+    fwd_outs, grads = outs[:jg.num_outputs], outs[jg.num_outputs:]
+    primals = [nodes[p] for p in jg.primal_names]
+    tangents = [nodes[t] for t in jg.tangent_names]
+    saved_nodes = [nodes[s] for s in saved]
+    fwd_names, _ = forward_nodes(jg)
+
+    # in-place ops (an FP8 history advanced by backward) are roots of their side: nothing reads them
+    effects = [n for n in order if _mutates(n)]
+    fwd_effects = [n for n in effects if n.name in fwd_names]
+    need_f = _ancestors([o for o in fwd_outs + saved_nodes + fwd_effects if isinstance(o, fx.Node)], set(primals))
+    forward = _copy_nodes([n for n in order if n in need_f], primals, fwd_outs + saved_nodes, gm)
+
+    stop = set(saved_nodes) | set(primals) | set(tangents)
+    need_b = _ancestors([g for g in grads if isinstance(g, fx.Node)] +
+                        [n for n in effects if n.name not in fwd_names], stop)
+    bwd_primals = [i for i, p in enumerate(primals) if p in need_b]
+    b_inputs = saved_nodes + [primals[i] for i in bwd_primals] + tangents
+    backward = _copy_nodes(_lazy_order(order, need_b, fwd_names), b_inputs, grads, gm)
+    recomputed = [n.name for n in order if n in need_b and n.name in fwd_names and n not in stop]
+    try:
+        from mcompile.passes import remat
+        flops = sum(remat.node_cost(nodes[r])[0] for r in recomputed)
+    except ImportError:
+        flops = 0.0
+    sbytes = _saved_bytes(saved_nodes)
+    return JointProgram(jg, forward, backward, list(saved), bwd_primals, recomputed, sbytes, flops)
+
+
+def _mutates(n: fx.Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return n.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def _lazy_order(order: list[fx.Node], keep: set[fx.Node], fwd_names: set[str]) -> list[fx.Node]:
+    """The backward's nodes in the joint graph's order, each recomputed forward node moved to just
+    before its first backward user (with the recomputed values it needs before it): a layer's
+    forward is re-run when its backward is reached, as checkpointing does, not all at the start —
+    which would hold every recomputed activation at once."""
+    out: list[fx.Node] = []
+    done: set[fx.Node] = set()
+    for root in order:
+        if root not in keep or root.name in fwd_names or root in done:
+            continue
+        stack = [(root, False)]
+        while stack:  # iterative post-order over the not-yet-emitted inputs
+            n, expanded = stack.pop()
+            if n in done:
+                continue
+            if expanded:
+                done.add(n)
+                out.append(n)
+                continue
+            stack.append((n, True))
+            stack.extend((a, False) for a in reversed(n.all_input_nodes) if a in keep and a not in done
+                         and a.op == "call_function")
+    return out
+
+
+def _saved_bytes(saved_nodes: list[fx.Node]) -> int:
+    """Bytes of the distinct storages the saved values hold (a view of a saved value is free)."""
+    total, seen = 0, set()
+    for n in saved_nodes:
+        base = n
+        while base.target in VIEW_OPS and base.all_input_nodes:
+            base = base.all_input_nodes[0]
+        if base in seen or base.op == "placeholder":  # a view of an input holds no new storage
+            continue
+        seen.add(base)
+        total += _bytes(n.meta.get("val")) if base is n else _bytes(base.meta.get("val"))
+    return total
+
+
+def split_weight(jp: JointProgram, input_positions: list[int]) -> None:
+    """Split ``jp.backward`` into B (the gradients at ``input_positions`` of grad_primals: the
+    received activations) and W (every other gradient: the weights), on the graph: B runs the
+    ancestors of its gradients; W the rest of backward, reading what it needs of B's values (the
+    stash B returns after its gradients) and of backward's inputs."""
+    bw = jp.backward
+    phs = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    out = next(n for n in bw.graph.nodes if n.op == "output")
+    grads = list(out.args[0])
+    order = [n for n in bw.graph.nodes if n.op == "call_function"]
+    weight_pos = [i for i in range(len(grads)) if i not in input_positions]
+    effects = [n for n in order if _mutates(n)]  # in B: once per backward, before W reads what they left
+    b_nodes = _ancestors([grads[i] for i in input_positions if isinstance(grads[i], fx.Node)] + effects, set(phs))
+    w_nodes = _ancestors([grads[i] for i in weight_pos if isinstance(grads[i], fx.Node)], set(phs) | b_nodes)
+    stash = [n for n in order if n in b_nodes and n in w_nodes]  # computed by B, read by W
+    w_phs = [p for p in phs if p in w_nodes]
+    b_out = [grads[i] for i in input_positions] + stash
+    jp.backward_input = _copy_nodes([n for n in order if n in b_nodes], phs, b_out, bw)
+    w_inputs = stash + w_phs
+    jp.backward_weight = _copy_nodes([n for n in order if n in w_nodes and n not in b_nodes], w_inputs,
+                                     [grads[i] for i in weight_pos], bw)
+    jp.backward_weight.meta["mc_w_inputs"] = [phs.index(p) for p in w_phs]
+    jp.input_grads, jp.weight_grads = list(input_positions), weight_pos

@@ -1,0 +1,150 @@
+"""Running joint programs (passes/joint.py): forward and backward modules, no autograd.
+
+:class:`JointRunner` owns one per-rank program (or pipeline stage program). On the first call with a
+new input signature (shapes, dtypes, which inputs require grad) it traces the joint graph, chooses
+the saved set by the configured recompute policy (``none`` / ``full`` / ``selective`` by name,
+``auto`` by cost under ``activation_budget``: passes/remat.py), partitions, optionally splits the
+backward for zero-bubble W, and hands each module to the code generator (``codegen``). Later calls
+only execute:
+
+- :meth:`JointRunner.forward` — ``outputs, ctx``: ctx holds the saved tensors (and the inputs the
+  backward reads) until the backward;
+- :meth:`JointRunner.backward` — the gradients of the inputs that require grad, from the output
+  gradients; or, split, :meth:`backward_input` (the received activations' gradients, and a stash)
+  then :meth:`backward_weight` (the weights' gradients from the stash).
+
+Weight gradients are returned, not accumulated: the caller adds them into its fp32 buffers
+(runtime/leaves.py ``Leaves.add_grads``), which is where bucket readiness is counted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from mcompile.passes import joint as J
+
+__all__ = ["JointRunner", "JointCtx", "signature"]
+
+
+def signature(args: list) -> tuple:
+    return tuple((tuple(a.shape), a.dtype, a.requires_grad, a.device.type) if isinstance(a, torch.Tensor) else
+                 ("v", a) for a in args)
+
+
+class JointCtx:
+    """What one forward leaves for its backward."""
+
+    __slots__ = ("jp", "saved", "primals", "stash")
+
+    def __init__(self, jp, saved, primals):
+        self.jp, self.saved, self.primals, self.stash = jp, saved, primals, None
+
+
+class JointRunner:
+    def __init__(self, program: fx.GraphModule, config, *, split_inputs: list[int] | None = None, name: str = ""):
+        """``split_inputs``: program input positions whose gradients backward_input computes (the
+        received activations of a pipeline stage); the other gradients are backward_weight's."""
+        self.program = program
+        self.config = config
+        self.split_inputs = split_inputs
+        self.name = name
+        self._cache: dict[tuple, J.JointProgram] = {}
+        self.last: J.JointProgram | None = None
+
+    # -- compile ------------------------------------------------------------------------------------
+    def compile(self, args: list) -> J.JointProgram:
+        key = signature(args)
+        jp = self._cache.get(key)
+        if jp is None:
+            jp = self._cache[key] = self._build(args)
+        self.last = jp
+        return jp
+
+    def _build(self, args: list) -> J.JointProgram:
+        cfg = self.config
+        jg = J.trace_joint(self.program, args)
+        if cfg.recompute == "auto":
+            from mcompile.passes import remat
+
+            sol = remat.solve(jg.gm, cfg.activation_budget, must_save=set())
+            saved = [n.name for n in jg.gm.graph.nodes if n.name in sol.saved]
+        else:
+            saved = J.saved_for_policy(jg, cfg.recompute, cfg.recompute_method, cfg.recompute_num_layers)
+        jp = J.partition(jg, saved)
+        if self.split_inputs is not None:
+            pos = [jg.grad_primals.index(i) for i in self.split_inputs if i in jg.grad_primals]
+            J.split_weight(jp, pos)
+        codegen = getattr(cfg, "codegen", "eager")
+        if codegen != "eager":
+            jp.forward = _Compiled(jp.forward, codegen)
+            jp.backward = _Compiled(jp.backward, codegen)
+            if jp.backward_input is not None:
+                jp.backward_input = _Compiled(jp.backward_input, codegen)
+                jp.backward_weight = _Compiled(jp.backward_weight, codegen)
+        return jp
+
+    # -- run ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, args: list) -> tuple[tuple, JointCtx]:
+        jp = self.compile(args)
+        args = list(args) + jp.joint.constants  # the program's module constants, lifted (passes/joint.py)
+        res = jp.forward(*args)
+        n = jp.joint.num_outputs
+        return tuple(res[:n]), JointCtx(jp, list(res[n:]), [args[i] for i in jp.bwd_primals])
+
+    def tangents(self, ctx: JointCtx, outputs: tuple, grads: list | None = None) -> list:
+        """The output gradients in the backward's order: ``grads`` given per differentiable output
+        (None -> zeros), or ones for the first differentiable output (the loss) and zeros else."""
+        diff = ctx.jp.joint.diff_outputs
+        if grads is None:
+            return [torch.ones_like(outputs[i]) if k == 0 else torch.zeros_like(outputs[i])
+                    for k, i in enumerate(diff)]
+        return [g if g is not None else torch.zeros_like(outputs[i]) for g, i in zip(grads, diff)]
+
+    @torch.no_grad()
+    def backward(self, ctx: JointCtx, tangents: list) -> list:
+        """Gradients of the inputs that require grad (``jp.joint.grad_primals`` order)."""
+        jp = ctx.jp
+        out = jp.backward(*ctx.saved, *ctx.primals, *tangents)
+        ctx.saved = ctx.primals = None
+        return list(out)
+
+    @torch.no_grad()
+    def backward_input(self, ctx: JointCtx, tangents: list) -> list:
+        """The gradients of the split inputs (in ``split_inputs`` order); keeps W's stash in ctx."""
+        jp = ctx.jp
+        b_in = [*ctx.saved, *ctx.primals, *tangents]
+        res = jp.backward_input(*b_in)
+        k = len(jp.input_grads)
+        w_inputs = jp.backward_weight.meta["mc_w_inputs"] if isinstance(jp.backward_weight, fx.GraphModule) \
+            else jp.backward_weight.gm.meta["mc_w_inputs"]
+        ctx.stash = list(res[k:]) + [b_in[i] for i in w_inputs]
+        ctx.saved = ctx.primals = None
+        return list(res[:k])
+
+    @torch.no_grad()
+    def backward_weight(self, ctx: JointCtx) -> list:
+        """The weight gradients (positions ``jp.weight_grads`` of grad_primals)."""
+        out = ctx.jp.backward_weight(*ctx.stash)
+        ctx.stash = None
+        return list(out)
+
+
+class _Compiled:
+    """A module handed to the code generator on its first call (its inputs' shapes are known then)."""
+
+    def __init__(self, gm: fx.GraphModule, codegen: str):
+        self.gm, self.codegen, self.fn = gm, codegen, None
+        self.meta = gm.meta
+
+    def __call__(self, *args):
+        if self.fn is None:
+            from mcompile.passes.codegen import compile_graph
+
+            self.fn = compile_graph(self.gm, list(args), self.codegen)
+        return self.fn(*args)
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
