@@ -296,8 +296,6 @@ def test_measured_bubble_matches_each_schedule():
     already-sent message is below it) and the ideal simulation with those durations plus a per-hop
     latency of 2 ms bounds what the formula can be off by; we ask the measurement to lie between
     the formula - 0.01 and that simulation + 0.02."""
-    from mcompile.timeline import bubble, chrome_trace
-
     p, m = 4, 8
     t_f, t_b, t_w = 0.03, 0.06, 0.03
     measured = {}
