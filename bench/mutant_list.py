@@ -557,4 +557,40 @@ MUTANTS: list[Mutant] = [
                     "tp ranks of a stage resume with the same histories",
         targets=("tests/test_fp8.py::test_fp8_delayed_checkpoint_resumes_bit_identically",),
     ),
+    # ---- joint forward + backward programs (passes/joint.py, runtime/joint.py; issue 13) -----------------
+    Mutant(
+        name="joint-microbatch-grads-overwrite",
+        file="runtime/leaves.py",
+        old="            self.main[fqn].view(g.shape).add_(g)",
+        new="            self.main[fqn].view(g.shape).copy_(g)",
+        description="a joint backward's weight gradients overwrite the fp32 buffer instead of adding: only "
+                    "the last microbatch's gradient survives",
+        targets=(_RT_DP_MB,),
+    ),
+    Mutant(
+        name="joint-stage-ignores-received-gradients",
+        file="runtime/joint.py",
+        old="        return [g if g is not None else torch.zeros_like(outputs[i]) for g, i in zip(grads, diff)]",
+        new="        return [torch.ones_like(outputs[i]) for g, i in zip(grads, diff)]",
+        description="a pipeline stage's backward starts from ones instead of the gradients the next stage sent",
+        targets=("tests/test_pipeline.py::test_pipeline_parity[llama3-tiny-pp=2-microbatches=2]",),
+    ),
+    Mutant(
+        name="joint-zbh1-history-push-dropped",
+        file="passes/joint.py",
+        old="    b_nodes = _ancestors(roots + effects, set(phs))",
+        new="    b_nodes = _ancestors(roots, set(phs))",
+        description="zero-bubble's split leaves in-place ops (the FP8 amax history push) out of B and W: "
+                    "delayed scaling never advances under ZB-H1",
+        targets=("tests/test_fp8.py::test_fp8_under_pipeline_parallelism",),
+    ),
+    Mutant(
+        name="joint-recompute-all-at-start-of-backward",
+        file="passes/joint.py",
+        old="    backward = _copy_nodes(_lazy_order(order, need_b, fwd_names), b_inputs, grads, gm)",
+        new="    backward = _copy_nodes([n for n in order if n in need_b], b_inputs, grads, gm)",
+        description="recomputed forward nodes all run at the start of backward (not before their first "
+                    "user): every recomputed activation is live at once",
+        targets=("tests/test_joint.py::test_recomputed_forward_runs_just_before_its_backward",),
+    ),
 ]

@@ -418,7 +418,8 @@ def partition(jg: JointGraph, saved: list[str]) -> JointProgram:
                         [n for n in effects if n.name not in fwd_names], stop)
     bwd_primals = [i for i, p in enumerate(primals) if p in need_b]
     b_inputs = saved_nodes + [primals[i] for i in bwd_primals] + tangents
-    backward = _copy_nodes(_lazy_order(order, need_b, fwd_names), b_inputs, grads, gm)
+    tangent_dep = _dependents(tangents)
+    backward = _copy_nodes(_lazy_order(order, need_b - stop, tangent_dep), b_inputs, grads, gm)
     recomputed = [n.name for n in order if n in need_b and n.name in fwd_names and n not in stop]
     try:
         from mcompile.passes import remat
@@ -434,15 +435,27 @@ def _mutates(n: fx.Node) -> bool:
     return n.op == "call_function" and schema is not None and schema.is_mutable
 
 
-def _lazy_order(order: list[fx.Node], keep: set[fx.Node], fwd_names: set[str]) -> list[fx.Node]:
-    """The backward's nodes in the joint graph's order, each recomputed forward node moved to just
-    before its first backward user (with the recomputed values it needs before it): a layer's
-    forward is re-run when its backward is reached, as checkpointing does, not all at the start —
-    which would hold every recomputed activation at once."""
+def _dependents(roots: list[fx.Node]) -> set[fx.Node]:
+    """Every node that depends on one of ``roots`` (graph order makes one pass enough)."""
+    dep = set(roots)
+    for n in (roots[0].graph.nodes if roots else ()):
+        if n not in dep and any(a in dep for a in n.all_input_nodes):
+            dep.add(n)
+    return dep
+
+
+def _lazy_order(order: list[fx.Node], keep: set[fx.Node], tangent_dep: set[fx.Node]) -> list[fx.Node]:
+    """The backward's nodes: those that depend on a tangent in the joint graph's order, every other
+    one (a recomputed forward node, or tangent-free backward work such as the ``detach`` autograd
+    records when it saves a value) moved to just before its first user, with what it needs before
+    it. A layer's forward is thus re-run when its backward is reached, as checkpointing does, not all
+    at the start — which would hold every recomputed activation at once."""
     out: list[fx.Node] = []
     done: set[fx.Node] = set()
-    for root in order:
-        if root not in keep or root.name in fwd_names or root in done:
+    roots = [n for n in order if n in keep and n in tangent_dep]
+    roots += [n for n in order if n in keep and n not in tangent_dep]  # read by no tangent-dependent node
+    for root in roots:
+        if root in done:
             continue
         stack = [(root, False)]
         while stack:  # iterative post-order over the not-yet-emitted inputs
@@ -485,7 +498,8 @@ def split_weight(jp: JointProgram, input_positions: list[int]) -> None:
     order = [n for n in bw.graph.nodes if n.op == "call_function"]
     weight_pos = [i for i in range(len(grads)) if i not in input_positions]
     effects = [n for n in order if _mutates(n)]  # in B: once per backward, before W reads what they left
-    b_nodes = _ancestors([grads[i] for i in input_positions if isinstance(grads[i], fx.Node)] + effects, set(phs))
+    roots = [grads[i] for i in input_positions if isinstance(grads[i], fx.Node)]
+    b_nodes = _ancestors(roots + effects, set(phs))
     w_nodes = _ancestors([grads[i] for i in weight_pos if isinstance(grads[i], fx.Node)], set(phs) | b_nodes)
     stash = [n for n in order if n in b_nodes and n in w_nodes]  # computed by B, read by W
     w_phs = [p for p in phs if p in w_nodes]

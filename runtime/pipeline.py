@@ -421,12 +421,13 @@ class JointStage:
         self.splits_weight = split_weight
         self.leaves = leaves
         self.last_mb = last_mb or {}
+        self.forward_only = False  # set by the pipeline for a forward-only run
         self._ctx: dict[int, tuple] = {}
 
     def forward(self, mb: int, received: list):
         named = self.inputs_fn(mb)
         args = [named[n] for n in self.program.inputs[:len(self.program.inputs) - len(received)]] + list(received)
-        if not torch.is_grad_enabled():  # forward only: the plain program, nothing kept
+        if self.forward_only:  # the plain program, nothing kept for a backward
             out = self.program.gm(*args)
             return out if self.program.is_last else tuple(out)
         outs, ctx = self.runner.forward(args)
@@ -435,9 +436,7 @@ class JointStage:
             return outs if len(outs) != 1 else outs[0]
         return outs
 
-    def _arm(self, kind: str, mb: int) -> None:
-        if self.leaves is not None:
-            self.leaves.armed = mb == self.last_mb.get(kind)
+    _arm = FxStage._arm  # the last microbatch's B (or W) counts the buckets, as on the autograd path
 
     def backward(self, mb: int, outputs, grads, received: list):
         ctx, args = self._ctx[mb]
@@ -926,6 +925,8 @@ class Pipeline:
         if len(pieces) != self.m:
             raise ValueError(f"the schedule was built for {self.m} microbatches, got {len(pieces)}")
         if forward_only:
+            for st in stages.values():
+                st.forward_only = True
             with torch.no_grad():
                 results = ex.run(pm._device, forward_only=True)
         else:

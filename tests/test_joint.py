@@ -168,6 +168,28 @@ def test_every_policy_gives_autograd_gradients_to_the_bit(name):
         assert coll(full.backward) > coll(none.backward)
 
 
+@pytest.mark.timeout(120)
+def test_recomputed_forward_runs_just_before_its_backward():
+    """Full recompute: the backward module re-runs each layer's forward when that layer's backward is
+    reached — the last layer's first, layer 0's last — never all of them at the start (which would
+    hold every recomputed activation at once)."""
+    from mcompile import meta as M
+    from mcompile.passes.joint import partition, saved_for_policy, trace_joint
+
+    _, inputs, c, _ = compiled("llama3-tiny", "tp=2", True)
+    prog, args = _rank_args(c, 0, inputs, c.captured.state_values())
+    jg = trace_joint(prog, args)
+    jp = partition(jg, saved_for_policy(jg, "full"))
+    recomputed = set(jp.recomputed)
+    layer_at = [(i, n.meta.get("custom", {}).get(M.LAYER)) for i, n in enumerate(jp.backward.graph.nodes)
+                if n.name in recomputed and n.meta.get("custom", {}).get(M.LAYER) is not None]
+    layers = sorted({lay for _, lay in layer_at})
+    assert len(layers) == 2
+    first = {lay: min(i for i, x in layer_at if x == lay) for lay in layers}
+    last = {lay: max(i for i, x in layer_at if x == lay) for lay in layers}
+    assert last[layers[1]] < first[layers[0]]  # layer 1 recomputed (and done) before layer 0 starts
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["llama3-tiny", "hf-llama"])
 def test_auto_recompute_stays_under_each_budget(name):
