@@ -66,7 +66,10 @@ recompute, backward ones in backward), not overlapped (Megatron's default withou
 overlapped with the attention core: exposed max(0, t_comm − t_attention).
 
 Recompute: full = one more forward of every layer (its collectives included); selective = one
-more forward of the attention core (Korthikanti et al. 2022).
+more forward of the attention core (Korthikanti et al. 2022). auto (``Config(recompute="auto")``:
+passes/remat.py's ILP on each rank's joint graph) gets, per pipeline stage, the activation budget the
+memory model leaves under the memory limit, priced from the named policies' points
+(:func:`recompute_envelope`, :func:`auto_mix`).
 
 Pipeline (p stages, m = B_global/(dp·b) microbatches, v virtual stages; Narayanan et al. SC'21; Qi
 et al. 2023 for zero bubble)
@@ -144,6 +147,10 @@ __all__ = [
     "Estimate",
     "estimate",
     "step_time_expr",
+    "recompute_envelope",
+    "auto_mix",
+    "activations_left",
+    "stage_auto",
     "collective_time",
     "axis_link",
 ]
@@ -173,6 +180,7 @@ class Recompute(StrEnum):
     NONE = "none"
     SELECTIVE = "selective"  # the attention core (Korthikanti et al. 2022)
     FULL = "full"  # every layer: only its input is kept
+    AUTO = "auto"  # the saved set chosen under the activation budget the memory model leaves (auto_mix)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,7 +217,7 @@ class Layout:
         try:
             object.__setattr__(self, "recompute", Recompute(self.recompute))
         except ValueError:
-            raise ValueError(f"recompute={self.recompute!r}: use 'none', 'selective' or 'full'") from None
+            raise ValueError(f"recompute={self.recompute!r}: use 'none', 'selective', 'full' or 'auto'") from None
         if self.virtual > 1 and self.schedule != Schedule.INTERLEAVED:
             raise ValueError(f"virtual={self.virtual} needs schedule='interleaved' (got {self.schedule.value!r})")
         if self.schedule == Schedule.INTERLEAVED and self.pp == 1:
@@ -889,8 +897,9 @@ def _section_times(sec: Section, b, s, layout: Layout, hw: Hardware, eff: Effici
 
 
 def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B, s, *, precision: str,
-           param_dtype: str, grad_dtype: str, attention_kernel: str) -> tuple[dict, dict]:
-    """The step-time terms (seconds) and details; B and s may be sympy symbols."""
+           param_dtype: str, grad_dtype: str, attention_kernel: str, auto: dict | None = None) -> tuple[dict, dict]:
+    """The step-time terms (seconds) and details; B and s may be sympy symbols. ``auto``: for
+    ``recompute="auto"``, :func:`_auto_stages`'s mix per stage (0 and p−1)."""
     b = layout.microbatch_size
     m = B / (layout.dp * b)  # microbatches per pipeline per step
     p, v, cp = layout.pp, layout.virtual, layout.cp
@@ -922,17 +931,22 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
         if layout.recompute == Recompute.FULL:
             rec_comm = rec_comm + cp_f
 
-    def stage(extra: list[dict]) -> dict:
+    def stage(extra: list[dict], i: int) -> dict:
+        r, rc = rec, rec_comm
+        if layout.recompute == Recompute.AUTO:  # a per-layer mix of the named policies (auto_mix)
+            w = auto[i]["mix"]
+            r = w.get("full", 0.0) * lay["f"] + w.get("selective", 0.0) * lay["attn"]
+            rc = w.get("full", 0.0) * (lay["comm_f"] + cp_f)
         d = {k: L_stage * lay[k] for k in ("f", "b", "w", "comm_f", "comm_b")}
-        d["r"] = L_stage * rec
-        d["comm_r"] = L_stage * rec_comm
+        d["r"] = L_stage * r
+        d["comm_r"] = L_stage * rc
         d["cp"] = L_stage * (cp_f + cp_b)
         for e in extra:
             for k in ("f", "b", "w", "comm_f", "comm_b"):
                 d[k] = d[k] + e[k]
         return d
 
-    stages = [stage([pre, post])] if p == 1 else [stage([pre]), stage([post])]
+    stages = [stage([pre, post], 0)] if p == 1 else [stage([pre], 0), stage([post], p - 1)]
 
     # pipeline p2p per microbatch: v sends forward + v backward of b·s·h (/tp), then an all-gather over tp
     p2p = 0
@@ -949,7 +963,8 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
         return d["f"] + d["b"] + d["r"] + d["comm_f"] + d["comm_b"] + d["comm_r"] + d["cp"] + p2p
 
     totals = [total(d) for d in stages]
-    slow = stages[0] if len(stages) == 1 or not _gt(totals[1], totals[0]) else stages[1]
+    slow_i = 0 if len(stages) == 1 or not _gt(totals[1], totals[0]) else 1
+    slow = stages[slow_i]
     T = total(slow)
     bubble = pipeline_bubble(layout.schedule, p, v, T, slow["w"])
 
@@ -983,10 +998,160 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
         "optimizer": optimizer,
     }
     details = {"microbatches": m, "layers_per_stage": L_stage, "params_per_rank": P_stage, "stage_time": T,
+               "slow_stage": 0 if slow_i == 0 else p - 1,
                "stage_weight_grad": slow["w"],
                "dp_comm_total": dp_t, "layer_forward": lay["f"], "layer_backward": lay["b"],
                "layer_tp_comm_forward": lay["comm_f"], "layer_tp_comm_backward": lay["comm_b"]}
     return terms, details
+
+
+# --------------------------------------------------------------------------- recompute="auto"
+
+
+def recompute_envelope(bytes_per_layer: dict[str, float], time_per_layer: dict[str, float]) -> list[tuple]:
+    """The lower envelope of the named policies' points (bytes a layer keeps, its recompute time) as
+    ``[(bytes, time, mode), ...]`` by increasing bytes: the convex hull's lower side from the least
+    memory (full, normally) to the fastest (none, 0 s), without the points above it (a policy that a
+    mix of its neighbours beats, or that keeps as much as a faster one)."""
+    pts = sorted(((float(bytes_per_layer[m]), float(time_per_layer[m]), m) for m in bytes_per_layer),
+                 key=lambda x: (x[0], x[1]))
+    fastest = min(pts, key=lambda x: (x[1], x[0]))
+    pts = [q for q in pts if q[0] <= fastest[0] and (q[1] > fastest[1] or q is fastest)]
+    hull: list[tuple] = []
+    for q in pts:
+        if hull and q[0] == hull[-1][0]:  # same bytes: the faster one (sorted: the first) is kept
+            continue
+        while len(hull) >= 2:
+            (x1, y1, _), (x2, y2, _) = hull[-2], hull[-1]
+            if (y2 - y1) * (q[0] - x1) >= (q[1] - y1) * (x2 - x1):  # hull[-1] on or above the chord
+                hull.pop()
+            else:
+                break
+        hull.append(q)
+    return hull
+
+
+def auto_mix(allowed_bytes: float, envelope: list[tuple]) -> dict[str, float] | None:
+    """How ``recompute="auto"`` is priced on one layer allowed ``allowed_bytes`` of saved activations:
+    weights over the named policies (summing to 1) read off :func:`recompute_envelope` — the point
+    itself when ``allowed_bytes`` falls on one, else the linear interpolation between the two
+    neighbouring envelope points; ``{"none": 1}`` at or above none's bytes; None below full's (does
+    not fit). The recompute time is Σ weight · the policy's time, the bytes Σ weight · its bytes.
+
+    This is an estimate from the named policies' points, not the ILP's own optimum: passes/remat.py
+    solves on each rank's real joint graph and recomputes no more than the best named policy that
+    fits its budget (tests/test_joint.py). An interpolated weight stands for a per-layer mix — that
+    fraction of the stage's layers under one policy and the rest under its neighbour — which is a
+    saved set the ILP may choose, so at a whole-layer mix this is an upper bound on what the ILP
+    recomputes at that budget (in its FLOPs; the time here prices those FLOPs with the roofline).
+    Between whole-layer mixes the interpolation is the continuous relaxation: it can understate the
+    recompute of a mix restricted to whole layers by at most one layer's step between the two
+    policies per microbatch (the ILP chooses per tensor, finer than a layer)."""
+    lo, hi = envelope[0], envelope[-1]
+    if allowed_bytes >= hi[0]:
+        return {hi[2]: 1.0}
+    if allowed_bytes < lo[0] * (1 - 1e-12):
+        return None
+    if allowed_bytes <= lo[0]:
+        return {lo[2]: 1.0}
+    for (x1, _, m1), (x2, _, m2) in zip(envelope[:-1], envelope[1:]):
+        if x1 <= allowed_bytes <= x2:
+            w2 = (allowed_bytes - x1) / (x2 - x1)
+            if w2 <= 0:
+                return {m1: 1.0}
+            return {m2: 1.0} if w2 >= 1 else {m1: 1.0 - w2, m2: w2}
+    return {hi[2]: 1.0}  # unreachable: the envelope covers [lo, hi]
+
+
+def activations_left(limit: float, params, grads, optimizer, *, gradients_meet_activations: bool = True,
+                     reduction_buffer=0) -> float | None:
+    """The activation bytes A that :func:`mcompile.memory_model.peak_bytes` allows under ``limit`` on
+    a rank holding the rest: limit − (P + O + G) when the gradients meet the activations, else
+    limit − (P + O); None when even A = 0 is over the limit."""
+    if gradients_meet_activations:
+        left = limit - (params + optimizer + grads)
+        return left if left >= reduction_buffer else None
+    left = limit - (params + optimizer)
+    return left if left >= grads + reduction_buffer else None
+
+
+def stage_auto(limit: float, fixed: tuple, inflight, n_layers: int, extra_act: float, envelope: list[tuple],
+               acts: dict[str, float], *, gradients_meet_activations: bool = True, reduction_buffer=0) -> dict:
+    """``recompute="auto"`` on one pipeline stage: the activation budget the memory model leaves
+    (``fixed`` = (params, grads, optimizer) bytes of the stage; ``inflight`` microbatches, each keeping
+    ``n_layers`` layers and ``extra_act`` bytes outside them), inverted to bytes per layer, and the
+    mix of :func:`auto_mix` there. Returns {"mix", "layer_bytes", "budget" (bytes per microbatch, the
+    ILP's ``activation_budget``), "fits", "limit"}; where even full recompute does not fit, the mix is
+    full's (and its memory is over the limit)."""
+    left = activations_left(limit, *fixed, gradients_meet_activations=gradients_meet_activations,
+                            reduction_buffer=reduction_buffer)
+    per_mb = None if left is None else left / float(inflight)
+    allowed = None
+    if per_mb is not None:
+        allowed = math.inf if n_layers == 0 else (per_mb - extra_act) / n_layers
+    mix = auto_mix(allowed, envelope) if allowed is not None else None
+    fits = mix is not None
+    if mix is None:
+        mix = {"full": 1.0}
+    layer_bytes = sum(w * float(acts[m]) for m, w in mix.items())
+    return {"mix": mix, "layer_bytes": layer_bytes, "budget": per_mb if fits else None, "fits": fits,
+            "limit": limit}
+
+
+def _auto_budget(auto: dict) -> float | None:
+    """The activation budget per microbatch that every stage can take (the smallest), or None."""
+    b = [a["budget"] for a in auto.values()]
+    return None if any(x is None for x in b) else min(b)
+
+
+def _auto_stages(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B, s, *, limit: float,
+                 precision: str, param_dtype: str, grad_dtype: str, attention_kernel: str,
+                 activations: str) -> dict:
+    """:func:`stage_auto` on the stages :func:`_memory` checks (0 and p−1), with ⌈L/p⌉ layers each."""
+    b, p, v = layout.microbatch_size, layout.pp, layout.virtual
+    m = B / (layout.dp * b)
+    s_loc = s / layout.cp
+    L_stage = math.ceil(prof.n_layers / p)
+    kw = dict(attention_kernel=attention_kernel, head_dim=prof.hidden / (prof.heads or 1))
+    lay = _section_times(prof.layer, b, s_loc, layout, hw, eff, precision, **kw)
+    cp_f = 0
+    if layout.cp > 1:  # as _terms: full recompute repeats the exposed K/V all-gather
+        beta, alpha = axis_link(layout, "cp", hw, eff)
+        kv = prof.kv_heads or prof.heads or 1
+        kv_bytes = 2 * b * s * prof.hidden * (kv / (prof.heads or kv)) * prof.activation_bytes / layout.tp
+        cp_f = max(0.0, collective_time("all_gather", kv_bytes, layout.cp, beta, alpha,
+                                        hw.collective_call_latency) - float(lay["attn"]))
+    times = {"none": 0.0, "selective": float(lay["attn"]),
+             "full": float(lay["f"]) + float(lay["comm_f"]) + float(cp_f)}
+    if activations == "formula":
+        if not prof.heads:
+            raise ValueError("activations='formula' needs the number of heads (Workload(..., heads=...))")
+        acts = {md: float(MM.activation_bytes_per_layer(s_loc, b, prof.hidden, prof.heads, tp=layout.tp,
+                                                        sequence_parallel=layout.sequence_parallel, recompute=md,
+                                                        sp_variant=prof.sp_variant)) for md in RECOMPUTE_MODES}
+        pre_act = 0.0
+        post_act = float(MM.output_layer_activation_bytes(s_loc, b, prof.hidden, prof.vocab or 0, tp=layout.tp,
+                                                          sequence_parallel=layout.sequence_parallel))
+    else:
+        acts = {md: float(x) for md, x in prof.layer.evaluate(b, s_loc).activations.items()}
+        pre_act = float(prof.pre.evaluate(b, s_loc).activations["none"])
+        post_act = float(prof.post.evaluate(b, s_loc).activations["none"])
+    env = recompute_envelope(acts, times)
+    per = MM.model_state_bytes_per_param(param_dtype, grad_dtype, layout.zero, layout.dp * layout.cp)
+    out = {}
+    for i in ((0, p - 1) if p > 1 else (0,)):
+        n_par = L_stage * prof.layer.params
+        extra = 0.0
+        if i == 0:
+            n_par += prof.pre.params
+            extra += pre_act
+        if i == p - 1:
+            n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
+            extra += post_act
+        inflight = float(MM.inflight_microbatches(layout.schedule.value, p, i, m, v))
+        out[i] = stage_auto(limit, (n_par * per.params, n_par * per.grads, n_par * per.optimizer), inflight,
+                            L_stage, extra, env, acts)
+    return out
 
 
 def _gt(a, b) -> bool:
@@ -997,14 +1162,15 @@ def _gt(a, b) -> bool:
 
 
 def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_dtype: str,
-            activations: str) -> tuple[float, dict]:
-    """Bytes of the largest rank and its breakdown (module docstring of mcompile.memory_model)."""
+            activations: str, auto: dict | None = None) -> tuple[float, dict]:
+    """Bytes of the largest rank and its breakdown (module docstring of mcompile.memory_model);
+    ``auto``: :func:`_auto_stages`'s per-stage layer bytes for ``recompute="auto"``."""
     b, p, v = layout.microbatch_size, layout.pp, layout.virtual
     m = B / (layout.dp * b)
     s_loc = s / layout.cp
     L_stage = math.ceil(prof.n_layers / p)
     per = MM.model_state_bytes_per_param(param_dtype, grad_dtype, layout.zero, layout.dp * layout.cp)
-    mode = layout.recompute.value
+    mode = layout.recompute.value if layout.recompute != Recompute.AUTO else "full"
     if activations == "formula":
         if not prof.heads:
             raise ValueError("activations='formula' needs the number of heads (Workload(..., heads=...))")
@@ -1037,9 +1203,12 @@ def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_
         # (runtime/leaves.py), so they meet the activations on every layout; reduced over dp in place
         one_pass = False
         reduce_copy = 0
+        act_i = layer_act if auto is None else auto[i]["layer_bytes"]
         tot, d = MM.peak_bytes(n_par * per.params, n_par * per.grads, n_par * per.optimizer,
-                               inflight * (L_stage * layer_act + extra_act), gradients_meet_activations=not one_pass,
+                               inflight * (L_stage * act_i + extra_act), gradients_meet_activations=not one_pass,
                                reduction_buffer=reduce_copy)
+        if auto is not None and auto[i]["fits"]:  # the budget used is what is left: ≤ the limit (rounding)
+            tot = min(tot, auto[i]["limit"])
         if best is None or _gt(tot, best):
             best, best_d = tot, {**d, "stage": i, "inflight_microbatches": inflight}
     return best, best_d
@@ -1085,7 +1254,7 @@ def _workload(model) -> Workload:
 def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", global_batch: int,
              seq: int | None = None, precision: str = "bf16", param_dtype: str = "bf16", grad_dtype: str = "fp32",
              activations: str = "graph", attention_kernel: str = "flash", efficiency: Efficiency | None = None,
-             **layout_fields) -> Estimate:
+             memory_limit: float | None = None, **layout_fields) -> Estimate:
     """Price a layout: step time, memory of the largest rank, throughput.
 
     ``plan_or_layout``: a :class:`Layout`; a :class:`mcompile.plan.Plan` (dp/tp/pp from its mesh,
@@ -1096,6 +1265,8 @@ def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", g
     ``attention_kernel``: "flash" (fused SDPA) or "unfused" (Megatron 2021's bmm-softmax-dropout-bmm).
     ``precision``: matmul precision ("bf16", "fp8" for GEMMs, "fp32"); ``param_dtype``/``grad_dtype``:
     storage of parameters and of the gradients the data-parallel reduction moves.
+    ``memory_limit``: bytes per GPU (default: the hardware's HBM): what ``fits`` compares against, and
+    the limit under which ``recompute="auto"`` takes its activation budget (:func:`auto_mix`).
     """
     if attention_kernel not in ("flash", "unfused"):
         raise ValueError(f"attention_kernel={attention_kernel!r}: use 'flash' (fused SDPA, what mcompile runs) or "
@@ -1109,12 +1280,18 @@ def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", g
     if seq is None:
         raise ValueError("estimate() needs seq= (the model states no maximum sequence length)")
     _validate(layout, prof, global_batch, seq)
+    limit = float(memory_limit) if memory_limit is not None else float(hw.hbm_bytes)
+    auto = None
+    if layout.recompute == Recompute.AUTO:
+        auto = _auto_stages(layout, prof, hw, eff, global_batch, seq, limit=limit, precision=precision,
+                            param_dtype=param_dtype, grad_dtype=grad_dtype, attention_kernel=attention_kernel,
+                            activations=activations)
     terms, details = _terms(layout, prof, hw, eff, global_batch, seq, precision=precision, param_dtype=param_dtype,
-                            grad_dtype=grad_dtype, attention_kernel=attention_kernel)
+                            grad_dtype=grad_dtype, attention_kernel=attention_kernel, auto=auto)
     terms = {k: float(_num(v)) for k, v in terms.items()}
     step = sum(terms.values())
     mem, mem_d = _memory(layout, prof, global_batch, seq, param_dtype=param_dtype, grad_dtype=grad_dtype,
-                         activations=activations)
+                         activations=activations, auto=auto)
     mem = float(_num(mem))
     mem_d = {k: (float(_num(v)) if k != "stage" else v) for k, v in mem_d.items()}
     stage_info = {"stage": mem_d.pop("stage"), "inflight_microbatches": mem_d.pop("inflight_microbatches")}
@@ -1130,13 +1307,20 @@ def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", g
         rec = lay_mm
     elif layout.recompute == Recompute.SELECTIVE:
         rec = float(lay_v.attention_flops) * prof.n_layers
+    elif layout.recompute == Recompute.AUTO:  # the slowest stage's mix on every layer (as the step time)
+        w = auto[details["slow_stage"]]["mix"]
+        rec = (w.get("full", 0.0) * lay_mm + w.get("selective", 0.0) * float(lay_v.attention_flops) * prof.n_layers)
     else:
         rec = 0.0
     hardware_flops = model_flops + n_seqs * rec
     details = {k: float(_num(v)) if not isinstance(v, int) else v for k, v in details.items()}
-    details.update(stage_info, peak_flops=hw.peak_flops(precision), efficiency=eff, activations=activations)
+    details.update(stage_info, peak_flops=hw.peak_flops(precision), efficiency=eff, activations=activations,
+                   memory_limit=limit)
+    if auto is not None:
+        details.update(auto_mix={i: a["mix"] for i, a in auto.items()},
+                       activation_budget=_auto_budget(auto))
     return Estimate(layout=layout, hardware=hw, global_batch=global_batch, seq=seq, step_time_s=step,
-                    breakdown=terms, memory_bytes=mem, memory_breakdown=mem_d, fits=mem <= hw.hbm_bytes,
+                    breakdown=terms, memory_bytes=mem, memory_breakdown=mem_d, fits=mem <= limit,
                     hardware_flops=hardware_flops, model_flops=model_flops, tokens_per_s=global_batch * seq / step,
                     details=details)
 
@@ -1150,6 +1334,9 @@ def step_time_expr(layout: Layout, model, *, hardware: str | Hardware = "h100", 
     hw = get_hardware(hardware)
     eff = (efficiency or DEFAULT_EFFICIENCY).for_hardware(hw)
     prof = work.profile(layout.tp, layout.sequence_parallel)
+    if layout.recompute == Recompute.AUTO:
+        raise ValueError("recompute='auto' takes its budget from the memory left at given sizes: price it with "
+                         "estimate(), not symbolically")
     _validate(layout, prof, GLOBAL_BATCH, SEQ)
     terms, _ = _terms(layout, prof, hw, eff, GLOBAL_BATCH, SEQ, precision=precision, param_dtype=param_dtype,
                       grad_dtype=grad_dtype, attention_kernel=attention_kernel)

@@ -25,7 +25,11 @@ The space (only what the runtime executes)
   v > 1 such that pp·v divides the layers and pp divides m (the runtime's rules); gpipe only on
   request (same bubble as 1f1b, more memory: always dominated);
 - sequence parallelism on/off when tp > 1 (and tp divides the sequence); recompute none /
-  selective / full; ZeRO 0/1 when dp > 1.
+  selective / full / auto; ZeRO 0/1 when dp > 1. ``auto`` (``Config(recompute="auto")``,
+  passes/remat.py) is priced by :func:`mcompile.cost.stage_auto`: each pipeline rank gets the
+  activation budget the memory model leaves under the limit, and the recompute time of the named
+  policies' lower envelope at that budget; its memory is the budget used, so it fits exactly where
+  full recompute fits.
 
 Pruning (exact: never discards a layout that could rank first)
 --------------------------------------------------------------
@@ -37,7 +41,10 @@ Pruning (exact: never discards a layout that could rank first)
    b is skipped.
 3. Recompute dominance: for fixed everything else, recompute none → selective → full strictly adds
    time (m·t_r, of which overlap can hide at most one microbatch's t_r of the dp reduction) and
-   removes memory, so the first mode that fits is the only one priced.
+   removes memory, so the first named mode that fits is the only named one priced. ``auto`` is
+   priced beside it wherever it fits (it is never slower than that mode: the envelope at the budget
+   left is at most the mode's point); where none fits, auto IS none (same time and memory) and is
+   kept out of the ranking (``SearchResult.priced`` still lists it).
 The smallest footprint seen is kept for the error when nothing fits. ``exhaustive=True`` turns all
 three off (tests/test_search.py checks the pruned search against it).
 
@@ -106,6 +113,7 @@ _COST_SCHEDULE = {"1f1b": Schedule.ONE_F_ONE_B, "zbh1": Schedule.ZB_H1, "zb-h1":
 _RUNTIME_SCHEDULE = {Schedule.ONE_F_ONE_B: "1f1b", Schedule.ZB_H1: "zbh1", Schedule.INTERLEAVED: "interleaved",
                      Schedule.GPIPE: "gpipe"}
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # increasing time, decreasing memory
+DEFAULT_RECOMPUTE = ("none", "selective", "full", "auto")
 
 
 class SearchError(ValueError):
@@ -365,6 +373,11 @@ class _Settings:
     grad_dtype: str
     attention_kernel: str
     efficiency: C.Efficiency | None  # as given (estimate() adapts it to the hardware itself)
+    memory_limit: float | None = None  # bytes per GPU (None: the hardware's HBM): fits, and auto's budget
+
+    @property
+    def limit(self) -> float:
+        return float(self.memory_limit) if self.memory_limit is not None else float(self.hw.hbm_bytes)
 
 
 class _Sections:
@@ -379,6 +392,10 @@ class _Sections:
         self.layer_act = {m: float(v) for m, v in prof.layer.evaluate(b, st.seq).activations.items()}
         self.pre_act = float(prof.pre.evaluate(b, st.seq).activations["none"])
         self.post_act = float(prof.post.evaluate(b, st.seq).activations["none"])
+        # recompute="auto": the named policies' (bytes, recompute time) per layer and their lower envelope
+        self.rec_time = {"none": 0.0, "selective": float(self.lay["attn"]),
+                         "full": float(self.lay["f"]) + float(self.lay["comm_f"])}
+        self.envelope = C.recompute_envelope(self.layer_act, self.rec_time)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -401,13 +418,43 @@ def _inflight(schedule: str, p: int, i: int, m: float, v: int) -> float:
     return float(MM.inflight_microbatches(schedule, p, i, m, v))
 
 
-def _memory(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[int, ...], st: _Settings):
+def _memory(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[int, ...], st: _Settings,
+            auto: dict | None = None):
     """:func:`mcompile.cost._memory` (graph activations) with ``layers[i]`` layers on pipeline rank i."""
     per = MM.model_state_bytes_per_param(st.param_dtype, st.grad_dtype, layout.zero, layout.dp * layout.cp)
     m = st.global_batch / (layout.dp * layout.microbatch_size)
     one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
+    if layout.recompute == Recompute.AUTO and auto is None:
+        auto = _auto_of(prof, sec, layers, per, layout.schedule.value, layout.virtual, m, st.limit,
+                        one_pass=one_pass, reduce_bytes=reduce_bytes)
     return _memory_of(prof, sec, layers, per, layout.schedule.value, layout.virtual, m, layout.recompute.value,
-                      one_pass=one_pass, reduce_bytes=reduce_bytes)
+                      one_pass=one_pass, reduce_bytes=reduce_bytes, auto=auto)
+
+
+def _auto_of(prof, sec: _Sections, layers: tuple[int, ...], per, schedule: str, v: int, m: float, limit: float, *,
+             one_pass: bool = False, reduce_bytes: float = 0.0) -> dict:
+    """``recompute="auto"`` on every rank :func:`_memory_of` checks: :func:`mcompile.cost.stage_auto`
+    (the budget left under ``limit``, per layer, and the envelope's mix there), by rank."""
+    p = len(layers)
+    out = {}
+    for i in _ranks_to_check(layers):
+        n_par = layers[i] * prof.layer.params
+        extra_act = 0.0
+        if i == 0:
+            n_par += prof.pre.params
+            extra_act += sec.pre_act
+        if i == p - 1:
+            n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
+            extra_act += sec.post_act
+        out[i] = C.stage_auto(limit, (n_par * per.params, n_par * per.grads, n_par * per.optimizer),
+                              _inflight(schedule, p, i, m, v), layers[i], extra_act, sec.envelope, sec.layer_act,
+                              gradients_meet_activations=not one_pass, reduction_buffer=n_par * reduce_bytes)
+    return out
+
+
+def _auto_is_none(auto: dict) -> bool:
+    """auto reduces to no recompute on every rank (the budget left holds none's activations)."""
+    return all(a["fits"] and a["mix"] == {"none": 1.0} for a in auto.values())
 
 
 def _lifetimes(layers: tuple[int, ...], m: float, zero: int, dp: int) -> tuple[bool, float]:
@@ -419,11 +466,14 @@ def _lifetimes(layers: tuple[int, ...], m: float, zero: int, dp: int) -> tuple[b
 
 
 def _memory_of(prof, sec: _Sections, layers: tuple[int, ...], per, schedule: str, v: int, m: float, mode: str,
-               detail: bool = True, *, one_pass: bool = False, reduce_bytes: float = 0.0):
+               detail: bool = True, *, one_pass: bool = False, reduce_bytes: float = 0.0, auto: dict | None = None):
     """The largest rank's bytes (and its breakdown when ``detail``), from its parts
-    (:func:`mcompile.memory_model.peak_bytes`: what is live together at the peak)."""
+    (:func:`mcompile.memory_model.peak_bytes`: what is live together at the peak). ``mode`` "auto":
+    ``auto`` is :func:`_auto_of`'s per-rank result (each rank's layers keep its mix's bytes)."""
     p = len(layers)
-    layer_act = sec.layer_act[mode]
+    if mode == "auto" and auto is None:
+        raise ValueError("_memory_of(mode='auto') needs auto=_auto_of(...)")
+    layer_act = sec.layer_act[mode] if mode != "auto" else None
     best, best_d = None, None
     for i in _ranks_to_check(layers):
         n_par = layers[i] * prof.layer.params
@@ -435,9 +485,12 @@ def _memory_of(prof, sec: _Sections, layers: tuple[int, ...], per, schedule: str
             n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
             extra_act += sec.post_act
         inflight = _inflight(schedule, p, i, m, v)
+        act_i = layer_act if auto is None else auto[i]["layer_bytes"]
         tot, d = MM.peak_bytes(n_par * per.params, n_par * per.grads, n_par * per.optimizer,
-                               inflight * (layers[i] * layer_act + extra_act),
+                               inflight * (layers[i] * act_i + extra_act),
                                gradients_meet_activations=not one_pass, reduction_buffer=n_par * reduce_bytes)
+        if auto is not None and auto[i]["fits"]:  # the budget used is what is left: ≤ the limit (rounding)
+            tot = min(tot, auto[i]["limit"])
         if best is None or tot > best:
             best, best_d = tot, (d, i, inflight)
     if not detail:
@@ -452,9 +505,10 @@ def _links(layout: Layout, st: _Settings) -> dict:
 
 
 def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[int, ...], st: _Settings,
-           links: dict | None = None):
+           links: dict | None = None, auto: dict | None = None):
     """:func:`mcompile.cost._terms` with ``layers[r]`` layers on pipeline rank r (cp = 1); ``links``:
-    :func:`_links` of the layout, when already known."""
+    :func:`_links` of the layout, when already known; ``auto``: :func:`_auto_of` for recompute="auto"
+    (computed here when not given)."""
     hw, eff = st.hw, st.eff
     links = links or _links(layout, st)
     b, p, v = layout.microbatch_size, layout.pp, layout.virtual
@@ -466,11 +520,21 @@ def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[i
         rec, rec_comm = lay["attn"], 0
     else:
         rec, rec_comm = 0, 0
+    if layout.recompute == Recompute.AUTO and auto is None:
+        per = MM.model_state_bytes_per_param(st.param_dtype, st.grad_dtype, layout.zero, layout.dp * layout.cp)
+        one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
+        auto = _auto_of(prof, sec, layers, per, layout.schedule.value, v, m, st.limit, one_pass=one_pass,
+                        reduce_bytes=reduce_bytes)
 
-    def stage(n: int, extra: list[dict]) -> dict:
+    def stage(n: int, extra: list[dict], i: int) -> dict:
+        r, rc = rec, rec_comm
+        if auto is not None and layout.recompute == Recompute.AUTO:  # the rank's per-layer mix (cost.auto_mix)
+            w = auto[i]["mix"]
+            r = w.get("full", 0.0) * lay["f"] + w.get("selective", 0.0) * lay["attn"]
+            rc = w.get("full", 0.0) * lay["comm_f"]
         d = {k: n * lay[k] for k in ("f", "b", "w", "comm_f", "comm_b")}
-        d["r"] = n * rec
-        d["comm_r"] = n * rec_comm
+        d["r"] = n * r
+        d["comm_r"] = n * rc
         d["cp"] = n * 0
         for e in extra:
             for k in ("f", "b", "w", "comm_f", "comm_b"):
@@ -493,10 +557,10 @@ def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[i
     slow, T, n_slow, P_stage = None, None, None, None
     for i in _ranks_to_check(layers):
         extra = ([pre] if i == 0 else []) + ([post] if i == p - 1 else [])
-        d = stage(layers[i], extra)
+        d = stage(layers[i], extra, i)
         t = total(d)
         if slow is None or t > T:
-            slow, T, n_slow = d, t, layers[i]
+            slow, T, n_slow, slow_rank = d, t, layers[i], i
         params = layers[i] * prof.layer.params + (prof.pre.params if i == 0 else 0) + \
             (prof.post.params - (prof.tied_params if p == 1 else 0) if i == p - 1 else 0)
         P_stage = params if P_stage is None else max(P_stage, params)
@@ -519,29 +583,32 @@ def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[i
              "tp_comm": m * (slow["comm_f"] + slow["comm_b"] + slow["comm_r"]), "cp_comm": m * slow["cp"],
              "pp_p2p": m * p2p, "pp_bubble": bubble, "dp_comm": dp_exposed, "optimizer": optimizer}
     details = {"microbatches": m, "layers_per_stage": n_slow, "params_per_rank": P_stage, "stage_time": T,
-               "stage_weight_grad": slow["w"], "dp_comm_total": dp_t}
+               "stage_weight_grad": slow["w"], "dp_comm_total": dp_t, "slow_stage": slow_rank}
     return {k: float(x) for k, x in terms.items()}, details
 
 
-def _settings(hardware, global_batch, seq, precision, param_dtype, grad_dtype, attention_kernel, efficiency):
+def _settings(hardware, global_batch, seq, precision, param_dtype, grad_dtype, attention_kernel, efficiency,
+              memory_limit=None):
     hw = get_hardware(hardware)
     eff = (efficiency or C.DEFAULT_EFFICIENCY).for_hardware(hw)
     return _Settings(hw, eff, int(global_batch), int(seq), precision, param_dtype, grad_dtype, attention_kernel,
-                     efficiency)
+                     efficiency, float(memory_limit) if memory_limit is not None else None)
 
 
 def price(layout: Layout, model, *, hardware: str | Hardware = "h100", global_batch: int, seq: int | None = None,
           precision: str = "bf16", param_dtype: str = "bf16", grad_dtype: str = "fp32",
           attention_kernel: str = "flash", efficiency: C.Efficiency | None = None, uniform: bool = False,
           stages: StageSplit | None = None, example_inputs: tuple = (), example_kwargs: dict | None = None,
-          dtype: torch.dtype = torch.bfloat16) -> Estimate:
+          dtype: torch.dtype = torch.bfloat16, memory_limit: float | None = None) -> Estimate:
     """Price one layout as the search does: :func:`mcompile.cost.estimate` with the partitioner's
     stage cuts (``uniform=True``: the cost model's ⌈L/p⌉ layers on every rank instead). ``model`` as
-    for :func:`search`; reuse a :class:`SearchWorkload` to price many layouts."""
+    for :func:`search`; reuse a :class:`SearchWorkload` to price many layouts. ``memory_limit``: bytes
+    per GPU (default the hardware's HBM): ``fits``, and the budget ``recompute="auto"`` gets."""
     work = SearchWorkload.of(model, example_inputs, example_kwargs, dtype=dtype)
     prof = work.profile(layout.tp, layout.sequence_parallel)
     seq = seq or prof.seq_len
-    st = _settings(hardware, global_batch, seq, precision, param_dtype, grad_dtype, attention_kernel, efficiency)
+    st = _settings(hardware, global_batch, seq, precision, param_dtype, grad_dtype, attention_kernel, efficiency,
+                   memory_limit)
     C._validate(layout, prof, global_batch, seq)
     if layout.cp > 1 or layout.ep > 1:
         raise ValueError("the search prices dp x pp x tp layouts (cp and ep are not executed by the runtime yet)")
@@ -560,9 +627,16 @@ def _finish(layout, work, prof, sec, layers, split, st) -> Estimate:
     the given per-rank layer counts."""
     base = C.estimate(layout, work, hardware=st.hw, global_batch=st.global_batch, seq=st.seq,
                       precision=st.precision, param_dtype=st.param_dtype, grad_dtype=st.grad_dtype,
-                      attention_kernel=st.attention_kernel, efficiency=st.efficiency)
-    terms, det = _terms(layout, prof, sec, layers, st)
-    mem, mem_d = _memory(layout, prof, sec, layers, st)
+                      attention_kernel=st.attention_kernel, efficiency=st.efficiency, memory_limit=st.limit)
+    auto = None
+    if layout.recompute == Recompute.AUTO:
+        per = MM.model_state_bytes_per_param(st.param_dtype, st.grad_dtype, layout.zero, layout.dp * layout.cp)
+        m = st.global_batch / (layout.dp * layout.microbatch_size)
+        one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
+        auto = _auto_of(prof, sec, layers, per, layout.schedule.value, layout.virtual, m, st.limit,
+                        one_pass=one_pass, reduce_bytes=reduce_bytes)
+    terms, det = _terms(layout, prof, sec, layers, st, auto=auto)
+    mem, mem_d = _memory(layout, prof, sec, layers, st, auto=auto)
     step = sum(terms.values())
     mem_d = {k: float(v) if k != "stage" else v for k, v in mem_d.items()}
     info = {"stage": mem_d.pop("stage"), "inflight_microbatches": mem_d.pop("inflight_microbatches")}
@@ -570,9 +644,19 @@ def _finish(layout, work, prof, sec, layers, split, st) -> Estimate:
                "uniform_step_time_s": base.step_time_s, "uniform_memory_bytes": base.memory_bytes,
                "layers_per_rank": list(layers),
                "stage_split": split}
+    hardware_flops = base.hardware_flops
+    if auto is not None:
+        details["auto_mix"] = {i: a["mix"] for i, a in auto.items()}
+        details["activation_budget"] = C._auto_budget(auto)
+        # the recompute FLOPs of the slowest rank's mix on every layer (as cost.estimate does)
+        w = auto[det["slow_stage"]]["mix"]
+        lay_v = prof.layer.evaluate(layout.microbatch_size, st.seq)
+        n_seqs = st.global_batch / layout.microbatch_size
+        hardware_flops = base.model_flops + n_seqs * prof.n_layers * (
+            w.get("full", 0.0) * float(lay_v.matmul_flops) + w.get("selective", 0.0) * float(lay_v.attention_flops))
     return dataclasses.replace(base, step_time_s=step, breakdown=terms, memory_bytes=mem, memory_breakdown=mem_d,
-                               fits=mem <= st.hw.hbm_bytes, tokens_per_s=st.global_batch * st.seq / step,
-                               details=details)
+                               fits=mem <= st.limit, tokens_per_s=st.global_batch * st.seq / step,
+                               hardware_flops=hardware_flops, details=details)
 
 
 # --------------------------------------------------------------------------- the space
@@ -655,7 +739,8 @@ def _space(work: SearchWorkload, world: int, global_batch: int, seq: int, schedu
     bad = [s for s in schedules if s not in _COST_SCHEDULE]
     if bad:
         raise SearchError(f"schedules {bad}: use any of gpipe, 1f1b, interleaved, zbh1")
-    rec = tuple(r for r in RECOMPUTE_ORDER if r.value in {Recompute(x).value for x in recompute})
+    asked = {Recompute(x).value for x in recompute}
+    rec = tuple(r for r in (*RECOMPUTE_ORDER, Recompute.AUTO) if r.value in asked)
     if not isinstance(world, int) or world < 1:
         raise SearchError(f"world={world!r} must be a positive number of GPUs")
     return _Space(world, work.depth, int(global_batch), int(seq), tuple(schedules), rec, tuple(zero),
@@ -664,7 +749,7 @@ def _space(work: SearchWorkload, world: int, global_batch: int, seq: int, schedu
 
 
 def enumerate_layouts(model, world: int, *, global_batch: int, seq: int, schedules=DEFAULT_SCHEDULES,
-                      recompute=("none", "selective", "full"), zero=(0, 1), sequence_parallel=(False, True),
+                      recompute=DEFAULT_RECOMPUTE, zero=(0, 1), sequence_parallel=(False, True),
                       microbatch_sizes=None, overlap_grad_reduce: bool = True, example_inputs: tuple = (),
                       example_kwargs: dict | None = None) -> Iterator[Layout]:
     """Every layout of the search space, unpruned (what :func:`search` ranks, before pruning)."""
@@ -709,6 +794,9 @@ class Candidate:
         out = {"sequence_parallel": lay.sequence_parallel,
                "microbatches": int(self.estimate.global_batch // (lay.dp * lay.microbatch_size)),
                "recompute": lay.recompute.value, "zero": lay.zero}
+        if lay.recompute == Recompute.AUTO:  # the budget every rank can take, per microbatch (passes/remat.py)
+            budget = self.estimate.details.get("activation_budget")
+            out["activation_budget"] = int(budget) if budget is not None else 0
         if lay.pp > 1:
             out.update(schedule=_RUNTIME_SCHEDULE[lay.schedule], virtual_stages=lay.virtual,
                        pipeline_seq=self.estimate.seq)
@@ -839,7 +927,7 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
            example_inputs: tuple = (), example_kwargs: dict | None = None, seq: int | None = None, top_k: int = 5,
            memory_limit: float | None = None, precision: str = "bf16", param_dtype: str = "bf16",
            grad_dtype: str = "fp32", attention_kernel: str = "flash", efficiency: C.Efficiency | None = None,
-           schedules=DEFAULT_SCHEDULES, recompute=("none", "selective", "full"), zero=(0, 1),
+           schedules=DEFAULT_SCHEDULES, recompute=DEFAULT_RECOMPUTE, zero=(0, 1),
            sequence_parallel=(False, True), microbatch_sizes=None, overlap_grad_reduce: bool = True,
            dtype: torch.dtype = torch.bfloat16, exhaustive: bool = False) -> SearchResult:
     """The ``top_k`` fastest layouts of ``model`` on ``world`` GPUs that fit in ``memory_limit`` bytes
@@ -859,13 +947,14 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
     seq = seq or prof1.seq_len or _input_seq(example_inputs)
     if not seq:
         raise SearchError("search() needs seq= (the model states no maximum sequence length)")
-    st = _settings(hw, global_batch, seq, precision, param_dtype, grad_dtype, attention_kernel, efficiency)
-    limit = float(memory_limit) if memory_limit is not None else hw.hbm_bytes
+    st = _settings(hw, global_batch, seq, precision, param_dtype, grad_dtype, attention_kernel, efficiency,
+                   memory_limit)
+    limit = st.limit
     space = _space(work, world, global_batch, seq, schedules, recompute, zero, sequence_parallel, microbatch_sizes,
                    overlap_grad_reduce)
     sections: dict[tuple, _Sections] = {}
     splits: dict[tuple, StageSplit] = {}
-    found: list[tuple] = []  # (step, memory, index, layout, layers, split)
+    found: list[tuple] = []  # (step, memory, index, layout, layers, split, ranked)
     smallest: list = [math.inf, None]
     stats = dict(space=0, groups=0, priced=0, pruned_memory=0, pruned_dominated=0, pruned_groups=0)
     pruned_groups: list[tuple] = []
@@ -906,8 +995,9 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
             layers = split.layers_per_rank
             m = global_batch / (dp * b)
             fitted = False
-            for k, rec in enumerate(space.recompute):
-                one_pass, reduce_bytes = _lifetimes(layers, m, z, dp)
+            one_pass, reduce_bytes = _lifetimes(layers, m, z, dp)
+            named = [r for r in space.recompute if r != Recompute.AUTO]
+            for k, rec in enumerate(named):
                 mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, rec.value, detail=False,
                                     one_pass=one_pass, reduce_bytes=reduce_bytes)
                 if mem < smallest[0]:
@@ -919,11 +1009,29 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
                 links = links or _links(lay, st)
                 terms, _ = _terms(lay, prof, sec, layers, st, links)
                 stats["priced"] += 1
-                found.append((sum(terms.values()), mem, len(found), lay, layers, split))
+                found.append((sum(terms.values()), mem, len(found), lay, layers, split, True))
                 fitted = True
-                if not exhaustive:  # 3. recompute dominance: the slower modes need no pricing
-                    stats["pruned_dominated"] += len(space.recompute) - k - 1
+                if not exhaustive:  # 3. recompute dominance: the slower named modes need no pricing
+                    stats["pruned_dominated"] += len(named) - k - 1
                     break
+            if Recompute.AUTO in space.recompute:  # priced wherever it fits (docstring, pruning 3)
+                auto = _auto_of(prof, sec, layers, per, s.value, v, m, limit, one_pass=one_pass,
+                                reduce_bytes=reduce_bytes)
+                mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, "auto", detail=False,
+                                    one_pass=one_pass, reduce_bytes=reduce_bytes, auto=auto)
+                lay = space.layout(tp, sp, pp, dp, z, s, v, b, Recompute.AUTO)
+                if mem < smallest[0]:
+                    smallest[:] = [mem, lay]
+                if mem > limit:
+                    stats["pruned_memory"] += 1
+                else:
+                    links = links or _links(lay, st)
+                    terms, _ = _terms(lay, prof, sec, layers, st, links, auto=auto)
+                    stats["priced"] += 1
+                    # where it reduces to none (none fits, and is priced), the same layout twice: not ranked
+                    ranked = not (_auto_is_none(auto) and Recompute.NONE in space.recompute)
+                    found.append((sum(terms.values()), mem, len(found), lay, layers, split, ranked))
+                    fitted = True
             if not fitted:
                 over_at[(s, v)] = b
     if stats["groups"] == 0:
@@ -932,7 +1040,7 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
         raise SearchError(_nothing_fits(work, space, pruned_groups, smallest, limit, st, sec_of, split_of))
     found.sort(key=lambda r: (r[0], r[1], r[2]))
     top = []
-    for *_, lay, layers, split in found[:max(1, top_k)]:
+    for *_, lay, layers, split, _ in [r for r in found if r[6]][:max(1, top_k)]:
         prof = work.profile(lay.tp, lay.sequence_parallel)
         est = _finish(lay, work, prof, sec_of(lay.tp, lay.sequence_parallel, lay.microbatch_size), layers, split, st)
         top.append(Candidate(lay, est, split if lay.pp > 1 else None))
@@ -954,6 +1062,14 @@ def _nothing_valid(work: SearchWorkload, space: _Space) -> str:
             "use a world size whose factors divide the model's heads and the global batch, or change the batch")
 
 
+def _most_saving(recompute: tuple) -> Recompute:
+    """The mode of ``recompute`` that needs the least memory (auto's least is full's: full is named first)."""
+    for r in (Recompute.FULL, Recompute.AUTO, Recompute.SELECTIVE, Recompute.NONE):
+        if r in recompute:
+            return r
+    return recompute[-1]
+
+
 def _nothing_fits(work, space, pruned_groups, smallest, limit, st, sec_of, split_of) -> str:
     # the groups pruned by their lower bound: their real footprints at each schedule's smallest microbatch
     # under the most memory-saving recompute mode allowed
@@ -964,7 +1080,7 @@ def _nothing_fits(work, space, pruned_groups, smallest, limit, st, sec_of, split
             if (s, v) in seen:
                 continue
             seen.add((s, v))
-            lay = space.layout(tp, sp, pp, dp, z, s, v, b, space.recompute[-1])
+            lay = space.layout(tp, sp, pp, dp, z, s, v, b, _most_saving(space.recompute))
             mem, _ = _memory(lay, prof, sec_of(tp, sp, b), split_of(pp, v).layers_per_rank, st)
             if mem < smallest[0]:
                 smallest[:] = [mem, lay]
@@ -973,7 +1089,8 @@ def _nothing_fits(work, space, pruned_groups, smallest, limit, st, sec_of, split
         return (f"no layout of {work.name or 'the model'} on {space.world} GPUs: no schedule and microbatch size of "
                 f"the allowed ones ({', '.join(space.schedules)}; microbatch sizes "
                 f"{space.microbatch_sizes or 'any'}) is valid for its meshes; allow more schedules or sizes")
-    allow = [what for what, ok in (("ZeRO-1", 1 in space.zero), ("full recompute", Recompute.FULL in space.recompute),
+    allow = [what for what, ok in (("ZeRO-1", 1 in space.zero),
+                                   ("full recompute", bool({Recompute.FULL, Recompute.AUTO} & set(space.recompute))),
                                    ("sequence parallelism", True in space.sequence_parallel)) if not ok]
     return (f"no layout of {work.name or 'the model'} on {space.world} GPUs fits in {_bytes(limit)} per GPU: "
             f"the smallest footprint found is {_bytes(mem)}, with {lay}; use more GPUs or a larger memory_limit"
@@ -1007,7 +1124,9 @@ def auto_layout(model, world: int, example_inputs: tuple, example_kwargs: dict |
             raise ValueError("plan='auto' needs global_batch= (no batched example input to read it from)")
         global_batch = int(tensors[0].shape[0])
     seq = int(tensors[0].shape[1]) if tensors and tensors[0].ndim > 1 else None
-    restrict = {}
+    # recompute="auto" only when asked for: its budget comes from the cost model's memory estimate, and
+    # passes/remat.py refuses a budget under its own minimum on the real joint graph
+    restrict = {"recompute": RECOMPUTE_ORDER}
     if "sequence_parallel" in options:
         restrict["sequence_parallel"] = (bool(options["sequence_parallel"]),)
     if "recompute" in options:
@@ -1021,6 +1140,8 @@ def auto_layout(model, world: int, example_inputs: tuple, example_kwargs: dict |
                  param_dtype="fp32", grad_dtype="fp32", dtype=config.dtype, **restrict)
     best = res[0]
     chosen = best.options()
+    if "activation_budget" in options:  # the user's budget for recompute="auto" wins over the estimate's
+        chosen.pop("activation_budget", None)
     why = (f"plan='auto' on {world} x {res.hardware.name}: {best}\n"
            f"{res.stats['space']} layouts searched in {res.seconds:.2f} s\n{res.explain()}")
     return dict(best.mesh(fake=True).axes), {**options, **chosen}, why
