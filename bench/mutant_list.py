@@ -587,7 +587,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="joint-recompute-all-at-start-of-backward",
         file="passes/joint.py",
-        old="    backward = _copy_nodes(_lazy_order(order, need_b, fwd_names), b_inputs, grads, gm)",
+        old="    backward = _copy_nodes(_lazy_order(order, need_b - stop, tangent_dep), b_inputs, grads, gm)",
         new="    backward = _copy_nodes([n for n in order if n in need_b], b_inputs, grads, gm)",
         description="recomputed forward nodes all run at the start of backward (not before their first "
                     "user): every recomputed activation is live at once",
