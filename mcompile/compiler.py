@@ -170,7 +170,7 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
     zero-bubble). Traced on fake tensors: no memory, no communication."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from mcompile.passes.joint import VIEW_OPS
+    from mcompile.passes.joint import is_alias
     from mcompile.runtime.joint import JointRunner
 
     names = pass_names()
@@ -226,7 +226,7 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
             lines += [f"# ---- {label}: joint graph (forward + backward) ----", jp.joint.gm.code]
             continue
         nodes = {n.name: n for n in jp.joint.gm.graph.nodes}
-        views = sum(nodes[r].target in VIEW_OPS for r in jp.recomputed)
+        views = sum(is_alias(nodes[r]) for r in jp.recomputed)
         lines.append(f"# ---- {label}: forward ({len(jp.saved)} values saved for backward, {jp.saved_bytes} bytes; "
                      f"{len(jp.recomputed) - views} ops and {views} views recomputed in backward, "
                      f"{jp.recompute_flops:.0f} FLOPs) ----")

@@ -34,7 +34,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from mcompile import meta as M
 
 __all__ = ["JointGraph", "JointProgram", "JointTraceError", "trace_joint", "partition", "split_weight",
-           "forward_nodes", "saved_for_policy", "VIEW_OPS"]
+           "forward_nodes", "saved_for_policy", "VIEW_OPS", "is_alias"]
 
 aten = torch.ops.aten
 
@@ -45,6 +45,18 @@ VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, 
             aten.detach.default, aten.alias.default, aten.as_strided.default, aten.split.Tensor,
             aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default, aten.narrow.default,
             aten.view_as_real.default, aten.view_as_complex.default, operator.getitem}
+
+
+def is_alias(n: fx.Node) -> bool:
+    """A view of its first input: free to recompute, and saving it keeps that input's storage. Not so
+    for ``getitem`` of a multi-output op (SDPA's (out, logsumexp, ...)): the element is a tensor of its
+    own, and saving the op's whole tuple would keep every element alive."""
+    if n.target not in VIEW_OPS or not n.all_input_nodes:
+        return False
+    if n.target is operator.getitem:
+        src = n.all_input_nodes[0]
+        return src.target in VIEW_OPS  # an element of split / unbind / chunk: a view
+    return True
 
 
 class JointTraceError(RuntimeError):
@@ -316,7 +328,7 @@ def _close_over_views(jg, wanted: list[str], recompute: set[str], fwd: set[str],
         done.add(name)
         n = nodes[name]
         ins = [a.name for a in n.all_input_nodes if a.name in fwd or a.name in primals]
-        if (name in recompute or n.target in VIEW_OPS) and name not in pinned:
+        if (name in recompute or is_alias(n)) and name not in pinned:
             # recomputed; a view always is (no FLOPs): its base is saved instead — one storage, and the
             # saved bytes are what the storage holds (none for a view of a primal)
             todo.extend(a for a in ins if a not in primals)
@@ -477,7 +489,7 @@ def _saved_bytes(saved_nodes: list[fx.Node]) -> int:
     total, seen = 0, set()
     for n in saved_nodes:
         base = n
-        while base.target in VIEW_OPS and base.all_input_nodes:
+        while is_alias(base):
             base = base.all_input_nodes[0]
         if base in seen or base.op == "placeholder":  # a view of an input holds no new storage
             continue

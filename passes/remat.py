@@ -122,6 +122,9 @@ def classify(joint: fx.GraphModule) -> tuple[set[str], set[str]]:
                 anc.add(n)
                 todo.extend(n.all_input_nodes)
         calls = [n for n in joint.graph.nodes if n.op == "call_function"]
+        for n in calls:  # an element of a forward op's tuple output (SDPA's logsumexp) is a forward value
+            if n.target is operator.getitem and n.all_input_nodes and n.all_input_nodes[0] in anc:
+                anc.add(n)
         return {n.name for n in calls if n in anc}, {n.name for n in calls if n not in anc}
     tainted: set[fx.Node] = set()
     fwd: set[str] = set()
