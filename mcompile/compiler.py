@@ -213,7 +213,8 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
         args = _example_args(compiled, rank, in_names[:len(in_names) - n_recv], inputs, config.microbatches, mode)
         args += carried
         split = list(range(len(args) - n_recv, len(args))) if split_w and n_recv else None
-        runner = JointRunner(gm, config, split_inputs=split, name=label)
+        # as the runtime builds it: weight gradients added into their buffers inside backward
+        runner = JointRunner(gm, config, split_inputs=split, name=label, accumulate=lambda a: {})
         with torch.enable_grad():
             jp = runner.compile(args)
         with mode, torch.no_grad():

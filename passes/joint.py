@@ -357,6 +357,8 @@ class JointProgram:
     backward_weight: fx.GraphModule | None = None
     input_grads: list[int] = field(default_factory=list)  # positions in grad_primals computed by B
     weight_grads: list[int] = field(default_factory=list)  # positions computed by W
+    acc_full: list[int] = field(default_factory=list)  # primal indices backward adds into buffers (in order)
+    acc_positions: list[int] = field(default_factory=list)  # the same for W
 
 
 def _copy_nodes(src_nodes: list[fx.Node], inputs: list[fx.Node], outputs: list, gm_src: fx.GraphModule,
@@ -522,3 +524,28 @@ def split_weight(jp: JointProgram, input_positions: list[int]) -> None:
                                      [grads[i] for i in weight_pos], bw)
     jp.backward_weight.meta["mc_w_inputs"] = [phs.index(p) for p in w_phs]
     jp.input_grads, jp.weight_grads = list(input_positions), weight_pos
+
+
+def accumulate_outputs(gm: fx.GraphModule, positions: list[int]) -> list[int]:
+    """Rewrite ``gm`` so that each output at ``positions`` is added in place into a buffer passed as a
+    new trailing input (in the order returned), right after the value is computed, and returned as
+    None: the gradient is freed at once instead of living until the module returns."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = list(out.args[0])
+    last_ph = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    done = []
+    for j in positions:
+        g = vals[j]
+        if not isinstance(g, fx.Node) or g.op == "placeholder":
+            continue
+        with gm.graph.inserting_after(last_ph):
+            buf = gm.graph.placeholder(f"acc_{j}")
+        last_ph = buf
+        with gm.graph.inserting_after(g):
+            gm.graph.call_function(torch.ops.aten.add_.Tensor, (buf, g))
+        vals[j] = None
+        done.append(j)
+    out.args = (tuple(vals),)
+    gm.graph.lint()
+    gm.recompile()
+    return done

@@ -35,20 +35,27 @@ def signature(args: list) -> tuple:
 class JointCtx:
     """What one forward leaves for its backward."""
 
-    __slots__ = ("jp", "saved", "primals", "stash")
+    __slots__ = ("jp", "saved", "primals", "stash", "acc", "acc_w")
 
     def __init__(self, jp, saved, primals):
         self.jp, self.saved, self.primals, self.stash = jp, saved, primals, None
+        self.acc, self.acc_w = [], []  # the buffers the backward (or W) adds gradients into
 
 
 class JointRunner:
-    def __init__(self, program: fx.GraphModule, config, *, split_inputs: list[int] | None = None, name: str = ""):
+    def __init__(self, program: fx.GraphModule, config, *, split_inputs: list[int] | None = None, name: str = "",
+                 accumulate=None):
         """``split_inputs``: program input positions whose gradients backward_input computes (the
-        received activations of a pipeline stage); the other gradients are backward_weight's."""
+        received activations of a pipeline stage); the other gradients are backward_weight's.
+        ``accumulate(args) -> {input position: buffer}``: every input that requires grad (other than
+        ``split_inputs``) has a buffer the backward adds its gradient into in place as soon as it is
+        computed (the fp32 main gradients), instead of returning them all at the end — one gradient
+        at a time is live, not a copy of every weight's."""
         self.program = program
         self.config = config
         self.split_inputs = split_inputs
         self.name = name
+        self.accumulate = accumulate
         self._cache: dict[tuple, J.JointProgram] = {}
         self.last: J.JointProgram | None = None
 
@@ -75,6 +82,15 @@ class JointRunner:
         if self.split_inputs is not None:
             pos = [jg.grad_primals.index(i) for i in self.split_inputs if i in jg.grad_primals]
             J.split_weight(jp, pos)
+        if self.accumulate is not None:  # gradients into the caller's buffers, inside the graph
+            # every gradient but the received activations' (a pipeline stage's): the weights' (the
+            # arguments may be fake here, traced by the pipeline's probe: positions, not identities)
+            acc = [j for j, i in enumerate(jg.grad_primals) if i not in (self.split_inputs or ())]
+            if jp.backward_weight is not None:
+                jp.acc_positions = J.accumulate_outputs(jp.backward_weight, [jp.weight_grads.index(j) for j in acc
+                                                                              if j in jp.weight_grads])
+                jp.acc_positions = [jg.grad_primals[jp.weight_grads[k]] for k in jp.acc_positions]
+            jp.acc_full = [jg.grad_primals[j] for j in J.accumulate_outputs(jp.backward, acc)]
         codegen = getattr(cfg, "codegen", "eager")
         if codegen != "eager":
             jp.forward = _Compiled(jp.forward, codegen)
@@ -91,7 +107,22 @@ class JointRunner:
         args = list(args) + jp.joint.constants  # the program's module constants, lifted (passes/joint.py)
         res = jp.forward(*args)
         n = jp.joint.num_outputs
-        return tuple(res[:n]), JointCtx(jp, list(res[n:]), [args[i] for i in jp.bwd_primals])
+        ctx = JointCtx(jp, list(res[n:]), [args[i] for i in jp.bwd_primals])
+        if self.accumulate is not None:
+            into = self.accumulate(args)
+
+            def buf(i):  # the caller's buffer; a scratch one for the probe's fake leaves, never for real ones
+                if i in into:
+                    return into[i]
+                from torch._subclasses.fake_tensor import FakeTensor
+
+                if not isinstance(args[i], FakeTensor):
+                    raise RuntimeError(f"{self.name}: input {i} requires grad but has no gradient buffer")
+                return torch.zeros(args[i].shape, dtype=torch.float32, device=args[i].device)
+
+            ctx.acc = [buf(i) for i in jp.acc_full]
+            ctx.acc_w = [buf(i) for i in jp.acc_positions]
+        return tuple(res[:n]), ctx
 
     def tangents(self, ctx: JointCtx, outputs: tuple, grads: list | None = None) -> list:
         """The output gradients in the backward's order: ``grads`` given per differentiable output
@@ -106,8 +137,8 @@ class JointRunner:
     def backward(self, ctx: JointCtx, tangents: list) -> list:
         """Gradients of the inputs that require grad (``jp.joint.grad_primals`` order)."""
         jp = ctx.jp
-        out = jp.backward(*ctx.saved, *ctx.primals, *tangents)
-        ctx.saved = ctx.primals = None
+        out = jp.backward(*ctx.saved, *ctx.primals, *tangents, *ctx.acc)
+        ctx.saved = ctx.primals = ctx.acc = None
         return list(out)
 
     @torch.no_grad()
@@ -126,8 +157,8 @@ class JointRunner:
     @torch.no_grad()
     def backward_weight(self, ctx: JointCtx) -> list:
         """The weight gradients (positions ``jp.weight_grads`` of grad_primals)."""
-        out = ctx.jp.backward_weight(*ctx.stash)
-        ctx.stash = None
+        out = ctx.jp.backward_weight(*ctx.stash, *ctx.acc_w)
+        ctx.stash = ctx.acc_w = None
         return list(out)
 
 

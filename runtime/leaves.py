@@ -217,16 +217,28 @@ class Leaves:
             if self.armed and fqn in self.counted and fqn not in self.deferred:
                 self.ready(fqn)
 
+    def targets(self, args: list) -> dict[int, torch.Tensor]:
+        """Input position -> the fp32 main-gradient view of each compute leaf among a joint program's
+        inputs: its backward adds the gradient there in place (runtime/joint.py ``accumulate``)."""
+        out = {}
+        for i, a in enumerate(args):
+            fqn = self._fqn_of.get(id(a)) if isinstance(a, torch.Tensor) else None
+            if fqn is not None:
+                out[i] = self.main[fqn].view(a.shape)
+        return out
+
     @torch.no_grad()
     def add_grads(self, args: list, positions: list[int], grads: list) -> None:
-        """Gradients computed by a joint program's backward (runtime/joint.py): ``grads[j]`` is that
-        of ``args[positions[j]]``; those of compute leaves are added into their fp32 views (what
-        AccumulateGrad and the hook do on the autograd path) and count towards their buckets."""
+        """After a joint program's backward (runtime/joint.py): ``grads[j]`` belongs to
+        ``args[positions[j]]``. A compute leaf's gradient was added into its fp32 view by the backward
+        itself (returned as None: :meth:`targets`) or is added here (what AccumulateGrad and the hook
+        do on the autograd path); either way it counts towards its bucket."""
         for pos, g in zip(positions, grads):
             fqn = self._fqn_of.get(id(args[pos]))
-            if fqn is None or g is None:
+            if fqn is None:
                 continue
-            self.main[fqn].view(g.shape).add_(g)
+            if g is not None:
+                self.main[fqn].view(g.shape).add_(g)
             if self.armed and fqn in self.counted and fqn not in self.deferred:
                 self.ready(fqn)
 

@@ -18,6 +18,7 @@ import collections
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -49,7 +50,9 @@ class MemoryTracker(TorchDispatchMode):
 
     def track(self, t: torch.Tensor, category: str = "activations") -> None:
         t = _local(t)
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        # a fake tensor (a joint program traced during the step: runtime/joint.py) holds no memory; its
+        # storage would otherwise stay "live" for as long as the traced graph's node meta keeps it
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta" or isinstance(t, FakeTensor):
             return
         st = t.untyped_storage()
         key = id(st)

@@ -82,7 +82,8 @@ class ParallelModule(torch.nn.Module):
             from mcompile.runtime.joint import JointRunner
 
             object.__setattr__(self, "_program", program)
-            self._runner = JointRunner(program, config, name=f"rank {self._rank}")
+            self._runner = JointRunner(program, config, name=f"rank {self._rank}",
+                                       accumulate=lambda args: self._leaves.targets(args))
         else:
             object.__setattr__(self, "_program", apply_recompute(program, groups))
         cap = compiled.captured

@@ -544,7 +544,8 @@ class Pipeline:
             self.runners = {s: JointRunner(self.stages[s].gm, config, name=f"stage {s}",
                                            split_inputs=list(range(len(self.stages[s].inputs) -
                                                                    len(self.stages[s].received),
-                                                                   len(self.stages[s].inputs))))
+                                                                   len(self.stages[s].inputs))),
+                                           accumulate=lambda args: pm._leaves.targets(args))
                             for s in self.own}
         else:
             for s in self.own:  # recompute inside each stage program
