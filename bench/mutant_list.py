@@ -560,9 +560,9 @@ MUTANTS: list[Mutant] = [
     # ---- joint forward + backward programs (passes/joint.py, runtime/joint.py; issue 13) -----------------
     Mutant(
         name="joint-microbatch-grads-overwrite",
-        file="runtime/leaves.py",
-        old="            self.main[fqn].view(g.shape).add_(g)",
-        new="            self.main[fqn].view(g.shape).copy_(g)",
+        file="passes/joint.py",
+        old="            gm.graph.call_function(torch.ops.aten.add_.Tensor, (buf, g))",
+        new="            gm.graph.call_function(torch.ops.aten.copy_.default, (buf, g))",
         description="a joint backward's weight gradients overwrite the fp32 buffer instead of adding: only "
                     "the last microbatch's gradient survives",
         targets=(_RT_DP_MB,),
