@@ -438,18 +438,25 @@ def _auto_of(prof, sec: _Sections, layers: tuple[int, ...], per, schedule: str, 
     p = len(layers)
     out = {}
     for i in _ranks_to_check(layers):
-        n_par = layers[i] * prof.layer.params
-        extra_act = 0.0
-        if i == 0:
-            n_par += prof.pre.params
-            extra_act += sec.pre_act
-        if i == p - 1:
-            n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
-            extra_act += sec.post_act
+        n_par, extra_act = _rank_share(prof, sec, layers, i)
         out[i] = C.stage_auto(limit, (n_par * per.params, n_par * per.grads, n_par * per.optimizer),
                               _inflight(schedule, p, i, m, v), layers[i], extra_act, sec.envelope, sec.layer_act,
                               gradients_meet_activations=not one_pass, reduction_buffer=n_par * reduce_bytes)
     return out
+
+
+def _rank_share(prof, sec: _Sections, layers: tuple[int, ...], i: int) -> tuple[float, float]:
+    """Pipeline rank ``i``'s parameters (its layers, the embedding on the first, the head on the last,
+    a tied weight counted once without pp) and its activations outside the layers."""
+    p = len(layers)
+    n_par, extra_act = layers[i] * prof.layer.params, 0.0
+    if i == 0:
+        n_par += prof.pre.params
+        extra_act += sec.pre_act
+    if i == p - 1:
+        n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
+        extra_act += sec.post_act
+    return n_par, extra_act
 
 
 def _auto_is_none(auto: dict) -> bool:
@@ -476,14 +483,7 @@ def _memory_of(prof, sec: _Sections, layers: tuple[int, ...], per, schedule: str
     layer_act = sec.layer_act[mode] if mode != "auto" else None
     best, best_d = None, None
     for i in _ranks_to_check(layers):
-        n_par = layers[i] * prof.layer.params
-        extra_act = 0
-        if i == 0:
-            n_par += prof.pre.params
-            extra_act += sec.pre_act
-        if i == p - 1:
-            n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
-            extra_act += sec.post_act
+        n_par, extra_act = _rank_share(prof, sec, layers, i)
         inflight = _inflight(schedule, p, i, m, v)
         act_i = layer_act if auto is None else auto[i]["layer_bytes"]
         tot, d = MM.peak_bytes(n_par * per.params, n_par * per.grads, n_par * per.optimizer,

@@ -62,3 +62,14 @@ def run_sim(c, inputs, backward: bool):
 
     world.communicator = communicator
     return run_threads(world, rank_fn)
+
+
+def rank_args(c, r, inputs, state):
+    """Rank ``r``'s program and its positional inputs for one step (parameters require grad; this
+    rank's dp slice of ``inputs``)."""
+    prog = c.program(r)
+    local = {k: v.detach().clone().requires_grad_(k in c.captured.params) for k, v in c.local_state(r, state).items()}
+    dp = c.mesh.size("dp")
+    mine = tuple(t.chunk(dp)[c.mesh.coords(r).get("dp", 0)] for t in inputs)
+    by = dict(zip(c.captured.user_inputs, mine))
+    return prog, [local[n.name] if n.name in local else by[n.name] for n in prog.graph.nodes if n.op == "placeholder"]

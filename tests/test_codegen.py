@@ -23,6 +23,7 @@ import time
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from sim_harness import rank_args
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from mcompile import ops
@@ -66,16 +67,6 @@ def compare(eager, compiled) -> float:
         else:
             assert torch.equal(c, e), f"output {i} ({e.dtype}) differs"
     return worst
-
-
-def rank_args(c, r, inputs, state):
-    """Rank ``r``'s program and its positional inputs for one step (parameters require grad)."""
-    prog = c.program(r)
-    local = {k: v.detach().clone().requires_grad_(k in c.captured.params) for k, v in c.local_state(r, state).items()}
-    dp = c.mesh.size("dp")
-    mine = tuple(t.chunk(dp)[c.mesh.coords(r).get("dp", 0)] for t in inputs)
-    by = dict(zip(c.captured.user_inputs, mine))
-    return prog, [local[n.name] if n.name in local else by[n.name] for n in prog.graph.nodes if n.op == "placeholder"]
 
 
 def capture_fw_bw(c, inputs, world: ThreadedWorld, config: Config | None = None):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sim_harness import rank_args
 
 from mcompile import compiler
 from mcompile.cli import main
@@ -109,15 +110,6 @@ class _ThreadTracker(MemoryTracker):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def _rank_args(c, r, inputs, state):
-    prog = c.program(r)
-    local = {k: v.detach().clone().requires_grad_(k in c.captured.params) for k, v in c.local_state(r, state).items()}
-    dp = c.mesh.size("dp")
-    mine = tuple(t.chunk(dp)[c.mesh.coords(r).get("dp", 0)] for t in inputs)
-    by = dict(zip(c.captured.user_inputs, mine))
-    return prog, [local[n.name] if n.name in local else by[n.name] for n in prog.graph.nodes if n.op == "placeholder"]
-
-
 def _joint_vs_eager(name, mesh, configs):
     """Per rank and config: (bitwise-equal gradients, saved live bytes, JointProgram)."""
     _, inputs, c, _ = compiled(name, mesh, True)
@@ -125,7 +117,7 @@ def _joint_vs_eager(name, mesh, configs):
     world = ThreadedWorld(c.mesh)
 
     def rank_fn(r):
-        prog, args = _rank_args(c, r, inputs, state)
+        prog, args = rank_args(c, r, inputs, state)
         out = prog(*args)
         out = out if isinstance(out, tuple | list) else (out,)
         ref = torch.autograd.grad([out[0]], [a for a in args if a.requires_grad], allow_unused=True)
@@ -177,7 +169,7 @@ def test_recomputed_forward_runs_just_before_its_backward():
     from mcompile.passes.joint import partition, saved_for_policy, trace_joint
 
     _, inputs, c, _ = compiled("llama3-tiny", "tp=2", True)
-    prog, args = _rank_args(c, 0, inputs, c.captured.state_values())
+    prog, args = rank_args(c, 0, inputs, c.captured.state_values())
     jg = trace_joint(prog, args)
     jp = partition(jg, saved_for_policy(jg, "full"))
     recomputed = set(jp.recomputed)
@@ -203,7 +195,7 @@ def test_auto_recompute_stays_under_each_budget(name):
 
     _, inputs, c, _ = compiled(name, "tp=2", True)
     state = c.captured.state_values()
-    prog, args = _rank_args(c, 0, inputs, state)
+    prog, args = rank_args(c, 0, inputs, state)
     jg = trace_joint(prog, args)
     lo = remat.min_budget(jg.gm)
     from mcompile.passes.joint import partition
