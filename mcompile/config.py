@@ -47,10 +47,21 @@ class Config:
     fp8_amax_history_len: int = 16  # delayed scaling: steps of amax history behind each scale
     fp8_margin: int = 0  # scale = fp8_max / amax / 2**margin
     fp8_backend: str = "mcompile"  # "mcompile" (our kernels) | "te" (Transformer Engine, optional)
-    # ZeRO stage: 0, or 1 = optimizer state and fp32 master weights sharded over dp, gradients
-    # reduce-scattered (mcompile.runtime.zero; create the optimizer with its DistributedOptimizer).
-    # A no-op (with a warning) when the mesh has no dp axis > 1.
+    # ZeRO stage (Rajbhandari et al. 2020), over the dp axis: 0 off; 1 optimizer state and fp32 master weights
+    # sharded, gradients reduce-scattered (mcompile.runtime.zero; create the optimizer with its
+    # DistributedOptimizer); 2 also the gradients: each bucket reduce-scattered after every microbatch into an
+    # fp32 shard, the full buffer freed; 3 also the parameters: DTensors sharded over dp (any torch optimizer on
+    # pm.parameters(), as FSDP2), gathered per layer just before use, freed after, gathered again in backward
+    # (passes/overlap.py). 1 with dp=1 warns and runs as 0; 2 and 3 with dp=1 are errors.
     zero: int = 0
+    # the overlap passes (passes/overlap.py): dp gradient buckets launched inside the backward as soon as their
+    # last gradient is added, ZeRO-3 parameter gathers prefetched one layer ahead; False: every collective
+    # where the program first needs it, the dp buckets reduced after the backward (for measuring what it saves)
+    overlap: bool = True
+    # tensor-parallel collective matmul (passes/collective_matmul.py): "auto" (per op, where the cost model of this
+    # machine's profile says chunks pay), "off", a number of chunks for every eligible all-gather -> matmul /
+    # matmul -> reduce-scatter, or "symm_mem" (torch's fused async-TP ops: not emitted yet; warns and runs "auto")
+    tp_overlap: str | int = "auto"
     # how long a collective may wait before the process group gives up, when parallelize initialises
     # torch.distributed itself: planning, the first step's compilation and checkpoint I/O happen between
     # collectives, so it is long (torch's NCCL default is 10 minutes)
@@ -82,9 +93,17 @@ class Config:
             raise ValueError(f"recompute_method={self.recompute_method!r}: use 'uniform' or 'block'")
         if self.recompute_num_layers < 1:
             raise ValueError(f"recompute_num_layers={self.recompute_num_layers} must be >= 1")
-        if self.zero not in (0, 1) or isinstance(self.zero, bool):
-            raise ValueError(f"zero={self.zero!r}: use 0 (off) or 1 (optimizer state and fp32 master weights sharded "
-                             "over dp); ZeRO stages 2 and 3 are not implemented")
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise ValueError(f"zero={self.zero!r}: use 0 (off), 1 (optimizer state and fp32 masters sharded over dp), "
+                             "2 (and gradients) or 3 (and parameters)")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap={self.overlap!r} must be True or False")
+        if not (self.tp_overlap in ("auto", "off", "symm_mem") or (isinstance(self.tp_overlap, int)
+                                                          and not isinstance(self.tp_overlap, bool)
+                                                          and self.tp_overlap >= 2)):
+            raise ValueError(f"tp_overlap={self.tp_overlap!r}: use 'auto', 'off', 'symm_mem' or a number of chunks >= 2")
+        if self.zero >= 2 and self.execution != "joint":
+            raise ValueError(f"zero={self.zero} is built as passes on the joint program: use execution='joint'")
         from mcompile.runtime.schedules import SCHEDULES
 
         if self.schedule not in SCHEDULES:

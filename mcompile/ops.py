@@ -17,6 +17,16 @@ shard_slice            keep the local chunk    all-gather on dim
 all_reduce_max         all-reduce (max)        none (inputs are detached)
 =====================  ======================  =============================================
 
+Asynchronous forms, for the overlap passes (passes/overlap.py), which rewrite the forward and
+backward modules *after* the joint graph is partitioned, so they need no backward of their own:
+``start_all_gather`` / ``start_reduce_scatter`` / ``start_all_reduce`` launch the collective on
+dim 0 and return its output buffer at once (on NCCL: the collective is queued on the
+communicator's stream; on gloo: running on gloo's thread; in the simulator: already done);
+``wait(buf)`` is where the program may first read the buffer (on NCCL it orders the compute stream
+after the collective and does not block the host). A pass places each start as early as its input
+allows and each wait just before the first reader; :func:`mcompile.passes.overlap.check_waits` proves every started buffer
+is waited once, before any other use.
+
 The ops name a mesh axis; the process group behind it comes from the :class:`Communicator`
 bound with :func:`bind` around the program's execution (torch.distributed groups in the runtime,
 threads in the single-process simulator). The axis size ``n`` is an explicit argument so fake
@@ -31,7 +41,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Communicator", "bind", "current", "OPS"]
+__all__ = ["Communicator", "bind", "current", "OPS", "STARTS", "WAIT", "Pending"]
 
 
 class Communicator(Protocol):
@@ -41,6 +51,8 @@ class Communicator(Protocol):
     def all_reduce(self, x: torch.Tensor, axis: str, op: str) -> torch.Tensor: ...
     def all_gather(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor: ...
     def reduce_scatter(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor: ...
+    def start(self, kind: str, x: torch.Tensor, axis: str) -> torch.Tensor: ...
+    def wait(self, buf: torch.Tensor) -> None: ...
 
 
 _CURRENT: contextvars.ContextVar[Communicator | None] = contextvars.ContextVar("mcompile_comm", default=None)
@@ -207,6 +219,79 @@ def shard_slice_nograd(x: torch.Tensor, dim: int, axis: str, n: int) -> torch.Te
 @shard_slice_nograd.register_fake
 def _(x, dim, axis, n):
     return _scaled(x, dim, 1 / n)
+
+
+# ---- asynchronous forms (dim 0; module docstring) -----------------------------------------------
+@torch.library.custom_op("mcompile::start_all_gather", mutates_args=())
+def start_all_gather(x: torch.Tensor, axis: str, n: int) -> torch.Tensor:
+    return current().start("all_gather", x.contiguous(), axis)
+
+
+@start_all_gather.register_fake
+def _(x, axis, n):
+    return x.new_empty((n * x.shape[0], *x.shape[1:]))
+
+
+@torch.library.custom_op("mcompile::start_reduce_scatter", mutates_args=())
+def start_reduce_scatter(x: torch.Tensor, axis: str, n: int) -> torch.Tensor:
+    return current().start("reduce_scatter", x.contiguous(), axis)
+
+
+@start_reduce_scatter.register_fake
+def _(x, axis, n):
+    return x.new_empty((x.shape[0] // n, *x.shape[1:]))
+
+
+@torch.library.custom_op("mcompile::start_all_reduce", mutates_args=())
+def start_all_reduce(x: torch.Tensor, axis: str, n: int) -> torch.Tensor:
+    return current().start("all_reduce", x.contiguous(), axis)
+
+
+@start_all_reduce.register_fake
+def _(x, axis, n):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("mcompile::wait", mutates_args=("buf",))
+def wait(buf: torch.Tensor) -> None:
+    current().wait(buf)
+
+
+@wait.register_fake
+def _(buf):
+    return None
+
+
+STARTS = {"all_gather": torch.ops.mcompile.start_all_gather.default,
+          "reduce_scatter": torch.ops.mcompile.start_reduce_scatter.default,
+          "all_reduce": torch.ops.mcompile.start_all_reduce.default}
+WAIT = torch.ops.mcompile.wait.default
+
+
+class Pending:
+    """The started collectives of one communicator: output buffer -> (handle, input kept alive).
+    Keyed by the output's data pointer (a compiled module may hand wait another tensor object over
+    the same storage)."""
+
+    def __init__(self):
+        self._work: dict[int, tuple] = {}
+
+    def put(self, out: torch.Tensor, handle, keep: torch.Tensor) -> torch.Tensor:
+        key = out.data_ptr()
+        if key in self._work:
+            raise RuntimeError("mcompile: a collective was started into a buffer that is still in flight")
+        self._work[key] = (handle, keep)
+        return out
+
+    def pop(self, buf: torch.Tensor):
+        item = self._work.pop(buf.data_ptr(), None)
+        if item is None:
+            raise RuntimeError("mcompile.wait on a buffer no collective was started into (or waited twice): "
+                               "an overlap pass placed a wait without its start")
+        return item[0]
+
+    def __len__(self) -> int:
+        return len(self._work)
 
 
 OPS = {

@@ -34,7 +34,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from mcompile import meta as M
 
 __all__ = ["JointGraph", "JointProgram", "JointTraceError", "trace_joint", "partition", "split_weight",
-           "forward_nodes", "saved_for_policy", "VIEW_OPS", "is_alias"]
+           "forward_nodes", "saved_for_policy", "VIEW_OPS", "is_alias", "accumulate_outputs", "ACC_OUTPUT"]
 
 aten = torch.ops.aten
 
@@ -359,6 +359,14 @@ class JointProgram:
     weight_grads: list[int] = field(default_factory=list)  # positions computed by W
     acc_full: list[int] = field(default_factory=list)  # primal indices backward adds into buffers (in order)
     acc_positions: list[int] = field(default_factory=list)  # the same for W
+    # overlap (passes/overlap.py launch_buckets): dp buckets launched inside backward / W, and the primal
+    # indices whose bucket readiness those launches count
+    launches: list = field(default_factory=list)
+    ready_positions: set = field(default_factory=set)
+    launches_w: list = field(default_factory=list)
+    ready_positions_w: set = field(default_factory=set)
+    prefetch: dict = field(default_factory=dict)  # module -> passes/fsdp.py PrefetchReport (ZeRO-3, overlap)
+    tp_overlap: list = field(default_factory=list)  # passes/collective_matmul.py Decisions (one per tp collective)
 
 
 def _copy_nodes(src_nodes: list[fx.Node], inputs: list[fx.Node], outputs: list, gm_src: fx.GraphModule,
@@ -526,6 +534,9 @@ def split_weight(jp: JointProgram, input_positions: list[int]) -> None:
     jp.input_grads, jp.weight_grads = list(input_positions), weight_pos
 
 
+ACC_OUTPUT = "mc_acc_output"  # node.meta key on an accumulation: the output position it replaced
+
+
 def accumulate_outputs(gm: fx.GraphModule, positions: list[int]) -> list[int]:
     """Rewrite ``gm`` so that each output at ``positions`` is added in place into a buffer passed as a
     new trailing input (in the order returned), right after the value is computed, and returned as
@@ -542,7 +553,8 @@ def accumulate_outputs(gm: fx.GraphModule, positions: list[int]) -> list[int]:
             buf = gm.graph.placeholder(f"acc_{j}")
         last_ph = buf
         with gm.graph.inserting_after(g):
-            gm.graph.call_function(torch.ops.aten.add_.Tensor, (buf, g))
+            add = gm.graph.call_function(torch.ops.aten.add_.Tensor, (buf, g))
+        add.meta[ACC_OUTPUT] = j  # the passes after this one find each gradient's accumulation by it
         vals[j] = None
         done.append(j)
     out.args = (tuple(vals),)

@@ -44,18 +44,22 @@ class JointCtx:
 
 class JointRunner:
     def __init__(self, program: fx.GraphModule, config, *, split_inputs: list[int] | None = None, name: str = "",
-                 accumulate=None):
+                 accumulate=None, grad_buckets=None):
         """``split_inputs``: program input positions whose gradients backward_input computes (the
         received activations of a pipeline stage); the other gradients are backward_weight's.
         ``accumulate(args) -> {input position: buffer}``: every input that requires grad (other than
         ``split_inputs``) has a buffer the backward adds its gradient into in place as soon as it is
         computed (the fp32 main gradients), instead of returning them all at the end — one gradient
-        at a time is live, not a copy of every weight's."""
+        at a time is live, not a copy of every weight's.
+        ``grad_buckets(position) -> bucket index | None``: the dp gradient bucket of an accumulated
+        input whose bucket is reduced over dp; with ``Config(overlap=True)`` the backward launches each
+        bucket right after its last gradient is added (passes/overlap.py ``launch_buckets``)."""
         self.program = program
         self.config = config
         self.split_inputs = split_inputs
         self.name = name
         self.accumulate = accumulate
+        self.grad_buckets = grad_buckets
         self._cache: dict[tuple, J.JointProgram] = {}
         self.last: J.JointProgram | None = None
 
@@ -78,6 +82,11 @@ class JointRunner:
             saved = [n.name for n in jg.gm.graph.nodes if n.name in sol.saved]
         else:
             saved = J.saved_for_policy(jg, cfg.recompute, cfg.recompute_method, cfg.recompute_num_layers)
+        from mcompile.passes import fsdp
+
+        gathered = fsdp.gathered_values(jg.gm)  # ZeRO-3: gathered parameters are gathered again, never saved
+        if gathered:
+            saved = [n for n in saved if n not in gathered]
         jp = J.partition(jg, saved)
         if self.split_inputs is not None:
             pos = [jg.grad_primals.index(i) for i in self.split_inputs if i in jg.grad_primals]
@@ -91,6 +100,25 @@ class JointRunner:
                                                                               if j in jp.weight_grads])
                 jp.acc_positions = [jg.grad_primals[jp.weight_grads[k]] for k in jp.acc_positions]
             jp.acc_full = [jg.grad_primals[j] for j in J.accumulate_outputs(jp.backward, acc)]
+            if self.grad_buckets is not None and getattr(cfg, "overlap", False):
+                self._launch_buckets(jp)
+        if gathered and getattr(cfg, "overlap", False):  # ZeRO-3 gathers one layer ahead, reduce-scatters behind
+            jp.prefetch = {"forward": fsdp.prefetch(jp.forward, f"{self.name} forward")}
+            for part in ("backward", "backward_input", "backward_weight"):
+                gm = getattr(jp, part)
+                if gm is not None:
+                    jp.prefetch[part] = fsdp.prefetch(gm, f"{self.name} {part}")
+        tp_overlap = getattr(cfg, "tp_overlap", "off")
+        if getattr(cfg, "overlap", False) and tp_overlap != "off":  # collective matmul on the tp collectives
+            from mcompile.passes.collective_matmul import rewrite
+
+            hw = runtime_hardware(args)
+            jp.tp_overlap = []
+            for part in ("forward", "backward", "backward_input", "backward_weight"):
+                gm = getattr(jp, part)
+                if gm is not None:
+                    jp.tp_overlap += rewrite(gm, tp_overlap=tp_overlap, hardware=hw,
+                                             where="forward" if part == "forward" else "backward")
         codegen = getattr(cfg, "codegen", "eager")
         if codegen != "eager":
             jp.forward = _Compiled(jp.forward, codegen)
@@ -99,6 +127,21 @@ class JointRunner:
                 jp.backward_input = _Compiled(jp.backward_input, codegen)
                 jp.backward_weight = _Compiled(jp.backward_weight, codegen)
         return jp
+
+    def _launch_buckets(self, jp: J.JointProgram) -> None:
+        """The dp bucket launches inside the backward (or W) module: jp.launches, and the input
+        positions whose readiness those count (jp.ready_positions: the caller must not count them)."""
+        from mcompile.passes.overlap import launch_buckets
+
+        gp = jp.joint.grad_primals
+        whole = {j: self.grad_buckets(gp[j]) for j in range(len(gp))}
+        jp.launches = launch_buckets(jp.backward, {j: b for j, b in whole.items() if b is not None})
+        jp.ready_positions = {gp[j] for j, b in whole.items() if b is not None and j in _acc_outputs(jp.backward)}
+        if jp.backward_weight is not None:
+            wpos = {k: self.grad_buckets(gp[j]) for k, j in enumerate(jp.weight_grads)}
+            jp.launches_w = launch_buckets(jp.backward_weight, {k: b for k, b in wpos.items() if b is not None})
+            jp.ready_positions_w = {gp[jp.weight_grads[k]] for k, b in wpos.items()
+                                    if b is not None and k in _acc_outputs(jp.backward_weight)}
 
     # -- run ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -160,6 +203,20 @@ class JointRunner:
         out = ctx.jp.backward_weight(*ctx.stash, *ctx.acc_w)
         ctx.stash = ctx.acc_w = None
         return list(out)
+
+
+def runtime_hardware(args: list) -> str:
+    """The hardware profile (mcompile.hardware) the overlap passes price this machine with: the GPU's,
+    by its name, or the CPU/gloo one."""
+    dev = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    if dev.type != "cuda":
+        return "cpu-gloo"
+    name = torch.cuda.get_device_name(dev).lower()
+    return next((k for k in ("h200", "h100", "a100", "b200") if k in name), "h100")
+
+
+def _acc_outputs(gm: fx.GraphModule) -> set[int]:
+    return {n.meta[J.ACC_OUTPUT] for n in gm.graph.nodes if J.ACC_OUTPUT in n.meta}
 
 
 class _Compiled:

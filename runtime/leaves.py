@@ -93,7 +93,14 @@ class Leaves:
         self._sources: dict[str, torch.Tensor] = {}  # fp32 parameter storage of a bf16 copy
         self._ptrs: dict[str, int] = {}
         self._kept: set[str] = set()
-        self.launches: list[bool] = []  # per bucket reduced early this step: launched during a backward?
+        # per bucket reduced early this step: launched while a backward ran (an autograd hook, or the
+        # backward module's own grads_ready: passes/overlap.py), not after it returned?
+        self.launches: list[bool] = []
+        self._inside = False
+        # ZeRO-2: buckets are reduce-scattered after every microbatch's backward, not only the last one's
+        self.every_microbatch = self.zero is not None and self.zero.per_microbatch
+        self.bucket_list = list(self.zero.buckets) if self.zero is not None else list(self.buckets)
+        self._index = {id(b): i for i, b in enumerate(self.bucket_list)}
         self._build()
 
     # -- layout -----------------------------------------------------------------------------------
@@ -102,7 +109,7 @@ class Leaves:
         dp = pm.mesh.size("dp")
         limit = int(pm.config.bucket_mb * 2**20)
         order = list(reversed(self.trainable))  # roughly the order backward finishes them
-        reduced = [f for f in order if dp > 1 and "dp" in pm.plan.params[f].grad_partial_axes]
+        reduced = [f for f in order if dp > 1 and pm._reduces_over_dp(f)]
         done = set(reduced)
         rest = [f for f in order if f not in done]
         out = []
@@ -120,6 +127,8 @@ class Leaves:
         """(Re)make every parameter's compute leaf (after the parameters changed storage: a ZeRO
         re-registration, a load that replaced a tensor)."""
         pm = self.pm
+        if self.zero is not None and self.zero.per_microbatch:  # ZeRO-2: views need the buffers' memory
+            self.zero.ensure_buffers()
         self.compute, self._sources, self._ptrs = {}, {}, {}
         self._fqn_of: dict[int, str] = {}  # id(compute leaf) -> fqn (zero-bubble W hands leaves back)
         for fqn, p in pm._params.items():
@@ -150,7 +159,11 @@ class Leaves:
                 main.add_(leaf.grad)
                 leaf.grad = None
             if self.armed and fqn in self.counted and fqn not in self.deferred:
-                self.ready(fqn)
+                self._inside = True
+                try:
+                    self.ready(fqn)
+                finally:
+                    self._inside = False
         return hook
 
     # -- one step ---------------------------------------------------------------------------------
@@ -190,19 +203,46 @@ class Leaves:
             srcs = list(self._sources)
             torch._foreach_copy_([self.compute[f] for f in srcs], [self._sources[f] for f in srcs])
 
+    def bucket_index(self, fqn: str | None) -> int | None:
+        """The index of ``fqn``'s bucket when a backward may launch it (its gradient counts towards a
+        bucket reduced over dp), else None: what the overlap pass places launches for."""
+        if fqn is None or fqn not in self.counted or fqn in self.deferred or fqn not in self._bucket_of:
+            return None
+        b = self._bucket_of[fqn]
+        if self.zero is None and not b.reduce_dp:
+            return None
+        return self._index[id(b)]
+
+    def grads_ready(self, bucket: int, count: int) -> None:
+        """``count`` gradients of bucket ``bucket`` were added inside a backward module (the
+        ``mcompile.grads_ready`` op, passes/overlap.py): counted in the step's last microbatch."""
+        if self.armed or self.every_microbatch:
+            self._inside = True
+            try:
+                self._count(self.bucket_list[bucket], count)
+            finally:
+                self._inside = False
+
     def ready(self, fqn: str) -> None:
         """``fqn``'s gradient is final for this step: reduce its bucket once all of them are."""
-        b = self._bucket_of[fqn]
-        b.ready += 1
+        self._count(self._bucket_of[fqn], 1)
+
+    def _count(self, b, count: int) -> None:
+        if self.every_microbatch and self.deferred and \
+                any(f in self.deferred for f in (b.layout.fqns if hasattr(b, "layout") else b.fqns)):
+            return  # ZeRO-2, a weight tied across stages in the bucket: reduced at the step's end, after its sum
+        b.ready += count
         if b.ready != self._expected.get(id(b), 0):
             return
         if self.zero is not None:
             self.zero.launch(b)
+            self.pm._comm.launched("reduce_scatter", "dp", b.grad_buf, b.work)  # the timeline, if on
         elif b.reduce_dp:
             b.work = dist.all_reduce(b.buf, group=self.dp_group, async_op=True)
+            self.pm._comm.launched("all_reduce", "dp", b.buf, b.work)  # the timeline, if on
         else:
             return
-        self.launches.append(self.armed)
+        self.launches.append(self._inside)
 
     def accumulated(self, leaves: list[torch.Tensor]) -> None:
         """Gradients added to ``leaves`` outside AccumulateGrad (zero-bubble W): what the hook does."""
@@ -228,18 +268,21 @@ class Leaves:
         return out
 
     @torch.no_grad()
-    def add_grads(self, args: list, positions: list[int], grads: list) -> None:
+    def add_grads(self, args: list, positions: list[int], grads: list, counted: set = frozenset()) -> None:
         """After a joint program's backward (runtime/joint.py): ``grads[j]`` belongs to
         ``args[positions[j]]``. A compute leaf's gradient was added into its fp32 view by the backward
         itself (returned as None: :meth:`targets`) or is added here (what AccumulateGrad and the hook
-        do on the autograd path); either way it counts towards its bucket."""
+        do on the autograd path); either way it counts towards its bucket, here unless the backward
+        counted it itself (``counted``: positions whose ``grads_ready`` ran inside the module)."""
         for pos, g in zip(positions, grads):
             fqn = self._fqn_of.get(id(args[pos]))
             if fqn is None:
                 continue
             if g is not None:
                 self.main[fqn].view(g.shape).add_(g)
-            if self.armed and fqn in self.counted and fqn not in self.deferred:
+            if pos in counted:
+                continue
+            if (self.armed or self.every_microbatch) and fqn in self.counted and fqn not in self.deferred:
                 self.ready(fqn)
 
     @torch.no_grad()
@@ -254,12 +297,14 @@ class Leaves:
             if b.work is not None:
                 b.work.wait()
             elif b.reduce_dp:  # not every hook fired in the last microbatch: reduce now
-                dist.all_reduce(b.buf, group=self.dp_group)
+                with pm._comm.timed("all_reduce", "dp", b.buf, "bucket"):
+                    dist.all_reduce(b.buf, group=self.dp_group)
             b.work, b.ready = None, 0
         if tp_partial:  # sequence-parallel norm weights: one coalesced all-reduce over tp per step
             views = [self.main[f] for f in tp_partial]
             flat = torch.cat(views)
-            dist.all_reduce(flat, group=pm._comm.groups["tp"])
+            with pm._comm.timed("all_reduce", "tp", flat, "step"):
+                dist.all_reduce(flat, group=pm._comm.groups["tp"])
             torch._foreach_copy_(views, list(flat.split([v.numel() for v in views])))
         for b in self.buckets:
             b.buf.mul_(scale)
@@ -270,8 +315,18 @@ class Leaves:
             if fqn in self._grad_dt:
                 pm._params[fqn].grad = self._grad_dt[fqn]
 
+    def before_backward(self) -> None:
+        """Before a backward adds gradients (ZeRO-2: the full buffers are allocated; else nothing)."""
+        if self.every_microbatch:
+            self.zero.before_backward()
+
+    def after_backward(self) -> None:
+        """After a backward (ZeRO-2: the launched buckets land in their shards and are freed)."""
+        if self.every_microbatch:
+            self.zero.after_backward()
+
     def flat_buffers(self) -> list[torch.Tensor]:
         """The fp32 gradient buffers (memory accounting)."""
         if self.zero is not None:
-            return [b.grad_buf for b in self.zero.buckets]
+            return self.zero.gradient_buffers()
         return [b.buf for b in self.buckets]

@@ -31,6 +31,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from mcompile import ops
 from mcompile.config import Config, Inputs
+from mcompile.passes.overlap import grad_sink
 from mcompile.placements import BlockShard, Partial, unshard_tensors
 from mcompile.runtime.comm import DistCommunicator
 
@@ -65,6 +66,18 @@ class ParallelModule(torch.nn.Module):
         # passes on each program's first call (runtime/joint.py)
         rp = rank_programs(compiled, self._rank, config, self._device)
         program = rp.program
+        # ZeRO-3 (passes/fsdp.py): which parameters are sharded over dp; their gathers are in the program
+        # (rank_programs; under pp: in each stage program, runtime/pipeline.py)
+        self._zero3 = {}
+        if config.zero >= 2 and self.mesh.size("dp") == 1:
+            raise ValueError(f"Config(zero={config.zero}) shards over the data-parallel axis, and this mesh has no dp "
+                             f"axis > 1 ({self.mesh!r}): add one (e.g. dp=2) or use zero=0")
+        if config.zero == 3:
+            from mcompile.passes import fsdp
+
+            specs = fsdp.shard_specs(self.plan, self.mesh)
+            self._zero3 = {f: s for f, s in specs.items() if s.sharded}
+            self.zero3_replicated = fsdp.replicated_reasons(specs)  # kept whole over dp, and why
         if config.fuse:
             self.fused = rp.fused
         self.fp8 = rp.fp8  # FP8 linears: what was converted / kept and why (mcompile.passes.fp8.Fp8Report)
@@ -83,7 +96,8 @@ class ParallelModule(torch.nn.Module):
 
             object.__setattr__(self, "_program", program)
             self._runner = JointRunner(program, config, name=f"rank {self._rank}",
-                                       accumulate=lambda args: self._leaves.targets(args))
+                                       accumulate=lambda args: self._leaves.targets(args),
+                                       grad_buckets=self._grad_bucket)
         else:
             object.__setattr__(self, "_program", apply_recompute(program, groups))
         cap = compiled.captured
@@ -180,16 +194,43 @@ class ParallelModule(torch.nn.Module):
             if local.numel() < full.numel() and \
                     local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
                 local = local.clone()  # a view of a shard would keep the whole tensor alive
+        if fqn in self._zero3 and tuple(local.shape) == tuple(pp.local_shape):  # ZeRO-3: this dp rank's piece
+            from mcompile.passes.fsdp import local_piece
+
+            local = local_piece(local, self.mesh.size("dp"), self._coords["dp"])
         shape = torch.Size(pp.padded_shape or pp.shape)
-        mesh, placements = self.device_mesh, list(pp.placements)
+        mesh, placements = self.device_mesh, list(self._placements(fqn))
         if self._pipe is not None:  # a stage's parameters live on the mesh of the other axes
             keep = [a for a in self.device_mesh.mesh_dim_names if a != "pp"]
             mesh = self.device_mesh[tuple(keep)] if len(keep) > 1 else self.device_mesh[keep[0]]
             names = self.mesh.axis_names
-            placements = [pp.placements[names.index(a)] if a in names else Replicate() for a in keep]
+            placements = [placements[names.index(a)] if a in names else Replicate() for a in keep]
         dt = DTensor.from_local(local.contiguous(), mesh, [_torch_placement(p) for p in placements],
                                 run_check=False, shape=shape, stride=_contiguous_stride(shape))
         return torch.nn.Parameter(dt, requires_grad=local.is_floating_point())
+
+    def _placements(self, fqn: str) -> tuple:
+        """``fqn``'s placements per mesh axis as this module holds it: the plan's, with ZeRO-3's over dp."""
+        pp = self.plan.params[fqn]
+        if fqn not in self._zero3:
+            return tuple(pp.placements)
+        from mcompile.passes.fsdp import dp_placements
+
+        return dp_placements(pp.placements, list(self.mesh.axis_names), self._zero3[fqn])
+
+    def _reduces_over_dp(self, fqn: str) -> bool:
+        """Whether ``fqn``'s gradient is summed over dp by the step's bucket reductions (a ZeRO-3
+        parameter's is reduce-scattered inside the backward, by its gather's backward)."""
+        return self.mesh.size("dp") > 1 and "dp" in self.plan.params[fqn].grad_partial_axes and fqn not in self._zero3
+
+    def _local_of(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the full tensor ``fqn`` as this module holds it."""
+        local = self.plan.params[fqn].local_piece(full, self.mesh, self._coords)
+        if fqn in self._zero3:
+            from mcompile.passes.fsdp import local_piece
+
+            local = local_piece(local, self.mesh.size("dp"), self._coords["dp"])
+        return local
 
     def _register(self, fqn: str, param: torch.nn.Parameter):
         *path, name = fqn.split(".")
@@ -260,11 +301,26 @@ class ParallelModule(torch.nn.Module):
         fp32 buffers. Returns (loss sum, token count)."""
         call = self._call_args(args, kwargs, local)
         runner = self._runner
+        rec = self._comm.recorder  # the timeline (start_timeline): this call's F and B intervals
+        t0 = rec.mark() if rec is not None else None
         outs, ctx = runner.forward(call)
+        if rec is not None:
+            rec.compute("F", t0)
         loss_sum, c = self._loss_parts(outs)
+        jp = ctx.jp
+        self._leaves.before_backward()
+        t0 = rec.mark() if rec is not None else None
         grads = runner.backward(ctx, runner.tangents(ctx, outs))
-        self._leaves.add_grads(call, ctx.jp.joint.grad_primals, grads)
+        self._leaves.add_grads(call, jp.joint.grad_primals, grads, jp.ready_positions)
+        if rec is not None:
+            rec.compute("B", t0)
+        self._leaves.after_backward()
         return loss_sum, c
+
+    def _grad_bucket(self, position: int) -> int | None:
+        """The dp bucket of the program input at ``position`` (JointRunner ``grad_buckets``)."""
+        ph = self._placeholders[position] if position < len(self._placeholders) else None
+        return self._leaves.bucket_index(self._param_of_ph.get(ph))
 
     def _loss_parts(self, out) -> tuple[torch.Tensor, torch.Tensor]:
         if self._token_weighted:
@@ -279,9 +335,12 @@ class ParallelModule(torch.nn.Module):
         pieces = self._split(args, kwargs)
         leaves = self._leaves
         leaves.begin()  # compute copies refreshed, main gradients cleared (earlier ones kept aside)
+        rec = self._comm.recorder  # the timeline (start_timeline): this step's events replace the last one's
+        if rec is not None:
+            rec.begin_step()
         total = torch.zeros((), dtype=torch.float32, device=self._device)
         count = torch.zeros((), dtype=torch.float32, device=self._device)
-        with ops.bind(self._comm, process_wide=True):  # backward runs the collectives' backwards
+        with ops.bind(self._comm, process_wide=True), grad_sink(leaves):  # backward: collectives, bucket launches
             if self._pipe is not None:  # the schedule's microbatches through this rank's stages
                 pipe_stats = self._pipe.reduce_results(self._pipe.run(pieces))
                 self._pipe.push_grads()  # weights tied across stages: summed, then their buckets reduce
@@ -292,14 +351,21 @@ class ParallelModule(torch.nn.Module):
                 if self._runner is not None:
                     loss_sum, c = self._joint_step(a, k, local)
                 else:
+                    t0 = rec.mark() if rec is not None else None
                     loss_sum, c = self._loss_parts(self._run(a, k, local))
+                    if rec is not None:
+                        rec.compute("F", t0)
+                        t0 = rec.mark()
                     loss_sum.backward()
+                    if rec is not None:
+                        rec.compute("B", t0)
                 total += loss_sum.detach()
                 count += c
         leaves.armed = False
         stats = torch.stack([total, count])
         if self.mesh.size("dp") > 1:
-            dist.all_reduce(stats, group=self._comm.groups["dp"])
+            with self._comm.timed("all_reduce", "dp", stats):
+                dist.all_reduce(stats, group=self._comm.groups["dp"])
         leaves.finish(1.0 / stats[1], self._tp_partial)
         return (stats[0] / stats[1]).detach()
 
@@ -390,11 +456,11 @@ class ParallelModule(torch.nn.Module):
         from mcompile.runtime.leaves import Leaves
 
         self._zero = None
-        if self.config.zero and self.mesh.size("dp") > 1:
+        if self.config.zero in (1, 2) and self.mesh.size("dp") > 1:
             from mcompile.runtime.zero import ZeroBuffers
 
             self._zero = ZeroBuffers(self)  # re-registers the parameters as views of flat buffers
-        elif self.config.zero:
+        elif self.config.zero == 1:
             import warnings
 
             warnings.warn("Config(zero=1) with dp=1: there is no data-parallel axis to shard the optimizer over; "
@@ -422,6 +488,12 @@ class ParallelModule(torch.nn.Module):
             raise NotImplementedError(f"{fqn}: Partial parameters")
         sharded = [(ax, p) for ax, p in zip(self.mesh.axis_names, pp.placements) if isinstance(p, Shard | BlockShard)]
         t = local
+        if fqn in self._zero3:  # ZeRO-3: the dp pieces of the tensor-parallel piece, first
+            pieces = [torch.empty_like(t) for _ in range(self.mesh.size("dp"))]
+            dist.all_gather(pieces, t.contiguous(), group=self._comm.groups["dp"])
+            t = torch.cat(pieces, dim=0)
+            if not sharded:
+                return t.cpu()
         for i, (ax, p) in enumerate(sharded):
             pieces = [torch.empty_like(t) for _ in range(self.mesh.size(ax))]
             dist.all_gather(pieces, t.contiguous(), group=self._comm.groups[ax])
@@ -456,8 +528,7 @@ class ParallelModule(torch.nn.Module):
         if missing:
             raise KeyError(f"load_full_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}")
         for fqn, p in self._params.items():
-            local = self.plan.params[fqn].local_piece(state[fqn].to(self._device, torch.float32), self.mesh,
-                                                      self._coords)
+            local = self._local_of(fqn, state[fqn].to(self._device, torch.float32))
             p.to_local().copy_(local)
             if self._zero is not None:  # bf16 parameters: their fp32 masters too
                 self._zero.set_master(fqn, local)
@@ -480,27 +551,42 @@ class ParallelModule(torch.nn.Module):
         return self._across_stages(locals_, rank=rank, held=True, copy=True)
 
     # -- pipeline timeline -------------------------------------------------------------------------
-    def start_timeline(self) -> None:
-        """Record every pipeline action and message wait of the following steps (mcompile.timeline)."""
-        if self._pipe is None:
-            raise ValueError("the timeline records pipeline schedules: use a mesh with a pp axis")
-        self._pipe.record = True
-        self._pipe.events = []
+    def start_timeline(self):
+        """Record the timeline of the following steps (mcompile.timeline), on any layout: per rank each
+        forward and backward (under pp: every pipeline action and message wait), every collective
+        (the programs', the dp gradient buckets', ZeRO's parameter all-gathers, the step's own) and
+        every wait for a started one; the latest step is kept. Returns this rank's
+        :class:`mcompile.timeline.Recorder` (``.events()``: its events in seconds, e.g. for
+        :func:`mcompile.timeline.overlap_stats`). Recording stays on for this module's life."""
+        from mcompile.timeline import Recorder, clock_for
+
+        rec = Recorder(self._rank, clock_for(self._device))
+        self._comm.recorder = rec
+        if self._pipe is not None:
+            self._pipe.record = True
+            self._pipe.events = []
+        return rec
 
     def save_timeline(self, path) -> dict | None:
         """Gather every rank's recorded events; rank 0 writes a Chrome trace to ``path`` and returns
         it (other ranks return None). Collective: call it on every rank."""
         from mcompile import timeline
 
-        if self._pipe is None:
-            raise ValueError("the timeline records pipeline schedules: use a mesh with a pp axis")
-        mine = [e.__dict__ for e in self._pipe.events if e.cat != "step"]
+        rec = self._comm.recorder
+        if rec is None and self._pipe is None:
+            raise ValueError("save_timeline: nothing was recorded; call pm.start_timeline() before the steps")
+        mine = rec.events() if rec is not None else []
+        if self._pipe is not None:
+            mine += [dict(e.__dict__) for e in self._pipe.events if e.cat != "step"]
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         if self._rank != 0:
             return None
-        meta = {"schedule": self._pipe.schedule, "pp": self._pipe.pp, "virtual": self._pipe.virtual,
-                "microbatches": self._pipe.m, "bubble_formula": self.plan.pipeline.get("bubble")}
+        meta = {"layout": self.mesh.spec(), "overlap": self.config.overlap, "zero": self.config.zero,
+                "tp_overlap": self.config.tp_overlap, "microbatches": self.config.microbatches}
+        if self._pipe is not None:
+            meta.update({"schedule": self._pipe.schedule, "pp": self._pipe.pp, "virtual": self._pipe.virtual,
+                         "microbatches": self._pipe.m, "bubble_formula": self.plan.pipeline.get("bubble")})
         timeline.save_trace(path, [e for r in everyone for e in r], meta)
         return timeline.load_trace(path)
 
@@ -519,7 +605,7 @@ class ParallelModule(torch.nn.Module):
                 continue
             g = p.grad.to_local()
             grads.append(g)
-            counted = all(self._coords[a] == 0 for a, pl in zip(self.mesh.axis_names, self.plan.params[fqn].placements)
+            counted = all(self._coords[a] == 0 for a, pl in zip(self.mesh.axis_names, self._placements(fqn))
                           if a != "pp" and not isinstance(pl, Shard | BlockShard))
             if self._pipe is not None and self._pipe.owner[fqn] != self._pipe.pp_rank:
                 counted = False  # a tied weight: its owner stage counts it

@@ -455,9 +455,12 @@ class JointStage:
             return [by_pos.get(first + i) for i in range(len(received))]
         self._ctx.pop(mb)
         self._arm("B", mb)
+        if self.leaves is not None:
+            self.leaves.before_backward()
         gs = runner.backward(ctx, tangents)
         if self.leaves is not None:
-            self.leaves.add_grads(args, gp, gs)
+            self.leaves.add_grads(args, gp, gs, ctx.jp.ready_positions)
+            self.leaves.after_backward()
         by_pos = dict(zip(gp, gs))
         return [by_pos.get(first + i) for i in range(len(received))]
 
@@ -467,10 +470,13 @@ class JointStage:
             return
         ctx, args = item
         self._arm("W", mb)
+        if self.leaves is not None:
+            self.leaves.before_backward()
         gs = self.runner.backward_weight(ctx)
         gp = ctx.jp.joint.grad_primals
         if self.leaves is not None:
-            self.leaves.add_grads(args, [gp[j] for j in ctx.jp.weight_grads], gs)
+            self.leaves.add_grads(args, [gp[j] for j in ctx.jp.weight_grads], gs, ctx.jp.ready_positions_w)
+            self.leaves.after_backward()
 
 
 def _flat(out) -> tuple:
@@ -488,7 +494,8 @@ def _expand(grads, outputs):
 # ------------------------------------------------------------------------------------------------
 # The glue between a ParallelModule and the executor
 # ------------------------------------------------------------------------------------------------
-_COMM_OPS = {"all_reduce": 1, "all_reduce_max": 1, "reduce_scatter": 2, "all_gather": 2}  # op -> axis arg
+_COMM_OPS = {"all_reduce": 1, "all_reduce_max": 1, "reduce_scatter": 2, "all_gather": 2,  # op -> axis arg
+             "start_all_reduce": 1, "start_reduce_scatter": 1, "start_all_gather": 1}  # (recorded as the collective)
 
 
 class _RecordCollectives(torch.utils._python_dispatch.TorchDispatchMode):
@@ -504,7 +511,8 @@ class _RecordCollectives(torch.utils._python_dispatch.TorchDispatchMode):
             name = func._opname
             if name in _COMM_OPS:
                 x = args[0]
-                self.ops.append((name, args[_COMM_OPS[name]], tuple(int(s) for s in x.shape), str(x.dtype)))
+                self.ops.append((name.removeprefix("start_"), args[_COMM_OPS[name]], tuple(int(s) for s in x.shape),
+                                 str(x.dtype)))
         return out
 
 
@@ -533,6 +541,11 @@ class Pipeline:
         self.schedule = config.schedule
         self.actions = build_schedule(config.schedule, self.pp, self.virtual, self.m)
         self.stages = split_stages(program, self.partition, cap.params, cap.user_inputs)
+        if pm._zero3:  # ZeRO-3 (passes/fsdp.py): each stage gathers its own sharded parameters
+            from mcompile.passes.fsdp import insert_gathers
+
+            for st in self.stages:
+                insert_gathers(st.gm, {p for p in st.params if cap.params[p] in pm._zero3}, pm.mesh.size("dp"))
         self.own = [s for s in range(self.k) if s % self.pp == self.pp_rank]
         groups = {st.index: recompute_nodes(st.gm, config.recompute, config.recompute_method,
                                             config.recompute_num_layers) for st in self.stages}
@@ -545,7 +558,9 @@ class Pipeline:
                                            split_inputs=list(range(len(self.stages[s].inputs) -
                                                                    len(self.stages[s].received),
                                                                    len(self.stages[s].inputs))),
-                                           accumulate=lambda args: pm._leaves.targets(args))
+                                           accumulate=lambda args: pm._leaves.targets(args),
+                                           grad_buckets=lambda pos, s=s: pm._leaves.bucket_index(
+                                               self._param_at(s, pos)))
                             for s in self.own}
         else:
             for s in self.own:  # recompute inside each stage program
@@ -645,6 +660,11 @@ class Pipeline:
                 dist.recv(one, src=mesh.rank_of(**{**coords, "pp": src}), group=g)
         return out
 
+    def _param_at(self, s: int, position: int) -> str | None:
+        """The parameter fed to stage ``s``'s program at input ``position`` (None: not a parameter)."""
+        names = self.stages[s].inputs
+        return self.param_of_ph.get(names[position]) if position < len(names) else None
+
     def peer_of_stage(self, s: int) -> int:
         return self.pm.mesh.rank_of(**{**self.pm._coords, "pp": s % self.pp})
 
@@ -692,8 +712,10 @@ class Pipeline:
             with mode, torch.enable_grad():  # the backward's collectives too, even when called under no_grad
                 params = {}
                 for ph, fqn in self.param_of_ph.items():
-                    pp_ = pm.plan.params[fqn]
-                    leaf = torch.empty(pp_.local_shape, dtype=torch.float32, device=pm._device).requires_grad_()
+                    shape = list(pm.plan.params[fqn].local_shape)
+                    if fqn in pm._zero3:  # ZeRO-3: the dp piece
+                        shape[0] //= mesh.size("dp")
+                    leaf = torch.empty(shape, dtype=torch.float32, device=pm._device).requires_grad_()
                     params[ph] = leaf.to(dtype) if dtype != torch.float32 else leaf
                 state = {k: mode.from_tensor(v) for k, v in pm._extra.items()}
                 users = {k: mode.from_tensor(v) for k, v in piece_inputs.items()}
@@ -861,13 +883,15 @@ class Pipeline:
         for fqn, ranks in sorted(self.param_ranks.items()):
             if len(ranks) > 1 and q in ranks:
                 members = tuple(mesh.rank_of(**{**pm._coords, "pp": r}) for r in sorted(ranks))
-                shape = tuple(pm.plan.params[fqn].local_shape)
-                out.append(CommOp("coll", f"all_reduce tied {fqn}", shape, f32, group=members, axis="pp"))
+                shape = list(pm.plan.params[fqn].local_shape)
+                if fqn in pm._zero3:  # ZeRO-3: the dp piece's gradient
+                    shape[0] //= mesh.size("dp")
+                out.append(CommOp("coll", f"all_reduce tied {fqn}", tuple(shape), f32, group=members, axis="pp"))
         if q != self.pp_rank:
             return out
         if mesh.size("dp") > 1:
             zero = getattr(pm, "_zero", None)
-            if zero is not None:
+            if zero is not None:  # (ZeRO-2 reduce-scatters per microbatch too: the same sequence on every dp rank)
                 out += [CommOp("coll", "reduce_scatter dp bucket", (b.grad_buf.numel(),), f32, group=group("dp"),
                                axis="dp") for b in zero.buckets]
             else:

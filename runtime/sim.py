@@ -54,6 +54,7 @@ class ThreadedCommunicator:
     def __init__(self, world: ThreadedWorld, rank: int):
         self.world, self.global_rank = world, rank
         self.log: list[tuple[str, str, tuple]] = []  # (kind, axis, shape) of every collective run
+        self.pending = ops.Pending()  # started collectives: run at once here, checked at their wait
 
     def _ex(self, axis: str, x: torch.Tensor) -> list[torch.Tensor]:
         gid, i = self.world.group_of[(axis, self.global_rank)]
@@ -83,6 +84,20 @@ class ThreadedCommunicator:
         n = len(parts)
         size = total.shape[dim] // n
         return total.narrow(dim, self.rank(axis) * size, size).clone()
+
+    def start(self, kind, x, axis):
+        if kind == "all_gather":
+            out = self.all_gather(x, 0, axis)
+        elif kind == "reduce_scatter":
+            out = self.reduce_scatter(x, 0, axis)
+        elif kind == "all_reduce":
+            out = self.all_reduce(x, axis, "sum")
+        else:
+            raise ValueError(f"start: unknown collective {kind!r}")
+        return self.pending.put(out, None, x)
+
+    def wait(self, buf):
+        self.pending.pop(buf)
 
 
 def run_threads(world: ThreadedWorld, fn: Callable[[int], object]) -> list:

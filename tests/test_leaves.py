@@ -72,3 +72,16 @@ def test_data_parallel_buckets_reduce_during_the_last_backward(mesh, options):
         assert r["buckets"] >= 2, r
         assert r["launched"] == r["buckets"], r
         assert r["in_backward"] == r["buckets"] - r["tied"], r
+
+
+@pytest.mark.timeout(300)
+def test_without_overlap_the_buckets_wait_for_the_backward_to_return():
+    """Config(overlap=False): the backward module has no launches; every dp bucket is reduced after
+    the last microbatch's backward returned (the counterfactual the overlap bench measures)."""
+    from leaves_cases import launches
+
+    for r in pool(4).run(launches, "gpt2-tiny", "dp=2,tp=2", {"bucket_mb": 0.02, "microbatches": 2,
+                                                               "overlap": False}):
+        assert r["buckets"] >= 2, r
+        assert r["launched"] == r["buckets"], r
+        assert r["in_backward"] == 0, r
