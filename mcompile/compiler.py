@@ -13,6 +13,8 @@ plan               model       placements per node and mesh axis (mcompile.plann
 lower              rank        the per-rank program: local shapes, explicit collectives
 fuse               rank        fused RMSNorm / SwiGLU / RoPE / CE kernels (``Config(fuse=True)``)
 fp8                rank        FP8 linears (``Config(fp8=...)``)
+fsdp               rank        ZeRO-3: sharded parameters gathered over dp before use (passes/fsdp.py;
+                               under pp into each stage program, after the split)
 pipeline_split     rank        stage programs (a ``pp`` axis)
 joint              signature   forward + backward traced into one graph (passes/joint.py)
 partition          signature   the saved set (recompute policy or ``auto``) -> forward / backward
@@ -63,6 +65,8 @@ PASSES: list[Pass] = [
          "passes/lower.py"),
     Pass("fuse", "rank", ("per-rank program",), ("fused kernels",), lambda c, m: bool(c.fuse), "passes/fuse.py"),
     Pass("fp8", "rank", ("per-rank program",), ("fp8 linears",), lambda c, m: bool(c.fp8), "passes/fp8.py"),
+    Pass("fsdp", "rank", ("per-rank program",), ("parameters gathered over dp",),
+         lambda c, m: c.zero == 3 and m.size("dp") > 1, "passes/fsdp.py"),
     Pass("pipeline_split", "rank", ("per-rank program",), ("stage programs",), lambda c, m: m.size("pp") > 1,
          "passes/pipeline_split.py"),
     Pass("joint", "signature", ("per-rank program",), ("joint graph",), lambda c, m: c.execution == "joint",
@@ -132,13 +136,33 @@ def rank_programs(compiled, rank: int, config, device=None, *, upto: str | None 
                               user_inputs=set(cap.user_inputs))
         if snapshots:
             out.snapshots["fp8"] = program.code
+    if upto == "fp8":
+        return out
+    mesh = compiled.mesh
+    if config.zero == 3 and mesh.size("dp") > 1 and mesh.size("pp") == 1:
+        from mcompile.passes.fsdp import insert_gathers
+
+        insert_gathers(program, zero3_placeholders(compiled, cap.params), mesh.size("dp"))
+        if snapshots:
+            out.snapshots["fsdp"] = program.code
     return out
+
+
+def zero3_placeholders(compiled, placeholders) -> set[str]:
+    """The parameter placeholders among ``placeholders`` (name -> fqn, or names with ``compiled``'s
+    captured params) whose parameter ZeRO-3 shards (passes/fsdp.py ``shard_specs``)."""
+    from mcompile.passes.fsdp import shard_specs
+
+    specs = shard_specs(compiled.plan, compiled.mesh)
+    fqn_of = compiled.captured.params
+    return {ph for ph in placeholders if ph in fqn_of and specs[fqn_of[ph]].sharded}
 
 
 # ---------------------------------------------------------------------------------------------
 # show
 # ---------------------------------------------------------------------------------------------
-def _example_args(compiled, rank: int, names: list[str], inputs: tuple, microbatches: int, mode) -> list:
+def _example_args(compiled, rank: int, names: list[str], inputs: tuple, microbatches: int, mode,
+                  zero3: set = frozenset()) -> list:
     """Fake inputs (``mode``) of a program on ``rank`` by placeholder name: local parameter pieces
     that require grad, buffers, this rank's slice of ``inputs`` (dp, then one microbatch)."""
     cap = compiled.captured
@@ -159,7 +183,10 @@ def _example_args(compiled, rank: int, names: list[str], inputs: tuple, microbat
             x = torch.empty(t.shape, dtype=t.dtype)
         return x.requires_grad_() if grad else x
 
-    return [fake(state[n], n in cap.params and state[n].is_floating_point()) if n in state else fake(user[n], False)
+    def piece(n):  # ZeRO-3: this dp rank's piece of the parameter (passes/fsdp.py)
+        return state[n].chunk(dp)[coords["dp"]] if n in zero3 else state[n]
+
+    return [fake(piece(n), n in cap.params and state[n].is_floating_point()) if n in state else fake(user[n], False)
             for n in names]
 
 
@@ -184,7 +211,7 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
             compiled.captured.gm.code
     lines = [f"# rank {rank} {mesh.coords(rank)} on {mesh!r}, after pass '{after}'",
              "# passes run: " + ", ".join(q.name for q in PASSES[:idx + 1] if q.enabled(config, mesh))]
-    upto = after if after in ("lower", "fuse") else None
+    upto = after if after in ("lower", "fuse", "fp8") else None
     rp = rank_programs(compiled, rank, config, torch.device("cpu"), upto=upto)
     if rp.fp8 is not None:
         lines += [f"# {x}" for x in rp.fp8.text().splitlines()]
@@ -196,8 +223,14 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
 
         cap = compiled.captured
         part = compiled.partition or stage_partition(cap, pp, config.virtual_stages)
+        stages = split_stages(rp.program, part, cap.params, cap.user_inputs)
+        if PASSES[names.index("fsdp")].enabled(config, mesh):  # as runtime/pipeline.py: per stage
+            from mcompile.passes.fsdp import insert_gathers
+
+            for st in stages:
+                insert_gathers(st.gm, zero3_placeholders(compiled, st.params), mesh.size("dp"))
         programs = [(f"stage {st.index}", st.gm, st.inputs, len(st.received), st.index % pp == pp_rank)
-                    for st in split_stages(rp.program, part, cap.params, cap.user_inputs)]
+                    for st in stages]
     else:
         phs = [n.name for n in rp.program.graph.nodes if n.op == "placeholder"]
         programs = [("program", rp.program, phs, 0, True)]
@@ -210,7 +243,9 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
     carried: list = []
     split_w = PASSES[names.index("split_weight")].enabled(config, mesh)
     for label, gm, in_names, n_recv, mine in programs:
-        args = _example_args(compiled, rank, in_names[:len(in_names) - n_recv], inputs, config.microbatches, mode)
+        zero3 = zero3_placeholders(compiled, in_names) if PASSES[names.index("fsdp")].enabled(config, mesh) else set()
+        args = _example_args(compiled, rank, in_names[:len(in_names) - n_recv], inputs, config.microbatches, mode,
+                             zero3)
         args += carried
         split = list(range(len(args) - n_recv, len(args))) if split_w and n_recv else None
         # as the runtime builds it: weight gradients added into their buffers inside backward

@@ -95,10 +95,20 @@ class _Bucket:
     open: bool = False  # gradients of this step are being accumulated
     valid: bool = False  # the owned range holds gradients (not zeroed since)
     saved: torch.Tensor | None = None  # owned gradients of an earlier train_step, added back at the end
+    # ZeRO-2: the owned range's gradients live here (fp32, accumulated over microbatches); grad_buf is
+    # allocated only while a backward adds into it ("filling") and freed once reduce-scattered
+    shard: torch.Tensor | None = None
+    filling: bool = False
 
     @property
     def owned_grad(self) -> torch.Tensor:
-        return self.grad_buf[self.lo:self.hi]
+        return self.shard if self.shard is not None else self.grad_buf[self.lo:self.hi]
+
+    def grad_slice(self, start: int, stop: int) -> torch.Tensor:
+        """Gradients of buffer positions [start, stop) of the owned range."""
+        if self.shard is not None:
+            return self.shard[start - self.lo:stop - self.lo]
+        return self.grad_buf[start:stop]
 
 
 class ZeroBuffers:
@@ -114,8 +124,11 @@ class ZeroBuffers:
         self.axis_names = pm.mesh.axis_names
         self.axis_sizes = {a: pm.mesh.size(a) for a in self.axis_names}
         self.groups = pm._comm.groups
+        self.comm = pm._comm  # its recorder times publish's all-gathers (the timeline, if on)
         self.param_dtype = pm.config.dtype
         self.optimizer_attached = False
+        self.stage = pm.config.zero  # 1, or 2: gradients reduce-scattered after every microbatch, kept sharded
+        self.per_microbatch = self.stage == 2
         plan = pm.plan
         order = []
         for fqn in reversed(list(pm._params)):
@@ -154,6 +167,8 @@ class ZeroBuffers:
                 del full
             b = _Bucket(lay, [], param_buf, torch.zeros(lay.padded, dtype=torch.float32, device=pm._device),
                         master, lo, hi)
+            if self.per_microbatch:  # ZeRO-2: the owned gradients apart; the full buffer only while filled
+                b.shard = torch.zeros(hi - lo, dtype=torch.float32, device=pm._device)
             for fqn, p, off, n in zip(lay.fqns, params, lay.offsets, lay.numels):
                 local = param_buf[off:off + n].view(p.to_local().shape)
                 dt = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
@@ -181,37 +196,85 @@ class ZeroBuffers:
         of an earlier train_step (no ``zero_grad`` between) are kept aside and added back."""
         if not self.optimizer_attached:
             raise RuntimeError(
-                "Config(zero=1) keeps gradients and optimizer state sharded over dp: create the optimizer "
+                f"Config(zero={self.stage}) keeps gradients and optimizer state sharded over dp: create the optimizer "
                 "with mcompile.runtime.zero.DistributedOptimizer(pm, torch.optim.AdamW, lr=...) before "
                 "train_step (a torch optimizer over pm.parameters() would see no gradients)")
         for b in self.buckets:
             if b.valid:
                 b.saved = b.owned_grad.clone()
-            b.grad_buf.zero_()
+            if self.per_microbatch:
+                b.shard.zero_()
+                if not b.filling:  # (allocated when the leaves were built, or after a load)
+                    _release(b.grad_buf)
+            else:
+                b.grad_buf.zero_()
             b.open = True
             b.ready, b.work = 0, None
 
     def launch(self, b: _Bucket) -> None:
-        """Every gradient of bucket ``b`` is final: reduce-scatter it over dp, asynchronously."""
-        b.work = _REDUCE_SCATTER(b.owned_grad, b.grad_buf, group=self.groups["dp"], async_op=True)
+        """Every gradient of bucket ``b`` is final (ZeRO-2: for this microbatch): reduce-scatter it over
+        dp, asynchronously, into the owned range of its buffer."""
+        b.work = _REDUCE_SCATTER(b.grad_buf[b.lo:b.hi], b.grad_buf, group=self.groups["dp"], async_op=True)
+        b.ready = 0
+
+    # -- ZeRO-2: the full gradient buffers exist only while a backward fills them -------------------------
+    def before_backward(self) -> None:
+        """Before a backward adds into the buffers: reductions still in flight are finished (their
+        buffers are added into again), every released buffer is allocated and zeroed."""
+        self._drain()
+        for b in self.buckets:
+            if not b.filling:
+                _allocate(b.grad_buf)
+                b.filling = True
+
+    def ensure_buffers(self) -> None:
+        """Every full buffer allocated (views of them are being made: runtime/leaves.py); released again
+        at the next train_step's begin."""
+        for b in self.buckets:
+            if not b.filling:
+                _allocate(b.grad_buf)
+
+    def after_backward(self) -> None:
+        """After a backward: the buckets it completed and launched are waited, added into the owned
+        shards and released (their full buffers freed until the next backward)."""
+        self._drain()
+
+    def _drain(self, everything: bool = False) -> None:
+        for b in self.buckets:
+            if b.work is None and not (everything and b.filling):
+                continue
+            if b.work is not None:
+                b.work.wait()
+            else:  # filled but never complete in one microbatch (a bucket across pipeline stages): now
+                with self.comm.timed("reduce_scatter", "dp", b.grad_buf, "bucket"):
+                    _REDUCE_SCATTER(b.grad_buf[b.lo:b.hi], b.grad_buf, group=self.groups["dp"])
+            b.shard.add_(b.grad_buf[b.lo:b.hi])
+            b.work, b.ready, b.filling = None, 0, False
+            _release(b.grad_buf)
 
     def finish(self, scale: torch.Tensor) -> None:
         """End of train_step: wait for the reductions, reduce tp-partial gradients over tp, scale."""
         opened = []
+        if self.per_microbatch:  # every bucket's sum over dp is in its shard
+            self._drain(everything=True)
         for b in self.buckets:
-            if b.work is not None:
+            if self.per_microbatch:
+                pass
+            elif b.work is not None:
                 b.work.wait()
             elif b.open:  # not every parameter's hook fired in the last piece: reduce now
-                _REDUCE_SCATTER(b.owned_grad, b.grad_buf, group=self.groups["dp"])
+                with self.comm.timed("reduce_scatter", "dp", b.grad_buf, "bucket"):
+                    _REDUCE_SCATTER(b.owned_grad, b.grad_buf, group=self.groups["dp"])
             if b.open:
                 opened.append(b)
             b.ready, b.work, b.open = 0, None, False
         if self._tp_partial:  # sequence-parallel norm weights: their owned segments, one all-reduce
-            views = [b.grad_buf[seg.start:seg.stop] for seg, b, _ in self.segments
+            views = [b.grad_slice(seg.start, seg.stop) for seg, b, _ in self.segments
                      if seg.fqn in self._tp_partial and any(b is o for o in opened)]
             if views:
                 flat = torch.cat(views)
-                dist.all_reduce(flat, group=self.groups["tp"])
+                with self.comm.timed("all_reduce", "tp", flat, "step"):
+                    dist.all_reduce(flat, group=self.groups["tp"])
                 torch._foreach_copy_(views, list(flat.split([v.numel() for v in views])))
         for b in opened:
             owned = b.owned_grad
@@ -222,7 +285,7 @@ class ZeroBuffers:
             b.valid = True
         for seg, b, master_seg in self.segments:
             if b.valid:
-                master_seg.grad = b.grad_buf[seg.start:seg.stop]
+                master_seg.grad = b.grad_slice(seg.start, seg.stop)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for b in self.buckets:
@@ -253,7 +316,7 @@ class ZeroBuffers:
         for seg, b, _ in self.segments:
             if not b.valid or seg.fqn in self._not_counted:
                 continue
-            g = b.grad_buf[seg.start:seg.stop]
+            g = b.grad_slice(seg.start, seg.stop)
             i = index[self._sharded_axes[seg.fqn]]
             if norm_type == float("inf"):
                 parts[i] = torch.maximum(parts[i], g.abs().max())
@@ -291,6 +354,7 @@ class ZeroBuffers:
             if self.param_dtype != torch.float32:
                 b.param_buf[b.lo:b.hi].copy_(b.master)
             works.append(_ALL_GATHER(b.param_buf, b.param_buf[b.lo:b.hi], group=self.groups["dp"], async_op=True))
+            self.comm.launched("all_gather", "dp", b.param_buf, works[-1], source="publish")
         for w in works:
             w.wait()
 
@@ -304,6 +368,13 @@ class ZeroBuffers:
             if seg.fqn == fqn:
                 master_seg.copy_(flat[seg.start - seg.offset:seg.stop - seg.offset])
 
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The fp32 gradient memory held now: the full buffers (ZeRO-2: the owned shards, and a full
+        buffer only while a backward fills it)."""
+        if not self.per_microbatch:
+            return [b.grad_buf for b in self.buckets]
+        return [b.shard for b in self.buckets] + [b.grad_buf for b in self.buckets if b.filling]
+
     def masters(self) -> list[torch.Tensor]:
         """fp32 master shards held in addition to the parameters (none under fp32)."""
         return [] if self.param_dtype == torch.float32 else [b.master for b in self.buckets]
@@ -313,6 +384,19 @@ class ZeroBuffers:
                   "buckets": [[list(b.layout.fqns), list(b.layout.numels), list(b.layout.offsets), b.layout.padded]
                               for b in self.buckets]}
         return hashlib.sha256(json.dumps(layout).encode()).hexdigest()
+
+
+def _release(buf: torch.Tensor) -> None:
+    """Free a flat buffer's memory; its views (the leaves' main gradients) stay valid objects."""
+    buf.untyped_storage().resize_(0)
+
+
+def _allocate(buf: torch.Tensor) -> None:
+    """Give a released flat buffer its memory back, zeroed."""
+    st = buf.untyped_storage()
+    if st.size() == 0:
+        st.resize_(buf.numel() * buf.element_size())
+    buf.zero_()
 
 
 class DistributedOptimizer:
@@ -427,7 +511,7 @@ class DistributedOptimizer:
             return {"parameters": ps, "gradients": [p.grad.to_local() for p in self._pm.parameters()
                                                     if p.grad is not None], "optimizer": state}
         z = self._zero
-        return {"parameters": [b.param_buf for b in z.buckets], "gradients": [b.grad_buf for b in z.buckets],
+        return {"parameters": [b.param_buf for b in z.buckets], "gradients": z.gradient_buffers(),
                 "optimizer": z.masters() + state}
 
     @torch.no_grad()

@@ -169,7 +169,15 @@ def test_zero1_misuse_is_a_clear_error():
 def test_config_zero_is_validated():
     from mcompile.config import Config
 
-    assert Config(zero=1).zero == 1
-    for bad in (2, 3, -1, True):
-        with pytest.raises(ValueError, match="ZeRO stages 2 and 3 are not implemented"):
+    for ok in (0, 1, 2, 3):
+        assert Config(zero=ok).zero == ok
+    for bad in (4, -1, True):
+        with pytest.raises(ValueError, match=r"use 0 \(off\), 1 .*2 .*3"):
             Config(zero=bad)
+    with pytest.raises(ValueError, match="execution='joint'"):
+        Config(zero=3, execution="autograd")
+    for bad in ("on", 1, True):
+        with pytest.raises(ValueError, match="tp_overlap"):
+            Config(tp_overlap=bad)
+    with pytest.raises(ValueError, match="overlap"):
+        Config(overlap="yes")
