@@ -70,8 +70,8 @@ def shard_specs(plan, mesh) -> dict[str, ShardSpec]:
             reason = f"dim 0 of its local piece ({local[0] if local else 'a scalar'}) does not divide by dp={dp}"
         elif pp.padded_shape is not None:
             reason = "a padded vocabulary"
-        elif any(isinstance(p, BlockShard) for p in pp.placements):
-            reason = "a fused block layout (BlockShard) over another axis"
+        elif any(isinstance(p, BlockShard) and p.dim % len(local) == 0 for p in pp.placements):
+            reason = "a fused block layout (BlockShard) on dim 0 over another axis"
         if reason:
             out[fqn] = ShardSpec(fqn, None, reason)
             continue
@@ -164,7 +164,7 @@ def prefetch(gm: fx.GraphModule, where: str = "") -> PrefetchReport:
                      key=lambda n: order[min(n.users, key=order.__getitem__)] if n.users else order[n])
     groups: list[list[fx.Node]] = []
     for n in gathers:
-        if groups and _layer(groups[-1][0]) is not None and _layer(groups[-1][0]) == _layer(n):
+        if groups and _layer(groups[-1][0]) == _layer(n):  # (None: outside the layers, e.g. final norm + head)
             groups[-1].append(n)
         else:
             groups.append([n])

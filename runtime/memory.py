@@ -69,7 +69,18 @@ class MemoryTracker(TorchDispatchMode):
         self.current[category] += nbytes
         self._update()
 
+    def resync(self) -> None:
+        """Re-read the size of every live storage: a buffer released by resizing its storage to 0
+        (ZeRO-2's full gradient buffers between backwards, runtime/zero.py) holds nothing now, and a
+        resize is not an op this mode sees."""
+        for key, (nbytes, cat) in list(self._live.items()):
+            st = self._refs[key]()
+            if st is not None and st.nbytes() != nbytes:
+                self._live[key] = (st.nbytes(), cat)
+                self.current[cat] += st.nbytes() - nbytes
+
     def register(self, tensors, category: str) -> None:
+        self.resync()
         if category not in CATEGORIES:
             raise ValueError(f"unknown memory category {category!r}; use one of {CATEGORIES}")
         for t in tensors:
