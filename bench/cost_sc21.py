@@ -41,7 +41,7 @@ def layout_of(row: dict) -> Layout:
     per_stage = row["layers"] // pp
     v = min(d for d in range(2, per_stage + 1) if per_stage % d == 0) if pp > 1 and per_stage > 1 else 1
     return Layout(dp=row["gpus"] // (tp * pp), tp=tp, pp=pp, virtual=v, schedule="interleaved" if v > 1 else "1f1b",
-                  microbatch_size=1, recompute="full", overlap_grad_reduce=False)
+                  microbatch_size=1, recompute="full", overlap_grad_reduce=False, overlap=False)
 
 
 def main() -> None:
@@ -76,6 +76,7 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "commit": commit,
         "settings": SETTINGS | {"recompute": "full", "microbatch_size": 1, "overlap_grad_reduce": False,
+                                "overlap": False,
                                 "virtual": "smallest divisor > 1 of layers per stage (interleaved where pp > 1)"},
         "efficiency": dataclasses.asdict(DEFAULT_EFFICIENCY),
         "max_abs_error": max(abs(r["error"]) for r in rows),

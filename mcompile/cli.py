@@ -5,7 +5,8 @@
     mcompile timeline TRACE.json [-o out.png]
     mcompile show MODEL --mesh tp=2 --rank 1 [--fuse] [--fp8 current|delayed] [--after PASS]
     mcompile search MODEL --gpus 1024 --gpu h100 --global-batch 1536 [--seq S] [--top K] [--json]
-    mcompile explain MODEL --gpus 1024 --gpu h100 --global-batch 1536   (why the best beats the runner-up)
+    mcompile explain MODEL --gpus 1024 --gpu h100 --global-batch 1536   (why the best beats the runner-up; what
+                                                                          its overlap / ZeRO / FP8 choices save)
     mcompile demo [--steps N]
 
 MODEL is a preset name (``mcompile plan --list``) or ``package.module:factory``, a callable that
@@ -223,7 +224,8 @@ def _show_after(args, c) -> int:
     try:
         cfg = Config(sequence_parallel=args.sp, fuse=args.fuse, fp8=args.fp8, microbatches=args.microbatches,
                      schedule=args.schedule, virtual_stages=args.virtual, recompute=args.recompute,
-                     activation_budget=args.activation_budget, codegen=args.codegen)
+                     activation_budget=args.activation_budget, codegen=args.codegen, zero=args.zero,
+                     overlap=not args.no_overlap)
     except ValueError as e:
         raise CLIError(str(e)) from e
     from mcompile.models import PRESETS, get_preset
@@ -291,8 +293,19 @@ def _search(args):
         kw["schedules"] = tuple(x.strip() for x in args.schedules.split(","))
     if args.recompute:
         kw["recompute"] = tuple(x.strip() for x in args.recompute.split(","))
+    try:
+        if args.zero:
+            kw["zero"] = tuple(int(x) for x in args.zero.split(","))
+        if args.overlap:
+            kw["overlap"] = tuple({"on": True, "off": False}[x.strip()] for x in args.overlap.split(","))
+    except (ValueError, KeyError) as e:
+        raise CLIError(f"--zero takes stages 0-3 and --overlap on/off, comma-separated ({e})") from None
+    precision = tuple(x.strip() for x in args.precision.split(","))
+    bad = [x for x in precision if x not in ("bf16", "fp8", "fp32")]
+    if bad:
+        raise CLIError(f"--precision {','.join(bad)}: use bf16, fp8 or fp32, comma-separated")
     return search(model, args.gpus, hardware=hw, global_batch=args.global_batch, example_inputs=inputs, seq=seq,
-                  top_k=args.top, precision=args.precision,
+                  top_k=args.top, precision=precision,
                   memory_limit=args.memory_limit * 2**30 if args.memory_limit else None, **kw)
 
 
@@ -328,7 +341,7 @@ def cmd_explain(args) -> int:
         from mcompile.search import _candidate_dict
 
         a, b = res[0], res[1] if len(res) > 1 else None
-        d = {"best": _candidate_dict(a), "runner_up": _candidate_dict(b) if b else None}
+        d = {"best": _candidate_dict(a), "runner_up": _candidate_dict(b) if b else None, "choices": res.choices(0)}
         if b is not None:
             d["terms"] = {k: {"best": a.estimate.breakdown[k], "runner_up": b.estimate.breakdown[k],
                               "difference": b.estimate.breakdown[k] - a.estimate.breakdown[k]}
@@ -381,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--fuse", action="store_true",
                     help="apply the fusion pass (Config(fuse=True)); fused nodes are marked, counts summed up")
     ps.add_argument("--after", default=None, metavar="PASS",
-                    help="print the programs after this pass of the compiler pipeline (lower, fuse, fp8, "
+                    help="print the programs after this pass of the compiler pipeline (lower, fuse, fp8, fsdp, "
                          "pipeline_split, joint, partition, split_weight, codegen): forward and backward once "
                          "the joint passes ran")
     ps.add_argument("--recompute", default="none", choices=["none", "full", "selective", "auto"],
@@ -389,13 +402,18 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--activation-budget", type=int, default=None, metavar="BYTES",
                     help="recompute=auto: bytes of saved activations per rank and microbatch")
     ps.add_argument("--codegen", default="eager", choices=["eager", "inductor"])
+    ps.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
+                    help="ZeRO stage (3: parameters sharded over dp and gathered before use: the fsdp pass)")
+    ps.add_argument("--no-overlap", action="store_true",
+                    help="Config(overlap=False): collectives synchronous where the program first needs them")
     ps.set_defaults(func=cmd_show)
     pt = sub.add_parser("timeline", help="draw a pipeline timeline (Chrome trace from pm.save_timeline) as a PNG")
     pt.add_argument("trace", help="trace JSON written by ParallelModule.save_timeline")
     pt.add_argument("-o", "--out", default=None, help="PNG path (default: the trace's name with .png)")
     pt.set_defaults(func=cmd_timeline)
     for name, fn, text in (("search", cmd_search, "rank the layouts of MODEL on N GPUs by predicted step time"),
-                           ("explain", cmd_explain, "why the searched best layout beats the runner-up")):
+                           ("explain", cmd_explain, "why the searched best layout beats the runner-up, and "
+                                                    "what its overlap, ZeRO and FP8 choices save")):
         px = sub.add_parser(name, help=text)
         px.add_argument("model", nargs="?", help="preset name or package.module:factory")
         px.add_argument("--gpus", type=int, required=True, help="number of GPUs (the world size)")
@@ -406,7 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
         px.add_argument("--top", type=int, default=5, help="how many layouts to show (default 5)")
         px.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
                         help="GiB per GPU (default: the GPU's memory)")
-        px.add_argument("--precision", default="bf16", choices=["bf16", "fp8", "fp32"], help="matmul precision")
+        px.add_argument("--precision", default="bf16,fp8",
+                        help="matmul precisions to consider, e.g. bf16 or bf16,fp8 (default; fp8 only on GPUs with "
+                             "FP8 tensor cores)")
+        px.add_argument("--zero", default=None, help="ZeRO stages to consider, e.g. 0,1 (default 0,1,2,3)")
+        px.add_argument("--overlap", default=None,
+                        help="communication overlap to consider: on, off or on,off (default on,off)")
         px.add_argument("--schedules", default=None, help="pipeline schedules to consider, e.g. 1f1b,interleaved")
         px.add_argument("--recompute", default=None, help="recompute modes to consider, e.g. selective,full")
         px.add_argument("--json", action="store_true")

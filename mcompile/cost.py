@@ -61,9 +61,36 @@ NVLink · e_intra. Otherwise it crosses nodes; the group has k = max(1, G/σ) me
 with its own NIC, so β = min(NVLink, k · NIC) · e_inter and α is the network's.
 
 Per microbatch and layer: tp collectives of the plan (forward ones in forward and again in a full
-recompute, backward ones in backward), not overlapped (Megatron's default without
-``--tp-comm-overlap``); cp: the K/V all-gather (forward) and the dK/dV reduce-scatter (backward),
-overlapped with the attention core: exposed max(0, t_comm − t_attention).
+recompute, backward ones in backward); cp: the K/V all-gather (forward) and the dK/dV reduce-scatter
+(backward), overlapped with the attention core.
+
+Overlap: priced as overlap, with contention
+-------------------------------------------
+A region where communication t runs beside compute c takes
+
+    max(c, t) + (κ − 1) · min(c, t)          (:func:`overlapped`; κ = ``Hardware.overlap_slowdown``)
+
+— the longer of the two, plus the slowdown of the overlapped part: NCCL's kernels take SMs and HBM
+bandwidth from the GEMMs beside them (κ = 1.19 on the GPU profiles: Lee et al. 2025's average 18.9 %
+compute slowdown under overlap; hardware.py). κ <= 2, so an overlap is never priced slower than the
+two in turn. Its exposed communication, what ``breakdown`` reports per kind (``tp_comm``, ``cp_comm``,
+``dp_comm``), is the region less c; ``details`` holds ``<kind>_comm_total`` and ``<kind>_comm_hidden``
+(total − exposed), outside the sum. Where collectives cannot run beside compute
+(``Hardware.comm_overlaps_compute`` False) everything is exposed. The regions:
+
+- tp, ``Layout.overlap`` (collective matmul, Wang et al. ASPLOS 2023; ``Config(tp_overlap="auto")``):
+  per layer and phase, the all-gathers and reduce-scatters (SP) are split into tp chunks, each chunk's
+  transfer beside another chunk's GEMM: exposed = overlapped(c_gemm · (tp−1)/tp, t_ag+rs) — one GEMM
+  chunk cannot overlap (the last of all-gather → matmul, the first of matmul → reduce-scatter); c_gemm
+  is the phase's GEMM time (backward: input and weight gradients). All-reduces (tp without SP) are not
+  split: exposed in full. Without ``overlap``: all exposed (Megatron without ``--tp-comm-overlap``).
+- cp: the K/V collective beside the attention core (always: ring attention): overlapped(t_attn, t).
+- dp gradient buckets (``overlap_grad_reduce``): launched in the backward, the last layer's bucket
+  always waits: exposed t/L + overlapped(window, t·(L−1)/L), window = the microbatch's backward on the
+  stage (with its recompute and exposed tp communication). κ = 1 gives Megatron's max(t − window, t/L).
+- ZeRO-3 gathers (``Layout.overlap``): prefetched one layer ahead; see "Data parallelism and ZeRO".
+Each region is priced against its own compute; tp and dp regions that share a layer's compute are not
+charged against each other (a known optimism when both are large).
 
 Recompute: full = one more forward of every layer (its collectives included); selective = one
 more forward of the attention core (Korthikanti et al. 2022). auto (``Config(recompute="auto")``:
@@ -86,19 +113,33 @@ p2p: each stage sends v activations forward and v gradients backward per microba
 (/tp: Megatron's scatter-gather across the tp ranks, SC'21 §4.1, or already sharded under SP; then
 an all-gather over tp), on the pp axis's link; not overlapped.
 
-Data parallelism and the optimizer
-----------------------------------
-Gradients of the slowest stage's local parameters (grad_dtype) are all-reduced over dp·cp (ZeRO-1:
-reduce-scatter of gradients + all-gather of parameters in param_dtype), on the dp axis's link.
-With ``overlap_grad_reduce`` it runs during the last microbatch's backward on the stage: exposed
-max(t_dp − t_window, t_dp / L_stage) (the last layer's bucket always waits); without, all of t_dp —
-and all of it too where collectives cannot run beside compute (``Hardware.comm_overlaps_compute``
-False: gloo on a CPU whose cores all compute).
+Data parallelism and ZeRO (Rajbhandari et al. 2020), over dp·cp ranks on the dp axis's link
+--------------------------------------------------------------------------------------------
+(:func:`dp_comm`; P the stage's local parameters, G/Pb/C bytes of a gradient, a stored parameter, a
+gathered one in the compute dtype; m microbatches; L layers on the stage)
+
+    ZeRO-0   all-reduce(P·G) once per step, behind the last microbatch's backward (buckets)
+    ZeRO-1   reduce-scatter(P·G) once, behind the last backward; + all-gather(P·Pb) after the optimizer
+    ZeRO-2   reduce-scatter(P·G) after EVERY microbatch, behind its backward (m×); + all-gather(P·Pb)
+             after the optimizer
+    ZeRO-3   per microbatch and layer: all-gather(layer·C) in forward, again in backward, and
+             reduce-scatter(layer·G) in backward; with ``overlap`` each layer's gather (and reduce-scatter)
+             runs beside the previous layer's compute — the first gather of each pass and the last
+             reduce-scatter wait — exposed per microbatch g + (L−1)·overlapped(t_f, g) + g + r +
+             (L−1)·overlapped(t_b, g + r); the embedding/head (P − L·layer) gathered unhidden; no step-level
+             all-gather (parameters stay sharded)
+
+The all-gather after the optimizer is exposed (the runtime gathers before the next forward). ZeRO-2/3's
+per-microbatch collectives lengthen every microbatch of their stage: they are in T (and the bubble);
+each stage prices its own parameters, the step-level ones use the stage with the most.
 The optimizer step is memory-bound: 24 + G (+ P when the parameters are not the fp32 master) bytes
 per local parameter — read and write the fp32 master and two moments, read the gradient, write the
-low-precision copy; ZeRO-1: 1/dp of the parameters — at bw_hbm · e_mem.
+low-precision copy; ZeRO >= 1: 1/dp of the parameters — at bw_hbm · e_mem.
 
     step_time = compute + recompute + tp_comm + cp_comm + pp_p2p + pp_bubble + dp_comm + optimizer
+
+(each *_comm the exposed part). The bubble is the largest over the stages of the schedule's formula
+(under ZB-H1, (p−1)(T_i − 2 t_w,i) per stage), so that more work on any stage never shortens the step.
 
 Throughput: ``tflops_per_gpu`` counts matmul-class FLOPs executed (forward, backward = 2×, and the
 recompute forward: Megatron's 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)) for a GPT with full recompute)
@@ -107,7 +148,8 @@ per second per GPU; ``mfu`` counts the model's 3× forward only, against the pea
 Memory: :mod:`mcompile.memory_model` (model state per parameter by precision and ZeRO; activations
 per layer from the graph or Korthikanti's formulas; in-flight microbatches per schedule; what is live
 at the peak: gradients of zero=0 exist from backward on, so one microbatch on one stage peaks at
-P + O + max(A, G + R), R the data-parallel reduction's fp32 copy; otherwise P + O + G + max(A, R)).
+P + O + max(A, G + R), R the data-parallel reduction's fp32 copy; otherwise P + O + G + max(A, R);
+ZeRO-2/3 add their buffers in flight Z: 2 gradient buckets, and under ZeRO-3 2 gathered layers).
 
 Against reality (bench/cost_vs_measured.py): gloo layouts of a small Llama on this machine, each
 predicted on a profile ``calibrate(processes=W)`` measured in the same run.
@@ -153,6 +195,9 @@ __all__ = [
     "stage_auto",
     "collective_time",
     "axis_link",
+    "overlapped",
+    "dp_comm",
+    "resolve_precision",
 ]
 
 BATCH = sympy.Symbol("batch", positive=True, integer=True)
@@ -189,7 +234,11 @@ class Layout:
 
     Mesh axes in the order dp, pp, cp, ep, tp (tp innermost, on neighbouring GPUs). ``virtual``:
     model chunks per pipeline stage (interleaved schedule only). ``microbatch_size``: sequences per
-    microbatch per data-parallel rank."""
+    microbatch per data-parallel rank. ``zero``: ZeRO stage 0-3 over dp (2 and 3 need dp > 1).
+    ``overlap_grad_reduce``: the dp gradient buckets reduced inside the backward; ``overlap``: tensor-
+    parallel collective matmul and ZeRO-3's gathers prefetched one layer ahead (``Config(overlap=True,
+    tp_overlap="auto")``; False: every collective where it is first needed). ``precision``: the matmul
+    precision the search chose (``estimate(precision=...)`` overrides it; None: estimate's, "bf16")."""
 
     dp: int = 1
     tp: int = 1
@@ -203,6 +252,8 @@ class Layout:
     recompute: Recompute = Recompute.NONE
     zero: int = 0
     overlap_grad_reduce: bool = True
+    overlap: bool = True  # tp collective matmul and ZeRO-3's prefetched gathers (Config(overlap=, tp_overlap=))
+    precision: str | None = None  # matmul precision ("bf16", "fp8", "fp32"); None: estimate()'s precision=
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "virtual", "cp", "ep", "microbatch_size"):
@@ -222,10 +273,16 @@ class Layout:
             raise ValueError(f"virtual={self.virtual} needs schedule='interleaved' (got {self.schedule.value!r})")
         if self.schedule == Schedule.INTERLEAVED and self.pp == 1:
             raise ValueError("schedule='interleaved' needs pp > 1; with pp=1 use the default '1f1b'")
+        if self.precision is not None and self.precision not in ("bf16", "fp8", "fp32"):
+            raise ValueError(f"precision={self.precision!r}: use 'bf16', 'fp8' or 'fp32' (or None: estimate()'s)")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=True needs tp > 1 (it shards the sequence over the tp ranks)")
-        if self.zero not in (0, 1):
-            raise ValueError(f"zero={self.zero!r}: use 0 (replicated optimizer) or 1 (optimizer state over dp)")
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise ValueError(f"zero={self.zero!r}: use 0 (replicated optimizer), 1 (optimizer state over dp), "
+                             "2 (and gradients) or 3 (and parameters)")
+        if self.zero >= 2 and self.dp == 1:
+            raise ValueError(f"zero={self.zero} shards over the data-parallel ranks and needs dp > 1 (got dp=1); "
+                             "use zero=0 with dp=1, or a layout with dp > 1")
 
     @property
     def world(self) -> int:
@@ -247,6 +304,10 @@ class Layout:
             extra.append(f"recompute={self.recompute.value}")
         if self.zero:
             extra.append(f"zero={self.zero}")
+        if not self.overlap and (self.tp > 1 or self.zero >= 3):
+            extra.append("no overlap")
+        if self.precision == "fp8":
+            extra.append("fp8")
         return f"{axes} ({', '.join(extra)})"
 
 
@@ -433,6 +494,12 @@ def _max(*xs):
     if any(_is_symbolic(x) for x in xs):
         return sympy.Max(*xs)
     return max(float(x) for x in xs)
+
+
+def _min(*xs):
+    if any(_is_symbolic(x) for x in xs):
+        return sympy.Min(*xs)
+    return min(float(x) for x in xs)
 
 
 def _op_class(category: str) -> str:
@@ -763,6 +830,67 @@ def collective_time(kind: str, nbytes, n: int, bandwidth: float, latency: float,
     raise ValueError(f"unknown collective {kind!r}")
 
 
+def overlapped(compute, comm, slowdown: float = 1.0):
+    """The exposed part of ``comm`` seconds of communication run beside ``compute`` seconds of work:
+    the region takes max(c, t) + (κ − 1)·min(c, t) (κ = ``slowdown``, ``Hardware.overlap_slowdown``: the
+    overlapped compute runs κ times slower), i.e. c + this. Never more than ``comm`` for κ <= 2: an
+    overlap is never priced slower than running both in turn."""
+    return _max(0, comm - compute) + (slowdown - 1) * _min(compute, comm)
+
+
+def dp_comm(zero: int, n: int, link: tuple[float, float], hw: Hardware, *, params, layer_params, layers: int,
+            window, layer_forward, layer_backward, grad_bytes: int, param_bytes: int, gather_bytes: int,
+            overlap_grad_reduce: bool, overlap: bool) -> dict:
+    """Data-parallel communication of one rank over ``n`` ranks (module docstring, "Data parallelism and
+    ZeRO"): ``{"mb_total", "mb_exposed"}`` per microbatch (inside the stage time: ZeRO-2's reduce-scatter,
+    ZeRO-3's gathers and reduce-scatters) and ``{"step_total", "step_exposed"}`` once per step (the
+    reduction of ZeRO-0/1 after the last microbatch, the parameters' all-gather after the optimizer of
+    ZeRO-1/2). ``params``: the rank's parameters, ``layer_params`` of one of its ``layers`` layers;
+    ``window``: one microbatch's backward on the rank (what a bucketed reduction hides behind);
+    ``layer_forward``/``layer_backward``: one layer's compute (what a prefetched ZeRO-3 gather hides behind)."""
+    out = {"mb_total": 0, "mb_exposed": 0, "step_total": 0, "step_exposed": 0}
+    if n <= 1:
+        return out
+    beta, alpha = link
+    call = hw.collective_call_latency
+    kappa = hw.overlap_slowdown
+    L = max(layers, 1)
+
+    def ct(kind, nbytes):
+        return collective_time(kind, nbytes, n, beta, alpha, call)
+
+    def behind_backward(t):  # bucketed, launched in backward: the last layer's bucket always waits
+        if not (overlap_grad_reduce and hw.comm_overlaps_compute):
+            return t
+        return t / L + overlapped(window, t * (L - 1) / L, kappa)
+
+    if zero == 0:
+        t = ct("all_reduce", params * grad_bytes)
+        out.update(step_total=t, step_exposed=behind_backward(t))
+    elif zero in (1, 2):
+        rs, ag = ct("reduce_scatter", params * grad_bytes), ct("all_gather", params * param_bytes)
+        if zero == 1:  # one reduce-scatter behind the last backward, the all-gather after the optimizer
+            out.update(step_total=rs + ag, step_exposed=behind_backward(rs) + ag)
+        else:  # a reduce-scatter behind every microbatch's backward
+            out.update(mb_total=rs, mb_exposed=behind_backward(rs), step_total=ag, step_exposed=ag)
+    else:  # ZeRO-3: per microbatch, each layer gathered in forward and in backward, its gradient reduce-scattered
+        g = ct("all_gather", layer_params * gather_bytes)
+        r = ct("reduce_scatter", layer_params * grad_bytes)
+        rest = params - layers * layer_params  # embedding / head: gathered, not prefetched (exposed)
+        rest_t = (2 * ct("all_gather", rest * gather_bytes) + ct("reduce_scatter", rest * grad_bytes)
+                  if _gt(rest, 0) else 0)
+        total = layers * (2 * g + r) + rest_t
+        if overlap and hw.comm_overlaps_compute and layers >= 1:
+            # the first layer's gather (forward and backward) and the last reduce-scatter wait; every other
+            # layer's gather (+ reduce-scatter) runs beside the previous layer's compute
+            exposed = (g + (layers - 1) * overlapped(layer_forward, g, kappa)
+                       + g + r + (layers - 1) * overlapped(layer_backward, g + r, kappa) + rest_t)
+        else:
+            exposed = total
+        out.update(mb_total=total, mb_exposed=exposed)
+    return out
+
+
 def _ratio(a: int, b: int, like):
     """a/b: exact when ``like`` is symbolic, a float otherwise (fast numeric path)."""
     return sympy.Rational(a, b) if _is_symbolic(like) else a / b
@@ -859,11 +987,13 @@ def _section_times(sec: Section, b, s, layout: Layout, hw: Hardware, eff: Effici
     peak_gemm = hw.peak_flops(precision)
     peak_attn = hw.peak_flops("bf16" if precision == "fp8" else precision)
     bw = hw.hbm_bandwidth * eff.memory
-    f = bk = w = attn = 0
+    f = bk = w = attn = gf = gb = 0
     for op, fl, y in zip(sec.ops, flops, nbytes):
         if op.op_class == "gemm":
             t = _max(fl / (peak_gemm * eff.gemm), y / bw)
             tb = BACKWARD_MULTIPLIER.get(op.category, 2) * t
+            gf += t
+            gb += tb
             if op.weight_grad:
                 w += t
         elif op.op_class == "attention":
@@ -884,16 +1014,38 @@ def _section_times(sec: Section, b, s, layout: Layout, hw: Hardware, eff: Effici
     # host overhead per aten call (Hardware.op_overhead_*: measured on a CPU, 0 on GPUs)
     f += sec.forward_nodes * hw.op_overhead_forward
     bk += sec.backward_nodes * hw.op_overhead_backward
-    cf = cb = 0
+    cf = cb = cf_mm = cb_mm = 0  # all tp collectives; those a collective matmul can split (all-gather, reduce-scatter)
     if layout.tp > 1:
         beta, alpha = axis_link(layout, "tp", hw, eff)
         for c, nb in zip(sec.comms, cbytes):
             t = float(c.count) * collective_time(c.kind, nb, layout.tp, beta, alpha, hw.collective_call_latency)
+            mm = c.kind in ("all_gather", "reduce_scatter")
             if c.phase == "forward":
                 cf += t
+                cf_mm += t if mm else 0
             else:
                 cb += t
-    return {"f": f, "b": bk, "w": w, "attn": attn, "comm_f": cf, "comm_b": cb}
+                cb_mm += t if mm else 0
+    # collective matmul (module docstring, "Overlap"): the splittable collectives of each phase behind all but
+    # one chunk of the phase's GEMMs; all-reduces (tp without SP) stay exposed
+    cf_x, cb_x = cf, cb
+    if layout.tp > 1 and hw.comm_overlaps_compute:
+        k = _ratio(layout.tp - 1, layout.tp, gf)
+        cf_x = cf - cf_mm + overlapped(gf * k, cf_mm, hw.overlap_slowdown)
+        cb_x = cb - cb_mm + overlapped(gb * k, cb_mm, hw.overlap_slowdown)
+    return {"f": f, "b": bk, "w": w, "attn": attn, "comm_f": cf, "comm_b": cb, "comm_f_x": cf_x, "comm_b_x": cb_x,
+            "gemm_f": gf, "gemm_b": gb}
+
+
+def gather_bytes_of(precision: str) -> int:
+    """Bytes per element of ZeRO-3's gathered parameters: the compute dtype (FP8 GEMMs cast a bf16 copy)."""
+    return 4 if precision == "fp32" else 2
+
+
+def _tp_keys(layout: Layout) -> tuple[str, str]:
+    """The section-time keys of the tp communication a layout pays: all of it, or what a collective
+    matmul leaves exposed (``Layout.overlap``)."""
+    return ("comm_f_x", "comm_b_x") if layout.overlap else ("comm_f", "comm_b")
 
 
 def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B, s, *, precision: str,
@@ -910,39 +1062,40 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
     lay = _section_times(prof.layer, b, s_loc, layout, hw, eff, precision, **kw)
     pre = _section_times(prof.pre, b, s_loc, layout, hw, eff, precision, **kw)
     post = _section_times(prof.post, b, s_loc, layout, hw, eff, precision, **kw)
-
-    # recompute per layer
-    if layout.recompute == Recompute.FULL:
-        rec, rec_comm = lay["f"], lay["comm_f"]
-    elif layout.recompute == Recompute.SELECTIVE:
-        rec, rec_comm = lay["attn"], 0
-    else:
-        rec, rec_comm = 0, 0
+    kf, kb = _tp_keys(layout)
 
     # context parallelism: K/V all-gather forward, reduce-scatter backward, hidden behind attention
-    cp_f = cp_b = 0
+    cp_f = cp_b = cp_t = 0
     if cp > 1:
         beta, alpha = axis_link(layout, "cp", hw, eff)
         kv = prof.kv_heads or prof.heads or 1
         kv_bytes = 2 * b * s * prof.hidden * _ratio(kv, prof.heads or kv, s) * prof.activation_bytes / layout.tp
-        t = collective_time("all_gather", kv_bytes, cp, beta, alpha, hw.collective_call_latency)
-        cp_f = _max(0, t - lay["attn"])
-        cp_b = _max(0, t - 2 * lay["attn"])
-        if layout.recompute == Recompute.FULL:
-            rec_comm = rec_comm + cp_f
+        cp_t = collective_time("all_gather", kv_bytes, cp, beta, alpha, hw.collective_call_latency)
+        cp_f = _cp_exposed(cp_t, lay["attn"], hw)
+        cp_b = _cp_exposed(cp_t, 2 * lay["attn"], hw)
+
+    # recompute per layer (its exposed tp communication, and under full recompute the K/V all-gather again)
+    if layout.recompute == Recompute.FULL:
+        rec, rec_comm, rec_total = lay["f"], lay[kf] + cp_f, lay["comm_f"] + cp_t
+    elif layout.recompute == Recompute.SELECTIVE:
+        rec, rec_comm, rec_total = lay["attn"], 0, 0
+    else:
+        rec, rec_comm, rec_total = 0, 0, 0
 
     def stage(extra: list[dict], i: int) -> dict:
-        r, rc = rec, rec_comm
+        r, rc, rt = rec, rec_comm, rec_total
         if layout.recompute == Recompute.AUTO:  # a per-layer mix of the named policies (auto_mix)
             w = auto[i]["mix"]
             r = w.get("full", 0.0) * lay["f"] + w.get("selective", 0.0) * lay["attn"]
-            rc = w.get("full", 0.0) * (lay["comm_f"] + cp_f)
-        d = {k: L_stage * lay[k] for k in ("f", "b", "w", "comm_f", "comm_b")}
+            rc = w.get("full", 0.0) * (lay[kf] + cp_f)
+            rt = w.get("full", 0.0) * (lay["comm_f"] + cp_t)
+        d = {k: L_stage * lay[k] for k in ("f", "b", "w", "comm_f", "comm_b", "comm_f_x", "comm_b_x")}
         d["r"] = L_stage * r
         d["comm_r"] = L_stage * rc
+        d["comm_r_total"] = L_stage * rt
         d["cp"] = L_stage * (cp_f + cp_b)
         for e in extra:
-            for k in ("f", "b", "w", "comm_f", "comm_b"):
+            for k in ("f", "b", "w", "comm_f", "comm_b", "comm_f_x", "comm_b_x"):
                 d[k] = d[k] + e[k]
         return d
 
@@ -960,49 +1113,71 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
                                                 hw.collective_call_latency)
 
     def total(d):
-        return d["f"] + d["b"] + d["r"] + d["comm_f"] + d["comm_b"] + d["comm_r"] + d["cp"] + p2p
+        return d["f"] + d["b"] + d["r"] + d[kf] + d[kb] + d["comm_r"] + d["cp"] + p2p
 
-    totals = [total(d) for d in stages]
-    slow_i = 0 if len(stages) == 1 or not _gt(totals[1], totals[0]) else 1
-    slow = stages[slow_i]
-    T = total(slow)
-    bubble = pipeline_bubble(layout.schedule, p, v, T, slow["w"])
-
-    # data-parallel gradient reduction (dp x cp ranks hold the same parameters) and the optimizer
+    # data-parallel communication (dp x cp ranks hold the same parameters): ZeRO-2/3's per-microbatch collectives
+    # lengthen every microbatch of their stage (each stage its own parameters); once per step, the reduction of
+    # the stage with the most parameters
+    stage_params = ([prof.pre.params + prof.post.params - prof.tied_params] if p == 1
+                    else [prof.pre.params, prof.post.params])
+    stage_params = [L_stage * prof.layer.params + x for x in stage_params]
     P_stage = L_stage * prof.layer.params + (prof.pre.params + prof.post.params - prof.tied_params if p == 1
                                              else max(prof.pre.params, prof.post.params))
     g_bytes = MM.DTYPE_BYTES[grad_dtype]
     p_bytes = MM.DTYPE_BYTES[param_dtype]
     n_dp = layout.dp * cp
-    dp_t = 0
-    if n_dp > 1:
-        dp_t = dp_reduction_time(layout.zero, n_dp, P_stage, g_bytes, p_bytes, *axis_link(layout, "dp", hw, eff), hw)
-    # the reduction hides behind backward only where collectives run beside compute (Hardware docs)
-    if layout.overlap_grad_reduce and n_dp > 1 and hw.comm_overlaps_compute:
-        window = slow["b"] + slow["r"] + slow["comm_b"] + slow["comm_r"]
-        dp_exposed = _max(dp_t - window, dp_t / L_stage)
-    else:
-        dp_exposed = dp_t
+    dp_link = axis_link(layout, "dp", hw, eff) if n_dp > 1 else (1.0, 0.0)
+
+    def dp_of(d, params):
+        return dp_comm(layout.zero, n_dp, dp_link, hw, params=params, layer_params=prof.layer.params, layers=L_stage,
+                       window=d["b"] + d["r"] + d[kb] + d["comm_r"], layer_forward=lay["f"],
+                       layer_backward=lay["b"] + d["r"] / max(L_stage, 1),  # recompute runs in backward too
+                       grad_bytes=g_bytes, param_bytes=p_bytes, gather_bytes=gather_bytes_of(precision),
+                       overlap_grad_reduce=layout.overlap_grad_reduce, overlap=layout.overlap)
+
+    totals = [total(d) + dp_of(d, n)["mb_exposed"] for d, n in zip(stages, stage_params)]
+    slow_i = 0 if len(stages) == 1 or not _gt(totals[1], totals[0]) else 1
+    slow = stages[slow_i]
+    T = totals[slow_i]
+    mb = dp_of(slow, stage_params[slow_i])
+    dpc = {**dp_of(slow, P_stage), "mb_total": mb["mb_total"], "mb_exposed": mb["mb_exposed"]}
+    # the bubble of the stage that idles longest: the slowest stage's under GPipe/1F1B/interleaved; under ZB-H1
+    # (T - 2 t_w) per stage, so that more work on any stage never shortens the step
+    bubble = _max(*[pipeline_bubble(layout.schedule, p, v, t, d["w"]) for t, d in zip(totals, stages)])
     opt_params = P_stage / (layout.dp if layout.zero else 1)
     opt_bytes = 24 + g_bytes + (p_bytes if p_bytes != 4 else 0)
     optimizer = opt_params * opt_bytes / (hw.hbm_bandwidth * eff.memory)
 
+    tp_exposed = m * (slow[kf] + slow[kb] + slow["comm_r"])
+    tp_total = m * (slow["comm_f"] + slow["comm_b"] + slow["comm_r_total"])
     terms = {
         "compute": m * (slow["f"] + slow["b"]),
         "recompute": m * slow["r"],
-        "tp_comm": m * (slow["comm_f"] + slow["comm_b"] + slow["comm_r"]),
+        "tp_comm": tp_exposed,
         "cp_comm": m * slow["cp"],
         "pp_p2p": m * p2p,
         "pp_bubble": bubble,
-        "dp_comm": dp_exposed,
+        "dp_comm": m * dpc["mb_exposed"] + dpc["step_exposed"],
         "optimizer": optimizer,
     }
+    cp_total = m * L_stage * (2 * cp_t + (cp_t if layout.recompute == Recompute.FULL else 0))
+    dp_total = m * dpc["mb_total"] + dpc["step_total"]
     details = {"microbatches": m, "layers_per_stage": L_stage, "params_per_rank": P_stage, "stage_time": T,
                "slow_stage": 0 if slow_i == 0 else p - 1,
                "stage_weight_grad": slow["w"],
-               "dp_comm_total": dp_t, "layer_forward": lay["f"], "layer_backward": lay["b"],
+               "dp_comm_total": dp_total, "dp_comm_hidden": dp_total - terms["dp_comm"],
+               "tp_comm_total": tp_total, "tp_comm_hidden": tp_total - tp_exposed,
+               "cp_comm_total": cp_total, "cp_comm_hidden": cp_total - terms["cp_comm"],
+               "layer_forward": lay["f"], "layer_backward": lay["b"],
                "layer_tp_comm_forward": lay["comm_f"], "layer_tp_comm_backward": lay["comm_b"]}
     return terms, details
+
+
+def _cp_exposed(t_comm, t_attention, hw: Hardware):
+    """Context parallelism's K/V collective behind the attention core (ring attention): exposed part."""
+    if not hw.comm_overlaps_compute:
+        return t_comm
+    return overlapped(t_attention, t_comm, hw.overlap_slowdown)
 
 
 # --------------------------------------------------------------------------- recompute="auto"
@@ -1119,10 +1294,10 @@ def _auto_stages(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficien
         beta, alpha = axis_link(layout, "cp", hw, eff)
         kv = prof.kv_heads or prof.heads or 1
         kv_bytes = 2 * b * s * prof.hidden * (kv / (prof.heads or kv)) * prof.activation_bytes / layout.tp
-        cp_f = max(0.0, collective_time("all_gather", kv_bytes, layout.cp, beta, alpha,
-                                        hw.collective_call_latency) - float(lay["attn"]))
+        cp_f = _cp_exposed(collective_time("all_gather", kv_bytes, layout.cp, beta, alpha,
+                                           hw.collective_call_latency), float(lay["attn"]), hw)
     times = {"none": 0.0, "selective": float(lay["attn"]),
-             "full": float(lay["f"]) + float(lay["comm_f"]) + float(cp_f)}
+             "full": float(lay["f"]) + float(lay[_tp_keys(layout)[0]]) + float(cp_f)}
     if activations == "formula":
         if not prof.heads:
             raise ValueError("activations='formula' needs the number of heads (Workload(..., heads=...))")
@@ -1138,6 +1313,7 @@ def _auto_stages(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficien
         post_act = float(prof.post.evaluate(b, s_loc).activations["none"])
     env = recompute_envelope(acts, times)
     per = MM.model_state_bytes_per_param(param_dtype, grad_dtype, layout.zero, layout.dp * layout.cp)
+    cbytes = gather_bytes_of(precision)
     out = {}
     for i in ((0, p - 1) if p > 1 else (0,)):
         n_par = L_stage * prof.layer.params
@@ -1149,7 +1325,8 @@ def _auto_stages(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficien
             n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
             extra += post_act
         inflight = float(MM.inflight_microbatches(layout.schedule.value, p, i, m, v))
-        out[i] = stage_auto(limit, (n_par * per.params, n_par * per.grads, n_par * per.optimizer), inflight,
+        zbuf = _zero_buffers(layout.zero, prof, i, p, n_par, grad_dtype, cbytes)
+        out[i] = stage_auto(limit, (n_par * per.params + zbuf, n_par * per.grads, n_par * per.optimizer), inflight,
                             L_stage, extra, env, acts)
     return out
 
@@ -1161,8 +1338,21 @@ def _gt(a, b) -> bool:
         return True
 
 
+def _zero_buffers(zero: int, prof: ModelProfile, i: int, p: int, n_par, grad_dtype: str, compute_bytes: int):
+    """ZeRO-2/3's bytes in flight on pipeline rank ``i`` (:func:`mcompile.memory_model.zero_buffer_bytes`):
+    the largest gathered unit is a layer, or the embedding (first rank) / head (last rank) if larger."""
+    if zero < 2:
+        return 0
+    unit = prof.layer.params
+    if i == 0:
+        unit = max(unit, prof.pre.params)
+    if i == p - 1:
+        unit = max(unit, prof.post.params)
+    return MM.zero_buffer_bytes(zero, unit, compute_bytes, grad_bytes=n_par * MM.DTYPE_BYTES[grad_dtype])
+
+
 def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_dtype: str,
-            activations: str, auto: dict | None = None) -> tuple[float, dict]:
+            activations: str, auto: dict | None = None, precision: str = "bf16") -> tuple[float, dict]:
     """Bytes of the largest rank and its breakdown (module docstring of mcompile.memory_model);
     ``auto``: :func:`_auto_stages`'s per-stage layer bytes for ``recompute="auto"``."""
     b, p, v = layout.microbatch_size, layout.pp, layout.virtual
@@ -1206,7 +1396,9 @@ def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_
         act_i = layer_act if auto is None else auto[i]["layer_bytes"]
         tot, d = MM.peak_bytes(n_par * per.params, n_par * per.grads, n_par * per.optimizer,
                                inflight * (L_stage * act_i + extra_act), gradients_meet_activations=not one_pass,
-                               reduction_buffer=reduce_copy)
+                               reduction_buffer=reduce_copy,
+                               zero_buffers=_zero_buffers(layout.zero, prof, i, p, n_par, grad_dtype,
+                                                          gather_bytes_of(precision)))
         if auto is not None and auto[i]["fits"]:  # the budget used is what is left: ≤ the limit (rounding)
             tot = min(tot, auto[i]["limit"])
         if best is None or _gt(tot, best):
@@ -1251,8 +1443,15 @@ def _workload(model) -> Workload:
     raise TypeError(f"model={type(model).__name__}: pass a Workload, a preset name or a Preset")
 
 
+def resolve_precision(layout: Layout, precision: str | None) -> Layout:
+    """The layout with its matmul precision settled: ``precision`` when given (it overrides the layout's,
+    as any keyword of :func:`estimate` does), else the layout's own, else "bf16"."""
+    p = precision or layout.precision or "bf16"
+    return layout if layout.precision == p else dataclasses.replace(layout, precision=p)
+
+
 def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", global_batch: int,
-             seq: int | None = None, precision: str = "bf16", param_dtype: str = "bf16", grad_dtype: str = "fp32",
+             seq: int | None = None, precision: str | None = None, param_dtype: str = "bf16", grad_dtype: str = "fp32",
              activations: str = "graph", attention_kernel: str = "flash", efficiency: Efficiency | None = None,
              memory_limit: float | None = None, **layout_fields) -> Estimate:
     """Price a layout: step time, memory of the largest rank, throughput.
@@ -1263,7 +1462,8 @@ def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", g
     preset name or Preset. ``seq`` defaults to the model's maximum sequence length.
     ``activations``: "graph" (saved tensors of the captured graph) or "formula" (Korthikanti et al.).
     ``attention_kernel``: "flash" (fused SDPA) or "unfused" (Megatron 2021's bmm-softmax-dropout-bmm).
-    ``precision``: matmul precision ("bf16", "fp8" for GEMMs, "fp32"); ``param_dtype``/``grad_dtype``:
+    ``precision``: matmul precision ("bf16", "fp8" for GEMMs, "fp32"; default: the layout's, else "bf16");
+    ``param_dtype``/``grad_dtype``:
     storage of parameters and of the gradients the data-parallel reduction moves.
     ``memory_limit``: bytes per GPU (default: the hardware's HBM): what ``fits`` compares against, and
     the limit under which ``recompute="auto"`` takes its activation budget (:func:`auto_mix`).
@@ -1272,6 +1472,8 @@ def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", g
         raise ValueError(f"attention_kernel={attention_kernel!r}: use 'flash' (fused SDPA, what mcompile runs) or "
                          "'unfused' (bmm, softmax, dropout, bmm: s×s scores through memory)")
     layout, model = _layout_of(plan_or_layout, model, layout_fields)
+    layout = resolve_precision(layout, precision)
+    precision = layout.precision
     work = _workload(model)
     hw = get_hardware(hardware)
     eff = (efficiency or DEFAULT_EFFICIENCY).for_hardware(hw)
@@ -1291,7 +1493,7 @@ def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", g
     terms = {k: float(_num(v)) for k, v in terms.items()}
     step = sum(terms.values())
     mem, mem_d = _memory(layout, prof, global_batch, seq, param_dtype=param_dtype, grad_dtype=grad_dtype,
-                         activations=activations, auto=auto)
+                         activations=activations, auto=auto, precision=precision)
     mem = float(_num(mem))
     mem_d = {k: (float(_num(v)) if k != "stage" else v) for k, v in mem_d.items()}
     stage_info = {"stage": mem_d.pop("stage"), "inflight_microbatches": mem_d.pop("inflight_microbatches")}
@@ -1315,7 +1517,7 @@ def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", g
     hardware_flops = model_flops + n_seqs * rec
     details = {k: float(_num(v)) if not isinstance(v, int) else v for k, v in details.items()}
     details.update(stage_info, peak_flops=hw.peak_flops(precision), efficiency=eff, activations=activations,
-                   memory_limit=limit)
+                   memory_limit=limit, precision=precision)
     if auto is not None:
         details.update(auto_mix={i: a["mix"] for i, a in auto.items()},
                        activation_budget=_auto_budget(auto))
@@ -1325,11 +1527,13 @@ def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", g
                     details=details)
 
 
-def step_time_expr(layout: Layout, model, *, hardware: str | Hardware = "h100", precision: str = "bf16",
+def step_time_expr(layout: Layout, model, *, hardware: str | Hardware = "h100", precision: str | None = None,
                    param_dtype: str = "bf16", grad_dtype: str = "fp32", attention_kernel: str = "flash",
                    efficiency: Efficiency | None = None) -> dict[str, sympy.Expr]:
     """The step-time terms as sympy expressions in ``global_batch`` and ``seq`` (``GLOBAL_BATCH``,
     ``SEQ``), plus their sum under "step_time"."""
+    layout = resolve_precision(layout, precision)
+    precision = layout.precision
     work = _workload(model)
     hw = get_hardware(hardware)
     eff = (efficiency or DEFAULT_EFFICIENCY).for_hardware(hw)

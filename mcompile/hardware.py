@@ -31,11 +31,46 @@ Conventions
   the forward and per differentiable node of the backward. On a CPU it adds to every op's time (the
   same cores run it); on a GPU kernels launch asynchronously and it hides behind device time, so
   the datasheet profiles set it to 0.
+* ``overlap_slowdown`` (κ >= 1): how much longer the computation takes while a collective runs beside
+  it. Communication kernels are not free on a GPU: NCCL's kernels occupy SMs (a GEMM sized for all
+  132 SMs of an H100 spills into a second wave) and share HBM bandwidth, so the overlapped part of a
+  region of compute c and communication t costs max(c, t) + (κ − 1)·min(c, t) rather than max(c, t)
+  (:func:`mcompile.cost.overlapped`). The GPU profiles take κ = 1.19 from Lee et al. 2025,
+  "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning:
+  Performance and Power Implications" (arXiv:2507.03114, abstract): overlapping computation and
+  communication slows the computation by 18.9 % on average (at most 40 %) over GPT and Llama
+  workloads on 4 A100s, H100s, MI250s and MI210s. κ must lie in [1, 2]: at 2 an overlap is as slow
+  as running both in turn, so overlap is never priced slower than no overlap. The CPU profile has 1
+  (unmeasured; gloo collectives there rarely overlap at all, see the next item).
 * ``comm_overlaps_compute``: whether a collective launched during backward (the data-parallel
   gradient reduction) can hide behind compute. True on GPUs (NCCL has SMs and copy engines of its
   own). With gloo on a CPU the collective's copies, sums and socket work run on the CPU, so they
   hide only where a core is free of compute: ``calibrate(processes=k)`` sets it to k < cores (one
   compute thread per process); the cpu-gloo snapshot (2 processes on 2 cores) has it False.
+
+NCCL bandwidths, checked against published measurements (:data:`NCCL_PUBLISHED`)
+-------------------------------------------------------------------------------
+The link fields are *line rates* (datasheets); the cost model multiplies them by
+``Efficiency.intra_node`` / ``inter_node`` (:mod:`mcompile.cost`). What that gives as an NCCL ring's
+bus bandwidth is held within ±15 % of these published nccl-tests figures (tests/test_cost_overlap.py;
+tests/test_cost_published.py checks the same constants through ``collective_time``):
+
+- NVLink 4 (H100/H200, 450 GB/s per direction): 370 GB/s ring bus bandwidth on 8 GPUs — "450GB/s is
+  the line rate. With the protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of
+  370GB/s" (S. Jeaugey, NVIDIA, github.com/NVIDIA/nccl-tests/issues/212, 2024-05-06). NCCL's default
+  all-reduce on those nodes is NVLink SHARP, ~476-480 GB/s bus bandwidth (same comment; 476 GB/s on
+  H100 in nccl-tests issue #290, 475 GB/s on H200 in nccl-tests issue #272): not a ring, and not
+  modelled (a known gap: ``collective_time`` has no NVLS term).
+- NVLink 3 (A100, 300 GB/s per direction): 232.54 GB/s all-reduce bus bandwidth on 8 A100s of one
+  node (github.com/NVIDIA/nccl-tests/issues/175, 2023-10-29).
+- InfiniBand NDR 400 Gb/s (one ConnectX-7 per GPU): "For NDR @ 400Gbps you should see 46-48GB/s per
+  NIC" (AddyLaddy, NVIDIA, github.com/NVIDIA/nccl-tests/issues/290, 2025-03-03; "around 48GB/s from
+  each CX7 NIC at 400Gbps" in nccl-tests issue #319).
+- InfiniBand HDR 200 Gb/s (DGX A100, 8 NICs): "On an Nvidia DGX-A100 system we have 8x200Gbit/s IB
+  cards and we measure 192GB/s AllReduce BusBW" (AddyLaddy, github.com/NVIDIA/nccl/issues/812,
+  2023-03-31): 24 GB/s per NIC.
+
+No published nccl-tests figure for B200 (NVLink 5) was found: its profile is unchecked.
 
 ``get_hardware(name)`` accepts a profile name or alias, case-insensitive; an unknown name is an
 error listing the known ones. ``calibrate()`` measures the current machine: matmul FLOP/s
@@ -67,7 +102,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Hardware", "HARDWARE", "get_hardware", "list_hardware", "calibrate", "measure_collective"]
+__all__ = ["Hardware", "HARDWARE", "get_hardware", "list_hardware", "calibrate", "measure_collective",
+           "NCCL_PUBLISHED", "NcclFigure", "GPU_OVERLAP_SLOWDOWN"]
 
 GB = 1e9
 TB = 1e12
@@ -91,6 +127,8 @@ _SRC = {
     "400 Gb/s for compute, 8 GPUs",
     "async_launch": "not modelled (0): kernels launch asynchronously, host overhead hides behind device time",
     "nccl_call": "not modelled (0): NCCL's per-call cost is within the per-step latency α",
+    "overlap_slowdown": "Lee et al. 2025, arXiv:2507.03114 (abstract): compute overlapped with communication "
+    "is 18.9 % slower on average (max 40 %), A100/H100/MI250/MI210, GPT and Llama workloads",
     "nccl_latency": "assumed order of magnitude of NCCL's per-step latency (NCCL tuning model / "
     "nccl-tests small-message times); not a datasheet number — calibrate() on the cluster",
 }
@@ -120,8 +158,15 @@ class Hardware:
     # whether collectives can run while compute runs (module docstring): GPUs have SMs and copy engines
     # for NCCL; gloo on a CPU whose cores all compute moves and sums the bytes on those same cores
     comm_overlaps_compute: bool = True
+    # κ: the overlapped part of compute beside a collective takes κ times as long (module docstring); in [1, 2]
+    overlap_slowdown: float = 1.0
     measured: tuple[str, ...] = ()  # fields holding achieved rates (calibrate()), not datasheet peaks
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self):
+        if not 1.0 <= self.overlap_slowdown <= 2.0:
+            raise ValueError(f"overlap_slowdown={self.overlap_slowdown!r} must be in [1, 2]: 1 is a perfect overlap, "
+                             "2 as slow as running compute and communication one after the other")
 
     def peak_flops(self, dtype: str = "bf16") -> float:
         """Dense peak FLOP/s of matmuls in ``dtype`` ("bf16"/"fp16", "fp8", "fp32")."""
@@ -175,7 +220,7 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "bf16", "fp16": "bf16", "half":
                   "fp32": "fp32"}
 _NUMBER_FIELDS = ("bf16_flops", "fp8_flops", "fp32_flops", "hbm_bytes", "hbm_bandwidth", "intra_node_bandwidth",
                   "intra_node_latency", "inter_node_bandwidth", "inter_node_latency", "gpus_per_node",
-                 "op_overhead_forward", "op_overhead_backward", "collective_call_latency")
+                 "op_overhead_forward", "op_overhead_backward", "collective_call_latency", "overlap_slowdown")
 
 
 def _gpu(name, *, bf16, fp8, fp32, hbm, hbm_bw, nvlink_bidir, nic_gbit, chip, node, lat_intra=3e-6,
@@ -194,13 +239,43 @@ def _gpu(name, *, bf16, fp8, fp32, hbm, hbm_bw, nvlink_bidir, nic_gbit, chip, no
         "op_overhead_forward": _SRC["async_launch"],
         "op_overhead_backward": _SRC["async_launch"],
         "collective_call_latency": _SRC["nccl_call"],
+        "overlap_slowdown": _SRC["overlap_slowdown"],
     }
     return Hardware(
         name=name, bf16_flops=bf16 * TB, fp8_flops=fp8 * TB if fp8 else None, fp32_flops=fp32 * TB,
         hbm_bytes=hbm * GB, hbm_bandwidth=hbm_bw * GB, intra_node_bandwidth=nvlink_bidir / 2 * GB,
         intra_node_latency=lat_intra, inter_node_bandwidth=nic_gbit / 8 * GB, inter_node_latency=lat_inter,
-        gpus_per_node=8, sources=src,
+        gpus_per_node=8, overlap_slowdown=GPU_OVERLAP_SLOWDOWN, sources=src,
     )
+
+
+# κ of the GPU profiles (module docstring): Lee et al. 2025's average compute slowdown under overlap, 18.9 %
+GPU_OVERLAP_SLOWDOWN = 1.19
+
+
+@dataclass(frozen=True)
+class NcclFigure:
+    """A published NCCL bus bandwidth (GB/s) of one profile's link, with where it was published."""
+
+    profile: str
+    link: str  # "intra_node" (NVLink, ring over the 8 GPUs of a node) | "inter_node" (per NIC)
+    busbw_gb_s: float
+    source: str
+
+
+# Published nccl-tests figures the profiles' effective bandwidths are checked against (module docstring).
+NCCL_PUBLISHED: tuple[NcclFigure, ...] = (
+    NcclFigure("h100-sxm", "intra_node", 370.0, "github.com/NVIDIA/nccl-tests/issues/212 (S. Jeaugey, NVIDIA, "
+               "2024-05-06): effective NVLink bandwidth 370 GB/s, NCCL_ALGO=RING busbw, 8 H100"),
+    NcclFigure("h200", "intra_node", 370.0, "NVLink 4 as H100: github.com/NVIDIA/nccl-tests/issues/212"),
+    NcclFigure("a100-80gb", "intra_node", 232.54, "github.com/NVIDIA/nccl-tests/issues/175 (2023-10-29): "
+               "all_reduce_perf on one node of 8 A100, 232.54 GB/s busbw"),
+    NcclFigure("h100-sxm", "inter_node", 47.0, "github.com/NVIDIA/nccl-tests/issues/290 (AddyLaddy, NVIDIA, "
+               "2025-03-03): 'For NDR @ 400Gbps you should see 46-48GB/s per NIC'"),
+    NcclFigure("h200", "inter_node", 47.0, "NDR 400 Gb/s as H100: github.com/NVIDIA/nccl-tests/issues/290"),
+    NcclFigure("a100-80gb", "inter_node", 24.0, "github.com/NVIDIA/nccl/issues/812 (AddyLaddy, NVIDIA, "
+               "2023-03-31): DGX A100, 8x HDR 200 Gb/s, 192 GB/s all-reduce busbw = 24 GB/s per NIC"),
+)
 
 
 # Datasheet numbers (dense TFLOP/s; GB; GB/s). Each profile's sources are filled by _gpu().
@@ -235,7 +310,8 @@ _CPU_GLOO = Hardware(
        "inter_node_latency": "one machine: same as intra-node",
        "collective_call_latency": "0 in this snapshot (calibrate()'s default: back-to-back all-reduces, best of "
                                   "a few); calibrate(processes=2) measures ~1e-3 s per call after compute",
-       "comm_overlaps_compute": "2 single-threaded processes on 2 cores: no core is free for gloo"},
+       "comm_overlaps_compute": "2 single-threaded processes on 2 cores: no core is free for gloo",
+       "overlap_slowdown": "not measured (1): gloo on this machine does not overlap (comm_overlaps_compute)"},
 )
 
 HARDWARE: dict[str, Hardware] = {**_DATASHEETS, "cpu-gloo": _CPU_GLOO}

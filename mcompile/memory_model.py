@@ -8,7 +8,18 @@ params in ``param_dtype`` (P B), gradients in ``grad_dtype`` (G B), AdamW's two 
 
     ZeRO-0 (plain data parallelism):      P + G + (8 + 4·[P≠4])           bf16+fp32 grads: 2+4+12 = 18 B
     ZeRO-1 (distributed optimizer, dp=d): P + G + (8 + 4·[P≠4]) / d       bf16+fp32 grads: 6 + 12/d B
-    fp32 params and grads:                4 + 4 + 8 = 16 B,  ZeRO-1: 8 + 8/d B
+    ZeRO-2 (and gradients):               P + (G + 8 + 4·[P≠4]) / d       bf16+fp32 grads: 2 + 16/d B
+    ZeRO-3 (and parameters, FSDP-like):   (P + G + 8 + 4·[P≠4]) / d       bf16+fp32 grads: 18/d B
+    fp32 params and grads:                4 + 4 + 8 = 16 B,  ZeRO-1: 8 + 8/d B,  ZeRO-2: 4 + 12/d,  ZeRO-3: 16/d
+
+plus what ZeRO-2/3 keep in flight (:func:`zero_buffer_bytes`, in the peak as ``zero_buffers``):
+
+    ZeRO-2, ZeRO-3: 2 gradient buckets of ``bucket_bytes`` (the runtime's ``Config.bucket_mb`` = 25 MiB of
+                    fp32 gradients): one being reduce-scattered while the next fills, each freed after its
+                    reduce-scatter (at most the rank's whole gradient, G·N, when that is smaller)
+    ZeRO-3:         + 2 layers' parameters gathered in the compute dtype (the layer running and the one
+                    prefetched, forward and backward; the largest gathered unit when the embedding or head
+                    outweighs a layer): 2 · N_unit · C bytes, C = 2 (bf16/fp16/fp8 matmuls) or 4 (fp32)
 
 Activations per transformer layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", Table 2; s sequence, b microbatch, h hidden, a heads, t tp; 16-bit
@@ -71,8 +82,11 @@ differently when a step is one microbatch on one stage; :func:`peak_bytes` keeps
 
     gradients meet activations (a persistent buffer; several microbatches per step, whose later
     forwards run with the earlier ones' gradients; pipelines, where one microbatch's backward runs
-    while others are in flight):                              P + O + G + max(A, R)
-    otherwise (gradients made by backward, one microbatch):   P + O + max(A, G + R)
+    while others are in flight):                              P + O + G + Z + max(A, R)
+    otherwise (gradients made by backward, one microbatch):   P + O + Z + max(A, G + R)
+
+Z: ZeRO-2/3's buffers in flight (:func:`zero_buffer_bytes`), live through forward and backward
+(ZeRO-2/3 keep only the 1/d gradient shard persistently: G above is that shard).
 
 Checked against the tracker's peak of real gloo runs (tests/test_cost_measured.py: llama3-tiny,
 dp=2×tp=2 with and without SP, dp=4, pp=2×tp=2 with 4 microbatches: within 10 %). What the
@@ -95,6 +109,8 @@ __all__ = [
     "MemoryPerRank",
     "memory_per_rank",
     "model_state_bytes_per_param",
+    "zero_buffer_bytes",
+    "ZERO_BUCKET_BYTES",
     "activation_bytes_per_layer",
     "output_layer_activation_bytes",
     "inflight_microbatches",
@@ -131,12 +147,30 @@ class StateBytes:
 
 def model_state_bytes_per_param(param_dtype: str = "bf16", grad_dtype: str = "fp32", zero: int = 0,
                                 dp: int = 1) -> StateBytes:
-    """Bytes per parameter (see the module docstring): AdamW, ZeRO level 0 or 1 over ``dp`` ranks."""
-    if zero not in (0, 1):
-        raise ValueError(f"zero={zero}: the memory model knows ZeRO levels 0 and 1")
+    """Bytes per parameter (see the module docstring): AdamW, ZeRO level 0-3 over ``dp`` ranks: 1 shards
+    the optimizer state (moments and fp32 master), 2 also the gradients, 3 also the parameters."""
+    if zero not in (0, 1, 2, 3) or isinstance(zero, bool):
+        raise ValueError(f"zero={zero!r}: the memory model knows ZeRO levels 0, 1, 2 and 3")
     p, g = _nbytes(param_dtype), _nbytes(grad_dtype)
     opt = 8 + (4 if p != 4 else 0)
-    return StateBytes(p, g, opt / dp if zero >= 1 else opt)
+    return StateBytes(p / dp if zero >= 3 else p, g / dp if zero >= 2 else g, opt / dp if zero >= 1 else opt)
+
+
+# the runtime's data-parallel gradient bucket (Config.bucket_mb = 25 MiB of fp32 gradients, runtime/leaves.py)
+ZERO_BUCKET_BYTES = 25 * 2**20
+
+
+def zero_buffer_bytes(zero: int, unit_params: float, compute_bytes: int = 2, *, grad_bytes: float = float("inf"),
+                      bucket_bytes: float = ZERO_BUCKET_BYTES) -> float:
+    """Bytes ZeRO-2/3 hold in flight on one rank (module docstring): 2 gradient buckets (at most the
+    rank's ``grad_bytes`` of full gradients) for zero >= 2, plus 2 gathered units of ``unit_params``
+    parameters in ``compute_bytes`` each for zero = 3 (the running layer and the prefetched one)."""
+    if zero < 2:
+        return 0
+    out = min(2 * bucket_bytes, grad_bytes)
+    if zero >= 3:
+        out += 2 * unit_params * compute_bytes
+    return out
 
 
 @dataclass(frozen=True)
@@ -155,7 +189,8 @@ def memory_per_rank(plan, dtype: str | None = None, zero: int = 0) -> MemoryPerR
     rank: every rank holds the same under tp/dp). Gradients fp32 (Megatron's ``main_grad``); AdamW's
     moments fp32 plus an fp32 master copy of non-fp32 parameters; plus AdamW's 4-byte step count per
     parameter tensor. Sharded parameters count their local (padded) piece, tied ones once. ZeRO-1
-    divides the optimizer state by the plan's dp size. Under pipeline parallelism a rank holds its
+    divides the optimizer state by the plan's dp size, ZeRO-2 also the gradients, ZeRO-3 also the
+    parameters (buffers in flight not included: :func:`zero_buffer_bytes`). Under pipeline parallelism a rank holds its
     stages' parameters only (tied ones on every stage using them): the largest pipeline rank."""
     pipe = getattr(plan, "pipeline", None) or {}
     if pipe.get("param_stages"):
@@ -171,11 +206,11 @@ def memory_per_rank(plan, dtype: str | None = None, zero: int = 0) -> MemoryPerR
 def _state_bytes(params, dtype: str | None, zero: int, dp: int) -> MemoryPerRank:
     p = g = o = 0
     for pp in params:
-        per = model_state_bytes_per_param(dtype or pp.dtype, "fp32", zero, dp)
+        pb = _nbytes(dtype or pp.dtype)
         n = pp.local_numel
-        p += n * int(per.params)
-        g += n * int(per.grads)
-        o += (n * (8 + (4 if per.params != 4 else 0))) // (dp if zero else 1) + 4  # + AdamW's 0-d step
+        p += (n * pb) // (dp if zero >= 3 else 1)
+        g += (n * 4) // (dp if zero >= 2 else 1)
+        o += (n * (8 + (4 if pb != 4 else 0))) // (dp if zero else 1) + 4  # + AdamW's 0-d step
     return MemoryPerRank(p, g, o)
 
 
@@ -231,9 +266,10 @@ def inflight_microbatches(schedule: str, pp: int, stage: int, microbatches, virt
 
 
 def peak_bytes(params, grads, optimizer, activations, *, gradients_meet_activations: bool,
-               reduction_buffer=0) -> tuple:
+               reduction_buffer=0, zero_buffers=0) -> tuple:
     """(bytes at one rank's peak, what is live then by kind) from what it holds (module docstring,
-    "Lifetimes"); ``reduction_buffer``: the data-parallel reduction's copy of the gradients (R)."""
+    "Lifetimes"); ``reduction_buffer``: the data-parallel reduction's copy of the gradients (R);
+    ``zero_buffers``: ZeRO-2/3's gathered parameters and gradient buckets in flight (Z)."""
     def mx(a, b):
         return sympy.Max(a, b) if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic) else max(a, b)
 
@@ -246,7 +282,9 @@ def peak_bytes(params, grads, optimizer, activations, *, gradients_meet_activati
     d = {"params": params, "grads": g, "optimizer": optimizer,
          "activations": activations if late == activations else 0,
          "reduction_buffer": 0 if late == activations else reduction_buffer}
-    return params + optimizer + (grads if gradients_meet_activations else 0) + late, d
+    if zero_buffers:
+        d["zero_buffers"] = zero_buffers
+    return params + optimizer + (grads if gradients_meet_activations else 0) + zero_buffers + late, d
 
 
 def _min(a, b):

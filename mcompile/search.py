@@ -25,11 +25,13 @@ The space (only what the runtime executes)
   v > 1 such that pp·v divides the layers and pp divides m (the runtime's rules); gpipe only on
   request (same bubble as 1f1b, more memory: always dominated);
 - sequence parallelism on/off when tp > 1 (and tp divides the sequence); recompute none /
-  selective / full / auto; ZeRO 0/1 when dp > 1. ``auto`` (``Config(recompute="auto")``,
-  passes/remat.py) is priced by :func:`mcompile.cost.stage_auto`: each pipeline rank gets the
-  activation budget the memory model leaves under the limit, and the recompute time of the named
-  policies' lower envelope at that budget; its memory is the budget used, so it fits exactly where
-  full recompute fits.
+  selective / full / auto; ZeRO 0/1/2/3 when dp > 1 (``Config(zero=)``); communication overlap on/off
+  (``Layout.overlap``: tp collective matmul and ZeRO-3 prefetch, ``Config(overlap=, tp_overlap=)``);
+  matmul precision bf16 / FP8 where the hardware has FP8 (``Layout.precision``, ``Config(fp8="current")``).
+  ``auto`` (``Config(recompute="auto")``, passes/remat.py) is priced by :func:`mcompile.cost.stage_auto`:
+  each pipeline rank gets the activation budget the memory model leaves under the limit, and the
+  recompute time of the named policies' lower envelope at that budget; its memory is the budget used,
+  so it fits exactly where full recompute fits.
 
 Pruning (exact: never discards a layout that could rank first)
 --------------------------------------------------------------
@@ -40,13 +42,26 @@ Pruning (exact: never discards a layout that could rank first)
    fall as b grows (m = B/(dp·b)), so once even full recompute is over the limit at b, every larger
    b is skipped.
 3. Recompute dominance: for fixed everything else, recompute none → selective → full strictly adds
-   time (m·t_r, of which overlap can hide at most one microbatch's t_r of the dp reduction) and
+   time (m·t_r; an overlapped region it lengthens — the dp buckets', ZeRO-3's gathers — exposes at most
+   (2 − κ)·t_r less: :func:`mcompile.cost.overlapped`) and
    removes memory, so the first named mode that fits is the only named one priced. ``auto`` is
    priced beside it wherever it fits (it is never slower than that mode: the envelope at the budget
    left is at most the mode's point); where none fits, auto IS none (same time and memory) and is
    kept out of the ranking (``SearchResult.priced`` still lists it).
+4. Overlap and precision: overlap on is never slower than off at the same memory (an overlapped region
+   costs at most what the two cost in turn: :func:`mcompile.cost.overlapped`), and FP8 matmuls never
+   slower than bf16 at the same memory; so only overlap on (where allowed) and the fastest allowed
+   precision are priced. Where overlap changes nothing (tp = 1 and ZeRO < 3) its off twin is the same
+   layout: priced only when exhaustive, never ranked.
+ZeRO stages are all priced (none dominates: ZeRO-1's optimizer step is 1/dp of ZeRO-0's, ZeRO-3 at one
+microbatch can hide all of its collectives while ZeRO-2 still gathers after the optimizer).
 The smallest footprint seen is kept for the error when nothing fits. ``exhaustive=True`` turns all
-three off (tests/test_search.py checks the pruned search against it).
+four off (tests/test_search.py checks the pruned search against it).
+
+Explaining the choice: :meth:`SearchResult.choices` prices the best layout with each of its overlap,
+ZeRO and precision choices flipped (overlap off, ZeRO one stage lower — or 1 where it took 0 —, bf16
+instead of FP8) on the search's own settings and stage cuts; ``explain()`` and ``mcompile explain``
+print what each choice saves in step time and memory.
 
 Stage cuts: the partitioner's, priced by the cost model
 ------------------------------------------------------
@@ -103,7 +118,8 @@ from mcompile.cost import Estimate, Layout, Recompute, Schedule, Workload
 from mcompile.hardware import Hardware, get_hardware
 
 __all__ = ["search", "price", "Candidate", "SearchResult", "SearchError", "SearchWorkload", "enumerate_layouts",
-           "StageSplit", "stage_split", "auto_layout", "explain_pair", "block_placements", "BlockSolution"]
+           "StageSplit", "stage_split", "auto_layout", "explain_pair", "explain_choices", "block_placements",
+           "BlockSolution"]
 
 log = logging.getLogger("mcompile.search")
 
@@ -114,6 +130,8 @@ _RUNTIME_SCHEDULE = {Schedule.ONE_F_ONE_B: "1f1b", Schedule.ZB_H1: "zbh1", Sched
                      Schedule.GPIPE: "gpipe"}
 RECOMPUTE_ORDER = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)  # increasing time, decreasing memory
 DEFAULT_RECOMPUTE = ("none", "selective", "full", "auto")
+DEFAULT_ZERO = (0, 1, 2, 3)
+DEFAULT_PRECISION = ("bf16", "fp8")  # fp8 only where the hardware has FP8 tensor cores
 
 
 class SearchError(ValueError):
@@ -381,21 +399,26 @@ class _Settings:
 
 
 class _Sections:
-    """Per (tp, sp, microbatch size): the cost model's section times and activation bytes."""
+    """Per (tp, sp, microbatch size, precision): the cost model's section times and activation bytes."""
 
-    def __init__(self, prof: C.ModelProfile, b: int, st: _Settings):
+    def __init__(self, prof: C.ModelProfile, b: int, st: _Settings, precision: str | None = None):
+        self.precision = precision = precision or st.precision
         kw = dict(attention_kernel=st.attention_kernel, head_dim=prof.hidden / (prof.heads or 1))
         lay = Layout(tp=prof.tp)  # tp is innermost: its link depends on tp alone
-        self.lay = C._section_times(prof.layer, b, st.seq, lay, st.hw, st.eff, st.precision, **kw)
-        self.pre = C._section_times(prof.pre, b, st.seq, lay, st.hw, st.eff, st.precision, **kw)
-        self.post = C._section_times(prof.post, b, st.seq, lay, st.hw, st.eff, st.precision, **kw)
+        self.lay = C._section_times(prof.layer, b, st.seq, lay, st.hw, st.eff, precision, **kw)
+        self.pre = C._section_times(prof.pre, b, st.seq, lay, st.hw, st.eff, precision, **kw)
+        self.post = C._section_times(prof.post, b, st.seq, lay, st.hw, st.eff, precision, **kw)
         self.layer_act = {m: float(v) for m, v in prof.layer.evaluate(b, st.seq).activations.items()}
         self.pre_act = float(prof.pre.evaluate(b, st.seq).activations["none"])
         self.post_act = float(prof.post.evaluate(b, st.seq).activations["none"])
-        # recompute="auto": the named policies' (bytes, recompute time) per layer and their lower envelope
-        self.rec_time = {"none": 0.0, "selective": float(self.lay["attn"]),
-                         "full": float(self.lay["f"]) + float(self.lay["comm_f"])}
-        self.envelope = C.recompute_envelope(self.layer_act, self.rec_time)
+        # recompute="auto": the named policies' (bytes, recompute time) per layer and their lower envelope, with
+        # the recomputed forward's tp communication as the layout pays it (all, or what collective matmul exposes)
+        self.envelopes = {}
+        for overlap in (False, True):
+            comm = self.lay["comm_f_x"] if overlap else self.lay["comm_f"]
+            rec_time = {"none": 0.0, "selective": float(self.lay["attn"]), "full": float(self.lay["f"]) + float(comm)}
+            self.envelopes[overlap] = C.recompute_envelope(self.layer_act, rec_time)
+        self.envelope = self.envelopes[True]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -424,24 +447,38 @@ def _memory(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[
     per = MM.model_state_bytes_per_param(st.param_dtype, st.grad_dtype, layout.zero, layout.dp * layout.cp)
     m = st.global_batch / (layout.dp * layout.microbatch_size)
     one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
+    zb = _zero_of(layout.zero, st, sec)
     if layout.recompute == Recompute.AUTO and auto is None:
         auto = _auto_of(prof, sec, layers, per, layout.schedule.value, layout.virtual, m, st.limit,
-                        one_pass=one_pass, reduce_bytes=reduce_bytes)
+                        one_pass=one_pass, reduce_bytes=reduce_bytes, overlap=layout.overlap, zero=zb)
     return _memory_of(prof, sec, layers, per, layout.schedule.value, layout.virtual, m, layout.recompute.value,
-                      one_pass=one_pass, reduce_bytes=reduce_bytes, auto=auto)
+                      one_pass=one_pass, reduce_bytes=reduce_bytes, auto=auto, zero=zb)
+
+
+def _zero_of(zero: int, st: _Settings, sec: _Sections) -> tuple:
+    """(ZeRO stage, gradient dtype, bytes of a gathered parameter): what ZeRO-2/3's buffers in flight
+    depend on (:func:`mcompile.cost._zero_buffers`)."""
+    return zero, st.grad_dtype, C.gather_bytes_of(sec.precision)
+
+
+def _zero_buffers(zero: tuple, prof, layers: tuple[int, ...], i: int, n_par) -> float:
+    z, grad_dtype, cbytes = zero
+    return C._zero_buffers(z, prof, i, len(layers), n_par, grad_dtype, cbytes) if z >= 2 else 0
 
 
 def _auto_of(prof, sec: _Sections, layers: tuple[int, ...], per, schedule: str, v: int, m: float, limit: float, *,
-             one_pass: bool = False, reduce_bytes: float = 0.0) -> dict:
+             one_pass: bool = False, reduce_bytes: float = 0.0, overlap: bool = True, zero: tuple = (0, "", 2)) -> dict:
     """``recompute="auto"`` on every rank :func:`_memory_of` checks: :func:`mcompile.cost.stage_auto`
     (the budget left under ``limit``, per layer, and the envelope's mix there), by rank."""
     p = len(layers)
     out = {}
     for i in _ranks_to_check(layers):
         n_par, extra_act = _rank_share(prof, sec, layers, i)
-        out[i] = C.stage_auto(limit, (n_par * per.params, n_par * per.grads, n_par * per.optimizer),
-                              _inflight(schedule, p, i, m, v), layers[i], extra_act, sec.envelope, sec.layer_act,
-                              gradients_meet_activations=not one_pass, reduction_buffer=n_par * reduce_bytes)
+        zbuf = _zero_buffers(zero, prof, layers, i, n_par)
+        out[i] = C.stage_auto(limit, (n_par * per.params + zbuf, n_par * per.grads, n_par * per.optimizer),
+                              _inflight(schedule, p, i, m, v), layers[i], extra_act, sec.envelopes[overlap],
+                              sec.layer_act, gradients_meet_activations=not one_pass,
+                              reduction_buffer=n_par * reduce_bytes)
     return out
 
 
@@ -473,10 +510,12 @@ def _lifetimes(layers: tuple[int, ...], m: float, zero: int, dp: int) -> tuple[b
 
 
 def _memory_of(prof, sec: _Sections, layers: tuple[int, ...], per, schedule: str, v: int, m: float, mode: str,
-               detail: bool = True, *, one_pass: bool = False, reduce_bytes: float = 0.0, auto: dict | None = None):
+               detail: bool = True, *, one_pass: bool = False, reduce_bytes: float = 0.0, auto: dict | None = None,
+               zero: tuple = (0, "", 2)):
     """The largest rank's bytes (and its breakdown when ``detail``), from its parts
     (:func:`mcompile.memory_model.peak_bytes`: what is live together at the peak). ``mode`` "auto":
-    ``auto`` is :func:`_auto_of`'s per-rank result (each rank's layers keep its mix's bytes)."""
+    ``auto`` is :func:`_auto_of`'s per-rank result (each rank's layers keep its mix's bytes). ``zero``:
+    :func:`_zero_of` (ZeRO-2/3's buffers in flight)."""
     p = len(layers)
     if mode == "auto" and auto is None:
         raise ValueError("_memory_of(mode='auto') needs auto=_auto_of(...)")
@@ -488,7 +527,8 @@ def _memory_of(prof, sec: _Sections, layers: tuple[int, ...], per, schedule: str
         act_i = layer_act if auto is None else auto[i]["layer_bytes"]
         tot, d = MM.peak_bytes(n_par * per.params, n_par * per.grads, n_par * per.optimizer,
                                inflight * (layers[i] * act_i + extra_act),
-                               gradients_meet_activations=not one_pass, reduction_buffer=n_par * reduce_bytes)
+                               gradients_meet_activations=not one_pass, reduction_buffer=n_par * reduce_bytes,
+                               zero_buffers=_zero_buffers(zero, prof, layers, i, n_par))
         if auto is not None and auto[i]["fits"]:  # the budget used is what is left: ≤ the limit (rounding)
             tot = min(tot, auto[i]["limit"])
         if best is None or tot > best:
@@ -508,36 +548,40 @@ def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[i
            links: dict | None = None, auto: dict | None = None):
     """:func:`mcompile.cost._terms` with ``layers[r]`` layers on pipeline rank r (cp = 1); ``links``:
     :func:`_links` of the layout, when already known; ``auto``: :func:`_auto_of` for recompute="auto"
-    (computed here when not given)."""
+    (computed here when not given). ``sec`` holds the section times at the layout's precision."""
     hw, eff = st.hw, st.eff
     links = links or _links(layout, st)
     b, p, v = layout.microbatch_size, layout.pp, layout.virtual
     m = st.global_batch / (layout.dp * b)
     lay, pre, post = sec.lay, sec.pre, sec.post
+    kf, kb = C._tp_keys(layout)
     if layout.recompute == Recompute.FULL:
-        rec, rec_comm = lay["f"], lay["comm_f"]
+        rec, rec_comm, rec_total = lay["f"], lay[kf], lay["comm_f"]
     elif layout.recompute == Recompute.SELECTIVE:
-        rec, rec_comm = lay["attn"], 0
+        rec, rec_comm, rec_total = lay["attn"], 0, 0
     else:
-        rec, rec_comm = 0, 0
+        rec, rec_comm, rec_total = 0, 0, 0
     if layout.recompute == Recompute.AUTO and auto is None:
         per = MM.model_state_bytes_per_param(st.param_dtype, st.grad_dtype, layout.zero, layout.dp * layout.cp)
         one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
         auto = _auto_of(prof, sec, layers, per, layout.schedule.value, v, m, st.limit, one_pass=one_pass,
-                        reduce_bytes=reduce_bytes)
+                        reduce_bytes=reduce_bytes, overlap=layout.overlap, zero=_zero_of(layout.zero, st, sec))
 
     def stage(n: int, extra: list[dict], i: int) -> dict:
-        r, rc = rec, rec_comm
+        r, rc, rt = rec, rec_comm, rec_total
         if auto is not None and layout.recompute == Recompute.AUTO:  # the rank's per-layer mix (cost.auto_mix)
             w = auto[i]["mix"]
             r = w.get("full", 0.0) * lay["f"] + w.get("selective", 0.0) * lay["attn"]
-            rc = w.get("full", 0.0) * lay["comm_f"]
-        d = {k: n * lay[k] for k in ("f", "b", "w", "comm_f", "comm_b")}
+            rc = w.get("full", 0.0) * lay[kf]
+            rt = w.get("full", 0.0) * lay["comm_f"]
+        keys = ("f", "b", "w", "comm_f", "comm_b", "comm_f_x", "comm_b_x")
+        d = {k: n * lay[k] for k in keys}
         d["r"] = n * r
         d["comm_r"] = n * rc
+        d["comm_r_total"] = n * rt
         d["cp"] = n * 0
         for e in extra:
-            for k in ("f", "b", "w", "comm_f", "comm_b"):
+            for k in keys:
                 d[k] = d[k] + e[k]
         return d
 
@@ -552,38 +596,50 @@ def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[i
                                                     st.hw.collective_call_latency)
 
     def total(d):
-        return d["f"] + d["b"] + d["r"] + d["comm_f"] + d["comm_b"] + d["comm_r"] + d["cp"] + p2p
-
-    slow, T, n_slow, P_stage = None, None, None, None
-    for i in _ranks_to_check(layers):
-        extra = ([pre] if i == 0 else []) + ([post] if i == p - 1 else [])
-        d = stage(layers[i], extra, i)
-        t = total(d)
-        if slow is None or t > T:
-            slow, T, n_slow, slow_rank = d, t, layers[i], i
-        params = layers[i] * prof.layer.params + (prof.pre.params if i == 0 else 0) + \
-            (prof.post.params - (prof.tied_params if p == 1 else 0) if i == p - 1 else 0)
-        P_stage = params if P_stage is None else max(P_stage, params)
-    bubble = C.pipeline_bubble(layout.schedule, p, v, T, slow["w"])
+        return d["f"] + d["b"] + d["r"] + d[kf] + d[kb] + d["comm_r"] + d["cp"] + p2p
 
     g_bytes, p_bytes = MM.DTYPE_BYTES[st.grad_dtype], MM.DTYPE_BYTES[st.param_dtype]
     n_dp = layout.dp * layout.cp
-    dp_t = 0
-    if n_dp > 1:
-        dp_t = C.dp_reduction_time(layout.zero, n_dp, P_stage, g_bytes, p_bytes, *links["dp"], st.hw)
-    # the reduction hides behind backward only where collectives run beside compute (Hardware docs)
-    if layout.overlap_grad_reduce and n_dp > 1 and getattr(hw, "comm_overlaps_compute", True):
-        window = slow["b"] + slow["r"] + slow["comm_b"] + slow["comm_r"]
-        dp_exposed = max(dp_t - window, dp_t / max(n_slow, 1))
-    else:
-        dp_exposed = dp_t
+
+    def dp_of(d, params, n):
+        return C.dp_comm(layout.zero, n_dp, links["dp"], hw, params=params, layer_params=prof.layer.params,
+                         layers=n, window=d["b"] + d["r"] + d[kb] + d["comm_r"], layer_forward=lay["f"],
+                         layer_backward=lay["b"] + d["r"] / max(n, 1),  # recompute runs in backward too
+                         grad_bytes=g_bytes, param_bytes=p_bytes, gather_bytes=C.gather_bytes_of(sec.precision),
+                         overlap_grad_reduce=layout.overlap_grad_reduce, overlap=layout.overlap)
+
+    per_mb = layout.zero >= 2 and n_dp > 1  # ZeRO-2/3: per-microbatch collectives in every rank's stage time
+    slow, T, n_slow, P_stage, mb = None, None, None, None, None
+    bubble = 0
+    for i in _ranks_to_check(layers):
+        extra = ([pre] if i == 0 else []) + ([post] if i == p - 1 else [])
+        d = stage(layers[i], extra, i)
+        params = layers[i] * prof.layer.params + (prof.pre.params if i == 0 else 0) + \
+            (prof.post.params - (prof.tied_params if p == 1 else 0) if i == p - 1 else 0)
+        dpi = dp_of(d, params, layers[i]) if per_mb else None
+        t = total(d) + (dpi["mb_exposed"] if per_mb else 0)
+        bubble = max(bubble, C.pipeline_bubble(layout.schedule, p, v, t, d["w"]))  # as cost._terms: the longest
+        if slow is None or t > T:
+            slow, T, n_slow, slow_rank, mb = d, t, layers[i], i, dpi
+        P_stage = params if P_stage is None else max(P_stage, params)
+
+    dpc = dp_of(slow, P_stage, n_slow)
+    if per_mb:
+        dpc.update(mb_total=mb["mb_total"], mb_exposed=mb["mb_exposed"])
     opt_params = P_stage / (layout.dp if layout.zero else 1)
     optimizer = opt_params * (24 + g_bytes + (p_bytes if p_bytes != 4 else 0)) / (hw.hbm_bandwidth * eff.memory)
+    tp_exposed = m * (slow[kf] + slow[kb] + slow["comm_r"])
+    tp_total = m * (slow["comm_f"] + slow["comm_b"] + slow["comm_r_total"])
     terms = {"compute": m * (slow["f"] + slow["b"]), "recompute": m * slow["r"],
-             "tp_comm": m * (slow["comm_f"] + slow["comm_b"] + slow["comm_r"]), "cp_comm": m * slow["cp"],
-             "pp_p2p": m * p2p, "pp_bubble": bubble, "dp_comm": dp_exposed, "optimizer": optimizer}
+             "tp_comm": tp_exposed, "cp_comm": m * slow["cp"],
+             "pp_p2p": m * p2p, "pp_bubble": bubble, "dp_comm": m * dpc["mb_exposed"] + dpc["step_exposed"],
+             "optimizer": optimizer}
+    dp_total = m * dpc["mb_total"] + dpc["step_total"]
     details = {"microbatches": m, "layers_per_stage": n_slow, "params_per_rank": P_stage, "stage_time": T,
-               "stage_weight_grad": slow["w"], "dp_comm_total": dp_t, "slow_stage": slow_rank}
+               "stage_weight_grad": slow["w"], "dp_comm_total": dp_total,
+               "dp_comm_hidden": dp_total - terms["dp_comm"], "tp_comm_total": tp_total,
+               "tp_comm_hidden": tp_total - tp_exposed, "cp_comm_total": 0.0, "cp_comm_hidden": 0.0,
+               "slow_stage": slow_rank}
     return {k: float(x) for k, x in terms.items()}, details
 
 
@@ -596,19 +652,21 @@ def _settings(hardware, global_batch, seq, precision, param_dtype, grad_dtype, a
 
 
 def price(layout: Layout, model, *, hardware: str | Hardware = "h100", global_batch: int, seq: int | None = None,
-          precision: str = "bf16", param_dtype: str = "bf16", grad_dtype: str = "fp32",
+          precision: str | None = None, param_dtype: str = "bf16", grad_dtype: str = "fp32",
           attention_kernel: str = "flash", efficiency: C.Efficiency | None = None, uniform: bool = False,
           stages: StageSplit | None = None, example_inputs: tuple = (), example_kwargs: dict | None = None,
           dtype: torch.dtype = torch.bfloat16, memory_limit: float | None = None) -> Estimate:
     """Price one layout as the search does: :func:`mcompile.cost.estimate` with the partitioner's
     stage cuts (``uniform=True``: the cost model's ⌈L/p⌉ layers on every rank instead). ``model`` as
     for :func:`search`; reuse a :class:`SearchWorkload` to price many layouts. ``memory_limit``: bytes
-    per GPU (default the hardware's HBM): ``fits``, and the budget ``recompute="auto"`` gets."""
+    per GPU (default the hardware's HBM): ``fits``, and the budget ``recompute="auto"`` gets.
+    ``precision``: the matmul precision (default: the layout's, else "bf16")."""
+    layout = C.resolve_precision(layout, precision)
     work = SearchWorkload.of(model, example_inputs, example_kwargs, dtype=dtype)
     prof = work.profile(layout.tp, layout.sequence_parallel)
     seq = seq or prof.seq_len
-    st = _settings(hardware, global_batch, seq, precision, param_dtype, grad_dtype, attention_kernel, efficiency,
-                   memory_limit)
+    st = _settings(hardware, global_batch, seq, layout.precision, param_dtype, grad_dtype, attention_kernel,
+                   efficiency, memory_limit)
     C._validate(layout, prof, global_batch, seq)
     if layout.cp > 1 or layout.ep > 1:
         raise ValueError("the search prices dp x pp x tp layouts (cp and ep are not executed by the runtime yet)")
@@ -634,7 +692,8 @@ def _finish(layout, work, prof, sec, layers, split, st) -> Estimate:
         m = st.global_batch / (layout.dp * layout.microbatch_size)
         one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
         auto = _auto_of(prof, sec, layers, per, layout.schedule.value, layout.virtual, m, st.limit,
-                        one_pass=one_pass, reduce_bytes=reduce_bytes)
+                        one_pass=one_pass, reduce_bytes=reduce_bytes, overlap=layout.overlap,
+                        zero=_zero_of(layout.zero, st, sec))
     terms, det = _terms(layout, prof, sec, layers, st, auto=auto)
     mem, mem_d = _memory(layout, prof, sec, layers, st, auto=auto)
     step = sum(terms.values())
@@ -680,6 +739,8 @@ class _Space:
     sequence_parallel: tuple[bool, ...]
     microbatch_sizes: tuple[int, ...] | None
     overlap_grad_reduce: bool
+    overlap: tuple[bool, ...] = (True, False)
+    precision: tuple[str | None, ...] = (None,)
     tried: list = field(default_factory=list, compare=False)
 
     def groups(self, tp_error) -> Iterator[tuple[int, bool, int, int, int]]:
@@ -704,7 +765,8 @@ class _Space:
                     continue
                 zs = [z for z in self.zero if not (z and dp == 1)]
                 if not zs:
-                    self.tried.append(f"tp={tp} pp={pp} dp=1: ZeRO-1 was required but needs dp > 1")
+                    self.tried.append(f"tp={tp} pp={pp} dp=1: ZeRO-{'/'.join(map(str, self.zero))} was required "
+                                      "but needs dp > 1")
                 for sp in sps:
                     for z in zs:
                         yield tp, sp, pp, dp, z
@@ -729,37 +791,66 @@ class _Space:
                     continue  # the runtime's interleaved schedule needs microbatches divisible by pp
                 yield s, v, b
 
-    def layout(self, tp, sp, pp, dp, z, s, v, b, rec) -> Layout:
+    def options(self, tp: int, z: int, exhaustive: bool = True) -> list[tuple[bool, str | None]]:
+        """(overlap, precision) pairs of a mesh group: all of them, or (``exhaustive=False``) only the
+        fastest — overlap on and the lowest precision allowed, which are never slower at the same memory
+        (module docstring, pruning 4)."""
+        if exhaustive:
+            return [(o, pr) for pr in self.precision for o in self.overlap]
+        return [(max(self.overlap), min(self.precision, key=_PRECISION_SPEED.get))]
+
+    def layout(self, tp, sp, pp, dp, z, s, v, b, rec, overlap: bool = True, precision: str | None = None) -> Layout:
         return Layout(dp=dp, tp=tp, pp=pp, virtual=v, microbatch_size=b, schedule=s, sequence_parallel=sp,
-                      recompute=rec, zero=z, overlap_grad_reduce=self.overlap_grad_reduce)
+                      recompute=rec, zero=z, overlap_grad_reduce=self.overlap_grad_reduce, overlap=overlap,
+                      precision=precision)
+
+
+_PRECISION_SPEED = {"fp8": 0, "bf16": 1, None: 1, "fp32": 2}  # fastest matmuls first
+
+
+def _tuple(x) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def _space(work: SearchWorkload, world: int, global_batch: int, seq: int, schedules, recompute, zero,
-           sequence_parallel, microbatch_sizes, overlap_grad_reduce) -> _Space:
+           sequence_parallel, microbatch_sizes, overlap_grad_reduce, overlap=(True, False),
+           precision=(None,)) -> _Space:
     bad = [s for s in schedules if s not in _COST_SCHEDULE]
     if bad:
         raise SearchError(f"schedules {bad}: use any of gpipe, 1f1b, interleaved, zbh1")
+    bad = [z for z in _tuple(zero) if z not in (0, 1, 2, 3) or isinstance(z, bool)]
+    if bad:
+        raise SearchError(f"zero {bad}: use any of 0, 1, 2, 3")
+    bad = [x for x in _tuple(precision) if x not in _PRECISION_SPEED]
+    if bad:
+        raise SearchError(f"precision {bad}: use any of bf16, fp8, fp32")
+    if not _tuple(overlap) or any(not isinstance(o, bool) for o in _tuple(overlap)):
+        raise SearchError(f"overlap={overlap!r}: a tuple of True/False")
     asked = {Recompute(x).value for x in recompute}
     rec = tuple(r for r in (*RECOMPUTE_ORDER, Recompute.AUTO) if r.value in asked)
     if not isinstance(world, int) or world < 1:
         raise SearchError(f"world={world!r} must be a positive number of GPUs")
-    return _Space(world, work.depth, int(global_batch), int(seq), tuple(schedules), rec, tuple(zero),
+    return _Space(world, work.depth, int(global_batch), int(seq), tuple(schedules), rec, _tuple(zero),
                   tuple(bool(x) for x in sequence_parallel),
-                  tuple(microbatch_sizes) if microbatch_sizes else None, overlap_grad_reduce)
+                  tuple(microbatch_sizes) if microbatch_sizes else None, overlap_grad_reduce,
+                  tuple(dict.fromkeys(_tuple(overlap))), tuple(dict.fromkeys(_tuple(precision))))
 
 
 def enumerate_layouts(model, world: int, *, global_batch: int, seq: int, schedules=DEFAULT_SCHEDULES,
-                      recompute=DEFAULT_RECOMPUTE, zero=(0, 1), sequence_parallel=(False, True),
-                      microbatch_sizes=None, overlap_grad_reduce: bool = True, example_inputs: tuple = (),
-                      example_kwargs: dict | None = None) -> Iterator[Layout]:
-    """Every layout of the search space, unpruned (what :func:`search` ranks, before pruning)."""
+                      recompute=DEFAULT_RECOMPUTE, zero=DEFAULT_ZERO, sequence_parallel=(False, True),
+                      microbatch_sizes=None, overlap_grad_reduce: bool = True, overlap=(True, False),
+                      precision=None, example_inputs: tuple = (), example_kwargs: dict | None = None
+                      ) -> Iterator[Layout]:
+    """Every layout of the search space, unpruned (what :func:`search` ranks, before pruning).
+    ``precision``: None (layouts without one: priced at estimate()'s) or the precisions to enumerate."""
     work = SearchWorkload.of(model, example_inputs, example_kwargs)
     sp = _space(work, world, global_batch, seq, schedules, recompute, zero, sequence_parallel, microbatch_sizes,
-                overlap_grad_reduce)
+                overlap_grad_reduce, overlap, precision)
     for tp, spar, pp, dp, z in sp.groups(work.tp_error):
         for s, v, b in sp.variants(pp, dp):
             for rec in sp.recompute:
-                yield sp.layout(tp, spar, pp, dp, z, s, v, b, rec)
+                for ov, pr in sp.options(tp, z):
+                    yield sp.layout(tp, spar, pp, dp, z, s, v, b, rec, ov, pr)
 
 
 # --------------------------------------------------------------------------- results
@@ -780,6 +871,11 @@ class Candidate:
     def step_time_s(self) -> float:
         return self.estimate.step_time_s
 
+    @property
+    def precision(self) -> str:
+        """The matmul precision this candidate was priced at."""
+        return self.layout.precision or self.estimate.details.get("precision", "bf16")
+
     def mesh(self, fake: bool = False):
         """The :class:`mcompile.Mesh` (axes of size 1 dropped; dp, pp, tp in that order)."""
         from mcompile.mesh import Mesh
@@ -794,6 +890,10 @@ class Candidate:
         out = {"sequence_parallel": lay.sequence_parallel,
                "microbatches": int(self.estimate.global_batch // (lay.dp * lay.microbatch_size)),
                "recompute": lay.recompute.value, "zero": lay.zero}
+        if not lay.overlap:  # Config's default is overlap=True, tp_overlap="auto" (collective matmul where it pays)
+            out.update(overlap=False, tp_overlap="off")
+        if self.precision == "fp8":
+            out["fp8"] = "current"
         if lay.recompute == Recompute.AUTO:  # the budget every rank can take, per microbatch (passes/remat.py)
             budget = self.estimate.details.get("activation_budget")
             out["activation_budget"] = int(budget) if budget is not None else 0
@@ -817,13 +917,14 @@ class SearchResult(list):
         self.global_batch, self.seq, self.memory_limit = global_batch, seq, memory_limit
         self.stats, self.seconds = stats, seconds
         self.priced: list[tuple[float, float, Layout]] = []  # (step time, memory, layout) of every layout priced
+        self._reprice = None  # prices a layout on the search's settings (set by search(): choices())
 
     @property
     def best(self) -> Candidate:
         return self[0]
 
-    HEADER = ("#", "dp", "pp", "tp", "v", "mbs", "m", "schedule", "sp", "recompute", "zero", "step s", "TFLOP/s",
-              "MFU", "memory", "layers/stage", "largest terms")
+    HEADER = ("#", "dp", "pp", "tp", "v", "mbs", "m", "schedule", "sp", "recompute", "zero", "overlap", "matmul",
+              "step s", "TFLOP/s", "MFU", "memory", "layers/stage", "largest terms")
 
     def rows(self) -> list[list[str]]:
         """The ranking as rows of text under :attr:`HEADER` (the CLI's table and :meth:`table`)."""
@@ -834,6 +935,7 @@ class SearchResult(list):
             rows.append([str(i), str(lay.dp), str(lay.pp), str(lay.tp), str(lay.virtual), str(lay.microbatch_size),
                          str(int(e.details["microbatches"])), _RUNTIME_SCHEDULE[lay.schedule] if lay.pp > 1 else "-",
                          "yes" if lay.sequence_parallel else "-", lay.recompute.value, str(lay.zero),
+                         ("on" if lay.overlap else "off") if lay.tp > 1 or lay.zero >= 3 else "-", c.precision,
                          f"{e.step_time_s:.4g}", f"{e.tflops_per_gpu:.3g}", f"{e.mfu:.1%}", _bytes(e.memory_bytes),
                          _runs(c.stages.layers_per_stage) if c.stages and lay.pp > 1 else "-",
                          ", ".join(f"{k} {v / e.step_time_s:.0%}" for k, v in top)])
@@ -852,29 +954,67 @@ class SearchResult(list):
         """The ranking as an aligned text table."""
         head, rows = list(self.HEADER), self.rows()
         widths = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
-        left = {"schedule", "recompute", "layers/stage", "largest terms"}
+        left = {"schedule", "recompute", "overlap", "matmul", "layers/stage", "largest terms"}
         fmt = lambda r: "  ".join(x.ljust(w) if h in left else x.rjust(w)  # noqa: E731
                                   for h, x, w in zip(head, r, widths)).rstrip()
         return "\n".join([*self.summary(), fmt(head), *map(fmt, rows)])
 
     def explain(self, i: int = 0, j: int | None = None) -> str:
         """Why candidate ``i`` beats candidate ``j`` (default: the runner-up): what differs in the
-        layout, and every step-time and memory term that differs, largest first."""
-        if len(self) < 2:
-            return f"only one layout fits: {self[0]}" if self else "no layout fits"
-        j = i + 1 if j is None else j
-        return explain_pair(self[i], self[j])
+        layout, and every step-time and memory term that differs, largest first; then what each of
+        candidate ``i``'s overlap / ZeRO / precision choices saves (:meth:`choices`)."""
+        if not self:
+            return "no layout fits"
+        head = f"only one layout fits: {self[0]}" if len(self) < 2 else explain_pair(self[i], self[i + 1 if j is None
+                                                                                              else j])
+        return head + "\n" + explain_choices(self[i], self.choices(i))
+
+    def choices(self, i: int = 0) -> list[dict]:
+        """Candidate ``i``'s overlap, ZeRO and matmul-precision choices, each against its counterfactual —
+        the same layout with that one choice flipped (overlap off, ZeRO one stage lower, bf16 instead
+        of fp8; or, where the candidate took the other side, the choice it turned down), priced on the
+        search's settings and stage cuts: ``{"choice", "chosen", "alternative", "step_time_s",
+        "alternative_step_time_s", "saves_s", "memory_bytes", "alternative_memory_bytes",
+        "saves_bytes", "alternative_fits", "applies"}``."""
+        c = self[i]
+        lay, e = c.layout, c.estimate
+        out = []
+
+        def add(name, chosen, alt, alt_layout, applies=True):
+            a = self._reprice(alt_layout) if self._reprice else None
+            if a is None:
+                return
+            out.append({"choice": name, "chosen": chosen, "alternative": alt, "step_time_s": e.step_time_s,
+                        "alternative_step_time_s": a.step_time_s, "saves_s": a.step_time_s - e.step_time_s,
+                        "memory_bytes": e.memory_bytes, "alternative_memory_bytes": a.memory_bytes,
+                        "saves_bytes": a.memory_bytes - e.memory_bytes, "alternative_fits": a.fits,
+                        "applies": applies})
+
+        applies = lay.tp > 1 or lay.zero >= 3
+        add("overlap", "on" if lay.overlap else "off", "off" if lay.overlap else "on",
+            dataclasses.replace(lay, overlap=not lay.overlap), applies)
+        if lay.zero > 0:
+            add("zero", str(lay.zero), str(lay.zero - 1), dataclasses.replace(lay, zero=lay.zero - 1))
+        elif lay.dp > 1:
+            add("zero", "0", "1", dataclasses.replace(lay, zero=1))
+        if c.precision == "fp8":
+            add("precision", "fp8", "bf16", dataclasses.replace(lay, precision="bf16"))
+        elif c.precision == "bf16" and self.hardware.fp8_flops is not None:
+            add("precision", "bf16", "fp8", dataclasses.replace(lay, precision="fp8"))
+        return out
 
     def to_dict(self) -> dict:
         return {"world": self.world, "hardware": self.hardware.name, "global_batch": self.global_batch,
                 "seq": self.seq, "memory_limit": self.memory_limit, "seconds": self.seconds, "stats": self.stats,
-                "candidates": [_candidate_dict(c) for c in self]}
+                "candidates": [_candidate_dict(c) for c in self],
+                "choices": self.choices(0) if self and self._reprice else []}
 
 
 def _candidate_dict(c: Candidate) -> dict:
     e = c.estimate
     return {"layout": dataclasses.asdict(c.layout) | {"schedule": c.layout.schedule.value,
-                                                      "recompute": c.layout.recompute.value},
+                                                      "recompute": c.layout.recompute.value,
+                                                      "precision": c.precision},
             "describe": str(c.layout), "mesh": dict(c.mesh(fake=True).axes), "options": c.options(),
             "step_time_s": e.step_time_s, "uniform_step_time_s": e.details.get("uniform_step_time_s"),
             "breakdown": e.breakdown, "memory_bytes": e.memory_bytes, "memory_breakdown": e.memory_breakdown,
@@ -884,7 +1024,8 @@ def _candidate_dict(c: Candidate) -> dict:
             "cut_nodes": list(c.stages.cut_nodes) if c.stages else None}
 
 
-_FIELDS = ("dp", "pp", "tp", "virtual", "microbatch_size", "schedule", "sequence_parallel", "recompute", "zero")
+_FIELDS = ("dp", "pp", "tp", "virtual", "microbatch_size", "schedule", "sequence_parallel", "recompute", "zero",
+           "overlap", "precision")
 
 
 def explain_pair(a: Candidate, b: Candidate) -> str:
@@ -907,7 +1048,7 @@ def explain_pair(a: Candidate, b: Candidate) -> str:
         for k, x, y in rows:
             lines.append(f"  {k:<10} {x:>10.4g} s  {y:>10.4g} s   {y - x:+.4g} s")
     mrows = [(k, ea.memory_breakdown.get(k, 0.0), eb.memory_breakdown.get(k, 0.0))
-             for k in ("params", "grads", "optimizer", "activations")]
+             for k in ("params", "grads", "optimizer", "activations", "zero_buffers")]
     mrows = [r for r in mrows if abs(r[2] - r[1]) > 1]
     if mrows:
         lines.append("memory of the largest rank that differs (best vs runner-up):")
@@ -920,38 +1061,67 @@ def _v(x) -> str:
     return x.value if hasattr(x, "value") else str(x)
 
 
+_CHOICE_TEXT = {"overlap": "communication overlap (tp collective matmul, ZeRO-3 prefetch)", "zero": "ZeRO stage",
+                "precision": "matmul precision"}
+
+
+def explain_choices(c: Candidate, choices: list[dict]) -> str:
+    """The lines of :meth:`SearchResult.explain` on a candidate's overlap / ZeRO / precision choices:
+    each against its counterfactual, with the step time and memory it saves (negative: costs)."""
+    lines = [f"choices of {c.layout} (each against the same layout with that choice flipped):"]
+    for ch in choices:
+        what = _CHOICE_TEXT.get(ch["choice"], ch["choice"])
+        d, mb = ch["saves_s"], ch["saves_bytes"]
+        rel = d / ch["alternative_step_time_s"] if ch["alternative_step_time_s"] else 0.0
+        if not ch["applies"]:
+            lines.append(f"  {what}: {ch['chosen']} — no effect on this layout (tp=1, ZeRO < 3): {d:+.4g} s per step")
+            continue
+        fits = "" if ch["alternative_fits"] else " (and would not fit)"
+        lines.append(f"  {what}: {ch['chosen']} instead of {ch['alternative']} saves {d:+.4g} s per step "
+                     f"({rel:+.1%} of {ch['alternative_step_time_s']:.4g} s) and {'+' if mb >= 0 else '-'}"
+                     f"{_bytes(abs(mb))} per GPU{fits}")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- the search
 
 
 def search(model, world: int | None = None, *, hardware: str | Hardware = "h100", global_batch: int,
            example_inputs: tuple = (), example_kwargs: dict | None = None, seq: int | None = None, top_k: int = 5,
-           memory_limit: float | None = None, precision: str = "bf16", param_dtype: str = "bf16",
+           memory_limit: float | None = None, precision=DEFAULT_PRECISION, param_dtype: str = "bf16",
            grad_dtype: str = "fp32", attention_kernel: str = "flash", efficiency: C.Efficiency | None = None,
-           schedules=DEFAULT_SCHEDULES, recompute=DEFAULT_RECOMPUTE, zero=(0, 1),
+           schedules=DEFAULT_SCHEDULES, recompute=DEFAULT_RECOMPUTE, zero=DEFAULT_ZERO,
            sequence_parallel=(False, True), microbatch_sizes=None, overlap_grad_reduce: bool = True,
-           dtype: torch.dtype = torch.bfloat16, exhaustive: bool = False) -> SearchResult:
+           overlap=(True, False), dtype: torch.dtype = torch.bfloat16, exhaustive: bool = False) -> SearchResult:
     """The ``top_k`` fastest layouts of ``model`` on ``world`` GPUs that fit in ``memory_limit`` bytes
     per GPU (default: the hardware's HBM), ranked by predicted step time (module docstring).
 
     ``model``: a module with ``example_inputs`` (a meta-device one is fine), a preset name or Preset,
     or a :class:`mcompile.cost.Workload`. ``seq`` defaults to the model's maximum sequence length.
-    ``precision``/``param_dtype``/``grad_dtype``/``attention_kernel``/``efficiency`` are
-    :func:`mcompile.cost.estimate`'s. ``schedules``, ``recompute``, ``zero``, ``sequence_parallel``,
-    ``microbatch_sizes`` restrict the space. ``exhaustive``: price every layout, no pruning (tests)."""
+    ``precision``: the matmul precisions to search (a name or a tuple; those the hardware cannot run —
+    FP8 before Hopper — are left out); each candidate's ``layout.precision`` says which it takes.
+    ``param_dtype``/``grad_dtype``/``attention_kernel``/``efficiency`` are :func:`mcompile.cost.estimate`'s.
+    ``schedules``, ``recompute``, ``zero``, ``overlap``, ``sequence_parallel``, ``microbatch_sizes``
+    restrict the space. ``exhaustive``: price every layout, no pruning (tests)."""
     t0 = time.perf_counter()
     hw = get_hardware(hardware)  # an unknown name: the error lists the known profiles
     if world is None:
         raise SearchError("search() needs world=N, the number of GPUs")
+    asked = _tuple(precision)
+    precisions = tuple(pr for pr in asked if pr != "fp8" or hw.fp8_flops is not None)
+    if not precisions:
+        raise SearchError(f"{hw.name} has no FP8 tensor cores: search precision='bf16' (asked: {', '.join(asked)})")
     work = SearchWorkload.of(model, example_inputs, example_kwargs, dtype=dtype)
     prof1 = work.profile(1, False)
     seq = seq or prof1.seq_len or _input_seq(example_inputs)
     if not seq:
         raise SearchError("search() needs seq= (the model states no maximum sequence length)")
-    st = _settings(hw, global_batch, seq, precision, param_dtype, grad_dtype, attention_kernel, efficiency,
+    st = _settings(hw, global_batch, seq, precisions[0], param_dtype, grad_dtype, attention_kernel, efficiency,
                    memory_limit)
+    st_of = {pr: dataclasses.replace(st, precision=pr) for pr in precisions}
     limit = st.limit
     space = _space(work, world, global_batch, seq, schedules, recompute, zero, sequence_parallel, microbatch_sizes,
-                   overlap_grad_reduce)
+                   overlap_grad_reduce, overlap, precisions)
     sections: dict[tuple, _Sections] = {}
     splits: dict[tuple, StageSplit] = {}
     found: list[tuple] = []  # (step, memory, index, layout, layers, split, ranked)
@@ -959,10 +1129,11 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
     stats = dict(space=0, groups=0, priced=0, pruned_memory=0, pruned_dominated=0, pruned_groups=0)
     pruned_groups: list[tuple] = []
 
-    def sec_of(tp, sp, b):
-        key = (tp, sp, b)
+    def sec_of(tp, sp, b, pr=precisions[0]):
+        key = (tp, sp, b, pr)
         if key not in sections:
-            sections[key] = _Sections(work.profile(tp, sp), b, st)
+            sections[key] = _Sections(work.profile(tp, sp), b, st_of.get(pr) or dataclasses.replace(st, precision=pr),
+                                      pr)
         return sections[key]
 
     def split_of(pp, v):
@@ -974,64 +1145,75 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
         stats["groups"] += 1
         prof = work.profile(tp, sp)
         variants = list(space.variants(pp, dp))
-        n_variants = len(variants) * len(space.recompute)
+        options = space.options(tp, z, exhaustive)
+        n_options = len(space.options(tp, z))
+        n_variants = len(variants) * len(space.recompute) * n_options
         stats["space"] += n_variants
+        stats["pruned_dominated"] += len(variants) * len(space.recompute) * (n_options - len(options))
         # 1. memory lower bound of the group: model state averaged over the pipeline ranks
         per = MM.model_state_bytes_per_param(param_dtype, grad_dtype, z, dp)
         total_params = work.depth * prof.layer.params + prof.pre.params + prof.post.params - prof.tied_params
         if not exhaustive and total_params * per.total / pp > limit:
             stats["pruned_groups"] += 1
-            stats["pruned_memory"] += n_variants
+            stats["pruned_memory"] += len(variants) * len(space.recompute) * len(options)
             pruned_groups.append((tp, sp, pp, dp, z))
             continue
         over_at: dict[tuple, int] = {}  # (schedule, v) -> smallest microbatch size over the limit
         links = None
+        named = [r for r in space.recompute if r != Recompute.AUTO]
         for s, v, b in variants:
             if not exhaustive and (s, v) in over_at:  # memory never falls as the microbatch grows (docstring)
-                stats["pruned_memory"] += len(space.recompute)
+                stats["pruned_memory"] += len(space.recompute) * len(options)
                 continue
-            sec = sec_of(tp, sp, b)
             split = split_of(pp, v)
             layers = split.layers_per_rank
             m = global_batch / (dp * b)
             fitted = False
             one_pass, reduce_bytes = _lifetimes(layers, m, z, dp)
-            named = [r for r in space.recompute if r != Recompute.AUTO]
-            for k, rec in enumerate(named):
-                mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, rec.value, detail=False,
-                                    one_pass=one_pass, reduce_bytes=reduce_bytes)
-                if mem < smallest[0]:
-                    smallest[:] = [mem, space.layout(tp, sp, pp, dp, z, s, v, b, rec)]
-                if mem > limit:
-                    stats["pruned_memory"] += 1
-                    continue
-                lay = space.layout(tp, sp, pp, dp, z, s, v, b, rec)
-                links = links or _links(lay, st)
-                terms, _ = _terms(lay, prof, sec, layers, st, links)
-                stats["priced"] += 1
-                found.append((sum(terms.values()), mem, len(found), lay, layers, split, True))
-                fitted = True
-                if not exhaustive:  # 3. recompute dominance: the slower named modes need no pricing
-                    stats["pruned_dominated"] += len(named) - k - 1
-                    break
-            if Recompute.AUTO in space.recompute:  # priced wherever it fits (docstring, pruning 3)
-                auto = _auto_of(prof, sec, layers, per, s.value, v, m, limit, one_pass=one_pass,
-                                reduce_bytes=reduce_bytes)
-                mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, "auto", detail=False,
-                                    one_pass=one_pass, reduce_bytes=reduce_bytes, auto=auto)
-                lay = space.layout(tp, sp, pp, dp, z, s, v, b, Recompute.AUTO)
-                if mem < smallest[0]:
-                    smallest[:] = [mem, lay]
-                if mem > limit:
-                    stats["pruned_memory"] += 1
-                else:
-                    links = links or _links(lay, st)
-                    terms, _ = _terms(lay, prof, sec, layers, st, links, auto=auto)
-                    stats["priced"] += 1
-                    # where it reduces to none (none fits, and is priced), the same layout twice: not ranked
-                    ranked = not (_auto_is_none(auto) and Recompute.NONE in space.recompute)
-                    found.append((sum(terms.values()), mem, len(found), lay, layers, split, ranked))
+            for pr in dict.fromkeys(o[1] for o in options):
+                sec = sec_of(tp, sp, b, pr)
+                zb = _zero_of(z, st_of[pr], sec)
+                ovs = [o for o, q in options if q == pr]
+                # overlap off where it changes nothing (tp = 1, ZeRO < 3) is the same layout twice: priced when
+                # exhaustive, not ranked
+                same = {False} if (tp == 1 and z < 3 and True in ovs) else set()
+                for k, rec in enumerate(named):
+                    mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, rec.value, detail=False,
+                                        one_pass=one_pass, reduce_bytes=reduce_bytes, zero=zb)
+                    if mem < smallest[0]:
+                        smallest[:] = [mem, space.layout(tp, sp, pp, dp, z, s, v, b, rec, ovs[0], pr)]
+                    if mem > limit:
+                        stats["pruned_memory"] += len(ovs)
+                        continue
+                    for ov in ovs:
+                        lay = space.layout(tp, sp, pp, dp, z, s, v, b, rec, ov, pr)
+                        links = links or _links(lay, st)
+                        terms, _ = _terms(lay, prof, sec, layers, st_of[pr], links)
+                        stats["priced"] += 1
+                        found.append((sum(terms.values()), mem, len(found), lay, layers, split, ov not in same))
                     fitted = True
+                    if not exhaustive:  # 3. recompute dominance: the slower named modes need no pricing
+                        stats["pruned_dominated"] += (len(named) - k - 1) * len(ovs)
+                        break
+                if Recompute.AUTO in space.recompute:  # priced wherever it fits (docstring, pruning 3)
+                    for ov in ovs:
+                        auto = _auto_of(prof, sec, layers, per, s.value, v, m, limit, one_pass=one_pass,
+                                        reduce_bytes=reduce_bytes, overlap=ov, zero=zb)
+                        mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, "auto", detail=False,
+                                            one_pass=one_pass, reduce_bytes=reduce_bytes, auto=auto, zero=zb)
+                        lay = space.layout(tp, sp, pp, dp, z, s, v, b, Recompute.AUTO, ov, pr)
+                        if mem < smallest[0]:
+                            smallest[:] = [mem, lay]
+                        if mem > limit:
+                            stats["pruned_memory"] += 1
+                            continue
+                        links = links or _links(lay, st)
+                        terms, _ = _terms(lay, prof, sec, layers, st_of[pr], links, auto=auto)
+                        stats["priced"] += 1
+                        # where it reduces to none (none fits, and is priced), the same layout twice: not ranked
+                        ranked = not (_auto_is_none(auto) and Recompute.NONE in space.recompute) and ov not in same
+                        found.append((sum(terms.values()), mem, len(found), lay, layers, split, ranked))
+                        fitted = True
             if not fitted:
                 over_at[(s, v)] = b
     if stats["groups"] == 0:
@@ -1042,12 +1224,25 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
     top = []
     for *_, lay, layers, split, _ in [r for r in found if r[6]][:max(1, top_k)]:
         prof = work.profile(lay.tp, lay.sequence_parallel)
-        est = _finish(lay, work, prof, sec_of(lay.tp, lay.sequence_parallel, lay.microbatch_size), layers, split, st)
+        sec = sec_of(lay.tp, lay.sequence_parallel, lay.microbatch_size, lay.precision)
+        est = _finish(lay, work, prof, sec, layers, split, st_of[lay.precision])
         top.append(Candidate(lay, est, split if lay.pp > 1 else None))
     res = SearchResult(top, workload=work, world=world, hardware=hw, global_batch=int(global_batch), seq=int(seq),
                        memory_limit=limit, stats=stats, seconds=time.perf_counter() - t0)
     res.priced = [(r[0], r[1], r[3]) for r in found]
+    res._reprice = functools.partial(_reprice, work=work, st=st, sec_of=sec_of, split_of=split_of)
     return res
+
+
+def _reprice(layout: Layout, *, work, st: _Settings, sec_of, split_of) -> Estimate:
+    """Price a layout of a finished search (its counterfactuals: :meth:`SearchResult.choices`) on the
+    search's own settings, stage cuts and cached sections."""
+    layout = C.resolve_precision(layout, layout.precision or st.precision)
+    pr = layout.precision
+    prof = work.profile(layout.tp, layout.sequence_parallel)
+    split = split_of(layout.pp, layout.virtual)
+    sec = sec_of(layout.tp, layout.sequence_parallel, layout.microbatch_size, pr)
+    return _finish(layout, work, prof, sec, split.layers_per_rank, split, dataclasses.replace(st, precision=pr))
 
 
 def _input_seq(example_inputs) -> int | None:
@@ -1089,7 +1284,7 @@ def _nothing_fits(work, space, pruned_groups, smallest, limit, st, sec_of, split
         return (f"no layout of {work.name or 'the model'} on {space.world} GPUs: no schedule and microbatch size of "
                 f"the allowed ones ({', '.join(space.schedules)}; microbatch sizes "
                 f"{space.microbatch_sizes or 'any'}) is valid for its meshes; allow more schedules or sizes")
-    allow = [what for what, ok in (("ZeRO-1", 1 in space.zero),
+    allow = [what for what, ok in (("ZeRO-3", 3 in space.zero),
                                    ("full recompute", bool({Recompute.FULL, Recompute.AUTO} & set(space.recompute))),
                                    ("sequence parallelism", True in space.sequence_parallel)) if not ok]
     return (f"no layout of {work.name or 'the model'} on {space.world} GPUs fits in {_bytes(limit)} per GPU: "
@@ -1108,7 +1303,8 @@ def auto_layout(model, world: int, example_inputs: tuple, example_kwargs: dict |
                 hardware=None, global_batch: int | None = None, device_type: str = "cpu"):
     """What ``parallelize(..., plan="auto")`` runs (on rank 0): the best layout for this world, as a
     (mesh axes, Config options, explanation) triple. Options the user gave keep their values (the
-    searched ones restrict the space); the runtime keeps parameters and gradients in fp32."""
+    searched ones restrict the space); the runtime keeps parameters and gradients in fp32. ZeRO 0/1 unless
+    ``zero`` is given, overlap as ``Config(overlap=)``, matmuls in the Config's dtype (no FP8 unasked)."""
     from mcompile.config import Config, Inputs
 
     given = [k for k in _CHOSEN_OPTIONS if k in options]
@@ -1126,7 +1322,9 @@ def auto_layout(model, world: int, example_inputs: tuple, example_kwargs: dict |
     seq = int(tensors[0].shape[1]) if tensors and tensors[0].ndim > 1 else None
     # recompute="auto" only when asked for: its budget comes from the cost model's memory estimate, and
     # passes/remat.py refuses a budget under its own minimum on the real joint graph
-    restrict = {"recompute": RECOMPUTE_ORDER}
+    # ZeRO 0/1 unless asked (2 and 3 run as passes on the joint program: opt in with zero=); overlap as
+    # configured (Config(overlap=True) by default); the runtime's compute dtype, never FP8 unasked
+    restrict = {"recompute": RECOMPUTE_ORDER, "zero": (0, 1), "overlap": (bool(config.overlap),)}
     if "sequence_parallel" in options:
         restrict["sequence_parallel"] = (bool(options["sequence_parallel"]),)
     if "recompute" in options:

@@ -51,13 +51,14 @@ def sc21_layout(row: dict) -> Layout:
     """Megatron's layout of a Table 1 row: tp, pp from the row, dp = gpus / (tp·pp), microbatch 1,
     full recompute, interleaved 1F1B where pp > 1 with v = the smallest divisor > 1 of the layers per
     stage (2 where that count is even; 3 for the 76B and 530B rows' 15 and 3 layers per stage).
-    Megatron of 2021 reduced gradients after the backward (no overlap)."""
+    Megatron of 2021 reduced gradients after the backward and had no tensor-parallel communication
+    overlap (no collective matmul: ``overlap=False``)."""
     tp, pp = row["tp"], row["pp"]
     per_stage = row["layers"] // pp
     v = min(d for d in range(2, per_stage + 1) if per_stage % d == 0) if pp > 1 and per_stage > 1 else 1
     return Layout(dp=row["gpus"] // (tp * pp), tp=tp, pp=pp, virtual=v,
                   schedule="interleaved" if v > 1 else "1f1b", microbatch_size=1, recompute="full",
-                  overlap_grad_reduce=False)
+                  overlap_grad_reduce=False, overlap=False)
 
 
 def sc21_workload(row: dict) -> Workload:

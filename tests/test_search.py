@@ -87,9 +87,10 @@ def test_gpt2_xl_on_64_gpus(capsys):
 
 @pytest.mark.parametrize("limit_gib", [None, 6])
 def test_pruning_is_exact(medium, limit_gib):
-    """The pruned search (memory lower bounds, microbatch sizes past the limit, recompute dominance)
-    prices a subset of the space, at the same times as pricing every layout; every fitting layout it
-    skipped differs from one it priced only by a more expensive recompute mode, and is slower."""
+    """The pruned search (memory lower bounds, microbatch sizes past the limit, recompute dominance,
+    overlap off and higher matmul precision dominated) prices a subset of the space, at the same times as
+    pricing every layout; every fitting layout it skipped differs from one it priced only by a more
+    expensive recompute mode, overlap off, or both, and is no faster."""
     limit = limit_gib * 2**30 if limit_gib else None
     kw = dict(hardware="a100", global_batch=32, seq=1024, top_k=3, memory_limit=limit)
     fast = search(medium, 16, **kw)
@@ -102,7 +103,9 @@ def test_pruning_is_exact(medium, limit_gib):
     order = ["none", "selective", "full"]
     for lay, t in full_t.items():
         if lay not in fast_t:
-            cheaper = [Layout(**{**lay.__dict__, "recompute": r}) for r in order[:order.index(lay.recompute.value)]]
+            recs = order[:order.index(lay.recompute.value) + 1] if lay.recompute.value in order else [lay.recompute]
+            cheaper = [Layout(**{**lay.__dict__, "recompute": r, "overlap": o}) for r in recs for o in (True, False)]
+            cheaper = [c for c in cheaper if c != lay]
             assert any(c in fast_t and fast_t[c] <= t for c in cheaper), lay
     if limit:
         assert fast.stats["pruned_memory"] > 0 and max(m for _, m, _ in fast.priced) <= limit
