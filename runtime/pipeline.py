@@ -94,7 +94,8 @@ class Wait:
     id: int  # the Post waited for
 
 
-def p2p_plan(actions: list, pp_rank: int | None, num_stages: int, out_diff: dict[int, list[bool]]) -> list:
+def p2p_plan(actions: list, pp_rank: int | None, num_stages: int, out_diff: dict[int, list[bool]],
+             lookahead: int = 0) -> list:
     """The step of pipeline rank ``pp_rank``: its actions with the postings and waits around them.
 
     ``actions``: every pipeline rank's action list (a receiver posts its receives from a peer in
@@ -103,8 +104,12 @@ def p2p_plan(actions: list, pp_rank: int | None, num_stages: int, out_diff: dict
     differentiable (a gradient comes back for it). Before an action, the receives it needs are
     posted (with any earlier messages of the same peer not yet posted) and waited for; after it,
     each output is posted as its own send, waited for at the end of the step. Every posting is a
-    single op (``Post.batched`` False) on the communicator of its direction. Returns a list of
-    :class:`~mcompile.runtime.schedules.Action`, :class:`Post` and :class:`Wait`."""
+    single op (``Post.batched`` False) on the communicator of its direction. ``lookahead`` (the overlap
+    pass, ``Config(overlap=True)``: 1): the receives the next ``lookahead`` actions need are posted too,
+    before this action runs, so their transfer runs under its compute (on their direction's
+    communicator, in the sender's order: the same queue as before, posted earlier; one more receive
+    buffer in flight). Returns a list of :class:`~mcompile.runtime.schedules.Action`, :class:`Post`
+    and :class:`Wait`."""
     def messages(kind: str, sender: int, mb: int) -> list[tuple]:
         flags = out_diff.get(sender if kind == "act" else sender - 1, [])
         return [(kind, sender, mb, j) for j, d in enumerate(flags) if kind == "act" or d]
@@ -138,15 +143,22 @@ def p2p_plan(actions: list, pp_rank: int | None, num_stages: int, out_diff: dict
     posted = {q: 0 for q in incoming}
     post_of: dict[tuple, int] = {}
     plan: list = []
-    for a in actions[pp_rank]:
+    def post_upto(msg) -> None:
+        q = msg[1] % pp
+        while msg not in post_of:
+            nxt = incoming[q][posted[q]]
+            posted[q] += 1
+            post_of[nxt] = len(plan)
+            plan.append(Post(len(plan), (("recv", nxt),), batched=False))
+
+    mine = actions[pp_rank]
+    for i, a in enumerate(mine):
         for msg in needs(a):
-            q = msg[1] % pp
-            while msg not in post_of:
-                nxt = incoming[q][posted[q]]
-                posted[q] += 1
-                post_of[nxt] = len(plan)
-                plan.append(Post(len(plan), (("recv", nxt),), batched=False))
+            post_upto(msg)
             plan.append(Wait(post_of.pop(msg)))
+        for b in mine[i + 1:i + 1 + lookahead]:
+            for msg in needs(b):
+                post_upto(msg)
         plan.append(a)
         for msg in sends(a):
             plan.append(Post(len(plan), (("send", msg),), batched=False))
@@ -173,8 +185,9 @@ class PipelineExecutor:
 
     def __init__(self, *, rank: int, pp_rank: int, num_stages: int, actions: list[list[Action]], microbatches: int,
                  peer_of_stage, stages: dict, send_specs: dict[int, list[MessageSpec]], record: bool = False,
-                 groups: dict | None = None, clock=None):
+                 groups: dict | None = None, clock=None, lookahead: int = 0):
         self.rank = rank
+        self.lookahead = lookahead  # receives of the next actions posted early (p2p_plan)
         self.pp_rank = pp_rank
         self.k = num_stages
         self.pp = len(actions)
@@ -204,7 +217,7 @@ class PipelineExecutor:
 
     def plan(self, actions: list[list[Action]]) -> list:
         return p2p_plan(actions, self.pp_rank, self.k,
-                        {s: [sp.differentiable for sp in v] for s, v in self.send_specs.items()})
+                        {s: [sp.differentiable for sp in v] for s, v in self.send_specs.items()}, self.lookahead)
 
     def _post(self, post: Post) -> tuple[list, list]:
         ops = []
@@ -539,6 +552,7 @@ class Pipeline:
             cuts=list(config.stage_cuts) if config.stage_cuts else None, seq=config.pipeline_seq or 2048)
         self.k = self.partition.num_stages
         self.schedule = config.schedule
+        self.lookahead = 1 if getattr(config, "overlap", False) else 0  # receives posted one action early
         self.actions = build_schedule(config.schedule, self.pp, self.virtual, self.m)
         self.stages = split_stages(program, self.partition, cap.params, cap.user_inputs)
         if pm._zero3:  # ZeRO-3 (passes/fsdp.py): each stage gathers its own sharded parameters
@@ -782,7 +796,8 @@ class Pipeline:
                           for s in range(self.k)}
             end = self.step_end_ops(q)
             derived[rank] = rank_ops(self.actions[q], stage_comm, self.k, self.peer_of_stage,
-                                     [op for op in end if op.axis == "pp"], schedule=self.actions, pp_rank=q)
+                                     [op for op in end if op.axis == "pp"], schedule=self.actions, pp_rank=q,
+                                     lookahead=self.lookahead)
         self.derived_ops = derived
         mine = derived[pm._rank] + [op for op in full_end if op.axis != "pp"]
         error = None
@@ -946,7 +961,8 @@ class Pipeline:
                                 last_mb={k: last[(s, k)] for k in "BW" if (s, k) in last})
         ex = PipelineExecutor(rank=pm._rank, pp_rank=self.pp_rank, num_stages=self.k, actions=self.actions,
                               microbatches=len(pieces), peer_of_stage=self.peer_of_stage, stages=stages,
-                              send_specs=specs, record=self.record, groups=self.p2p_groups)
+                              send_specs=specs, record=self.record, groups=self.p2p_groups,
+                              lookahead=self.lookahead)
         if len(pieces) != self.m:
             raise ValueError(f"the schedule was built for {self.m} microbatches, got {len(pieces)}")
         if forward_only:

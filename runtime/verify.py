@@ -76,7 +76,7 @@ class CommOp:
 
 
 def rank_ops(actions, stage_comm, num_stages: int, peer_of_stage, step_end=(), plan=None, schedule=None,
-             pp_rank: int | None = None, comm: str = "direction") -> list[CommOp]:
+             pp_rank: int | None = None, comm: str = "direction", lookahead: int = 0) -> list[CommOp]:
     """The ops of one rank.
 
     ``actions``: its schedule (:class:`~mcompile.runtime.schedules.Action` list); ``stage_comm``:
@@ -93,7 +93,7 @@ def rank_ops(actions, stage_comm, num_stages: int, peer_of_stage, step_end=(), p
     if plan is None:
         diff = {s: [d for _, _, d in sc["send"]] for s, sc in stage_comm.items()}
         plan = p2p_plan(actions if schedule is None else schedule, None if schedule is None else pp_rank,
-                        num_stages, diff)
+                        num_stages, diff, lookahead)
     out: list[CommOp] = []
     for e in plan:
         if isinstance(e, Post):

@@ -96,6 +96,32 @@ def test_every_schedule_is_deadlock_free_under_nccl_rules(name, p, m):
                for r, op in posts)
 
 
+@pytest.mark.parametrize("name,p,m", CASES)
+def test_receives_posted_one_action_early_stay_deadlock_free(name, p, m):
+    """The overlap pass's posting (Config(overlap=True): p2p_plan lookahead=1): the receives the next
+    action needs are posted before this one runs. Still deadlock-free under NCCL's rules, every
+    message matched, and earlier: some receive is posted before an action it is not needed by."""
+    v = 2 if name == "interleaved" else 1
+    k = p * v
+    acts = build_schedule(name, p, v, m)
+    sc = _stage_comm(k)
+    ops = {r: rank_ops(acts[r], sc, k, lambda s: s % p, schedule=acts, pp_rank=r, lookahead=1) for r in range(p)}
+    verify(ops)
+    diff = {s: [True] for s in range(k - 1)}
+    early = 0
+    for r in range(p):
+        plan = p2p_plan(acts, r, k, diff, lookahead=1)
+        assert [e for e in plan if not isinstance(e, (Post, Wait))] == acts[r]  # same actions, same order
+        waited = {e.id for e in plan if isinstance(e, Wait)}
+        posted = [e for e in plan if isinstance(e, Post) and e.ops[0][0] == "recv"]
+        assert {e.id for e in posted} == waited  # every receive waited once
+        at = {id(e): i for i, e in enumerate(plan)}
+        for e in posted:  # posted before the action that precedes its wait: under that action's compute
+            w = next(i for i, x in enumerate(plan) if isinstance(x, Wait) and x.id == e.id)
+            early += any(not isinstance(x, (Post, Wait)) for x in plan[at[id(e)] + 1:w])
+    assert early > 0
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zbh1"])
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_the_posting_order_is_the_previous_one(name, p):
