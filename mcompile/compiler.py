@@ -34,6 +34,7 @@ program at that point as Python — forward and backward, every collective visib
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -112,7 +113,9 @@ def rank_programs(compiled, rank: int, config, device=None, *, upto: str | None 
                   snapshots: bool = False) -> RankPrograms:
     """Run the rank passes (lower, fuse, fp8) for ``rank``; the pipeline split is the runtime's
     (it needs the stage partition), as are the signature passes."""
-    program = compiled.program(rank, device)
+    # the rank passes rewrite the graph in place: on a copy, not on the compiled plan's cached program
+    cached = compiled.program(rank, device)
+    program = fx.GraphModule(cached, copy.deepcopy(cached.graph), class_name=type(cached).__name__)
     out = RankPrograms(program)
     if snapshots:
         out.snapshots["lower"] = program.code

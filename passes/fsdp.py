@@ -41,7 +41,7 @@ from mcompile import ops
 from mcompile.placements import BlockShard, Shard
 
 __all__ = ["ShardSpec", "shard_specs", "insert_gathers", "gathered_values", "prefetch", "is_param_gather",
-           "PrefetchReport"]
+           "PrefetchReport", "gathered_in_flight"]
 
 
 @dataclass(frozen=True)
@@ -217,3 +217,36 @@ def prefetch(gm: fx.GraphModule, where: str = "") -> PrefetchReport:
 def replicated_reasons(specs: dict[str, ShardSpec]) -> list[str]:
     return [f"{s.fqn}: {s.reason}" for s in specs.values() if not s.sharded]
 
+
+
+def gathered_in_flight(gm: fx.GraphModule) -> tuple[int, list[int]]:
+    """Bytes of gathered (full) parameters live at once in a forward or backward module, at most, and
+    the bytes of each layer group of gathers in order of use: a gathered buffer is live from its
+    gather (or start) to the last reader of it or of a view of it (fx frees a value after its last
+    use). ZeRO-3's promise: at most the layer being computed and the one prefetched."""
+    from mcompile.passes.joint import is_alias
+
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    roots = [n for n in nodes if is_param_gather(n) or
+             (n.op == "call_function" and n.target is ops.STARTS["all_gather"] and n.args[1] == "dp"
+              and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder")]
+    spans, groups = [], []
+    for r in roots:
+        val = r.meta.get("val")
+        nbytes = val.numel() * val.element_size() if val is not None else 0
+        last, todo = order[r], [r]
+        while todo:
+            x = todo.pop()
+            for u in x.users:
+                last = max(last, order[u])
+                if is_alias(u):
+                    todo.append(u)
+        spans.append((order[r], last, nbytes))
+        lay = _layer(r)
+        if groups and groups[-1][0] == lay:
+            groups[-1][1] += nbytes
+        else:
+            groups.append([lay, nbytes])
+    most = max((sum(b for s0, e, b in spans if s0 <= i <= e) for i in range(len(nodes))), default=0)
+    return most, [b for _, b in groups]

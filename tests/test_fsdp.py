@@ -131,8 +131,6 @@ def test_zero_memory_per_rank_equals_the_prediction(zero, mesh):
 
 
 def _show(mesh, **kw):
-    import argparse
-
     import mcompile as mc
     from conftest import build
     from mcompile import compiler
@@ -141,7 +139,6 @@ def _show(mesh, **kw):
     model, inputs = build("llama3-tiny", batch=4)
     compiled = mc.compile_plan(model, mc.Mesh.parse(mesh), inputs, sequence_parallel=kw.get("sequence_parallel",
                                                                                              False))
-    del argparse
     return compiler.show(compiled, 0, Config(**kw), inputs, after="partition")
 
 
@@ -264,4 +261,40 @@ def test_zero3_specs_say_what_stays_replicated():
             tp_dim0 = isinstance(compiled.plan.params[f].placements[-1], Shard) and \
                 compiled.plan.params[f].placements[-1].dim % len(compiled.plan.params[f].shape) == 0
             assert s.placement == (BlockShard(0, 2) if tp_dim0 else Shard(0)), (f, s)
-    del torch
+
+
+@pytest.mark.timeout(300)
+def test_zero3_gathered_parameters_in_flight_are_at_most_two_layers():
+    """The forward and backward modules of llama3-tiny dp=2 x tp=2 SP ZeRO-3 (rank 0): gathered
+    parameters live at once are at most the two largest consecutive layer groups (the layer computing
+    and the one prefetched) with overlap, and a single tensor's without (each gathered right before
+    its use and freed after its last); nothing gathered is saved for backward."""
+    import mcompile as mc
+    from conftest import build
+    from mcompile import compiler
+    from mcompile.config import Config
+    from mcompile.passes.fsdp import gathered_in_flight, gathered_values
+    from mcompile.runtime.joint import JointRunner
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model, inputs = build("llama3-tiny", batch=4)
+    c = mc.compile_plan(model, mc.Mesh.parse("dp=2,tp=2"), inputs, sequence_parallel=True)
+    for overlap in (True, False):
+        cfg = Config(sequence_parallel=True, zero=3, overlap=overlap)
+        rp = compiler.rank_programs(c, 0, cfg, torch.device("cpu"))
+        names = [n.name for n in rp.program.graph.nodes if n.op == "placeholder"]
+        args = compiler._example_args(c, 0, names, inputs, 1, FakeTensorMode(allow_non_fake_inputs=True),
+                                      compiler.zero3_placeholders(c, names))
+        with torch.enable_grad():
+            jp = JointRunner(rp.program, cfg, accumulate=lambda a: {}).compile(args)
+        assert not set(jp.saved) & gathered_values(jp.joint.gm)
+        for gm in (jp.forward, jp.backward):
+            most, groups = gathered_in_flight(gm)
+            assert len(groups) >= 3, groups
+            if overlap:
+                assert most == max(a + b for a, b in zip(groups, groups[1:])), (most, groups)
+            else:
+                biggest = max(n.meta["val"].numel() * 4 for n in gm.graph.nodes
+                              if n.op == "call_function" and n.target is torch.ops.mcompile.all_gather.default
+                              and n.args[2] == "dp")
+                assert most == biggest, (most, biggest)
