@@ -291,12 +291,14 @@ MUTANTS: list[Mutant] = [
         file="runtime/module.py",
         old='        stats = torch.stack([total, count])\n'
             '        if self.mesh.size("dp") > 1:\n'
-            '            dist.all_reduce(stats, group=self._comm.groups["dp"])\n'
+            '            with self._comm.timed("all_reduce", "dp", stats):\n'
+            '                dist.all_reduce(stats, group=self._comm.groups["dp"])\n'
             '        leaves.finish(1.0 / stats[1], self._tp_partial)',
         new='        stats = torch.stack([total, count])\n'
             '        local_count = stats[1].clone()\n'
             '        if self.mesh.size("dp") > 1:\n'
-            '            dist.all_reduce(stats, group=self._comm.groups["dp"])\n'
+            '            with self._comm.timed("all_reduce", "dp", stats):\n'
+            '                dist.all_reduce(stats, group=self._comm.groups["dp"])\n'
             '        leaves.finish(1.0 / local_count, self._tp_partial)',
         description="each dp rank divides the summed gradients by its own token count instead of the "
                     "global one (ranks count 27 and 32 targets)",
@@ -314,9 +316,10 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="runtime-sp-norm-grads-not-reduced-over-tp",
         file="runtime/leaves.py",
-        old='            flat = torch.cat(views)\n'
-            '            dist.all_reduce(flat, group=pm._comm.groups["tp"])\n',
-        new='            flat = torch.cat(views)\n',
+        old='            with pm._comm.timed("all_reduce", "tp", flat, "step"):\n'
+            '                dist.all_reduce(flat, group=pm._comm.groups["tp"])\n',
+        new='            with pm._comm.timed("all_reduce", "tp", flat, "step"):\n'
+            '                pass\n',
         description="sequence-parallel norm weights' gradients (Partial over tp) are not all-reduced over tp",
         targets=(_RT_SP,),
     ),
@@ -561,8 +564,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="joint-microbatch-grads-overwrite",
         file="passes/joint.py",
-        old="            gm.graph.call_function(torch.ops.aten.add_.Tensor, (buf, g))",
-        new="            gm.graph.call_function(torch.ops.aten.copy_.default, (buf, g))",
+        old="            add = gm.graph.call_function(torch.ops.aten.add_.Tensor, (buf, g))",
+        new="            add = gm.graph.call_function(torch.ops.aten.copy_.default, (buf, g))",
         description="a joint backward's weight gradients overwrite the fp32 buffer instead of adding: only "
                     "the last microbatch's gradient survives",
         targets=(_RT_DP_MB,),

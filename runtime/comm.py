@@ -2,13 +2,22 @@
 
 One process group per mesh axis, from a torch ``DeviceMesh`` (NCCL on CUDA, gloo on CPU; the same
 programs run on both). Bound around each program run with :func:`mcompile.ops.bind`.
+
+``recorder`` (None unless ``pm.start_timeline()``: a :class:`mcompile.timeline.Recorder`) times every
+collective: a synchronous one from its call to its return, a started one from its launch to its
+completion (the work's future), and the host's wait for it. Off, each collective pays one
+attribute check.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from mcompile.ops import Pending
 
 __all__ = ["DistCommunicator"]
 
@@ -24,25 +33,101 @@ class DistCommunicator:
         self.groups = {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
         self.ranks = {name: mesh.get_local_rank(name) for name in mesh.mesh_dim_names}
         self.sizes = {name: mesh.size(i) for i, name in enumerate(mesh.mesh_dim_names)}
+        self.pending = Pending()  # started collectives (mcompile.ops start_* / wait)
+        self.recorder = None  # a mcompile.timeline.Recorder while a timeline is recorded
+        self._kinds: dict[int, tuple[str, str]] = {}  # started buffer -> (kind, axis), while recording
 
     def rank(self, axis: str) -> int:
         return self.ranks[axis]
 
     def all_reduce(self, x: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         out = x.clone()
+        rec = self.recorder
+        t0 = rec.mark() if rec is not None else None
         dist.all_reduce(out, op=_OPS[op], group=self.groups[axis])
+        if rec is not None:
+            rec.collective("all_reduce" if op == "sum" else f"all_reduce_{op}", axis, out.nbytes, t0)
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
         n = self.sizes[axis]
         src = x.movedim(dim, 0).contiguous()
         out = src.new_empty((n * src.shape[0], *src.shape[1:]))
+        rec = self.recorder
+        t0 = rec.mark() if rec is not None else None
         _ALL_GATHER(out, src, group=self.groups[axis])
+        if rec is not None:
+            rec.collective("all_gather", axis, out.nbytes, t0)
         return out.movedim(0, dim).contiguous()
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
         n = self.sizes[axis]
         src = x.movedim(dim, 0).contiguous()
         out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
+        rec = self.recorder
+        t0 = rec.mark() if rec is not None else None
         _REDUCE_SCATTER(out, src, group=self.groups[axis])
+        if rec is not None:
+            rec.collective("reduce_scatter", axis, src.nbytes, t0)
         return out.movedim(0, dim).contiguous()
+
+    def start(self, kind: str, x: torch.Tensor, axis: str) -> torch.Tensor:
+        """Launch ``kind`` on dim 0 of ``x`` over ``axis`` asynchronously; the output buffer, to be
+        read after :meth:`wait`. ``x`` is kept alive until then (NCCL reads it on its stream)."""
+        n, group = self.sizes[axis], self.groups[axis]
+        rec = self.recorder
+        t0 = rec.mark() if rec is not None else None
+        if kind == "all_gather":
+            out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+            work = _ALL_GATHER(out, x, group=group, async_op=True)
+        elif kind == "reduce_scatter":
+            out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+            work = _REDUCE_SCATTER(out, x, group=group, async_op=True)
+        elif kind == "all_reduce":
+            out = x.clone()
+            work = dist.all_reduce(out, group=group, async_op=True)
+        else:
+            raise ValueError(f"start: unknown collective {kind!r}")
+        if rec is not None:
+            rec.launched(kind, axis, max(out.nbytes, x.nbytes), work, t0)
+            self._kinds[out.data_ptr()] = (kind, axis)
+        return self.pending.put(out, work, x)
+
+    def wait(self, buf: torch.Tensor) -> None:
+        rec = self.recorder
+        if rec is None:
+            self.pending.pop(buf).wait()
+            return
+        t0 = rec.mark()
+        self.pending.pop(buf).wait()
+        kind, axis = self._kinds.pop(buf.data_ptr(), ("collective", "?"))
+        rec.wait(f"wait {kind} {axis}", t0)
+
+    def timed(self, kind: str, axis: str, x: torch.Tensor, source: str = "step"):
+        """A context for a synchronous collective the runtime calls on ``x`` itself (not through this
+        communicator): recorded while a timeline is on, a no-op context otherwise."""
+        rec = self.recorder
+        if rec is None:
+            return contextlib.nullcontext()
+        return _Timed(rec, kind, axis, x.nbytes, source)
+
+    def launched(self, kind: str, axis: str, x: torch.Tensor, work, source: str = "bucket") -> None:
+        """Record an asynchronous collective on ``x`` that the runtime launched itself (a dp bucket),
+        if a timeline is on; its launch is marked now, right after the launch call returned."""
+        rec = self.recorder
+        if rec is not None and work is not None:
+            rec.launched(kind, axis, x.nbytes, work, source=source)
+
+
+class _Timed:
+    __slots__ = ("rec", "kind", "axis", "nbytes", "source", "t0")
+
+    def __init__(self, rec, kind, axis, nbytes, source):
+        self.rec, self.kind, self.axis, self.nbytes, self.source = rec, kind, axis, nbytes, source
+
+    def __enter__(self):
+        self.t0 = self.rec.mark()
+
+    def __exit__(self, *exc):
+        self.rec.collective(self.kind, self.axis, self.nbytes, self.t0, self.source)
+        return False
