@@ -100,3 +100,12 @@ def pool(n: int):
 def pytest_sessionfinish(session, exitstatus):
     for p in _POOLS.values():
         p.close()
+
+
+def tiered(cases, ci) -> list:
+    """``pytest.param``s of ``cases`` (tuples) with an id each; those not in ``ci`` are marked slow: the
+    CI tier keeps a parity case of every capability, the full layout x model sweep runs with -m slow."""
+    def ident(case):
+        return "-".join(c if isinstance(c, str) else "-".join(f"{k}={v}" for k, v in c.items()) for c in case)
+
+    return [pytest.param(*c, id=ident(c), marks=() if c in ci else pytest.mark.slow) for c in cases]

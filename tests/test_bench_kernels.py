@@ -30,6 +30,7 @@ def _smoke(out, *extra):
                           capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow  # the CI tier keeps the cheaper checks of this capability (README: -m slow)
 @pytest.mark.timeout(90)
 def test_kernel_benchmark_smoke_writes_its_json(tmp_path):
     out = tmp_path / "kernels_smoke.json"

@@ -18,6 +18,7 @@ def run_cli(*args: str) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout, proc.stderr
 
 
+@pytest.mark.slow  # the CI tier keeps the cheaper checks of this capability (README: -m slow)
 @pytest.mark.timeout(180)
 def test_plan_llama3_70b_on_512_fake_ranks_is_cheap_and_its_memory_matches_a_hand_calculation(tmp_path):
     """Llama-3-70B on Mesh.fake(dp=64, tp=8): no real memory (<= 2 GB RSS), <= 60 s, and the

@@ -611,6 +611,7 @@ def _train_curve(c, data, recipe, seed):
     return losses
 
 
+@pytest.mark.slow  # the CI tier keeps the cheaper checks of this capability (README: -m slow)
 @pytest.mark.timeout(300)
 def test_fp8_training_tracks_fp32(monkeypatch):
     """llama3-tiny, 200 steps of 8 x 64 bytes of mcompile.demo's corpus, fp32 vs FP8 (current scaling),

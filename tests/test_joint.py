@@ -145,7 +145,7 @@ def _joint_vs_eager(name, mesh, configs):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["llama3-tiny", "hf-llama"])
+@pytest.mark.parametrize("name", ["llama3-tiny", pytest.param("hf-llama", marks=pytest.mark.slow)])
 def test_every_policy_gives_autograd_gradients_to_the_bit(name):
     configs = [Config(recompute=p) for p in ("none", "full", "selective")] + \
         [Config(recompute="full", recompute_method="block", recompute_num_layers=1)]
@@ -183,7 +183,7 @@ def test_recomputed_forward_runs_just_before_its_backward():
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["llama3-tiny", "hf-llama"])
+@pytest.mark.parametrize("name", ["llama3-tiny", pytest.param("hf-llama", marks=pytest.mark.slow)])
 def test_auto_recompute_stays_under_each_budget(name):
     """At budgets from the least feasible (save nothing: every needed value recomputed from the
     inputs) to 'save everything': the activations forward leaves alive (live-bytes tracker, outputs

@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the CI tier keeps the cheaper checks of this capability (README: -m slow)
 @pytest.mark.timeout(300)
 def test_torchrun_example_trains_and_matches_one_device(tmp_path):
     """examples/train_tiny.py under torchrun (tp=2, sequence parallel, 4 steps at its lr of 3e-3)

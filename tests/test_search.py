@@ -143,6 +143,7 @@ def test_stage_cuts_are_the_partitioners():
     assert cut.details["uniform_step_time_s"] == pytest.approx(uniform.step_time_s, rel=1e-12)
 
 
+@pytest.mark.slow  # the CI tier keeps the cheaper checks of this capability (README: -m slow)
 def test_sc21_searched_best_is_no_slower_than_megatron(capsys):
     """Every row of SC'21 Table 1: Megatron's layout (tp, pp from the row, microbatch 1, full recompute,
     interleaved) is in the searched space, and the searched best is predicted no slower, both priced
