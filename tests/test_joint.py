@@ -145,11 +145,13 @@ def _joint_vs_eager(name, mesh, configs):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["llama3-tiny", pytest.param("hf-llama", marks=pytest.mark.slow)])
-def test_every_policy_gives_autograd_gradients_to_the_bit(name):
+@pytest.mark.parametrize("name,mesh", [("llama3-tiny", "tp=2"),  # CI: recompute does not depend on dp
+                                       pytest.param("llama3-tiny", "dp=2,tp=2", marks=pytest.mark.slow),
+                                       pytest.param("hf-llama", "dp=2,tp=2", marks=pytest.mark.slow)])
+def test_every_policy_gives_autograd_gradients_to_the_bit(name, mesh):
     configs = [Config(recompute=p) for p in ("none", "full", "selective")] + \
         [Config(recompute="full", recompute_method="block", recompute_num_layers=1)]
-    c, res = _joint_vs_eager(name, "dp=2,tp=2", configs)
+    c, res = _joint_vs_eager(name, mesh, configs)
     for r, per in enumerate(res):
         for cfg, (same, _, _jp) in zip(configs, per):
             assert same, (r, cfg.recompute, cfg.recompute_method)

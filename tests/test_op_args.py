@@ -200,7 +200,9 @@ SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, phases=[Ph
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sp,fuse", [(False, False), (True, False), (True, True)], ids=["tp2", "tp2+sp", "tp2+sp+fuse"])
+@pytest.mark.parametrize("sp,fuse", [pytest.param(False, False, id="tp2", marks=pytest.mark.slow),
+                                     pytest.param(True, False, id="tp2+sp", marks=pytest.mark.slow),
+                                     pytest.param(True, True, id="tp2+sp+fuse")])  # CI: the one that covers most
 @SETTINGS
 @given(a=args_st(), seed=st.integers(0, 3))
 def test_non_default_arguments_forward_and_backward(sp, fuse, a, seed, monkeypatch):

@@ -57,7 +57,8 @@ CASES = [
 # recompute mode, fusion); the rest of the matrix with -m slow
 _CI = [("llama3-tiny", m, o) for m, o in CASES if (m, o) not in (
     ("tp=2", {}), ("tp=2", {"sequence_parallel": True}), ("tp=2", {"microbatches": 2}), ("tp=4", {"microbatches": 2}),
-    ("tp=4", {"sequence_parallel": True, "microbatches": 2}), ("dp=2", {}), ("dp=2,tp=2", {"microbatches": 2}),
+    ("tp=4", {"sequence_parallel": True, "microbatches": 2}), ("dp=2", {}), ("dp=2,tp=2", {}),
+    ("dp=2,tp=2", {"microbatches": 2}),
     ("dp=2,tp=2", {"sequence_parallel": True}))] + [("gpt2-tiny", m, o) for m, o in (
         ("tp=2", {"sequence_parallel": True}), ("tp=4", {"microbatches": 2}), ("dp=2", {}),
         ("dp=2,tp=2", {"sequence_parallel": True, "microbatches": 2}),
@@ -73,8 +74,9 @@ def test_parity_presets(name, mesh, options):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2"])
-@pytest.mark.parametrize("name", ["hf-llama", "hf-gpt2"])
+@pytest.mark.parametrize("name,mesh", tiered([("hf-llama", "tp=2"), ("hf-llama", "dp=2,tp=2"), ("hf-gpt2", "tp=2"),
+                                               ("hf-gpt2", "dp=2,tp=2")],
+                                              [("hf-llama", "tp=2"), ("hf-llama", "dp=2,tp=2"), ("hf-gpt2", "dp=2,tp=2")]))
 def test_parity_hugging_face(name, mesh):
     _check(name, mesh, {})
 
@@ -120,6 +122,7 @@ def test_collectives_counted_by_the_profiler_are_the_planned_ones(mesh, options)
     assert counted == dict(expect)
 
 
+@pytest.mark.slow  # the CI tier keeps the cheaper checks of this capability (README: -m slow)
 @pytest.mark.timeout(600)
 def test_checkpoint_resume_is_bit_identical(tmp_path):
     """Save at step 5, resume in fresh processes: steps 6-10 equal the uninterrupted run exactly."""

@@ -66,6 +66,7 @@ def test_zero1_parity_with_padded_buffers():
     _parity("odd-llama", "dp=4", {"zero": 1, "bucket_mb": 0.001})
 
 
+@pytest.mark.slow  # the CI tier keeps the cheaper checks of this capability (README: -m slow)
 @pytest.mark.timeout(600)
 def test_zero1_bf16_equals_zero0_bf16():
     """bf16 compute: ZeRO-1 (bf16 parameters, fp32 master shards) against zero=0 (fp32 parameters cast
