@@ -23,7 +23,7 @@ import torch.fx as fx
 from mcompile import ops
 from mcompile.passes.joint import ACC_OUTPUT
 
-__all__ = ["check_waits", "make_async", "OverlapError", "is_collective", "is_start", "is_wait",
+__all__ = ["check_waits", "make_async", "OverlapError", "is_start", "is_wait",
            "launch_buckets", "grad_sink", "BucketLaunch"]
 
 _SYNC = {ops.OPS["all_gather"]: "all_gather", ops.OPS["reduce_scatter"]: "reduce_scatter",
@@ -40,12 +40,6 @@ def is_start(n: fx.Node) -> bool:
 
 def is_wait(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target is ops.WAIT
-
-
-def is_collective(n: fx.Node) -> bool:
-    return n.op == "call_function" and (n.target in _SYNC or is_start(n) or
-                                        getattr(n.target, "namespace", None) == "mcompile"
-                                        and n.target._opname in ("all_reduce_max",))
 
 
 def check_waits(gm: fx.GraphModule, where: str = "") -> None:
@@ -105,7 +99,8 @@ def make_async(gm: fx.GraphModule, node: fx.Node, *, start_after: fx.Node | None
     if wait_before is None:
         wait_before = users[0] if users else node
     if order[start_after] >= order[wait_before]:
-        raise OverlapError(f"{node.name}: its start ({start_after.name}) is not before its first use ({wait_before.name})")
+        raise OverlapError(f"{node.name}: its start ({start_after.name}) is not before its first use "
+                           f"({wait_before.name})")
     g = gm.graph
     with g.inserting_after(start_after):
         src = x

@@ -136,12 +136,13 @@ class JointRunner:
         gp = jp.joint.grad_primals
         whole = {j: self.grad_buckets(gp[j]) for j in range(len(gp))}
         jp.launches = launch_buckets(jp.backward, {j: b for j, b in whole.items() if b is not None})
-        jp.ready_positions = {gp[j] for j, b in whole.items() if b is not None and j in _acc_outputs(jp.backward)}
+        acc = _acc_outputs(jp.backward)
+        jp.ready_positions = {gp[j] for j, b in whole.items() if b is not None and j in acc}
         if jp.backward_weight is not None:
             wpos = {k: self.grad_buckets(gp[j]) for k, j in enumerate(jp.weight_grads)}
             jp.launches_w = launch_buckets(jp.backward_weight, {k: b for k, b in wpos.items() if b is not None})
-            jp.ready_positions_w = {gp[jp.weight_grads[k]] for k, b in wpos.items()
-                                    if b is not None and k in _acc_outputs(jp.backward_weight)}
+            acc_w = _acc_outputs(jp.backward_weight)
+            jp.ready_positions_w = {gp[jp.weight_grads[k]] for k, b in wpos.items() if b is not None and k in acc_w}
 
     # -- run ----------------------------------------------------------------------------------------
     @torch.no_grad()
