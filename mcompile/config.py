@@ -101,7 +101,8 @@ class Config:
         if not (self.tp_overlap in ("auto", "off", "symm_mem") or (isinstance(self.tp_overlap, int)
                                                           and not isinstance(self.tp_overlap, bool)
                                                           and self.tp_overlap >= 2)):
-            raise ValueError(f"tp_overlap={self.tp_overlap!r}: use 'auto', 'off', 'symm_mem' or a number of chunks >= 2")
+            raise ValueError(f"tp_overlap={self.tp_overlap!r}: use 'auto', 'off', 'symm_mem' or a number of "
+                             "chunks >= 2")
         if self.zero >= 2 and self.execution != "joint":
             raise ValueError(f"zero={self.zero} is built as passes on the joint program: use execution='joint'")
         from mcompile.runtime.schedules import SCHEDULES

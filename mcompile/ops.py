@@ -24,8 +24,8 @@ dim 0 and return its output buffer at once (on NCCL: the collective is queued on
 communicator's stream; on gloo: running on gloo's thread; in the simulator: already done);
 ``wait(buf)`` is where the program may first read the buffer (on NCCL it orders the compute stream
 after the collective and does not block the host). A pass places each start as early as its input
-allows and each wait just before the first reader; :func:`mcompile.passes.overlap.check_waits` proves every started buffer
-is waited once, before any other use.
+allows and each wait just before the first reader; :func:`mcompile.passes.overlap.check_waits`
+proves every started buffer is waited once, before any other use.
 
 The ops name a mesh axis; the process group behind it comes from the :class:`Communicator`
 bound with :func:`bind` around the program's execution (torch.distributed groups in the runtime,

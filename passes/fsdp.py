@@ -111,7 +111,7 @@ def insert_gathers(gm: fx.GraphModule, placeholders: set[str], dp: int) -> list[
             if k in first.meta:
                 ag.meta[k] = first.meta[k]
         ag.meta[M.ORIGIN] = f"zero3 gather {ph.name}"
-        ph.replace_all_uses_with(ag, delete_user_cb=lambda u: u is not ag)
+        ph.replace_all_uses_with(ag, delete_user_cb=lambda u, ag=ag: u is not ag)
         gathers.append(ag)
     g.lint()
     gm.recompile()

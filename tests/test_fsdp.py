@@ -127,14 +127,16 @@ def test_zero_memory_per_rank_equals_the_prediction(zero, mesh):
             assert r["replicated"] == []
             assert r["measured"]["parameters"] * dp == 4 * r["tp_local_numel"]  # 1/dp of zero=0's, exactly
         else:  # the fp32 gradients: 1/dp of the parameters' fp32 bytes, up to the buckets' alignment padding
-            assert r["measured"]["parameters"] / dp <= r["measured"]["gradients"] <= 1.05 * r["measured"]["parameters"] / dp
+            params = r["measured"]["parameters"]
+            assert params / dp <= r["measured"]["gradients"] <= 1.05 * params / dp
 
 
 def _show(mesh, **kw):
     import mcompile as mc
-    from conftest import build
     from mcompile import compiler
     from mcompile.config import Config
+
+    from conftest import build
 
     model, inputs = build("llama3-tiny", batch=4)
     compiled = mc.compile_plan(model, mc.Mesh.parse(mesh), inputs, sequence_parallel=kw.get("sequence_parallel",
@@ -202,6 +204,7 @@ def _errors(rank, world):
     import warnings
 
     import mcompile as mc
+
     from conftest import build
 
     model, inputs = build("llama3-tiny", batch=4)
@@ -244,9 +247,10 @@ def test_zero3_checkpoint_resumes_bit_identically(tmp_path):
 
 def test_zero3_specs_say_what_stays_replicated():
     import mcompile as mc
-    from conftest import build
     from mcompile.passes.fsdp import shard_specs
     from mcompile.placements import BlockShard, Shard
+
+    from conftest import build
 
     model, inputs = build("hf-gpt2", batch=4)  # a padded vocabulary (129 at tp=2)
     compiled = mc.compile_plan(model, mc.Mesh.parse("dp=2,tp=2"), inputs)
@@ -269,13 +273,15 @@ def test_zero3_gathered_parameters_in_flight_are_at_most_two_layers():
     parameters live at once are at most the two largest consecutive layer groups (the layer computing
     and the one prefetched) with overlap, and a single tensor's without (each gathered right before
     its use and freed after its last); nothing gathered is saved for backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     import mcompile as mc
-    from conftest import build
     from mcompile import compiler
     from mcompile.config import Config
     from mcompile.passes.fsdp import gathered_in_flight, gathered_values
     from mcompile.runtime.joint import JointRunner
-    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from conftest import build
 
     model, inputs = build("llama3-tiny", batch=4)
     c = mc.compile_plan(model, mc.Mesh.parse("dp=2,tp=2"), inputs, sequence_parallel=True)
