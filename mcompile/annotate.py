@@ -876,7 +876,11 @@ def _set(node: fx.Node, flops: sympy.Expr, read: sympy.Expr, written: sympy.Expr
     node.meta[OUT_BYTES] = out
 
 
-def _annotate(gm: fx.GraphModule, acc: _Acc, outer_layer: tuple[int | None, str | None] | None) -> None:
+_COST = "_mc_node_cost"  # the NodeCost behind the keys (annotate(reuse=True) takes it as it is)
+
+
+def _annotate(gm: fx.GraphModule, acc: _Acc, outer_layer: tuple[int | None, str | None] | None,
+              reuse: bool = False) -> None:
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             v = node.meta.get("val")
@@ -904,7 +908,9 @@ def _annotate(gm: fx.GraphModule, acc: _Acc, outer_layer: tuple[int | None, str 
                 acc.paths.setdefault(lyr, set()).update(ps)
             acc.add(layer, path, s.forward_flops, s.bytes_read, s.bytes_written, s.flops_by_category)
             continue
-        c = node_cost(node)
+        c = node.meta.get(_COST) if reuse else None
+        if c is None:
+            c = node.meta[_COST] = node_cost(node)
         _set(node, c.flops, c.bytes_read, c.bytes_written, c.out_bytes)
         if not c.has_formula:
             acc.no_formula.add(op_name(node.target))
@@ -913,10 +919,12 @@ def _annotate(gm: fx.GraphModule, acc: _Acc, outer_layer: tuple[int | None, str 
         acc.add(layer, path, c.flops, c.bytes_read, c.bytes_written, {c.category: c.flops})
 
 
-def annotate(gm: fx.GraphModule) -> AnnotationSummary:
+def annotate(gm: fx.GraphModule, reuse: bool = False) -> AnnotationSummary:
     """Set FLOPS, BYTES_READ, BYTES_WRITTEN and OUT_BYTES (sympy) on every node of ``gm`` (and of
     the subgraphs of its higher-order ops) and return the totals. Idempotent: re-running it
-    overwrites the keys (run it again after a pass that inserts nodes)."""
+    overwrites the keys (run it again after a pass that inserts nodes). ``reuse``: a node annotated
+    before keeps its cost (mcompile.repeat's copies of an annotated block: their FakeTensors are the
+    block's, so their aliasing with the previous layer would read wrong)."""
     acc = _Acc()
-    _annotate(gm, acc, None)
+    _annotate(gm, acc, None, reuse)
     return acc.summary()

@@ -28,6 +28,7 @@ class Compiled:
     canonical: dict = field(default_factory=dict)
     annotation: AnnotationSummary | None = None  # FLOPs / bytes of the captured graph (mcompile.annotate)
     partition: object = None  # mcompile.partition.StagePartition when the mesh has pp > 1
+    short: Captured | None = None  # the short model's capture when the layers were repeated (mcompile.repeat)
     _programs: dict = field(default_factory=dict)
 
     def axis_infos(self, rank: int):
@@ -48,9 +49,7 @@ class Compiled:
         rewrites the graph's device literals (needed when it was captured on meta)."""
         key = (rank, str(device) if device is not None else None)
         if key not in self._programs:
-            from mcompile.passes import lower_program
-
-            self._programs[key] = lower_program(self.captured, self.axis_infos(rank), device)
+            self._programs[key] = _lower(self, rank, device)
         return self._programs[key][0]
 
     def collectives(self, rank: int = 0):
@@ -77,6 +76,47 @@ class Compiled:
         user = dict(zip(self.captured.user_inputs, _flat_inputs(self.captured, inputs, kwargs or {})))
         args = [local_state[n] if n in local_state else user[n] for n in names]
         return gm(*args)
+
+
+def _lower(compiled: Compiled, rank: int, device=None):
+    """A rank's program and its collectives: lowered from the capture, or from the short model's
+    capture and then grown to the real depth (mcompile.repeat)."""
+    from mcompile.passes import lower_program
+
+    if compiled.short is None:
+        return lower_program(compiled.captured, compiled.axis_infos(rank), device)
+    from mcompile.meta import COLLECTIVE
+    from mcompile.repeat import repeat_lowered
+
+    gm, _ = lower_program(compiled.short, compiled.axis_infos(rank), device)
+    repeat_lowered(gm, compiled.captured.block)
+    return gm, [n.meta[COLLECTIVE] for n in gm.graph.nodes if COLLECTIVE in n.meta]
+
+
+def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: bool):
+    """(capture, canonicalize's counts, block), canonicalised: the short model's capture and its
+    repeated block when the model is a stack of identical blocks deeper than two (mcompile.repeat),
+    else the whole model's capture and None."""
+    import logging
+
+    from mcompile.passes import canonicalize
+    from mcompile.repeat import find_block, truncate, uniform
+
+    log = logging.getLogger("mcompile.repeat")
+    short = truncate(model, keep=2) if repeat_blocks else None
+    if short is not None:
+        root, path, depth = short
+        why = uniform(model.get_submodule(path))
+        if why is None:
+            cap = capture(root, example_inputs, example_kwargs, meta_dtype=meta_dtype)
+            canon = canonicalize(cap.gm)
+            block = find_block(cap, path, 2, depth)
+            if block is not None:
+                return cap, canon, block
+            why = "the captured graph does not show the list's blocks as repeated layers"
+        log.info("capturing all %d blocks of %s: %s", depth, path, why)
+    cap = capture(model, example_inputs, example_kwargs, meta_dtype=meta_dtype)
+    return cap, canonicalize(cap.gm), None
 
 
 def _flat_inputs(cap: Captured, inputs: tuple, kwargs: dict) -> list:
@@ -107,31 +147,41 @@ def compile_plan(
     stage_cuts=None,
     pipeline_seq: int | None = None,
     for_runtime: bool = False,
+    repeat_blocks: bool = True,
 ) -> Compiled:
     """Capture, plan and lower (rank 0's program; others on demand).
 
     ``meta_dtype``: capture on the meta device with parameters in this dtype (the runtime's compute
     dtype). ``token_weighted_loss``: rewrite a mean cross-entropy output into (sum, count)
     (:mod:`mcompile.passes.loss`). ``for_runtime``: the programs will run (``parallelize``), so what
-    the runtime cannot do yet is refused too (:func:`mcompile.arguments.check_arguments`)."""
-    from mcompile.passes import canonicalize, lower_program, mean_loss_to_sum_count
+    the runtime cannot do yet is refused too (:func:`mcompile.arguments.check_arguments`).
+    ``repeat_blocks``: capture, plan and lower two of a deep stack of identical blocks and repeat them
+    (mcompile.repeat: the same plan and programs as the whole model's capture, at any depth's cost);
+    False captures the whole model."""
+    from mcompile.passes import mean_loss_to_sum_count
 
     if mesh.size("pp") > 1 and set(mesh.axis_names) == {"pp"}:  # a degenerate dp axis carries the stages' params
         mesh = Mesh.fake(dp=1, pp=mesh.size("pp")) if mesh.fake_mesh else Mesh(dp=1, pp=mesh.size("pp"))
-    cap = capture(model, example_inputs, example_kwargs, meta_dtype=meta_dtype)
-    canon = canonicalize(cap.gm)
+    cap, canon, block = _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks)
     if token_weighted_loss:
         canon["mean_loss_to_sum_count"] = int(mean_loss_to_sum_count(cap.gm))
     check_arguments(cap.gm, mesh, microbatches, runtime=for_runtime)
     annotation = annotate(cap.gm)
     hints = _hints(cap, example_inputs, example_kwargs, seq, batch)
     axes = plan_axes(cap, mesh, sequence_parallel, overrides, hints)
+    short = None
+    if block is not None:
+        from mcompile.repeat import repeat_axes, repeat_captured
+
+        short, (cap, copies) = cap, repeat_captured(cap, block, model)
+        repeat_axes(axes, copies)
+        annotation = annotate(cap.gm, reuse=True)
     sp = sequence_parallel and mesh.size("tp") > 1
     options = PlanOptions(sequence_parallel=sp, sp_variant=SPVariant.SAVE_GATHERED,
                           vocab_pad_multiple=vocab_pad_multiple)
     plan = assemble_plan(cap, mesh, axes, options, overrides)
-    compiled = Compiled(cap, plan, mesh, axes, canon, annotation)
-    gm, specs = lower_program(cap, compiled.axis_infos(0))
+    compiled = Compiled(cap, plan, mesh, axes, canon, annotation, short=short)
+    gm, specs = _lower(compiled, 0)
     compiled._programs[(0, None)] = (gm, specs)
     plan.collectives = list(specs)
     if mesh.size("pp") > 1:

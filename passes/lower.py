@@ -229,8 +229,20 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
             cur[i] = w
         return val
 
+    emitted: dict[str, str] = {}  # program node -> the captured node whose lowering emitted it
+    count = len(g.nodes)
+
+    def tag(name: str) -> None:  # the nodes appended since the last captured node were emitted for it
+        nonlocal count
+        n = g._root.prev
+        for _ in range(len(g.nodes) - count):
+            emitted[n.name] = name
+            n = n.prev
+        count = len(g.nodes)
+
     for node in src.graph.nodes:
         if node.op == "placeholder":
+            count = len(g.nodes)
             continue
         if node.op == "output":
             outs = []
@@ -251,12 +263,14 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
             pv = [a.result.placements.get(node.name) for a in axes]
             place[node.name] = tuple(pv)
             _copy_meta(node, new)
+            tag(node.name)
             continue
         strategies = [a.result.strategies.get(node.name) for a in axes]
         ins = tensor_input_nodes(node)
         if all(s is None for s in strategies):  # sym_size and other non-tensor nodes
             new = g.node_copy(node, lambda x: env[x.name])
             env[node.name] = new
+            tag(node.name)
             continue
         want = {}
         for j, a in enumerate(ins):
@@ -288,8 +302,11 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
         _copy_meta(node, new)
         env[node.name] = new
         place[node.name] = out_pl
+        tag(node.name)
     g.eliminate_dead_code()
     gm = fx.GraphModule(torch.nn.Module(), g)
+    gm.meta["mc_emitted_for"] = emitted  # for mcompile.repeat: which captured node each node implements
+    gm.meta["mc_value_of"] = {k: v.name for k, v in env.items() if isinstance(v, fx.Node)}
     return gm, specs
 
 

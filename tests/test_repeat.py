@@ -1,0 +1,145 @@
+"""Plans at any depth (mcompile.repeat): two blocks captured, planned and lowered, then repeated, give
+the plan and the per-rank programs the whole model's capture gives — checked node by node on deep
+tiny models — and train with single-device parity."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from mcompile.api import compile_plan
+from mcompile.mesh import Mesh
+from mcompile.meta import COLLECTIVE, PARAM_FQN
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class HFLoss(torch.nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, ids, labels):
+        return self.m(input_ids=ids, labels=labels, use_cache=False).loss
+
+
+def deep(name: str, layers: int = 4):
+    torch.manual_seed(0)
+    if name == "llama3-tiny":
+        from mcompile.models import get_preset
+        from mcompile.models.llama import Llama
+
+        model, vocab = Llama(dataclasses.replace(get_preset(name).config, n_layers=layers)), 256
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        if name == "hf-llama":
+            model = HFLoss(LlamaForCausalLM(LlamaConfig(
+                vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                num_attention_heads=8, num_key_value_heads=4)))
+        else:  # tied embeddings, Conv1D, an odd vocabulary
+            model = HFLoss(GPT2LMHeadModel(GPT2Config(vocab_size=129, n_embd=64, n_layer=layers, n_head=4,
+                                                      n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                      attn_pdrop=0.0)))
+        vocab = model.m.config.vocab_size
+    model.eval()
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (2, 16), generator=g)
+    return model, (ids, labels)
+
+
+def structure(gm) -> list:
+    """A program up to node names: per node its op, target, arguments (other nodes by position) and,
+    for placeholders, the tensor they stand for; collectives with their spec less names."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def arg(a):
+        return ("node", index[a]) if isinstance(a, torch.fx.Node) else a
+
+    out = []
+    for n in gm.graph.nodes:
+        spec = n.meta.get(COLLECTIVE)
+        spec = dataclasses.replace(spec, node="", origin="") if spec is not None else None
+        out.append((n.op, str(n.target), torch.fx.node.map_aggregate(n.args, arg),
+                    torch.fx.node.map_aggregate(n.kwargs, arg), n.meta.get(PARAM_FQN), spec))
+    return out
+
+
+def both(name, mesh, sp=False, **kw):
+    model, inputs = deep(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = compile_plan(model, Mesh.parse(mesh), inputs, sequence_parallel=sp, repeat_blocks=False, **kw)
+        rep = compile_plan(model, Mesh.parse(mesh), inputs, sequence_parallel=sp, **kw)
+    return model, inputs, full, rep
+
+
+CASES = [("llama3-tiny", "dp=2,tp=2", True), ("hf-llama", "tp=2", False), ("hf-gpt2", "tp=2", True),
+         ("llama3-tiny", "pp=2,tp=2", False)]
+
+
+@pytest.mark.parametrize("name,mesh,sp", CASES)
+def test_repeated_blocks_give_the_full_capture_plan_and_programs(name, mesh, sp):
+    """The short capture was used (4 blocks, 2 captured), and everything downstream is the full
+    capture's: parameters and their placements, the collectives in order, the partition's stages, and
+    every rank's program node for node (names aside)."""
+    _, _, full, rep = both(name, mesh, sp, microbatches=2)
+    assert full.short is None and rep.short is not None
+    assert rep.captured.block.depth == 4 and rep.captured.block.keep == 2
+    assert list(rep.captured.params.values()) == list(full.captured.params.values())
+    assert [n.name for n in rep.captured.gm.graph.nodes if n.op == "placeholder"] == \
+        [n.name for n in full.captured.gm.graph.nodes if n.op == "placeholder"]
+    assert rep.plan.params == full.plan.params
+    strip = [dataclasses.replace(s, node="", origin="") for s in full.plan.collectives]
+    assert [dataclasses.replace(s, node="", origin="") for s in rep.plan.collectives] == strip
+    assert [s.layer for s in rep.plan.collectives if s.layer is not None] == \
+        [s.layer for s in full.plan.collectives if s.layer is not None]
+    assert structure(rep.captured.gm) == structure(full.captured.gm)
+    for r in range(full.mesh.size()):
+        assert structure(rep.program(r)) == structure(full.program(r)), r
+    if full.partition is not None:
+        assert rep.plan.stage_cuts == [c for c in full.plan.stage_cuts] or \
+            [len(s["layers"]) for s in rep.plan.pipeline["stages"]] == \
+            [len(s["layers"]) for s in full.plan.pipeline["stages"]]
+        assert rep.plan.pipeline["stages"] == full.plan.pipeline["stages"]
+
+
+@pytest.mark.parametrize("name", ["llama3-tiny", "hf-gpt2"])
+def test_repeated_program_trains_with_single_device_parity(name):
+    """The repeated programs run together (thread simulator) give the single-device loss and
+    gradients of all four layers (fp32, 1e-5)."""
+    from sim_harness import combine_grads, run_sim
+
+    model, inputs, _, rep = both(name, "dp=2,tp=2", True)
+    assert rep.short is not None
+    model.zero_grad()
+    ref_loss = model(*inputs)
+    ref_loss.backward()
+    ref = {k: p.grad for k, p in model.named_parameters()}
+    results = run_sim(rep, inputs, backward=True)
+    # each dp rank's loss is its own half-batch's mean (equal token counts: no ignored labels)
+    dp_losses = [results[r][0] for r in (0, 2)]
+    assert all(torch.equal(results[r][0], results[r ^ 1][0]) for r in range(4))  # tp ranks agree
+    torch.testing.assert_close(sum(dp_losses) / 2, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    full = combine_grads(rep, [g for _, g, _ in results])
+    assert {k for k in full if ".3." in k}, "the last layer's parameters have gradients"
+    for fqn, g in full.items():
+        torch.testing.assert_close(g, ref[fqn], rtol=1e-5, atol=1e-7, msg=fqn)
+
+
+def test_blocks_that_differ_are_captured_whole():
+    """A list whose blocks differ in more than their index (a per-layer attribute the forward reads)
+    is not repeated: the whole model is captured, and its plan is right for every layer."""
+    from mcompile.repeat import uniform
+
+    model, inputs = deep("llama3-tiny")
+    assert uniform(model.layers) is None
+    model.layers[2].attention.n_kv_heads_note = "sliding"  # any plain attribute that differs
+    assert "block 2" in uniform(model.layers)
+    c = compile_plan(model, Mesh.parse("tp=2"), inputs)
+    assert c.short is None and len([f for f in c.plan.params if f.startswith("layers.3.")]) > 0
