@@ -16,6 +16,10 @@ activation dims (batch for dp; features, heads, vocab — and the sequence under
 parallelism — for tp), whether contraction weights must be sharded, whether Partial values may
 pass through non-contraction ops. The result is only placements; inserting collectives is the
 lowering pass's job.
+
+An op with no rule runs replicated and is reported (``AxisResult.fallbacks`` -> ``FallbackWarning``
+and ``Plan.fallbacks``) unless it is free: an input-only value (computed from no parameter, see
+:mod:`mcompile.blocks`) whose inputs every rank already holds whole.
 """
 
 from __future__ import annotations
@@ -129,6 +133,8 @@ def propagate_axis(
     made: set[tuple[str, object]] = set()  # redistributions already paid for
     fqn_of = {**cap.params}
     padded_params: dict[str, int] = {}
+    # values computed from parameters (mcompile.blocks: every other value is "input-only")
+    from_params: set[str] = set(cap.params)
 
     def shard_allowed(meta: TensorMeta, p) -> bool:
         if not isinstance(p, Shard | BlockShard):
@@ -185,6 +191,8 @@ def propagate_axis(
             continue
         if node.op == "output":
             continue
+        if any(a.name in from_params for a in node.all_input_nodes):
+            from_params.add(node.name)
         if node.target is operator.getitem:
             src, idx = node.args
             pv = place.get(src.name)
@@ -209,7 +217,10 @@ def propagate_axis(
         info = OpInfo(node, node.target, tuple(node.args), dict(node.kwargs), in_metas, outs, n, current)
         rule = get_rule(node.target)
         if rule is None:
-            fallbacks.add(str(node.target))
+            # An input-only value (a mask, position ids, a RoPE table) held whole by every rank runs
+            # replicated at no cost: nothing to report. Anything else is reported once.
+            if node.name in from_params or any(not isinstance(c, Replicate) for c in current):
+                fallbacks.add(str(node.target))
             cands = [replicate_all(info)]
         else:
             cands = rule(info)

@@ -1533,6 +1533,7 @@ TESTED_OPS = (
     | {aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.cumsum.default,
        aten.tril.default, aten.triu.default}
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
+    | {aten.chunk.default, aten.diff.default}  # tested in tests/test_rules_dtensor.py (test_chunk, test_diff)
 )
 # Registered ops deliberately without a test here (with the reason). Empty: every rule is tested.
 EXCLUDED: set = set()

@@ -18,7 +18,12 @@ A rule may also register a *localizer*: how the op's non-tensor arguments change
 sequence symbols, or ints; the lowering pass turns symbolic ones into graph nodes.
 
 Adding an op never touches the propagator. Every rule is property-tested against single-device
-execution (tests/test_rules.py), Partial inputs included.
+execution (tests/test_rules.py, tests/test_rules_dtensor.py), Partial inputs included.
+
+An op none of these modules registers gets DTensor's own strategies through the bridge in
+:mod:`mcompile.rules.dtensor` (hand-written rules keep priority). ``registered_ops()`` lists the
+hand-written rules, ``bridged_ops()`` the ops the bridge covers, ``rule_source(op)`` which one an op
+uses.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ __all__ = [
     "rule",
     "localizer",
     "registered_ops",
+    "bridged_ops",
+    "rule_source",
     "tensor_input_nodes",
     "to_expr",
 ]
@@ -145,8 +152,14 @@ def localizer(*ops):
 
 
 def get_rule(op) -> RuleFn | None:
+    """The hand-written rule of ``op``, else DTensor's strategies through the bridge, else None."""
     _load()
-    return _RULES.get(op)
+    fn = _RULES.get(op)
+    if fn is None and isinstance(op, torch._ops.OpOverload):
+        from mcompile.rules.dtensor import bridge_rule
+
+        fn = bridge_rule(op)
+    return fn
 
 
 def get_localizer(op) -> LocalizeFn | None:
@@ -155,8 +168,25 @@ def get_localizer(op) -> LocalizeFn | None:
 
 
 def registered_ops() -> list:
+    """Ops with a hand-written rule."""
     _load()
     return list(_RULES)
+
+
+def bridged_ops() -> list:
+    """Ops without a hand-written rule that get DTensor's strategies (mcompile.rules.dtensor)."""
+    from mcompile.rules.dtensor import bridged_ops as covered
+
+    _load()
+    return sorted((op for op in covered() if op not in _RULES), key=str)
+
+
+def rule_source(op) -> str | None:
+    """``"hand-written"``, ``"dtensor"`` (the bridge) or None (the op runs replicated)."""
+    _load()
+    if op in _RULES:
+        return "hand-written"
+    return "dtensor" if get_rule(op) is not None else None
 
 
 def tensor_input_nodes(node: fx.Node) -> list[fx.Node]:

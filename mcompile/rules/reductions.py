@@ -1,8 +1,8 @@
 """Reductions and normalisations along dims.
 
 Reducing over a sharded dim leaves each rank a partial result: ``sum`` -> Partial(sum), ``mean``
--> Partial(avg) (shards are equal), ``amax`` -> Partial(max). Softmax-like ops and norms keep a
-shard on any dim they do not normalise over.
+-> Partial(avg) (shards are equal), ``amax`` -> Partial(max). Softmax-like ops, norms and scans
+along a dim (``cumsum``, ``diff``) keep a shard on any dim they do not work along.
 """
 
 from __future__ import annotations
@@ -80,3 +80,19 @@ def cumsum(info: OpInfo) -> list[Strategy]:
     if info.outputs[0].dtype.is_floating_point:
         out.append(Strategy((Partial(),), (Partial(),), name="partial"))
     return out + [Strategy((R,), (R,), name="replicate")]
+
+
+@rule(aten.diff.default)
+def diff(info: OpInfo) -> list[Strategy]:
+    """``diff(x, n, dim, prepend, append)``: n-th forward differences along ``dim`` of
+    ``cat(prepend, x, append)``. Any other dim may be sharded on every tensor input (``prepend`` and
+    ``append`` match ``x`` off ``dim``). Linear in the concatenation, so Partial sums stay one when
+    every input is Partial (floats: a bool diff is an xor)."""
+    nd = info.inputs[0].ndim
+    dim = norm_dim(info.arg(2, "dim", -1), nd)
+    k = len(info.inputs)
+    out = [Strategy((Shard(d),) * k, (Shard(d),), name="other_dim") for d in range(nd) if d != dim]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    if info.outputs[0].dtype.is_floating_point:
+        out.append(Strategy((Partial(),) * k, (Partial(),), name="partial"))
+    return out + [Strategy((R,) * k, (R,), name="replicate")]

@@ -1,5 +1,5 @@
 """Views and data movement: view/reshape, unsqueeze/squeeze, transpose/permute, expand, slice,
-select, split, cat, pad.
+select, split / chunk / unbind, cat, pad.
 
 view/reshape group input and output dims into minimal runs of equal product (the same idea as
 DTensor's view groups, Ansel et al. 2024). A sharded input dim stays sharded when it is the
@@ -239,8 +239,11 @@ def select(info: OpInfo) -> list[Strategy]:
     return _keep_other_dims(info, dim, lambda d: d if d < dim else d - 1)
 
 
-@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
 def split(info: OpInfo) -> list[Strategy]:
+    """Any dim but the split one may stay sharded; a fused ``[q | k | v]`` dim held as
+    ``BlockShard(dim, k)`` splits into k plain shards. ``chunk(x, k, dim)`` needs no localizer: on local
+    pieces of a blocked dim (k*m/n) it still cuts k chunks of m/n, and other dims do not change it."""
     nd = info.inputs[0].ndim
     dim = norm_dim(info.arg(2, "dim", 0) if info.op is not aten.unbind.int else info.arg(1, "dim", 0), nd)
     k = len(info.outputs)
