@@ -10,13 +10,28 @@ Traps handled here: export specialises a size-1 dim to the literal 1, so a templ
 sequence 1 is widened to 2 for capture; two inputs that are the same tensor object are aliased by
 export, so they are copied first; tied parameters (GPT-2's wte / lm_head) come out as one
 placeholder per FQN and are merged into one.
+
+Outputs: forward may return a tensor, a tuple/list of tensors, or a dict / dataclass / Hugging Face
+``ModelOutput``, of which the ``loss`` is captured when present (training), else the ``logits``
+(inference); anything else (a ``DynamicCache``, hidden states) is dropped (:func:`_plain_output`).
+A Hugging Face model's positional example inputs are read as ``(input_ids, labels)``
+(:func:`_bind_inputs`). Every failure is one :class:`CaptureError` naming its cause, the user's line
+and the fix for that cause (:func:`_diagnose`): a data-dependent branch, an untraceable op, a Python
+side effect, an output that is not tensors, a positional input bound to a mask.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import inspect
+import io
 import re
+import sys
 import traceback
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +43,7 @@ from torch.export.graph_signature import InputKind
 
 from mcompile import meta as M
 
-__all__ = ["CaptureError", "Captured", "capture"]
+__all__ = ["CaptureError", "CaptureWarning", "Captured", "OutputWarning", "capture", "warn_unless_loss"]
 
 BATCH, SEQ = "batch", "seq"
 _TORCH_DIR = str(Path(torch.__file__).parent)
@@ -36,7 +51,21 @@ _OWN_DIR = str(Path(__file__).parent)
 
 
 class CaptureError(RuntimeError):
-    """torch.export could not capture the model; the message names the op and the user's line."""
+    """torch.export could not capture the model; the message names the cause, the user's line and the fix."""
+
+
+class CaptureWarning(UserWarning):
+    """The model was captured, but something forward does (a print) is not in the captured program."""
+
+
+class OutputWarning(UserWarning):
+    """A plan that trains has an output that is not a scalar loss (e.g. logits: no labels were given)."""
+
+
+class _Refused(Exception):  # noqa: N818 - raised inside the trace by our own checks, turned into a CaptureError
+    def __init__(self, cause: str, fix: str, where: str | None = None):
+        super().__init__(cause)
+        self.cause, self.fix, self.where = cause, fix, where
 
 
 @dataclass
@@ -53,6 +82,7 @@ class Captured:
     tied: dict[str, tuple[str, ...]]  # canonical FQN -> every FQN of the same storage (len > 1 only)
     symbols: dict[str, sympy.Symbol] = field(default_factory=dict)  # "batch"/"seq" -> symbol
     model_name: str = ""
+    output: str = "a tensor"  # what the captured output is, in words ("CausalLMOutputWithPast.logits", ...)
 
     def placeholder(self, name: str) -> fx.Node:
         for n in self.gm.graph.nodes:
@@ -155,15 +185,19 @@ def capture(
     sequence (dim 1) of every tensor input become symbols, so the program accepts other sizes.
     With ``meta_dtype`` the model is captured on the meta device with its parameters in that dtype
     (:func:`on_meta`): no values are read, and ``Captured.state_values`` holds meta tensors.
+    A Hugging Face model's positional inputs are ``(input_ids, labels)`` (:func:`_bind_inputs`); a
+    ``ModelOutput`` is captured as its loss, else its logits (:func:`_plain_output`).
     """
+    if not isinstance(example_inputs, tuple):
+        example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
+    name = type(model).__name__
+    # bound on the caller's values (a mask check reads them) before they become meta tensors
+    example_inputs, example_kwargs = _bind_inputs(model, example_inputs, dict(example_kwargs or {}), name)
     if meta_dtype is not None:
         meta = lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
         with on_meta(model, meta_dtype):
             return capture(model, tuple(meta(t) for t in example_inputs),
-                           {k: meta(v) for k, v in (example_kwargs or {}).items()}, dynamic=dynamic)
-    example_kwargs = dict(example_kwargs or {})
-    if not isinstance(example_inputs, tuple):
-        example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
+                           {k: meta(v) for k, v in example_kwargs.items()}, dynamic=dynamic)
     seen: set[int] = set()
 
     def prep(t):
@@ -184,39 +218,415 @@ def capture(
         return {0: batch, 1: seq} if t.ndim >= 2 else {0: batch}
 
     shapes_named = ({k: spec(v) for k, v in kwargs.items()}, tuple(spec(a) for a in args))
-    name = type(model).__name__
+    before = _leaks(model)
+    what: list[str] = []  # what the adapted forward returned (set inside the trace)
+    printed = _Tee(sys.stdout)
     try:
-        try:
-            ep = torch.export.export(
-                model, args, kwargs, dynamic_shapes={**shapes_named[0], **_arg_names(model, shapes_named[1])},
-                strict=False,
-            )
-        except torch._dynamo.exc.UserError as e:
-            if not dynamic:
-                raise
-            ep = _export_with_suggested_fixes(model, args, kwargs, shapes_named, e)
-        if ep is None:
-            # The model constrains a dim (e.g. a static sequence length): let export infer it.
-            auto = lambda t: None if not isinstance(t, torch.Tensor) or t.ndim == 0 else {  # noqa: E731
-                d: Dim.AUTO for d in range(min(t.ndim, 2))
-            }
-            ep = torch.export.export(
-                model, args, kwargs,
-                dynamic_shapes={**{k: auto(v) for k, v in kwargs.items()},
-                                **_arg_names(model, tuple(auto(a) for a in args))},
-                strict=False,
-            )
+        with _plain_outputs(model, what), _recorded_warnings() as caught, contextlib.redirect_stdout(printed):
+            try:
+                ep = torch.export.export(
+                    model, args, kwargs, dynamic_shapes={**shapes_named[0], **_arg_names(model, shapes_named[1])},
+                    strict=False,
+                )
+            except torch._dynamo.exc.UserError as e:
+                if not dynamic:
+                    raise
+                ep = _export_with_suggested_fixes(model, args, kwargs, shapes_named, e)
+            if ep is None:
+                # The model constrains a dim (e.g. a static sequence length): let export infer it.
+                auto = lambda t: None if not isinstance(t, torch.Tensor) or t.ndim == 0 else {  # noqa: E731
+                    d: Dim.AUTO for d in range(min(t.ndim, 2))
+                }
+                ep = torch.export.export(
+                    model, args, kwargs,
+                    dynamic_shapes={**{k: auto(v) for k, v in kwargs.items()},
+                                    **_arg_names(model, tuple(auto(a) for a in args))},
+                    strict=False,
+                )
+        _refuse_side_effects(model, ep, before, caught)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one clear error
-        where = _user_frame(e)
+        op, cause, where, fix = _diagnose(e)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        said = "" if isinstance(e, _Refused) else f"  torch says: {first}\n"
         raise CaptureError(
-            f"cannot capture {name} with torch.export: op {_op_of(e)}\n"
+            f"cannot capture {name} with torch.export: {cause}{f' (op {op})' if op else ''}\n"
             f"  at {where or 'an unknown location'}\n"
-            f"  torch says: {first}\n"
-            "  fix: remove data-dependent Python control flow / .item() / .tolist() from forward "
-            "(use torch.where, torch.cond), or make the op traceable."
+            f"{said}"
+            f"  fix: {fix}"
         ) from e
-    return _from_exported(ep, model, name)
+    if "FakeTensor(" in printed.text:
+        warnings.warn(CaptureWarning(
+            f"{name}.forward prints a tensor: during capture it printed a placeholder (FakeTensor(...)), and the "
+            "captured program does not print at all. fix: print outside forward (e.g. the loss train_step "
+            "returns), or guard the print with `if not torch.compiler.is_exporting():`."), stacklevel=2)
+    cap = _from_exported(ep, model, name)
+    cap.output = what[-1] if what else cap.output
+    return cap
+
+
+# -- inputs: what a user means by positional inputs ------------------------------------------------------------
+
+
+def _hf_model(model: torch.nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (without importing transformers for models that are not)."""
+    tf = sys.modules.get("transformers")
+    return tf is not None and isinstance(model, tf.PreTrainedModel)
+
+
+def _has_values(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type != "meta" and not is_fake(t)
+
+
+def _looks_like_mask(t) -> bool:
+    """A 0/1 (or bool) tensor. Without values (meta) only a bool tensor is known to be a mask."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    if t.dtype == torch.bool:
+        return True
+    return t.dtype.is_floating_point is False and _has_values(t) and bool(((t == 0) | (t == 1)).all())
+
+
+def _bind_inputs(model: torch.nn.Module, args: tuple, kwargs: dict, name: str) -> tuple[tuple, dict]:
+    """The example inputs as forward will see them.
+
+    A Hugging Face model's forward reads ``(input_ids, attention_mask, ...)`` positionally, so
+    ``model(ids, labels)`` would take the labels for a mask and plan a model without a loss. The rule:
+    a ``PreTrainedModel``'s positional inputs are ``(input_ids, labels)`` (the second a 0/1 or bool
+    tensor stays ``attention_mask``, as in Python); the others go by keyword. Any other model binds
+    as Python does, but an integer tensor that lands on a ``*mask*`` parameter must hold only 0 and 1."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return args, kwargs
+    positional = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if _hf_model(model) and len(args) >= 2 and "labels" in sig.parameters and positional:
+        if len(args) > 2:
+            raise CaptureError(
+                f"cannot capture {name} with torch.export: {len(args)} positional example inputs for a Hugging Face "
+                "model; mcompile reads them as (input_ids, labels) only\n"
+                f"  at {_def_line(model)}\n"
+                "  fix: pass the others by keyword, e.g. compile_plan(model, mesh, (ids, labels), "
+                "{'attention_mask': mask})")
+        if not _looks_like_mask(args[1]):
+            if "labels" in kwargs:
+                raise CaptureError(
+                    f"cannot capture {name} with torch.export: labels given twice (the second positional example "
+                    "input of a Hugging Face model is its labels, and labels= is given too)\n"
+                    f"  at {_def_line(model)}\n"
+                    "  fix: pass (input_ids,) and labels=..., or (input_ids, labels) without labels=")
+            first = positional[0]
+            return (), {first: args[0], "labels": args[1], **{k: v for k, v in kwargs.items() if k != first}}
+    for i, (a, pname) in enumerate(zip(args, positional)):
+        if ("mask" in pname.lower() and isinstance(a, torch.Tensor) and not a.dtype.is_floating_point
+                and a.dtype != torch.bool and _has_values(a) and not _looks_like_mask(a)):
+            lo, hi = int(a.min()), int(a.max())
+            raise CaptureError(
+                f"cannot capture {name} with torch.export: positional example input #{i + 1} ({a.dtype}, values "
+                f"{lo}..{hi}) binds to forward's parameter '{pname}', but it is not a 0/1 mask (labels or token "
+                "ids in the wrong place would plan a model without its loss)\n"
+                f"  at {_def_line(model)}\n"
+                f"  fix: pass it by keyword under the name forward gives it (e.g. {{'labels': labels}} as "
+                f"example_kwargs); if it is the {pname}, pass it as {{'{pname}': ...}}")
+    return args, kwargs
+
+
+def _def_line(model: torch.nn.Module) -> str:
+    """file:line of ``def forward`` (errors about inputs and outputs have no failing line of their own)."""
+    return _source_of(type(model).forward) or f"{type(model).__qualname__}.forward"
+
+
+# -- outputs: what a user's forward returns -> tensors -----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _plain_outputs(model: torch.nn.Module, what: list):
+    """Temporarily route ``model.forward`` through :func:`_plain_output` (an instance attribute, removed
+    on exit: the parameter names stay the model's own). A Hugging Face forward also gets
+    ``use_cache=False`` unless the caller set it: the cache would be dropped anyway (a training step
+    never uses it), and building it adds concatenations to the traced graph."""
+    inner = model.forward
+    try:
+        no_cache = _hf_model(model) and "use_cache" in inspect.signature(inner).parameters
+    except (TypeError, ValueError):
+        no_cache = False
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if no_cache:
+            kwargs.setdefault("use_cache", False)
+        try:
+            out, described = _plain_output(inner(*args, **kwargs))
+        except _Refused as r:  # about what forward returns: point at forward
+            r.where = r.where or _def_line(model)
+            raise
+        what.append(described)
+        return out
+
+    had = model.__dict__.get("forward", _MISSING)
+    model.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        if had is _MISSING:
+            del model.__dict__["forward"]
+        else:
+            model.__dict__["forward"] = had
+
+
+_MISSING = object()
+_OUTPUT_FIX = ("return the loss tensor from forward (training), or the tensors you need as a tuple (inference); "
+               "a Hugging Face ModelOutput's loss (with labels) or logits is taken as it is")
+
+
+def _plain_output(out) -> tuple[object, str]:
+    """(the tensors to capture, what they are in words). Raises _Refused for what cannot be an output."""
+    if isinstance(out, torch.Tensor):
+        _refuse_custom_functions(out)
+        return out, "a tensor"
+    fields = _fields(out)
+    if fields is not None:
+        kind = type(out).__name__
+        present = {k: v for k, v in fields.items() if v is not None}
+        tensors = [k for k, v in present.items() if isinstance(v, torch.Tensor)]
+        key = next((k for k in ("loss", "logits") if k in tensors), tensors[0] if len(tensors) == 1 else None)
+        if key is None:
+            raise _Refused(
+                f"forward returns a {kind} with {_keys(present)}, none of them a 'loss' or 'logits' tensor "
+                "(mcompile takes the loss, else the logits, else the only tensor field)",
+                "return the loss from forward (or a dict/ModelOutput with a 'loss' or 'logits' tensor); "
+                "for several outputs return a tuple of tensors")
+        _refuse_custom_functions(present[key])
+        return present[key], f"{kind}.{key}"
+    if isinstance(out, tuple | list):
+        import torch.utils._pytree as pytree
+
+        leaves, _ = pytree.tree_flatten_with_path(out)
+        for path, leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                raise _Refused(
+                    f"forward returns a {type(out).__name__} whose element output{pytree.keystr(path)} is "
+                    f"{_a(leaf)}, not a tensor",
+                    f"return only tensors (drop output{pytree.keystr(path)} from forward's result); {_OUTPUT_FIX}")
+            _refuse_custom_functions(leaf)
+        if not leaves:
+            raise _Refused(f"forward returns an empty {type(out).__name__}", _OUTPUT_FIX)
+        return out, f"a {type(out).__name__} of {len(leaves)} tensors"
+    raise _Refused(f"forward returns {_a(out)}, not a tensor", _OUTPUT_FIX)
+
+
+def _fields(out) -> dict | None:
+    if isinstance(out, Mapping):
+        return dict(out)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
+    return None
+
+
+def _keys(d: dict) -> str:
+    kind = lambda v: "Tensor" if isinstance(v, torch.Tensor) else type(v).__name__  # noqa: E731 - not FakeTensor
+    return "fields " + ", ".join(f"{k} ({kind(v)})" for k, v in d.items()) if d else "no fields set"
+
+
+def _a(x) -> str:
+    return "None" if x is None else f"a {type(x).__module__}.{type(x).__qualname__}".replace("builtins.", "")
+
+
+def _refuse_custom_functions(out: torch.Tensor) -> None:
+    """torch.export (non-strict) traces a custom ``torch.autograd.Function``'s forward and keeps none of
+    its backward: the captured program would differentiate the forward's ops instead. Its node in the
+    traced autograd graph names the Function."""
+    todo, seen = [out.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        cls = getattr(fn, "_forward_cls", None)
+        if cls is not None and not cls.__module__.startswith("torch."):
+            raise _Refused(
+                f"forward applies the custom torch.autograd.Function {cls.__qualname__}, whose backward "
+                "torch.export does not keep: the captured program would differentiate its forward instead, so "
+                "gradients would silently differ",
+                "write it with torch ops autograd differentiates (drop the custom backward), or as a "
+                "torch.library.custom_op with register_fake and register_autograd",
+                _source_of(cls.forward))
+        todo.extend(f for f, _ in fn.next_functions)
+
+
+def _source_of(fn) -> str | None:
+    """file:line: the ``def`` line of a function (past its decorators)."""
+    try:
+        fn = inspect.unwrap(fn)
+        lines, start = inspect.getsourcelines(fn)
+    except (OSError, TypeError):
+        return None
+    at = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith(("def ", "async def "))), 0)
+    return f"{inspect.getsourcefile(fn)}:{start + at}: {lines[at].strip()}"
+
+
+# -- side effects: what forward does that a captured program cannot --------------------------------------------
+
+
+class _Tee(io.TextIOBase):
+    """stdout that passes everything through and keeps a copy (to see a print of a traced tensor)."""
+
+    def __init__(self, out):
+        self.out, self.parts = out, []
+
+    def write(self, s):
+        self.parts.append(s)
+        return self.out.write(s)
+
+    def flush(self):
+        self.out.flush()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+@contextlib.contextmanager
+def _recorded_warnings():
+    """Warnings raised during export, kept aside; the ones that are not ours to judge are re-issued."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+    for w in caught:
+        if not _ASSIGNED.search(str(w.message)):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry=_REISSUED)
+
+
+_ASSIGNED = re.compile(r"tensor attribute (\S+) was assigned during export")
+_REISSUED: dict = {}  # the warnings registry of re-issued warnings: "default" shows each once, as it would have
+
+
+def _is_traced(v) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(v, FakeTensor | torch.SymInt | torch.SymFloat | torch.SymBool)
+
+
+def _leaks(model: torch.nn.Module) -> dict[str, str]:
+    """Where a traced value (a FakeTensor, a symbolic size) sits outside the model's parameters: in a
+    module attribute (``self.seen.append(h)``) or a global of the module that defines a forward;
+    each with the ``def forward`` line of the module it belongs to."""
+    found: dict[str, str] = {}
+    mod: torch.nn.Module = model
+
+    def scan(v, where, depth):
+        if _is_traced(v):
+            found.setdefault(where, _def_line(mod))
+        elif depth and isinstance(v, list | tuple | set | dict):
+            items = list(v.items()) if isinstance(v, dict) else list(enumerate(v))
+            for k, x in items[:256]:
+                scan(x, f"{where}[{k!r}]", depth - 1)
+
+    globals_seen: set[int] = set()
+    for path, mod in model.named_modules():
+        for k, v in vars(mod).items():
+            if k not in ("_parameters", "_buffers", "_modules"):
+                scan(v, f"self{'.' + path if path else ''}.{k}", 3)
+        fn = getattr(type(mod).forward, "__globals__", None)
+        if fn is not None and id(fn) not in globals_seen and not fn.get("__name__", "").startswith("torch."):
+            globals_seen.add(id(fn))
+            for k, v in list(fn.items()):
+                if not k.startswith("__"):
+                    scan(v, f"global {k}", 2)
+    return found
+
+
+def _refuse_side_effects(model: torch.nn.Module, ep, before: set[str], caught) -> None:
+    """Python state forward changes (a list on self, a global, a tensor attribute) changes once, at
+    capture, with placeholder values; the captured program never does it again."""
+    fix = ("keep forward free of Python side effects: return what you need from forward, or register state as a "
+           "buffer (self.register_buffer) and update it with an in-place op, which the program carries")
+    leaks = _leaks(model)
+    leaked = sorted(set(leaks) - set(before))
+    assigned = [m.group(1) for w in caught if (m := _ASSIGNED.search(str(w.message)))]
+    if leaked or assigned:
+        what = ", ".join(dict.fromkeys(assigned + leaked))
+        where = leaks[leaked[0]] if leaked else _owner_line(model, assigned[0])
+        raise _Refused(f"forward stores a traced value outside the model ({what}): a Python side effect that "
+                       "happens once, at capture, with placeholder values, and never in the captured program",
+                       fix, where)
+    constants = {s.arg.name: s.target for s in ep.graph_signature.input_specs if s.kind == InputKind.CONSTANT_TENSOR}
+    for node in ep.graph_module.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for a, arg in zip(schema.arguments, node.args):
+            if a.alias_info is not None and a.alias_info.is_write and getattr(arg, "name", None) in constants:
+                raise _Refused(
+                    f"forward updates the tensor attribute self.{constants[arg.name]} in place: it is neither a "
+                    "parameter nor a buffer, so the captured program holds a copy of it and the update is lost "
+                    "(the model's tensor was updated once, at capture)",
+                    "register it as a buffer (self.register_buffer(name, tensor)), or compute it outside forward",
+                    _node_line(node))
+
+
+def _owner_line(model: torch.nn.Module, attr: str) -> str:
+    """The ``def forward`` line of the module that owns ``self.<path>.<name>`` (torch's warning's name)."""
+    path = attr.removeprefix("self.").split("[")[0].rsplit(".", 1)[0] if "." in attr.removeprefix("self.") else ""
+    try:
+        return _def_line(model.get_submodule(path))
+    except AttributeError:
+        return _def_line(model)
+
+
+def _node_line(node: fx.Node) -> str | None:
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s+(.+)', node.meta.get("stack_trace") or "")
+    user = [f for f in frames if not f[0].startswith(_TORCH_DIR) and not f[0].startswith(_OWN_DIR)]
+    if user:
+        f, line, code = user[-1]
+        return f"{f}:{line}: {code.strip()}"
+    return None
+
+
+# -- failures: cause and fix by class --------------------------------------------------------------------------
+
+
+def _chain(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _diagnose(e: BaseException) -> tuple[str | None, str, str | None, str]:
+    """(op, cause, where, fix) of a failed capture, by class of failure."""
+    chain = list(_chain(e))
+    ours = next((x for x in chain if isinstance(x, _Refused)), None)
+    if ours is not None:
+        return None, ours.cause, ours.where or _user_frame(e), ours.fix
+    text = "\n".join(str(x) for x in chain)
+    names = {type(x).__name__ for x in chain}
+    where = _user_frame(e)
+    if "GuardOnDataDependentSymNode" in names or "data-dependent" in text:
+        return ("aten._local_scalar_dense", "a tensor's value is used as a Python bool/int/float "
+                "(data-dependent control flow, .item(), .tolist()): the captured program holds no values", where,
+                "remove data-dependent Python control flow / .item() / .tolist() from forward: compute both "
+                "branches and select with torch.where (or use torch.cond), and keep values as tensors")
+    if ".numpy()" in text or "__array__" in text or "Cannot access data pointer" in text:
+        return (None, "forward converts a tensor to numpy (or reads its data): torch.export traces placeholder "
+                "tensors that have no data, and numpy code is not traceable", where,
+                "replace the numpy call with the torch op of the same name (torch.tanh, torch.clip, ...), "
+                "which the captured program can run and shard")
+    m = re.search(r"no fake impl registered for <CustomOpDef\(([\w:.]+)\)>", text) or \
+        re.search(r"^([\w]+\.[\w]+(?:\.[\w]+)?)$", str(next((x for x in chain if type(x).__name__ in (
+            "UnsupportedOperatorException", "DynamicOutputShapeException")), "")), re.M)
+    if m or "UnsupportedOperatorException" in names or "fake impl" in text or "Meta' backend" in text:
+        op = m.group(1) if m else _op_of(e)
+        return (op, f"the op {op} has no fake (meta) kernel, so torch.export cannot trace it: it has to know the "
+                "shapes and dtypes of its outputs without running it", where,
+                f"register a fake kernel for {op} (torch.library.register_fake, or @op.register_fake for a "
+                "torch.library.custom_op) that returns empty tensors of the right shapes, or write it with torch ops")
+    return (None, f"forward raised {type(e).__name__} on the example inputs", where,
+            "check that model(*example_inputs, **example_kwargs) runs in eager mode with these inputs (shapes, "
+            "dtypes, argument names); if it does, the call at the line above cannot be traced by torch.export: "
+            "rewrite it with torch ops")
 
 
 def _export_with_suggested_fixes(model, args, kwargs, shapes_named, error) -> torch.export.ExportedProgram | None:
@@ -306,3 +716,23 @@ def _from_exported(ep: torch.export.ExportedProgram, model: torch.nn.Module, nam
 def _input_names(ep, n: int) -> list[str]:
     names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     return names[:n]
+
+
+def warn_unless_loss(cap: Captured) -> None:
+    """Warn (:class:`OutputWarning`) when the captured output is not one scalar: a plan that trains
+    (``compile_plan``, ``plan``, ``parallelize``) differentiates one loss, and a model that returns logits
+    (a Hugging Face model without labels) or several tensors has none. ``ParallelModule.forward`` still
+    returns such outputs (inference); ``train_step`` needs the loss."""
+    out = cap.gm.graph.output_node().args[0]
+    vals = [n.meta.get("val") if isinstance(n, fx.Node) else n for n in out]
+    if len(vals) == 1 and isinstance(vals[0], torch.Tensor) and vals[0].ndim == 0:
+        return
+    names = {str(sym): key for key, sym in cap.symbols.items()}
+    dims = lambda v: "[" + ", ".join(names.get(str(d), str(d)) for d in v.shape) + "]"  # noqa: E731
+    shapes = ", ".join(dims(v) if isinstance(v, torch.Tensor) else type(v).__name__ for v in vals)
+    why = "the model got no labels" if "logits" in cap.output else "forward returns no loss"
+    warnings.warn(OutputWarning(
+        f"{cap.model_name}'s output is {cap.output} of shape {shapes}, not a scalar loss ({why}): the plan is for a "
+        "training step, which differentiates one scalar loss (ParallelModule.forward still returns this output "
+        "as it is, for inference). fix: return the loss from forward, or pass labels (a Hugging Face model: "
+        "example inputs (ids, labels), or labels=... as a keyword)"), stacklevel=3)

@@ -326,7 +326,12 @@ class ParallelModule(torch.nn.Module):
         if self._token_weighted:
             loss_sum, count = out
             return loss_sum.float(), count.to(torch.float32)
-        (loss,) = out if isinstance(out, tuple | list) else (out,)
+        outs = out if isinstance(out, tuple | list) else (out,)
+        if len(outs) != 1 or outs[0].ndim != 0:
+            raise TypeError(f"train_step needs forward to return one scalar loss; the model's output is "
+                            f"{getattr(self._compiled.captured, 'output', '') or 'not one'}: return the loss "
+                            "from forward, or pass labels")
+        (loss,) = outs
         return loss.float(), torch.ones((), dtype=torch.float32, device=loss.device)
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
