@@ -28,7 +28,6 @@ run's values are not a real step's; tests/test_codegen.py asserts the simulator'
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -37,6 +36,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import _results  # noqa: E402 - bench/_results.py: where the JSON goes (bench/ is the script's folder)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +55,7 @@ def _args():
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--warm-cache", action="store_true", help="use Inductor's usual cache directory")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "codegen.json"))
+    _results.add_arguments(ap, "codegen")
     ap.add_argument("--commit", default=None, help="the commit measured, for a tree outside git")
     return ap.parse_args()
 
@@ -243,9 +244,7 @@ def main():
         "rows": rows,
         "wall_s": time.perf_counter() - t0,
     }
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    path = _results.save("codegen", out, args.write, args.out)
     for r in rows:
         print(r["model"], {k: {kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in r[k].items()
                                if kk != "extern_calls"} for k in ("fw", "bw")},

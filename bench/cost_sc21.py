@@ -19,6 +19,7 @@ is captured with 2 layers on the meta device and scaled by its depth.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import platform
@@ -26,13 +27,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import _results
+
 from mcompile.cost import DEFAULT_EFFICIENCY, Layout, Workload, estimate
 from mcompile.models.gpt import GPTConfig
 from mcompile.models.presets import Preset
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "megatron_sc21_a100.json"
-OUT = ROOT / "bench" / "results" / "cost_sc21.json"
 SETTINGS = dict(hardware="a100", precision="bf16", param_dtype="fp16", grad_dtype="fp16", attention_kernel="unfused")
 
 
@@ -45,6 +47,9 @@ def layout_of(row: dict) -> Layout:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _results.add_arguments(ap, "cost_sc21")
+    args = ap.parse_args()
     table = json.loads(DATA.read_text())
     seq, vocab = table["common"]["seq_len"], table["common"]["vocab"]
     rows = []
@@ -82,9 +87,8 @@ def main() -> None:
         "max_abs_error": max(abs(r["error"]) for r in rows),
         "rows": rows,
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"max |error| {result['max_abs_error']:.1%}; wrote {OUT.relative_to(ROOT)}")
+    print(f"max |error| {result['max_abs_error']:.1%}")
+    _results.save("cost_sc21", result, args.write, args.out)
 
 
 if __name__ == "__main__":

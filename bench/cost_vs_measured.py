@@ -53,10 +53,10 @@ import sys
 import time
 from pathlib import Path
 
+import _results  # bench/_results.py: where the JSON goes (bench/ is the script's folder)
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "bench" / "results" / "cost_vs_measured.json"
 
 # the model: a Llama with head_dim 32, GQA (8 query / 4 kv heads), SwiGLU 3·dim, big enough that
 # its GEMMs (not Python) dominate a step at one thread; and the fixed global batch.
@@ -243,7 +243,7 @@ def predict(cfg: dict, layouts: list, profiles: dict) -> dict:
 
 
 def run(quick: bool = False, rounds: int = 3, warmup: int = 2, steps: int = 5, max_wait: float = 120.0,
-        out: Path | None = OUT, log=print) -> dict:
+        out: Path | None = None, log=print) -> dict:
     from mcompile.hardware import calibrate
     from mcompile.runtime.launch import WorkerPool
 
@@ -360,11 +360,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine")
-    ap.add_argument("--out", type=Path, default=None)
+    _results.add_arguments(ap, "cost_vs_measured")  # neither: a full run writes a temporary file (named)
     a = ap.parse_args()
     rounds = a.rounds or (2 if a.quick else 3)
     steps = a.steps or (3 if a.quick else 5)
-    out = a.out or (None if a.quick else OUT)
+    out = _results.destination("cost_vs_measured", a.write, a.out, temporary=not a.quick)
     run(quick=a.quick, rounds=rounds, warmup=a.warmup, steps=steps, max_wait=a.max_wait, out=out)
 
 

@@ -30,7 +30,6 @@ final losses and gaps, the means, timings, what the pass converted and kept, mac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -87,6 +86,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=8, help="initialisations 0..N-1 (the gap is averaged over them)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the training process")
     ap.add_argument("--quick", action="store_true", help="2 seeds")
+    sys.path.insert(0, str(Path(__file__).parent))
+    import _results
+
+    _results.add_arguments(ap, "fp8_curve")
     args = ap.parse_args()
     seeds = list(range(2 if args.quick else args.seeds))
     sys.path.insert(0, str(Path(__file__).parent))
@@ -124,9 +127,7 @@ def main() -> None:
     for r in gaps:
         print(f"{r:9s} final-loss gap: seed 0 {gaps[r][0]:+.4f}, mean over {len(seeds)} seeds {mean_gap[r]:+.4f} "
               f"({'within' if result['within_bound'][r] else 'OUTSIDE'} {BOUND:.0%})")
-    path = Path(__file__).parent / "results" / "fp8_curve.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}")
+    _results.save("fp8_curve", result, args.write, args.out)
 
 
 if __name__ == "__main__":

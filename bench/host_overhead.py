@@ -36,6 +36,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import _results  # noqa: E402 - bench/_results.py: where the JSON goes (bench/ is the script's folder)
 import torch
 
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
@@ -133,7 +134,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--label", default="after")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "host_overhead.json"))
+    _results.add_arguments(ap, "host_overhead")  # with either, the run is merged into that file's runs
     ap.add_argument("--commit", default=None, help="the commit measured, for a tree exported out of git "
                                                    "(git archive REV | tar -x) that the script cannot ask")
     args = ap.parse_args()
@@ -146,8 +147,8 @@ def main() -> None:
             "train_step_thread_s_median_rank": statistics.median(r["thread_s"] for r in res),
             "train_step_wall_s_rank0": res[0]["wall_s"],
         }
-    path = Path(args.out)
-    out = json.loads(path.read_text()) if path.exists() else {"benchmark": "host_overhead"}
+    path = _results.destination("host_overhead", args.write, args.out)
+    out = json.loads(path.read_text()) if path is not None and path.exists() else {"benchmark": "host_overhead"}
     out.setdefault("runs", {})[args.label] = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "torch": torch.__version__},
@@ -164,7 +165,7 @@ def main() -> None:
         out["host_ratio_after_over_before"] = {
             k: out["runs"]["after"][k]["host_s_median_rank"] / out["runs"]["before"][k]["host_s_median_rank"]
             for k in ("zero0", "zero1")}
-    path.write_text(json.dumps(out, indent=1))
+    _results.save("host_overhead", out, args.write, args.out)
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "per_rank"} if isinstance(v, dict) else v
                       for k, v in out["runs"][args.label].items()}, indent=1))
 

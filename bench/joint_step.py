@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _results  # noqa: E402 - bench/_results.py: where the JSON goes (bench/ is the script's folder)
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL, MESH, BATCH = "llama3-tiny", "dp=2,tp=2", 4
 MODES = {
@@ -96,7 +98,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "joint_step.json"))
+    _results.add_arguments(ap, "joint_step")
     ap.add_argument("--commit", default=None, help="the commit measured, for a tree outside git")
     ap.add_argument("--warm-cache", action="store_true", help="use Inductor's usual cache directory (the first "
                     "step then measures a compile whose kernels and graphs may already be cached)")
@@ -162,9 +164,7 @@ def main():
         "per_step_rank0": {"wall_s": res[0]["wall_s_all"], "cpu_s": res[0]["cpu_s_all"]},
         "wall_s": wall_s,
     }
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    path = _results.save("joint_step", out, args.write, args.out)
     print(json.dumps({k: out[k] for k in ("summary_median_over_ranks", "ratios", "joint_equals_autograd_bitwise",
                                           "inductor_max_rel_loss_diff_vs_autograd", "load_average_before",
                                           "load_average_after", "wall_s")}, indent=1))

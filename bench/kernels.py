@@ -70,6 +70,8 @@ from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import _results  # noqa: E402 - bench/_results.py: where the JSON goes (bench/ is the script's folder)
+
 ROOT = Path(__file__).resolve().parent.parent
 OPS = ("rms_norm", "layer_norm", "add_rms_norm", "swiglu", "gelu_bias", "rope", "cross_entropy")
 SECTIONS = ("kernels", "gemm", "layers")
@@ -98,7 +100,9 @@ def _args(argv=None):
                         f"(default {GPU_BUDGET_S:.0f} on CUDA, none with --smoke; 0: none)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/kernels[_smoke].json)")
+    p.add_argument("--write", action="store_true", help="record the JSON as bench/results/kernels[_smoke].json "
+                   "(default: a temporary file, named at the end)")
+    p.add_argument("--out", default=None, help="JSON path (gpu_run.sh: $OUT/kernels.json)")
     return p.parse_args(argv)
 
 
@@ -714,8 +718,8 @@ def run(args, out: Path) -> dict:
 
 
 def main(args) -> int:
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / ("kernels_smoke.json" if args.smoke
-                                                                        else "kernels.json")
+    # rewritten after every item (a run cut short keeps what it measured): never the record unless --write
+    out = _results.destination("kernels_smoke" if args.smoke else "kernels", args.write, args.out, temporary=True)
     signal.signal(signal.SIGTERM, _on_sigterm)
     result = run(args, out)
     print(f"wrote {out} ({result['seconds']:.1f} s, {result['status']}); copy bandwidth "

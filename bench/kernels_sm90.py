@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import platform
 import re
@@ -38,6 +37,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import _results  # noqa: E402 - bench/_results.py: where the JSON goes (bench/ is the script's folder)
 
 os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels: this script never runs one
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's current default, stated (silences 3.9's notice)
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--widths", default="4096,8192", help="comma-separated row widths (default 4096,8192)")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (default 90: H100/H200)")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "kernels_sm90.json"))
+    _results.add_arguments(p, "kernels_sm90")
     args = p.parse_args(argv)
     result = run([int(w) for w in args.widths.split(",")], args.arch)
     for r in result["launches"]:
@@ -187,10 +188,8 @@ def main(argv=None) -> int:
             what = r.get("error") or (f"{r['reg']:3d} regs, stack {r['stack']}, local {r['local']}, shared "
                                       f"{r['shared']} B, {r['num_warps']} warps {r['constexprs']}")
             print(f"{r['kernel']:>26} [{r['case']}, {r['phase']}]: {what}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}: {result['distinct_kernels']} distinct kernels in {result['seconds']} s; "
+    _results.save("kernels_sm90", result, args.write, args.out)
+    print(f"{result['distinct_kernels']} distinct kernels in {result['seconds']} s; "
           f"spilling: {result['spilling'] or 'none'}; errors: {len(result['errors'])}")
     return 1 if result["errors"] else 0
 

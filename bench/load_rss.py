@@ -51,6 +51,7 @@ import threading
 import time
 from pathlib import Path
 
+import _results  # noqa: E402 - bench/_results.py: where the JSON goes (bench/ is the script's folder)
 import torch
 
 MiB = 1 << 20
@@ -189,7 +190,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=HF["num_hidden_layers"])
     ap.add_argument("--layouts", nargs="+", default=["tp=4", "pp=2,tp=2"])
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "load_rss.json"))
+    _results.add_arguments(ap, "load_rss")
     args = ap.parse_args(argv)
     from mcompile.runtime.launch import spawn
 
@@ -238,9 +239,8 @@ def main(argv=None):
                                                cwd=Path(__file__).resolve().parents[1]).stdout.strip())
     result["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     result["run_seconds"] = round(time.perf_counter() - t_start, 1)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out} in {result['run_seconds']} s: within bound {result['all_within_bound']}, "
+    _results.save("load_rss", result, args.write, args.out)
+    print(f"{result['run_seconds']} s: within bound {result['all_within_bound']}, "
           f"values equal {result['values_equal']}")
 
 

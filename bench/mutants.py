@@ -52,6 +52,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _results  # noqa: E402 - bench/_results.py: where the JSON goes (bench/ is the script's folder)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutant_list import MUTANTS, Mutant  # noqa: E402
 from pkg_view import build_view  # noqa: E402
@@ -387,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--jobs", type=int, default=1, help="mutants run at a time, each in its own copy (default 1)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mutants.json"), help="the JSON report")
+    _results.add_arguments(ap, "mutants")  # neither: the report goes to a temporary file, named at the end
     ap.add_argument("--timeout", type=float, default=None, help="seconds per mutant (default: each mutant's own)")
     ap.add_argument("--root", default=str(ROOT), help=argparse.SUPPRESS)  # the tree to copy (tests)
     args = ap.parse_args(argv)
@@ -482,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         "survivors": [r.name for r in done if r.outcome == SURVIVED],
         "mutants": [r.__dict__ for r in done],
     }
-    out = Path(args.out)
+    out = _results.destination("mutants", args.write, args.out, temporary=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     log(f"{len(done)} mutants: " + ", ".join(f"{v} {k}" for k, v in totals.items() if v)

@@ -36,13 +36,14 @@ there, and overlap may not make a step faster. The JSON records the CPU count an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import subprocess
 import time
 from pathlib import Path
+
+import _results  # noqa: E402 - bench/_results.py: where the JSON goes (bench/ is the script's folder)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,7 +154,7 @@ def main():
     ap.add_argument("--recorded", type=int, default=3)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "overlap.json"))
+    _results.add_arguments(ap, "overlap")
     ap.add_argument("--commit", default=None, help="the commit measured, for a tree outside git")
     args = ap.parse_args()
     import torch
@@ -232,9 +233,7 @@ def main():
         "per_round_rank0_s": {n: res[0]["wall_s_all"] for n, res in results.items()},
         "wall_s": time.perf_counter() - t0,
     }
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    path = _results.save("overlap", out, args.write, args.out)
     for row in figures:
         print(f"{row['model']:12s} {row['layout']:22s} on {row['on']['step_s'] * 1e3:8.1f} ms  off "
               f"{row['off']['step_s'] * 1e3:8.1f} ms  ratio {row['step_ratio_on_over_off']:.3f}  hidden on "

@@ -21,8 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+import _results  # noqa: E402 - bench/_results.py: where the JSON goes (bench/ is the script's folder)
+
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "bench" / "results" / "search_time.json"
 SC21 = ROOT / "tests" / "data" / "megatron_sc21_a100.json"
 
 # (name, model spec, gpus, hardware, global batch, seq)
@@ -127,6 +128,7 @@ def sc21_rows() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-sc21", action="store_true", help="only the timed cases")
+    _results.add_arguments(ap, "search_time")
     args = ap.parse_args()
     result = {
         "benchmark": "search_time",
@@ -143,8 +145,7 @@ def main() -> None:
                                    "tp collective matmul and ZeRO-3 prefetch on/off; no FP8 on A100); "
                                    "'megatron_2021_space' = full recompute, no SP, no ZeRO, no tp overlap, 1F1B or "
                                    "interleaved (what Megatron had in 2021)")
-    OUT.write_text(json.dumps(result, indent=1))
-    print(f"wrote {OUT}")
+    _results.save("search_time", result, args.write, args.out)
 
 
 if __name__ == "__main__":

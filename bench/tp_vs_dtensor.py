@@ -14,14 +14,13 @@ collectives and bytes of one step of each, counted with torch.profiler.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import subprocess
 import time
-from pathlib import Path
 
+import _results  # noqa: E402 - bench/_results.py: where the JSON goes (bench/ is the script's folder)
 import torch
 
 from mcompile.models.hf import CausalLMLoss
@@ -118,6 +117,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="tiny model, 3 steps (CI smoke)")
+    _results.add_arguments(ap, "tp_vs_dtensor[_quick]")
     args = ap.parse_args()
     cfg = dict(vocab_size=1024, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                num_attention_heads=8, num_key_value_heads=4)
@@ -141,9 +141,7 @@ def main() -> None:
         "collectives_per_step": {k: v[0] for k, v in res["collectives"].items()},
         "collective_bytes_per_step": {k: v[1] for k, v in res["collectives"].items()},
     }
-    path = Path(__file__).parent / "results" / ("tp_vs_dtensor_quick.json" if args.quick else "tp_vs_dtensor.json")
-    path.write_text(json.dumps(out, indent=1))
-    print(json.dumps(out, indent=1))
+    _results.save("tp_vs_dtensor_quick" if args.quick else "tp_vs_dtensor", out, args.write, args.out)
 
 
 if __name__ == "__main__":

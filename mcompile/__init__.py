@@ -3,17 +3,49 @@
     import mcompile as mc
     plan = mc.plan(model, mc.Mesh.fake(dp=64, tp=8), example_inputs=(tokens, targets))
     print(plan)
+
+The names below are imported on first use, so ``import mcompile.cli`` (the ``mcompile`` command's
+``--help`` and argument errors) imports neither torch nor the compiler.
 """
 
-from mcompile.api import compile_plan, parallelize, plan
-from mcompile.capture import CaptureError
-from mcompile.config import Config
-from mcompile.cost import Estimate, Layout, Workload, estimate
-from mcompile.mesh import Mesh
-from mcompile.plan import Plan
-from mcompile.propagate import PlanError
-from mcompile.search import search
+import importlib
+import importlib.util
+import sys
+import types
 
 __version__ = "0.1.0"
-__all__ = ["CaptureError", "Config", "Estimate", "Layout", "Mesh", "Plan", "PlanError", "Workload", "compile_plan",
+_WHERE = {"compile_plan": "mcompile.api", "parallelize": "mcompile.api", "plan": "mcompile.api",
+          "CaptureError": "mcompile.capture", "CaptureWarning": "mcompile.capture",
+          "OutputWarning": "mcompile.capture", "Config": "mcompile.config", "Estimate": "mcompile.cost",
+          "Layout": "mcompile.cost", "Workload": "mcompile.cost", "estimate": "mcompile.cost",
+          "Mesh": "mcompile.mesh", "Plan": "mcompile.plan", "PlanError": "mcompile.propagate",
+          "search": "mcompile.search"}
+__all__ = ["CaptureError", "CaptureWarning", "OutputWarning", "Config", "Estimate", "Layout", "Mesh", "Plan", "PlanError", "Workload", "compile_plan",
            "estimate", "parallelize", "plan", "search", "__version__"]
+
+
+def _load(name: str):
+    return getattr(importlib.import_module(_WHERE[name]), name)
+
+
+class _Package(types.ModuleType):
+    """``mcompile.plan`` and ``mcompile.search`` name a submodule and a function: the function wins (a
+    property of the package's class outranks the attribute the import system sets for a submodule)."""
+
+    plan = property(lambda self: _load("plan"), lambda self, value: None)
+    search = property(lambda self: _load("search"), lambda self, value: None)
+
+    def __getattr__(self, name: str):
+        if name in _WHERE:
+            value = _load(name)
+            setattr(self, name, value)  # once: later lookups are plain attribute reads
+            return value
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")  # a submodule: mc.cost, mc.models, ...
+        raise AttributeError(f"module 'mcompile' has no attribute {name!r}")
+
+    def __dir__(self):
+        return sorted({*super().__dir__(), *_WHERE})
+
+
+sys.modules[__name__].__class__ = _Package

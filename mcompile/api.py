@@ -9,9 +9,9 @@ import torch.fx as fx
 
 from mcompile.annotate import AnnotationSummary, annotate
 from mcompile.arguments import check_arguments
-from mcompile.capture import BATCH, SEQ, Captured, capture
+from mcompile.capture import BATCH, SEQ, Captured, capture, warn_unless_loss
 from mcompile.mesh import Mesh
-from mcompile.plan import Plan, PlanOptions, SPVariant
+from mcompile.plan import Plan, PlanOptions, SPVariant, input_specs
 from mcompile.planner import AxisPlanResult, assemble_plan, plan_axes
 
 __all__ = ["Compiled", "compile_plan", "plan"]
@@ -163,6 +163,7 @@ def compile_plan(
     if mesh.size("pp") > 1 and set(mesh.axis_names) == {"pp"}:  # a degenerate dp axis carries the stages' params
         mesh = Mesh.fake(dp=1, pp=mesh.size("pp")) if mesh.fake_mesh else Mesh(dp=1, pp=mesh.size("pp"))
     cap, canon, block = _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks)
+    warn_unless_loss(cap)  # a plan of logits or several outputs is no training plan (forward still serves them)
     if token_weighted_loss:
         canon["mean_loss_to_sum_count"] = int(mean_loss_to_sum_count(cap.gm))
     check_arguments(cap.gm, mesh, microbatches, runtime=for_runtime)
@@ -180,6 +181,7 @@ def compile_plan(
     options = PlanOptions(sequence_parallel=sp, sp_variant=SPVariant.SAVE_GATHERED,
                           vocab_pad_multiple=vocab_pad_multiple)
     plan = assemble_plan(cap, mesh, axes, options, overrides)
+    plan.inputs = input_specs(cap.input_names, example_inputs, example_kwargs)  # what estimate(plan, model) needs
     compiled = Compiled(cap, plan, mesh, axes, canon, annotation, short=short)
     gm, specs = _lower(compiled, 0)
     compiled._programs[(0, None)] = (gm, specs)
@@ -262,6 +264,7 @@ def parallelize(
     hardware=None,
     global_batch: int | None = None,
     weights=None,
+    distributed_optimizer: bool = False,
     **options,
 ):
     """Plan ``model`` over ``mesh`` and return a :class:`~mcompile.runtime.module.ParallelModule`
@@ -273,7 +276,10 @@ def parallelize(
 
     ``plan="auto"`` (no mesh): :func:`mcompile.search.search` picks the mesh and the options for the
     world size on ``hardware`` (default "cpu-gloo" on CPU, "h100" on GPU) at ``global_batch`` (default:
-    the example inputs' batch); rank 0 logs the choice and why (logger ``mcompile.search``).
+    the example inputs' batch); rank 0 logs the choice and why (logger ``mcompile.search``). The search
+    picks ZeRO 0 (any torch optimizer over ``pm.parameters()``) unless ``distributed_optimizer=True`` says
+    the optimizer will be a :class:`~mcompile.runtime.zero.DistributedOptimizer` (then ZeRO 0/1), or
+    ``zero=`` is given.
 
     ``weights=PATH``: every rank reads the pieces of the parameters it holds straight from a checkpoint,
     one tensor at a time — a Hugging Face folder (``model.safetensors`` or a sharded
@@ -303,7 +309,7 @@ def parallelize(
     world = dist.get_world_size()
     if plan == "auto":
         mesh, config = _auto_plan(model, world, example_inputs, example_kwargs, config, options, hardware,
-                                  global_batch)
+                                  global_batch, distributed_optimizer)
     if mesh.size() != world:
         raise ValueError(
             f"{mesh!r} has {mesh.size()} ranks but the world has {world} processes: make the product of "
@@ -333,7 +339,8 @@ def parallelize(
     return ParallelModule(compiled, dmesh, config, model, weights=weights)
 
 
-def _auto_plan(model, world, example_inputs, example_kwargs, config, options, hardware, global_batch):
+def _auto_plan(model, world, example_inputs, example_kwargs, config, options, hardware, global_batch,
+               distributed_optimizer=False):
     """``parallelize(plan="auto")``: rank 0 searches (mcompile.search.auto_layout) and broadcasts its
     choice (or its error: every rank raises it rather than waiting); the mesh and the Config."""
     import dataclasses
@@ -353,7 +360,7 @@ def _auto_plan(model, world, example_inputs, example_kwargs, config, options, ha
     if dist.get_rank() == 0:
         try:
             box[0] = auto_layout(model, world, tuple(example_inputs), example_kwargs, dict(options), hardware=hardware,
-                                 global_batch=global_batch,
+                                 global_batch=global_batch, distributed_optimizer=distributed_optimizer,
                                  device_type="cuda" if uses_nccl(dist.get_backend()) else "cpu")
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             box[0] = e

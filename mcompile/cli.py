@@ -13,6 +13,9 @@ MODEL is a preset name (``mcompile plan --list``) or ``package.module:factory``,
 returns a model, or ``(model, example_inputs)``. A model without example inputs is taken to be a
 language model called as ``model(tokens, targets)`` with int64 tensors of shape [batch, seq].
 Models are built on the meta device for ``plan`` (no memory at any size).
+
+Start-up: this module imports nothing heavy at the top (no torch, no compiler), so ``--help`` and
+argument errors answer at once; each subcommand imports what it needs.
 """
 
 from __future__ import annotations
@@ -20,25 +23,25 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
-
-import torch
-
-from mcompile.mesh import Mesh
 
 
 class CLIError(Exception):
     pass
 
 
-def load_model(spec: str, device: str, batch: int, seq: int, dtype: torch.dtype | None = None):
+def load_model(spec: str, device: str, batch: int, seq: int, dtype=None):
+    import torch
+
     from mcompile.models import PRESETS, get_preset
+    from mcompile.models.presets import did_you_mean
 
     if ":" not in spec:
         if spec not in PRESETS:
             raise CLIError(
-                f"unknown model {spec!r}: not a preset and not a module:factory path. "
-                f"Presets: {', '.join(sorted(PRESETS))}"
+                f"unknown model {spec!r}{did_you_mean(spec, PRESETS)}: not a preset and not a module:factory "
+                f"path. Presets: {', '.join(sorted(PRESETS))}"
             )
         pre = get_preset(spec)
         try:
@@ -49,6 +52,10 @@ def load_model(spec: str, device: str, batch: int, seq: int, dtype: torch.dtype 
         # the capture template is small: batch and sequence are symbols, sizes come from --batch/--seq
         return model, pre.example_inputs(batch=2, seq=16, device=device), spec
     mod_name, _, attr = spec.partition(":")
+    # the console script's sys.path[0] is its own bin/ folder: `mcompile plan mypkg.models:make` run from the
+    # folder holding mypkg/ should find it, as `python -m` would
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         factory = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
@@ -68,7 +75,10 @@ def load_model(spec: str, device: str, batch: int, seq: int, dtype: torch.dtype 
 
 
 def _compile(args, device: str):
+    import torch
+
     from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
 
     try:
         mesh = Mesh.parse(args.mesh, fake=device == "meta")
@@ -170,16 +180,23 @@ def _fit_text(c, args) -> str:
         raise CLIError(str(e)) from e
     if args.batch % args.microbatches:
         raise CLIError(f"--batch {args.batch} does not divide into --microbatches {args.microbatches}")
+    # the parameters in the dtype the memory table counts (--dtype, else the model's), so the peak's model
+    # state is the table's total (AdamW's per-tensor step counts aside) and the rest is named
+    dtype = args.dtype or next(iter(c.plan.params.values())).dtype
     est = estimate(c, hardware=hw, global_batch=args.batch * c.mesh.size("dp"), seq=args.seq,
-                   microbatch_size=args.batch // args.microbatches)
+                   microbatch_size=args.batch // args.microbatches, param_dtype=dtype)
     gib = 2**30
-    parts = ", ".join(f"{k} {v / gib:.2f}" for k, v in est.memory_breakdown.items() if isinstance(v, int | float) and v)
+    mem = est.memory_breakdown
+    state = sum(mem.get(k, 0) for k in ("params", "grads", "optimizer"))
+    rest = ", ".join(f"{k.replace('_', ' ')} {v / gib:.2f}" for k, v in mem.items()
+                     if k not in ("params", "grads", "optimizer") and isinstance(v, int | float) and v)
     verdict = "fits" if est.fits else (
         f"does NOT fit: {est.memory_bytes / gib:.1f} GiB needed, {hw.hbm_bytes / gib:.1f} GiB on the device; try "
         "more tp/pp, ZeRO-1, recompute, or `mcompile search`")
     return (f"predicted on {hw.name}: step {est.step_time_s:.3f} s, {est.tflops_per_gpu:.0f} TFLOP/s per GPU; "
-            f"peak memory of the largest rank {est.memory_bytes / gib:.2f} GiB of {hw.hbm_bytes / gib:.1f} GiB "
-            f"({parts} GiB) — {verdict}")
+            f"peak memory of the largest rank {est.memory_bytes / gib:.2f} GiB of {hw.hbm_bytes / gib:.1f} GiB = "
+            f"model state {state / gib:.2f} GiB ({dtype} parameters, fp32 gradients, AdamW: the memory table) + "
+            f"{rest or 'nothing else'} GiB at batch {args.batch} x seq {args.seq} per rank — {verdict}")
 
 
 def _fp8_report(args, c, rank: int = 0):
@@ -443,13 +460,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import warnings
 
+    args = build_parser().parse_args(argv)  # --help and argument errors: before anything heavy is imported
     from mcompile.capture import CaptureError
     from mcompile.partition import PartitionError
     from mcompile.propagate import PlanError
     from mcompile.runtime.schedules import ScheduleError
     from mcompile.search import SearchError
 
-    args = build_parser().parse_args(argv)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*bos_token_id.*")

@@ -484,6 +484,9 @@ class ModelProfile:
     post: Section  # after the last layer (last pipeline stage)
     tied_params: float  # local parameters counted in both pre and post (tied embedding/head)
     activation_bytes: int = 2  # bytes per element of the residual stream (p2p messages)
+    # full (unsharded) shape of every parameter of the captured model (maybe fewer layers than n_layers):
+    # what a plan priced with this profile must match (:func:`check_plan_matches`)
+    param_shapes: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _is_symbolic(x) -> bool:
@@ -682,7 +685,7 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
         heads=heads or q_heads, kv_heads=kv_heads or k_heads or heads or q_heads, vocab=vocab, seq_len=seq_len,
         tp=tp, sequence_parallel=plan.options.sequence_parallel, sp_variant=str(plan.options.sp_variant),
         layer=section("layer"), pre=section("pre"), post=section("post"), tied_params=tied,
-        activation_bytes=act_bytes,
+        activation_bytes=act_bytes, param_shapes={f: tuple(p.shape) for f, p in plan.params.items()},
     )
 
 
@@ -1406,11 +1409,12 @@ def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_
     return best, best_d
 
 
-def _layout_of(plan_or_layout, model, overrides: dict) -> tuple[Layout, Any]:
+def _layout_of(plan_or_layout, model, overrides: dict) -> tuple[Layout, Any, Any]:
+    """(layout, model, the Plan or None) of estimate()'s first two arguments."""
     from mcompile.plan import Plan
 
     if isinstance(plan_or_layout, Layout):
-        return (dataclasses.replace(plan_or_layout, **overrides) if overrides else plan_or_layout), model
+        return (dataclasses.replace(plan_or_layout, **overrides) if overrides else plan_or_layout), model, None
     compiled = None
     if hasattr(plan_or_layout, "captured") and hasattr(plan_or_layout, "plan"):  # an api.Compiled
         compiled, plan = plan_or_layout, plan_or_layout.plan
@@ -1428,19 +1432,96 @@ def _layout_of(plan_or_layout, model, overrides: dict) -> tuple[Layout, Any]:
     layout = Layout(**fields)
     if model is None and compiled is not None:
         model = Workload.from_compiled(compiled)
-    return layout, model
+    return layout, model, plan
 
 
-def _workload(model) -> Workload:
+def example_seq(plan_or_compiled) -> int | None:
+    """The sequence length of the example inputs a plan (or compiled plan) was made with: the plan's
+    record (:attr:`mcompile.plan.Plan.inputs`), else the capture's size hint of its sequence symbol."""
+    plan = getattr(plan_or_compiled, "plan", plan_or_compiled)
+    seq = plan.example_batch_seq[1] if getattr(plan, "inputs", None) else None
+    cap = getattr(plan_or_compiled, "captured", None)
+    if seq is None and cap is not None and "seq" in cap.symbols:
+        for name in cap.user_inputs:
+            val = cap.placeholder(name).meta.get("val")
+            if isinstance(val, torch.Tensor) and val.ndim > 1 and isinstance(val.shape[1], torch.SymInt):
+                hint = val.shape[1].node.hint
+                if hint is not None:
+                    return int(hint)
+    return seq
+
+
+def _workload(model, plan=None) -> Workload:
     if isinstance(model, Workload):
         return model
     if model is None:
+        if plan is not None:
+            raise ValueError(
+                "estimate(plan) needs the model the plan was made from: estimate(plan, model) with the nn.Module "
+                "(the plan records its example inputs), a preset name, or a Workload; or price "
+                "mc.compile_plan(...), which carries its model")
         raise ValueError("estimate() needs the model: model=Workload(...), a preset name, or pass a compiled plan")
     from mcompile.models.presets import Preset
 
     if isinstance(model, (str, Preset)):
         return Workload.from_preset(model)
-    raise TypeError(f"model={type(model).__name__}: pass a Workload, a preset name or a Preset")
+    if isinstance(model, torch.nn.Module):
+        if plan is None:
+            raise TypeError("estimate(layout, module) needs the example inputs: pass Workload(module, example_inputs)")
+        if not plan.inputs:
+            raise ValueError("this plan records no example inputs (saved before plans did): pass "
+                             "Workload(model, example_inputs) to estimate it")
+        from mcompile.search import SearchWorkload  # captures a 2-block copy of a deep model, once
+
+        # a template of the recorded shapes and dtypes on meta (capture reads no values), captured in bf16
+        # as Workload.from_preset does: the same numbers as pricing the plan with its preset's name
+        template = tuple(torch.zeros(i.shape, dtype=getattr(torch, i.dtype), device="meta") for i in plan.inputs)
+        return SearchWorkload.of(model, template)
+    raise TypeError(f"model={type(model).__name__}: pass a Workload, a preset name, a Preset or an nn.Module")
+
+
+def _layer_counts(shapes: dict) -> tuple[dict, int]:
+    """{fqn with its first index written '#': shape} and the number of layers (the most indices seen
+    under one prefix: ``layers.0`` .. ``layers.31`` -> 32)."""
+    import re
+
+    folded, indices = {}, {}
+    for fqn, shape in shapes.items():
+        m = re.search(r"(^|\.)(\d+)(\.|$)", fqn)
+        if m is None:
+            folded[fqn] = tuple(shape)
+            continue
+        key = fqn[:m.start(2)] + "#" + fqn[m.end(2):]
+        folded.setdefault(key, tuple(shape))
+        if folded[key] != tuple(shape):  # layers of different shapes: keep each apart
+            folded[fqn] = tuple(shape)
+        indices.setdefault(fqn[:m.start(2)], set()).add(int(m.group(2)))
+    return folded, max((len(v) for v in indices.values()), default=0)
+
+
+def check_plan_matches(plan, prof: ModelProfile) -> None:
+    """Raise ValueError when ``plan``'s parameters (names and full shapes, layers folded) or depth are
+    not those of the model ``prof`` was analysed from: pricing one model's plan with another's
+    numbers would be silently wrong."""
+    if not prof.param_shapes:
+        return
+    mine, depth = _layer_counts({f: p.shape for f, p in plan.params.items()})
+    theirs, _ = _layer_counts(prof.param_shapes)
+    what = (f"the plan ({plan.model or 'a model'}, {len(plan.params)} parameters) and the model given "
+            f"({prof.name or 'a model'})")
+    missing = sorted(set(mine) - set(theirs))
+    extra = sorted(set(theirs) - set(mine))
+    differ = sorted(k for k in set(mine) & set(theirs) if mine[k] != theirs[k])
+    if missing or extra:
+        raise ValueError(f"{what} have different parameters: the plan's {missing[:3]} are not in the model, the "
+                         f"model's {extra[:3]} are not in the plan; price a plan with the model it was made from")
+    if differ:
+        k = differ[0]
+        raise ValueError(f"{what} differ in shape: {k} is {list(mine[k])} in the plan and {list(theirs[k])} in the "
+                         f"model ({len(differ)} such); price a plan with the model it was made from")
+    if depth and prof.n_layers and depth != prof.n_layers:
+        raise ValueError(f"{what} differ in depth: the plan has {depth} layers, the model {prof.n_layers}; price a "
+                         "plan with the model it was made from")
 
 
 def resolve_precision(layout: Layout, precision: str | None) -> Layout:
@@ -1471,16 +1552,20 @@ def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", g
     if attention_kernel not in ("flash", "unfused"):
         raise ValueError(f"attention_kernel={attention_kernel!r}: use 'flash' (fused SDPA, what mcompile runs) or "
                          "'unfused' (bmm, softmax, dropout, bmm: s×s scores through memory)")
-    layout, model = _layout_of(plan_or_layout, model, layout_fields)
+    layout, model, plan = _layout_of(plan_or_layout, model, layout_fields)
     layout = resolve_precision(layout, precision)
     precision = layout.precision
-    work = _workload(model)
+    work = _workload(model, plan)
     hw = get_hardware(hardware)
     eff = (efficiency or DEFAULT_EFFICIENCY).for_hardware(hw)
     prof = work.profile(layout.tp, layout.sequence_parallel)
-    seq = seq or prof.seq_len
+    if plan is not None:
+        check_plan_matches(plan, prof)
+    # a plan's own example inputs, before a preset's maximum: the sequence it was planned at
+    seq = seq or (example_seq(plan_or_layout) if plan is not None else None) or prof.seq_len
     if seq is None:
-        raise ValueError("estimate() needs seq= (the model states no maximum sequence length)")
+        raise ValueError("estimate() needs seq= (the model states no maximum sequence length, and no example "
+                         "inputs say it)")
     _validate(layout, prof, global_batch, seq)
     limit = float(memory_limit) if memory_limit is not None else float(hw.hbm_bytes)
     auto = None

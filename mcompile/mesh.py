@@ -58,7 +58,11 @@ class Mesh:
             name, eq, value = part.partition("=")
             if not eq or not value.strip().isdigit():
                 raise ValueError(f"cannot parse mesh {text!r}: write axis=size pairs like dp=8,tp=8")
-            sizes[name.strip()] = int(value)
+            name = name.strip()
+            if name in sizes:  # "tp=2,tp=4" would silently keep the last one
+                raise ValueError(f"mesh {text!r} gives axis {name!r} twice ({name}={sizes[name]} and {name}="
+                                 f"{int(value)}): give each axis once, e.g. {name}={int(value)}")
+            sizes[name] = int(value)
         return cls.fake(**sizes) if fake else cls(**sizes)
 
     @property

@@ -14,6 +14,9 @@ defaults, never change the meaning of these.
 - ``options``: sequence parallelism and its variant, vocabulary padding.
 - ``stage_cuts`` (captured nodes where pipeline stages 1..K-1 begin), ``schedule``, ``pipeline``
   (the stage table); ``recompute`` (the recomputed nodes).
+- ``inputs``: the example inputs it was planned with, shapes and dtypes only (what
+  :func:`mcompile.cost.estimate` needs to price the plan with the model: the sequence length, and a
+  template to capture the model at another tp). Absent from plans saved before it existed: empty.
 """
 
 from __future__ import annotations
@@ -58,6 +61,28 @@ class CollectiveSpec:
     origin: str = ""  # the captured node whose value is moved
     layer: int | None = None
     purpose: str = ""  # e.g. "tp region exit", "vocab-parallel loss"
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One example input of the planned model: its name (``arg0`` or the keyword), shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def input_specs(names, example_inputs, example_kwargs=None) -> list[InputSpec]:
+    """The :class:`InputSpec` of each tensor input: ``example_inputs`` (a tuple, a list or one tensor)
+    then ``example_kwargs`` in the order of ``names`` (the capture's ``input_names``)."""
+    args = example_inputs if isinstance(example_inputs, tuple | list) else (example_inputs,)
+    kwargs = example_kwargs or {}
+    values = list(args) + [kwargs[n] for n in list(names)[len(args):] if n in kwargs]
+    out = []
+    for name, v in zip(names, values):
+        if hasattr(v, "shape") and hasattr(v, "dtype"):
+            out.append(InputSpec(str(name), tuple(int(d) for d in v.shape), str(v.dtype).replace("torch.", "")))
+    return out
 
 
 @dataclass
@@ -120,6 +145,7 @@ class Plan:
     # cost / activation bytes, imbalance, predicted bubble (mcompile.partition)
     pipeline: dict = field(default_factory=dict)
     version: int = SCHEMA_VERSION
+    inputs: list[InputSpec] = field(default_factory=list)  # the example inputs: shapes and dtypes
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -127,6 +153,26 @@ class Plan:
 
     def placement(self, fqn: str, axis: str):
         return self.params[fqn].placements[self.axis_names.index(axis)]
+
+    @property
+    def example_batch_seq(self) -> tuple[int | None, int | None]:
+        """(batch, sequence) of the first example input with both dims, else what there is."""
+        for spec in self.inputs:
+            if len(spec.shape) >= 2:
+                return spec.shape[0], spec.shape[1]
+        first = next((spec for spec in self.inputs if spec.shape), None)
+        return (first.shape[0] if first else None), None
+
+    def stage_positions(self) -> list[str]:
+        """Where each pipeline stage after the first begins, in words ("after layer 3", "inside layer
+        5 (...)", "before the head ..."): the layer positions of :attr:`stage_cuts`."""
+        from mcompile.report import cut_position
+
+        stages = self.pipeline.get("stages", [])
+        if len(stages) < 2:
+            return []
+        n_layers = int(round(stages[-1]["layers"][1]))
+        return [cut_position(st["layers"][0], n_layers) for st in stages[1:]]
 
     # -- serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -166,6 +212,7 @@ class Plan:
             model=d["model"], fallbacks=list(d["fallbacks"]), overrides=dict(d["overrides"]),
             stage_cuts=list(d["stage_cuts"]), recompute=list(d["recompute"]), schedule=d["schedule"],
             pipeline=dict(d.get("pipeline", {})),
+            inputs=[InputSpec(i["name"], tuple(i["shape"]), i["dtype"]) for i in d.get("inputs", [])],
         )
 
     def diff(self, other: Plan) -> list[str]:
@@ -175,6 +222,9 @@ class Plan:
             out.append(f"mesh: {self.mesh} -> {other.mesh}")
         if self.options != other.options:
             out.append(f"options: {self.options} -> {other.options}")
+        if self.inputs != other.inputs:
+            out.append(f"example inputs: {[(i.name, list(i.shape)) for i in self.inputs]} -> "
+                       f"{[(i.name, list(i.shape)) for i in other.inputs]}")
         for k in sorted(set(self.params) | set(other.params)):
             a, b = self.params.get(k), other.params.get(k)
             pa = a and [format_placement(x) for x in a.placements]

@@ -16,6 +16,10 @@ from mcompile.memory_model import memory_per_rank
 from mcompile.placements import format_placement
 from mcompile.plan import Plan
 
+# What the plan's memory table counts, and what it leaves to `--gpu` (mcompile.cost.estimate's peak)
+MODEL_STATE_TITLE = ("Memory per rank: model state only (parameters, fp32 gradients, AdamW state; no activations: "
+                     "--gpu adds them at --batch/--seq)")
+
 
 def _gib(b: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -67,7 +71,7 @@ def plan_tables(plan: Plan, sizes: dict[str, int] | None = None, dtype: str | No
             colls.add_row(label, c.op, c.axis, c.forward, c.backward, _fmt_bytes(c.bytes, sizes), c.purpose)
 
     mem = memory_per_rank(plan, dtype)
-    memt = Table(title="Memory per rank (parameters, fp32 gradients, AdamW state)")
+    memt = Table(title=MODEL_STATE_TITLE)
     for col in ("parameters", "gradients", "optimizer state", "total"):
         memt.add_column(col)
     memt.add_row(_gib(mem.params), _gib(mem.grads), _gib(mem.optimizer), _gib(mem.total))
@@ -152,6 +156,54 @@ def fused_summary(counts: dict[str, int]) -> str:
 
 
 # ---- pipeline stages in `mcompile plan` -------------------------------------------------------------
+def cut_position(x: float, n_layers: int) -> str:
+    """Where a stage boundary lies, in words: ``x`` in layer units (mcompile.blocks.Trunk.layer_of: 0 =
+    start of layer 0, ``n_layers`` = end of the last layer, negative = in the embedding)."""
+    if x < 0:
+        return "inside the embedding"
+    if float(x).is_integer():
+        k = int(x)
+        if k == 0:
+            return "before layer 0 (after the embedding)"
+        return "before the head (after the last layer)" if k >= n_layers else f"after layer {k - 1}"
+    k = int(x)
+    return f"inside layer {k} ({x - k:.0%} of its ops before the cut)"
+
+
+def stage_span(lo: float, hi: float, n_layers: int) -> str:
+    """What a stage [lo, hi) holds (layer units as :func:`cut_position`): "embedding, layers 0-3",
+    "end of layer 3, layers 4-7, head"."""
+    parts = []
+    if lo < 0:
+        parts.append("embedding")
+        lo = 0.0
+    first = int(lo) if float(lo).is_integer() else int(lo) + 1
+    if not float(lo).is_integer():
+        parts.append(f"end of layer {int(lo)}")
+    last = min(int(hi), n_layers)  # whole layers first .. last - 1
+    if last > first:
+        parts.append(f"layer {first}" if last - first == 1 else f"layers {first}-{last - 1}")
+    if not float(hi).is_integer() and int(hi) < n_layers:
+        parts.append(f"start of layer {int(hi)}" if int(hi) >= first else f"part of layer {int(hi)}")
+    if hi >= n_layers:
+        parts.append("head")
+    return ", ".join(parts) or "nothing"
+
+
+def stage_cuts_text(plan: Plan) -> str:
+    """One line per cut of a pipelined plan: its position in layers and the captured node it is at
+    (what ``stage_cuts=`` pins)."""
+    stages = plan.pipeline.get("stages", [])
+    if len(stages) < 2:
+        return ""
+    n_layers = int(round(stages[-1]["layers"][1]))
+    lines = []
+    for i, st in enumerate(stages[1:], 1):
+        node = plan.stage_cuts[i - 1] if i - 1 < len(plan.stage_cuts) else "?"
+        lines.append(f"cut {i}: stage {i} starts {cut_position(st['layers'][0], n_layers)} (captured node {node})")
+    return "\n".join(lines)
+
+
 def pipeline_text(plan: Plan, batch: int = 1, dtype: str | None = None, width: int = 160) -> str:
     """The stage table of a pipelined plan: layers, parameters and their memory, activations held
     at the peak of the schedule, cost share; imbalance and the schedule's predicted bubble."""
@@ -174,14 +226,15 @@ def pipeline_text(plan: Plan, batch: int = 1, dtype: str | None = None, width: i
     for col in ("stage", "rank", "layers", "parameters", "per rank", "param+grad+optim per rank",
                 "activations / microbatch (captured / tp)", "cost share"):
         t.add_column(col)
+    n_layers = int(round(pl["stages"][-1]["layers"][1]))
     for i, st in enumerate(pl["stages"]):
         lo, hi = st["layers"]
-        lo_s = "embed" if lo < 0 else f"{lo:g}"
-        t.add_row(str(i), str(st["rank"]), f"{lo_s} - {hi:g}", f"{st['params']:,}", f"{st['local_params']:,}",
+        t.add_row(str(i), str(st["rank"]), stage_span(lo, hi, n_layers), f"{st['params']:,}", f"{st['local_params']:,}",
                   _gib(st["local_params"] * per_param), _gib(int(stage_bytes[i])), f"{st['cost'] / total_cost:.1%}")
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=False, color_system=None)
     console.print(t)
+    console.print(stage_cuts_text(plan), highlight=False)
     console.print("peak activations held per rank (forward until backward, as the schedule runs): "
                   + ", ".join(f"rank {r}: {_gib(int(b))}" for r, b in enumerate(peak)))
     console.print(f"stage imbalance (max / mean cost - 1): {pl['imbalance']:.1%}"

@@ -856,9 +856,10 @@ def enumerate_layouts(model, world: int, *, global_batch: int, seq: int, schedul
 # --------------------------------------------------------------------------- results
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Candidate:
-    """One ranked layout: unpacks as ``layout, estimate``."""
+    """One ranked layout, a ``(layout, estimate)`` pair: ``layout, est = candidate``, ``candidate[1]``,
+    ``for layout, est in mc.search(...)``; the stage split and the ways to run it as attributes."""
 
     layout: Layout
     estimate: Estimate
@@ -866,6 +867,15 @@ class Candidate:
 
     def __iter__(self):
         return iter((self.layout, self.estimate))
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i):
+        return (self.layout, self.estimate)[i]
+
+    def __repr__(self) -> str:  # the Estimate's repr holds the whole hardware profile: one line instead
+        return f"Candidate({self})"
 
     @property
     def step_time_s(self) -> float:
@@ -909,7 +919,8 @@ class Candidate:
 
 
 class SearchResult(list):
-    """The ranked candidates (best first) and how the search went."""
+    """The ranked candidates (best first) and how the search went. Each item is a
+    :class:`Candidate`, a ``(layout, estimate)`` pair: ``for layout, est in result``, ``result[0]``."""
 
     def __init__(self, items, *, workload, world, hardware, global_batch, seq, memory_limit, stats, seconds):
         super().__init__(items)
@@ -1300,11 +1311,19 @@ _CHOSEN_OPTIONS = ("microbatches", "virtual_stages", "layers_per_stage", "stage_
 
 
 def auto_layout(model, world: int, example_inputs: tuple, example_kwargs: dict | None, options: dict, *,
-                hardware=None, global_batch: int | None = None, device_type: str = "cpu"):
+                hardware=None, global_batch: int | None = None, device_type: str = "cpu",
+                distributed_optimizer: bool = False):
     """What ``parallelize(..., plan="auto")`` runs (on rank 0): the best layout for this world, as a
     (mesh axes, Config options, explanation) triple. Options the user gave keep their values (the
-    searched ones restrict the space); the runtime keeps parameters and gradients in fp32. ZeRO 0/1 unless
-    ``zero`` is given, overlap as ``Config(overlap=)``, matmuls in the Config's dtype (no FP8 unasked)."""
+    searched ones restrict the space); the runtime keeps parameters and gradients in fp32. Overlap as
+    ``Config(overlap=)``, matmuls in the Config's dtype (no FP8 unasked).
+
+    ZeRO: the optimizer is created after ``parallelize`` returns, by the user, and ZeRO-1/2 keep the
+    gradients in sharded buffers that only :class:`mcompile.runtime.zero.DistributedOptimizer` updates
+    (a torch optimizer over ``pm.parameters()`` would see no gradients: ``train_step`` refuses to run).
+    So the search chooses only ZeRO 0 — the plain loop ``opt = torch.optim.AdamW(pm.parameters())``
+    works — unless ``distributed_optimizer=True`` says the optimizer will be a DistributedOptimizer
+    (then ZeRO 0/1), or ``zero`` is given (that level)."""
     from mcompile.config import Config, Inputs
 
     given = [k for k in _CHOSEN_OPTIONS if k in options]
@@ -1322,9 +1341,10 @@ def auto_layout(model, world: int, example_inputs: tuple, example_kwargs: dict |
     seq = int(tensors[0].shape[1]) if tensors and tensors[0].ndim > 1 else None
     # recompute="auto" only when asked for: its budget comes from the cost model's memory estimate, and
     # passes/remat.py refuses a budget under its own minimum on the real joint graph
-    # ZeRO 0/1 unless asked (2 and 3 run as passes on the joint program: opt in with zero=); overlap as
-    # configured (Config(overlap=True) by default); the runtime's compute dtype, never FP8 unasked
-    restrict = {"recompute": RECOMPUTE_ORDER, "zero": (0, 1), "overlap": (bool(config.overlap),)}
+    # ZeRO 0, or 0/1 with a DistributedOptimizer (docstring; 2 and 3 run as passes on the joint program: opt in
+    # with zero=); overlap as configured (Config(overlap=True) by default); the compute dtype, never FP8 unasked
+    zero_levels = (0, 1) if distributed_optimizer else (0,)
+    restrict = {"recompute": RECOMPUTE_ORDER, "zero": zero_levels, "overlap": (bool(config.overlap),)}
     if "sequence_parallel" in options:
         restrict["sequence_parallel"] = (bool(options["sequence_parallel"]),)
     if "recompute" in options:

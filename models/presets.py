@@ -14,7 +14,7 @@ import torch.nn as nn
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
 
-__all__ = ["Preset", "PRESETS", "get_preset", "list_presets"]
+__all__ = ["Preset", "PRESETS", "did_you_mean", "get_preset", "list_presets"]
 
 
 @contextlib.contextmanager
@@ -131,10 +131,20 @@ def list_presets() -> list[str]:
     return sorted(PRESETS)
 
 
+def did_you_mean(name: str, known) -> str:
+    """``" (did you mean 'llama3-8b'?)"`` for a near miss of one of ``known`` (difflib, ignoring case),
+    else ``""``: a suffix for an error message."""
+    import difflib
+
+    by_folded = {k.lower(): k for k in known}
+    close = difflib.get_close_matches(name.lower(), list(by_folded), n=1, cutoff=0.6)
+    return f" (did you mean {by_folded[close[0]]!r}?)" if close else ""
+
+
 def get_preset(name: str) -> Preset:
     try:
         return PRESETS[name]
     except KeyError:
         raise ValueError(
-            f"unknown model preset {name!r}; known presets: {', '.join(list_presets())}"
+            f"unknown model preset {name!r}{did_you_mean(name, PRESETS)}; known presets: {', '.join(list_presets())}"
         ) from None

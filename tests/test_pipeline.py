@@ -4,7 +4,6 @@ the measured bubble, and bad input."""
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -296,56 +295,21 @@ def test_pipeline_parity_hf_llama(schedule):
 
 # ---- the measured bubble ----------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
-def test_measured_bubble_matches_each_schedule():
-    """Stages that sleep fixed times (2 cores cannot distort a sleep): the bubble measured from
-    the recorded timeline against the schedule's formula.
-
-    Bound: the formula assumes free messages and exact action times. Here every action runs a
-    little longer than its sleep and every message costs a gloo round trip; both are measured in
-    the same run (the mean recorded duration of each kind, the mean recorded wait for an
-    already-sent message is below it) and the ideal simulation with those durations plus a per-hop
-    latency of 2 ms bounds what the formula can be off by; we ask the measurement to lie between
-    the formula - 0.01 and that simulation + 0.02."""
+def test_sleeping_pipeline_runs_each_schedule_in_order():
+    """Stages that sleep fixed times, recorded: every rank runs exactly its schedule's action list, in
+    order — what the idle-slot count of :func:`bubble_fraction` assumes (the formula itself is checked
+    against the ideal simulation in test_schedules_run_every_action_once_and_meet_their_bubble). The
+    measured bubble against the formula and the simulation is a wall-clock comparison, so it lives in
+    bench/bubble.py (a loaded machine decides a timed assertion, not the schedule)."""
     p, m = 4, 8
-    t_f, t_b, t_w = 0.03, 0.06, 0.03
-    measured = {}
+    t_f, t_b, t_w = 0.002, 0.004, 0.002  # sleeps: the order, not the times, is checked
     for name in SCHEDULES:
         v = 2 if name == "interleaved" else 1
-        formula = bubble_fraction(name, p, m, v, t_f, t_b, t_w)
-        # A stall of the machine (other processes on 2 cores) can only add idle time, never remove
-        # it: the lower bound holds on every attempt. The upper one (the simulation with measured
-        # durations and 2 ms per hop) is a timing bound: in the fresh-clone suite of 2026-12-01 gpipe
-        # measured 0.30 against 0.29 in three runs in a row (0.27-0.28 alone), so a machine's load
-        # decides it, not the schedule. It is reported as a warning here, and belongs in a bench
-        # script (DESIGN: timing targets are checked by bench/, not by timed assertions).
-        tries = []
-        for _ in range(3):
-            mean_b, upper = _measure_bubble(name, p, m, v, t_f, t_b, t_w)
-            assert formula - 0.01 <= mean_b, (name, mean_b, formula)
-            tries.append((mean_b, upper))
-            if mean_b <= upper + 0.02:
-                break
-        else:
-            warnings.warn(f"{name}: measured bubble above the simulation in 3 runs: {tries} (formula {formula:.3f})",
-                          stacklevel=1)
-        measured[name] = min(b for b, _ in tries)
-    assert measured["interleaved"] < measured["1f1b"] and measured["zbh1"] < measured["1f1b"]
-
-
-def _measure_bubble(name, p, m, v, t_f, t_b, t_w):
-    """One run of the sleeping pipeline: the mean bubble over stages from the recorded timeline, and
-    the ideal simulation's bubble with the measured action durations and 2 ms per message."""
-    from mcompile.timeline import bubble, chrome_trace
-
-    res = pool(p).run(sleep_pipeline, name, m, v, t_f, t_b, t_w)
-    events = [e for r in res for e in r]
-    b = bubble(chrome_trace(events))
-    mean_b = sum(b.values()) / len(b)
-    dur = {k: [e["end"] - e["start"] for e in events if e["cat"] == k] for k in "FBW"}
-    mean = {k: (sum(x) / len(x) if x else 0.0) for k, x in dur.items()}
-    slow = simulate(build_schedule(name, p, v, m), mean["F"] * v + 0.002 * v, mean["B"] * v + 0.002 * v,
-                    mean["W"] * v, virtual=v)
-    return mean_b, 1 - min(slow[1]) / slow[0]
+        events = [e for r in pool(p).run(sleep_pipeline, name, m, v, t_f, t_b, t_w) for e in r]
+        actions = build_schedule(name, p, v, m)
+        for rank in range(p):
+            ran = sorted((e for e in events if e["rank"] == rank and e["cat"] in "FBW"), key=lambda e: e["start"])
+            assert [(e["cat"], e["stage"], e["mb"]) for e in ran] == [(a.kind, a.stage, a.mb) for a in actions[rank]]
 
 
 # ---- the public contract under PP ----------------------------------------------------------------------------
