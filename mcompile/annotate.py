@@ -707,6 +707,20 @@ def _flops(node: fx.Node, out: Any, alias_only: bool) -> tuple[sympy.Expr, str, 
         return ZERO, "unknown", False, f"{type(e).__name__}: {e}"
 
 
+ALIASES = "mc_aliases"  # node.meta: per tensor output, whether it shares storage with an input (set at capture)
+
+
+def output_aliases(node: fx.Node) -> list[bool] | None:
+    """Per tensor output of ``node``, whether it shares storage with one of its inputs, read off the
+    FakeTensors of a fresh capture (None without storage information). A serialised program loses
+    storage sharing, so capture records this in ``node.meta[ALIASES]`` (mcompile.capture_cache)."""
+    outs = _tensors(node.meta.get("val"))
+    in_storages = {k for _, t in _input_tensors(node) if (k := _storage_key(t)) is not None}
+    if not outs or not in_storages:
+        return None
+    return [_storage_key(t) in in_storages for t in outs]
+
+
 def node_cost(node: fx.Node) -> NodeCost:
     """FLOPs/bytes of one call_function node (see the module docstring for the conventions).
     Higher-order ops with subgraphs are handled by :func:`annotate`, not here."""
@@ -719,10 +733,12 @@ def node_cost(node: fx.Node) -> NodeCost:
         return NodeCost(ZERO, ZERO, ZERO, ZERO, "view", True)
 
     ins = _input_tensors(node)
-    in_storages = {k for _, t in ins if (k := _storage_key(t)) is not None}
     writes = _schema_writes(target)
-    if outs and in_storages:
-        aliased = [(_storage_key(t) in in_storages) for t in outs]
+    known = node.meta.get(ALIASES)
+    if known is not None and len(known) == len(outs):
+        aliased = list(known)
+    elif outs and (flags := output_aliases(node)) is not None:
+        aliased = flags
     elif outs and _schema_may_alias(target) and not writes:
         aliased = [True] * len(outs)  # no storage info: trust the schema
     else:

@@ -93,14 +93,28 @@ def _lower(compiled: Compiled, rank: int, device=None):
     return gm, [n.meta[COLLECTIVE] for n in gm.graph.nodes if COLLECTIVE in n.meta]
 
 
-def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: bool):
+def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: bool, cache: bool = False,
+             share=None):
     """(capture, canonicalize's counts, block), canonicalised: the short model's capture and its
     repeated block when the model is a stack of identical blocks deeper than two (mcompile.repeat),
-    else the whole model's capture and None."""
+    else the whole model's capture and None. ``cache``: through the on-disk capture cache
+    (mcompile.capture_cache); ``share(produce)``: runs ``produce`` on one rank and returns its result
+    on every rank (parallelize: rank 0 captures, every rank plans from the same serialised program)."""
     import logging
 
     from mcompile.passes import canonicalize
     from mcompile.repeat import find_block, truncate, uniform
+
+    def captured(mod):
+        if share is None:
+            return capture(mod, example_inputs, example_kwargs, meta_dtype=meta_dtype, cache=cache)
+        from mcompile.capture import from_packed
+
+        # every rank, rank 0 included, plans from the same serialised program (a fresh capture's graph
+        # carries details serialising drops: the ranks' plans must agree to the digest)
+        data = share(lambda: capture(mod, example_inputs, example_kwargs, meta_dtype=meta_dtype, cache=cache,
+                                     pack=True).packed)
+        return from_packed(data, mod)
 
     log = logging.getLogger("mcompile.repeat")
     short = truncate(model, keep=2) if repeat_blocks else None
@@ -108,14 +122,14 @@ def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: b
         root, path, depth = short
         why = uniform(model.get_submodule(path))
         if why is None:
-            cap = capture(root, example_inputs, example_kwargs, meta_dtype=meta_dtype)
+            cap = captured(root)
             canon = canonicalize(cap.gm)
             block = find_block(cap, path, 2, depth)
             if block is not None:
                 return cap, canon, block
             why = "the captured graph does not show the list's blocks as repeated layers"
         log.info("capturing all %d blocks of %s: %s", depth, path, why)
-    cap = capture(model, example_inputs, example_kwargs, meta_dtype=meta_dtype)
+    cap = captured(model)
     return cap, canonicalize(cap.gm), None
 
 
@@ -148,6 +162,8 @@ def compile_plan(
     pipeline_seq: int | None = None,
     for_runtime: bool = False,
     repeat_blocks: bool = True,
+    capture_cache: bool = False,
+    share=None,
 ) -> Compiled:
     """Capture, plan and lower (rank 0's program; others on demand).
 
@@ -157,12 +173,14 @@ def compile_plan(
     the runtime cannot do yet is refused too (:func:`mcompile.arguments.check_arguments`).
     ``repeat_blocks``: capture, plan and lower two of a deep stack of identical blocks and repeat them
     (mcompile.repeat: the same plan and programs as the whole model's capture, at any depth's cost);
-    False captures the whole model."""
+    False captures the whole model. ``capture_cache``: look the capture up in / add it to the on-disk
+    cache (mcompile.capture_cache); ``share``: see :func:`_capture` (parallelize)."""
     from mcompile.passes import mean_loss_to_sum_count
 
     if mesh.size("pp") > 1 and set(mesh.axis_names) == {"pp"}:  # a degenerate dp axis carries the stages' params
         mesh = Mesh.fake(dp=1, pp=mesh.size("pp")) if mesh.fake_mesh else Mesh(dp=1, pp=mesh.size("pp"))
-    cap, canon, block = _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks)
+    cap, canon, block = _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks, capture_cache,
+                                 share)
     warn_unless_loss(cap)  # a plan of logits or several outputs is no training plan (forward still serves them)
     if token_weighted_loss:
         canon["mean_loss_to_sum_count"] = int(mean_loss_to_sum_count(cap.gm))
@@ -327,6 +345,7 @@ def parallelize(
         virtual_stages=config.virtual_stages, microbatches=config.microbatches,
         pipeline_granularity=config.pipeline_granularity, layers_per_stage=config.layers_per_stage,
         stage_cuts=config.stage_cuts, pipeline_seq=config.pipeline_seq, for_runtime=True,
+        capture_cache=config.capture_cache, share=_from_rank0 if world > 1 else None,
     )
     # every rank planned on its own: they must agree, or collectives would not match (a hang)
     digest = hashlib.sha256(compiled.plan.to_json().encode()).hexdigest()
@@ -337,6 +356,23 @@ def parallelize(
         raise RuntimeError(f"ranks {bad} planned differently from rank 0: build the same model with the same "
                            "example inputs and options on every rank")
     return ParallelModule(compiled, dmesh, config, model, weights=weights)
+
+
+def _from_rank0(produce):
+    """``produce()`` run on rank 0 and its result (or its exception, raised on every rank rather than
+    leaving them waiting) broadcast to every rank."""
+    import torch.distributed as dist
+
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = produce()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
 
 
 def _auto_plan(model, world, example_inputs, example_kwargs, config, options, hardware, global_batch,

@@ -83,6 +83,7 @@ class Captured:
     symbols: dict[str, sympy.Symbol] = field(default_factory=dict)  # "batch"/"seq" -> symbol
     model_name: str = ""
     output: str = "a tensor"  # what the captured output is, in words ("CausalLMOutputWithPast.logits", ...)
+    packed: bytes | None = None  # the exported program serialised (capture(cache=True)): mcompile.capture_cache
 
     def placeholder(self, name: str) -> fx.Node:
         for n in self.gm.graph.nodes:
@@ -178,6 +179,8 @@ def capture(
     *,
     dynamic: bool = True,
     meta_dtype: torch.dtype | None = None,
+    cache: bool = False,
+    pack: bool = False,
 ) -> Captured:
     """Capture ``model(*example_inputs, **example_kwargs)`` as an aten graph with lifted parameters.
 
@@ -187,6 +190,9 @@ def capture(
     (:func:`on_meta`): no values are read, and ``Captured.state_values`` holds meta tensors.
     A Hugging Face model's positional inputs are ``(input_ids, labels)`` (:func:`_bind_inputs`); a
     ``ModelOutput`` is captured as its loss, else its logits (:func:`_plain_output`).
+    ``cache``: look the capture up in (and add it to) the capture cache (:mod:`mcompile.capture_cache`);
+    ``pack`` (implied by ``cache``): keep the serialised program in ``Captured.packed`` (``parallelize``
+    broadcasts it).
     """
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
@@ -197,7 +203,7 @@ def capture(
         meta = lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
         with on_meta(model, meta_dtype):
             return capture(model, tuple(meta(t) for t in example_inputs),
-                           {k: meta(v) for k, v in example_kwargs.items()}, dynamic=dynamic)
+                           {k: meta(v) for k, v in example_kwargs.items()}, dynamic=dynamic, cache=cache, pack=pack)
     seen: set[int] = set()
 
     def prep(t):
@@ -218,6 +224,17 @@ def capture(
         return {0: batch, 1: seq} if t.ndim >= 2 else {0: batch}
 
     shapes_named = ({k: spec(v) for k, v in kwargs.items()}, tuple(spec(a) for a in args))
+    key = None
+    if cache:
+        from mcompile import capture_cache
+
+        key = capture_cache.key(model, args, kwargs, f"dynamic={dynamic}")
+        data = capture_cache.load(key)
+        if data is not None:
+            try:
+                return from_packed(data, model)
+            except Exception as e:  # noqa: BLE001 - an unreadable entry is captured again and replaced
+                capture_cache.log.info("capture cache entry %s unreadable (%s): capturing", key, e)
     before = _leaks(model)
     what: list[str] = []  # what the adapted forward returned (set inside the trace)
     printed = _Tee(sys.stdout)
@@ -254,13 +271,65 @@ def capture(
             f"{said}"
             f"  fix: {fix}"
         ) from e
-    if "FakeTensor(" in printed.text:
-        warnings.warn(CaptureWarning(
-            f"{name}.forward prints a tensor: during capture it printed a placeholder (FakeTensor(...)), and the "
-            "captured program does not print at all. fix: print outside forward (e.g. the loss train_step "
-            "returns), or guard the print with `if not torch.compiler.is_exporting():`."), stacklevel=2)
+    prints = "FakeTensor(" in printed.text
+    if prints:
+        _warn_prints(name)
+    aliases = _record_aliases(ep)
+    packed = None
+    if cache or pack:
+        from mcompile import capture_cache
+
+        packed = capture_cache.pack(ep, what[-1] if what else "", prints, aliases)
+        if cache and all(t.is_meta for t in list(ep.state_dict.values()) + list(ep.constants.values())
+               if isinstance(t, torch.Tensor)):
+            capture_cache.store(key, packed)  # no weights in it: a meta-device capture
     cap = _from_exported(ep, model, name)
     cap.output = what[-1] if what else cap.output
+    cap.packed = packed
+    return cap
+
+
+def _warn_prints(name: str) -> None:
+    warnings.warn(CaptureWarning(
+        f"{name}.forward prints a tensor: during capture it printed a placeholder (FakeTensor(...)), and the "
+        "captured program does not print at all. fix: print outside forward (e.g. the loss train_step "
+        "returns), or guard the print with `if not torch.compiler.is_exporting():`."), stacklevel=3)
+
+
+def _record_aliases(ep) -> dict[str, list[bool]]:
+    """Which outputs of each node share storage with an input (:func:`mcompile.annotate.output_aliases`),
+    kept in ``node.meta`` so that a capture and its serialised copy are annotated alike."""
+    from mcompile.annotate import ALIASES, output_aliases
+
+    out = {}
+    for n in ep.graph_module.graph.nodes:
+        if n.op == "call_function" and (flags := output_aliases(n)) is not None:
+            n.meta[ALIASES] = tuple(flags)
+            out[n.name] = flags
+    return out
+
+
+def from_packed(data: bytes, model: torch.nn.Module) -> Captured:
+    """The capture serialised in ``data`` (``Captured.packed``, :mod:`mcompile.capture_cache`) of
+    ``model`` — the same model (its tied parameters are read from it)."""
+    from mcompile import capture_cache
+
+    from mcompile.annotate import ALIASES
+
+    ep, output, prints, aliases = capture_cache.unpack(data)
+    for n in ep.graph_module.graph.nodes:  # storage sharing is not serialised: what the capture recorded
+        if n.name in aliases:
+            n.meta[ALIASES] = tuple(aliases[n.name])
+        if n.op == "call_function":  # and the keys export sets with no content, as export sets them
+            n.meta.setdefault("val", None)
+            n.meta.setdefault("custom", {})
+    ep.graph_module.graph.output_node().meta.pop("val", None)
+    name = type(model).__name__
+    if prints:
+        _warn_prints(name)
+    cap = _from_exported(ep, model, name)
+    cap.output = output or cap.output
+    cap.packed = data
     return cap
 
 
@@ -269,8 +338,8 @@ def capture(
 
 def _hf_model(model: torch.nn.Module) -> bool:
     """A transformers ``PreTrainedModel`` (without importing transformers for models that are not)."""
-    tf = sys.modules.get("transformers")
-    return tf is not None and isinstance(model, tf.PreTrainedModel)
+    mu = sys.modules.get("transformers.modeling_utils")  # imported by every transformers model class
+    return mu is not None and isinstance(model, mu.PreTrainedModel)
 
 
 def _has_values(t: torch.Tensor) -> bool:

@@ -69,6 +69,10 @@ class Config:
     # a model built on the meta device is initialised with its own initialisation, each tensor's generator
     # seeded from (init_seed, its name): the same values on every layout (mcompile.runtime.init)
     init_seed: int = 0
+    # parallelize captures once: rank 0 runs torch.export (or finds the capture in the on-disk cache,
+    # $MCOMPILE_CACHE, default ~/.cache/mcompile/captures) and broadcasts it (mcompile.capture_cache);
+    # False: rank 0 still captures for all, but neither reads nor writes the on-disk cache
+    capture_cache: bool = True
 
     def __post_init__(self):
         if not isinstance(self.microbatches, int) or self.microbatches < 1:

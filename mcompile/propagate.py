@@ -103,10 +103,18 @@ def requires_grad_nodes(gm: fx.GraphModule, param_names: set[str]) -> set[str]:
     return rg
 
 
-def _bytes(meta: TensorMeta, hints: dict) -> float:
+def _bytes(meta: TensorMeta, hints: dict, memo: dict | None = None) -> float:
     numel = 1
     for s in meta.shape:
-        numel *= int(s.subs(hints)) if isinstance(s, sympy.Expr) else int(s)
+        if isinstance(s, sympy.Expr):
+            v = memo.get(s) if memo is not None else None
+            if v is None:
+                v = int(s.subs(hints))
+                if memo is not None:
+                    memo[s] = v
+            numel *= v
+        else:
+            numel *= int(s)
     return float(numel * meta.dtype.itemsize)
 
 
@@ -148,12 +156,14 @@ def propagate_axis(
             return BATCH in policy.allowed_symbols
         return SEQ in policy.allowed_symbols and size == sym.get(SEQ)
 
+    sizes: dict = {}  # a symbolic size at the hints (sympy substitution is the planner's hot spot)
+
     def redistribute_cost(src: fx.Node, cur, req, meta: TensorMeta) -> float:
         if cur == req:
             return 0.0
         if (src.name, req) in made:
             return 0.0
-        b = _bytes(meta, hints) * (n - 1) / n
+        b = _bytes(meta, hints, sizes) * (n - 1) / n
         grad = src.name in rg
         if isinstance(req, Shard) and not policy.redistribute_to_static_dims:
             size = meta.shape[req.dim % meta.ndim]

@@ -7,6 +7,12 @@ import os
 # Triton reads TRITON_INTERPRET once, at its first import (torch.utils.flop_counter imports it):
 # the kernel tests run the Triton kernels on CPU tensors through the interpreter (DESIGN §8).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# parallelize's capture cache (mcompile.capture_cache) in a folder of this session's own, inherited by
+# the worker processes: tests never read captures a previous run left, nor fill the user's cache
+if "MCOMPILE_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["MCOMPILE_CACHE"] = tempfile.mkdtemp(prefix="mcompile-cache-")
 
 import warnings  # noqa: E402
 
@@ -44,6 +50,14 @@ def build(name: str, seed: int = 0, device=None, batch: int = 2):
                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
             model = HFLoss(GPT2LMHeadModel(cfg))
         vocab = cfg.vocab_size
+    elif name == "llama3-tiny-deep":  # 4 layers: planned from 2 captured blocks, repeated (mcompile.repeat)
+        import dataclasses
+
+        from mcompile.models import get_preset
+        from mcompile.models.llama import Llama
+
+        cfg = dataclasses.replace(get_preset("llama3-tiny").config, n_layers=4)
+        model, vocab = Llama(cfg), cfg.vocab_size
     else:
         from mcompile.models import get_preset
 

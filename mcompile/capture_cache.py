@@ -1,0 +1,142 @@
+"""Capture once: a cache of exported programs keyed by what the capture depends on (issue 18).
+
+torch.export is most of ``parallelize``'s start-up (~2–5 s for a tiny model, per rank). Two things
+remove it:
+
+- **Across ranks** (:func:`share`): rank 0 captures, serialises the exported program
+  (``torch.export.save``; captured on the meta device, so no weights are in it) and broadcasts the
+  bytes; every rank, rank 0 included, plans from the same deserialised graph. The plan digest check
+  in ``parallelize`` still proves the ranks agree.
+- **Across runs** (:func:`load` / :func:`store`): the bytes are kept in ``$MCOMPILE_CACHE`` (default
+  ``~/.cache/mcompile/captures``) under a key (:func:`key`) of everything the traced graph depends on:
+  the source files of every module class in the model, each module's plain attributes and training
+  flag, the names, shapes and dtypes of parameters and buffers, the example inputs' shapes and dtypes
+  (values of non-tensor inputs), the capture dtype, and the torch / transformers / mcompile versions.
+  Code the model calls outside its classes' files (a helper in another package) is not in the key:
+  ``MCOMPILE_CACHE=off`` (or ``Config(capture_cache=False)``) disables the cache.
+
+A corrupt or unreadable entry is ignored and replaced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import io
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = ["key", "load", "store", "pack", "unpack", "cache_dir", "enabled"]
+
+log = logging.getLogger("mcompile.capture_cache")
+_FORMAT = "2"
+_SOURCES: dict[type, str] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("MCOMPILE_CACHE", "").lower() not in ("off", "0", "false", "no")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("MCOMPILE_CACHE", "")
+    base = Path(env) if env and enabled() and env not in ("on", "1", "true", "yes") else \
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mcompile"
+    return base / "captures"
+
+
+def _class_source(cls: type) -> str:
+    if cls not in _SOURCES:
+        try:
+            path = inspect.getsourcefile(cls)
+            _SOURCES[cls] = hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else cls.__qualname__
+        except (TypeError, OSError):
+            _SOURCES[cls] = f"{cls.__module__}.{cls.__qualname__}"
+    return _SOURCES[cls]
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"T{tuple(x.shape)}:{x.dtype}"
+    if isinstance(x, list | tuple):
+        return f"{type(x).__name__}[{','.join(_describe(v) for v in x)}]"
+    if isinstance(x, dict):
+        return "{" + ",".join(f"{k}={_describe(v)}" for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))) + "}"
+    return repr(x)
+
+
+def key(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None, meta_dtype,
+        extra: str = "") -> str:
+    """The cache key of capturing ``model`` with these example inputs (module docstring)."""
+    import mcompile
+
+    h = hashlib.sha256()
+    versions = [torch.__version__, getattr(mcompile, "__version__", ""), _FORMAT]
+    try:
+        import transformers
+
+        versions.append(transformers.__version__)
+    except ImportError:
+        pass
+    h.update(repr(versions).encode())
+    for mod_file in ("capture.py",):  # the capture's own code
+        h.update(hashlib.sha256((Path(__file__).parent / mod_file).read_bytes()).digest())
+    for name, mod in model.named_modules(remove_duplicate=False):
+        attrs = sorted((k, repr(v)) for k, v in vars(mod).items()
+                       if not k.startswith("_") and isinstance(v, bool | int | float | str | type(None) | tuple
+                                                              | list | dict | torch.dtype | torch.device))
+        h.update(f"{name}|{type(mod).__module__}.{type(mod).__qualname__}|{_class_source(type(mod))}|"
+                 f"{mod.training}|{attrs}".encode())
+        for kind in ("_parameters", "_buffers"):
+            for k, t in getattr(mod, kind).items():
+                h.update(f"{kind}{k}:{None if t is None else (tuple(t.shape), t.dtype, t.requires_grad)}".encode())
+    h.update(_describe(tuple(example_inputs)).encode())
+    h.update(_describe(dict(example_kwargs or {})).encode())
+    h.update(f"{meta_dtype}|{extra}".encode())
+    return h.hexdigest()[:32]
+
+
+def pack(ep: torch.export.ExportedProgram, output: str, prints: bool, aliases: dict) -> bytes:
+    """An exported program (as export returned it: before mcompile.capture edits its graph) and what
+    the capture learned about it (what the output is, whether forward prints, which outputs share
+    storage with an input: serialisation loses that), as bytes."""
+    buf = io.BytesIO()
+    info = {"output": output, "prints": prints, "aliases": aliases}
+    torch.export.save(ep, buf, extra_files={"mcompile.json": json.dumps(info)})
+    return buf.getvalue()
+
+
+def unpack(data: bytes) -> tuple[torch.export.ExportedProgram, str, bool, dict]:
+    extra = {"mcompile.json": ""}
+    ep = torch.export.load(io.BytesIO(data), extra_files=extra)
+    info = json.loads(extra["mcompile.json"] or "{}")
+    return ep, info.get("output", ""), bool(info.get("prints")), info.get("aliases", {})
+
+
+def load(k: str) -> bytes | None:
+    """The stored bytes of key ``k``, or None (absent, disabled or unreadable)."""
+    if not enabled():
+        return None
+    path = cache_dir() / f"{k}.pt2"
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def store(k: str, data: bytes) -> None:
+    """Keep ``data`` under key ``k`` (atomically: a reader never sees half a file); failures to write
+    (a read-only home) are logged, not raised."""
+    if not enabled():
+        return
+    d = cache_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{k}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(d / f"{k}.pt2")
+    except OSError as e:
+        log.info("capture cache not written (%s)", e)
