@@ -20,8 +20,8 @@ _WHERE = {"compile_plan": "mcompile.api", "parallelize": "mcompile.api", "plan":
           "Layout": "mcompile.cost", "Workload": "mcompile.cost", "estimate": "mcompile.cost",
           "Mesh": "mcompile.mesh", "Plan": "mcompile.plan", "PlanError": "mcompile.propagate",
           "search": "mcompile.search"}
-__all__ = ["CaptureError", "CaptureWarning", "OutputWarning", "Config", "Estimate", "Layout", "Mesh", "Plan", "PlanError", "Workload", "compile_plan",
-           "estimate", "parallelize", "plan", "search", "__version__"]
+__all__ = ["CaptureError", "CaptureWarning", "OutputWarning", "Config", "Estimate", "Layout", "Mesh", "Plan",
+           "PlanError", "Workload", "compile_plan", "estimate", "parallelize", "plan", "search", "__version__"]
 
 
 def _load(name: str):

@@ -313,7 +313,6 @@ def from_packed(data: bytes, model: torch.nn.Module) -> Captured:
     """The capture serialised in ``data`` (``Captured.packed``, :mod:`mcompile.capture_cache`) of
     ``model`` — the same model (its tied parameters are read from it)."""
     from mcompile import capture_cache
-
     from mcompile.annotate import ALIASES
 
     ep, output, prints, aliases = capture_cache.unpack(data)
@@ -606,6 +605,13 @@ def _leaks(model: torch.nn.Module) -> dict[str, str]:
     return found
 
 
+_NO_VALUE_WRITES = {torch.ops.aten.detach_.default, torch.ops.aten.requires_grad_.default}  # autograd flags only
+
+
+def _empty(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.numel() == 0
+
+
 def _refuse_side_effects(model: torch.nn.Module, ep, before: set[str], caught) -> None:
     """Python state forward changes (a list on self, a global, a tensor attribute) changes once, at
     capture, with placeholder values; the captured program never does it again."""
@@ -623,8 +629,11 @@ def _refuse_side_effects(model: torch.nn.Module, ep, before: set[str], caught) -
     constants = {s.arg.name: s.target for s in ep.graph_signature.input_specs if s.kind == InputKind.CONSTANT_TENSOR}
     for node in ep.graph_module.graph.nodes:
         schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None or not schema.is_mutable:
+        if node.op != "call_function" or schema is None or not schema.is_mutable or node.target in _NO_VALUE_WRITES:
             continue
+        if all(_empty(ep.constants.get(constants.get(getattr(a, "name", None)))) for a in node.args
+               if getattr(a, "name", None) in constants):
+            continue  # an empty tensor forward creates (a Hugging Face cache's placeholder): no value to lose
         for a, arg in zip(schema.arguments, node.args):
             if a.alias_info is not None and a.alias_info.is_write and getattr(arg, "name", None) in constants:
                 raise _Refused(

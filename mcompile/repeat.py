@@ -39,8 +39,8 @@ import torch.fx as fx
 from mcompile import meta as M
 from mcompile.capture import Captured
 
-__all__ = ["Block", "RepeatedCapture", "truncate", "uniform", "find_block", "repeat_graph", "repeat_axes", "repeat_captured",
-           "EMITTED_FOR", "copy_name"]
+__all__ = ["Block", "RepeatedCapture", "truncate", "uniform", "find_block", "repeat_graph", "repeat_axes",
+           "repeat_captured", "repeat_lowered", "EMITTED_FOR", "copy_name"]
 
 log = logging.getLogger("mcompile.repeat")
 EMITTED_FOR = "mc_emitted_for"  # gm.meta key: lowered node name -> captured node whose lowering emitted it
@@ -213,7 +213,7 @@ def repeat_graph(gm: fx.GraphModule, block: Block, members: list[fx.Node], entry
         env[entry] = prev_exit
         for n in members:
             with g.inserting_after(after):
-                new = g.node_copy(n, lambda a: env.get(a, a))
+                new = g.node_copy(n, lambda a, env=env: env.get(a, a))
             want = copy_name(n.name, j)
             if new.name != want:
                 new.name = want

@@ -99,7 +99,6 @@ options the user gave restrict the space.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import logging
@@ -142,26 +141,13 @@ class SearchError(ValueError):
 
 
 def _truncated(model: torch.nn.Module, keep: int = 2) -> tuple[torch.nn.Module, int | None]:
-    """A shallow copy of ``model`` whose longest ``nn.ModuleList`` of same-type blocks keeps ``keep``
-    of them (parameters shared, the user's module untouched); and the original block count."""
-    best = None
-    for name, mod in model.named_modules():
-        if name and isinstance(mod, torch.nn.ModuleList) and len(mod) > keep and \
-                len({type(c) for c in mod}) == 1 and (best is None or len(mod) > len(best[1])):
-            best = (name, mod)
-    if best is None:
-        return model, None
-    *path, last = best[0].split(".")
-    root = copy.copy(model)
-    root._modules = dict(root._modules)
-    cur = root
-    for part in path:
-        child = copy.copy(cur._modules[part])
-        child._modules = dict(child._modules)
-        cur._modules[part] = child
-        cur = child
-    cur._modules[last] = torch.nn.ModuleList(list(best[1])[:keep])
-    return root, len(best[1])
+    """A shallow copy of ``model`` keeping ``keep`` blocks of its longest list of same-type blocks
+    (:func:`mcompile.repeat.truncate`) and the original block count; the model itself and None when
+    it has no such list."""
+    from mcompile.repeat import truncate
+
+    short = truncate(model, keep)
+    return (model, None) if short is None else (short[0], short[2])
 
 
 class SearchWorkload(Workload):

@@ -76,7 +76,8 @@ def test_parity_presets(name, mesh, options):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name,mesh", tiered([("hf-llama", "tp=2"), ("hf-llama", "dp=2,tp=2"), ("hf-gpt2", "tp=2"),
                                                ("hf-gpt2", "dp=2,tp=2")],
-                                              [("hf-llama", "tp=2"), ("hf-llama", "dp=2,tp=2"), ("hf-gpt2", "dp=2,tp=2")]))
+                                              [("hf-llama", "tp=2"), ("hf-llama", "dp=2,tp=2"),
+                                               ("hf-gpt2", "dp=2,tp=2")]))
 def test_parity_hugging_face(name, mesh):
     _check(name, mesh, {})
 
