@@ -81,6 +81,7 @@ def test_parallelize_captures_on_rank_0_only_and_reuses_the_cache(tmp_path):
     """4 ranks: the first parallelize runs torch.export once, on rank 0 (the others plan from its
     broadcast program); the second runs it nowhere (rank 0 reads the cache). Both train alike."""
     from cache_cases import parallelize_counting_exports
+
     from conftest import pool
 
     first = pool(4).run(parallelize_counting_exports, str(tmp_path))

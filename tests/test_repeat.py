@@ -149,8 +149,9 @@ def test_blocks_that_differ_are_captured_whole():
 def test_parallelize_trains_a_deep_model_from_two_captured_blocks(mesh, options):
     """Four gloo processes train the 4-layer model (planned from 2 captured blocks) with the single-device
     losses, gradients and clip norms (fp32, AdamW, 3 steps)."""
-    from conftest import pool
     from runtime_cases import grad_errors, reference, train
+
+    from conftest import pool
 
     ref_losses, ref_grads, ref_norms = reference("llama3-tiny-deep")
     out = pool(4).run(train, "llama3-tiny-deep", mesh, options)
