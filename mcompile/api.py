@@ -113,7 +113,7 @@ def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: b
         # every rank, rank 0 included, plans from the same serialised program (a fresh capture's graph
         # carries details serialising drops: the ranks' plans must agree to the digest)
         data = share(lambda: capture(mod, example_inputs, example_kwargs, meta_dtype=meta_dtype, cache=cache,
-                                     pack=True).packed)
+                                     pack="bytes"))
         return from_packed(data, mod)
 
     log = logging.getLogger("mcompile.repeat")

@@ -180,7 +180,7 @@ def capture(
     dynamic: bool = True,
     meta_dtype: torch.dtype | None = None,
     cache: bool = False,
-    pack: bool = False,
+    pack: bool | str = False,
 ) -> Captured:
     """Capture ``model(*example_inputs, **example_kwargs)`` as an aten graph with lifted parameters.
 
@@ -191,8 +191,8 @@ def capture(
     A Hugging Face model's positional inputs are ``(input_ids, labels)`` (:func:`_bind_inputs`); a
     ``ModelOutput`` is captured as its loss, else its logits (:func:`_plain_output`).
     ``cache``: look the capture up in (and add it to) the capture cache (:mod:`mcompile.capture_cache`);
-    ``pack`` (implied by ``cache``): keep the serialised program in ``Captured.packed`` (``parallelize``
-    broadcasts it).
+    ``pack`` (implied by ``cache``): keep the serialised program in ``Captured.packed``; ``"bytes"``:
+    return only those bytes (``parallelize`` broadcasts them: a cached capture is not unpacked twice).
     """
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
@@ -232,7 +232,7 @@ def capture(
         data = capture_cache.load(key)
         if data is not None:
             try:
-                return from_packed(data, model)
+                return data if pack == "bytes" else from_packed(data, model)
             except Exception as e:  # noqa: BLE001 - an unreadable entry is captured again and replaced
                 capture_cache.log.info("capture cache entry %s unreadable (%s): capturing", key, e)
     before = _leaks(model)
@@ -283,6 +283,8 @@ def capture(
         if cache and all(t.is_meta for t in list(ep.state_dict.values()) + list(ep.constants.values())
                if isinstance(t, torch.Tensor)):
             capture_cache.store(key, packed)  # no weights in it: a meta-device capture
+        if pack == "bytes":
+            return packed
     cap = _from_exported(ep, model, name)
     cap.output = what[-1] if what else cap.output
     cap.packed = packed

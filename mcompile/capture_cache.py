@@ -26,6 +26,7 @@ import io
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ __all__ = ["key", "load", "store", "pack", "unpack", "cache_dir", "enabled"]
 log = logging.getLogger("mcompile.capture_cache")
 _FORMAT = "2"
 _SOURCES: dict[type, str] = {}
+_FILES: dict[str | None, str] = {}
 
 
 def enabled() -> bool:
@@ -49,12 +51,20 @@ def cache_dir() -> Path:
 
 
 def _class_source(cls: type) -> str:
+    """A digest of the source file defining ``cls`` (its module's file; memoised per file)."""
     if cls not in _SOURCES:
-        try:
-            path = inspect.getsourcefile(cls)
-            _SOURCES[cls] = hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else cls.__qualname__
-        except (TypeError, OSError):
-            _SOURCES[cls] = f"{cls.__module__}.{cls.__qualname__}"
+        path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+        if path is None:
+            try:
+                path = inspect.getsourcefile(cls)
+            except TypeError:
+                path = None
+        if path not in _FILES:
+            try:
+                _FILES[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest() if path else ""
+            except OSError:
+                _FILES[path] = ""
+        _SOURCES[cls] = _FILES[path] or f"{cls.__module__}.{cls.__qualname__}"
     return _SOURCES[cls]
 
 

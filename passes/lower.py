@@ -41,6 +41,7 @@ from mcompile.rules.matmul import embedding_args
 aten = torch.ops.aten
 R = Replicate()
 _DROP = {aten._assert_tensor_metadata.default}
+_SIMPLIFIED: dict = {}  # a collective's byte count (sympy, in batch/seq) -> its simplified text
 
 
 @dataclass
@@ -152,7 +153,10 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
         n = sympy.Integer(meta_val.dtype.itemsize)
         for s in local_shape(meta_val, ps):
             n = n * s
-        return str(sympy.simplify(sympy.sympify(n).subs(named)))
+        n = sympy.sympify(n).subs(named)
+        if n not in _SIMPLIFIED:  # sympy.simplify is the lowering's hot spot; every layer asks the same
+            _SIMPLIFIED[n] = str(sympy.simplify(n))
+        return _SIMPLIFIED[n]
 
     def emit_collective(op_name, args, origin: fx.Node, axis_i: int, fwd, bwd, dim, purpose, meta_val, pl):
         node = g.call_function(OPS[op_name], args)
