@@ -105,7 +105,11 @@ def _plain_loop(rank, world, steps, lr):
     """The guide's loop after ``plan="auto"``: a torch optimizer over pm.parameters()."""
     model, inputs = build("llama3-tiny", batch=4)
     pm = mc.parallelize(model, example_inputs=inputs, plan="auto")
-    opt = torch.optim.AdamW(pm.parameters(), lr=lr)
+    return _train(pm, torch.optim.AdamW(pm.parameters(), lr=lr), inputs, steps)
+
+
+def _train(pm, opt, inputs, steps):
+    """``steps`` steps of the guide's loop: the losses, the ZeRO level and the mesh that ran them."""
     losses = []
     for _ in range(steps):
         losses.append(pm.train_step(*inputs).item())
@@ -123,13 +127,7 @@ def _distributed_loop(rank, world, steps, lr):
     model, inputs = build("llama3-tiny", batch=4)
     axes, options, _ = auto_layout(model, world, inputs, None, {}, distributed_optimizer=True)
     pm = mc.parallelize(model, mc.Mesh(**axes), inputs, **options)
-    opt = DistributedOptimizer(pm, torch.optim.AdamW, lr=lr)
-    losses = []
-    for _ in range(steps):
-        losses.append(pm.train_step(*inputs).item())
-        opt.step()
-        opt.zero_grad()
-    return losses, pm.config.zero, dict(pm.mesh.axes)
+    return _train(pm, DistributedOptimizer(pm, torch.optim.AdamW, lr=lr), inputs, steps)
 
 
 def _reference(steps, lr):
