@@ -199,6 +199,25 @@ def test_plan_memory_table_and_gpu_peak_count_the_same_model_state(capsys):
 
 
 # --------------------------------------------------------------------------- 5. the command line
+@pytest.mark.timeout(60)
+def test_a_factory_in_the_current_folder_is_found_in_process(tmp_path, monkeypatch, capsys):
+    """The rule the console script needs, in this process: with neither '' nor the current folder on
+    sys.path (a console script's sys.path[0] is its bin/ folder), `plan pkg.models:make_model` run from
+    the folder holding pkg/ finds it."""
+    from mcompile.cli import main
+
+    pkg = tmp_path / "mypkg_in_cwd"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models.py").write_text("from mcompile.models import get_preset\n\n\ndef make_model():\n"
+                                   "    return get_preset('llama3-tiny').build()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert main(["plan", "mypkg_in_cwd.models:make_model", "--mesh", "tp=2", "--seq", "16"]) == 0
+    assert "layers.*.attention.wq.weight" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # a subprocess importing torch; the rule itself is checked in-process above
 @pytest.mark.timeout(120)
 def test_console_script_finds_a_factory_in_the_current_folder(tmp_path):
     script = Path(sys.executable).with_name("mcompile")

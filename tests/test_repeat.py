@@ -14,6 +14,8 @@ from mcompile.api import compile_plan
 from mcompile.mesh import Mesh
 from mcompile.meta import COLLECTIVE, PARAM_FQN
 
+from conftest import tiered
+
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -83,7 +85,8 @@ CASES = [("llama3-tiny", "dp=2,tp=2", True), ("hf-llama", "tp=2", False), ("hf-g
          ("llama3-tiny", "pp=2,tp=2", False)]
 
 
-@pytest.mark.parametrize("name,mesh,sp", CASES)
+@pytest.mark.parametrize("name,mesh,sp", [pytest.param(*c, marks=pytest.mark.slow) if c[0] == "hf-llama" else c
+                                          for c in CASES])
 def test_repeated_blocks_give_the_full_capture_plan_and_programs(name, mesh, sp):
     """The short capture was used (4 blocks, 2 captured), and everything downstream is the full
     capture's: parameters and their placements, the collectives in order, the partition's stages, and
@@ -109,7 +112,7 @@ def test_repeated_blocks_give_the_full_capture_plan_and_programs(name, mesh, sp)
         assert rep.plan.pipeline["stages"] == full.plan.pipeline["stages"]
 
 
-@pytest.mark.parametrize("name", ["llama3-tiny", "hf-gpt2"])
+@pytest.mark.parametrize("name", tiered([("llama3-tiny",), ("hf-gpt2",)], [("llama3-tiny",)]))
 def test_repeated_program_trains_with_single_device_parity(name):
     """The repeated programs run together (thread simulator) give the single-device loss and
     gradients of all four layers (fp32, 1e-5)."""

@@ -56,10 +56,12 @@ CASES = [
 # the CI tier: every capability once per model family (tp 2/4, SP, microbatches, dp, dp x tp, each
 # recompute mode, fusion); the rest of the matrix with -m slow
 _CI = [("llama3-tiny", m, o) for m, o in CASES if (m, o) not in (
-    ("tp=2", {}), ("tp=2", {"sequence_parallel": True}), ("tp=2", {"microbatches": 2}), ("tp=4", {"microbatches": 2}),
+    ("tp=2", {}), ("tp=2", {"sequence_parallel": True}), ("tp=2", {"microbatches": 2}), ("tp=4", {}),
+    ("tp=4", {"microbatches": 2}),
     ("tp=4", {"sequence_parallel": True, "microbatches": 2}), ("dp=2", {}), ("dp=2,tp=2", {}),
     ("dp=2,tp=2", {"microbatches": 2}),
-    ("dp=2,tp=2", {"sequence_parallel": True}))] + [("gpt2-tiny", m, o) for m, o in (
+    ("dp=2,tp=2", {"sequence_parallel": True}),
+    ("dp=2,tp=2", {"sequence_parallel": True, "recompute": "full"}))] + [("gpt2-tiny", m, o) for m, o in (
         ("tp=2", {"sequence_parallel": True}), ("tp=4", {"microbatches": 2}), ("dp=2", {}),
         ("dp=2,tp=2", {"sequence_parallel": True, "microbatches": 2}),
         ("dp=2,tp=2", {"recompute": "full", "recompute_method": "block", "microbatches": 2}),

@@ -95,7 +95,7 @@ def test_zero1_gradients_accumulate_like_backward_and_norms_count_each_element_o
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name,mesh,bucket_mb", [("llama3-tiny", "dp=2,tp=2", 0.01), ("odd-llama", "dp=4", 0.001),
-                                                 ("odd-llama", "dp=4", 25.0)])
+                                                 pytest.param("odd-llama", "dp=4", 25.0, marks=pytest.mark.slow)])
 def test_zero1_memory_equals_the_table_to_the_byte(name, mesh, bucket_mb):
     """bf16 parameters, fp32 gradients, AdamW, one step. Every rank holds exactly what
     mcompile.buckets.zero1_memory predicts for its layout, measured by the MemoryTracker and by
