@@ -92,8 +92,7 @@ def key(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | No
     except ImportError:
         pass
     h.update(repr(versions).encode())
-    for mod_file in ("capture.py",):  # the capture's own code
-        h.update(hashlib.sha256((Path(__file__).parent / mod_file).read_bytes()).digest())
+    h.update(hashlib.sha256((Path(__file__).parent / "capture.py").read_bytes()).digest())  # the capture's code
     for name, mod in model.named_modules(remove_duplicate=False):
         attrs = sorted((k, repr(v)) for k, v in vars(mod).items()
                        if not k.startswith("_") and isinstance(v, bool | int | float | str | type(None) | tuple

@@ -28,3 +28,7 @@ PARAM_FQN = "mc_param_fqn"  # str: original FQN on parameter/buffer placeholders
 FUSED = "mc_fused"  # str: the fused op that replaced a matched pattern (mcompile.passes.fuse)
 FP8 = "mc_fp8"  # str: the FP8 scaling recipe of a converted linear, "current" | "delayed" (passes.fp8)
 STAGE = "mc_stage"  # int | None: the pipeline stage of a node (passes.pipeline_split); None: input-only
+
+# GraphModule.meta keys of a lowered program (passes/lower.py), read by mcompile.repeat:
+EMITTED_FOR = "mc_emitted_for"  # program node name -> the captured node whose lowering emitted it
+VALUE_OF = "mc_value_of"  # captured node name -> the program node holding its value

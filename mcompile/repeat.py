@@ -43,8 +43,7 @@ __all__ = ["Block", "RepeatedCapture", "truncate", "uniform", "find_block", "rep
            "repeat_captured", "repeat_lowered", "EMITTED_FOR", "copy_name"]
 
 log = logging.getLogger("mcompile.repeat")
-EMITTED_FOR = "mc_emitted_for"  # gm.meta key: lowered node name -> captured node whose lowering emitted it
-VALUE_OF = "mc_value_of"  # gm.meta key: captured node name -> the lowered node holding its value
+EMITTED_FOR, VALUE_OF = M.EMITTED_FOR, M.VALUE_OF
 
 
 def copy_name(name: str, j: int) -> str:
@@ -200,8 +199,9 @@ def repeat_graph(gm: fx.GraphModule, block: Block, members: list[fx.Node], entry
     last_ph = max(own, key=lambda p: order[p]) if own else None
     prev_exit = exit_
     after = members[-1]
+    env: dict[fx.Node, fx.Node] = {}  # a node -> its copy in the layer being made (the last one, after)
     for j in range(block.keep, block.depth):
-        env: dict[fx.Node, fx.Node] = {}
+        env = {}
         for ph, fqn in own.items():
             with g.inserting_after(last_ph):
                 new = g.placeholder(block.placeholder(ph.name, j))
@@ -224,9 +224,8 @@ def repeat_graph(gm: fx.GraphModule, block: Block, members: list[fx.Node], entry
             after = new
         prev_exit = env[exit_]
     # what came after the block reads the last layer
-    by_name = {n.name: n for n in g.nodes}
     for n in members:
-        final = by_name[copies[n.name][-1]] if copies[n.name] else n
+        final = env.get(n, n)
         for u in list(n.users):
             if u not in inside and not u.meta.get("_mc_copy"):
                 u.replace_input_with(n, final)

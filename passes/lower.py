@@ -309,8 +309,8 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
         tag(node.name)
     g.eliminate_dead_code()
     gm = fx.GraphModule(torch.nn.Module(), g)
-    gm.meta["mc_emitted_for"] = emitted  # for mcompile.repeat: which captured node each node implements
-    gm.meta["mc_value_of"] = {k: v.name for k, v in env.items() if isinstance(v, fx.Node)}
+    gm.meta[M.EMITTED_FOR] = emitted  # for mcompile.repeat: which captured node each node implements
+    gm.meta[M.VALUE_OF] = {k: v.name for k, v in env.items() if isinstance(v, fx.Node)}
     return gm, specs
 
 
