@@ -1,0 +1,1 @@
+"""Data: tokenizers, the indexed token dataset, blends and deterministic sampling (`mcompile preprocess`)."""

@@ -1,0 +1,1 @@
+"""`mcompile train CONFIG.toml`: the training entry point (config, schedules, the loop, metrics)."""
