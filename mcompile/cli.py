@@ -454,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd = sub.add_parser("demo", help="train a tiny Llama on 4 CPU processes (dp=2 x tp=2, SP) vs one device")
     pd.add_argument("--steps", type=int, default=40)
     pd.set_defaults(func=cmd_demo)
+    from mcompile.data import cli as data_cli  # light: imports nothing heavy until run
+
+    data_cli.add_parser(sub)
     return p
 
 
