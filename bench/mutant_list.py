@@ -596,4 +596,12 @@ MUTANTS: list[Mutant] = [
                     "user): every recomputed activation is live at once",
         targets=("tests/test_joint.py::test_recomputed_forward_runs_just_before_its_backward",),
     ),
+    Mutant(
+        name="train-resume-optimizer-state-dropped",
+        file="mcompile/train/loop.py",
+        old="            extra = pm.load_checkpoint(resumed, opt)",
+        new="            extra = pm.load_checkpoint(resumed)",
+        description="mcompile train resumes the model but not the optimizer state: AdamW restarts its moments",
+        targets=("tests/test_train.py::test_resume_without_fault_equals_uninterrupted",),
+    ),
 ]

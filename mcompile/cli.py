@@ -457,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mcompile.data import cli as data_cli  # light: imports nothing heavy until run
 
     data_cli.add_parser(sub)
+    from mcompile.train import cli as train_cli  # light: imports no torch until run
+
+    train_cli.add_parser(sub)  # mcompile train CONFIG.toml [--set KEY=VALUE ...] [--nproc N] [--max-restarts R]
     return p
 
 

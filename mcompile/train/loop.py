@@ -1,0 +1,443 @@
+"""The training loop of ``mcompile train``: run on every rank with the same TrainConfig.
+
+One step: the learning rate of the step (mcompile.train.schedule) is set on the optimizer; the global
+batch of samples ``consumed .. consumed + global_batch - 1`` is read from the deterministic sample
+dataset on every rank and passed whole to ``pm.train_step`` (mcompile splits it over dp and
+microbatches); the gradients are clipped to a global norm (``pm.clip_grad_norm_``, or the
+``DistributedOptimizer``'s under ZeRO-1/2); the optimizer steps.
+
+Resuming: a checkpoint ``checkpoint.dir/step-XXXXXXX`` holds the model, the optimizer and, in its
+``extra``, the step and the number of samples consumed. A checkpoint is complete when its folder has
+``mcompile_plan.json`` (``pm.save_checkpoint`` writes into a hidden temporary folder and renames it
+when every rank is done). On start the newest complete one is loaded and the run goes on with the
+next step and the next sample: no sample is lost or repeated, and since the learning rate is a
+function of the step and the data a function of the sample index, the resumed run takes the steps
+the uninterrupted run takes (tests/test_train.py checks the weights equal exactly).
+
+Metrics and MFU: mcompile.train.metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import importlib
+import inspect
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mcompile.train.config import ConfigError, TrainConfig
+from mcompile.train.metrics import Metrics, hardware_profile, model_flops_per_step
+from mcompile.train.schedule import lr_at
+
+__all__ = ["train", "build_model", "latest_checkpoint"]
+
+log = logging.getLogger("mcompile.train")
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_META = "mcompile_plan.json"  # what makes a checkpoint complete (mcompile.runtime.checkpoint writes it last)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train as ``cfg`` says on this rank; returns a summary (the same on every rank but for timings).
+
+    Initialises torch.distributed from torchrun's environment when it is not initialised yet (and
+    then shuts it down at the end)."""
+    from mcompile.runtime.launch import init_distributed, shutdown_distributed
+
+    own_group = not dist.is_initialized()
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("RANK") == "0"
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+        log.warning("torchrun --max-restarts with the rendezvous store shared: a restarted attempt may read the "
+                    "previous attempt's addresses and fail to connect (pytorch/pytorch#135712); launch with "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
+    init_distributed()
+    summary = _train(cfg)  # returns first: the model and its process groups are freed before shutdown
+    if own_group:
+        gc.collect()
+        shutdown_distributed()
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def _import(spec: str, key: str):
+    mod, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # a package of the current folder, as `python -m`
+        sys.path.insert(0, os.getcwd())
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{key} = {spec!r}: cannot load it ({e})") from e
+
+
+def build_model(cfg: TrainConfig):
+    """(model, vocab_size, example_inputs or None) as ``[model]`` says; on the meta device when
+    ``model.init = "meta"``."""
+    m = cfg.model
+    torch.manual_seed(cfg.train.seed)
+    device = torch.device("meta") if m.init == "meta" else contextlib.nullcontext()
+    example = None
+    if m.preset:
+        from mcompile.models import get_preset
+        from mcompile.models.gpt import GPT
+        from mcompile.models.llama import Llama
+
+        pre = get_preset(m.preset)
+        config = dataclasses.replace(pre.config, **m.overrides)
+        with device:
+            model = (GPT if pre.family == "gpt" else Llama)(config)
+        vocab = config.vocab_size
+    elif m.hf:
+        from transformers import AutoModelForCausalLM
+
+        from mcompile.models.hf import CausalLMLoss
+
+        hf_config = _hf_config(m.hf)
+        for k, v in m.overrides.items():
+            if not hasattr(hf_config, k):
+                raise ConfigError(f"unknown key 'model.overrides.{k}': {type(hf_config).__name__} has no field {k!r}")
+            setattr(hf_config, k, v)
+        with device:
+            model = CausalLMLoss(AutoModelForCausalLM.from_config(hf_config))
+        vocab = hf_config.vocab_size
+    else:
+        factory = _import(m.factory, "model.factory")
+        with device:
+            made = factory(**m.kwargs)
+        model, example = made if isinstance(made, tuple) else (made, None)
+        emb = next((x for x in model.modules() if isinstance(x, torch.nn.Embedding)), None)
+        vocab = emb.num_embeddings if emb is not None else None
+    return model, vocab, example
+
+
+def _hf_config(path: str):
+    from transformers import AutoConfig
+
+    p = Path(path)
+    if p.is_file():  # a config.json itself
+        d = json.loads(p.read_text())
+        if "model_type" not in d:
+            raise ConfigError(f"model.hf = {path!r}: the JSON has no model_type; give a Hugging Face config.json")
+        return AutoConfig.for_model(d.pop("model_type"), **d)
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model.hf = {path!r}: neither a config.json nor a folder holding one")
+    return AutoConfig.from_pretrained(str(p))
+
+
+_PARALLEL_OPTIONS = ("sequence_parallel", "zero", "microbatches", "schedule", "virtual_stages", "recompute", "fp8",
+                     "fuse")
+
+
+def _options(cfg: TrainConfig) -> dict:
+    """parallelize's options (mcompile.Config fields) from [parallel] and [train]; under plan "auto" only
+    what the user set (the search keeps given options fixed and chooses the rest)."""
+    auto = cfg.parallel.mesh.strip() == "auto"
+    out = {}
+    for name in _PARALLEL_OPTIONS:
+        if not auto or f"parallel.{name}" in cfg.explicit:
+            value = getattr(cfg.parallel, name)
+            out[name] = None if name == "fp8" and value == "none" else value
+    out.update(dtype=_DTYPES[cfg.train.dtype], init_seed=cfg.train.seed)
+    if not auto:
+        out["pipeline_seq"] = cfg.train.seq_len
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- data
+def _shipped(name: str, kind: str) -> str:
+    if name != "tiny":
+        return name
+    import mcompile.data as data
+
+    return str(data.tiny_corpus() if kind == "corpus" else data.tiny_tokenizer())
+
+
+def _prepare_data(cfg: TrainConfig, rank: int) -> None:
+    """``data.tokenize``: rank 0 writes the dataset ``data.sources`` when it cannot be opened yet."""
+    d = cfg.data
+    if not d.tokenize:
+        return
+    error = [None]
+    if rank == 0:
+        from mcompile.data import IndexedDataset, preprocess
+
+        try:
+            IndexedDataset(d.sources)
+        except Exception:  # noqa: BLE001 - missing or partial: (re)write it
+            try:
+                Path(d.sources).parent.mkdir(parents=True, exist_ok=True)
+                preprocess([_shipped(x, "corpus") for x in d.tokenize], d.sources, _shipped(d.tokenizer, "tokenizer"),
+                           text_key=d.text_key, progress=False)
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                error[0] = f"data.tokenize: writing {d.sources} failed: {type(e).__name__}: {e}"
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        raise RuntimeError(error[0])
+
+
+def _dataset(cfg: TrainConfig, split: str):
+    d, t = cfg.data, cfg.train
+    if d.factory:
+        return _import(d.factory, "data.factory")(seq_len=t.seq_len, seed=t.seed, split=split)
+    from mcompile.data import SampleDataset
+
+    sources = d.sources if isinstance(d.sources, str) else [(p, w) for p, w in d.sources]
+    return SampleDataset(sources, t.seq_len, seed=t.seed, split=split, valid_fraction=d.valid_fraction)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def latest_checkpoint(folder: str | Path) -> Path | None:
+    """The complete checkpoint of the highest step in ``folder`` (``step-XXXXXXX`` with its meta file)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / _META).is_file()]
+    return max(found)[1] if found else None
+
+
+def _prune(folder: Path, keep: int) -> None:
+    """Rank 0: delete all but the newest ``keep`` complete checkpoints."""
+    if keep <= 0:
+        return
+    done = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name))
+                  and (p / _META).is_file())
+    for _, p in done[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _leftovers(folder: Path) -> None:
+    """Rank 0 on start: temporary folders of saves a killed run left (never renamed: incomplete)."""
+    for p in folder.glob(".step-*.tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+def _optimizer(cfg: TrainConfig, pm):
+    """(optimizer, clip function): mcompile's DistributedOptimizer under ZeRO-1/2 (gradients live in its
+    sharded buffers), else a torch optimizer over pm.parameters() clipped by pm.clip_grad_norm_ (right on
+    every layout, pipelines included)."""
+    o = cfg.optimizer
+    if o.name == "adamw":
+        cls, kwargs = torch.optim.AdamW, {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps,
+                                          "weight_decay": o.weight_decay}
+    else:
+        cls, kwargs = torch.optim.SGD, {"lr": o.lr, "momentum": o.momentum, "weight_decay": o.weight_decay}
+
+    def no_decay(fqn: str) -> bool:  # 1-D parameters: norm weights, biases
+        return not o.decay_1d and len(pm.plan.params[fqn].shape) < 2
+
+    if pm.config.zero in (1, 2):
+        from mcompile.runtime.zero import DistributedOptimizer
+
+        opt = DistributedOptimizer(pm, cls, options_for=lambda f: {"weight_decay": 0.0} if no_decay(f) else {},
+                                   **kwargs)
+        return opt, opt.clip_grad_norm_
+    named = list(pm.named_parameters())
+    groups = [{"params": [p for f, p in named if not no_decay(f)]},
+              {"params": [p for f, p in named if no_decay(f)], "weight_decay": 0.0}]
+    return cls([g for g in groups if g["params"]], **kwargs), pm.clip_grad_norm_
+
+
+def _evaluate(pm, valid, batches: int, batch_size: int) -> tuple[float, int]:
+    """Token-weighted mean loss over the fixed valid batches (each batch's mean times its token count)."""
+    total, count = 0.0, 0
+    for i in range(batches):
+        tokens, targets = valid.batch(i * batch_size, batch_size)
+        n = int((targets != -100).sum())
+        total += float(pm.forward(tokens, targets)) * n
+        count += n
+    return total / max(count, 1), count
+
+
+def _wait(pending) -> None:
+    """An asynchronous save finished (mcompile.runtime.checkpoint's PendingSave.wait, or a future)."""
+    if pending is not None:
+        (getattr(pending, "wait", None) or pending.result)()
+
+
+def _train(cfg: TrainConfig) -> dict:
+    import mcompile as mc
+
+    t0 = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tc, cc = cfg.train, cfg.checkpoint
+    model, vocab, example = build_model(cfg)
+    if example is None:
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab or 2, (2, tc.seq_len), generator=g)
+        example = (tokens, tokens.clone())
+    _prepare_data(cfg, rank)  # the data before planning: its errors come before the model's compile
+    data = _dataset(cfg, "train")
+    valid = _dataset(cfg, "valid") if cfg.eval.interval else None
+    for split, ds in (("train", data), ("valid", valid)):
+        if ds is not None and vocab is not None and getattr(ds, "vocab_size", 0) > vocab:
+            raise ConfigError(f"the {split} data's vocabulary has {ds.vocab_size} ids but the model's {vocab}: "
+                              "preprocess with the model's tokenizer, or set model.overrides.vocab_size = "
+                              f"{ds.vocab_size}")
+        if ds is not None and hasattr(ds, "__len__") and len(ds) == 0:
+            raise ConfigError(f"the {split} split of data.sources holds no sample of train.seq_len = {tc.seq_len} "
+                              "tokens: use more data, a shorter seq_len" + (", or a larger data.valid_fraction"
+                                                                              if split == "valid" else ""))
+    mesh_spec = cfg.parallel.mesh.strip()
+    options = _options(cfg)
+    hw = hardware_profile(cfg.parallel.hardware)
+    if mesh_spec == "auto":
+        pm = mc.parallelize(model, example_inputs=tuple(example), plan="auto", hardware=hw,
+                            global_batch=tc.global_batch, weights=cfg.model.init_from or None,
+                            distributed_optimizer="parallel.zero" not in cfg.explicit, **options)
+    else:
+        pm = mc.parallelize(model, mc.Mesh.parse(mesh_spec), tuple(example), weights=cfg.model.init_from or None,
+                            **options)
+    del model
+    dp, m = pm.mesh.size("dp"), pm.config.microbatches
+    if tc.global_batch % (dp * m):
+        raise ConfigError(f"train.global_batch = {tc.global_batch} does not divide by dp={dp} x "
+                          f"parallel.microbatches={m}: use a multiple of {dp * m}")
+    eval_bs = cfg.eval.batch_size or tc.global_batch
+    if cfg.eval.interval:
+        if eval_bs % dp:
+            raise ConfigError(f"eval.batch_size = {eval_bs} does not divide by dp={dp}: use a multiple of {dp}")
+        if m > 1 and pm.mesh.size("pp") == 1:
+            raise ConfigError("eval runs pm.forward, which takes the local batch at once: without pipeline "
+                              f"parallelism it needs parallel.microbatches = 1 (got {m}); set eval.interval = 0 "
+                              "or parallel.microbatches = 1")
+    opt, clip = _optimizer(cfg, pm)
+
+    # resume: rank 0 picks the newest complete checkpoint, every rank loads it
+    start_step, consumed, resumed = 0, 0, None
+    if cc.dir:
+        choice = [None]
+        if rank == 0:
+            Path(cc.dir).mkdir(parents=True, exist_ok=True)
+            _leftovers(Path(cc.dir))
+            found = latest_checkpoint(cc.dir)
+            choice[0] = str(found) if found else None
+        if world > 1:
+            dist.broadcast_object_list(choice, src=0)
+        if choice[0]:
+            resumed = choice[0]
+            extra = pm.load_checkpoint(resumed, opt)
+            start_step, consumed = int(extra["step"]), int(extra["consumed_samples"])
+            if rank == 0:
+                changed = {k: (extra.get(k), v) for k, v in (("seq_len", tc.seq_len), ("seed", tc.seed))
+                           if extra.get(k) not in (None, v)}
+                if changed:
+                    log.warning("resuming %s with changed %s: the data order differs from the saved run's",
+                                resumed, ", ".join(f"train.{k} {a} -> {b}" for k, (a, b) in changed.items()))
+                print(f"resumed from {resumed} (step {start_step}, {consumed} samples consumed)", flush=True)
+
+    flops = model_flops_per_step(pm, tc.global_batch, tc.seq_len) if rank == 0 else None
+    dtype_name = {"fp32": "fp32", "bf16": "bf16", "fp16": "bf16"}[tc.dtype]
+    if pm.config.fp8 is not None and hw.fp8_flops is not None:
+        dtype_name = "fp8"
+    peak = hw.peak_flops(dtype_name)
+    metrics = Metrics(cfg, start_step, hw.name) if rank == 0 else None
+    if rank == 0:
+        n_params = sum(math.prod(p.shape) for p in pm.plan.params.values())
+        print(f"training {cfg.model.preset or cfg.model.hf or cfg.model.factory} ({n_params:,} parameters) on "
+              f"{pm.mesh!r}, {world} processes: sequence_parallel={pm.config.sequence_parallel}, "
+              f"zero={pm.config.zero}, microbatches={pm.config.microbatches}, dtype={tc.dtype}; {tc.global_batch} x "
+              f"{tc.seq_len} tokens per step" + (f", {flops / 1e9:.3g} GFLOP (model)" if flops else ""), flush=True)
+    save_kw = {}
+    if cc.async_save:
+        if "async_save" in inspect.signature(pm.save_checkpoint).parameters:
+            save_kw["async_save"] = True
+        elif rank == 0:
+            log.warning("checkpoint.async_save: this mcompile's save_checkpoint has no async_save; saving "
+                        "synchronously")
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    pending = None
+
+    def finish_saving() -> None:  # the previous (asynchronous) save complete, then the old ones pruned
+        nonlocal pending
+        _wait(pending)
+        pending = None
+        if rank == 0:
+            _prune(Path(cc.dir), cc.keep)
+
+    def save(step: int) -> None:
+        nonlocal pending
+        finish_saving()
+        path = Path(cc.dir) / f"step-{step:07d}"
+        pending = pm.save_checkpoint(path, opt, extra={"step": step, "consumed_samples": consumed,
+                                                       "global_batch": tc.global_batch, "seq_len": tc.seq_len,
+                                                       "seed": tc.seed}, **save_kw)
+        if not save_kw:
+            finish_saving()
+
+    losses: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, grad norm) of this attempt
+    eval_loss, last_log, last_time = None, start_step, time.perf_counter()
+    row = {}
+    saved_at = start_step if resumed else None
+    for step in range(start_step + 1, tc.steps + 1):
+        if cfg.debug.kill_step == step and cfg.debug.kill_rank == rank and restart == 0:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): the elastic agent restarts all
+        lr = lr_at(step, cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        tokens, targets = data.batch(consumed, tc.global_batch)
+        consumed += tc.global_batch
+        if vocab is not None and int(tokens.max()) >= vocab:
+            raise ValueError(f"the data holds token id {int(tokens.max())} but the model's vocabulary has {vocab} "
+                             "entries: preprocess with the model's tokenizer, or set model.overrides.vocab_size")
+        loss = pm.train_step(tokens, targets)
+        norm = clip(tc.clip if tc.clip > 0 else math.inf)
+        opt.step()
+        opt.zero_grad()
+        losses.append((step, loss, norm.detach() if isinstance(norm, torch.Tensor) else torch.tensor(norm)))
+        if step % cfg.logging.interval == 0 or step in (tc.steps, tc.stop_at):
+            now = time.perf_counter()
+            loss_v, norm_v = float(loss), float(losses[-1][2])
+            dt = now - last_time
+            n = step - last_log
+            row = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": norm_v,
+                   "tokens_per_s": n * tc.global_batch * tc.seq_len / dt, "step_time_s": dt / n,
+                   "mfu": (flops * n / dt / world / peak) if flops else None, "consumed_samples": consumed,
+                   "restart": restart}
+            if metrics is not None:
+                metrics.record(row)
+            last_log, last_time = step, time.perf_counter()
+        elif metrics is not None:
+            metrics.advance(step)
+        paused = time.perf_counter()
+        if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == tc.steps):
+            eval_loss, n_tokens = _evaluate(pm, valid, cfg.eval.batches, eval_bs)
+            if metrics is not None:
+                metrics.record({"step": step, "eval_loss": eval_loss, "eval_tokens": n_tokens})
+        if cc.dir and cc.interval and step % cc.interval == 0:
+            save(step)
+            saved_at = step
+        last_time += time.perf_counter() - paused  # throughput counts training steps only
+        if step == tc.stop_at:
+            break
+    last = min(tc.steps, tc.stop_at or tc.steps)
+    if cc.dir and saved_at != last and last > start_step:
+        save(last)
+    if cc.dir:
+        finish_saving()
+    if cc.final_state_dict:
+        sd = pm.full_state_dict(rank=0)
+        if rank == 0:
+            Path(cc.final_state_dict).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(sd, cc.final_state_dict)
+    if metrics is not None:
+        metrics.close()
+    logged = [(s, float(lv)) for s, lv, _ in losses]
+    return {"steps": tc.steps, "start_step": start_step, "resumed_from": resumed, "losses": logged,
+            "final_loss": logged[-1][1] if logged else None, "eval_loss": eval_loss, "mesh": repr(pm.mesh),
+            "consumed_samples": consumed, "tokens_per_s": row.get("tokens_per_s"), "mfu": row.get("mfu"),
+            "hardware": hw.name, "restart": restart, "wall_s": time.perf_counter() - t0}
