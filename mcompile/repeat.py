@@ -285,21 +285,25 @@ def repeat_captured(cap: Captured, block: Block, model: torch.nn.Module):
     _clear_copy_marks(gm)
     # tables in placeholder order
     phs = [n for n in g.nodes if n.op == "placeholder"]
-    params, buffers = {}, {}
+    params, buffers, constants = {}, {}, {}
     for ph in phs:
         fqn = ph.meta.get(M.PARAM_FQN)
         if ph.name in cap.params:
             params[ph.name] = cap.params[ph.name]
         elif ph.name in cap.buffers:
             buffers[ph.name] = cap.buffers[ph.name]
+        elif ph.name in cap.constants:
+            constants[ph.name] = cap.constants[ph.name]
         else:
             src = next((k for k, v in copies.items() if ph.name in v), None)
             if src in cap.params:
                 params[ph.name] = fqn
             elif src in cap.buffers:
                 buffers[ph.name] = fqn
+            elif src in cap.constants:  # a tensor the layer makes in forward (HF attention's lifted
+                constants[ph.name] = cap.constants[src]  # constants): a uniform block's copies are equal
     fields = {f.name: getattr(cap, f.name) for f in dataclasses.fields(cap)}
-    fields.update(gm=gm, params=params, buffers=buffers)
+    fields.update(gm=gm, params=params, buffers=buffers, constants=constants)
     return RepeatedCapture(**fields, model_state=model.state_dict(keep_vars=True), block=block), copies
 
 

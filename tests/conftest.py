@@ -41,8 +41,9 @@ def build(name: str, seed: int = 0, device=None, batch: int = 2):
                                 num_attention_heads=4, max_position_embeddings=40, type_vocab_size=2,
                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
             model = HFLoss(RobertaForMaskedLM(cfg))
-        elif name == "hf-llama":
-            cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        elif name in ("hf-llama", "hf-llama-deep"):  # deep: 4 layers, planned from 2 captured (mcompile.repeat)
+            cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=4 if name == "hf-llama-deep" else 2,
                               num_attention_heads=8, num_key_value_heads=4)
             model = HFLoss(LlamaForCausalLM(cfg))
         else:  # odd vocabulary: padded under tp, as GPT-2's 50257
