@@ -17,10 +17,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# bench/ only while its two modules are imported: left on sys.path, the worker pools (started later, with this
+# process's path in front of theirs) import bench/kernels.py for any `import kernels` (transformers probes it)
 sys.path.insert(0, str(ROOT / "bench"))
-
-import mutants  # noqa: E402
-from mutant_list import MUTANTS  # noqa: E402
+try:
+    import mutants  # noqa: E402
+    from mutant_list import MUTANTS  # noqa: E402
+finally:
+    sys.path[:] = [p for p in sys.path if p != str(ROOT / "bench")]  # bench/mutants.py adds it once more
 
 # a pure-arithmetic mutant whose target is one fast single-process test
 CHEAP = "memory-fp32-master-counted-for-fp32-params"
