@@ -357,17 +357,13 @@ MUTANTS: list[Mutant] = [
         targets=("tests/test_alignment.py::test_offsets_by_hand",),
     ),
     Mutant(
-        name="zero-checkpoint-shards-under-a-shared-key",
-        file="runtime/zero.py",
-        old='        return {f"rank{dist.get_rank()}": self.state_dict()}\n\n'
-            '    def load_sharded_state_dict(self, state: dict) -> None:\n'
-            '        self.load_state_dict(state[f"rank{dist.get_rank()}"])',
-        new='        return {"shard": self.state_dict()}\n\n'
-            '    def load_sharded_state_dict(self, state: dict) -> None:\n'
-            '        self.load_state_dict(state["shard"])',
-        description="ZeRO-1 checkpoints save every rank's optimizer shard under one key: DCP keeps one "
-                    "rank's copy, every rank loads it",
-        targets=("tests/test_zero.py::test_zero1_checkpoint_resume_is_bit_identical",),
+        name="checkpoint-zero-segment-read-from-its-parameter-start",
+        file="runtime/checkpoint.py",
+        old='pieces(f"model.{seg.fqn}", seg.fqn, master, seg.start - seg.offset, seg.stop - seg.offset,',
+        new='pieces(f"model.{seg.fqn}", seg.fqn, master, 0, seg.stop - seg.start,',
+        description="a ZeRO-1 rank saves its master segment as if it began at its parameter's first element: "
+                    "the ranks' boxes overlap and leave holes",
+        targets=("tests/test_checkpoint_reshard.py::test_zero1_async_save_resumes_under_zero0_with_sp",),
     ),
     # ---- pipeline schedules (runtime/schedules.py) and the split (passes/pipeline_split.py) -------------
     Mutant(
@@ -542,20 +538,18 @@ MUTANTS: list[Mutant] = [
     ),
     # ---- checkpoints (runtime/checkpoint.py) -------------------------------------------------------------
     Mutant(
-        name="checkpoint-optimizer-state-keyed-by-group-index",
+        name="checkpoint-padding-saved-as-data",
         file="runtime/checkpoint.py",
-        old="_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)",
-        new="_OPTIONS = StateDictOptions()",
-        description="optimizer state saved keyed by param-group index, not by FQN: under pp every rank's "
-                    "group 0 holds other parameters and DCP keeps one rank's options",
-        targets=("tests/test_pipeline.py::test_state_dict_forward_timeline_and_checkpoint_under_pp",
-                 "tests/test_fp8.py::test_fp8_delayed_checkpoint_resumes_bit_identically"),
+        old="            if g < 0:\n                continue",
+        new="            if g < -1:\n                continue",
+        description="the rows a padded vocabulary adds are saved as rows of the global tensor (at index -1)",
+        targets=("tests/test_weights.py::test_mcompile_checkpoint_loads_under_another_plan",),
     ),
     Mutant(
         name="checkpoint-fp8-histories-under-a-shared-key",
         file="runtime/checkpoint.py",
-        old='def _fp8_key() -> str:\n    return f"rank{dist.get_rank()}"',
-        new='def _fp8_key() -> str:\n    return "histories"',
+        old='    return f"fp8.rank{dist.get_rank()}.{name}"',
+        new='    return f"fp8.{name}"',
         description="FP8 amax histories saved under a key shared by all ranks: DCP keeps one rank's, the "
                     "tp ranks of a stage resume with the same histories",
         targets=("tests/test_fp8.py::test_fp8_delayed_checkpoint_resumes_bit_identically",),

@@ -700,19 +700,26 @@ class ParallelModule(torch.nn.Module):
         live = {id(b) for s in self._pipe.own for b in self._pipe.stages[s].gm.buffers()}
         return {n: h for n, h in self.fp8.histories.items() if id(h) in live}
 
-    def save_checkpoint(self, path, optimizer=None, extra: dict | None = None) -> None:
-        """Save parameters, persistent buffers, optimizer state and (``fp8="delayed"``) every rank's
-        FP8 amax histories with torch.distributed.checkpoint (every rank its shards); ``extra`` (a
-        small JSON-able dict, e.g. the step) is kept beside."""
+    def save_checkpoint(self, path, optimizer=None, extra: dict | None = None, async_save: bool = False):
+        """Save parameters, persistent buffers, optimizer state (keyed by the model's names, in global
+        shapes: loadable under any other layout) and (``fp8="delayed"``) every rank's FP8 amax
+        histories with torch.distributed.checkpoint, every rank writing only what it holds; ``extra``
+        (a small JSON-able dict: the step, the data position) is kept beside. ``path`` holds a complete
+        checkpoint once ``mcompile_plan.json`` is in it. ``async_save``: the pieces are copied to CPU
+        and written in the background; returns a :class:`mcompile.runtime.checkpoint.PendingSave`
+        (``.wait()``), else None. Collective (runtime/checkpoint.py)."""
         from mcompile.runtime import checkpoint
 
-        checkpoint.save(self, path, optimizer, extra)
+        return checkpoint.save(self, path, optimizer, extra, async_save=async_save)
 
     def load_checkpoint(self, path, optimizer=None, fp8_state: bool = True) -> dict:
-        """Restore a checkpoint saved under the same plan; returns its ``extra``. The FP8 amax
-        histories must match this model's (``Config(fp8="delayed")`` with the same history length
-        on both sides, or on neither); ``fp8_state=False`` loads everything else and leaves this
-        model's histories as they are (empty in a new model: its next step scales as a first step)."""
+        """Restore a checkpoint saved under any plan (mesh, sequence parallelism, pipeline stages, ZeRO
+        level, parameter dtype); returns its ``extra``. Everything is checked first, the same error on
+        every rank (:class:`mcompile.runtime.checkpoint.CheckpointError`: an incomplete checkpoint,
+        another model, another optimizer). The FP8 amax histories are per rank: they load under the
+        plan they were saved with only (``Config(fp8="delayed")`` with the same history length on both
+        sides, or on neither); ``fp8_state=False`` loads everything else and leaves this model's
+        histories as they are (empty in a new model: its next step scales as a first step)."""
         from mcompile.runtime import checkpoint
 
         return checkpoint.load(self, path, optimizer, fp8_state=fp8_state)

@@ -10,6 +10,9 @@ it to the parameter dtype (fp32; bf16/fp16 -> fp32 is exact) and drops everythin
   ``model.safetensors.index.json`` (any single ``*.safetensors.index.json`` / ``*.safetensors`` in the
   folder is taken too);
 - a single ``.safetensors`` file;
+- a source object with the interface of this module's (``entries``, ``read``, ``sliceable``, ``what``,
+  ``path``): :func:`mcompile.hf_io.hf_source` reads a Hugging Face Llama / GPT-2 checkpoint under a
+  preset's names and layouts (renamed; GPT-2's Conv1D weights transposed, slices too);
 - an mcompile checkpoint folder (``pm.save_checkpoint``: torch.distributed.checkpoint shards and
   ``mcompile_plan.json``): its model parameters and persistent buffers, under any plan (the mesh it was
   saved under need not be this one); its optimizer and FP8 state are not weights and are not read.
@@ -26,11 +29,12 @@ Design (and why):
   is never written to (its meta tensors stay meta).
 - **Slices where the format allows.** A parameter whose placements shard each dim over at most one
   mesh axis with a plain contiguous ``Shard(dim)`` is read as exactly its rank's slice
-  (``safe_open(...).get_slice(name)[...]``: only those bytes are read); a vocabulary padded to a
+  (``safe_open(...).get_slice(name)[...]``; an mcompile checkpoint: DCP reads that box's overlap
+  with each saved chunk: only those bytes are read); a vocabulary padded to a
   multiple of tp (``ParamPlan.padded_shape``) is read up to the true size and zero-padded, as
   ``local_piece`` pads. Anything else — a ``BlockShard`` (k blocks each sharded: a fused QKV, strided
-  in the file), a replicated tensor, every tensor of an mcompile checkpoint (DCP stores each tensor in
-  the saving rank's chunks) — is read whole, cut with ``local_piece`` in the stored dtype, converted
+  in the file), a replicated tensor, every tensor of a format-1 mcompile checkpoint with BlockShard
+  blocks — is read whole, cut with ``local_piece`` in the stored dtype, converted
   and dropped before the next: a rank holds at most one full tensor at a time besides its pieces.
   safetensors returns views of the memory-mapped file: each piece is copied into memory of its own
   and the file is closed before the next tensor, so no mapping outlives its tensor.
@@ -211,24 +215,38 @@ class _Mcompile:
                 raise WeightsError(f"weights={path}: the data of {idx.fqn} lies in {info.relative_path}, which is "
                                    f"{'missing' if size < 0 else f'too short ({size} bytes)'}: the checkpoint is "
                                    "incomplete")
-        return cls(path, entries)
+        # format 2 stores every tensor unpadded and whole-keyed: any box of it can be read alone; format 1's
+        # BlockShard parameters are k block tensors, read whole
+        return cls(path, entries, sliceable=not blocks)
 
     def read(self, stored: Stored, index=None, block_dim: int | None = None) -> torch.Tensor:
+        """The tensor, or (``index``: a box of slices, sliceable checkpoints) exactly that box of it:
+        DCP reads the overlap of the box with each saved chunk and nothing else."""
+        import warnings
+
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
 
+        from mcompile.runtime.checkpoint import _LoadPlanner, _Pieces
+
         keys, k = stored.where
         dtype = _torch_dtype(stored.dtype)
-        if k is None:
+        if k is None and index is not None:
+            starts, sizes = [i.start for i in index], [i.stop - i.start for i in index]
+            full = torch.empty(sizes, dtype=dtype)
+            state = {keys[0]: _Pieces(stored.shape, [(starts, sizes, full)])}
+        elif k is None:
             full = torch.empty(stored.shape, dtype=dtype)
             state = {keys[0]: full}
-        else:  # the blocks of a BlockShard parameter, read into views of the joined tensor
+        else:  # the blocks of a BlockShard parameter (format 1), read into views of the joined tensor
             shape = list(stored.shape)
             shape[block_dim] *= k
             full = torch.empty(shape, dtype=dtype)
             state = dict(zip(keys, full.chunk(k, dim=block_dim)))
         # no_dist: each rank reads alone (no collective), in place into ``state``'s tensors
-        dcp.load(state, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=FileSystemReader(str(self.path)), planner=_LoadPlanner(), no_dist=True)
         return full
 
 
@@ -245,7 +263,11 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 def open_weights(path) -> _Safetensors | _Mcompile:
-    """The checkpoint at ``path``, its headers / metadata read and checked (no value read)."""
+    """The checkpoint at ``path``, its headers / metadata read and checked (no value read). A source
+    already open — an object with this module's source interface (``entries``, ``read``, ``sliceable``,
+    ``what``, ``path``), such as :func:`mcompile.hf_io.hf_source`'s — is taken as it is."""
+    if hasattr(path, "entries") and hasattr(path, "read"):
+        return path
     path = Path(os.fspath(path))
     if not path.exists():
         raise WeightsError(f"weights={path}: no such file or folder; expected {EXPECTED}")

@@ -410,7 +410,9 @@ class DistributedOptimizer:
     optimizer over ``pm.parameters()`` with the same interface.
 
     The inner optimizer is ``.optimizer`` (attach LR schedulers to it); ``state_dict()`` is this
-    rank's shard; ``pm.save_checkpoint(path, optimizer=opt)`` saves every rank's shard."""
+    rank's shard; ``pm.save_checkpoint(path, optimizer=opt)`` saves every rank's segments as pieces of
+    each parameter's state in its global shape (runtime/checkpoint.py): loadable under any layout and
+    ZeRO level."""
 
     def __init__(self, pm, optimizer: Callable[..., torch.optim.Optimizer], *,
                  options_for: Callable[[str], dict] | None = None, **kwargs):
@@ -489,8 +491,9 @@ class DistributedOptimizer:
                 mine.copy_(theirs)
 
     def sharded_state_dict(self, for_load: bool = False) -> dict:
-        """For torch.distributed.checkpoint: this rank's shard under a key of its own (shards of
-        different ranks are different tensors; DCP would keep one of equal keys). ``for_load``
+        """This rank's shard under a key of its own (shards of different ranks are different tensors;
+        DCP would keep one of equal keys): a layout-bound form for same-layout use only;
+        ``pm.save_checkpoint`` writes the layout-independent one (runtime/checkpoint.py). ``for_load``
         first creates the optimizer's state tensors (DCP loads into existing tensors)."""
         if for_load:
             self._materialize_state()

@@ -142,13 +142,14 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_checkpoint_from_another_plan_is_refused(tmp_path):
+def test_checkpoint_from_another_plan_loads(tmp_path):
+    """A checkpoint saved at tp=2 loads at dp=2 (resharding: parity in tests/test_checkpoint_reshard.py)."""
     from runtime_cases import load_into, train_and_save
 
     path = str(tmp_path / "ckpt")
     pool(2).run(train_and_save, "llama3-tiny", "tp=2", {}, path, 2, 1)
     out = pool(2).run(load_into, "llama3-tiny", "dp=2", {}, path)
-    assert all("saved under another plan (mesh tp=2)" in o and "mesh dp=2" in o for o in out), out
+    assert out == ["loaded", "loaded"], out
 
 
 @pytest.mark.timeout(600)

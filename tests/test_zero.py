@@ -150,8 +150,9 @@ def test_zero1_checkpoint_resume_is_bit_identical(tmp_path):
     full = pool(4).run(train_and_save, "llama3-tiny", "dp=2,tp=2", options, path)[0]
     resumed = pool(4).run(resume, "llama3-tiny", "dp=2,tp=2", options, path)[0]
     assert resumed == full[3:]
+    # another bucket layout (parameters split across other ranges) reshards: it loads
     other = pool(4).run(load_error, "llama3-tiny", "dp=2,tp=2", {**options, "bucket_mb": 0.01}, path)
-    assert all("another layout" in o for o in other), other
+    assert other == ["loaded"] * 4, other
 
 
 @pytest.mark.timeout(600)
