@@ -1,4 +1,4 @@
-"""The ``mcompile`` command line: plan, show, search, explain, timeline, demo (and later train, ...).
+"""The ``mcompile`` command line: plan, show, search, explain, timeline, demo; preprocess, train, eval, generate.
 
     mcompile plan MODEL --mesh dp=8,tp=8 [--seq S] [--batch B] [--sp] [--json]
     mcompile plan MODEL --mesh dp=2,pp=4,tp=2 --microbatches 8 --schedule interleaved --virtual 2
@@ -8,6 +8,9 @@
     mcompile explain MODEL --gpus 1024 --gpu h100 --global-batch 1536   (why the best beats the runner-up; what
                                                                           its overlap / ZeRO / FP8 choices save)
     mcompile demo [--steps N]
+    mcompile preprocess INPUT... --tokenizer T --output PREFIX       (mcompile.data: an indexed token dataset)
+    mcompile train CONFIG.toml [--set KEY=VALUE ...]                 (mcompile.train: docs/training.md)
+    mcompile eval CONFIG.toml [--lambada FILE] / mcompile generate CONFIG.toml --prompt TEXT
 
 MODEL is a preset name (``mcompile plan --list``) or ``package.module:factory``, a callable that
 returns a model, or ``(model, example_inputs)``. A model without example inputs is taken to be a
@@ -460,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     from mcompile.train import cli as train_cli  # light: imports no torch until run
 
     train_cli.add_parser(sub)  # mcompile train CONFIG.toml [--set KEY=VALUE ...] [--nproc N] [--max-restarts R]
+    from mcompile.train import commands  # mcompile eval / generate CONFIG.toml [--checkpoint DIR] [--mesh ...]
+
+    commands.add_parsers(sub)
     return p
 
 

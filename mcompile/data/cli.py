@@ -2,6 +2,7 @@
 
     mcompile preprocess corpus.jsonl more/ --tokenizer tokenizer.json --output data/corpus
     mcompile preprocess books.txt --tokenizer tokenizer.model --output data/books --txt-split blank
+    mcompile preprocess tiny --tokenizer tiny --output data/tiny     # the corpus and tokenizer mcompile ships
 
 ``add_parser(subparsers)`` registers the subcommand (the ``mcompile`` command calls it); ``run(args)``
 runs it and returns the exit status (2 with a one-line error for bad input). Nothing heavy is imported
@@ -21,9 +22,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Tokenize JSONL or text files into a memory-mapped indexed dataset (PREFIX.bin / PREFIX.idx), "
                     "one document per JSON line (or text block), each ending in the tokenizer's EOS.")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="files or folders: *.jsonl / *.json (one JSON object per line), *.txt; gzip allowed (.gz)")
+                   help="files or folders: *.jsonl / *.json (one JSON object per line), *.txt; gzip allowed (.gz); "
+                        "'tiny': the corpus mcompile ships")
     p.add_argument("--tokenizer", required=True, metavar="T",
-                   help="tokenizer.json (Hugging Face tokenizers), a tiktoken ranks file or a sentencepiece .model")
+                   help="tokenizer.json (Hugging Face tokenizers), a tiktoken ranks file or a sentencepiece .model; "
+                        "'tiny': the 256-token tokenizer mcompile ships")
     p.add_argument("--output", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--text-key", default="text", help="the JSON key holding each document's text (default: text)")
     p.add_argument("--no-eos", action="store_true", help="do not end each document with the EOS token")
@@ -38,13 +41,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mcompile.data.assets import tiny_corpus, tiny_tokenizer
     from mcompile.data.errors import DataError
     from mcompile.data.preprocessing import preprocess
     from mcompile.data.tokenizer import load_tokenizer
 
+    # "tiny": the corpus / tokenizer mcompile ships (from any folder, a pip install included)
+    inputs = [str(tiny_corpus()) if x == "tiny" else x for x in args.inputs]
     try:
-        tok = load_tokenizer(args.tokenizer, eos=args.eos)
-        stats = preprocess(args.inputs, args.output, tok, text_key=args.text_key, append_eos=not args.no_eos,
+        tok = load_tokenizer(str(tiny_tokenizer()) if args.tokenizer == "tiny" else args.tokenizer, eos=args.eos)
+        stats = preprocess(inputs, args.output, tok, text_key=args.text_key, append_eos=not args.no_eos,
                            progress=not args.no_progress, txt_split=args.txt_split)
     except DataError as e:
         print(f"mcompile: error: {e}", file=sys.stderr)

@@ -72,8 +72,11 @@ def run(args) -> int:
     return launch(cfg, nproc, restarts)
 
 
-def launch(cfg, nproc: int, max_restarts: int = 0) -> int:
-    """Start ``nproc`` processes on this machine under torch's elastic agent and run the loop in each."""
+def launch(cfg, nproc: int, max_restarts: int = 0, entry=None, payload: tuple | None = None) -> int:
+    """Start ``nproc`` processes on this machine under torch's elastic agent and run the loop in each (or
+    ``entry(*payload)``: a module-level function, as ``mcompile eval`` / ``generate`` run)."""
+    entry = entry or _entry
+    payload = (cfg,) if payload is None else payload
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -91,13 +94,14 @@ def launch(cfg, nproc: int, max_restarts: int = 0) -> int:
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
                           monitor_interval=0.5, start_method="spawn")
     try:
-        elastic_launch(config, _entry)(cfg)
+        elastic_launch(config, entry)(*payload)
     except ChildFailedError as e:
         first = next(iter(e.failures.values()), None)
         message = first.message if first is not None else str(e)
         if isinstance(message, dict):  # the worker's error file: {"message": ..., "extraInfo": {traceback}}
             message = message.get("message", message)
-        print(f"mcompile train: failed after {max_restarts} restart(s) (tracebacks above): {message}",
+        what = "train" if entry is _entry else entry.__name__.strip("_").split("_")[0]
+        print(f"mcompile {what}: failed after {max_restarts} restart(s) (tracebacks above): {message}",
               file=sys.stderr)
         return 1
     return 0
