@@ -68,7 +68,12 @@ def train_and_export(rank, world, folder, out, mesh):
     bare = hf_model("llama", wrapped=False)
     logits_pm = mc.parallelize(bare, mc.Mesh.parse(mesh), (ids,), weights=out)
     logits = logits_pm.forward(ids)
-    return {"trained": trained, "losses": losses, "logits": logits} if rank == 0 else None
+    # greedy generation from the exported folder under the same mesh (the compiler's KV cache)
+    from mcompile.generate import Generator
+
+    gen = Generator(hf_model("llama", wrapped=False), mc.Mesh.parse(mesh), weights=out)
+    tokens = gen.generate(ids[:2, :5], 10)
+    return {"trained": trained, "losses": losses, "logits": logits, "tokens": tokens} if rank == 0 else None
 
 
 def preset_import(rank, world, name, folder, mesh, out):

@@ -175,7 +175,7 @@ def test_export_refuses_a_model_that_does_not_fit_the_config(tmp_path):
 
 # -- with processes -----------------------------------------------------------------------------------
 @pytest.mark.timeout(600)
-def test_hf_llama_imported_trained_exported_loads_with_mcompile_logits(tmp_path):
+def test_hf_llama_imported_trained_exported_loads_with_mcompile_logits_and_generates_as_hf(tmp_path):
     folder, out = tmp_path / "llama", tmp_path / "out"
     original = hf_model("llama", "cpu", seed=0, wrapped=False)
     original.save_pretrained(folder)
@@ -192,6 +192,11 @@ def test_hf_llama_imported_trained_exported_loads_with_mcompile_logits(tmp_path)
     ids, _ = batch(128)
     with torch.no_grad():
         torch.testing.assert_close(r["logits"], hf(ids).logits, rtol=1e-5, atol=1e-5)
+    # greedy generation under tp=2 (from the exported folder) equals HF generate of the loaded model, token for token
+    prompt = ids[:2, :5]
+    ref = hf.generate(prompt, max_new_tokens=10, do_sample=False, attention_mask=torch.ones_like(prompt),
+                      pad_token_id=0)
+    assert torch.equal(r["tokens"], ref), (r["tokens"], ref)
 
 
 @needs_sources
