@@ -12,7 +12,22 @@ with a symbolic past length ``P``), plans both with the training planner and low
   The decode plan is pinned to the prefill plan's parameter placements (one set of local pieces).
 - dp: the batch of prompts is split; each dp rank decodes (and caches) its own sequences; the new
   tokens are all-gathered every step, so every rank returns the whole batch.
-- pp: not supported yet (see :class:`Generator`).
+- pp: each graph is cut into stages at transformer block boundaries (mcompile.partition at layer
+  granularity, on the graph without its cache outputs: the prefill split balanced by the
+  planner's cost proxy or pinned by ``Config.layers_per_stage``, the decode split pinned to the
+  same layers), after the rank passes, by passes/pipeline_split.py. A stage program takes (the
+  ids; the previous stage's boundary activation; its own caches) and returns (the activation for
+  the next stage, or the logits on the last stage; its own caches): a cache never leaves the
+  stage owning its layer (a decode stage that reads another stage's cache only for the past
+  length reads one of its own instead). One microbatch, forward only, by this module's own small
+  executor (the training pipeline, runtime/pipeline.py, is used only as the parameter store):
+  stage s receives from s-1 (blocking), runs, sends to s+1 — messages flow one way, so no rank
+  waits in a cycle under NCCL's rule that a send completes when its receive is posted — and the
+  last stage's token (greedy or sampled: the same on its tp ranks) is broadcast over the pipeline
+  group. Receive buffers are sized by running every stage on fake tensors once per batch / prompt
+  shape. One decode step per stage: its layers' tp collectives, one message per stage boundary,
+  one token broadcast. Sequences are not pipelined (one microbatch): a step takes the sum of the
+  stages' times, so pp serves a model too large for one tp group, not throughput.
 
 Sampling (greedy, temperature, nucleus/top-p after Holtzman et al. 2020) draws one uniform number
 per sequence from one ``torch.Generator`` seeded with ``seed`` for the whole (global) batch, and
@@ -113,10 +128,12 @@ class _GraphAsModule(torch.nn.Module):
         return tuple(out)
 
 
-def _recapture(lm, gm, cap, ids_ph, cache_phs, ids, cache, dtype, decode: bool, use_cache: bool = False):
+def _recapture(lm, gm, cap, ids_ph, cache_phs, ids, cache, dtype, decode: bool, use_cache: bool = False,
+               share=None):
     """torch.export of ``gm`` run as a module, on the meta device with parameters in ``dtype``:
     batch symbolic in every input; the sequence symbolic in ``ids`` (prefill) or the past length in
-    the caches (decode: ids is [b, 1])."""
+    the caches (decode: ids is [b, 1]). ``share(produce)``: ``produce`` (the serialised program) run
+    on one rank, its result returned on every rank (as parallelize captures once)."""
     from torch.export import Dim
 
     from mcompile.capture import _from_exported, _record_aliases, from_packed, on_meta
@@ -130,6 +147,25 @@ def _recapture(lm, gm, cap, ids_ph, cache_phs, ids, cache, dtype, decode: bool, 
     meta = lambda t: torch.empty_like(t, device="meta")  # noqa: E731
     args = (meta(ids), *(meta(c) for c in cache))
     key = None
+    if share is not None:  # one rank exports (or reads the on-disk cache), every rank unpacks the same bytes
+        def produce() -> bytes:
+            from mcompile import capture_cache
+
+            k = None
+            if use_cache:
+                code = hashlib.sha256(gm.code.encode()).hexdigest()
+                k = capture_cache.key(mod, args, {}, dtype, extra=f"mcompile.generate:{decode}:{code}")
+                data = capture_cache.load(k)
+                if data is not None:
+                    return data
+            with on_meta(mod, dtype):
+                ep = torch.export.export(mod, args, dynamic_shapes=shapes, strict=False)
+            data = capture_cache.pack(ep, "logits and the KV cache", False, _record_aliases(ep))
+            if k is not None:
+                capture_cache.store(k, data)
+            return data
+
+        return _symbols(from_packed(share(produce), mod), decode), mod
     if use_cache:  # the on-disk capture cache (mcompile.capture_cache), keyed by the graph's code too
         from mcompile import capture_cache
 
@@ -185,6 +221,13 @@ class _Program:
     ids: str
     cache_in: list[str]
     cache_local: list[bool]  # per cache: each rank holds its heads only
+    # pipeline parallelism: the stage program of ``stage``; it takes (state, user inputs, then the last
+    # ``n_recv`` placeholders: the previous stage's activations) and returns (``n_send`` activations for
+    # the next stage, or the logits on the last stage; then its own caches: global indices ``caches``)
+    stage: int = 0
+    n_recv: int = 0
+    n_send: int = 0
+    caches: list[int] | None = None
 
 
 def sample_next(logits: torch.Tensor, u: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
@@ -217,13 +260,17 @@ class GenerationPlan:
     max_seq_len: int
     heads: tuple[int, ...]  # per attention: heads of its cache (all ranks together)
     head_dims: tuple[int, ...]
+    dtypes: tuple = ()  # per attention: the dtype of its cache
 
 
 def compile_generation(model: torch.nn.Module, mesh: Mesh | None = None, *, config=None,
-                       max_seq_len: int | None = None) -> GenerationPlan:
+                       max_seq_len: int | None = None, share=None) -> GenerationPlan:
     """Capture ``model``'s logits forward, add the KV cache (passes/kv_cache.py) and plan the prefill
     and decode graphs over ``mesh`` (None: one process). The decode plan takes the prefill plan's
-    parameter placements, so one set of local pieces serves both."""
+    parameter placements, so one set of local pieces serves both. Under pp each graph is split
+    into stages by layer (``GenerationPlan.prefill.partition``, ``.decode.partition``).
+    ``share(produce)``: runs ``produce`` on one rank and returns its result on every rank (the
+    :class:`Generator` on torch.distributed: rank 0 captures, every rank plans from its bytes)."""
     from mcompile.capture import BATCH, SEQ, capture
     from mcompile.config import Config
     from mcompile.passes import canonicalize
@@ -241,14 +288,28 @@ def compile_generation(model: torch.nn.Module, mesh: Mesh | None = None, *, conf
         raise GenerateError(f"{type(lm).__name__} has no config giving its maximum sequence length: pass "
                             "max_seq_len= (prompt + new tokens)")
     if mesh is not None and mesh.size("pp") > 1:
-        raise GenerateError(
-            f"{mesh!r}: generation under pipeline parallelism is not supported yet (the runtime's pipeline "
-            "has no forward-only path that keeps a per-stage KV cache between calls); use a mesh of dp and tp "
-            "with the same number of ranks, e.g. Mesh(dp=..., tp=...)")
+        unsupported = [a for a in mesh.axis_names if a not in ("dp", "tp", "pp") and mesh.size(a) > 1]
+        if unsupported:
+            raise GenerateError(f"{mesh!r}: generation under pipeline parallelism supports dp, tp and pp axes; "
+                                f"remove {unsupported} (e.g. fold it into dp)")
+        if config.virtual_stages != 1:
+            raise GenerateError(f"Config(virtual_stages={config.virtual_stages}): generation runs one stage per "
+                                "pipeline rank; use virtual_stages=1")
     mesh = mesh or Mesh(dp=1)  # one process: no tp axis, no collectives
+    if "dp" not in mesh.axis_names and "tp" not in mesh.axis_names:
+        # pp alone: planned with a dp axis of 1 (the lowering places values along the planned axes, and the
+        # planner plans none over pp); the same ranks and coordinates
+        axes = {"dp": 1, **dict(mesh.axes)}
+        mesh = Mesh.fake(**axes) if mesh.fake_mesh else Mesh(**axes)
     ids = torch.zeros(2, 4, dtype=torch.long, device="meta")
     # 1. the logits graph, captured on meta in the compute dtype (as parallelize captures)
-    cap0 = capture(lm, (ids,), meta_dtype=config.dtype, cache=config.capture_cache)
+    if share is None:
+        cap0 = capture(lm, (ids,), meta_dtype=config.dtype, cache=config.capture_cache)
+    else:
+        from mcompile.capture import from_packed
+
+        cap0 = from_packed(share(lambda: capture(lm, (ids,), meta_dtype=config.dtype, cache=config.capture_cache,
+                                                 pack="bytes")), lm)
     if len(cap0.user_inputs) != 1:
         raise GenerateError(f"{type(lm).__name__}(ids) takes {len(cap0.user_inputs)} tensor inputs; generation "
                             "calls the model with the token ids alone")
@@ -264,7 +325,7 @@ def compile_generation(model: torch.nn.Module, mesh: Mesh | None = None, *, conf
     # changed, so it is captured again; both planned like a training graph
     pre_cap = dataclasses.replace(cap0, gm=graphs.prefill, output="logits and the KV cache")
     dec_cap, _ = _recapture(lm, graphs.decode, cap0, ids_ph, cache_names(n_attn), ids[:, :1], cache, config.dtype,
-                            decode=True, use_cache=config.capture_cache)
+                            decode=True, use_cache=config.capture_cache, share=share)
     hint = max(2, min(max_seq_len, 2048))
     pre = _plan(pre_cap, mesh, config, {pre_cap.symbols[BATCH]: 2, pre_cap.symbols[SEQ]: hint},
                 config.overrides or None)
@@ -293,7 +354,47 @@ def compile_generation(model: torch.nn.Module, mesh: Mesh | None = None, *, conf
     if differ:
         raise AssertionError(f"the decode plan places {differ[0]} otherwise than the prefill plan "
                              f"({dec.plan.params[differ[0]]} vs {pre.plan.params[differ[0]]})")
-    return GenerationPlan(pre, dec, mesh, max_seq_len, graphs.heads, graphs.head_dims)
+    if mesh.size("pp") > 1:
+        _partition_stages(pre, dec, mesh.size("pp"), config, hint)
+    return GenerationPlan(pre, dec, mesh, max_seq_len, graphs.heads, graphs.head_dims, graphs.dtypes)
+
+
+def _partition_stages(pre, dec, pp: int, config, seq: int) -> None:
+    """Stage partitions of the prefill and decode graphs (``Compiled.partition``), cut at transformer
+    block boundaries (mcompile.partition, granularity ``"layer"``): the prefill graph's split,
+    balanced by the planner's cost proxy or pinned by ``config.layers_per_stage``, and the decode
+    graph pinned to the same layers per stage, so one stage holds the same parameters (and caches)
+    in both."""
+    from mcompile.blocks import analyse
+    from mcompile.partition import PartitionError, partition
+
+    def trunk(cap):
+        # the graph's structure without its cache outputs: a layer's K and V are outputs, live to the end, so
+        # no single activation would cross a layer boundary (no narrow point) in the graph as it is
+        g = fx.Graph()
+        out = g.graph_copy(cap.gm.graph, {})
+        g.output(out[0])
+        gm = fx.GraphModule(cap.gm, g)
+        missing = [n.name for n in cap.gm.graph.nodes if n.op == "call_function" and n.name not in
+                   {m.name for m in g.nodes}]
+        if missing:
+            raise AssertionError(f"copying {missing[0]} renamed it")
+        return analyse(gm, cap.params)
+
+    lps = list(config.layers_per_stage) if config.layers_per_stage else None
+    try:
+        pre.partition = partition(pre.captured, pp, 1, granularity="layer", seq=seq, layers_per_stage=lps,
+                                  trunk=trunk(pre.captured))
+        starts = pre.partition.trunk.layer_starts
+        edges = [0, *(starts.index(c) for c in pre.partition.cuts), len(starts)]  # cuts are layer starts
+        lps = [b - a for a, b in zip(edges[:-1], edges[1:])]
+        # (the decode costs are in the past length: evaluated there, though the pinned split does not read them)
+        symbols = {**dec.captured.symbols, "seq": dec.captured.symbols["past"]}
+        dec_cap = dataclasses.replace(dec.captured, symbols=symbols)
+        dec.partition = partition(dec_cap, pp, 1, granularity="layer", layers_per_stage=lps, seq=seq,
+                                  trunk=trunk(dec.captured))
+    except PartitionError as e:
+        raise GenerateError(f"cannot split generation into pp={pp} stages by layer: {e}") from e
 
 
 def rank_program(compiled, rank: int, config, device=None, decode: bool = False) -> _Program:
@@ -325,10 +426,11 @@ class Generator:
     longest prompt + generation (default: the model config's limit). ``config``: a
     :class:`mcompile.Config` (``dtype``, ``vocab_pad_multiple``, ``fuse``, ``init_seed`` apply).
 
-    Not yet: pipeline parallelism (a ``pp`` axis) — the decode program would run stage to stage
-    with one microbatch, but the runtime's pipeline (runtime/pipeline.py) schedules training
-    microbatches through joint forward/backward programs and has no forward-only path that carries
-    extra per-stage state (each stage's cache) between calls; padded prompts (attention masks)."""
+    A mesh with a ``pp`` axis (with ``dp`` and ``tp``, ``virtual_stages=1``) splits the model into
+    stages by layer, each rank holding its stage's parameters and caches (module docstring);
+    :meth:`prefill` / :meth:`decode` then return the logits on the last stage only (None on the
+    others) and this stage's caches; :meth:`generate` and :meth:`logits` return the same on every
+    rank. Not yet: padded prompts (attention masks); several microbatches in flight under pp."""
 
     def __init__(self, model: torch.nn.Module, mesh: Mesh | None = None, *, weights=None,
                  max_seq_len: int | None = None, config=None):
@@ -339,7 +441,18 @@ class Generator:
         lm, self._prefix = _logits_module(model)
         if mesh is not None and mesh.fake_mesh:
             raise GenerateError(f"{mesh!r} is for planning only: Generator runs; use compile_generation to plan")
-        plan = compile_generation(model, mesh, config=config, max_seq_len=max_seq_len)
+        share = None
+        if mesh is not None:  # one rank captures (torch.export is most of the start-up), every rank plans from it
+            import datetime
+
+            import torch.distributed as dist
+
+            from mcompile.api import _from_rank0
+            from mcompile.runtime.launch import init_distributed
+
+            init_distributed(timeout=datetime.timedelta(seconds=config.collective_timeout_s))
+            share = _from_rank0 if dist.get_world_size() > 1 else None
+        plan = compile_generation(model, mesh, config=config, max_seq_len=max_seq_len, share=share)
         self.plan, self.mesh, self.max_seq_len = plan, plan.mesh, plan.max_seq_len
         self.attention_heads = plan.heads
         # this process's rank: programs and parameters
@@ -351,8 +464,20 @@ class Generator:
                                     "is read by the parallel runtime; or load the weights into the model yourself")
             self._rank, self._device, self._comm = 0, torch.device("cpu"), None
             self._state = self._model_state(lm)
-        self.prefill_program = self._program(plan.prefill, False)
-        self.decode_program = self._program(plan.decode, True)
+        self._pp = self.mesh.size("pp")
+        if self._pp > 1:  # this rank's stage of each program (the others are kept for shape inference)
+            self._stages = {"prefill": self._stage_programs(plan.prefill, False),
+                            "decode": self._stage_programs(plan.decode, True)}
+            self._stage = self.mesh.coords(self._rank)["pp"]
+            self._specs: dict = {}  # (program, batch, seq) -> per stage: [(shape, dtype)] of what it sends
+            self.prefill_program = self._stages["prefill"][self._stage]
+            self.decode_program = self._stages["decode"][self._stage]
+            if self.prefill_program.caches != self.decode_program.caches:
+                raise AssertionError(f"stage {self._stage} makes caches {self.prefill_program.caches} in prefill but "
+                                     f"updates {self.decode_program.caches} in decode")
+        else:
+            self.prefill_program = self._program(plan.prefill, False)
+            self.decode_program = self._program(plan.decode, True)
         if self.mesh.size("tp") > 1 and self.prefill_program.cache_local != self.decode_program.cache_local:
             raise AssertionError(f"the prefill and decode programs disagree on which caches are head-sharded: "
                                  f"{self.prefill_program.cache_local} {self.decode_program.cache_local}")
@@ -384,8 +509,12 @@ class Generator:
         self._pm = ParallelModule(self.plan.prefill, dmesh, self.config, lm, weights=weights)
         self._rank, self._device, self._comm = dist.get_rank(), self._pm._device, self._pm._comm
         self._pm._leaves.refresh()
-        local = self._pm._local_inputs()
         cap = self.plan.prefill.captured
+        if self.mesh.size("pp") > 1:  # the parameters of this rank's stage only (ParallelModule holds no others)
+            compute = self._pm._leaves.compute
+            local = {**self._pm._extra, **{ph: compute[f] for ph, f in cap.params.items() if f in compute}}
+        else:
+            local = self._pm._local_inputs()
         self._state = {}
         for ph, t in local.items():
             key = cap.params.get(ph) or cap.buffers.get(ph) or ("const", cap.constants.get(ph))
@@ -404,9 +533,68 @@ class Generator:
                 for k, v in sd.items()}  # parameters in the compute dtype, as captured; buffers as they are
 
     def _program(self, compiled, decode: bool) -> _Program:
-        prog = rank_program(compiled, self._rank, self.config, self._device, decode)
-        gm = prog.gm
+        return self._keys(rank_program(compiled, self._rank, self.config, self._device, decode), compiled.captured)
+
+    def _stage_programs(self, compiled, decode: bool) -> list[_Program]:
+        """Every stage's program of this rank's pipeline (same tp coordinate): the rank program
+        (:func:`rank_program`'s passes), its output cut to the logits, split by the stage partition
+        (passes/pipeline_split.py) and each stage given back the caches it makes as extra outputs —
+        a cache never crosses a stage boundary. A decode stage reads another stage's cache only for
+        its length (the position offset): read from one of its own caches instead."""
+        from mcompile import meta as M
+        from mcompile.compiler import rank_programs
+        from mcompile.passes.kv_cache import drop_backward_only, keep_cache_local
+        from mcompile.passes.pipeline_split import split_stages
+
+        aten = torch.ops.aten
         cap = compiled.captured
+        gm = rank_programs(compiled, self._rank, self.config, self._device).program
+        drop_backward_only(gm)
+        n_out = len(cap.gm.graph.output_node().args[0])
+        names = list(cap.user_inputs[1:]) if decode else []
+        ins, outs = keep_cache_local(gm, names, list(range(1, n_out)), "tp")
+        if decode and ins != outs:
+            raise AssertionError(f"cache inputs {ins} and outputs {outs} of the decode program differ in layout")
+        out = gm.graph.output_node()
+        res = list(out.args[0])
+        made = res[1:]  # each cache's node (no dead-code elimination below: it keeps its node and stage)
+        out.args = ((res[0],),)
+        stages = split_stages(gm, compiled.partition, cap.params, cap.user_inputs)
+        where = [c.meta.get(M.STAGE) for c in made]
+        if any(w is None for w in where):
+            raise AssertionError(f"cache {where.index(None)} ({made[where.index(None)].name}) belongs to no stage")
+        progs = []
+        for st in stages:
+            g = st.gm.graph
+            owned = [i for i, w in enumerate(where) if w == st.index]
+            if not owned:
+                raise GenerateError(f"pipeline stage {st.index} holds no attention layer: use fewer stages")
+            by_name = {n.name: n for n in g.nodes}
+            o = g.output_node()
+            sent = list(o.args[0]) if isinstance(o.args[0], tuple | list) else [o.args[0]]
+            o.args = ((*sent, *(by_name[made[i].name] for i in owned)),)
+            mine = [names[i] for i in owned] if decode else []
+            if decode:
+                phs = {n.name: n for n in g.nodes if n.op == "placeholder"}
+                read = [c for c in names if c in phs and any(u.target is not aten.sym_size.int for u in phs[c].users)]
+                if read != mine:
+                    raise AssertionError(f"decode stage {st.index} reads caches {read} but makes {mine}")
+                for c in names:
+                    if c in phs and c not in mine:  # only its length (or batch) is read: take them from our own
+                        for u in list(phs[c].users):
+                            if u.args[1] not in (0, 2):
+                                raise AssertionError(f"stage {st.index} reads dim {u.args[1]} of another stage's {c}")
+                            u.replace_input_with(phs[c], phs[mine[0]])
+                        g.erase_node(phs[c])
+            g.lint()
+            st.gm.recompile()
+            prog = _Program(st.gm, [], {}, cap.user_inputs[0], mine, [outs[i] for i in owned], stage=st.index,
+                            n_recv=len(st.received), n_send=0 if st.is_last else len(sent), caches=owned)
+            progs.append(self._keys(prog, cap))
+        return progs
+
+    def _keys(self, prog: _Program, cap) -> _Program:
+        gm = prog.gm
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         key = {}
         for n in names:
@@ -456,6 +644,94 @@ class Generator:
             with ops.bind(self._comm):
                 return prog.gm(*args)
 
+    # -- pipeline parallelism: this rank's stage, one microbatch --------------------------------------------
+    def _peer(self, stage: int) -> int:
+        """The global rank of ``stage`` in this rank's pipeline (same dp and tp coordinates)."""
+        return self.mesh.rank_of(**{**self.mesh.coords(self._rank), "pp": stage})
+
+    def _boundary_specs(self, which: str, b: int, s: int, past: int) -> list[list[tuple]]:
+        """Per stage, [(shape, dtype)] of what it sends (the last stage: its logits), for ``b`` local
+        sequences of ``s`` new tokens after ``past`` cached ones: every stage of the pipeline run on
+        fake tensors (no memory, no communication), as the receiver must post buffers of the right
+        size. Cached per (program, b, s); decode's (one token) per b: a boundary activation does not
+        depend on the past length (checked by the sender at every step)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from mcompile import ops
+
+        key = (which, b, s) if which == "prefill" else (which, b)
+        if key in self._specs:
+            return self._specs[key]
+        tp = self.mesh.size("tp")
+        plan = self.plan
+        cap = (plan.prefill if which == "prefill" else plan.decode).captured
+        out = []
+        with FakeTensorMode(allow_non_fake_inputs=True), ops.bind(self._comm), torch.no_grad():
+            carried: list = []
+            for prog in self._stages[which]:
+                user = {prog.ids: torch.zeros(b, s, dtype=torch.long, device=self._device)}
+                for name, i, local in zip(prog.cache_in, prog.caches, prog.cache_local):
+                    heads = plan.heads[i // 2] // tp if local else plan.heads[i // 2]
+                    user[name] = torch.empty(b, heads, past, plan.head_dims[i // 2], dtype=plan.dtypes[i // 2],
+                                             device=self._device)
+                args = []
+                for n in prog.names[:len(prog.names) - prog.n_recv]:
+                    if n in user:
+                        args.append(user[n])
+                    elif prog.key[n] in self._state:
+                        args.append(self._state[prog.key[n]])
+                    else:  # another stage's parameter: its local shape
+                        pp = self.plan.prefill.plan.params[cap.params[n]]
+                        args.append(torch.empty(pp.local_shape, dtype=self.config.dtype, device=self._device))
+                res = prog.gm(*args, *carried)
+                sent = list(res[:prog.n_send]) if prog.n_send else [res[0]]
+                out.append([(tuple(int(d) for d in t.shape), t.dtype) for t in sent])
+                carried = [torch.empty(t.shape, dtype=t.dtype, device=self._device) for t in sent]
+        self._specs[key] = out
+        return out
+
+    def _run_stage(self, which: str, ids: torch.Tensor, cache: list, past: int) -> tuple:
+        """This rank's stage of ``which`` on one microbatch: receive the previous stage's activations
+        (blocking), run, send ours to the next stage (its receive is already posted or comes next:
+        messages only flow forward, so nothing waits in a cycle). Returns (the logits on the last
+        stage, else None; this stage's caches)."""
+        import torch.distributed as dist
+
+        from mcompile import ops
+
+        prog = self._stages[which][self._stage]
+        specs = self._boundary_specs(which, ids.shape[0], ids.shape[1], past)
+        group = self._comm.groups["pp"]
+        recv = []
+        if prog.stage > 0:
+            for shape, dtype in specs[prog.stage - 1]:
+                t = torch.empty(shape, dtype=dtype, device=self._device)
+                dist.recv(t, src=self._peer(prog.stage - 1), group=group)
+                recv.append(t)
+        user = {prog.ids: ids, **dict(zip(prog.cache_in, cache))}
+        args = [self._state[prog.key[n]] if n in prog.key else user[n]
+                for n in prog.names[:len(prog.names) - prog.n_recv]]
+        with torch.no_grad(), ops.bind(self._comm):
+            out = prog.gm(*args, *recv)
+        if prog.n_send:
+            for t, (shape, dtype) in zip(out[:prog.n_send], specs[prog.stage]):
+                if tuple(t.shape) != shape or t.dtype != dtype:
+                    raise AssertionError(f"stage {prog.stage} sends {list(t.shape)} {t.dtype} where shape inference "
+                                         f"gave {list(shape)} {dtype}")
+                dist.send(t.contiguous(), dst=self._peer(prog.stage + 1), group=group)
+            return None, list(out[prog.n_send:])
+        return out[0], list(out[1:])
+
+    def _from_last_stage(self, t: torch.Tensor | None, shape, dtype) -> torch.Tensor:
+        """``t`` (made on the last stage) on every stage of this pipeline: one broadcast over pp."""
+        import torch.distributed as dist
+
+        if self._stage != self._pp - 1:
+            t = torch.empty(shape, dtype=dtype, device=self._device)
+        t = t.contiguous()
+        dist.broadcast(t, src=self._peer(self._pp - 1), group=self._comm.groups["pp"])
+        return t
+
     def _local_rows(self, ids: torch.Tensor) -> torch.Tensor:
         dp = self.mesh.size("dp")
         if ids.shape[0] % dp:
@@ -482,16 +758,27 @@ class Generator:
         self._check_ids(ids, "ids")
         if ids.shape[1] > self.max_seq_len:
             raise GenerateError(f"{ids.shape[1]} tokens exceed max_seq_len={self.max_seq_len}")
+        if self._pp > 1:
+            local = self._local_rows(ids.long())
+            logits, _ = self._run_stage("prefill", local, [], 0)
+            shape, dtype = self._boundary_specs("prefill", *local.shape, 0)[-1][0]
+            return self._gather_dp(self._from_last_stage(logits, shape, dtype))
         out = self._call(self.prefill_program, self._local_rows(ids.long()), [])
         return self._gather_dp(out[0])
 
     def prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(logits [b_local, s, V], this rank's cache) of this rank's rows (dp slice) of ``ids``."""
+        """(logits [b_local, s, V], this rank's cache) of this rank's rows (dp slice) of ``ids``.
+        Under pp: the logits on the last stage (None on the others), the caches of this rank's stage."""
+        if self._pp > 1:
+            return self._run_stage("prefill", self._local_rows(ids.long()), [], 0)
         out = self._call(self.prefill_program, self._local_rows(ids.long()), [])
         return out[0], [c.contiguous() for c in out[1:]]
 
     def decode(self, next_ids: torch.Tensor, cache: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(logits [b_local, 1, V], the cache one position longer) for this rank's ``next_ids`` [b_local, 1]."""
+        """(logits [b_local, 1, V], the cache one position longer) for this rank's ``next_ids`` [b_local, 1].
+        Under pp: the logits on the last stage (None on the others); ``cache``: this rank's stage's."""
+        if self._pp > 1:
+            return self._run_stage("decode", next_ids.to(self._device), cache, int(cache[0].shape[2]))
         out = self._call(self.decode_program, next_ids, cache)
         return out[0], list(out[1:])
 
@@ -521,8 +808,13 @@ class Generator:
         done = torch.zeros(b, dtype=torch.bool)
         for t in range(max_new_tokens):
             u = torch.rand(b, generator=gen, dtype=torch.float64)  # the whole batch's draws, on every rank
-            mine = u.chunk(dp)[coord].to(logits.device)
-            nxt = self._gather_dp(sample_next(logits[:, -1].float(), mine, temperature, top_p)).cpu()
+            mine = u.chunk(dp)[coord].to(self._device)
+            if self._pp > 1:  # picked on the last stage (every tp rank of it alike), broadcast over the pipeline
+                pick = None if logits is None else sample_next(logits[:, -1].float(), mine, temperature, top_p)
+                pick = self._from_last_stage(pick, (b // dp,), torch.long)
+            else:
+                pick = sample_next(logits[:, -1].float(), mine, temperature, top_p)
+            nxt = self._gather_dp(pick).cpu()
             if eos_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
                 done |= nxt == eos_id
@@ -537,10 +829,16 @@ class Generator:
 
     def collectives(self, which: str = "decode") -> list[str]:
         """The collectives one call of this rank's ``"decode"`` or ``"prefill"`` program runs, in order
-        (``"op/axis"``, e.g. ``"all_reduce/tp"``)."""
+        (``"op/axis"``, e.g. ``"all_reduce/tp"``). Under pp, one step of this rank's stage: the
+        activations received from the previous stage (``"recv/pp"``), the stage program's
+        collectives, those sent to the next (``"send/pp"``), and the chosen token's
+        ``"broadcast/pp"`` from the last stage (:meth:`generate` runs it after each program call)."""
         from mcompile.ops import OPS
 
         prog = self.decode_program if which == "decode" else self.prefill_program
         ours = {v: k for k, v in OPS.items()}
-        return [f"{ours[n.target]}/{next(a for a in n.args if isinstance(a, str))}"
+        ops_ = [f"{ours[n.target]}/{next(a for a in n.args if isinstance(a, str))}"
                 for n in prog.gm.graph.nodes if n.op == "call_function" and n.target in ours]
+        if self._pp > 1:
+            ops_ = ["recv/pp"] * prog.n_recv + ops_ + ["send/pp"] * prog.n_send + ["broadcast/pp"]
+        return ops_

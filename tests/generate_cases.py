@@ -99,3 +99,71 @@ def from_trained(rank, world, name, mesh, prompt, n, path):
     from_ckpt = Generator(meta_model, mc.Mesh(tp=world), weights=path)
     return {"tokens": gen.generate(prompt, n), "ckpt_tokens": from_ckpt.generate(prompt, n),
             "state": state if rank == 0 else None}
+
+
+class _CountComm:
+    """Counts what one rank communicates while active: the torch.distributed point-to-point and
+    broadcast calls (patched on the module, as mcompile.generate calls them), and the mcompile
+    collectives the programs run (a dispatch mode, as runtime/pipeline.py records them)."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        from mcompile.runtime.pipeline import _RecordCollectives
+
+        self.p2p: list[str] = []
+        self._saved = {}
+        for name in ("send", "recv", "broadcast", "isend", "irecv"):
+            fn = getattr(dist, name)
+            self._saved[name] = fn
+
+            def wrapped(*a, _fn=fn, _name=name, **k):
+                self.p2p.append(f"{_name}/pp")
+                return _fn(*a, **k)
+
+            setattr(dist, name, wrapped)
+        self._rec = _RecordCollectives()
+        self._rec.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        self._rec.__exit__(*exc)
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self.collectives = [f"{op}/{axis}" for op, axis, _, _ in self._rec.ops]
+
+
+def pp_parity(rank, world, name, mesh, prompt, n):
+    """Under a mesh with pp: per decode step (fed the single-device model's greedy token), the last stage's
+    decode logits next to the single-device model's full forward of the same prefix (None on other stages);
+    this rank's cache shapes after prefill and after the steps; the generated greedy tokens; what one more
+    generated token communicates (generate(n + 1) minus generate(n): one decode step and one token broadcast)."""
+    model = tiny(name)
+    gen = generator(name, mesh)
+    logits, cache = gen.prefill(prompt)
+    after_prefill = [tuple(c.shape) for c in cache]
+    seq = gen._local_rows(prompt)
+    steps = []
+    with torch.no_grad():
+        for _ in range(n):
+            single = model(seq)[:, -1]
+            if logits is not None:
+                steps.append((logits[:, -1].clone(), single.clone()))
+            nxt = single.argmax(-1, keepdim=True)  # the single-device model's greedy token, on every rank
+            seq = torch.cat([seq, nxt], 1)
+            logits, cache = gen.decode(nxt, cache)
+    tokens = gen.generate(prompt, n)
+    with _CountComm() as short:
+        gen.generate(prompt, 2)
+    with _CountComm() as long:
+        gen.generate(prompt, 3)
+    step = {"p2p": sorted(long.p2p), "collectives": sorted(long.collectives)}
+    for k, v in (("p2p", short.p2p), ("collectives", short.collectives)):
+        for x in v:
+            step[k].remove(x)
+    return {"stage": gen.mesh.coords(rank)["pp"], "steps": steps, "after_prefill": after_prefill,
+            "cache_shapes": [tuple(c.shape) for c in cache], "caches": gen.decode_program.caches,
+            "tokens": tokens, "step": step, "declared": gen.collectives("decode"),
+            "logits": gen.logits(prompt)}

@@ -16,7 +16,12 @@ What each test isolates:
 - sampling: nucleus filtering and inverse-CDF picking on hand-made distributions; seeded runs repeat,
   agree across ranks, and top_p -> 0 is greedy;
 - bad input: too long a request, a model without attention, non-causal / sliding-window / padding
-  masks, pipeline parallelism: each a clear error.
+  masks, more pipeline stages than layers, virtual stages: each a clear error;
+- pipeline parallelism (pp=2, pp=2 x tp=2; 2 and 4 layers): greedy tokens equal the single-device
+  model's (repeated full forwards, no cache) on every rank, the last stage's decode logits equal the
+  full forward's at every step, each stage holds exactly its own layers' caches (shapes per rank),
+  and one more generated token communicates, per stage, its layers' tp collectives, one p2p
+  message per stage boundary it touches and one token broadcast (counted while running).
 
 Tolerance: 1e-5 (fp32). The cached step computes the same dot products as the full forward, but one
 query against ``P + 1`` keys in one SDPA call instead of a row of a causal SDPA over the whole
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from generate_cases import decode_parity, greedy_hf, sampling
+from generate_cases import decode_parity, greedy_hf, pp_parity, sampling
 
 import mcompile as mc
 from mcompile.generate import GenerateError, Generator, compile_generation, rank_program, sample_next
@@ -252,9 +257,66 @@ def test_unsupported_attention(kind, match):
         compile_generation(_Toy(kind), max_seq_len=32)
 
 
-def test_pipeline_refused():
-    with pytest.raises(GenerateError, match="pipeline parallelism is not supported yet"):
-        compile_generation(build("llama3-tiny")[0], mc.Mesh.fake(pp=2))
+def test_pipeline_limits_refused():
+    model = build("llama3-tiny")[0]
+    with pytest.raises(GenerateError, match=r"cannot split generation into pp=3 stages by layer: .*2 layers"):
+        compile_generation(model, mc.Mesh.fake(pp=3))
+    with pytest.raises(GenerateError, match="one stage per pipeline rank; use virtual_stages=1"):
+        compile_generation(model, mc.Mesh.fake(pp=2), config=mc.Config(virtual_stages=2, schedule="interleaved"))
+
+
+# -- (6) pipeline parallelism: stage-local caches, one microbatch --------------------------------------------------
+
+
+def _greedy_reference(model, prompt, n):
+    """Greedy continuation by repeated full forwards of the single-device model (no cache)."""
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(n):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], 1)
+    return seq
+
+
+@pytest.mark.parametrize("name,mesh", [
+    ("llama3-tiny", "pp=2"), ("llama3-tiny-deep", "pp=2,tp=2"),  # 1 and 2 layers per stage; with and without tp
+    pytest.param("llama3-tiny", "pp=2,tp=2", marks=pytest.mark.slow),
+    pytest.param("llama3-tiny-deep", "pp=2", marks=pytest.mark.slow),
+    pytest.param("llama3-tiny", "dp=2,pp=2", marks=pytest.mark.slow),
+])
+def test_pipeline_generation(name, mesh):
+    """Greedy tokens at pp=2 (x tp=2) equal the single-device model's; at every decode step the last stage's
+    logits equal the full forward's; each stage holds the caches of its own layers only; one generated token
+    costs per stage its layers' tp all-reduces, one p2p message per stage boundary and one token broadcast."""
+    model, _ = build(name)
+    layers = model.config.n_layers
+    sizes = dict(p.split("=") for p in mesh.split(","))
+    tp, dp, pp = (int(sizes.get(a, 1)) for a in ("tp", "dp", "pp"))
+    prompt, n = _prompt(256), 6
+    ref = _greedy_reference(model, prompt, n)
+    res = pool(tp * dp * pp).run(pp_parity, name, mesh, prompt, n)
+    per_stage = layers // pp
+    kv_heads, head_dim = 4, 8  # llama3-tiny(-deep): 4 kv heads (cached un-repeated) of 8
+    for r in res:
+        s, last = r["stage"], r["stage"] == pp - 1
+        assert torch.equal(r["tokens"], ref), (s, r["tokens"], ref)
+        torch.testing.assert_close(r["logits"], model(prompt).detach(), **TOL)
+        # the decode logits of every step (last stage only: the others have none)
+        assert len(r["steps"]) == (n if last else 0)
+        for cached, single in r["steps"]:
+            torch.testing.assert_close(cached, single, **TOL)
+        # the caches of this stage's layers (k and v per layer), never another stage's
+        assert r["caches"] == list(range(2 * per_stage * s, 2 * per_stage * (s + 1)))
+        local = (2 // dp, kv_heads // tp, None, head_dim)
+        assert r["after_prefill"] == [local[:2] + (5,) + local[3:]] * 2 * per_stage
+        assert r["cache_shapes"] == [local[:2] + (5 + n,) + local[3:]] * 2 * per_stage
+        # one more token: this stage's tp collectives, a p2p message per boundary it touches, the token broadcast
+        ar = 2 * per_stage + (1 if s == 0 else 0)  # 2 per layer; the vocab-parallel embedding's on stage 0
+        expect = ["all_reduce/tp"] * ar + (["all_gather/tp"] if last else []) if tp > 1 else []
+        # (under dp the new tokens are also all-gathered over dp, by the communicator: not an mcompile op)
+        assert r["step"]["collectives"] == sorted(expect), (s, r["step"])
+        p2p = ["broadcast/pp"] + (["recv/pp"] if s > 0 else []) + (["send/pp"] if not last else [])
+        assert r["step"]["p2p"] == sorted(p2p), (s, r["step"])
+        assert sorted(r["declared"]) == sorted(p2p + expect)
 
 
 @pytest.mark.slow
