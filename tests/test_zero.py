@@ -139,6 +139,7 @@ def test_zero1_memory_equals_the_table_to_the_byte(name, mesh, bucket_mb):
         assert sum(r["measured"]["optimizer"] for r in ranks) - steps == 12 * n + 4 * (padded - n)
 
 
+@pytest.mark.slow  # CI keeps ZeRO-1 checkpoints in test_checkpoint_reshard (saved and resumed across layouts)
 @pytest.mark.timeout(600)
 def test_zero1_checkpoint_resume_is_bit_identical(tmp_path):
     """bf16 parameters with fp32 master shards: save at step 3, resume from another seed in the
