@@ -52,7 +52,10 @@ TOL = {F64: 1e-9, F32: 1e-5}
 
 
 def hyp(max_examples: int):
-    return settings(max_examples=max_examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    # derandomized: the draws depend on the test alone, not on the random state the tests run before left
+    # (in the full suite aten.add's alpha variant went undrawn in 25 examples, failing the coverage test below)
+    return settings(max_examples=max_examples, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
 
 
 # ---------------------------------------------------------------------------------------------
