@@ -53,6 +53,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from mcompile.runtime.weights import _fmt_names  # the same "a, b, ... and N more" as weights= errors
+
 __all__ = ["HFSource", "config_from_hf", "export_hf", "hf_config_for", "hf_source"]
 
 WEIGHTS_NAME = "model.safetensors"
@@ -464,23 +466,19 @@ def _plan_export(tensors: list[_Tensor], fam: _Family | None, cfg) -> list[list[
     missing = [k for k in kept if k not in wrote]
     problems = []
     if missing:
-        problems.append(f"{len(missing)} tensor(s) of {type(hf).__name__} are not in the model: {_names(missing)}")
+        problems.append(f"{len(missing)} tensor(s) of {type(hf).__name__} are not in the model: {_fmt_names(missing)}")
     if unknown:
         problems.append(f"{len(unknown)} tensor(s) of the model have no place in {type(hf).__name__}: "
-                        f"{_names(unknown)}")
+                        f"{_fmt_names(unknown)}")
     if shapes:
-        problems.append(f"{len(shapes)} tensor(s) have another shape: {_names(shapes)}")
+        problems.append(f"{len(shapes)} tensor(s) have another shape: {_fmt_names(shapes)}")
     if untied:
-        problems.append(f"the config ties {_names(untied)} but the model holds them as separate tensors: set "
+        problems.append(f"the config ties {_fmt_names(untied)} but the model holds them as separate tensors: set "
                         "tie_word_embeddings=False in the config")
     if problems:
         raise ValueError("export_hf: the model does not fit the Hugging Face config given: " + "; ".join(problems)
                          + ". Pass the config of this model (or the model itself as model=)")
     return plan, type(hf).__name__
-
-
-def _names(items: list[str], n: int = 8) -> str:
-    return ", ".join(items[:n]) + (f", ... and {len(items) - n} more" if len(items) > n else "")
 
 
 def export_hf(pm, folder, model: nn.Module | None = None, *, hf_config=None, dtype: torch.dtype | None = None,

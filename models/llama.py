@@ -121,6 +121,25 @@ class TransformerBlock(nn.Module):
         return x
 
 
+@torch.no_grad()
+def init_block_module(module: nn.Module, n_layers: int) -> bool:
+    """GPT-2-style init of one module's own tensors: linears and embeddings N(0, 0.02), norms 1, and an
+    attention / feed-forward block's output projection N(0, 0.02 / sqrt(2 n_layers)) (shared by the MoE models,
+    models/moe.py). False when the module has none of these."""
+    std_proj = 0.02 / math.sqrt(2 * n_layers)
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    elif isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)
+    elif isinstance(module, Attention):
+        nn.init.normal_(module.wo.weight, mean=0.0, std=std_proj)
+    elif isinstance(module, FeedForward):
+        nn.init.normal_(module.w2.weight, mean=0.0, std=std_proj)
+    else:
+        return False
+    return True
+
+
 class Llama(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -168,16 +187,7 @@ class Llama(nn.Module):
         the meta device: called for every module after its children, it sets the module's own
         tensors; an attention / feed-forward block re-draws its output projection with the scaled
         std, and the model itself recomputes its RoPE buffer."""
-        std_proj = 0.02 / math.sqrt(2 * self.config.n_layers)
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
-        elif isinstance(module, Attention):
-            nn.init.normal_(module.wo.weight, mean=0.0, std=std_proj)
-        elif isinstance(module, FeedForward):
-            nn.init.normal_(module.w2.weight, mean=0.0, std=std_proj)
-        elif module is self:
+        if not init_block_module(module, self.config.n_layers) and module is self:
             self.init_buffers()
 
     def num_params(self) -> int:

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .llama import Attention, FeedForward, LlamaConfig, RMSNorm, rope_inv_freq
+from .llama import Attention, FeedForward, LlamaConfig, RMSNorm, init_block_module, rope_inv_freq
 
 __all__ = [
     "DeepSeekV3",
@@ -323,14 +323,8 @@ class MoETransformer(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         """The init of one module's own tensors (Hugging Face's per-module convention)."""
         std_proj = 0.02 / math.sqrt(2 * self.config.n_layers)
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
-        elif isinstance(module, Attention):
-            nn.init.normal_(module.wo.weight, mean=0.0, std=std_proj)
-        elif isinstance(module, FeedForward):
-            nn.init.normal_(module.w2.weight, mean=0.0, std=std_proj)
+        if init_block_module(module, self.config.n_layers):  # the dense parts: as models/llama.py
+            pass
         elif isinstance(module, GroupedExperts):
             nn.init.normal_(module.w1, mean=0.0, std=0.02)
             nn.init.normal_(module.w3, mean=0.0, std=0.02)
