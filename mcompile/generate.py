@@ -400,6 +400,14 @@ def _partition_stages(pre, dec, pp: int, config, seq: int) -> None:
 def rank_program(compiled, rank: int, config, device=None, decode: bool = False) -> _Program:
     """The program ``rank`` runs for prefill or decode: the rank passes of training
     (mcompile.compiler.rank_programs), then the cache kept head-sharded (``keep_cache_local``)."""
+    gm, cache_in, outs = _rank_graph(compiled, rank, config, device, decode)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return _Program(gm, names, {}, compiled.captured.user_inputs[0], cache_in, outs)
+
+
+def _rank_graph(compiled, rank: int, config, device, decode: bool):
+    """(the rank's program, its cache inputs, the layouts of its cache outputs): the rank passes of
+    training, the backward-only copies dropped, each cache kept on the rank (``keep_cache_local``)."""
     from mcompile.compiler import rank_programs
     from mcompile.passes.kv_cache import drop_backward_only, keep_cache_local
 
@@ -411,8 +419,7 @@ def rank_program(compiled, rank: int, config, device=None, decode: bool = False)
     ins, outs = keep_cache_local(gm, cache_in, list(range(1, n_out)), "tp")
     if decode and ins != outs:
         raise AssertionError(f"cache inputs {ins} and outputs {outs} of the decode program differ in layout")
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    return _Program(gm, names, {}, cap.user_inputs[0], cache_in, outs)
+    return gm, cache_in, outs
 
 
 class Generator:
@@ -542,19 +549,11 @@ class Generator:
         a cache never crosses a stage boundary. A decode stage reads another stage's cache only for
         its length (the position offset): read from one of its own caches instead."""
         from mcompile import meta as M
-        from mcompile.compiler import rank_programs
-        from mcompile.passes.kv_cache import drop_backward_only, keep_cache_local
         from mcompile.passes.pipeline_split import split_stages
 
         aten = torch.ops.aten
         cap = compiled.captured
-        gm = rank_programs(compiled, self._rank, self.config, self._device).program
-        drop_backward_only(gm)
-        n_out = len(cap.gm.graph.output_node().args[0])
-        names = list(cap.user_inputs[1:]) if decode else []
-        ins, outs = keep_cache_local(gm, names, list(range(1, n_out)), "tp")
-        if decode and ins != outs:
-            raise AssertionError(f"cache inputs {ins} and outputs {outs} of the decode program differ in layout")
+        gm, names, outs = _rank_graph(compiled, self._rank, self.config, self._device, decode)
         out = gm.graph.output_node()
         res = list(out.args[0])
         made = res[1:]  # each cache's node (no dead-code elimination below: it keeps its node and stage)
