@@ -495,14 +495,24 @@ def _read_meta(path: Path) -> tuple[dict, object]:
     except Exception as e:  # noqa: BLE001 - named
         raise CheckpointError(f"{path}: the torch.distributed.checkpoint metadata (.metadata) cannot be read "
                               f"({type(e).__name__}: {e}): the checkpoint is incomplete or corrupt") from e
+    short = short_data(path, md)
+    if short:
+        raise CheckpointError(f"{path}: {short}: the checkpoint is incomplete or corrupt; load the last complete one")
+    return meta, md
+
+
+def short_data(path: Path, md, keys=None) -> str | None:
+    """What is wrong with the first data file of DCP metadata ``md`` (of the tensors ``keys``; all if None)
+    that is missing or shorter than the metadata says, or None."""
     for idx, info in md.storage_data.items():
+        if keys is not None and idx.fqn not in keys:
+            continue
         file = path / info.relative_path
         size = file.stat().st_size if file.is_file() else -1
         if size < info.offset + info.length:
-            raise CheckpointError(f"{path}: the data of {idx.fqn} lies in {info.relative_path}, which is "
-                                  f"{'missing' if size < 0 else f'too short ({size} bytes)'}: the checkpoint is "
-                                  "incomplete or corrupt; load the last complete one")
-    return meta, md
+            return (f"the data of {idx.fqn} lies in {info.relative_path}, which is "
+                    f"{'missing' if size < 0 else f'too short ({size} bytes)'}")
+    return None
 
 
 def verify(path: str | Path) -> dict:

@@ -205,16 +205,11 @@ class _Mcompile:
             # the blocks are joined on the dim the model's shape says (checked in _match); shape: k blocks
             entries[base] = Stored(base, tuple(first.size), str(first.properties.dtype),
                                    _torch_kind(first.properties.dtype), where=(keys, len(keys)))
-        wanted = {d for e in entries.values() for d in e.where[0]}
-        for idx, info in md.storage_data.items():  # every data file there and long enough
-            if idx.fqn not in wanted:
-                continue
-            file = path / info.relative_path
-            size = file.stat().st_size if file.is_file() else -1
-            if size < info.offset + info.length:
-                raise WeightsError(f"weights={path}: the data of {idx.fqn} lies in {info.relative_path}, which is "
-                                   f"{'missing' if size < 0 else f'too short ({size} bytes)'}: the checkpoint is "
-                                   "incomplete")
+        from mcompile.runtime.checkpoint import short_data
+
+        short = short_data(path, md, {d for e in entries.values() for d in e.where[0]})  # every data file read
+        if short:
+            raise WeightsError(f"weights={path}: {short}: the checkpoint is incomplete")
         # format 2 stores every tensor unpadded and whole-keyed: any box of it can be read alone; format 1's
         # BlockShard parameters are k block tensors, read whole
         return cls(path, entries, sliceable=not blocks)
