@@ -13,9 +13,9 @@ need no GPU, so both are checked here, on the exact launches the kernel benchmar
 
 How. The launches are recorded, not run: each ``kernel[grid](...)`` global of the kernel modules is
 swapped for a recorder, the modules are told to take their Triton path for CPU tensors, and
-``bench/kernels.py``'s cases (every op, forward and backward, at each width, bf16) and its FP8
-linear run on CPU tensors of the benchmark's widths (fewer rows: the row count is a runtime
-argument, not part of the compiled code). Each distinct launch is then compiled the way
+``bench/kernels.py``'s cases (every op, forward and backward, at each width, bf16), its FP8
+linear and a grouped GEMM (MoE experts) run on CPU tensors of the benchmark's widths (fewer rows:
+the row count is a runtime argument, not part of the compiled code). Each distinct launch is then compiled the way
 ``JITFunction.run`` compiles it — the same argument specialization (16-byte alignment and
 divisibility of pointers and integers), constexprs and options (``num_warps``) — for
 ``GPUTarget("cuda", arch, 32)``, and ``cuobjdump --dump-resource-usage`` reads the cubin: registers
@@ -49,11 +49,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-from mcompile.kernels import activations, cross_entropy, fp8, norms, rope  # noqa: E402
+from mcompile.kernels import activations, cross_entropy, fp8, grouped_gemm, norms, rope  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULES = (norms, activations, rope, cross_entropy, fp8)
+MODULES = (norms, activations, rope, cross_entropy, fp8, grouped_gemm)
 ROWS = 64  # rows of every case: a runtime argument of the kernels, so any count compiles the same code
+EXPERT_COLUMNS = 1024  # grouped GEMM: w (experts, width, 1024); a runtime argument too (divisible by 16)
 
 
 def _bench_module():
@@ -103,6 +104,14 @@ def record_launches(widths: list[int]) -> list[tuple[str, str, JITFunction, tupl
             launches.clear()
             torch.autograd.grad(fp8.fp8_linear(x, w), (x, w), torch.zeros(ROWS, width, dtype=torch.bfloat16))
             out += [(f"fp8_linear {width}x{width}", "fwd_bwd", *launch) for launch in launches]
+            # 4 experts, one of them empty; forward with w as a transposed view (models/moe.py passes
+            # w1.transpose(1, 2)), dx with w's own layout: both stride specializations get compiled
+            w = torch.zeros(4, EXPERT_COLUMNS, width, dtype=torch.bfloat16).requires_grad_()
+            offs = torch.tensor([ROWS // 4, ROWS // 4, ROWS // 2, ROWS])
+            launches.clear()
+            y = grouped_gemm.grouped_mm(x, w.transpose(1, 2), offs)
+            torch.autograd.grad(y, (x, w), torch.zeros_like(y))
+            out += [(f"grouped_mm 4x{width}x{EXPERT_COLUMNS}", "fwd_bwd", *launch) for launch in launches]
     finally:
         for mod, name, obj in saved:
             setattr(mod, name, obj)

@@ -109,6 +109,32 @@ def check_divisibility(cap: Captured, tp: int) -> None:
                 raise PlanError(f"tp={tp} does not divide {what}; valid tp sizes: {_fmt(ok)}")
 
 
+def check_experts(cap: Captured, ep: int) -> dict:
+    """The expert weights' ep placement (FQN -> Shard(0)), after the checks a user needs: the model
+    has MoE layers (passes/moe.py found them), and ep divides every layer's number of experts."""
+    from mcompile.moe import moe_ffn
+
+    layers = [n for n in cap.gm.graph.nodes if n.op == "call_function" and n.target is moe_ffn]
+    if not layers:
+        routed = [n for n in cap.gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.topk.default]
+        hint = (f" It has {len(routed)} top-k node(s), but no routed expert computation was recognised around them "
+                "(passes/moe.py: expert weights stored as 3-D [experts, ...] parameters, combined by the routing "
+                "weights)." if routed else "")
+        raise PlanError(f"ep={ep}: the model has no mixture-of-experts layer, so there is nothing to shard over ep."
+                        f"{hint} Use dp={ep} for data parallelism instead.")
+    out: dict = {}
+    for node in layers:
+        experts = [a for a in node.args[3:]]
+        E = int(experts[0].meta["val"].shape[0])
+        if E % ep:
+            ok = [d for d in range(1, E + 1) if E % d == 0]
+            raise PlanError(f"ep={ep} does not divide the {E} experts of {node.name} ({_where(node)}): each rank "
+                            f"holds E/ep experts; valid ep sizes: {_fmt(ok)}")
+        for a in experts:
+            out[cap.params[a.name]] = Shard(0)
+    return out
+
+
 def _fmt(sizes: list[int]) -> str:
     return ", ".join(map(str, sizes))
 
@@ -175,7 +201,8 @@ def block_hints(cap: Captured) -> dict[str, object]:
     return hints
 
 
-def megatron_policies(mesh: Mesh, sequence_parallel: bool, overrides: dict | None = None) -> list[AxisPolicy]:
+def megatron_policies(mesh: Mesh, sequence_parallel: bool, overrides: dict | None = None,
+                      experts: dict | None = None) -> list[AxisPolicy]:
     p_over, n_over = _parse_overrides(overrides, mesh)
     pols = []
     for ax in mesh.axis_names:
@@ -189,12 +216,20 @@ def megatron_policies(mesh: Mesh, sequence_parallel: bool, overrides: dict | Non
                                    allow_static_dims=True, shard_contraction_weights=True,
                                    prefer_seq_reduce_scatter=sequence_parallel,
                                    param_overrides=p_over[ax], node_overrides=n_over[ax]))
+        elif ax == "ep":
+            # Megatron folds expert parallelism into data parallelism: the dense parts see ep as more
+            # data-parallel ranks (inputs split on the batch, parameters replicated); the expert
+            # weights of every MoE node are split over it (E/ep experts a rank): expert_overrides
+            pols.append(AxisPolicy(ax, n, shard_inputs_dim0=True, allowed_symbols=frozenset({BATCH}),
+                                   allow_static_dims=False, params_replicated=True, partial_passthrough=False,
+                                   param_overrides={**(experts or {}), **p_over[ax]}, node_overrides=n_over[ax],
+                                   expert_parallel=True))
         elif ax == "pp":
             continue  # pipeline stages split the graph itself (mcompile.partition); nothing is sharded over pp
         else:
             raise PlanError(
-                f"mesh axis {ax}={n}: this planner handles dp, pp and tp so far (cp and ep come with their "
-                "passes); use a mesh like Mesh(dp=..., pp=..., tp=...)"
+                f"mesh axis {ax}={n}: this planner handles dp, ep, pp and tp so far (cp comes with its "
+                "pass); use a mesh like Mesh(dp=..., pp=..., ep=..., tp=...)"
             )
     return pols
 
@@ -213,7 +248,8 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
         sequence_parallel = False
     out = []
     blocks = block_hints(cap)
-    for pol in megatron_policies(mesh, sequence_parallel, overrides):
+    experts = check_experts(cap, mesh.size("ep")) if "ep" in mesh.axis_names else None
+    for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):
         if pol.shard_contraction_weights:
             pol.param_hints = dict(blocks)
         out.append(AxisPlanResult(pol, propagate_axis(cap, pol, hints)))

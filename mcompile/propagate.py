@@ -75,6 +75,7 @@ class AxisPolicy:
     param_overrides: dict = field(default_factory=dict)  # FQN -> placement for this axis
     node_overrides: dict = field(default_factory=dict)  # node name -> placement of its output
     param_hints: dict = field(default_factory=dict)  # placeholder name -> placement offered to rules first
+    expert_parallel: bool = False  # ep: MoE nodes may take their expert-parallel strategy (lowering moe_ep)
 
 
 @dataclass
@@ -171,7 +172,7 @@ def propagate_axis(
                 return INF  # static dims (features, heads) are sharded by contractions, not by collectives
         if isinstance(cur, Replicate) and isinstance(req, Shard):
             return 1e-3 + (b if grad else 0.0)
-        if isinstance(cur, Partial) and cur.reduce_op == "sum" and isinstance(req, Replicate):
+        if isinstance(cur, Partial) and cur.reduce_op in ("sum", "avg") and isinstance(req, Replicate):
             return 2 * b
         if isinstance(cur, Partial) and cur.reduce_op == "max" and isinstance(req, Replicate) and not grad:
             return 2 * b
@@ -237,6 +238,8 @@ def propagate_axis(
         weight_args = CONTRACTION_WEIGHT_ARGS.get(node.target, ())
         best, best_cost = None, INF
         for s in cands:
+            if s.lowering == "moe_ep" and not policy.expert_parallel:
+                continue
             cost = 0.0
             for i, (a, req) in enumerate(zip(ins, s.inputs)):
                 if a.name in cap.params:

@@ -123,6 +123,11 @@ class DeepSeekV3Config(LlamaConfig):
                              f"a token can reach (topk_groups * n_routed_experts / n_groups): lower top_k")
         if self.bias_update_rate < 0:
             raise ValueError("bias_update_rate must be >= 0 (0 turns balancing off)")
+        if self.first_dense_layers >= self.n_layers:
+            raise ValueError(f"first_dense_layers={self.first_dense_layers} leaves no MoE layer of the "
+                             f"n_layers={self.n_layers}: lower first_dense_layers (or use a dense Llama)")
+        if not self.routed_scaling_factor > 0:
+            raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_dense_layers
@@ -397,6 +402,13 @@ class DeepSeekV3(MoETransformer):
         n_moe = sum(config.is_moe_layer(i) for i in range(config.n_layers))
         # routed slots per expert since the last update_bias, one row per MoE layer
         self.register_buffer("expert_load", torch.zeros(n_moe, config.n_routed_experts), persistent=False)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """RoPE's ``inv_freq``, and ``expert_load`` zeroed (so a model built on meta gets both values)."""
+        super().init_buffers()
+        if "expert_load" in self._buffers:  # not yet registered while the base constructor runs init_weights
+            self.expert_load.zero_()
 
     @property
     def moe_layers(self) -> list[DeepSeekMoE]:

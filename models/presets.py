@@ -1,4 +1,4 @@
-"""Named model presets: tiny test models and the published GPT-2/GPT-3/Llama-3 shapes."""
+"""Named model presets: tiny test models and the published GPT-2/GPT-3/Llama-3/Mixtral/DeepSeek-V3 shapes."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
+from .moe import DeepSeekV3, DeepSeekV3Config, Mixtral, MixtralConfig
 
 __all__ = ["Preset", "PRESETS", "did_you_mean", "get_preset", "list_presets"]
 
@@ -30,11 +31,38 @@ def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+Family = Literal["gpt", "llama", "mixtral", "deepseek"]
+
+# a family's model class and the config class it takes
+_FAMILIES: dict[str, tuple[type[nn.Module], type]] = {
+    "gpt": (GPT, GPTConfig),
+    "llama": (Llama, LlamaConfig),
+    "mixtral": (Mixtral, MixtralConfig),
+    "deepseek": (DeepSeekV3, DeepSeekV3Config),
+}
+
+
 @dataclass(frozen=True)
 class Preset:
+    """A named model: ``model_class(config)`` builds it. ``model_class`` defaults to the family's class
+    (``GPT``, ``Llama``, ``Mixtral``, ``DeepSeekV3``); pass another ``nn.Module`` class taking the config
+    to name a variant of a family."""
+
     name: str
-    family: Literal["gpt", "llama"]
-    config: GPTConfig | LlamaConfig
+    family: Family
+    config: GPTConfig | LlamaConfig | MixtralConfig | DeepSeekV3Config
+    model_class: type[nn.Module] | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in _FAMILIES:
+            raise ValueError(f"preset {self.name!r}: unknown family {self.family!r}; families: {', '.join(_FAMILIES)}")
+        cls, config_cls = _FAMILIES[self.family]
+        if self.model_class is None:
+            if not isinstance(self.config, config_cls):
+                raise TypeError(f"preset {self.name!r}: family {self.family!r} ({cls.__name__}) needs a "
+                                f"{config_cls.__name__}, got a {type(self.config).__name__}: fix the family or pass "
+                                "model_class")
+            object.__setattr__(self, "model_class", cls)  # frozen: resolved once, here
 
     @property
     def vocab_size(self) -> int:
@@ -52,11 +80,10 @@ class Preset:
         with ``dtype`` as the default floating dtype, so no full-size float32 copy is ever made.
         Llama's RoPE ``inv_freq`` buffer is always float32.
         """
-        cls = GPT if self.family == "gpt" else Llama
         config = dataclasses.replace(self.config)  # the model gets its own copy
         dev_ctx = torch.device(device) if device is not None else contextlib.nullcontext()
         with dev_ctx, _default_dtype(dtype):
-            return cls(config)
+            return self.model_class(config)
 
     def example_inputs(
         self, batch: int = 2, seq: int = 16, device: torch.device | str | None = None, seed: int | None = None
@@ -107,6 +134,14 @@ def _llama(
     return Preset(name, "llama", cfg)
 
 
+def _mixtral(name: str, **fields) -> Preset:
+    return Preset(name, "mixtral", MixtralConfig(**fields))
+
+
+def _deepseek(name: str, **fields) -> Preset:
+    return Preset(name, "deepseek", DeepSeekV3Config(**fields))
+
+
 _ALL = [
     # vocab 257 is deliberately odd so that tensor-parallel vocab padding gets exercised
     _gpt("gpt2-tiny", n_layer=2, n_head=4, n_embd=64, vocab=257, block=128),
@@ -121,6 +156,29 @@ _ALL = [
     _llama("llama3-8b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336),
     _llama("llama3-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672),
     _llama("llama3-405b", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248),
+    _mixtral("mixtral-tiny", vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=128,
+             max_seq_len=128, rope_theta=1e6, n_experts=4, top_k=2),
+    # Mixtral 8x7B: Jiang et al. 2024, "Mixtral of Experts" (arXiv:2401.04088) Table 1, and the
+    # Hugging Face config of mistralai/Mixtral-8x7B-v0.1 (hidden_size 4096, intermediate_size 14336 per
+    # expert, 32 layers, 32 heads, 8 kv heads, vocab 32000, 8 local experts, 2 per token, rope_theta 1e6,
+    # max_position_embeddings 32768, rms_norm_eps 1e-5, untied embeddings): 46.7B parameters.
+    _mixtral("mixtral-8x7b", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+             norm_eps=1e-5, rope_theta=1e6, max_seq_len=32768, n_experts=8, top_k=2),
+    _deepseek("deepseek-tiny", vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=8, ffn_hidden=128,
+              max_seq_len=128, norm_eps=1e-6, rope_theta=10000.0, moe_ffn_hidden=32, n_routed_experts=8,
+              n_shared_experts=1, top_k=2, n_groups=4, topk_groups=2, first_dense_layers=1),
+    # DeepSeek-V3's shape: DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (arXiv:2412.19437) §4.2, and
+    # the Hugging Face config of deepseek-ai/DeepSeek-V3 (hidden_size 7168, 61 layers, 128 heads,
+    # intermediate_size 18432 for the first_k_dense_replace=3 dense layers, moe_intermediate_size 2048,
+    # 256 routed + 1 shared experts, 8 per token, n_group 8, topk_group 4, routed_scaling_factor 2.5,
+    # vocab 129280, rms_norm_eps 1e-6, rope_theta 10000). NOT the published model: attention here is
+    # standard multi-head attention (head_dim 7168/128 = 56), not MLA, and there is no multi-token-
+    # prediction module, so it has ~672B parameters, not 671B. max_seq_len is the 4K pre-training
+    # context: the 128K extension uses YaRN, which models/llama.py's RoPE does not do.
+    _deepseek("deepseek-v3", vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+              ffn_hidden=18432, norm_eps=1e-6, rope_theta=10000.0, max_seq_len=4096, moe_ffn_hidden=2048,
+              n_routed_experts=256, n_shared_experts=1, top_k=8, n_groups=8, topk_groups=4,
+              routed_scaling_factor=2.5, first_dense_layers=3),
 ]
 
 PRESETS: dict[str, Preset] = {p.name: p for p in _ALL}

@@ -114,4 +114,11 @@ def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
         "drop_noop_slices": drop_noop_slices(gm),
         "conv1d_to_matmul": conv1d_to_matmul(gm),
         "split_linear_bias": split_linear_bias(gm),
+        "moe_layers": _moe_layers(gm),
     }
+
+
+def _moe_layers(gm: fx.GraphModule) -> int:
+    from mcompile.passes.moe import find_moe_layers
+
+    return find_moe_layers(gm)

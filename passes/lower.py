@@ -41,6 +41,9 @@ from mcompile.rules.matmul import embedding_args
 aten = torch.ops.aten
 R = Replicate()
 _DROP = {aten._assert_tensor_metadata.default}
+# ops whose size arguments are values (scalars in arithmetic), not shapes
+_VALUE_OPS = {aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.add.Scalar,
+              aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar, aten.true_divide.Tensor}
 _SIMPLIFIED: dict = {}  # a collective's byte count (sympy, in batch/seq) -> its simplified text
 
 
@@ -134,6 +137,14 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                     if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol and s.node.expr not in sources:
                         sources[s.node.expr] = (new, d)
     sym = _Sym(g, sources)
+    # a symbolic size used as a value, not a shape (a mean written as sum / numel, the tokens-per-expert
+    # fraction of a load-balancing loss), is the single-device model's: over the batch of every rank
+    # the inputs were split over (dp, ep), where the program's batch symbol is this rank's share
+    split = 1
+    for ax in axes:
+        split *= ax.size if ax.inputs_presharded else 1
+    bsym = cap.symbols.get("batch")
+    batch_global = {bsym: bsym * split} if split > 1 and bsym is not None else None
     named = {s: sympy.Symbol(k, positive=True, integer=True) for k, s in cap.symbols.items()}
 
     def local_shape(meta_val, placements) -> list:
@@ -178,9 +189,29 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
         meta_val = a.meta["val"]
         for i, ax in enumerate(axes):
             if ax.inputs_presharded:
-                # dp: the program runs on this rank's own batch as if it were the whole batch; sizes
-                # built from the batch symbol are already local, so nothing moves along this axis
-                # inside the program (the runtime reduces the loss and the gradients over it).
+                # dp, ep: the program runs on this rank's own batch as if it were the whole batch;
+                # sizes built from the batch symbol are already local, so activations do not move
+                # along this axis inside the program (the runtime reduces the loss and the gradients
+                # over it). A statistic over the batch that the model reads again (an MoE layer's
+                # load-balancing loss: tokens per expert, mean router probability) is reduced here:
+                # Partial -> Replicate is an all-reduce. The step's loss is the sum of the ranks'
+                # (the runtime adds them), so its adjoint is an all-reduce too (copy_ar_bwd).
+                c, w = cur[i], want[i]
+                if isinstance(c, Partial) and isinstance(w, Replicate) and c.reduce_op in ("sum", "avg"):
+                    key = (a.name, tuple(cur), i, w, False)
+                    if key not in cache:
+                        v = val
+                        if a.name in rg:
+                            v = emit_collective("copy_ar_bwd", (v, ax.name, ax.size), a, i, CollectiveKind.NONE,
+                                                CollectiveKind.ALL_REDUCE, None, "batch statistic: adjoint",
+                                                meta_val, cur)
+                        v = emit_collective("all_reduce", (v, ax.name, ax.size), a, i, CollectiveKind.ALL_REDUCE,
+                                            CollectiveKind.NONE, None, "batch statistic", meta_val, cur)
+                        if c.reduce_op == "avg":
+                            v = g.call_function(aten.div.Tensor, (v, ax.size))
+                        cache[key] = v
+                    val = cache[key]
+                    cur[i] = w
                 continue
             w = want[i]
             need_f = partial_grad[i]
@@ -294,8 +325,9 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
             ax_i = next(i for i, s in enumerate(strategies) if s is not None and s.lowering)
             new = LOWERINGS[lowering](g, node, want, axes[ax_i], emit_collective, ax_i, place, device)
         else:
-            args = fx.node.map_aggregate(node.args, lambda x, w=want: _arg(x, w, env, sym, device))
-            kwargs = fx.node.map_aggregate(node.kwargs, lambda x, w=want: _arg(x, w, env, sym, device))
+            glob = batch_global if node.target in _VALUE_OPS else None
+            args = fx.node.map_aggregate(node.args, lambda x, w=want, gl=glob: _arg(x, w, env, sym, device, gl))
+            kwargs = fx.node.map_aggregate(node.kwargs, lambda x, w=want, gl=glob: _arg(x, w, env, sym, device, gl))
             loc = get_localizer(node.target)
             if loc is not None:
                 vals = node.meta["val"] if isinstance(node.meta["val"], list | tuple) else [node.meta["val"]]
@@ -322,7 +354,7 @@ def _copy_meta(node: fx.Node, new: fx.Node):
     new.meta[M.LAYER] = layer_index(node)
 
 
-def _arg(x, want, env, sym, device):
+def _arg(x, want, env, sym, device, glob=None):
     if isinstance(x, torch.device) and device is not None:
         return device
     if isinstance(x, fx.Node):
@@ -330,7 +362,10 @@ def _arg(x, want, env, sym, device):
             return want[x.name]
         v = x.meta.get("val")
         if isinstance(v, torch.SymInt):
-            return sym(to_expr(v))
+            e = to_expr(v)
+            if glob is not None and isinstance(e, sympy.Expr):
+                e = e.subs(glob)  # a size read as a value (count / numel): the whole batch's
+            return sym(e)
         return env[x.name]
     return x
 
@@ -429,7 +464,20 @@ def _meta_like(x_node: fx.Node, keep_last):
     return SimpleNamespace(shape=shape, dtype=torch.float32, ndim=len(shape))
 
 
+def moe_expert_parallel(g, node, want, ax: AxisInfo, emit, ax_i, place, device):
+    """An MoE layer over ``ep``: this rank's tokens dispatched to the ranks of their experts and back
+    (mcompile.moe.moe_ep: the counts, then two all-to-alls forward and two backward)."""
+    from mcompile.moe import moe_ep_call
+
+    ins = tensor_input_nodes(node)
+    E = int(ins[3].meta["val"].shape[0])
+    args = tuple(want[a.name] for a in ins)
+    return g.call_function(moe_ep_call, args, {"form": node.kwargs["form"], "n_experts": E, "axis": ax.name,
+                                                "n": ax.size})
+
+
 LOWERINGS = {
+    "moe_ep": moe_expert_parallel,
     "vocab_parallel_embedding": vocab_parallel_embedding,
     "vocab_parallel_cross_entropy": vocab_parallel_cross_entropy,
 }

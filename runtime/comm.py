@@ -71,6 +71,18 @@ class DistCommunicator:
             rec.collective("reduce_scatter", axis, src.nbytes, t0)
         return out.movedim(0, dim).contiguous()
 
+    def all_to_all(self, x: torch.Tensor, out_rows: list[int], in_rows: list[int], axis: str) -> torch.Tensor:
+        """Rows ``in_rows[j]`` of ``x`` (in order) to rank j of ``axis``; ``out_rows[j]`` rows from each
+        j, concatenated (variable split sizes: the MoE token dispatch)."""
+        out = x.new_empty((sum(out_rows), *x.shape[1:]))
+        rec = self.recorder
+        t0 = rec.mark() if rec is not None else None
+        dist.all_to_all_single(out, x, output_split_sizes=out_rows, input_split_sizes=in_rows,
+                               group=self.groups[axis])
+        if rec is not None:
+            rec.collective("all_to_all", axis, out.nbytes, t0)
+        return out
+
     def start(self, kind: str, x: torch.Tensor, axis: str) -> torch.Tensor:
         """Launch ``kind`` on dim 0 of ``x`` over ``axis`` asynchronously; the output buffer, to be
         read after :meth:`wait`. ``x`` is kept alive until then (NCCL reads it on its stream)."""

@@ -109,14 +109,16 @@ class Leaves:
         dp = pm.mesh.size("dp")
         limit = int(pm.config.bucket_mb * 2**20)
         order = list(reversed(self.trainable))  # roughly the order backward finishes them
-        reduced = [f for f in order if dp > 1 and pm._reduces_over_dp(f)]
-        done = set(reduced)
-        rest = [f for f in order if f not in done]
+        del dp
+        by_axes: dict[tuple, list[str]] = {}  # the data-parallel axes a gradient is summed over -> its params
+        for f in order:
+            by_axes.setdefault(pm._reduce_axes(f) if pm._reduces_over_dp(f) else (), []).append(f)
         out = []
-        for fqns, reduce_dp in ((reduced, True), (rest, False)):
+        for axes, fqns in sorted(by_axes.items(), key=lambda kv: -len(kv[0])):
             numels = [(f, params[f]._local_tensor.numel()) for f in fqns]
             for lay in bucket_layouts(numels, 1, limit):
-                b = _GradBucket(lay.fqns, lay.offsets, lay.numels, lay.padded, pm._device, reduce_dp)
+                b = _GradBucket(lay.fqns, lay.offsets, lay.numels, lay.padded, pm._device, bool(axes))
+                b.group = pm._reduce_group(axes) if axes else None
                 for f in lay.fqns:
                     self._bucket_of[f] = b
                     self.main[f] = b.views[f]
@@ -238,7 +240,7 @@ class Leaves:
             self.zero.launch(b)
             self.pm._comm.launched("reduce_scatter", "dp", b.grad_buf, b.work)  # the timeline, if on
         elif b.reduce_dp:
-            b.work = dist.all_reduce(b.buf, group=self.dp_group, async_op=True)
+            b.work = dist.all_reduce(b.buf, group=b.group, async_op=True)
             self.pm._comm.launched("all_reduce", "dp", b.buf, b.work)  # the timeline, if on
         else:
             return
@@ -298,7 +300,7 @@ class Leaves:
                 b.work.wait()
             elif b.reduce_dp:  # not every hook fired in the last microbatch: reduce now
                 with pm._comm.timed("all_reduce", "dp", b.buf, "bucket"):
-                    dist.all_reduce(b.buf, group=self.dp_group)
+                    dist.all_reduce(b.buf, group=b.group)
             b.work, b.ready = None, 0
         if tp_partial:  # sequence-parallel norm weights: one coalesced all-reduce over tp per step
             views = [self.main[f] for f in tp_partial]

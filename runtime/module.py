@@ -38,6 +38,16 @@ from mcompile.runtime.comm import DistCommunicator
 __all__ = ["ParallelModule"]
 
 
+def _check_ep_config(config: Config, mesh) -> None:
+    """What expert parallelism does not combine with yet, refused before anything runs."""
+    if config.zero:
+        raise ValueError(f"Config(zero={config.zero}) with ep={mesh.size('ep')}: ZeRO over the expert-parallel "
+                         "data ranks is not supported yet; use zero=0")
+    if mesh.size("pp") > 1:
+        raise ValueError(f"pp={mesh.size('pp')} with ep={mesh.size('ep')} is not supported yet by the runtime: use "
+                         "ep with dp and tp")
+
+
 def _torch_placement(p):
     if isinstance(p, BlockShard):
         return _StridedShard(p.dim, split_factor=p.blocks)
@@ -56,6 +66,20 @@ class ParallelModule(torch.nn.Module):
         self._comm = DistCommunicator(device_mesh)
         self._rank = dist.get_rank()
         self._coords = self.mesh.coords(self._rank)
+        # the data-parallel ranks: dp, and ep too (Megatron folds expert parallelism into data
+        # parallelism: the batch is split over dp x ep, dense gradients are summed over both)
+        self._data_axes = tuple(a for a in self.mesh.axis_names if a in ("dp", "ep") and self.mesh.size(a) > 1)
+        self._data_size, self._data_coord = 1, 0
+        for a in self._data_axes:
+            self._data_size, self._data_coord = self._data_size * self.mesh.size(a), \
+                self._data_coord * self.mesh.size(a) + self._coords[a]
+        if len(self._data_axes) == 2:
+            self._comm.groups["data"] = device_mesh[self._data_axes]._flatten("data").get_group()
+        elif self._data_axes:
+            self._comm.groups["data"] = self._comm.groups[self._data_axes[0]]
+        self._has_moe_ep = self.mesh.size("ep") > 1
+        if self._has_moe_ep:
+            _check_ep_config(config, self.mesh)
         self._device = torch.device("cuda", torch.cuda.current_device()) if device_mesh.device_type == "cuda" \
             else torch.device("cpu")
         from mcompile import meta as M
@@ -221,7 +245,16 @@ class ParallelModule(torch.nn.Module):
     def _reduces_over_dp(self, fqn: str) -> bool:
         """Whether ``fqn``'s gradient is summed over dp by the step's bucket reductions (a ZeRO-3
         parameter's is reduce-scattered inside the backward, by its gather's backward)."""
-        return self.mesh.size("dp") > 1 and "dp" in self.plan.params[fqn].grad_partial_axes and fqn not in self._zero3
+        return bool(self._reduce_axes(fqn)) and fqn not in self._zero3
+
+    def _reduce_axes(self, fqn: str) -> tuple[str, ...]:
+        """The data-parallel axes (dp, ep) ``fqn``'s gradient is summed over: both for a dense
+        parameter, dp only for an expert weight (each ep rank holds other experts)."""
+        partial = self.plan.params[fqn].grad_partial_axes
+        return tuple(a for a in self._data_axes if a in partial)
+
+    def _reduce_group(self, axes: tuple[str, ...]):
+        return self._comm.groups["data"] if axes == self._data_axes else self._comm.groups[axes[0]]
 
     def _local_of(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the full tensor ``fqn`` as this module holds it."""
@@ -253,7 +286,7 @@ class ParallelModule(torch.nn.Module):
 
     # -- running --------------------------------------------------------------------------------
     def _split(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
-        dp = self.mesh.size("dp")
+        dp = self._data_size
         m = self.config.microbatches
         flat = list(args) + list(kwargs.values())
         batch = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.ndim > 0), None)
@@ -265,7 +298,7 @@ class ParallelModule(torch.nn.Module):
                     f"the global batch of {batch} does not divide by dp={dp} x microbatches={m}; use a batch "
                     f"that is a multiple of {dp * m}"
                 )
-            pick = lambda t: t.chunk(dp)[self._coords.get("dp", 0)] if _batched(t, batch) else t  # noqa: E731
+            pick = lambda t: t.chunk(dp)[self._data_coord] if _batched(t, batch) else t  # noqa: E731
             args = tuple(pick(a) for a in args)
             kwargs = {k: pick(v) for k, v in kwargs.items()}
             batch //= dp
@@ -338,6 +371,10 @@ class ParallelModule(torch.nn.Module):
         """Forward + backward of the global batch; gradients accumulate into ``.grad``; returns the
         single-device loss of the global batch (detached 0-d tensor, no host sync)."""
         pieces = self._split(args, kwargs)
+        if self._has_moe_ep:
+            from mcompile.moe import clear_stash
+
+            clear_stash()  # what a forward without backward (evaluation) left
         leaves = self._leaves
         leaves.begin()  # compute copies refreshed, main gradients cleared (earlier ones kept aside)
         rec = self._comm.recorder  # the timeline (start_timeline): this step's events replace the last one's
@@ -368,9 +405,9 @@ class ParallelModule(torch.nn.Module):
                 count += c
         leaves.armed = False
         stats = torch.stack([total, count])
-        if self.mesh.size("dp") > 1:
+        if self._data_size > 1:
             with self._comm.timed("all_reduce", "dp", stats):
-                dist.all_reduce(stats, group=self._comm.groups["dp"])
+                dist.all_reduce(stats, group=self._comm.groups["data"])
         leaves.finish(1.0 / stats[1], self._tp_partial)
         return (stats[0] / stats[1]).detach()
 
@@ -388,12 +425,12 @@ class ParallelModule(torch.nn.Module):
         if loss_like:
             total, count = self._loss_parts(out)
             stats = torch.stack([total, count])
-            if self.mesh.size("dp") > 1:
-                dist.all_reduce(stats, group=self._comm.groups["dp"])
+            if self._data_size > 1:
+                dist.all_reduce(stats, group=self._comm.groups["data"])
             return stats[0] / stats[1]
         outs = out if isinstance(out, tuple | list) else (out,)
-        if self.mesh.size("dp") > 1:  # the batch dim of each output, gathered over dp
-            outs = tuple(self._comm.all_gather(o.contiguous(), 0, "dp") if o.ndim else o for o in outs)
+        if self._data_size > 1:  # the batch dim of each output, gathered over dp (and ep)
+            outs = tuple(self._comm.all_gather(o.contiguous(), 0, "data") if o.ndim else o for o in outs)
         return outs[0] if len(outs) == 1 else outs
 
     def _pipe_forward(self, args, kwargs):

@@ -27,7 +27,8 @@ class _Group:
     def exchange(self, index: int, value):
         # a copy: a rank that returns first may reuse its input's memory (compiled code does) while the
         # others still read it; the real runtime's collectives do not alias their inputs either
-        self.slots[index] = value.clone() if isinstance(value, torch.Tensor) else value
+        self.slots[index] = value.clone() if isinstance(value, torch.Tensor) else (
+            [v.clone() for v in value] if isinstance(value, list) else value)
         self.barrier.wait()
         out = list(self.slots)
         self.barrier.wait()  # nobody overwrites a slot before everyone has read
@@ -84,6 +85,14 @@ class ThreadedCommunicator:
         n = len(parts)
         size = total.shape[dim] // n
         return total.narrow(dim, self.rank(axis) * size, size).clone()
+
+    def all_to_all(self, x, out_rows, in_rows, axis):
+        self.log.append(("all_to_all", axis, tuple(x.shape)))
+        parts = self._ex(axis, list(torch.split(x, list(in_rows))))
+        me = self.rank(axis)
+        out = torch.cat([p[me] for p in parts]) if parts else x[:0]
+        assert out.shape[0] == sum(out_rows), (out.shape, out_rows)
+        return out
 
     def start(self, kind, x, axis):
         if kind == "all_gather":

@@ -25,7 +25,7 @@ TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not (TOOLS / "cuobjdump").exists(), reason="this triton wheel ships no NVIDIA tools")
 def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
-    from mcompile.kernels import activations, cross_entropy, fp8, norms, rope
+    from mcompile.kernels import activations, cross_entropy, fp8, grouped_gemm, norms, rope
 
     out = tmp_path / "sm90.json"
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"))
@@ -34,8 +34,9 @@ def test_every_kernel_compiles_for_sm90_without_spills(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     d = json.loads(out.read_text())
     assert d["errors"] == [] and d["spilling"] == [], (d["errors"], d["spilling"])
-    # every kernel of the five modules was launched by some case, so every one was compiled
-    kernels = {n for m in (norms, activations, rope, cross_entropy, fp8) for n in vars(m) if n.endswith("_kernel")}
+    # every kernel of the six modules was launched by some case, so every one was compiled
+    modules = (norms, activations, rope, cross_entropy, fp8, grouped_gemm)
+    kernels = {n for m in modules for n in vars(m) if n.endswith("_kernel")}
     assert {r["kernel"] for r in d["launches"]} == kernels
     for r in d["launches"]:
         assert r["local"] == r["stack"] == 0 and 0 < r["reg"] <= 255, r

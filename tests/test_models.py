@@ -248,12 +248,17 @@ def test_registry() -> None:
         "llama3-8b",
         "llama3-70b",
         "llama3-405b",
+        "mixtral-tiny",
+        "mixtral-8x7b",
+        "deepseek-tiny",
+        "deepseek-v3",
     }
     assert set(PRESETS) == expected
     assert list_presets() == sorted(expected)
     for name, preset in PRESETS.items():
         assert preset.name == name
-        assert preset.family == ("gpt" if name.startswith("gpt") else "llama")
+        family = {"gpt2": "gpt", "gpt3": "gpt", "llama3": "llama"}.get(name.split("-")[0], name.split("-")[0])
+        assert preset.family == family
         assert isinstance(preset.config, GPTConfig if preset.family == "gpt" else LlamaConfig)
     assert get_preset("gpt2-tiny").config.vocab_size == 257
     assert isinstance(get_preset("gpt2-tiny").build(device="meta"), GPT)

@@ -1,4 +1,4 @@
-"""The MoE models of models/moe.py, single process: dispatch, routing and losses against independent
+"""The MoE models of models/moe.py and their presets, single process: dispatch, routing and losses against independent
 oracles, DeepSeek-V3's bias balancing, and capture with symbolic batch and sequence.
 
 Oracles: a Python loop over the experts (masks, no sorting, no grouped GEMM) for the dispatch, and
@@ -35,7 +35,7 @@ def close(a, b, msg=None):
     """Equal to 1e-6 of the larger of 1 and b's largest magnitude (fp32 sums in another order)."""
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * max(1.0, b.abs().max().item()), msg=msg)
 
-# the configs of the proposed "mixtral-tiny" / "deepseek-tiny" presets (models/presets.py patch)
+# the configs of the "mixtral-tiny" / "deepseek-tiny" presets (models/presets.py), written out again
 MIXTRAL_TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=128, max_seq_len=128,
                     rope_theta=1e6, n_experts=4, top_k=2)
 DEEPSEEK_TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=8, ffn_hidden=128, max_seq_len=128,
@@ -44,23 +44,88 @@ DEEPSEEK_TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=8
 
 
 def _tiny(name: str):
-    """The preset's config if the presets patch is applied, else the same values."""
     from mcompile.models import PRESETS
 
-    if name in PRESETS:
-        return PRESETS[name].config
-    return MixtralConfig(**MIXTRAL_TINY) if name == "mixtral-tiny" else DeepSeekV3Config(**DEEPSEEK_TINY)
+    return PRESETS[name].config
+
+
+# --------------------------------------------------------------------------- presets
 
 
 @pytest.mark.parametrize("name", ["mixtral-tiny", "deepseek-tiny"])
 def test_tiny_presets_match_these_configs(name):
-    from mcompile.models import PRESETS
+    from mcompile.models import PRESETS, list_presets
 
-    if name not in PRESETS:
-        pytest.skip(f"preset {name!r} not registered yet (models/presets.py patch of the MoE groundwork)")
+    assert name in list_presets()
     assert PRESETS[name].config == (MixtralConfig(**MIXTRAL_TINY) if name == "mixtral-tiny"
                                     else DeepSeekV3Config(**DEEPSEEK_TINY))
-    assert type(PRESETS[name].build()) is (Mixtral if name == "mixtral-tiny" else DeepSeekV3)
+    assert PRESETS[name].family == name.split("-")[0]
+    model = PRESETS[name].build()
+    assert type(model) is (Mixtral if name == "mixtral-tiny" else DeepSeekV3)
+    assert model.config == PRESETS[name].config and model.config is not PRESETS[name].config  # its own copy
+
+
+def _moe_param_count(c) -> int:
+    """Closed-form parameter count of models/moe.py's models (untied embeddings), from the config alone."""
+    hd = c.dim // c.n_heads
+    attn = c.dim * c.n_heads * hd * 2 + c.dim * c.n_kv_heads * hd * 2  # wq, wo; wk, wv
+    norms = 2 * c.dim
+    if isinstance(c, MixtralConfig):
+        ffn = [c.n_experts * 3 * c.dim * c.ffn_hidden + c.n_experts * c.dim] * c.n_layers  # experts + router
+    else:
+        moe = (c.n_routed_experts * 3 * c.dim * c.moe_ffn_hidden + c.n_routed_experts * c.dim
+               + 3 * c.dim * c.n_shared_experts * c.moe_ffn_hidden)
+        ffn = [3 * c.dim * c.ffn_hidden if i < c.first_dense_layers else moe for i in range(c.n_layers)]
+    return 2 * c.vocab_size * c.dim + c.dim + sum(attn + norms + f for f in ffn)
+
+
+# the published shapes (Mixtral paper Table 1 / HF Mixtral-8x7B-v0.1; DeepSeek-V3 report §4.2 / HF DeepSeek-V3)
+_PUBLISHED = {
+    "mixtral-8x7b": (Mixtral, dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                                   ffn_hidden=14336, rope_theta=1e6, max_seq_len=32768, n_experts=8, top_k=2)),
+    "deepseek-v3": (DeepSeekV3, dict(vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+                                     ffn_hidden=18432, norm_eps=1e-6, moe_ffn_hidden=2048, n_routed_experts=256,
+                                     n_shared_experts=1, top_k=8, n_groups=8, topk_groups=4,
+                                     routed_scaling_factor=2.5, first_dense_layers=3)),
+}
+
+
+@pytest.mark.parametrize("name", list(_PUBLISHED))
+def test_published_presets_shapes_and_sizes(name):
+    """The big presets carry the published numbers, build on meta as their class, and have the parameter
+    count of the closed form (checked on the tiny preset too, eagerly); Mixtral 8x7B's is the paper's 46.7B
+    (DeepSeek-V3 here has standard attention and no MTP module, so it is not the report's 671B)."""
+    from mcompile.models import PRESETS
+
+    cls, fields = _PUBLISHED[name]
+    pre = PRESETS[name]
+    assert {k: getattr(pre.config, k) for k in fields} == fields
+    model = pre.build(device="meta")
+    assert type(model) is cls and pre.model_class is cls
+    assert model.num_params() == _moe_param_count(pre.config)
+    if name == "mixtral-8x7b":
+        assert round(model.num_params() / 1e9, 1) == 46.7
+    tiny = PRESETS[name.split("-")[0] + "-tiny"]
+    assert tiny.build().num_params() == _moe_param_count(tiny.config)
+
+
+def test_trainer_builds_the_preset_class_with_overrides():
+    """mcompile train's build_model goes through the preset's class; an override the config refuses is a
+    ConfigError naming model.overrides."""
+    from mcompile.train.config import ConfigError, parse_config
+    from mcompile.train.loop import build_model
+
+    def tree(preset, **overrides):
+        return {"model": {"preset": preset, "overrides": overrides, "init": "eager"},
+                "data": {"factory": "train_cases:random_samples"}, "parallel": {"mesh": "dp=1"}}
+
+    for preset, cls in (("mixtral-tiny", Mixtral), ("deepseek-tiny", DeepSeekV3)):
+        model, vocab, example = build_model(parse_config(tree(preset, top_k=1), "test"))
+        assert type(model) is cls and vocab == 256 and example is None
+        assert model.config.top_k == 1 and model.layers[-1].feed_forward.top_k == 1
+    with pytest.raises(ConfigError, match=r"model.overrides .* 'mixtral-tiny'.*top_k=9 must be between 1 and "
+                                          r"n_experts=4"):
+        build_model(parse_config(tree("mixtral-tiny", top_k=9), "test"))
 
 
 def _swiglu(x, w1, w2, w3):
@@ -290,13 +355,62 @@ def test_update_bias_rule_and_balance():
         model.update_bias(torch.zeros(2, 8))
 
 
-def test_config_errors_say_what_to_do():
-    with pytest.raises(ValueError, match="top_k=5 must be between 1 and n_experts=4"):
-        MixtralConfig(**{**MIXTRAL_TINY, "top_k": 5})
-    with pytest.raises(ValueError, match="valid n_groups: 1, 2, 4, 8"):
-        DeepSeekV3Config(**{**DEEPSEEK_TINY, "n_groups": 3})
-    with pytest.raises(ValueError, match="top_k=5 must be between 1 and the 4 experts"):
-        DeepSeekV3Config(**{**DEEPSEEK_TINY, "top_k": 5})
+@pytest.mark.parametrize("cls, change, match", [
+    (MixtralConfig, {"top_k": 5}, "top_k=5 must be between 1 and n_experts=4: lower top_k or add experts"),
+    (MixtralConfig, {"top_k": 0}, "top_k=0 must be between 1 and n_experts=4"),
+    (MixtralConfig, {"n_experts": 0}, "n_experts must be >= 1, got 0"),
+    (MixtralConfig, {"aux_loss_coef": -0.1}, "must be >= 0"),
+    (MixtralConfig, {"n_heads": 6}, r"dim \(64\) must be divisible by n_heads \(6\)"),
+    (DeepSeekV3Config, {"n_groups": 3}, "valid n_groups: 1, 2, 4, 8"),
+    (DeepSeekV3Config, {"n_groups": 8}, "leaves 1 expert per group: use fewer groups"),
+    (DeepSeekV3Config, {"topk_groups": 5}, "topk_groups=5 must be between 1 and n_groups=4"),
+    (DeepSeekV3Config, {"top_k": 5}, "top_k=5 must be between 1 and the 4 experts"),  # 2 groups of 2 reachable
+    (DeepSeekV3Config, {"top_k": 5, "n_groups": 1, "topk_groups": 1, "n_routed_experts": 4},
+     "top_k=5 must be between 1 and the 4 experts"),  # top_k > n_routed_experts, no grouping
+    (DeepSeekV3Config, {"n_routed_experts": 0}, "n_routed_experts and moe_ffn_hidden must be >= 1"),
+    (DeepSeekV3Config, {"bias_update_rate": -1.0}, "bias_update_rate must be >= 0"),
+    (DeepSeekV3Config, {"first_dense_layers": 2}, "first_dense_layers=2 leaves no MoE layer of the n_layers=2"),
+    (DeepSeekV3Config, {"routed_scaling_factor": 0.0}, "routed_scaling_factor must be > 0"),
+])
+def test_config_errors_say_what_to_do(cls, change, match):
+    base = MIXTRAL_TINY if cls is MixtralConfig else DEEPSEEK_TINY
+    cls(**base)  # the unchanged config is valid: the change alone is refused
+    with pytest.raises(ValueError, match=match):
+        cls(**{**base, **change})
+
+
+def test_model_and_preset_refuse_the_other_config():
+    from mcompile.models import Preset
+
+    with pytest.raises(TypeError, match="Mixtral needs a MixtralConfig, got DeepSeekV3Config"):
+        Mixtral(DeepSeekV3Config(**DEEPSEEK_TINY))
+    with pytest.raises(TypeError, match="DeepSeekV3 needs a DeepSeekV3Config, got MixtralConfig"):
+        DeepSeekV3(MixtralConfig(**MIXTRAL_TINY))
+    with pytest.raises(TypeError, match=r"family 'deepseek' \(DeepSeekV3\) needs a DeepSeekV3Config, got a "
+                                        "MixtralConfig"):
+        Preset("x", "deepseek", MixtralConfig(**MIXTRAL_TINY))
+    with pytest.raises(ValueError, match="unknown family 'moe'; families: gpt, llama, mixtral, deepseek"):
+        Preset("x", "moe", MixtralConfig(**MIXTRAL_TINY))
+    assert type(Preset("x", "llama", MixtralConfig(**MIXTRAL_TINY), model_class=Mixtral).build()) is Mixtral
+
+
+def test_meta_build_initialises_every_tensor():
+    """A preset built on meta (mcompile train's default model.init = "meta") gets every parameter and buffer
+    from the model's own initialisers, with an eager build's shapes and dtypes; the deterministic ones
+    (RoPE inv_freq, DeepSeek's routing bias and expert_load, all-ones norms) equal the eager build's."""
+    from mcompile.models import PRESETS
+    from mcompile.runtime.init import init_tensors
+
+    for name in ("mixtral-tiny", "deepseek-tiny"):
+        eager = PRESETS[name].build()
+        ref = {**dict(eager.named_parameters()), **dict(eager.named_buffers())}
+        meta = PRESETS[name].build(device="meta")
+        names = [n for n, _ in meta.named_parameters()] + [n for n, _ in meta.named_buffers()]
+        assert set(names) == set(ref)
+        for fqn, value in init_tensors(meta, names, seed=0):
+            assert value.shape == ref[fqn].shape and value.dtype == ref[fqn].dtype, fqn
+            if fqn.endswith(("norm.weight", "inv_freq", "expert_load", "feed_forward.bias")):
+                torch.testing.assert_close(value, ref[fqn], rtol=0, atol=0, msg=fqn)
 
 
 # --------------------------------------------------------------------------- capture

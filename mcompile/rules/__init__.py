@@ -210,6 +210,7 @@ def _load():
     global _loaded
     if not _loaded:
         _loaded = True
+        from mcompile import moe  # noqa: F401 - the moe_ffn rule
         from mcompile.rules import factory, matmul, pointwise, reductions, views  # noqa: F401
 
 

@@ -96,3 +96,28 @@ def diff(info: OpInfo) -> list[Strategy]:
     if info.outputs[0].dtype.is_floating_point:
         out.append(Strategy((Partial(),) * k, (Partial(),), name="partial"))
     return out + [Strategy((R,) * k, (R,), name="replicate")]
+
+
+_ZEROS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+
+
+@rule(aten.scatter_add.default)
+def scatter_add(info: OpInfo) -> list[Strategy]:
+    """``self.scatter_add(dim, index, src)``: index and src split on another dim than ``dim`` keep
+    that split when self has it; split on ``dim`` itself into a self of zeros (a histogram, e.g. the
+    tokens routed to each expert), each rank's sum is a Partial(sum) of the whole one — valid only
+    because self is zero (every rank would add it once otherwise)."""
+    nd = info.inputs[0].ndim
+    dim = norm_dim(info.arg(1), nd)
+    out = []
+    src_nd = info.inputs[1].ndim
+    self_node = info.node.args[0] if info.node is not None else None
+    zero_self = getattr(self_node, "target", None) in _ZEROS or (
+        getattr(self_node, "target", None) is aten.full.default and self_node.args[1] == 0)
+    if zero_self:
+        for d in range(src_nd):
+            out.append(Strategy((R, Shard(d), Shard(d)), (Partial("sum"),), name="histogram"))
+    for d in range(min(nd, src_nd)):
+        if d != dim and info.inputs[0].shape[d] == info.inputs[1].shape[d]:
+            out.append(Strategy((Shard(d), Shard(d), Shard(d)), (Shard(d),), name="other_dim"))
+    return out + [Strategy((R, R, R), (R,), name="replicate")]

@@ -91,13 +91,14 @@ def build_model(cfg: TrainConfig):
     example = None
     if m.preset:
         from mcompile.models import get_preset
-        from mcompile.models.gpt import GPT
-        from mcompile.models.llama import Llama
 
         pre = get_preset(m.preset)
-        config = dataclasses.replace(pre.config, **m.overrides)
+        try:
+            config = dataclasses.replace(pre.config, **m.overrides)  # the config validates the new values
+        except ValueError as e:
+            raise ConfigError(f"model.overrides {m.overrides} of preset {m.preset!r}: {e}") from e
         with device:
-            model = (GPT if pre.family == "gpt" else Llama)(config)
+            model = pre.model_class(config)
         vocab = config.vocab_size
     elif m.hf:
         from transformers import AutoModelForCausalLM

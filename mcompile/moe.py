@@ -1,0 +1,314 @@
+"""The ``moe_ffn`` op: a routed mixture-of-experts feed-forward as one node (issue 15).
+
+``moe_ffn(x, idx, weights, *expert_weights, form=...)`` computes
+``y[t] = sum_j weights[t, j] * FFN_{idx[t, j]}(x[t])``; ``form`` (:class:`ExpertForm`) says how the
+expert weights are read. passes/moe.py finds MoE regions in captured graphs and replaces each with
+this node; the planner shards it as a unit (its rule below); the lowering runs it as local grouped
+GEMMs (:func:`moe_local`, ordinary aten ops under tracing) or, over an ``ep`` axis, as the
+all-to-all dispatch of :mod:`mcompile.runtime.moe`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+__all__ = ["ExpertForm", "expert_ffn", "moe_local", "moe_ffn", "moe_reference"]
+
+_ACTS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+    "relu": F.relu,
+}
+_ACT_OPS = {aten.silu.default: "silu", aten.gelu.default: "gelu", aten.relu.default: "relu"}
+
+
+@dataclass(frozen=True)
+class ExpertForm:
+    """How one expert's FFN reads its weights. ``kind``: ``sep`` (gate, up, down), ``fused_gu`` /
+    ``fused_ug`` (one [gate; up] or [up; gate] weight, then down), ``plain`` (up, down: no gate).
+    ``transposed``: weights stored (E, in, out) (``x @ w``) rather than (E, out, in) (``x @ w.T``)."""
+
+    act: str
+    kind: str
+    transposed: bool
+
+    def text(self) -> str:
+        return f"{self.act}/{self.kind}/{'io' if self.transposed else 'oi'}"
+
+    @classmethod
+    def parse(cls, text: str) -> ExpertForm:
+        act, kind, layout = text.split("/")
+        return cls(act, kind, layout == "io")
+
+    @property
+    def n_weights(self) -> int:
+        return 3 if self.kind == "sep" else 2
+
+    def hidden_dims(self) -> tuple[int, ...]:
+        """Per weight, the dim that holds the expert's hidden units (what expert-TP shards)."""
+        inner, outer = (2, 1) if self.transposed else (1, 2)
+        return (inner, inner, outer) if self.kind == "sep" else (inner, outer)
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Grouped GEMM: rows of group g (contiguous, ends ``offs``) times ``w[g]`` (G, in, out)."""
+    try:
+        from mcompile.kernels.grouped_gemm import grouped_mm
+    except ImportError:  # pragma: no cover - the kernel module is optional
+        from mcompile.models.moe import grouped_mm
+    return grouped_mm(x, w, offs)
+
+
+def expert_ffn(xs: torch.Tensor, ws: list[torch.Tensor], form: ExpertForm, offs: torch.Tensor,
+               grouped=None) -> torch.Tensor:
+    """The experts on rows ``xs`` grouped by expert (group ends ``offs``): (N, d) -> (N, d)."""
+    act = _ACTS[form.act]
+    grouped = grouped or _grouped
+
+    def lin(x, w):
+        return grouped(x, w if form.transposed else w.transpose(1, 2), offs)
+
+    if form.kind == "sep":
+        h = act(lin(xs, ws[0])) * lin(xs, ws[1])
+    elif form.kind in ("fused_gu", "fused_ug"):
+        a, b = lin(xs, ws[0]).chunk(2, dim=-1)
+        gate, up = (a, b) if form.kind == "fused_gu" else (b, a)
+        h = act(gate) * up
+    else:
+        h = act(lin(xs, ws[0]))
+    return lin(h, ws[-1])
+
+
+def moe_local(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, ws: list[torch.Tensor],
+              form: ExpertForm) -> torch.Tensor:
+    """``y[t] = sum_j weights[t, j] * FFN_{idx[t, j]}(x[t])`` with every expert local: the slots sorted
+    by expert (stable), rows gathered, one grouped GEMM per projection, weighted, added back.
+    Static shapes only (traceable with symbolic token counts)."""
+    E, k = ws[0].shape[0], idx.shape[1]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = torch.div(order, k, rounding_mode="floor")
+    counts = torch.zeros(E, dtype=torch.long, device=flat.device).scatter_add(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0)
+    ys = expert_ffn(x[token], ws, form, offs)
+    ys = ys * weights.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
+    return torch.zeros_like(x).index_add(0, token, ys.to(x.dtype))
+
+
+def moe_ffn(x, idx, weights, *ws, form: str):
+    """The node the pass leaves in the captured graph (see the module docstring)."""
+    return moe_local(x, idx, weights, list(ws), ExpertForm.parse(form))
+
+
+def moe_reference(x, idx, weights, ws, form: ExpertForm) -> torch.Tensor:
+    """An independent oracle: a Python loop over the experts with masks (tests and verification)."""
+    E = ws[0].shape[0]
+    out = torch.zeros_like(x)
+    act = _ACTS[form.act]
+    for e in range(E):
+        hit = idx == e
+        rows = hit.any(1).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        w_e = [w[e] if form.transposed else w[e].t() for w in ws]  # (in, out)
+        xe = x[rows]
+        if form.kind == "sep":
+            h = act(xe @ w_e[0]) * (xe @ w_e[1])
+        elif form.kind in ("fused_gu", "fused_ug"):
+            a, b = (xe @ w_e[0]).chunk(2, dim=-1)
+            h = act(a) * b if form.kind == "fused_gu" else act(b) * a
+        else:
+            h = act(xe @ w_e[0])
+        ye = h @ w_e[-1]
+        scale = (weights * hit).sum(1)[rows].unsqueeze(1).to(ye.dtype)
+        out = out.index_add(0, rows, (ye * scale).to(x.dtype))
+    return out
+
+
+# --------------------------------------------------------------------------- sharding rule
+
+def _rule(info):
+    """Per mesh axis, how ``moe_ffn`` runs on local pieces (inputs: x, idx, weights, *expert weights):
+
+    * ``expert-parallel`` (only on an ``ep`` axis, the policy pins the expert weights ``Shard(0)``):
+      tokens split (dim 0 of x, idx, weights), E/n experts a rank; the lowering dispatches tokens to
+      their experts' ranks and back (``moe_ep``);
+    * ``expert-tp``: tokens replicated, each expert's hidden units sharded (gate/up by their output
+      features, down by its input features: Megatron's expert tensor parallelism), output Partial(sum);
+    * ``token-split``: tokens split, experts replicated (data parallelism);
+    * replicated."""
+    from mcompile.placements import BlockShard, Partial, Replicate, Shard
+    from mcompile.rules import Strategy
+
+    R, S0 = Replicate(), Shard(0)
+    form = ExpertForm.parse(info.node.kwargs["form"]) if info.node is not None else None
+    n_w = len(info.inputs) - 3
+    out = []
+    out.append(Strategy((S0, S0, S0) + (S0,) * n_w, (S0,), lowering="moe_ep", name="expert-parallel"))
+    if form is not None:
+        hid = form.hidden_dims()
+        sizes = [info.inputs[3 + i].shape[hid[i]] for i in range(n_w)]
+        if all(isinstance(s, int) and s % (info.n * (2 if form.kind.startswith("fused") and i == 0 else 1)) == 0
+               for i, s in enumerate(sizes)):
+            ws = tuple(BlockShard(hid[i], 2) if form.kind.startswith("fused") and i == 0 else Shard(hid[i])
+                       for i in range(n_w))
+            out.append(Strategy((R, R, R) + ws, (Partial("sum"),), name="expert-tp"))
+        else:
+            info.notes.append(f"the experts' hidden sizes {sizes} do not divide by {info.n}")
+    out.append(Strategy((S0, S0, S0) + (R,) * n_w, (S0,), name="token-split"))
+    out.append(Strategy((R,) * (3 + n_w), (R,), name="replicate"))
+    return out
+
+
+def _register() -> None:
+    from mcompile.rules import rule
+
+    rule(moe_ffn)(_rule)
+
+
+_register()
+
+
+# --------------------------------------------------------------------------- expert parallelism
+
+class _Stash:
+    """What an ``moe_ep`` forward keeps for its backward, behind the int64 handle it returns: the
+    routing permutations and split sizes (data-dependent sizes, which a traced program cannot
+    carry) and the local experts' autograd graph. Entries go when their backward runs;
+    :func:`clear_stash` drops the rest (a forward without backward: evaluation)."""
+
+    def __init__(self) -> None:
+        self.items: dict[int, dict] = {}
+        self.next = 0
+
+    def put(self, item: dict) -> int:
+        self.next += 1
+        self.items[self.next] = item
+        return self.next
+
+    def pop(self, handle: int) -> dict:
+        try:
+            return self.items.pop(handle)
+        except KeyError:
+            raise RuntimeError(f"moe_ep backward: no forward state under handle {handle} (was the step's forward "
+                               "run twice, or the stash cleared between forward and backward?)") from None
+
+
+STASH = _Stash()
+
+
+def clear_stash() -> None:
+    STASH.items.clear()
+
+
+def _a2a(x: torch.Tensor, out_rows: list[int], in_rows: list[int], axis: str) -> torch.Tensor:
+    from mcompile import ops
+
+    return ops.current().all_to_all(x.contiguous(), out_rows, in_rows, axis)
+
+
+def ep_dispatch_forward(x, idx, weights, ws, form: ExpertForm, n_experts: int, axis: str, n: int):
+    """Megatron's all-to-all token dispatcher (Megatron Core ``MoEAlltoAllTokenDispatcher``, our
+    code): each rank holds experts ``[r E/n, (r+1) E/n)``. The (token, choice) slots are sorted by
+    expert (so by destination rank); the counts per expert are exchanged first (one all-to-all of
+    E integers), then the tokens (all-to-all with variable splits), grouped by local expert on
+    arrival, run through the local experts as grouped GEMMs, sent back (the second all-to-all),
+    weighted and added to their tokens. Dropless."""
+    from mcompile import ops
+
+    comm = ops.current()
+    E_l = n_experts // n
+    k = idx.shape[1]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = torch.div(order, k, rounding_mode="floor")
+    counts = torch.bincount(flat, minlength=n_experts).to(torch.long)
+    recv = comm.all_to_all(counts.view(n, E_l).contiguous(), [1] * n, [1] * n, axis)  # (n, E_l): from s to my e
+    send_rows = counts.view(n, E_l).sum(1).tolist()
+    recv_rows = recv.sum(1).tolist()
+    xr = _a2a(x[token], recv_rows, send_rows, axis)
+    expert_of_row = torch.repeat_interleave(torch.arange(E_l, device=x.device).repeat(n), recv.reshape(-1))
+    perm = torch.argsort(expert_of_row, stable=True)
+    offs = torch.cumsum(recv.sum(0), 0)
+    # the local experts' vjp (torch.func: inside a custom op autograd records nothing)
+    from mcompile.models.moe import grouped_mm_reference
+
+    def local(xl, *lw):
+        return expert_ffn(xl, list(lw), form, offs, grouped_mm_reference)
+
+    yl, vjp = torch.func.vjp(local, xr[perm], *ws)
+    yr = torch.empty_like(yl)
+    yr[perm] = yl
+    ys = _a2a(yr, send_rows, recv_rows, axis)
+    wsorted = weights.reshape(-1)[order]
+    out = torch.zeros_like(x).index_add(0, token, (ys * wsorted.unsqueeze(-1).to(ys.dtype)).to(x.dtype))
+    state = {"order": order, "token": token, "send": send_rows, "recv": recv_rows, "perm": perm, "ys": ys,
+             "wsorted": wsorted, "vjp": vjp, "shape": weights.shape}
+    return out, state
+
+
+def ep_dispatch_backward(g, state, axis: str):
+    order, token, perm = state["order"], state["token"], state["perm"]
+    send_rows, recv_rows = state["send"], state["recv"]
+    ys, wsorted = state["ys"], state["wsorted"]
+    gt = g[token].to(ys.dtype)
+    dws_sorted = (gt * ys).sum(-1)
+    dweights = torch.zeros_like(wsorted).index_put_((order,), dws_sorted.to(wsorted.dtype)).view(state["shape"])
+    gys = gt * wsorted.unsqueeze(-1).to(ys.dtype)
+    gyr = _a2a(gys, recv_rows, send_rows, axis)
+    grads = state["vjp"](gyr[perm].contiguous())
+    dxl, dws = grads[0], list(grads[1:])
+    dxr = torch.empty_like(dxl)
+    dxr[perm] = dxl
+    dxs = _a2a(dxr, send_rows, recv_rows, axis)
+    dx = torch.zeros(g.shape, dtype=dxs.dtype, device=g.device).index_add(0, token, dxs).to(g.dtype)
+    return dx, dweights, dws
+
+
+@torch.library.custom_op("mcompile::moe_ep", mutates_args=())
+def moe_ep(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, ws: list[torch.Tensor], form: str,
+           n_experts: int, axis: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out, state = ep_dispatch_forward(x, idx, weights, ws, ExpertForm.parse(form), n_experts, axis, n)
+    return out, torch.tensor([STASH.put(state)], dtype=torch.int64)
+
+
+@moe_ep.register_fake
+def _(x, idx, weights, ws, form, n_experts, axis, n):
+    return torch.empty_like(x), x.new_empty((1,), dtype=torch.int64)
+
+
+@torch.library.custom_op("mcompile::moe_ep_backward", mutates_args=())
+def moe_ep_backward(g: torch.Tensor, handle: torch.Tensor, weights: torch.Tensor, ws: list[torch.Tensor],
+                    axis: str) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    dx, dweights, dws = ep_dispatch_backward(g, STASH.pop(int(handle.item())), axis)
+    return dx, dweights, dws
+
+
+@moe_ep_backward.register_fake
+def _(g, handle, weights, ws, axis):
+    return torch.empty_like(g), torch.empty_like(weights), [torch.empty_like(w) for w in ws]
+
+
+def _ep_setup(ctx, inputs, output):
+    x, idx, weights, ws, form, n_experts, axis, n = inputs
+    ctx.axis = axis
+    ctx.save_for_backward(output[1], weights, *ws)
+
+
+def _ep_backward(ctx, g, _g_handle):
+    handle, weights, *ws = ctx.saved_tensors
+    dx, dweights, dws = moe_ep_backward(g.contiguous(), handle, weights, list(ws), ctx.axis)
+    return dx, None, dweights, list(dws), None, None, None, None
+
+
+torch.library.register_autograd("mcompile::moe_ep", _ep_backward, setup_context=_ep_setup)
+
+
+def moe_ep_call(x, idx, weights, *ws, form: str, n_experts: int, axis: str, n: int):
+    """What an ``ep`` lowering emits: the dispatch op's output (its handle goes to the backward)."""
+    return moe_ep(x, idx, weights, list(ws), form, n_experts, axis, n)[0]

@@ -1,0 +1,351 @@
+"""Mixture-of-experts layers found in the captured graph, rewritten into one ``moe_ffn`` node each.
+
+A routed MoE feed-forward is, whatever code wrote it, ``y[t] = sum_j w[t, j] * FFN_{e[t, j]}(x[t])``
+with ``e`` the top-k expert indices of token t and ``w`` their weights. Models write the dispatch
+in many ways (models/moe.py sorts the slots and runs grouped GEMMs; transformers 5 sorts and calls
+its ``grouped_mm`` custom op, or gathers one weight per slot and runs ``bmm``); a planner cannot
+shard such code op by op — expert parallelism moves tokens to the ranks that hold their experts,
+a transformation of the whole region. So the region is found and replaced by one node whose
+meaning is the formula above, which the planner shards as a unit (``mcompile.rules.moe``) and the
+lowering implements per layout (local grouped GEMMs, or the all-to-all dispatch of
+``mcompile.runtime.moe``).
+
+Finding a region (per ``aten.topk`` whose indices feed 3-D parameters ``[E, a, b]`` with E the
+routed dim's size):
+
+* the expert parameters: 3-D placeholders with leading size E whose values meet the indices'
+  descendants before the next routing top-k;
+* the output ``y``: a node downstream of the indices and of every expert parameter with the tokens'
+  shape; the region is what lies between (descendants of the indices or the parameters that ``y``
+  depends on); its other inputs must be exactly the tokens ``x`` (T, d) and the weights (T, k);
+* the expert function is not guessed from names: each candidate form (SwiGLU with separate or fused
+  gate/up — gate first or up first — or a plain activation MLP; weights stored (E, out, in) or
+  (E, in, out); SiLU, GELU, GELU-tanh or ReLU) is *evaluated* against the region on random tokens,
+  routings and weights, forward and backward (the way passes/kv_cache.py recognises a causal mask);
+  the first form that agrees within rounding replaces the region. A region no form matches is left
+  as captured (it then runs replicated under tp and dp, and ``ep`` refuses the model, naming it).
+
+The replacement keeps the captured graph's meaning: ``moe_ffn`` computes the same formula (slots
+sorted by expert, one grouped GEMM per projection: :func:`moe_local`), so a plan without ``ep``
+runs it as ordinary aten ops.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+__all__ = ["MoELayer", "find_moe_layers", "moe_layers_of", "expert_params"]
+
+from mcompile.moe import _ACT_OPS, _ACTS, ExpertForm, moe_ffn, moe_reference  # noqa: E402
+
+
+@dataclass
+class MoELayer:
+    """One recognised MoE region, as left in the graph: the ``moe_ffn`` node and its parts."""
+
+    node: str  # the moe_ffn node's name
+    tokens: str
+    indices: str
+    weights: str
+    experts: tuple[str, ...]  # placeholder names of the expert weights, in the form's order
+    form: str
+    n_experts: int
+    top_k: int
+
+
+def moe_layers_of(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is moe_ffn]
+
+
+def expert_params(gm: fx.GraphModule) -> set[str]:
+    """Placeholder names of every expert weight of the graph's moe_ffn nodes."""
+    out = set()
+    for n in moe_layers_of(gm):
+        out.update(a.name for a in n.args[3:])
+    return out
+
+
+# --------------------------------------------------------------------------- finding regions
+
+
+def _static(shape) -> bool:
+    return all(isinstance(s, int) for s in shape)
+
+
+def _descendants(roots, allowed: set) -> set:
+    seen, stack = set(), list(roots)
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in allowed and u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def _ancestors_within(node, within: set) -> set:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a in within and a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen
+
+
+def find_moe_layers(gm: fx.GraphModule) -> int:
+    """Replace every recognised MoE region of ``gm`` by a ``moe_ffn`` node; returns how many."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    topks = [n for n in nodes if n.op == "call_function" and n.target is aten.topk.default]
+    three_d = [n for n in nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+               and n.meta["val"].ndim == 3 and _static(n.meta["val"].shape)
+               and n.meta["val"].dtype.is_floating_point]
+    if not topks or not three_d:
+        return 0
+    done = 0
+    used: set = set()
+    for i, t in enumerate(topks):
+        idx = next((u for u in t.users if u.target is operator.getitem and u.args[1] == 1), None)
+        if idx is None:
+            continue
+        E = t.args[0].meta["val"].shape[-1]
+        if not isinstance(E, int):
+            continue
+        end = pos[topks[i + 1]] if i + 1 < len(topks) else len(nodes)
+        window = {n for n in nodes if pos[idx] < pos[n] < end}
+        cands = [p for p in three_d if p not in used and p.meta["val"].shape[0] == E]
+        d_idx = _descendants([idx], window)
+        before = {n for n in nodes if pos[n] < end}
+        params = []
+        for p in cands:
+            if _descendants([p], before) & d_idx:
+                params.append(p)
+        if not params or len(params) > 3:
+            continue
+        layer = _match(gm, idx, params, window, before, d_idx, pos)
+        if layer is not None:
+            used.update(params)
+            done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _match(gm, idx, params, window, before, d_idx, pos) -> bool | None:
+    d_params = _descendants(params, before)
+    d_each = [_descendants([p], before) for p in params]
+    candidates = sorted((c for c in set.intersection(*d_each) & d_idx if isinstance(c.meta.get("val"), torch.Tensor)
+                         and c.meta["val"].ndim == 2 and c.meta["val"].dtype.is_floating_point), key=pos.__getitem__)
+    k = idx.meta["val"].shape[1]
+    for y in candidates[:8]:
+        yv = y.meta["val"]
+        anc = _ancestors_within(y, window | d_params | {idx})
+        base = {n for n in (anc | {y}) if n in d_idx or n in d_params}
+        # the weights may be computed from the indices (DeepSeek-V3 gathers the chosen scores): then
+        # they are a (T, k) float node inside, cut out with what only they need
+        cuts = [None] + sorted((n for n in base if n not in d_params and n is not y and _is_weights(n, k)),
+                               key=lambda n: -pos[n])
+        for cut in cuts:
+            region = set(base)
+            if cut is not None:
+                region -= {cut} | _ancestors_within(cut, region)
+            ext = _absorb(region, idx, params, yv, k)
+            tensors = [a for a in ext.values() if isinstance(a.meta.get("val"), torch.Tensor)]
+            xs = [a for a in tensors if a.meta["val"].shape == yv.shape and a.meta["val"].dtype.is_floating_point]
+            wts = [a for a in tensors if _is_weights(a, k) and a not in xs]
+            if len(xs) == 1 and len(wts) == 1 and len(tensors) == 2:
+                break
+        else:
+            continue
+        x, w = xs[0], wts[0]
+        others = [a for a in ext.values() if a not in (x, w)]  # SymInts (sizes) only
+        form, order = _identify(gm, region, y, x, idx, w, params, others)
+        if form is None:
+            continue
+        _replace(gm, region, y, x, idx, w, [params[j] for j in order], form)
+        return True
+    return None
+
+
+def _is_weights(n, k) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.ndim == 2 and v.dtype.is_floating_point and str(v.shape[1]) == str(k)
+
+
+_LIKE = {aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default, aten.full_like.default,
+         aten.new_zeros.default, aten.new_empty.default, aten.new_ones.default, aten.new_full.default}
+_CARRY = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.flatten.using_ints,
+          aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten._to_copy.default, aten.to.dtype,
+          aten.to.dtype_layout, aten.clone.default, aten.contiguous.default, aten.repeat_interleave.self_int,
+          aten.alias.default, aten.detach.default}
+
+
+def _absorb(region: set, idx, params, yv, k) -> dict:
+    """Grow ``region`` over the factories it reads (zeros, arange, zeros_like) and over the views
+    and casts of its two data inputs; returns the remaining external inputs by name."""
+    def is_tensor(a):
+        return isinstance(a.meta.get("val"), torch.Tensor)
+
+    def data_shape(a):
+        v = a.meta["val"]
+        return v.ndim == 2 and (v.shape == yv.shape or str(v.shape[1]) == str(k))
+
+    while True:
+        ext = {}
+        for n in region:
+            for a in n.all_input_nodes:
+                if a not in region and a is not idx and a not in params:
+                    ext[a.name] = a
+        grow = []
+        for a in ext.values():
+            if not is_tensor(a) or a.op != "call_function":
+                continue
+            tensor_ins = [b for b in a.all_input_nodes if is_tensor(b)]
+            if not tensor_ins or a.target in _LIKE or (a.target in _CARRY and len(tensor_ins) == 1
+                                                       and not data_shape(a)):
+                grow.append(a)
+        if not grow:
+            return ext
+        region.update(grow)
+
+
+def _sym_env(nodes) -> dict:
+    """Concrete values for the graph's size symbols: distinct small numbers (2, 3, ...)."""
+    syms = set()
+    for n in nodes:
+        v = n.meta.get("val")
+        vals = v.shape if isinstance(v, torch.Tensor) else [v]
+        for s in vals:
+            if isinstance(s, torch.SymInt | torch.SymFloat):
+                syms |= s.node.expr.free_symbols
+    return {s: 2 + i for i, s in enumerate(sorted(syms, key=str))}
+
+
+def _concrete(shape, env):
+    return [int(sympy.sympify(s.node.expr).subs(env)) if isinstance(s, torch.SymInt) else int(s) for s in shape]
+
+
+def _on_cpu(a):
+    return torch.device("cpu") if isinstance(a, torch.device) else a
+
+
+def _region_fn(gm, region, y, inputs, others):
+    """The region as a callable of (x, idx, w, *params, *sizes)."""
+    g = fx.Graph()
+    env = {}
+    for a in list(inputs) + list(others):
+        env[a] = g.placeholder(a.name)
+    for n in gm.graph.nodes:
+        if n in region:
+            c = env[n] = g.node_copy(n, lambda a: env[a])
+            # a capture on the meta device (parallelize) names it in factories: evaluate on the CPU
+            c.args = fx.node.map_aggregate(c.args, _on_cpu)
+            c.kwargs = fx.node.map_aggregate(c.kwargs, _on_cpu)
+    g.output(env[y])
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _identify(gm, region, y, x, idx, w, params, others):
+    env = _sym_env([x, idx, w, *others])
+    T, d = _concrete(x.meta["val"].shape, env)
+    k = int(idx.meta["val"].shape[1])
+    E = int(params[0].meta["val"].shape[0])
+    dtype = x.meta["val"].dtype
+    fn = _region_fn(gm, region, y, [x, idx, w, *params], others)
+    sizes = [int(sympy.sympify(a.meta["val"].node.expr).subs(env)) if isinstance(a.meta.get("val"), torch.SymInt)
+             else float(sympy.sympify(a.meta["val"].node.expr).subs(env)) for a in others]
+    gen = torch.Generator().manual_seed(0)
+    dev = "cpu"
+    xv = torch.randn(T, d, generator=gen, dtype=torch.float32).to(dtype)
+    iv = torch.rand(T, E, generator=gen).argsort(1)[:, :k].to(idx.meta["val"].dtype)
+    iv[0] = iv[1]  # two tokens with the same experts
+    wv = torch.rand(T, k, generator=gen, dtype=torch.float32).to(w.meta["val"].dtype)
+    pv = [(torch.randn(*p.meta["val"].shape, generator=gen) * 0.5).to(p.meta["val"].dtype) for p in params]
+    leaves = [t.to(dev).requires_grad_(True) for t in (xv, wv, *pv)]
+    try:
+        out = fn(leaves[0], iv, leaves[1], *leaves[2:], *sizes)
+    except Exception:  # noqa: BLE001 - a region that does not run alone is not ours to replace
+        return None, None
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, d):
+        return None, None
+    gy = torch.randn(out.shape, generator=gen).to(out.dtype)
+    try:
+        g_ref = torch.autograd.grad(out, leaves, gy, allow_unused=True)
+    except RuntimeError:
+        return None, None
+    tol = 1e-4 if dtype == torch.float32 else (1e-9 if dtype == torch.float64 else 3e-2)
+    acts = [_ACT_OPS[n.target] for n in region if n.op == "call_function" and n.target in _ACT_OPS]
+    if any(n.target is aten.gelu.default and (n.kwargs.get("approximate") == "tanh" or
+                                              (len(n.args) > 1 and n.args[1] == "tanh")) for n in region):
+        acts = ["gelu_tanh"] + acts
+    acts = list(dict.fromkeys(acts + list(_ACTS)))
+    shapes = [tuple(p.meta["val"].shape[1:]) for p in params]
+    kinds = ["sep"] if len(params) == 3 else ["fused_gu", "fused_ug", "plain"]
+    perms = list(itertools.permutations(range(len(params))))
+    for kind, transposed, perm, act in itertools.product(kinds, (False, True), perms, acts):
+        form = ExpertForm(act, kind, transposed)
+        ws_shapes = [shapes[j] for j in perm]
+        if not _shapes_fit(form, ws_shapes, d):
+            continue
+        ws = [leaves[2 + j] for j in perm]
+        try:
+            ref = moe_reference(leaves[0], iv, leaves[1], ws, form)
+        except RuntimeError:
+            continue
+        if not torch.allclose(ref.float(), out.float(), rtol=tol, atol=tol * max(1.0, out.abs().max().item())):
+            continue
+        g_can = torch.autograd.grad(ref, leaves, gy, allow_unused=True)
+        if all(_close(a, b, tol) for a, b in zip(g_ref, g_can)):
+            return form, list(perm)
+    return None, None
+
+
+def _close(a, b, tol) -> bool:
+    if a is None or b is None:
+        other = b if a is None else a
+        return other is None or bool((other == 0).all())
+    return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * max(1.0, a.abs().max().item()))
+
+
+def _shapes_fit(form: ExpertForm, shapes, d: int) -> bool:
+    io = (lambda s: (s[0], s[1])) if form.transposed else (lambda s: (s[1], s[0]))  # (in, out)
+    ins_outs = [io(s) for s in shapes]
+    if form.kind == "sep":
+        (gi, go), (ui, uo), (di, do) = ins_outs
+        return gi == ui == d and go == uo == di and do == d
+    (ai, ao), (di, do) = ins_outs
+    if form.kind == "plain":
+        return ai == d and ao == di and do == d
+    return ai == d and ao % 2 == 0 and ao // 2 == di and do == d
+
+
+def _replace(gm, region, y, x, idx, w, params, form: ExpertForm) -> None:
+    from mcompile.passes.canonicalize import _fake_call
+
+    g = gm.graph
+    with g.inserting_before(y):
+        args = (x, idx, w, *params)
+        new = g.call_function(moe_ffn, args, {"form": form.text()})
+        new.meta["val"] = _fake_call(moe_ffn, args, {"form": form.text()})
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in y.meta:
+                new.meta[key] = y.meta[key]
+    y.replace_all_uses_with(new)
+    region = set(region)
+    for n in g.nodes:  # checks of a region value (_assert_tensor_metadata) go with it
+        if n.op == "call_function" and not n.users and n.all_input_nodes and set(n.all_input_nodes) <= region:
+            region.add(n)
+    order = [n for n in g.nodes if n in region]
+    for n in reversed(order):
+        if not n.users:
+            g.erase_node(n)

@@ -1,0 +1,79 @@
+"""Functions the gloo worker processes run for tests/test_moe_parallel.py (expert parallelism)."""
+
+from __future__ import annotations
+
+import torch
+
+import mcompile as mc
+
+MIXTRAL_TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=128, max_seq_len=128,
+                    rope_theta=1e6, n_experts=4, top_k=2)
+DEEPSEEK_TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=8, ffn_hidden=128, max_seq_len=128,
+                     norm_eps=1e-6, rope_theta=10000.0, moe_ffn_hidden=32, n_routed_experts=8, n_shared_experts=1,
+                     top_k=2, n_groups=4, topk_groups=2, first_dense_layers=1)
+LR = 0.5
+
+
+def moe_model(kind: str, seed: int = 0, batch: int = 4, seq: int = 16):
+    """(model, inputs): the tiny Mixtral-style / DeepSeek-style preset configs, or an unmodified HF
+    MixtralForCausalLM with its load-balancing loss on; a batch of random tokens and targets."""
+    torch.manual_seed(seed)
+    if kind == "mixtral":
+        from mcompile.models.moe import Mixtral, MixtralConfig
+
+        model = Mixtral(MixtralConfig(**MIXTRAL_TINY))
+    elif kind == "deepseek":
+        from mcompile.models.moe import DeepSeekV3, DeepSeekV3Config
+
+        model = DeepSeekV3(DeepSeekV3Config(**DEEPSEEK_TINY))
+        with torch.no_grad():  # a skewed routing bias: the choice differs from the affinities' top-k
+            for moe in model.moe_layers:
+                moe.bias.copy_(torch.randn(moe.bias.shape) * 0.05)
+    elif kind == "hf-mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        cfg = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2,
+                            max_position_embeddings=128, output_router_logits=True, router_aux_loss_coef=0.02,
+                            tie_word_embeddings=False)
+        model = MixtralForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(0, 256, (batch, seq), generator=g)
+    y = torch.randint(0, 256, (batch, seq), generator=g)
+    return model, (x, y)
+
+
+def ep_train(rank, world, kind, mesh, steps=2, options=None):
+    """``steps`` SGD steps: the losses, the full gradients of the first step (rank 0), the local sizes."""
+    model, inputs = moe_model(kind)
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **(options or {}))
+    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    losses, grads = [], None
+    for step in range(steps):
+        loss = pm.train_step(*inputs)
+        if step == 0:
+            grads = pm.full_grads()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    local = {k: p.to_local().numel() for k, p in pm.named_parameters()}
+    return losses, grads if rank == 0 else None, local
+
+
+def ep_reference(kind, steps=2):
+    model, inputs = moe_model(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads = [], None
+    for step in range(steps):
+        out = model(*inputs) if kind != "hf-mixtral" else model(input_ids=inputs[0], labels=inputs[1])
+        loss = out if isinstance(out, torch.Tensor) else out.loss
+        loss.backward()
+        if step == 0:
+            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    full = {k: p.numel() for k, p in model.named_parameters()}
+    return losses, grads, full
