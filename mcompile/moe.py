@@ -56,11 +56,12 @@ class ExpertForm:
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Grouped GEMM: rows of group g (contiguous, ends ``offs``) times ``w[g]`` (G, in, out)."""
-    try:
-        from mcompile.kernels.grouped_gemm import grouped_mm
-    except ImportError:  # pragma: no cover - the kernel module is optional
-        from mcompile.models.moe import grouped_mm
+    """Grouped GEMM: rows of group g (contiguous, ends ``offs``) times ``w[g]`` (G, in, out):
+    ``torch._grouped_mm`` where it applies, else the static-shape reference (models/moe.py). The
+    Triton kernel (kernels/grouped_gemm.py) is not wired in yet: under Triton's interpreter it is not
+    thread-safe (the in-process simulator runs ranks as threads)."""
+    from mcompile.models.moe import grouped_mm
+
     return grouped_mm(x, w, offs)
 
 
