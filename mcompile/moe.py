@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 aten = torch.ops.aten
-__all__ = ["ExpertForm", "expert_ffn", "moe_local", "moe_ffn", "moe_reference"]
+__all__ = ["ExpertForm", "expert_ffn", "moe_local", "moe_ffn", "moe_layers_of", "moe_reference"]
 
 _ACTS = {
     "silu": F.silu,
@@ -55,21 +55,14 @@ class ExpertForm:
         return (inner, inner, outer) if self.kind == "sep" else (inner, outer)
 
 
-def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Grouped GEMM: rows of group g (contiguous, ends ``offs``) times ``w[g]`` (G, in, out):
-    ``torch._grouped_mm`` where it applies, else the static-shape reference (models/moe.py). The
-    Triton kernel (kernels/grouped_gemm.py) is not wired in yet: under Triton's interpreter it is not
-    thread-safe (the in-process simulator runs ranks as threads)."""
-    from mcompile.models.moe import grouped_mm
-
-    return grouped_mm(x, w, offs)
-
-
 def expert_ffn(xs: torch.Tensor, ws: list[torch.Tensor], form: ExpertForm, offs: torch.Tensor,
                grouped=None) -> torch.Tensor:
     """The experts on rows ``xs`` grouped by expert (group ends ``offs``): (N, d) -> (N, d)."""
     act = _ACTS[form.act]
-    grouped = grouped or _grouped
+    if grouped is None:
+        # the Triton kernel (kernels/grouped_gemm.py) is not wired in: under Triton's interpreter it is
+        # not thread-safe, and the in-process simulator runs the ranks as threads
+        from mcompile.models.moe import grouped_mm as grouped
 
     def lin(x, w):
         return grouped(x, w if form.transposed else w.transpose(1, 2), offs)
@@ -104,6 +97,11 @@ def moe_local(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, ws: lis
 def moe_ffn(x, idx, weights, *ws, form: str):
     """The node the pass leaves in the captured graph (see the module docstring)."""
     return moe_local(x, idx, weights, list(ws), ExpertForm.parse(form))
+
+
+def moe_layers_of(gm) -> list:
+    """The graph's ``moe_ffn`` nodes (what passes/moe.py left), in order."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is moe_ffn]
 
 
 def moe_reference(x, idx, weights, ws, form: ExpertForm) -> torch.Tensor:

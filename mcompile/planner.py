@@ -112,9 +112,9 @@ def check_divisibility(cap: Captured, tp: int) -> None:
 def check_experts(cap: Captured, ep: int) -> dict:
     """The expert weights' ep placement (FQN -> Shard(0)), after the checks a user needs: the model
     has MoE layers (passes/moe.py found them), and ep divides every layer's number of experts."""
-    from mcompile.moe import moe_ffn
+    from mcompile.moe import moe_layers_of
 
-    layers = [n for n in cap.gm.graph.nodes if n.op == "call_function" and n.target is moe_ffn]
+    layers = moe_layers_of(cap.gm)
     if not layers:
         routed = [n for n in cap.gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.topk.default]
         hint = (f" It has {len(routed)} top-k node(s), but no routed expert computation was recognised around them "
@@ -124,10 +124,10 @@ def check_experts(cap: Captured, ep: int) -> dict:
                         f"{hint} Use dp={ep} for data parallelism instead.")
     out: dict = {}
     for node in layers:
-        experts = [a for a in node.args[3:]]
+        experts = node.args[3:]
         E = int(experts[0].meta["val"].shape[0])
         if E % ep:
-            ok = [d for d in range(1, E + 1) if E % d == 0]
+            ok = valid_sizes([E])
             raise PlanError(f"ep={ep} does not divide the {E} experts of {node.name} ({_where(node)}): each rank "
                             f"holds E/ep experts; valid ep sizes: {_fmt(ok)}")
         for a in experts:

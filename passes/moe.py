@@ -34,43 +34,15 @@ from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass
 
 import sympy
 import torch
 import torch.fx as fx
 
 aten = torch.ops.aten
-__all__ = ["MoELayer", "find_moe_layers", "moe_layers_of", "expert_params"]
+__all__ = ["find_moe_layers", "moe_layers_of"]
 
-from mcompile.moe import _ACT_OPS, _ACTS, ExpertForm, moe_ffn, moe_reference  # noqa: E402
-
-
-@dataclass
-class MoELayer:
-    """One recognised MoE region, as left in the graph: the ``moe_ffn`` node and its parts."""
-
-    node: str  # the moe_ffn node's name
-    tokens: str
-    indices: str
-    weights: str
-    experts: tuple[str, ...]  # placeholder names of the expert weights, in the form's order
-    form: str
-    n_experts: int
-    top_k: int
-
-
-def moe_layers_of(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is moe_ffn]
-
-
-def expert_params(gm: fx.GraphModule) -> set[str]:
-    """Placeholder names of every expert weight of the graph's moe_ffn nodes."""
-    out = set()
-    for n in moe_layers_of(gm):
-        out.update(a.name for a in n.args[3:])
-    return out
-
+from mcompile.moe import _ACT_OPS, _ACTS, ExpertForm, moe_ffn, moe_layers_of, moe_reference  # noqa: E402,F401
 
 # --------------------------------------------------------------------------- finding regions
 
@@ -79,25 +51,19 @@ def _static(shape) -> bool:
     return all(isinstance(s, int) for s in shape)
 
 
-def _descendants(roots, allowed: set) -> set:
+def _reach(roots, allowed, down: bool = True, stop: set | None = None) -> set:
+    """The nodes reached from ``roots`` (not included) through users (``down``) or inputs, staying in
+    ``allowed`` (a set or a predicate); with ``stop``, returns at the first node of it reached."""
+    ok = allowed if callable(allowed) else allowed.__contains__
     seen, stack = set(), list(roots)
     while stack:
         n = stack.pop()
-        for u in n.users:
-            if u in allowed and u not in seen:
-                seen.add(u)
-                stack.append(u)
-    return seen
-
-
-def _ancestors_within(node, within: set) -> set:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        for a in n.all_input_nodes:
-            if a in within and a not in seen:
-                seen.add(a)
-                stack.append(a)
+        for m in (n.users if down else n.all_input_nodes):
+            if m not in seen and ok(m):
+                seen.add(m)
+                if stop is not None and m in stop:
+                    return seen
+                stack.append(m)
     return seen
 
 
@@ -115,24 +81,22 @@ def find_moe_layers(gm: fx.GraphModule) -> int:
     used: set = set()
     for i, t in enumerate(topks):
         idx = next((u for u in t.users if u.target is operator.getitem and u.args[1] == 1), None)
-        if idx is None:
+        if idx is None or any(u.target is moe_ffn for u in idx.users):  # none, or rewritten already
             continue
         E = t.args[0].meta["val"].shape[-1]
         if not isinstance(E, int):
             continue
         end = pos[topks[i + 1]] if i + 1 < len(topks) else len(nodes)
-        window = {n for n in nodes if pos[idx] < pos[n] < end}
-        cands = [p for p in three_d if p not in used and p.meta["val"].shape[0] == E]
-        d_idx = _descendants([idx], window)
-        before = {n for n in nodes if pos[n] < end}
-        params = []
-        for p in cands:
-            if _descendants([p], before) & d_idx:
-                params.append(p)
-        if not params or len(params) > 3:
-            continue
-        layer = _match(gm, idx, params, window, before, d_idx, pos)
-        if layer is not None:
+
+        def before(n, end=end):
+            return pos[n] < end
+
+        window = {n for n in nodes[pos[idx] + 1:end]}
+        d_idx = _reach([idx], window)
+        # this layer's experts: weights of E experts whose values meet the indices' before the next routing
+        params = [p for p in three_d if p not in used and p.meta["val"].shape[0] == E
+                  and _reach([p], before, stop=d_idx) & d_idx]
+        if 1 < len(params) <= 3 and _match(gm, idx, params, window, before, d_idx, pos):
             used.update(params)
             done += 1
     if done:
@@ -141,15 +105,17 @@ def find_moe_layers(gm: fx.GraphModule) -> int:
     return done
 
 
-def _match(gm, idx, params, window, before, d_idx, pos) -> bool | None:
-    d_params = _descendants(params, before)
-    d_each = [_descendants([p], before) for p in params]
+def _match(gm, idx, params, window, before, d_idx, pos) -> bool:
+    """Find the region's output among the nodes every expert weight and the indices reach, cut the
+    region, identify its form and replace it; False when no candidate works."""
+    d_each = [_reach([p], before) for p in params]
+    d_params = set().union(*d_each)
     candidates = sorted((c for c in set.intersection(*d_each) & d_idx if isinstance(c.meta.get("val"), torch.Tensor)
                          and c.meta["val"].ndim == 2 and c.meta["val"].dtype.is_floating_point), key=pos.__getitem__)
     k = idx.meta["val"].shape[1]
     for y in candidates[:8]:
         yv = y.meta["val"]
-        anc = _ancestors_within(y, window | d_params | {idx})
+        anc = _reach([y], window | d_params | {idx}, down=False)
         base = {n for n in (anc | {y}) if n in d_idx or n in d_params}
         # the weights may be computed from the indices (DeepSeek-V3 gathers the chosen scores): then
         # they are a (T, k) float node inside, cut out with what only they need
@@ -158,7 +124,7 @@ def _match(gm, idx, params, window, before, d_idx, pos) -> bool | None:
         for cut in cuts:
             region = set(base)
             if cut is not None:
-                region -= {cut} | _ancestors_within(cut, region)
+                region -= {cut} | _reach([cut], region, down=False)
             ext = _absorb(region, idx, params, yv, k)
             tensors = [a for a in ext.values() if isinstance(a.meta.get("val"), torch.Tensor)]
             xs = [a for a in tensors if a.meta["val"].shape == yv.shape and a.meta["val"].dtype.is_floating_point]
@@ -174,7 +140,7 @@ def _match(gm, idx, params, window, before, d_idx, pos) -> bool | None:
             continue
         _replace(gm, region, y, x, idx, w, [params[j] for j in order], form)
         return True
-    return None
+    return False
 
 
 def _is_weights(n, k) -> bool:
@@ -265,13 +231,12 @@ def _identify(gm, region, y, x, idx, w, params, others):
     sizes = [int(sympy.sympify(a.meta["val"].node.expr).subs(env)) if isinstance(a.meta.get("val"), torch.SymInt)
              else float(sympy.sympify(a.meta["val"].node.expr).subs(env)) for a in others]
     gen = torch.Generator().manual_seed(0)
-    dev = "cpu"
     xv = torch.randn(T, d, generator=gen, dtype=torch.float32).to(dtype)
     iv = torch.rand(T, E, generator=gen).argsort(1)[:, :k].to(idx.meta["val"].dtype)
     iv[0] = iv[1]  # two tokens with the same experts
     wv = torch.rand(T, k, generator=gen, dtype=torch.float32).to(w.meta["val"].dtype)
     pv = [(torch.randn(*p.meta["val"].shape, generator=gen) * 0.5).to(p.meta["val"].dtype) for p in params]
-    leaves = [t.to(dev).requires_grad_(True) for t in (xv, wv, *pv)]
+    leaves = [t.requires_grad_(True) for t in (xv, wv, *pv)]
     try:
         out = fn(leaves[0], iv, leaves[1], *leaves[2:], *sizes)
     except Exception:  # noqa: BLE001 - a region that does not run alone is not ours to replace
@@ -283,6 +248,8 @@ def _identify(gm, region, y, x, idx, w, params, others):
         g_ref = torch.autograd.grad(out, leaves, gy, allow_unused=True)
     except RuntimeError:
         return None, None
+    # the region and the oracle sum the same products in other orders (sorted slots, grouped GEMMs,
+    # index_add vs a loop): agreement to rounding of the dtype, far below what another form changes
     tol = 1e-4 if dtype == torch.float32 else (1e-9 if dtype == torch.float64 else 3e-2)
     acts = [_ACT_OPS[n.target] for n in region if n.op == "call_function" and n.target in _ACT_OPS]
     if any(n.target is aten.gelu.default and (n.kwargs.get("approximate") == "tanh" or

@@ -70,7 +70,6 @@ class Leaves:
         self.armed = False
         self.counted = set(counted)
         self.deferred: set[str] = set()  # tied across pipeline stages: counted after their sum
-        self.dp_group = pm._comm.groups.get("dp") if pm.mesh.size("dp") > 1 else None
         params = pm._params
         self.trainable = [f for f, p in params.items() if p.requires_grad]
         self.main: dict[str, torch.Tensor] = {}  # fqn -> flat fp32 view
@@ -106,10 +105,8 @@ class Leaves:
     # -- layout -----------------------------------------------------------------------------------
     def _make_buckets(self, params) -> list[_GradBucket]:
         pm = self.pm
-        dp = pm.mesh.size("dp")
         limit = int(pm.config.bucket_mb * 2**20)
         order = list(reversed(self.trainable))  # roughly the order backward finishes them
-        del dp
         by_axes: dict[tuple, list[str]] = {}  # the data-parallel axes a gradient is summed over -> its params
         for f in order:
             by_axes.setdefault(pm._reduce_axes(f) if pm._reduces_over_dp(f) else (), []).append(f)

@@ -90,7 +90,7 @@ class ThreadedCommunicator:
         self.log.append(("all_to_all", axis, tuple(x.shape)))
         parts = self._ex(axis, list(torch.split(x, list(in_rows))))
         me = self.rank(axis)
-        out = torch.cat([p[me] for p in parts]) if parts else x[:0]
+        out = torch.cat([p[me] for p in parts])
         assert out.shape[0] == sum(out_rows), (out.shape, out_rows)
         return out
 
