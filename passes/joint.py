@@ -238,16 +238,22 @@ def needed_by_backward(jg: JointGraph) -> list[str]:
 
 def _pinned(jg: JointGraph) -> set[str]:
     """Forward nodes that must be saved, never recomputed: random ops (they would draw other numbers),
-    in-place ops and the values they write (an FP8 amax history advanced in forward)."""
+    in-place ops, the values they write (an FP8 amax history advanced in forward) and what read those
+    values before the write."""
     from mcompile.passes.remat import _is_random, _mutated
 
     out = set()
+    order = {n: i for i, n in enumerate(jg.gm.graph.nodes)}
     for n in jg.gm.graph.nodes:
         if n.op != "call_function":
             continue
         if _is_random(n) or _mutated(n):
             out.add(n.name)
-        out.update(m.name for m in _mutated(n))
+        for m in _mutated(n):
+            out.add(m.name)
+            # what read the value before it was overwritten (``v /= v.sum()``: the sum): recomputed in
+            # backward it would read the new value, so it is saved
+            out.update(u.name for u in m.users if order[u] < order[n] and u.op == "call_function")
     return out
 
 

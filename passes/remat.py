@@ -125,6 +125,11 @@ def classify(joint: fx.GraphModule) -> tuple[set[str], set[str]]:
         for n in calls:  # an element of a forward op's tuple output (SDPA's logsumexp) is a forward value
             if n.target is operator.getitem and n.all_input_nodes and n.all_input_nodes[0] in anc:
                 anc.add(n)
+        order = {n: i for i, n in enumerate(calls)}
+        for n in calls:  # what read a forward value before an in-place op overwrote it (autograd's clone
+            if n in anc:  # of ``v`` for ``v /= s``) ran in forward: in backward it would read the new value
+                for m in _mutated(n):
+                    anc.update(u for u in m.users if u in order and order[u] < order[n])
         return {n.name for n in calls if n in anc}, {n.name for n in calls if n not in anc}
     tainted: set[fx.Node] = set()
     fwd: set[str] = set()
