@@ -44,6 +44,7 @@ class CollectiveKind(StrEnum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE_MAX = "all_reduce_max"
+    ALL_TO_ALL = "all_to_all"
     NONE = "none"
 
 
@@ -52,6 +53,7 @@ class CollectiveSpec:
     """One collective node of a per-rank program (stored in node.meta[mcompile.meta.COLLECTIVE])."""
 
     op: str  # the custom op: all_reduce | all_reduce_max | all_gather | reduce_scatter | shard_slice | copy_ar_bwd
+    #          | moe_ep (an MoE layer over ep: its counts, dispatch and combine all-to-alls, one spec each)
     forward: str  # CollectiveKind run in forward ("none" for f / slice)
     backward: str  # CollectiveKind its backward runs ("none" when it has no gradient or a local one)
     axis: str

@@ -182,6 +182,17 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
         specs.append(spec)
         return node
 
+    def record_collectives(node: fx.Node, origin: fx.Node, axis_i: int, parts: list) -> None:
+        """Specs of the collectives one emitted node runs inside (an MoE dispatch): ``parts`` are
+        (forward kind, backward kind, meta of the moved tensor, placements, purpose)."""
+        for fwd, bwd, meta_val, pl, purpose in parts:
+            specs.append(CollectiveSpec(
+                op=node.target.__name__, forward=str(fwd), backward=str(bwd), axis=axes[axis_i].name, dim=0,
+                bytes=nbytes_expr(meta_val, pl, axis_i), node=node.name, origin=origin.name,
+                layer=layer_index(origin), purpose=purpose))
+
+    emit_collective.record = record_collectives
+
     def fetch(a: fx.Node, want: tuple, partial_grad: tuple) -> fx.Node:
         """The local value of ``a`` in placements ``want`` (per axis)."""
         cur = list(place[a.name])
@@ -197,7 +208,8 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                 # Partial -> Replicate is an all-reduce. The step's loss is the sum of the ranks'
                 # (the runtime adds them), so its adjoint is an all-reduce too (copy_ar_bwd).
                 c, w = cur[i], want[i]
-                if isinstance(c, Partial) and isinstance(w, Replicate) and c.reduce_op in ("sum", "avg"):
+                if isinstance(c, Partial) and isinstance(w, Replicate) and c.reduce_op in ("sum", "avg") \
+                        and ax.size > 1:
                     key = (a.name, tuple(cur), i, w, False)
                     if key not in cache:
                         v = val
@@ -334,7 +346,7 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                 per_out = [tuple(p[k] if isinstance(p, tuple) else p for p in out_pl) for k in range(len(vals))]
                 shapes = [[sym(s) for s in local_shape(v, pl)] for v, pl in zip(vals, per_out)]
                 args, kwargs = loc(args, kwargs, None, out_pl, shapes, None)
-            new = g.call_function(node.target, tuple(args), dict(kwargs))
+            new = _call(g, node, tuple(args), dict(kwargs), device)
         _copy_meta(node, new)
         env[node.name] = new
         place[node.name] = out_pl
@@ -344,6 +356,18 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
     gm.meta[M.EMITTED_FOR] = emitted  # for mcompile.repeat: which captured node each node implements
     gm.meta[M.VALUE_OF] = {k: v.name for k, v in env.items() if isinstance(v, fx.Node)}
     return gm, specs
+
+
+def _call(g: fx.Graph, node: fx.Node, args: tuple, kwargs: dict, device) -> fx.Node:
+    """The op on local pieces, adapted to the device it will run on: a model captured on the meta device
+    may have taken a branch for accelerators (transformers' load-balancing loss counts with ``histc``
+    on int32 there, which the CPU kernel refuses: counted in float32 on the CPU, exact to 2**24)."""
+    if (node.target is aten.histc.default and device is not None and torch.device(device).type == "cpu"
+            and not node.args[0].meta["val"].dtype.is_floating_point):
+        x = g.call_function(aten._to_copy.default, (args[0],), {"dtype": torch.float32})
+        h = g.call_function(aten.histc.default, (x, *args[1:]), kwargs)
+        return g.call_function(aten._to_copy.default, (h,), {"dtype": node.meta["val"].dtype})
+    return g.call_function(node.target, args, kwargs)
 
 
 def _copy_meta(node: fx.Node, new: fx.Node):
@@ -366,6 +390,13 @@ def _arg(x, want, env, sym, device, glob=None):
             if glob is not None and isinstance(e, sympy.Expr):
                 e = e.subs(glob)  # a size read as a value (count / numel): the whole batch's
             return sym(e)
+        if isinstance(v, torch.SymFloat) and glob is not None:
+            # a float size (transformers' load-balancing loss adds 0.0 + rows per layer): the integer
+            # expression under torch's ToFloat, globalised and rebuilt; aten divides by an int alike
+            e = v.node.expr.replace(lambda t: type(t).__name__ == "ToFloat", lambda t: t.args[0])
+            if not e.free_symbols or not all(c.is_integer for c in e.atoms(sympy.Number)):
+                return env[x.name]
+            return sym(e.subs(glob))
         return env[x.name]
     return x
 
@@ -466,14 +497,22 @@ def _meta_like(x_node: fx.Node, keep_last):
 
 def moe_expert_parallel(g, node, want, ax: AxisInfo, emit, ax_i, place, device):
     """An MoE layer over ``ep``: this rank's tokens dispatched to the ranks of their experts and back
-    (mcompile.moe.moe_ep: the counts, then two all-to-alls forward and two backward)."""
+    (mcompile.moe.moe_ep: the counts, then two all-to-alls forward and two backward). The plan records
+    the three: the counts (E int64), the dispatch and the combine (every routed slot's token row: its
+    bytes are what a rank sends, its own experts' share included)."""
     from mcompile.moe import moe_ep_call
 
     ins = tensor_input_nodes(node)
+    x, idx = (a.meta["val"] for a in ins[:2])
     E = int(ins[3].meta["val"].shape[0])
-    args = tuple(want[a.name] for a in ins)
-    return g.call_function(moe_ep_call, args, {"form": node.kwargs["form"], "n_experts": E, "axis": ax.name,
-                                                "n": ax.size})
+    new = g.call_function(moe_ep_call, tuple(want[a.name] for a in ins),
+                          {"form": node.kwargs["form"], "n_experts": E, "axis": ax.name, "n": ax.size})
+    rows = SimpleNamespace(shape=(x.shape[0] * idx.shape[1], x.shape[1]), dtype=x.dtype, ndim=2)
+    counts = SimpleNamespace(shape=(E,), dtype=torch.int64, ndim=1)
+    pl, a2a, none = place[ins[0].name], CollectiveKind.ALL_TO_ALL, CollectiveKind.NONE
+    emit.record(new, node, ax_i, [(a2a, none, counts, (R,) * len(pl), "moe: tokens per expert"),
+                                  (a2a, a2a, rows, pl, "moe: dispatch"), (a2a, a2a, rows, pl, "moe: combine")])
+    return new
 
 
 LOWERINGS = {

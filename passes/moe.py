@@ -201,6 +201,10 @@ def _concrete(shape, env):
     return [int(sympy.sympify(s.node.expr).subs(env)) if isinstance(s, torch.SymInt) else int(s) for s in shape]
 
 
+def _histc(x, bins=100, min=0, max=0):  # noqa: A002 - aten's names
+    return torch.histc(x.float(), bins, min, max).to(x.dtype if x.is_floating_point() else torch.float32)
+
+
 def _on_cpu(a):
     return torch.device("cpu") if isinstance(a, torch.device) else a
 
@@ -217,6 +221,8 @@ def _region_fn(gm, region, y, inputs, others):
             # a capture on the meta device (parallelize) names it in factories: evaluate on the CPU
             c.args = fx.node.map_aggregate(c.args, _on_cpu)
             c.kwargs = fx.node.map_aggregate(c.kwargs, _on_cpu)
+            if n.target is aten.histc.default:  # traced on meta/CUDA for ints, which the CPU kernel refuses
+                c.target = _histc
     g.output(env[y])
     return fx.GraphModule(torch.nn.Module(), g)
 

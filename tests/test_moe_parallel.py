@@ -51,9 +51,9 @@ def _check(kind, mesh, ep):
         assert local[k] * ep * tp == full[k], (k, local[k], full[k])
 
 
-CASES = [("mixtral", "ep=2"), ("deepseek", "ep=2"), ("mixtral", "dp=2,ep=2"), ("mixtral", "ep=2,tp=2"),
-         ("mixtral", "ep=4")]
-CI = [("mixtral", "ep=2"), ("deepseek", "ep=2")]
+CASES = [("mixtral", "ep=2"), ("deepseek", "ep=2"), ("hf-mixtral", "ep=2"), ("mixtral", "dp=2,ep=2"),
+         ("mixtral", "ep=2,tp=2"), ("mixtral", "ep=4"), ("deepseek", "ep=2,tp=2"), ("hf-mixtral", "dp=2,ep=2")]
+CI = [("mixtral", "ep=2"), ("deepseek", "ep=2"), ("hf-mixtral", "ep=2")]
 
 
 @pytest.mark.timeout(900)

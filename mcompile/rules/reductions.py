@@ -121,3 +121,15 @@ def scatter_add(info: OpInfo) -> list[Strategy]:
         if d != dim and info.inputs[0].shape[d] == info.inputs[1].shape[d]:
             out.append(Strategy((Shard(d), Shard(d), Shard(d)), (Shard(d),), name="other_dim"))
     return out + [Strategy((R, R, R), (R,), name="replicate")]
+
+
+@rule(aten.histc.default)
+def histc(info: OpInfo) -> list[Strategy]:
+    """A histogram with fixed bounds of a split input is the sum of the pieces' histograms (Partial);
+    bounds taken from the data (min == max) are the data's own, so the input must be whole."""
+    lo, hi = info.arg(2, "min", 0), info.arg(3, "max", 0)
+    out = []
+    if lo != hi:
+        out = [Strategy((Shard(d),), (Partial("sum"),), name="histogram") for d in range(info.inputs[0].ndim)]
+        out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    return out + [Strategy((R,), (R,), name="replicate")]
