@@ -40,6 +40,12 @@ class DistCommunicator:
     def rank(self, axis: str) -> int:
         return self.ranks[axis]
 
+    def add_group(self, name: str, group) -> None:
+        """A process group under a name of its own (the runtime's "data": dp x ep flattened)."""
+        self.groups[name] = group
+        self.ranks[name] = dist.get_rank(group)
+        self.sizes[name] = dist.get_world_size(group)
+
     def all_reduce(self, x: torch.Tensor, axis: str, op: str) -> torch.Tensor:
         out = x.clone()
         rec = self.recorder

@@ -74,9 +74,9 @@ class ParallelModule(torch.nn.Module):
             self._data_size, self._data_coord = self._data_size * self.mesh.size(a), \
                 self._data_coord * self.mesh.size(a) + self._coords[a]
         if len(self._data_axes) == 2:
-            self._comm.groups["data"] = device_mesh[self._data_axes]._flatten("data").get_group()
+            self._comm.add_group("data", device_mesh[self._data_axes]._flatten("data").get_group())
         elif self._data_axes:
-            self._comm.groups["data"] = self._comm.groups[self._data_axes[0]]
+            self._comm.add_group("data", self._comm.groups[self._data_axes[0]])
         self._has_moe_ep = self.mesh.size("ep") > 1
         if self._has_moe_ep:
             _check_ep_config(config, self.mesh)
