@@ -39,7 +39,8 @@ class Compiled:
             AxisInfo(ap.policy.axis, ap.policy.size, coords[ap.policy.axis], ap.result,
                      inputs_presharded=ap.policy.shard_inputs_dim0,
                      loss_replicated=not ap.policy.shard_inputs_dim0,
-                     vocab_pad_multiple=self.plan.options.vocab_pad_multiple)
+                     vocab_pad_multiple=self.plan.options.vocab_pad_multiple,
+                     moe=(self.plan.options.moe_dispatcher, self.plan.options.moe_capacity_factor))
             for ap in self.axes
         ]
 
@@ -164,6 +165,8 @@ def compile_plan(
     repeat_blocks: bool = True,
     capture_cache: bool = False,
     share=None,
+    moe_dispatcher: str = "alltoall",
+    moe_capacity_factor: float = 0.0,
 ) -> Compiled:
     """Capture, plan and lower (rank 0's program; others on demand).
 
@@ -197,7 +200,8 @@ def compile_plan(
         annotation = annotate(cap.gm, reuse=True)
     sp = sequence_parallel and mesh.size("tp") > 1
     options = PlanOptions(sequence_parallel=sp, sp_variant=SPVariant.SAVE_GATHERED,
-                          vocab_pad_multiple=vocab_pad_multiple)
+                          vocab_pad_multiple=vocab_pad_multiple, moe_dispatcher=moe_dispatcher,
+                          moe_capacity_factor=moe_capacity_factor)
     plan = assemble_plan(cap, mesh, axes, options, overrides)
     plan.inputs = input_specs(cap.input_names, example_inputs, example_kwargs)  # what estimate(plan, model) needs
     compiled = Compiled(cap, plan, mesh, axes, canon, annotation, short=short)
@@ -346,6 +350,7 @@ def parallelize(
         pipeline_granularity=config.pipeline_granularity, layers_per_stage=config.layers_per_stage,
         stage_cuts=config.stage_cuts, pipeline_seq=config.pipeline_seq, for_runtime=True,
         capture_cache=config.capture_cache, share=_from_rank0 if world > 1 else None,
+        moe_dispatcher=config.moe_dispatcher, moe_capacity_factor=config.moe_capacity_factor,
     )
     # every rank planned on its own: they must agree, or collectives would not match (a hang)
     digest = hashlib.sha256(compiled.plan.to_json().encode()).hexdigest()

@@ -73,6 +73,13 @@ class Config:
     # $MCOMPILE_CACHE, default ~/.cache/mcompile/captures) and broadcasts it (mcompile.capture_cache);
     # False: rank 0 still captures for all, but neither reads nor writes the on-disk cache
     capture_cache: bool = True
+    # mixture-of-experts layers over an "ep" axis (mcompile.moe): "alltoall" (Megatron's all-to-all token
+    # dispatcher: each routed slot moves to its expert's rank and back) or "allgather" (every rank gathers
+    # all tokens and runs its experts on theirs: no data-dependent sizes, ep times the bytes; for small ep)
+    moe_dispatcher: str = "alltoall"
+    # 0: dropless; > 0: each expert takes at most ceil(factor * local slots / experts) slots per rank, the
+    # rest dropped (counted: pm.moe_dropped)
+    moe_capacity_factor: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -85,6 +92,12 @@ class Config:
         if self.recompute == "auto" and (self.activation_budget is None or self.activation_budget < 0):
             raise ValueError("recompute='auto' needs activation_budget=<bytes of saved activations per rank and "
                              "microbatch> (>= 0)")
+        if self.moe_dispatcher not in ("alltoall", "allgather"):
+            raise ValueError(f"moe_dispatcher={self.moe_dispatcher!r}: use 'alltoall' or 'allgather'")
+        if not isinstance(self.moe_capacity_factor, int | float) or isinstance(self.moe_capacity_factor, bool) \
+                or self.moe_capacity_factor < 0:
+            raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor!r}: use 0 (dropless) or a factor > 0 "
+                             "(1.0: each expert takes its even share of the routed slots)")
         if self.execution not in ("joint", "autograd"):
             raise ValueError(f"execution={self.execution!r}: use 'joint' (default) or 'autograd' (the fallback)")
         if self.recompute == "auto" and self.execution != "joint":

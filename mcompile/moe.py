@@ -10,6 +10,7 @@ all-to-all dispatch of :mod:`mcompile.runtime.moe`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -203,6 +204,7 @@ STASH = _Stash()
 
 def clear_stash() -> None:
     STASH.items.clear()
+    MoEStats.reset()
 
 
 def _a2a(x: torch.Tensor, out_rows: list[int], in_rows: list[int], axis: str) -> torch.Tensor:
@@ -211,81 +213,158 @@ def _a2a(x: torch.Tensor, out_rows: list[int], in_rows: list[int], axis: str) ->
     return ops.current().all_to_all(x.contiguous(), out_rows, in_rows, axis)
 
 
-def ep_dispatch_forward(x, idx, weights, ws, form: ExpertForm, n_experts: int, axis: str, n: int):
+def _local_experts(form: ExpertForm, offs: torch.Tensor):
+    """The local experts as a function of (rows grouped by local expert, *expert weights), for
+    ``torch.func.vjp``: inside a custom op autograd records nothing, so the backward comes from the vjp."""
+    from mcompile.models.moe import grouped_mm_reference
+
+    def run(xl, *lw):
+        return expert_ffn(xl, list(lw), form, offs, grouped_mm_reference)
+
+    return run
+
+
+def capacity_keep(idx: torch.Tensor, n_experts: int, factor: float) -> torch.Tensor:
+    """(T, k) bool: the routed slots an expert takes under a capacity of ``ceil(factor * T * k / E)``
+    slots (GShard, Lepikhin et al. 2020; Megatron's ``--moe-expert-capacity-factor`` with the
+    "position" drop policy: an expert keeps its first slots in token order, the rest are dropped:
+    their tokens get nothing from it). ``factor <= 0``: dropless, every slot kept."""
+    T, k = idx.shape
+    if factor <= 0:
+        return torch.ones_like(idx, dtype=torch.bool)
+    cap = math.ceil(factor * T * k / n_experts)
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    place = torch.empty_like(flat)
+    place[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    return (place < cap).view(T, k)
+
+
+class MoEStats:
+    """Routed slots dropped by capacity, per rank, since :meth:`reset` (the runtime resets it at
+    every train_step: ``pm.moe_dropped`` is this rank's count of the last step)."""
+
+    dropped = 0
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.dropped = 0
+
+
+def _alltoall_forward(x, idx, weights, ws, form, n_experts, axis, n, capacity):
     """Megatron's all-to-all token dispatcher (Megatron Core ``MoEAlltoAllTokenDispatcher``, our
     code): each rank holds experts ``[r E/n, (r+1) E/n)``. The (token, choice) slots are sorted by
     expert (so by destination rank); the counts per expert are exchanged first (one all-to-all of
     E integers), then the tokens (all-to-all with variable splits), grouped by local expert on
     arrival, run through the local experts as grouped GEMMs, sent back (the second all-to-all),
-    weighted and added to their tokens. Dropless."""
+    weighted and added to their tokens."""
     from mcompile import ops
 
     comm = ops.current()
-    E_l = n_experts // n
-    k = idx.shape[1]
+    E_l, k = n_experts // n, idx.shape[1]
+    keep = capacity_keep(idx, n_experts, capacity).reshape(-1)
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
+    order = order[keep[order]]  # dropped slots are not sent
+    MoEStats.dropped += int(keep.numel() - order.numel())
     token = torch.div(order, k, rounding_mode="floor")
-    counts = torch.bincount(flat, minlength=n_experts).to(torch.long)
+    counts = torch.bincount(flat[order], minlength=n_experts).to(torch.long)
     recv = comm.all_to_all(counts.view(n, E_l).contiguous(), [1] * n, [1] * n, axis)  # (n, E_l): from s to my e
-    send_rows = counts.view(n, E_l).sum(1).tolist()
-    recv_rows = recv.sum(1).tolist()
+    send_rows, recv_rows = counts.view(n, E_l).sum(1).tolist(), recv.sum(1).tolist()
     xr = _a2a(x[token], recv_rows, send_rows, axis)
     expert_of_row = torch.repeat_interleave(torch.arange(E_l, device=x.device).repeat(n), recv.reshape(-1))
     perm = torch.argsort(expert_of_row, stable=True)
-    offs = torch.cumsum(recv.sum(0), 0)
-    # the local experts' vjp (torch.func: inside a custom op autograd records nothing)
-    from mcompile.models.moe import grouped_mm_reference
-
-    def local(xl, *lw):
-        return expert_ffn(xl, list(lw), form, offs, grouped_mm_reference)
-
-    yl, vjp = torch.func.vjp(local, xr[perm], *ws)
+    yl, vjp = torch.func.vjp(_local_experts(form, torch.cumsum(recv.sum(0), 0)), xr[perm], *ws)
     yr = torch.empty_like(yl)
     yr[perm] = yl
     ys = _a2a(yr, send_rows, recv_rows, axis)
     wsorted = weights.reshape(-1)[order]
     out = torch.zeros_like(x).index_add(0, token, (ys * wsorted.unsqueeze(-1).to(ys.dtype)).to(x.dtype))
-    state = {"order": order, "token": token, "send": send_rows, "recv": recv_rows, "perm": perm, "ys": ys,
-             "wsorted": wsorted, "vjp": vjp, "shape": weights.shape}
-    return out, state
+    return out, {"kind": "alltoall", "order": order, "token": token, "send": send_rows, "recv": recv_rows,
+                 "perm": perm, "ys": ys, "wsorted": wsorted, "vjp": vjp, "shape": weights.shape}
 
 
-def ep_dispatch_backward(g, state, axis: str):
+def _alltoall_backward(g, state, axis: str):
     order, token, perm = state["order"], state["token"], state["perm"]
     send_rows, recv_rows = state["send"], state["recv"]
     ys, wsorted = state["ys"], state["wsorted"]
     gt = g[token].to(ys.dtype)
-    dws_sorted = (gt * ys).sum(-1)
-    dweights = torch.zeros_like(wsorted).index_put_((order,), dws_sorted.to(wsorted.dtype)).view(state["shape"])
-    gys = gt * wsorted.unsqueeze(-1).to(ys.dtype)
-    gyr = _a2a(gys, recv_rows, send_rows, axis)
-    grads = state["vjp"](gyr[perm].contiguous())
-    dxl, dws = grads[0], list(grads[1:])
+    dweights = torch.zeros(state["shape"].numel(), dtype=wsorted.dtype, device=g.device)
+    dweights = dweights.index_put_((order,), (gt * ys).sum(-1).to(wsorted.dtype)).view(state["shape"])
+    gyr = _a2a(gt * wsorted.unsqueeze(-1).to(ys.dtype), recv_rows, send_rows, axis)
+    dxl, *dws = state["vjp"](gyr[perm].contiguous())
     dxr = torch.empty_like(dxl)
     dxr[perm] = dxl
     dxs = _a2a(dxr, send_rows, recv_rows, axis)
     dx = torch.zeros(g.shape, dtype=dxs.dtype, device=g.device).index_add(0, token, dxs).to(g.dtype)
-    return dx, dweights, dws
+    return dx, dweights, list(dws)
+
+
+def _allgather_forward(x, idx, weights, ws, form, n_experts, axis, n, capacity):
+    """Megatron's all-gather token dispatcher (``MoEAllGatherTokenDispatcher``), for small ep: every
+    rank gathers all ranks' tokens, routings and weights, runs its own experts on the slots routed to
+    them, and the outputs are reduce-scattered back (each slot is computed on exactly one rank). No
+    data-dependent split sizes, more bytes: ``n`` times the tokens instead of the routed slots."""
+    from mcompile import ops
+
+    comm = ops.current()
+    E_l, k = n_experts // n, idx.shape[1]
+    keep = capacity_keep(idx, n_experts, capacity)
+    MoEStats.dropped += int((~keep).sum())
+    x_all = comm.all_gather(x.contiguous(), 0, axis)
+    idx_all = comm.all_gather(torch.where(keep, idx, -1).contiguous(), 0, axis).reshape(-1)
+    w_all = comm.all_gather(weights.contiguous(), 0, axis).reshape(-1)
+    lo = comm.rank(axis) * E_l
+    mine = ((idx_all >= lo) & (idx_all < lo + E_l)).nonzero().squeeze(1)
+    order = mine[torch.argsort(idx_all[mine], stable=True)]
+    token = torch.div(order, k, rounding_mode="floor")
+    offs = torch.cumsum(torch.bincount(idx_all[order] - lo, minlength=E_l), 0)
+    yl, vjp = torch.func.vjp(_local_experts(form, offs), x_all[token], *ws)
+    wsorted = w_all[order]
+    out_all = torch.zeros_like(x_all).index_add(0, token, (yl * wsorted.unsqueeze(-1).to(yl.dtype)).to(x.dtype))
+    out = comm.reduce_scatter(out_all, 0, axis)
+    return out, {"kind": "allgather", "order": order, "token": token, "ys": yl, "wsorted": wsorted, "vjp": vjp,
+                 "rows": x_all.shape[0], "k": k}
+
+
+def _allgather_backward(g, state, axis: str):
+    from mcompile import ops
+
+    comm = ops.current()
+    order, token, ys, wsorted = state["order"], state["token"], state["ys"], state["wsorted"]
+    gt = comm.all_gather(g.contiguous(), 0, axis)[token].to(ys.dtype)
+    dw_all = torch.zeros(state["rows"] * state["k"], dtype=wsorted.dtype, device=g.device)
+    dw_all = dw_all.index_put_((order,), (gt * ys).sum(-1).to(wsorted.dtype)).view(state["rows"], state["k"])
+    dweights = comm.reduce_scatter(dw_all, 0, axis)
+    dxs, *dws = state["vjp"]((gt * wsorted.unsqueeze(-1).to(ys.dtype)).contiguous())
+    dx_all = torch.zeros((state["rows"], g.shape[1]), dtype=dxs.dtype, device=g.device).index_add(0, token, dxs)
+    return comm.reduce_scatter(dx_all, 0, axis).to(g.dtype), dweights, list(dws)
+
+
+_DISPATCHERS = {"alltoall": (_alltoall_forward, _alltoall_backward),
+                "allgather": (_allgather_forward, _allgather_backward)}
 
 
 @torch.library.custom_op("mcompile::moe_ep", mutates_args=())
 def moe_ep(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, ws: list[torch.Tensor], form: str,
-           n_experts: int, axis: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    out, state = ep_dispatch_forward(x, idx, weights, ws, ExpertForm.parse(form), n_experts, axis, n)
+           n_experts: int, axis: str, n: int, dispatcher: str, capacity: float) -> tuple[torch.Tensor, torch.Tensor]:
+    forward, _ = _DISPATCHERS[dispatcher]
+    out, state = forward(x, idx, weights, ws, ExpertForm.parse(form), n_experts, axis, n, capacity)
     return out, torch.tensor([STASH.put(state)], dtype=torch.int64)
 
 
 @moe_ep.register_fake
-def _(x, idx, weights, ws, form, n_experts, axis, n):
+def _(x, idx, weights, ws, form, n_experts, axis, n, dispatcher, capacity):
     return torch.empty_like(x), x.new_empty((1,), dtype=torch.int64)
 
 
 @torch.library.custom_op("mcompile::moe_ep_backward", mutates_args=())
 def moe_ep_backward(g: torch.Tensor, handle: torch.Tensor, weights: torch.Tensor, ws: list[torch.Tensor],
                     axis: str) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    dx, dweights, dws = ep_dispatch_backward(g, STASH.pop(int(handle.item())), axis)
-    return dx, dweights, dws
+    state = STASH.pop(int(handle.item()))
+    return _DISPATCHERS[state["kind"]][1](g, state, axis)
 
 
 @moe_ep_backward.register_fake
@@ -294,20 +373,20 @@ def _(g, handle, weights, ws, axis):
 
 
 def _ep_setup(ctx, inputs, output):
-    x, idx, weights, ws, form, n_experts, axis, n = inputs
-    ctx.axis = axis
-    ctx.save_for_backward(output[1], weights, *ws)
+    ctx.axis = inputs[6]
+    ctx.save_for_backward(output[1], inputs[2], *inputs[3])
 
 
 def _ep_backward(ctx, g, _g_handle):
     handle, weights, *ws = ctx.saved_tensors
     dx, dweights, dws = moe_ep_backward(g.contiguous(), handle, weights, list(ws), ctx.axis)
-    return dx, None, dweights, list(dws), None, None, None, None
+    return dx, None, dweights, list(dws), None, None, None, None, None, None
 
 
 torch.library.register_autograd("mcompile::moe_ep", _ep_backward, setup_context=_ep_setup)
 
 
-def moe_ep_call(x, idx, weights, *ws, form: str, n_experts: int, axis: str, n: int):
+def moe_ep_call(x, idx, weights, *ws, form: str, n_experts: int, axis: str, n: int, dispatcher: str = "alltoall",
+                capacity: float = 0.0):
     """What an ``ep`` lowering emits: the dispatch op's output (its handle goes to the backward)."""
-    return moe_ep(x, idx, weights, list(ws), form, n_experts, axis, n)[0]
+    return moe_ep(x, idx, weights, list(ws), form, n_experts, axis, n, dispatcher, float(capacity))[0]

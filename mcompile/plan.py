@@ -128,6 +128,8 @@ class PlanOptions:
     sequence_parallel: bool = False
     sp_variant: SPVariant = SPVariant.SAVE_GATHERED
     vocab_pad_multiple: int = 128  # a vocab that tp does not divide: padded to a multiple of tp * this (Megatron's 128)
+    moe_dispatcher: str = "alltoall"  # MoE layers over ep: "alltoall" | "allgather" (mcompile.moe)
+    moe_capacity_factor: float = 0.0  # 0: dropless
 
 
 @dataclass
@@ -210,7 +212,8 @@ class Plan:
             mesh=dict(d["mesh"]), params=params,
             activations={k: tuple(_parse(x) for x in v) for k, v in d["activations"].items()},
             collectives=[CollectiveSpec(**c) for c in d["collectives"]],
-            options=PlanOptions(opts["sequence_parallel"], SPVariant(opts["sp_variant"]), opts["vocab_pad_multiple"]),
+            options=PlanOptions(opts["sequence_parallel"], SPVariant(opts["sp_variant"]), opts["vocab_pad_multiple"],
+                                opts.get("moe_dispatcher", "alltoall"), opts.get("moe_capacity_factor", 0.0)),
             model=d["model"], fallbacks=list(d["fallbacks"]), overrides=dict(d["overrides"]),
             stage_cuts=list(d["stage_cuts"]), recompute=list(d["recompute"]), schedule=d["schedule"],
             pipeline=dict(d.get("pipeline", {})),

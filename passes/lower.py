@@ -56,6 +56,7 @@ class AxisInfo:
     inputs_presharded: bool  # dp: the program's inputs are already this rank's slice
     loss_replicated: bool  # grads of replicated values are exact (tp), not partial (dp)
     vocab_pad_multiple: int = 1  # a Shard dim that does not divide: padded to size * this (PlanOptions)
+    moe: tuple = ("alltoall", 0.0)  # MoE layers over this axis (ep): dispatcher, capacity factor (PlanOptions)
 
     def local_size(self, size: int, p) -> int:
         """This rank's share of a static dim of ``size`` placed ``p`` (Shard or BlockShard) on this
@@ -497,21 +498,31 @@ def _meta_like(x_node: fx.Node, keep_last):
 
 def moe_expert_parallel(g, node, want, ax: AxisInfo, emit, ax_i, place, device):
     """An MoE layer over ``ep``: this rank's tokens dispatched to the ranks of their experts and back
-    (mcompile.moe.moe_ep: the counts, then two all-to-alls forward and two backward). The plan records
-    the three: the counts (E int64), the dispatch and the combine (every routed slot's token row: its
-    bytes are what a rank sends, its own experts' share included)."""
+    (mcompile.moe.moe_ep). The plan records its collectives, bytes as this rank's input: for the
+    all-to-all dispatcher the counts (E int64), the dispatch and the combine (every routed slot's token
+    row, its own experts' share included), each an all-to-all forward and backward; for the all-gather
+    one the tokens, routing and weights gathered and the outputs reduce-scattered."""
     from mcompile.moe import moe_ep_call
 
     ins = tensor_input_nodes(node)
     x, idx = (a.meta["val"] for a in ins[:2])
     E = int(ins[3].meta["val"].shape[0])
+    dispatcher, capacity = ax.moe
     new = g.call_function(moe_ep_call, tuple(want[a.name] for a in ins),
-                          {"form": node.kwargs["form"], "n_experts": E, "axis": ax.name, "n": ax.size})
-    rows = SimpleNamespace(shape=(x.shape[0] * idx.shape[1], x.shape[1]), dtype=x.dtype, ndim=2)
-    counts = SimpleNamespace(shape=(E,), dtype=torch.int64, ndim=1)
+                          {"form": node.kwargs["form"], "n_experts": E, "axis": ax.name, "n": ax.size,
+                           "dispatcher": dispatcher, "capacity": capacity})
     pl, a2a, none = place[ins[0].name], CollectiveKind.ALL_TO_ALL, CollectiveKind.NONE
-    emit.record(new, node, ax_i, [(a2a, none, counts, (R,) * len(pl), "moe: tokens per expert"),
-                                  (a2a, a2a, rows, pl, "moe: dispatch"), (a2a, a2a, rows, pl, "moe: combine")])
+    if dispatcher == "alltoall":
+        rows = SimpleNamespace(shape=(x.shape[0] * idx.shape[1], x.shape[1]), dtype=x.dtype, ndim=2)
+        counts = SimpleNamespace(shape=(E,), dtype=torch.int64, ndim=1)
+        parts = [(a2a, none, counts, (R,) * len(pl), "moe: tokens per expert"),
+                 (a2a, a2a, rows, pl, "moe: dispatch"), (a2a, a2a, rows, pl, "moe: combine")]
+    else:  # every rank's tokens gathered (with their routing), the outputs reduce-scattered back
+        ag, rs = CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER
+        w = SimpleNamespace(shape=tuple(idx.shape), dtype=torch.float32, ndim=2)
+        parts = [(ag, rs, x, pl, "moe: gather tokens"), (ag, none, idx, pl, "moe: gather routing"),
+                 (ag, rs, w, pl, "moe: gather weights"), (rs, ag, x, pl, "moe: reduce-scatter outputs")]
+    emit.record(new, node, ax_i, parts)
     return new
 
 

@@ -78,6 +78,7 @@ class ParallelModule(torch.nn.Module):
         elif self._data_axes:
             self._comm.add_group("data", self._comm.groups[self._data_axes[0]])
         self._has_moe_ep = self.mesh.size("ep") > 1
+        self.moe_dropped = 0  # routed slots dropped by capacity on this rank in the last step (moe_capacity_factor)
         if self._has_moe_ep:
             _check_ep_config(config, self.mesh)
         self._device = torch.device("cuda", torch.cuda.current_device()) if device_mesh.device_type == "cuda" \
@@ -409,6 +410,10 @@ class ParallelModule(torch.nn.Module):
             with self._comm.timed("all_reduce", "dp", stats):
                 dist.all_reduce(stats, group=self._comm.groups["data"])
         leaves.finish(1.0 / stats[1], self._tp_partial)
+        if self._has_moe_ep:
+            from mcompile.moe import MoEStats
+
+            self.moe_dropped = MoEStats.dropped  # routed slots this rank's capacity dropped in this step
         return (stats[0] / stats[1]).detach()
 
     @torch.no_grad()

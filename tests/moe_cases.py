@@ -77,3 +77,20 @@ def ep_reference(kind, steps=2):
         losses.append(loss.item())
     full = {k: p.numel() for k, p in model.named_parameters()}
     return losses, grads, full
+
+
+def profiled_ep_step(rank, world, kind, mesh, options=None):
+    """One train_step (after a warm-up) under torch.profiler: the c10d collectives it ran, by name, and
+    the plan's MoE collective specs."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    model, inputs = moe_model(kind)
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **(options or {}))
+    pm.train_step(*inputs)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        pm.train_step(*inputs)
+    names = collections.Counter(e.name for e in prof.events() if e.name.startswith("c10d::"))
+    return dict(names), [(c.purpose, c.forward, c.backward, c.axis) for c in pm.plan.collectives
+                         if c.purpose.startswith("moe")]

@@ -74,3 +74,104 @@ def test_ep_not_dividing_the_experts_lists_the_valid_sizes():
     model, inputs = moe_cases.moe_model("mixtral")
     with pytest.raises(mc.PlanError, match=r"ep=3 does not divide the 4 experts.*valid ep sizes: 1, 2, 4"):
         mc.plan(model, mc.Mesh.fake(ep=3), inputs)
+
+
+def _keep_oracle(idx: torch.Tensor, E: int, factor: float) -> torch.Tensor:
+    """Slot by slot in token order: an expert keeps its first ceil(factor * T * k / E) slots."""
+    import math
+
+    T, k = idx.shape
+    cap = math.ceil(factor * T * k / E) if factor > 0 else T * k
+    taken = [0] * E
+    keep = torch.zeros(T, k, dtype=torch.bool)
+    for t in range(T):
+        for j in range(k):
+            e = int(idx[t, j])
+            keep[t, j] = taken[e] < cap
+            taken[e] += 1
+    return keep
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dispatcher,factor", [("alltoall", 0.0), ("allgather", 0.0), ("alltoall", 0.75),
+                                               ("allgather", 0.75), ("alltoall", 8.0)])
+def test_dispatchers_and_capacity_against_a_loop_over_experts(dispatcher, factor):
+    """Two ranks (threads) each route their own tokens, skewed towards expert 0, to 4 experts held 2 a
+    rank; every output and gradient equals the loop oracle on the slots the capacity keeps (the
+    dropped slots' weights zeroed), and the dropped count equals the oracle's."""
+    from mcompile.mesh import Mesh
+    from mcompile.moe import ExpertForm, MoEStats, moe_ep_call, moe_reference
+    from mcompile.runtime.sim import ThreadedWorld, run_threads
+
+    E, d, h, k, T, n = 4, 8, 6, 2, 12, 2
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(E, h, d, generator=gen) * 0.3, torch.randn(E, h, d, generator=gen) * 0.3,
+          torch.randn(E, d, h, generator=gen) * 0.3]
+    xs = [torch.randn(T, d, generator=gen) for _ in range(n)]
+    idxs = []
+    for _ in range(n):
+        scores = torch.rand(T, E, generator=gen)
+        scores[:, 0] += 0.5  # expert 0 is everyone's favourite: it overflows a small capacity
+        idxs.append(scores.topk(k, dim=-1).indices)
+    wts = [torch.rand(T, k, generator=gen) for _ in range(n)]
+    gys = [torch.randn(T, d, generator=gen) for _ in range(n)]
+    form = ExpertForm.parse("silu/sep/oi")
+    MoEStats.reset()
+
+    def rank_fn(r):
+        lo = r * (E // n)
+        lws = [w[lo:lo + E // n].clone().requires_grad_(True) for w in ws]
+        x, wt = xs[r].clone().requires_grad_(True), wts[r].clone().requires_grad_(True)
+        out = moe_ep_call(x, idxs[r], wt, *lws, form=form.text(), n_experts=E, axis="ep", n=n,
+                          dispatcher=dispatcher, capacity=factor)
+        out.backward(gys[r])
+        return out.detach(), x.grad, wt.grad, [w.grad for w in lws]
+
+    res = run_threads(ThreadedWorld(Mesh(ep=n)), rank_fn)
+    full = [w.clone().requires_grad_(True) for w in ws]
+    dropped = 0
+    for r in range(n):
+        keep = _keep_oracle(idxs[r], E, factor)
+        dropped += int((~keep).sum())
+        x, wt = xs[r].clone().requires_grad_(True), wts[r].clone().requires_grad_(True)
+        ref = moe_reference(x, idxs[r], wt * keep, full, form)
+        ref.backward(gys[r])
+        out, gx, gw, _ = res[r]
+        torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gw, wt.grad, rtol=1e-5, atol=1e-6)
+    for r in range(n):  # each rank's expert gradients: its slice of the summed oracle gradients
+        lo = r * (E // n)
+        for g, w in zip(res[r][3], full):
+            torch.testing.assert_close(g, w.grad[lo:lo + E // n], rtol=1e-5, atol=1e-6)
+    assert MoEStats.dropped == dropped
+    assert (dropped > 0) == (0 < factor < 1)
+
+
+@pytest.mark.timeout(600)
+def test_allgather_dispatcher_and_a_capacity_that_drops_nothing_equal_dropless():
+    """Mixtral ep=2: the all-gather dispatcher, and the all-to-all one with capacity factor 4 (an expert
+    could take every slot: nothing dropped), train to the dropless all-to-all's losses and gradients."""
+    runs = {}
+    for name, opts in [("dropless", {}), ("allgather", {"moe_dispatcher": "allgather"}),
+                       ("capacity", {"moe_capacity_factor": 4.0})]:
+        runs[name] = pool(2).run(moe_cases.ep_train, "mixtral", "ep=2", 2, opts, timeout=600)[0]
+    losses, grads, _ = runs["dropless"]
+    for name in ("allgather", "capacity"):
+        other_losses, other_grads, _ = runs[name]
+        torch.testing.assert_close(torch.tensor(other_losses), torch.tensor(losses), rtol=1e-6, atol=0)
+        for key, g in grads.items():
+            torch.testing.assert_close(other_grads[key], g, rtol=1e-5, atol=1e-7)
+    assert runs["capacity"][0] == losses  # nothing dropped: the same slots in the same order, bit for bit
+
+
+@pytest.mark.timeout(600)
+def test_all_to_alls_per_layer_are_the_minimum():
+    """Profiled step of Mixtral (2 MoE layers) at ep=2: per layer one all-to-all of the expert counts,
+    then dispatch and combine forward and their two backwards — 5, nothing more; the plan lists them."""
+    counts, specs = pool(2).run(moe_cases.profiled_ep_step, "mixtral", "ep=2", timeout=600)[0]
+    layers = 2
+    assert counts.get("c10d::alltoall_base_", 0) == 5 * layers, counts
+    assert specs == [("moe: tokens per expert", "all_to_all", "none", "ep"),
+                     ("moe: dispatch", "all_to_all", "all_to_all", "ep"),
+                     ("moe: combine", "all_to_all", "all_to_all", "ep")] * layers
