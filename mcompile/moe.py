@@ -165,10 +165,23 @@ def _rule(info):
     return out
 
 
+def _flops(args, kwargs, out):
+    """Every routed slot runs one expert: 2 FLOPs per weight element per slot (T * k * sum of the
+    expert weights' per-expert sizes), the grouped GEMMs' work; the gather, weighting and scatter are
+    memory traffic. Megatron's MoE FLOPs count the same k experts per token."""
+    from mcompile.annotate import numel, shape_of
+
+    T, k = shape_of(args[1])
+    per_expert = sum(numel(w) / shape_of(w)[0] for w in args[3:])
+    return 2 * T * k * per_expert
+
+
 def _register() -> None:
+    from mcompile.annotate import register_flop_formula
     from mcompile.rules import rule
 
     rule(moe_ffn)(_rule)
+    register_flop_formula(moe_ffn, category="matmul")(_flops)
 
 
 _register()
