@@ -290,15 +290,15 @@ MUTANTS: list[Mutant] = [
         name="runtime-grads-divided-by-local-token-count",
         file="runtime/module.py",
         old='        stats = torch.stack([total, count])\n'
-            '        if self.mesh.size("dp") > 1:\n'
+            '        if self._data_size > 1:\n'
             '            with self._comm.timed("all_reduce", "dp", stats):\n'
-            '                dist.all_reduce(stats, group=self._comm.groups["dp"])\n'
+            '                dist.all_reduce(stats, group=self._comm.groups["data"])\n'
             '        leaves.finish(1.0 / stats[1], self._tp_partial)',
         new='        stats = torch.stack([total, count])\n'
             '        local_count = stats[1].clone()\n'
-            '        if self.mesh.size("dp") > 1:\n'
+            '        if self._data_size > 1:\n'
             '            with self._comm.timed("all_reduce", "dp", stats):\n'
-            '                dist.all_reduce(stats, group=self._comm.groups["dp"])\n'
+            '                dist.all_reduce(stats, group=self._comm.groups["data"])\n'
             '        leaves.finish(1.0 / local_count, self._tp_partial)',
         description="each dp rank divides the summed gradients by its own token count instead of the "
                     "global one (ranks count 27 and 32 targets)",
@@ -597,5 +597,33 @@ MUTANTS: list[Mutant] = [
         new="            extra = pm.load_checkpoint(resumed)",
         description="mcompile train resumes the model but not the optimizer state: AdamW restarts its moments",
         targets=("tests/test_train.py::test_resume_without_fault_equals_uninterrupted",),
+    ),
+    Mutant(
+        name="ep-batch-statistic-not-reduced",
+        file="passes/lower.py",
+        old='                if isinstance(c, Partial) and isinstance(w, Replicate) and c.reduce_op in ("sum", "avg") \\\n'
+            '                        and ax.size > 1:',
+        new='                if False:',
+        description="a Partial batch statistic on dp/ep (the load-balancing loss's tokens per expert and mean "
+                    "router probability) is used as if whole: each rank's aux loss from its own tokens",
+        targets=("tests/test_moe_parallel.py::test_expert_parallel_parity[mixtral-ep=2]",),
+    ),
+    Mutant(
+        name="ep-expert-grads-summed-over-ep-too",
+        file="runtime/module.py",
+        old="        return tuple(a for a in self._data_axes if a in partial)",
+        new="        return self._data_axes",
+        description="expert weights' gradients are summed over ep as well as dp: each rank adds other "
+                    "ranks' experts' gradients into its own",
+        targets=("tests/test_moe_parallel.py::test_expert_parallel_parity[mixtral-ep=2]",),
+    ),
+    Mutant(
+        name="joint-pre-mutation-reader-recomputed",
+        file="passes/remat.py",
+        old="                    anc.update(u for u in m.users if u in order and order[u] < order[n])",
+        new="                    pass",
+        description="autograd's clone of a value before an in-place write is recomputed in backward, from the "
+                    "overwritten value",
+        targets=("tests/test_joint.py -k overwritten",),
     ),
 ]
