@@ -1,7 +1,7 @@
 """Expert parallelism on gloo: a Mixtral-style MoE trained at ``ep=2`` (experts sharded, tokens sent to
 their experts by all-to-all) against ``dp=2`` (experts replicated, gradients all-reduced).
 
-    python bench/moe_ep.py [--steps 10] [--warmup 2] [--recorded 2] [--write] [--out PATH]
+    python bench/moe_ep.py [--steps 10] [--warmup 2] [--recorded 1] [--write] [--out PATH]
 
 Two gloo CPU processes (:class:`mcompile.runtime.launch.WorkerPool`, one intra-op thread each). Every
 rank builds both ParallelModules from the same seed (``Mixtral(MixtralConfig(**CONFIG))``, the same
@@ -18,12 +18,18 @@ batch of random tokens and targets) with one AdamW each, then, in one run:
   are the recorder's convention: an all-to-all's *received* buffer (it includes the rows a rank sends
   to itself, which gloo copies locally), an all-reduce's whole buffer (a ring all-reduce moves about
   2 (n-1)/n of it out of each rank).
-- one more step of each under :class:`mcompile.runtime.memory.MemoryTracker` (parameters, gradients,
-  AdamW state, activations; live tensor bytes, peak over that step: the steady state). The
-  ``mcompile::moe_ep`` custom op is one op to a dispatch mode, which does not see the tensors its
-  implementation makes (the dispatched tokens and the local experts' saved activations, held until
-  the backward); the bench re-enters the tracker inside :func:`mcompile.moe.ep_dispatch_forward` /
-  ``ep_dispatch_backward`` so those count too (without it, ep's activations would be undercounted).
+- two more steps of each for memory. One under ``torch.profiler`` with ``profile_memory`` (the CPU
+  allocator's allocations and frees, every op, inside custom ops too): ``peak_bytes`` = the bytes
+  held at the step's start (local parameters, the flat gradient buffers, AdamW state) + the peak of
+  the allocator's running sum above the start. The other, at dp only, under
+  :class:`mcompile.runtime.memory.MemoryTracker` (live tensor bytes by category: the figure other
+  benchmarks quote; a cross-check of the first). The tracker cannot run an ep step: as a dispatch
+  mode it stays active inside ``mcompile::moe_ep``, whose local experts' backward comes from
+  ``torch.func.vjp``, and it cannot read functorch's wrapper tensors ("Cannot access storage of
+  TensorWrapper"); ep runs a plain step there instead.
+
+In fp32 on CPU the experts of both layouts run as one grouped GEMM per projection
+(``mcompile.kernels.grouped_gemm.experts_mm``: ``torch._grouped_mm`` on the CPU).
 
 Every step of both layouts sees the same data from the same initial weights, and both programs are
 exact (fp32, dropless): their losses must agree step by step to ~1e-5 (relative). The parent also
@@ -31,7 +37,7 @@ trains the single-device model for as many steps (the independent oracle) and re
 largest relative difference to it. Expert parameter bytes per rank: the local shards of the
 parameters whose name has ``.experts.``.
 
-gloo on 2 shared CPU cores is not NVLink / InfiniBand: an all-to-all here is a local memory copy
+gloo on a few shared CPU cores is not NVLink / InfiniBand: an all-to-all here is a local memory copy
 through gloo's threads, competing with the ranks' compute for the same cores. The step-time ratio
 says what this runtime's EP costs on this machine, not what it costs on a GPU cluster; the bytes and
 memory figures are what carries over.
@@ -52,6 +58,8 @@ import _results  # noqa: E402
 # Mixtral-style (every layer MoE, SwiGLU experts, top-2 of 8), larger than the mixtral-tiny preset
 CONFIG = dict(vocab_size=2048, dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=512, max_seq_len=128,
               rope_theta=1e6, n_experts=8, top_k=2)
+# 8 x 128 tokens (512 a rank); both layouts run their experts as one grouped GEMM per projection
+# (kernels/grouped_gemm.py: torch._grouped_mm on the CPU)
 BATCH, SEQ = 8, 128
 LAYOUTS = ("ep=2", "dp=2")
 LR = 1e-3
@@ -70,22 +78,39 @@ def _model():
     return model, (tokens, targets)
 
 
-def _track_inside_moe_ep(tracker):
-    """Run the EP dispatch's implementation under ``tracker`` as well (see the module docstring)."""
-    import mcompile.moe as moe
+def _held_bytes(pm, params, optimizer) -> int:
+    """Bytes of the distinct storages held across steps: the local parameters, their gradients, the
+    runtime's flat gradient buffers (``Leaves.flat_buffers``, runtime/leaves.py) and the
+    optimizer state."""
+    import torch
 
-    fwd, bwd = moe.ep_dispatch_forward, moe.ep_dispatch_backward
+    seen = {}
+    tensors = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    leaves = getattr(pm, "_leaves", None)
+    tensors += list(leaves.flat_buffers()) if hasattr(leaves, "flat_buffers") else []
+    tensors += [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params) if g is not None]
+    tensors += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        st = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()  # AdamW's state of a DTensor too
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
-    def forward(*a, **k):
-        with tracker:
-            return fwd(*a, **k)
 
-    def backward(*a, **k):
-        with tracker:
-            return bwd(*a, **k)
+def _allocator_peak(fn) -> tuple[int, int]:
+    """Run ``fn`` under torch.profiler (CPU, profile_memory): the peak of the running sum of the CPU
+    allocator's allocations and frees (every thread, inside custom ops too) above the start, and the
+    net change at the end."""
+    from torch.profiler import ProfilerActivity, profile
 
-    moe.ep_dispatch_forward, moe.ep_dispatch_backward = forward, backward
-    return lambda: (setattr(moe, "ep_dispatch_forward", fwd), setattr(moe, "ep_dispatch_backward", bwd))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    return peak, live
 
 
 def worker(rank, world, steps, warmup, recorded):
@@ -146,23 +171,34 @@ def worker(rank, world, steps, warmup, recorded):
     memory = {}
     for lay in LAYOUTS:
         params = list(pms[lay].parameters())
-        tracker = MemoryTracker()
-        tracker.register(params, "parameters")
-        tracker.register_optimizer(opts[lay])
-        hooks = [p.register_post_accumulate_grad_hook(lambda p, tr=tracker: tr.register([p.grad], "gradients"))
-                 for p in params]
-        undo = _track_inside_moe_ep(tracker)
-        try:
-            with tracker:
-                tracker.reset_peak()
-                step(lay)
-                tracker.register_optimizer(opts[lay])
-        finally:
-            undo()
-            for h in hooks:
-                h.remove()
-        memory[lay] = {"peak_bytes": tracker.peak_total, "at_peak": dict(tracker.peak),
-                       "max_by_category": dict(tracker.max)}
+        # (1) the runtime's MemoryTracker (a dispatch mode), by category: dp only. It cannot run an ep step:
+        # the mode stays active inside mcompile::moe_ep, whose local experts' backward comes from
+        # torch.func.vjp, and it cannot read the storage of functorch's wrapper tensors there
+        # ("Cannot access storage of TensorWrapper"). ep runs a plain step instead (same step count).
+        tracked = None
+        if "ep" not in lay:
+            tracker = MemoryTracker()
+            tracker.register(params, "parameters")
+            tracker.register_optimizer(opts[lay])
+            hooks = [p.register_post_accumulate_grad_hook(lambda p, tr=tracker: tr.register([p.grad], "gradients"))
+                     for p in params]
+            try:
+                with tracker:
+                    tracker.reset_peak()
+                    step(lay)
+                    tracker.register_optimizer(opts[lay])
+            finally:
+                for h in hooks:
+                    h.remove()
+            tracked = {"tracker_peak_bytes": tracker.peak_total, "tracker_at_peak": dict(tracker.peak)}
+        else:
+            step(lay)
+        # (2) the CPU allocator's own record of one more step: sees everything, no categories
+        held = _held_bytes(pms[lay], params, opts[lay])
+        above, net = _allocator_peak(lambda lay=lay: step(lay))
+        memory[lay] = {"peak_bytes": held + above, "held_at_step_start_bytes": held,
+                       "allocator_peak_above_start_bytes": above, "allocator_net_bytes": net,
+                       **(tracked or {"tracker": "not run: MemoryTracker fails inside moe_ep (torch.func.vjp)"})}
 
     params = {}
     for lay in LAYOUTS:
@@ -205,23 +241,39 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--recorded", type=int, default=2)
+    ap.add_argument("--recorded", type=int, default=1)
+    ap.add_argument("--raw", default=None,
+                    help="the workers' results of an earlier run (the raw JSON every run writes to a temporary "
+                         "file): summarize those instead of running")
     _results.add_arguments(ap, "moe_ep")
     args = ap.parse_args()
+    import json
+    import tempfile
+
     import sympy
     import torch
 
     from mcompile.runtime.launch import WorkerPool
 
-    load_before = os.getloadavg()
-    t0 = time.perf_counter()
-    pool = WorkerPool(2)
-    try:
-        res = pool.run(worker, args.steps, args.warmup, args.recorded, timeout=1800)
-    finally:
-        pool.close()
-    workers_s = time.perf_counter() - t0
-    load_after = os.getloadavg()
+    if args.raw:
+        raw = json.loads(Path(args.raw).read_text())
+    else:
+        load_before = os.getloadavg()
+        t0 = time.perf_counter()
+        pool = WorkerPool(2)
+        try:
+            res = pool.run(worker, args.steps, args.warmup, args.recorded, timeout=7200)
+        finally:
+            pool.close()
+        raw = {"res": res, "workers_s": time.perf_counter() - t0, "load_before": load_before,
+               "load_after": os.getloadavg(), "args": vars(args)}
+        fd, name = tempfile.mkstemp(prefix="mcompile-bench-moe_ep-raw-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(raw, f)
+        print(f"workers' results: {name} (--raw {name} summarizes them again)", file=sys.stderr)
+    res, workers_s, load_before, load_after = raw["res"], raw["workers_s"], raw["load_before"], raw["load_after"]
+    for key in ("steps", "warmup", "recorded"):
+        setattr(args, key, raw["args"][key])
     n_steps = len(res[0]["losses"]["ep=2"])
     ref = reference(n_steps)
 
@@ -240,7 +292,7 @@ def main() -> None:
             "expert_param_bytes_per_rank": [r["params"][lay]["expert_bytes"] for r in res],
             "param_bytes_per_rank": [r["params"][lay]["total_bytes"] for r in res],
             "peak_memory_bytes_per_rank": [r["memory"][lay]["peak_bytes"] for r in res],
-            "memory_at_peak_per_rank": [r["memory"][lay]["at_peak"] for r in res],
+            "memory_per_rank": [r["memory"][lay] for r in res],
             "losses": res[0]["losses"][lay],
         }
         per_layout[lay]["comm_bytes_per_step"] = statistics.mean(per_layout[lay]["comm_bytes_per_step_per_rank"])
@@ -273,9 +325,11 @@ def main() -> None:
                      "every collective of the programs, the dp gradient buckets and the step's loss/token-count "
                      "all-reduce; all_to_all = received buffer (own rows included), all_reduce = whole buffer",
             "expert_param_bytes": "sum of p.to_local().nbytes over parameters named '*.experts.*'",
-            "peak_memory": "mcompile.runtime.memory.MemoryTracker peak of live tensor bytes over one steady-state "
-                           "step (parameters, gradients, AdamW state, activations), the tracker re-entered inside "
-                           "the moe_ep op's implementation; the largest rank",
+            "peak_memory": "per rank: bytes held at the step's start (local parameters, flat gradient buffers, AdamW "
+                           "state) + the peak of the CPU allocator's running sum of allocations and frees over one "
+                           "steady-state step (torch.profiler profile_memory; inside the moe_ep op too); "
+                           "memory_per_rank also has, at dp, the MemoryTracker's peak (it fails inside moe_ep); "
+                           "peak_memory_bytes is the largest rank's",
             "losses": "rank 0's train_step losses, every step of the run, both layouts from the same weights "
                       "and data; the reference is the single-device model trained the same steps",
         },
@@ -284,7 +338,8 @@ def main() -> None:
             "step_s_ep_over_dp": ep["step_s"] / dp["step_s"],
             "train_step_s_ep_over_dp": ep["train_step_s"] / dp["train_step_s"],
             "comm_bytes_ep_over_dp": ep["comm_bytes_per_step"] / dp["comm_bytes_per_step"],
-            "expert_param_bytes_ep_over_dp": ep["expert_param_bytes_per_rank"][0] / dp["expert_param_bytes_per_rank"][0],
+            "expert_param_bytes_ep_over_dp":
+                ep["expert_param_bytes_per_rank"][0] / dp["expert_param_bytes_per_rank"][0],
             "param_bytes_ep_over_dp": ep["param_bytes_per_rank"][0] / dp["param_bytes_per_rank"][0],
             "peak_memory_ep_over_dp": ep["peak_memory_bytes"] / dp["peak_memory_bytes"],
         },
@@ -304,11 +359,13 @@ def main() -> None:
             "tolerance": 1e-5,
             "single_device_losses": ref,
         },
-        "caveat": f"gloo on {os.cpu_count()} shared CPU cores (a full test run was going on alongside), not "
+        "caveat": f"gloo on {os.cpu_count()} shared CPU cores (other work ran alongside: see the load averages), not "
                   "NVLink/InfiniBand: an all-to-all here is a memory copy through gloo's threads that competes "
                   "with the ranks' compute for the same cores, and a tiny model's GEMMs are short. The step-time "
                   "ratio says what EP costs in this runtime on this machine, not on a GPU cluster; the byte counts "
-                  "and the per-rank parameter/memory figures are what carries over.",
+                  "and the per-rank parameter/memory figures are what carries over. In fp32 on CPU the experts run "
+                  "as models.moe.grouped_mm_reference (one gathered weight per routed row), which dominates both "
+                  "layouts' step time and activation memory; torch._grouped_mm (bf16) or a GPU kernel would not.",
         "load_average_before": load_before, "load_average_after": load_after,
         "workers_wall_s": workers_s,
     }

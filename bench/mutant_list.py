@@ -601,7 +601,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="ep-batch-statistic-not-reduced",
         file="passes/lower.py",
-        old='                if isinstance(c, Partial) and isinstance(w, Replicate) and c.reduce_op in ("sum", "avg") \\\n'
+        old='                if isinstance(c, Partial) and isinstance(w, Replicate) '
+            'and c.reduce_op in ("sum", "avg") \\\n'
             '                        and ax.size > 1:',
         new='                if False:',
         description="a Partial batch statistic on dp/ep (the load-balancing loss's tokens per expert and mean "

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from mcompile.kernels._triton import jit as _jit
 from mcompile.kernels._triton import runs_triton, tl, triton
 
-__all__ = ["uses_triton", "grouped_mm", "grouped_mm_reference"]
+__all__ = ["uses_triton", "grouped_mm", "grouped_mm_reference", "grouped_mm_torch", "experts_mm"]
 
 # Tiles of the forward/dx kernel (rows x output columns x reduction) and of the dw kernel (a x b x rows).
 # 64 rows: MoE groups are often a few hundred tokens, so taller tiles waste more of a group's last tile.
@@ -334,3 +334,69 @@ def _grouped_mm_bwd(ctx, grad):
 
 
 torch.library.register_autograd("mcompile::grouped_mm", _grouped_mm_bwd, setup_context=_grouped_mm_setup)
+
+
+# ---- the PyTorch path as its own op -------------------------------------------------------------
+# The MoE runtime (mcompile/moe.py) runs the local experts through these on CPU: the same loop-free
+# PyTorch path (torch._grouped_mm, padded), never Triton's interpreter, whose launches are not
+# thread-safe (the in-process simulator runs ranks as threads) and which is for correctness tests only.
+@torch.library.custom_op("mcompile::grouped_mm_torch", mutates_args=())
+def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_mm` on its PyTorch path only (:func:`grouped_mm_reference`), differentiable."""
+    _check(x, w, offs)
+    return grouped_mm_reference(x, w, offs)
+
+
+@grouped_mm_torch.register_fake
+def _(x, w, offs):
+    _check(x, w, offs)
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+@torch.library.custom_op("mcompile::grouped_mm_torch_backward", mutates_args=())
+def grouped_mm_torch_backward(
+    grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _grouped_mm_backward_reference(grad, x, w, offs)
+
+
+@grouped_mm_torch_backward.register_fake
+def _(grad, x, w, offs):
+    fmt = torch.contiguous_format
+    return torch.empty_like(x, memory_format=fmt), torch.empty_like(w, memory_format=fmt)
+
+
+def _grouped_mm_torch_bwd(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    dx, dw = grouped_mm_torch_backward(grad, x, w, offs)
+    return dx, dw, None
+
+
+torch.library.register_autograd("mcompile::grouped_mm_torch", _grouped_mm_torch_bwd, setup_context=_grouped_mm_setup)
+
+
+class _ExpertsMM(torch.autograd.Function):
+    """The ops above as an autograd.Function that ``torch.func`` transforms take (a custom op's registered
+    autograd is not one): the MoE runtime differentiates its local experts with ``torch.func.vjp``."""
+
+    @staticmethod
+    def forward(x, w, offs, triton_op):
+        return (grouped_mm if triton_op else grouped_mm_torch)(x, w, offs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, offs, ctx.triton_op = inputs
+        ctx.save_for_backward(x, w, offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offs = ctx.saved_tensors
+        dx, dw = (grouped_mm_backward if ctx.triton_op else grouped_mm_torch_backward)(grad, x, w, offs)
+        return dx, dw, None, None
+
+
+def experts_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """The grouped GEMM the MoE runtime runs its local experts with, differentiable (also under
+    ``torch.func``): the Triton kernels on CUDA (:func:`grouped_mm`), the PyTorch path elsewhere
+    (:func:`grouped_mm_torch`)."""
+    return _ExpertsMM.apply(x, w, offs, x.device.type == "cuda")

@@ -112,7 +112,7 @@ def _default_seq(spec: str) -> int:
 
 
 def cmd_plan(args) -> int:
-    from mcompile.report import collective_bytes, memory_per_rank, plan_text
+    from mcompile.report import collective_bytes, memory_per_rank, moe_summary, moe_text, plan_text
 
     if args.list:
         from mcompile.models import PRESETS
@@ -146,12 +146,18 @@ def cmd_plan(args) -> int:
             coll["bytes_at_sizes"] = collective_bytes(coll["bytes"], sizes)
         if measured is not None:
             d["measured_per_rank"] = measured
+        moe = moe_summary(c, sizes, args.dtype)
+        if moe is not None:
+            d["moe"] = moe
         fp8 = _fp8_report(args, c)
         if fp8 is not None:
             d["fp8"] = fp8.to_dict()
         print(json.dumps(d, indent=1))
     else:
         print(plan_text(c.plan, sizes, args.dtype))
+        moe = moe_text(c, sizes, args.dtype)
+        if moe:
+            print(moe)
         if c.plan.pipeline:
             from mcompile.report import pipeline_text
 
@@ -186,7 +192,7 @@ def _fit_text(c, args) -> str:
     # the parameters in the dtype the memory table counts (--dtype, else the model's), so the peak's model
     # state is the table's total (AdamW's per-tensor step counts aside) and the rest is named
     dtype = args.dtype or next(iter(c.plan.params.values())).dtype
-    est = estimate(c, hardware=hw, global_batch=args.batch * c.mesh.size("dp"), seq=args.seq,
+    est = estimate(c, hardware=hw, global_batch=args.batch * c.mesh.size("dp") * c.mesh.size("ep"), seq=args.seq,
                    microbatch_size=args.batch // args.microbatches, param_dtype=dtype)
     gib = 2**30
     mem = est.memory_breakdown

@@ -136,10 +136,29 @@ The optimizer step is memory-bound: 24 + G (+ P when the parameters are not the 
 per local parameter — read and write the fp32 master and two moments, read the gradient, write the
 low-precision copy; ZeRO >= 1: 1/dp of the parameters — at bw_hbm · e_mem.
 
-    step_time = compute + recompute + tp_comm + cp_comm + pp_p2p + pp_bubble + dp_comm + optimizer
+    step_time = compute + recompute + tp_comm + cp_comm + pp_p2p + pp_bubble + dp_comm + optimizer + ep_comm
 
 (each *_comm the exposed part). The bubble is the largest over the stages of the schedule's formula
 (under ZB-H1, (p−1)(T_i − 2 t_w,i) per stage), so that more work on any stage never shortens the step.
+
+Expert parallelism (ep; GShard, Lepikhin et al. 2021: experts split over ranks, tokens sent by all-to-all;
+Megatron Core's MoE: ep folded into data parallelism, its all-to-all token dispatcher)
+--------------------------------------------------------------------------------------------------------
+A routed MoE layer is one ``moe_ffn`` node (passes/moe.py). Its forward FLOPs are T·k·(one expert's
+FFN) — each of the T tokens runs k experts, not E — counted as a GEMM (so in ``model_flops`` and the
+MFU). ep folds into data parallelism: the batch splits over dp·ep ranks (m = B/(dp·ep·b)), dense
+parameters are replicated over them, the experts split E/ep a rank (each expert's hidden units also
+over tp: expert tensor parallelism, as the plan shards them). Per layer and microbatch a rank sends,
+over the ep axis's link (the axis sits between cp and tp: stride tp), what passes/lower.py's
+all-to-all dispatcher inserts — the E int64 token counts (forward), then its T·k token rows of d
+elements to their experts' ranks (dispatch) and back (combine), each an all-to-all forward and again
+backward — priced as all-to-alls, (n−1)·α + (n−1)/n·B/β, exposed (``ep_comm``; full recompute repeats
+the forward ones). ``moe_imbalance`` (the busiest rank's routed slots over the mean, 1 = uniform
+routing) multiplies the token bytes that rank receives and its experts' FLOPs and activation traffic
+(their weights, E/ep, are read once whatever the load): the step waits for the busiest rank. The
+data-parallel reduction is split (:func:`data_comm`): dense gradients over dp·ep·cp ranks (their
+link: :func:`group_link`), the experts' over the dp·cp ranks holding the same experts; ZeRO shards
+each over those ranks (memory and optimizer step alike).
 
 Throughput: ``tflops_per_gpu`` counts matmul-class FLOPs executed (forward, backward = 2×, and the
 recompute forward: Megatron's 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)) for a GPT with full recompute)
@@ -165,6 +184,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from fractions import Fraction
 from functools import cached_property
 from typing import Any
 
@@ -280,13 +300,19 @@ class Layout:
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise ValueError(f"zero={self.zero!r}: use 0 (replicated optimizer), 1 (optimizer state over dp), "
                              "2 (and gradients) or 3 (and parameters)")
-        if self.zero >= 2 and self.dp == 1:
+        if self.zero >= 2 and self.dp * self.ep == 1:
             raise ValueError(f"zero={self.zero} shards over the data-parallel ranks and needs dp > 1 (got dp=1); "
                              "use zero=0 with dp=1, or a layout with dp > 1")
 
     @property
     def world(self) -> int:
         return self.dp * self.pp * self.cp * self.ep * self.tp
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that split the global batch: dp × ep (Megatron folds expert parallelism into data
+        parallelism: the dense layers see ep as more data-parallel ranks)."""
+        return self.dp * self.ep
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -403,6 +429,10 @@ class OpCost:
     bytes: sympy.Expr
     weight_grad: bool  # a GEMM with a parameter operand: half its backward is the weight gradient
     full_flops: sympy.Expr  # the node's FLOPs unsharded (all tp ranks together)
+    # a routed-expert node (``moe_ffn``): its expert weights' bytes on one tp rank, all E experts (a
+    # constant inside ``bytes``): under ep a rank reads E/ep of them, and its FLOPs scale by the
+    # busiest rank's load (``moe_imbalance``)
+    expert_weight_bytes: float | None = None
 
 
 @dataclass(frozen=True)
@@ -429,6 +459,7 @@ class Section:
     # profile's per-op host overhead (Hardware.op_overhead_forward / _backward; 0 on GPUs)
     forward_nodes: float = 0
     backward_nodes: float = 0
+    expert_params: float = 0  # the part of ``params`` that is routed experts (all E of them, on one tp rank)
 
     def _exprs(self) -> list[sympy.Expr]:
         return ([o.flops for o in self.ops] + [o.bytes for o in self.ops] + [c.bytes for c in self.comms]
@@ -487,6 +518,26 @@ class ModelProfile:
     # full (unsharded) shape of every parameter of the captured model (maybe fewer layers than n_layers):
     # what a plan priced with this profile must match (:func:`check_plan_matches`)
     param_shapes: dict = field(default_factory=dict, compare=False, repr=False)
+    moe: MoEProfile | None = None  # the routed experts (None: a dense model)
+
+
+@dataclass(frozen=True)
+class MoEProfile:
+    """The mixture-of-experts layers of a model (``moe_ffn`` nodes, passes/moe.py), for ep.
+
+    ``experts``: E per layer; ``top_k``: k experts per token; ``hidden``: d; ``expert_hidden``: one
+    expert's FFN width f; ``layers``: MoE layers of the real model (of ``n_layers``);
+    ``expert_params``: parameters of every expert of every MoE layer (unsharded); ``slot_flops``: forward
+    FLOPs of one (token, expert) slot, 2·Σ over the expert's weights of their sizes (6·d·f for SwiGLU)."""
+
+    experts: int
+    top_k: int
+    hidden: int
+    expert_hidden: int
+    layers: float
+    expert_params: float
+    slot_flops: int
+    form: str = ""
 
 
 def _is_symbolic(x) -> bool:
@@ -526,15 +577,32 @@ def _is_partial(p) -> bool:
 
 
 def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int | None = None,
-            kv_heads: int | None = None, seq_len: int | None = None) -> ModelProfile:
+            kv_heads: int | None = None, seq_len: int | None = None,
+            layer_counts: dict[int, int] | None = None) -> ModelProfile:
     """Analyse a :class:`mcompile.api.Compiled` (captured, annotated, planned) into a ModelProfile.
 
     ``n_layers``: layers of the real model (the capture may hold fewer: each section is the mean of
-    the captured layers, scaled by ``n_layers``)."""
+    the captured layers, scaled by ``n_layers``). ``layer_counts``: how many real layers each captured
+    layer stands for, by captured layer index (they sum to ``n_layers``; default: all alike) — a
+    model whose first layers are dense and the rest MoE (DeepSeek-V3) captures one of each and
+    weights them by their real counts, so the "layer" section is the real model's mean layer.
+
+    Routed experts (``moe_ffn`` nodes, passes/moe.py): their forward FLOPs are T·k·(one expert's FFN:
+    2·Σ of its weights' sizes), k experts per token, not E (the annotation's, when it has a formula);
+    the expert parameters are counted over all E experts (a plan that shards them over ``ep`` is
+    multiplied back: ep is applied per layout); their all-to-all dispatch and combine are the plan's
+    ``ep`` collectives, or — a plan without ep — what passes/lower.py's all-to-all dispatcher inserts:
+    the E int64 counts (forward), and per direction the T·k token rows of d elements (forward and
+    backward)."""
+    from mcompile.annotate import to_sympy
+    from mcompile.moe import ExpertForm, moe_ffn
+
     cap, plan = compiled.captured, compiled.plan
     gm: fx.GraphModule = cap.gm
     tp = plan.mesh.get("tp", 1)
     tp_index = list(plan.mesh).index("tp") if "tp" in plan.mesh else None
+    ep_plan = plan.mesh.get("ep", 1)
+    ep_index = list(plan.mesh).index("ep") if "ep" in plan.mesh else None
     sub = {cap.symbols[k]: v for k, v in (("batch", BATCH), ("seq", SEQ)) if k in cap.symbols}
     params_ph = set(cap.params) | set(cap.buffers) | set(cap.constants)
     is_param = lambda n: n.op == "placeholder" and n.name in params_ph  # noqa: E731
@@ -553,6 +621,18 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
     layer_ids = sorted({v for v in layer_of.values() if v is not None})
     n_cap = len(layer_ids)
     n_layers = n_layers or n_cap
+    # the share of the real model's mean layer each captured layer stands for
+    if layer_counts is None:
+        lw = dict.fromkeys(layer_ids, sympy.Rational(1, n_cap))
+    else:
+        if set(layer_counts) != set(layer_ids) or sum(layer_counts.values()) != n_layers:
+            raise ValueError(f"layer_counts={layer_counts} must give every captured layer {layer_ids} a count, "
+                             f"summing to n_layers={n_layers}")
+        lw = {i: sympy.Rational(Fraction(c).numerator, Fraction(c).denominator) / n_layers
+              for i, c in layer_counts.items()}
+
+    def weight_of(n: fx.Node):
+        return lw[section_of[n]] if isinstance(section_of[n], int) else sympy.Integer(1)
 
     gathered = {c.origin for c in plan.collectives if c.forward == "all_gather"}
     by_name = {n.name: n for n in nodes}
@@ -587,9 +667,60 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
             return sympy.Rational(1, tp)
         return sympy.Integer(1)
 
-    def ops_of(members: list[fx.Node], weight) -> list[OpCost]:
+    def local_numel(fqn: str) -> int:
+        """A parameter's elements on one tp rank, all of them along ep (ep is applied per layout), at the
+        experts' real width."""
+        pp = plan.params[fqn]
+        n = pp.local_numel
+        if ep_index is not None and _is_sharded(pp.placements[ep_index]):
+            n *= ep_plan
+        return n
+
+    # the routed experts: moe_ffn nodes, their expert weights, and the shape facts of each
+    moe_nodes = [n for n in nodes if n.target is moe_ffn]
+    expert_fqns: set[str] = set()
+    moe_facts: dict[fx.Node, dict] = {}
+    for n in moe_nodes:
+        x, idx, _w, *ws = n.args
+        xv, iv = x.meta["val"], idx.meta["val"]
+        wv = [w.meta["val"] for w in ws]
+        form = ExpertForm.parse(n.kwargs["form"])
+        E, k, d = int(wv[0].shape[0]), int(iv.shape[1]), int(xv.shape[1])
+        f = int(wv[-1].shape[form.hidden_dims()[-1]])
+        slot = 2 * sum(math.prod(int(s) for s in v.shape[1:]) for v in wv)
+        T = sympy.sympify(to_sympy(xv.shape[0])).subs(sub)
+        fqns = [cap.params.get(w.name) for w in ws]
+        expert_fqns.update(q for q in fqns if q)
+        moe_facts[n] = dict(E=E, k=k, d=d, f=f, slot=slot, T=T, form=form, fqns=fqns, elt=xv.element_size(),
+                            full_params=sum(math.prod(int(s) for s in v.shape) for v in wv))
+
+    def moe_op(n: fx.Node, weight) -> OpCost:
+        """A moe_ffn node on one tp rank (module docstring of :func:`analyse`)."""
+        m = moe_facts[n]
+        T, k, d, elt = m["T"], m["k"], m["d"], m["elt"]
+        annotated = sympy.sympify(n.meta.get(FLOPS, 0)).subs(sub)
+        flops = annotated if annotated != 0 else T * k * m["slot"]
+        sh = share(n)
+        f_l = m["f"] * sh  # expert-TP shards each expert's hidden units
+        n_first = 1 if m["form"].kind != "sep" else 2  # projections reading the gathered rows
+        width = 2 * f_l if m["form"].kind != "plain" else f_l  # what the first projection(s) write
+        w_bytes = sum(local_numel(q) for q in m["fqns"] if q) * elt
+        acts = (T * k * d * 2  # gather the slots' rows: read, write
+                + T * k * (n_first * d + width)  # first projection(s): read rows, write gate/up
+                + T * k * (width + f_l)  # activation (× up): read, write
+                + T * k * (f_l + d)  # down projection: read, write
+                + T * k * d + 2 * T * d)  # weighted, added back to the tokens
+        y = acts * elt + w_bytes
+        return OpCost(n.name, "gemm", "moe", sympy.expand(flops * sh * weight), sympy.expand(y * weight), True,
+                      sympy.expand(flops * weight), float(w_bytes * weight))
+
+    def ops_of(members: list[fx.Node]) -> list[OpCost]:
         out = []
         for n in members:
+            weight = weight_of(n)
+            if n in moe_facts:
+                out.append(moe_op(n, weight))
+                continue
             f = sympy.sympify(n.meta.get(FLOPS, 0)).subs(sub)
             y = sympy.sympify(n.meta.get(BYTES_READ, 0) + n.meta.get(BYTES_WRITTEN, 0)).subs(sub)
             if f == 0 and y == 0:
@@ -599,6 +730,28 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
             wgrad = _op_class(cat) == "gemm" and any(is_param(a) for a in n.all_input_nodes)
             out.append(OpCost(n.name, _op_class(cat), cat, sympy.expand(f * k * weight), sympy.expand(y * k * weight),
                               wgrad, sympy.expand(f * weight)))
+        return out
+
+    def ep_comms() -> list[tuple]:
+        """(layer, kind, bytes, phase, purpose) of every MoE collective over ep (docstring)."""
+        out = []
+        if ep_index is not None:
+            for c in plan.collectives:
+                if c.axis != "ep" or not c.purpose.startswith("moe"):
+                    continue
+                b = sympy.sympify(c.bytes, locals={"batch": BATCH, "seq": SEQ})
+                for phase, kind in (("forward", c.forward), ("backward", c.backward)):
+                    if kind in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce"):
+                        out.append((c.layer, kind, b, phase, c.purpose))
+            return out
+        for n in moe_nodes:
+            m = moe_facts[n]
+            layer = section_of[n]
+            rows = m["T"] * m["k"] * m["d"] * m["elt"]
+            out.append((layer, "all_to_all", sympy.Integer(8 * m["E"]), "forward", "moe: tokens per expert"))
+            for purpose in ("moe: dispatch", "moe: combine"):
+                for phase in ("forward", "backward"):
+                    out.append((layer, "all_to_all", sympy.expand(rows), phase, purpose))
         return out
 
     def comms_of(key) -> list[CommOp]:
@@ -611,11 +764,16 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
             if (key == "layer" and not isinstance(where, int)) or (key != "layer" and where != key):
                 continue
             b = sympy.sympify(c.bytes, locals={"batch": BATCH, "seq": SEQ})
-            w = sympy.Rational(1, n_cap) if key == "layer" else sympy.Integer(1)
+            w = lw.get(where, sympy.Rational(1, n_cap)) if key == "layer" else sympy.Integer(1)
             for phase, kind in (("forward", c.forward), ("backward", c.backward)):
                 kind = {"all_reduce_max": "all_reduce"}.get(kind, kind)
                 if kind in ("all_reduce", "all_gather", "reduce_scatter"):
                     out.append(CommOp(kind, "tp", b, phase, c.purpose, w))
+        for layer, kind, b, phase, purpose in ep_comms():
+            if (key == "layer") != isinstance(layer, int) or (key != "layer" and layer != key):
+                continue
+            w = lw.get(layer, sympy.Rational(1, n_cap)) if key == "layer" else sympy.Integer(1)
+            out.append(CommOp(kind, "ep", b, phase, purpose, w))
         return out
 
     # parameters per section: layers by module path, the rest by the section that uses them
@@ -626,11 +784,15 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
             if a.op == "placeholder" and a.name in cap.params:
                 used_by.setdefault(cap.params[a.name], set()).add("layer" if isinstance(section_of[n], int)
                                                                   else section_of[n])
-    layer_params = pre_params = post_params = tied = 0
-    for fqn, pp in plan.params.items():
-        n_local = pp.local_numel
-        if any(fqn.startswith(p + ".") for ps in layer_paths.values() for p in ps if p):
-            layer_params += n_local
+    layer_sum = layer_experts_sum = sympy.Integer(0)  # exact: the mean layer's parameters
+    pre_params = post_params = tied = 0
+    for fqn in plan.params:
+        n_local = local_numel(fqn)
+        owner = next((i for i, ps in layer_paths.items() if any(p and fqn.startswith(p + ".") for p in ps)), None)
+        if owner is not None:
+            layer_sum += n_local * lw[owner]
+            if fqn in expert_fqns:
+                layer_experts_sum += n_local * lw[owner]
             continue
         users = used_by.get(fqn, {"post"})
         if "pre" in users:
@@ -639,6 +801,7 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
             post_params += n_local
         if "pre" in users and ("post" in users or "layer" in users):
             tied += n_local
+    layer_params, layer_experts = float(layer_sum), float(layer_experts_sum)
 
     def acts(members: list[fx.Node], weight, mode: str) -> sympy.Expr:
         rec = ()
@@ -649,6 +812,9 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
         keep = lambda x: BATCH in sympy.sympify(x.meta.get(OUT_BYTES, 0)).subs(sub).free_symbols  # noqa: E731
         e = MM.saved_for_backward(members, is_param=is_param, local_fraction=local_fraction, recomputed=rec,
                                   keep_input=keep)
+        if mode != "full":  # what the experts keep (saved_for_backward sees the moe_ffn node as one opaque call)
+            e = e + sympy.Add(*[MM.moe_saved_bytes(n, hidden_share=share(n))
+                                for n in members if n in moe_facts])
         return sympy.expand(e.subs(sub) * weight)
 
     # aten calls, and which of them autograd records (an input is a parameter or such a node)
@@ -657,23 +823,33 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
         if any((a.op == "placeholder" and a.name in cap.params) or a in differentiable for a in n.all_input_nodes):
             differentiable.add(n)
 
-    def node_counts(members: list[fx.Node], weight) -> tuple[float, float]:
+    def node_counts(members: list[fx.Node]) -> tuple[float, float]:
         calls = [n for n in members if isinstance(n.target, torch._ops.OpOverload)]
-        return float(len(calls) * weight), float(sum(n in differentiable for n in calls) * weight)
+        return (float(sum(weight_of(n) for n in calls)),
+                float(sum(weight_of(n) for n in calls if n in differentiable)))
 
     def section(key) -> Section:
         if key == "layer":
             members = [n for n in nodes if isinstance(section_of[n], int)]
-            w = sympy.Rational(1, n_cap)
             # each layer on its own: a recomputed region is one layer (its input kept), never two
             groups = [[n for n in members if section_of[n] == i] for i in layer_ids]
-            a = {m: sympy.Add(*[acts(g, w, m) for g in groups]) for m in RECOMPUTE_MODES}
+            a = {m: sympy.Add(*[acts(g, lw[i], m) for i, g in zip(layer_ids, groups)]) for m in RECOMPUTE_MODES}
         else:
             members = [n for n in nodes if section_of[n] == key]
-            w = sympy.Integer(1)
-            a = dict.fromkeys(RECOMPUTE_MODES, acts(members, w, "none"))
-        params = {"layer": layer_params / n_cap, "pre": pre_params, "post": post_params}[key]
-        return Section(tuple(ops_of(members, w)), tuple(comms_of(key)), params, a, *node_counts(members, w))
+            a = dict.fromkeys(RECOMPUTE_MODES, acts(members, sympy.Integer(1), "none"))
+        params = {"layer": layer_params, "pre": pre_params, "post": post_params}[key]
+        return Section(tuple(ops_of(members)), tuple(comms_of(key)), params, a, *node_counts(members),
+                       expert_params=layer_experts if key == "layer" else 0)
+
+    moe = None
+    if moe_nodes:
+        m0 = moe_facts[moe_nodes[0]]
+        layers_real = float(sum(lw[section_of[n]] for n in moe_nodes if isinstance(section_of[n], int))) * n_layers
+        full = float(sum(moe_facts[n]["full_params"] * lw[section_of[n]] for n in moe_nodes
+                         if isinstance(section_of[n], int))) * n_layers
+        moe = MoEProfile(experts=m0["E"], top_k=m0["k"], hidden=m0["d"], expert_hidden=m0["f"],
+                         layers=round(layers_real, 6), expert_params=full, slot_flops=m0["slot"],
+                         form=m0["form"].text())
 
     hidden, vocab, q_heads, k_heads = _shapes(nodes, cap, plan)
     # bytes per element of the residual stream (pipeline messages): the embedding output's dtype
@@ -685,7 +861,7 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
         heads=heads or q_heads, kv_heads=kv_heads or k_heads or heads or q_heads, vocab=vocab, seq_len=seq_len,
         tp=tp, sequence_parallel=plan.options.sequence_parallel, sp_variant=str(plan.options.sp_variant),
         layer=section("layer"), pre=section("pre"), post=section("post"), tied_params=tied,
-        activation_bytes=act_bytes, param_shapes={f: tuple(p.shape) for f, p in plan.params.items()},
+        activation_bytes=act_bytes, param_shapes={f: tuple(p.shape) for f, p in plan.params.items()}, moe=moe,
     )
 
 
@@ -715,7 +891,6 @@ def _shapes(nodes, cap, plan) -> tuple[int, int | None, int | None, int | None]:
 
 # --------------------------------------------------------------------------- workloads
 
-
 class Workload:
     """A model for the cost model: captured on the meta device once per (tp, sequence parallel),
     annotated, planned, analysed (:func:`analyse`), cached.
@@ -727,31 +902,48 @@ class Workload:
 
     def __init__(self, model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None, *,
                  n_layers: int | None = None, name: str = "", heads: int | None = None, kv_heads: int | None = None,
-                 seq_len: int | None = None, dtype: torch.dtype = torch.bfloat16):
+                 seq_len: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                 layer_counts: dict[int, Fraction] | None = None):
         self.model, self.example_inputs, self.example_kwargs = model, example_inputs, example_kwargs
         self.n_layers, self.name, self.heads, self.kv_heads = n_layers, name, heads, kv_heads
         self.seq_len, self.dtype = seq_len, dtype
+        self.layer_counts = layer_counts  # real layers per captured layer (analyse's layer_counts); None: alike
         self._profiles: dict[tuple[int, bool], ModelProfile] = {}
 
     @classmethod
     def from_preset(cls, preset, *, capture_layers: int = 2, dtype: torch.dtype = torch.bfloat16) -> Workload:
         """A preset (name or :class:`mcompile.models.presets.Preset`) captured with ``capture_layers``
-        layers on the meta device and scaled to its real depth."""
+        layers on the meta device and scaled to its real depth.
+
+        A model whose first ``first_dense_layers`` layers are dense and the rest MoE (DeepSeek-V3: 3 of
+        61) is captured with both kinds — ``min(first_dense_layers, capture_layers - 1)`` dense layers
+        (at least 1) and the rest MoE (at least 1) — and each captured layer stands for its kind's real
+        count (:func:`analyse`'s ``layer_counts``): DeepSeek-V3 at the default 2 captures 1 dense layer
+        (weight 3) and 1 MoE layer (weight 58)."""
         from mcompile.models.gpt import GPTConfig
         from mcompile.models.presets import Preset, get_preset
 
         p: Preset = get_preset(preset) if isinstance(preset, str) else preset
         cfg = p.config
+        counts = None
         if isinstance(cfg, GPTConfig):
             depth, heads, kv = cfg.n_layer, cfg.n_head, cfg.n_head
             small = dataclasses.replace(p, config=dataclasses.replace(cfg, n_layer=min(capture_layers, depth)))
         else:
             depth, heads, kv = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads
-            small = dataclasses.replace(p, config=dataclasses.replace(cfg, n_layers=min(capture_layers, depth)))
+            fields = {"n_layers": min(capture_layers, depth)}
+            dense = getattr(cfg, "first_dense_layers", 0)
+            if 0 < dense < depth:  # dense layers, then MoE ones: capture both kinds, weighted by their real counts
+                dense_cap = max(1, min(dense, capture_layers - 1))
+                n_cap = max(fields["n_layers"], dense_cap + 1)
+                fields = {"n_layers": n_cap, "first_dense_layers": dense_cap}
+                counts = {i: Fraction(dense, dense_cap) if i < dense_cap else Fraction(depth - dense, n_cap - dense_cap)
+                          for i in range(n_cap)}
+            small = dataclasses.replace(p, config=dataclasses.replace(cfg, **fields))
         model = small.build("meta", dtype)
         inputs = small.example_inputs(batch=2, seq=min(16, p.max_seq_len), device="meta")
         return cls(model, inputs, n_layers=depth, name=p.name, heads=heads, kv_heads=kv, seq_len=p.max_seq_len,
-                   dtype=dtype)
+                   dtype=dtype, layer_counts=counts)
 
     @classmethod
     def from_compiled(cls, compiled, *, n_layers: int | None = None, name: str = "") -> Workload:
@@ -774,7 +966,8 @@ class Workload:
             compiled = compile_plan(self.model, Mesh.fake(tp=tp), self.example_inputs, self.example_kwargs,
                                     sequence_parallel=key[1], meta_dtype=self.dtype)
             self._profiles[key] = analyse(compiled, n_layers=self.n_layers, name=self.name, heads=self.heads,
-                                          kv_heads=self.kv_heads, seq_len=self.seq_len)
+                                          kv_heads=self.kv_heads, seq_len=self.seq_len,
+                                          layer_counts=self.layer_counts)
         return self._profiles[key]
 
 
@@ -967,10 +1160,18 @@ def _validate(layout: Layout, prof: ModelProfile, global_batch, seq) -> None:
         raise ValueError(f"interleaved: pp={layout.pp} x virtual={layout.virtual} does not divide {L} layers; "
                          f"valid virtual sizes at pp={layout.pp}: {', '.join(map(str, ok)) or 'none'}")
     if layout.ep > 1:
-        raise ValueError("ep > 1: the cost model has no expert (MoE) analysis yet; use ep=1")
-    if not _is_symbolic(global_batch) and global_batch % (layout.dp * layout.microbatch_size):
-        step = layout.dp * layout.microbatch_size
-        raise ValueError(f"the global batch of {global_batch} does not divide by dp={layout.dp} x "
+        if prof.moe is None:
+            raise ValueError(f"ep={layout.ep}: {prof.name or 'the model'} has no mixture-of-experts layer "
+                             f"(moe_ffn), so there is nothing to shard over ep; use dp={layout.ep} instead")
+        E = prof.moe.experts
+        if E % layout.ep:
+            ok = [e for e in range(1, E + 1) if E % e == 0]
+            raise ValueError(f"ep={layout.ep} does not divide the {E} experts of {prof.name or 'the model'}: each "
+                             f"rank holds E/ep experts; valid ep sizes: {', '.join(map(str, ok))}")
+    if not _is_symbolic(global_batch) and global_batch % (layout.data_ranks * layout.microbatch_size):
+        step = layout.data_ranks * layout.microbatch_size
+        by = f"dp={layout.dp} x ep={layout.ep}" if layout.ep > 1 else f"dp={layout.dp}"
+        raise ValueError(f"the global batch of {global_batch} does not divide by {by} x "
                          f"microbatch_size={layout.microbatch_size}; use a batch that is a multiple of {step}")
     if not _is_symbolic(seq) and seq % layout.cp:
         raise ValueError(f"cp={layout.cp} does not divide the sequence length {seq}")
@@ -980,18 +1181,27 @@ def _validate(layout: Layout, prof: ModelProfile, global_batch, seq) -> None:
 
 
 def _section_times(sec: Section, b, s, layout: Layout, hw: Hardware, eff: Efficiency, precision: str,
-                   attention_kernel: str = "flash", head_dim: float = 1) -> dict:
+                   attention_kernel: str = "flash", head_dim: float = 1, moe_imbalance: float = 1.0) -> dict:
     """Per microbatch: forward, backward, weight-gradient, attention-forward times and tp comm, at the
     rank's own sequence ``s`` (= seq/cp). Under cp a rank's queries still meet every key: attention
-    does cp × the work its s/cp-long piece would alone (s²/cp, not s²/cp²)."""
+    does cp × the work its s/cp-long piece would alone (s²/cp, not s²/cp²).
+
+    Routed experts under ep (``layout.ep`` > 1): a rank reads E/ep of the experts' weights and the
+    busiest rank runs ``moe_imbalance`` × the mean T·k slots (its FLOPs and activation traffic), and its
+    all-to-alls (``ep_f``, ``ep_b``: counts, dispatch, combine) receive ``moe_imbalance`` × the mean
+    bytes (:func:`collective_time`'s bandwidth term; the counts are not scaled)."""
     vals = sec.evaluate(b, s)
     flops, nbytes, cbytes = vals.flops, vals.bytes, vals.comm_bytes
     cp = layout.cp
     peak_gemm = hw.peak_flops(precision)
     peak_attn = hw.peak_flops("bf16" if precision == "fp8" else precision)
     bw = hw.hbm_bandwidth * eff.memory
-    f = bk = w = attn = gf = gb = 0
+    f = bk = w = attn = gf = gb = ex = 0
+    ep = layout.ep
     for op, fl, y in zip(sec.ops, flops, nbytes):
+        if op.expert_weight_bytes is not None and ep > 1:  # E/ep experts here, the busiest rank's slots
+            wb = op.expert_weight_bytes
+            fl, y = fl * moe_imbalance, (y - wb) * moe_imbalance + wb / ep
         if op.op_class == "gemm":
             t = _max(fl / (peak_gemm * eff.gemm), y / bw)
             tb = BACKWARD_MULTIPLIER.get(op.category, 2) * t
@@ -999,6 +1209,8 @@ def _section_times(sec: Section, b, s, layout: Layout, hw: Hardware, eff: Effici
             gb += tb
             if op.weight_grad:
                 w += t
+            if op.expert_weight_bytes is not None:
+                ex += t
         elif op.op_class == "attention":
             fl, y = fl * cp, y * cp
             if attention_kernel == "unfused":  # s×s scores through HBM: matmul time + their traffic
@@ -1021,6 +1233,8 @@ def _section_times(sec: Section, b, s, layout: Layout, hw: Hardware, eff: Effici
     if layout.tp > 1:
         beta, alpha = axis_link(layout, "tp", hw, eff)
         for c, nb in zip(sec.comms, cbytes):
+            if c.axis != "tp":
+                continue
             t = float(c.count) * collective_time(c.kind, nb, layout.tp, beta, alpha, hw.collective_call_latency)
             mm = c.kind in ("all_gather", "reduce_scatter")
             if c.phase == "forward":
@@ -1036,8 +1250,25 @@ def _section_times(sec: Section, b, s, layout: Layout, hw: Hardware, eff: Effici
         k = _ratio(layout.tp - 1, layout.tp, gf)
         cf_x = cf - cf_mm + overlapped(gf * k, cf_mm, hw.overlap_slowdown)
         cb_x = cb - cb_mm + overlapped(gb * k, cb_mm, hw.overlap_slowdown)
+    ef = eb = 0  # ep: the MoE all-to-alls, exposed (no overlap with the experts' compute is modelled)
+    if ep > 1:
+        beta, alpha = axis_link(layout, "ep", hw, eff)
+        for c, nb in zip(sec.comms, cbytes):
+            if c.axis != "ep":
+                continue
+            load = moe_imbalance if c.purpose in MOE_TOKEN_TRAFFIC else 1
+            t = float(c.count) * collective_time(c.kind, nb * load, ep, beta, alpha, hw.collective_call_latency)
+            if c.phase == "forward":
+                ef += t
+            else:
+                eb += t
     return {"f": f, "b": bk, "w": w, "attn": attn, "comm_f": cf, "comm_b": cb, "comm_f_x": cf_x, "comm_b_x": cb_x,
-            "gemm_f": gf, "gemm_b": gb}
+            "gemm_f": gf, "gemm_b": gb, "ep_f": ef, "ep_b": eb, "expert_f": ex}
+
+
+# the MoE collectives that carry token rows (their bytes follow the routing: the busiest rank gets more)
+MOE_TOKEN_TRAFFIC = frozenset({"moe: dispatch", "moe: combine", "moe: gather tokens", "moe: gather weights",
+                               "moe: reduce-scatter outputs"})
 
 
 def gather_bytes_of(precision: str) -> int:
@@ -1052,16 +1283,17 @@ def _tp_keys(layout: Layout) -> tuple[str, str]:
 
 
 def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B, s, *, precision: str,
-           param_dtype: str, grad_dtype: str, attention_kernel: str, auto: dict | None = None) -> tuple[dict, dict]:
+           param_dtype: str, grad_dtype: str, attention_kernel: str, auto: dict | None = None,
+           moe_imbalance: float = 1.0) -> tuple[dict, dict]:
     """The step-time terms (seconds) and details; B and s may be sympy symbols. ``auto``: for
     ``recompute="auto"``, :func:`_auto_stages`'s mix per stage (0 and p−1)."""
     b = layout.microbatch_size
-    m = B / (layout.dp * b)  # microbatches per pipeline per step
+    m = B / (layout.data_ranks * b)  # microbatches per pipeline per step
     p, v, cp = layout.pp, layout.virtual, layout.cp
     s_loc = s / cp
     L = prof.n_layers
     L_stage = math.ceil(L / p)
-    kw = dict(attention_kernel=attention_kernel, head_dim=prof.hidden / (prof.heads or 1))
+    kw = dict(attention_kernel=attention_kernel, head_dim=prof.hidden / (prof.heads or 1), moe_imbalance=moe_imbalance)
     lay = _section_times(prof.layer, b, s_loc, layout, hw, eff, precision, **kw)
     pre = _section_times(prof.pre, b, s_loc, layout, hw, eff, precision, **kw)
     post = _section_times(prof.post, b, s_loc, layout, hw, eff, precision, **kw)
@@ -1077,7 +1309,8 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
         cp_f = _cp_exposed(cp_t, lay["attn"], hw)
         cp_b = _cp_exposed(cp_t, 2 * lay["attn"], hw)
 
-    # recompute per layer (its exposed tp communication, and under full recompute the K/V all-gather again)
+    # recompute per layer (its exposed tp communication, and under full recompute the K/V all-gather and the
+    # MoE dispatch again)
     if layout.recompute == Recompute.FULL:
         rec, rec_comm, rec_total = lay["f"], lay[kf] + cp_f, lay["comm_f"] + cp_t
     elif layout.recompute == Recompute.SELECTIVE:
@@ -1087,18 +1320,21 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
 
     def stage(extra: list[dict], i: int) -> dict:
         r, rc, rt = rec, rec_comm, rec_total
+        full = 1.0 if layout.recompute == Recompute.FULL else 0.0
         if layout.recompute == Recompute.AUTO:  # a per-layer mix of the named policies (auto_mix)
             w = auto[i]["mix"]
             r = w.get("full", 0.0) * lay["f"] + w.get("selective", 0.0) * lay["attn"]
             rc = w.get("full", 0.0) * (lay[kf] + cp_f)
             rt = w.get("full", 0.0) * (lay["comm_f"] + cp_t)
-        d = {k: L_stage * lay[k] for k in ("f", "b", "w", "comm_f", "comm_b", "comm_f_x", "comm_b_x")}
+            full = w.get("full", 0.0)
+        d = {k: L_stage * lay[k] for k in _STAGE_KEYS}
         d["r"] = L_stage * r
         d["comm_r"] = L_stage * rc
         d["comm_r_total"] = L_stage * rt
         d["cp"] = L_stage * (cp_f + cp_b)
+        d["ep_r"] = L_stage * full * lay["ep_f"]
         for e in extra:
-            for k in ("f", "b", "w", "comm_f", "comm_b", "comm_f_x", "comm_b_x"):
+            for k in _STAGE_KEYS:
                 d[k] = d[k] + e[k]
         return d
 
@@ -1116,27 +1352,27 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
                                                 hw.collective_call_latency)
 
     def total(d):
-        return d["f"] + d["b"] + d["r"] + d[kf] + d[kb] + d["comm_r"] + d["cp"] + p2p
+        return (d["f"] + d["b"] + d["r"] + d[kf] + d[kb] + d["comm_r"] + d["cp"] + p2p
+                + d["ep_f"] + d["ep_b"] + d["ep_r"])
 
-    # data-parallel communication (dp x cp ranks hold the same parameters): ZeRO-2/3's per-microbatch collectives
-    # lengthen every microbatch of their stage (each stage its own parameters); once per step, the reduction of
-    # the stage with the most parameters
+    # data-parallel communication (dp x cp ranks hold the same parameters; dense ones dp x ep x cp): ZeRO-2/3's
+    # per-microbatch collectives lengthen every microbatch of their stage (each stage its own parameters); once per
+    # step, the reduction of the stage with the most parameters
+    lay_params, lay_experts = expert_split(prof, layout.ep)
     stage_params = ([prof.pre.params + prof.post.params - prof.tied_params] if p == 1
                     else [prof.pre.params, prof.post.params])
-    stage_params = [L_stage * prof.layer.params + x for x in stage_params]
-    P_stage = L_stage * prof.layer.params + (prof.pre.params + prof.post.params - prof.tied_params if p == 1
-                                             else max(prof.pre.params, prof.post.params))
+    stage_params = [L_stage * lay_params + x for x in stage_params]
+    P_stage = L_stage * lay_params + (prof.pre.params + prof.post.params - prof.tied_params if p == 1
+                                      else max(prof.pre.params, prof.post.params))
     g_bytes = MM.DTYPE_BYTES[grad_dtype]
     p_bytes = MM.DTYPE_BYTES[param_dtype]
-    n_dp = layout.dp * cp
-    dp_link = axis_link(layout, "dp", hw, eff) if n_dp > 1 else (1.0, 0.0)
 
     def dp_of(d, params):
-        return dp_comm(layout.zero, n_dp, dp_link, hw, params=params, layer_params=prof.layer.params, layers=L_stage,
-                       window=d["b"] + d["r"] + d[kb] + d["comm_r"], layer_forward=lay["f"],
-                       layer_backward=lay["b"] + d["r"] / max(L_stage, 1),  # recompute runs in backward too
-                       grad_bytes=g_bytes, param_bytes=p_bytes, gather_bytes=gather_bytes_of(precision),
-                       overlap_grad_reduce=layout.overlap_grad_reduce, overlap=layout.overlap)
+        return data_comm(layout, hw, eff, params=params, experts=L_stage * lay_experts, layer_params=lay_params,
+                         layer_experts=lay_experts, layers=L_stage,
+                         window=d["b"] + d["r"] + d[kb] + d["comm_r"], layer_forward=lay["f"],
+                         layer_backward=lay["b"] + d["r"] / max(L_stage, 1),  # recompute runs in backward too
+                         grad_bytes=g_bytes, param_bytes=p_bytes, gather_bytes=gather_bytes_of(precision))
 
     totals = [total(d) + dp_of(d, n)["mb_exposed"] for d, n in zip(stages, stage_params)]
     slow_i = 0 if len(stages) == 1 or not _gt(totals[1], totals[0]) else 1
@@ -1147,7 +1383,7 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
     # the bubble of the stage that idles longest: the slowest stage's under GPipe/1F1B/interleaved; under ZB-H1
     # (T - 2 t_w) per stage, so that more work on any stage never shortens the step
     bubble = _max(*[pipeline_bubble(layout.schedule, p, v, t, d["w"]) for t, d in zip(totals, stages)])
-    opt_params = P_stage / (layout.dp if layout.zero else 1)
+    opt_params = optimizer_params(layout, P_stage, L_stage * lay_experts)
     opt_bytes = 24 + g_bytes + (p_bytes if p_bytes != 4 else 0)
     optimizer = opt_params * opt_bytes / (hw.hbm_bandwidth * eff.memory)
 
@@ -1162,6 +1398,7 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
         "pp_bubble": bubble,
         "dp_comm": m * dpc["mb_exposed"] + dpc["step_exposed"],
         "optimizer": optimizer,
+        "ep_comm": m * (slow["ep_f"] + slow["ep_b"] + slow["ep_r"]),
     }
     cp_total = m * L_stage * (2 * cp_t + (cp_t if layout.recompute == Recompute.FULL else 0))
     dp_total = m * dpc["mb_total"] + dpc["step_total"]
@@ -1173,7 +1410,85 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
                "cp_comm_total": cp_total, "cp_comm_hidden": cp_total - terms["cp_comm"],
                "layer_forward": lay["f"], "layer_backward": lay["b"],
                "layer_tp_comm_forward": lay["comm_f"], "layer_tp_comm_backward": lay["comm_b"]}
+    if prof.moe is not None:
+        details.update(ep_details(layout, prof, lay, moe_imbalance))
     return terms, details
+
+
+_STAGE_KEYS = ("f", "b", "w", "comm_f", "comm_b", "comm_f_x", "comm_b_x", "ep_f", "ep_b")
+
+
+def ep_details(layout: Layout, prof: ModelProfile, lay: dict, moe_imbalance: float) -> dict:
+    """What an MoE layout's estimate reports beside its terms (per microbatch and mean layer)."""
+    return {"experts_per_rank": prof.moe.experts // layout.ep, "moe_imbalance": float(moe_imbalance),
+            "layer_ep_comm_forward": lay["ep_f"], "layer_ep_comm_backward": lay["ep_b"],
+            "layer_expert_forward": lay["expert_f"]}
+
+
+def expert_split(prof: ModelProfile, ep: int) -> tuple[float, float]:
+    """(one mean layer's parameters on a rank, of which routed experts) with E/ep experts a rank."""
+    e = prof.layer.expert_params
+    if not e or ep == 1:
+        return prof.layer.params, e
+    return prof.layer.params - e + e / ep, e / ep
+
+
+def state_of(layout: Layout, n_par, n_experts, param_dtype: str, grad_dtype: str) -> MM.StateBytes:
+    """Model-state bytes of a rank holding ``n_par`` parameters, ``n_experts`` of them routed experts:
+    dense ones replicated over dp·ep·cp, experts over dp·cp (:func:`mcompile.memory_model.model_state_bytes`)."""
+    return MM.model_state_bytes(n_par - n_experts, n_experts, param_dtype, grad_dtype, layout.zero,
+                                data=layout.dp * layout.cp * layout.ep, expert_data=layout.dp * layout.cp)
+
+
+def optimizer_params(layout: Layout, params, experts) -> float:
+    """Parameters whose optimizer step a rank runs: all, or under ZeRO its 1/dp share (dense ones 1/(dp·ep))."""
+    if not layout.zero:
+        return params
+    if layout.ep == 1:
+        return params / layout.dp
+    return (params - experts) / (layout.dp * layout.ep) + experts / layout.dp
+
+
+def group_link(layout: Layout, axes, hw: Hardware, eff: Efficiency) -> tuple[float, float]:
+    """(β, α) of a group spanning several mesh axes (every combination of their indices): inside a node
+    when all its members are; otherwise the members a node holds (each axis contributes
+    min(size, G/stride) of them), each with its own NIC — :func:`axis_link` for one axis."""
+    mesh = layout.mesh
+    g = hw.gpus_per_node
+    n = math.prod(mesh[a] for a in axes)
+    per_node = 1
+    for a in axes:
+        stride = math.prod(mesh[x] for x in MESH_ORDER[MESH_ORDER.index(a) + 1:])
+        per_node *= min(mesh[a], max(1, g // stride))
+    if per_node >= n:
+        return hw.intra_node_bandwidth * eff.intra_node, hw.intra_node_latency
+    bw = min(hw.intra_node_bandwidth, per_node * hw.inter_node_bandwidth)
+    return bw * eff.inter_node, hw.inter_node_latency
+
+
+def data_comm(layout: Layout, hw: Hardware, eff: Efficiency, *, params, experts, layer_params, layer_experts,
+              layers: int, window, layer_forward, layer_backward, grad_bytes: int, param_bytes: int,
+              gather_bytes: int) -> dict:
+    """:func:`dp_comm` of one rank: without ep over its dp·cp ranks (the dp axis's link); with ep the
+    dense parameters over the dp·ep·cp ranks that replicate them (:func:`group_link`) and the experts
+    over dp·cp (the ranks holding the same experts), each priced against the same backward window."""
+    n_dp = layout.dp * layout.cp
+    kw = dict(window=window, layer_forward=layer_forward, layer_backward=layer_backward, grad_bytes=grad_bytes,
+              param_bytes=param_bytes, gather_bytes=gather_bytes, overlap_grad_reduce=layout.overlap_grad_reduce,
+              overlap=layout.overlap, layers=layers)
+    dp_link = axis_link(layout, "dp", hw, eff) if n_dp > 1 else (1.0, 0.0)
+    if layout.ep == 1:
+        return dp_comm(layout.zero, n_dp, dp_link, hw, params=params, layer_params=layer_params, **kw)
+    dense = dp_comm(layout.zero, n_dp * layout.ep, group_link(layout, ("dp", "cp", "ep"), hw, eff), hw,
+                    params=params - experts, layer_params=layer_params - layer_experts, **kw)
+    mine = dp_comm(layout.zero, n_dp, dp_link, hw, params=experts, layer_params=layer_experts, **kw)
+    return {k: dense[k] + mine[k] for k in dense}
+
+
+def check_imbalance(moe_imbalance) -> None:
+    if isinstance(moe_imbalance, bool) or not isinstance(moe_imbalance, int | float) or not moe_imbalance >= 1:
+        raise ValueError(f"moe_imbalance={moe_imbalance!r}: the busiest ep rank's routed tokens over the mean, >= 1 "
+                         "(1: uniform routing)")
 
 
 def _cp_exposed(t_comm, t_attention, hw: Hardware):
@@ -1284,13 +1599,13 @@ def _auto_budget(auto: dict) -> float | None:
 
 def _auto_stages(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B, s, *, limit: float,
                  precision: str, param_dtype: str, grad_dtype: str, attention_kernel: str,
-                 activations: str) -> dict:
+                 activations: str, moe_imbalance: float = 1.0) -> dict:
     """:func:`stage_auto` on the stages :func:`_memory` checks (0 and p−1), with ⌈L/p⌉ layers each."""
     b, p, v = layout.microbatch_size, layout.pp, layout.virtual
-    m = B / (layout.dp * b)
+    m = B / (layout.data_ranks * b)
     s_loc = s / layout.cp
     L_stage = math.ceil(prof.n_layers / p)
-    kw = dict(attention_kernel=attention_kernel, head_dim=prof.hidden / (prof.heads or 1))
+    kw = dict(attention_kernel=attention_kernel, head_dim=prof.hidden / (prof.heads or 1), moe_imbalance=moe_imbalance)
     lay = _section_times(prof.layer, b, s_loc, layout, hw, eff, precision, **kw)
     cp_f = 0
     if layout.cp > 1:  # as _terms: full recompute repeats the exposed K/V all-gather
@@ -1300,7 +1615,7 @@ def _auto_stages(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficien
         cp_f = _cp_exposed(collective_time("all_gather", kv_bytes, layout.cp, beta, alpha,
                                            hw.collective_call_latency), float(lay["attn"]), hw)
     times = {"none": 0.0, "selective": float(lay["attn"]),
-             "full": float(lay["f"]) + float(lay[_tp_keys(layout)[0]]) + float(cp_f)}
+             "full": float(lay["f"]) + float(lay[_tp_keys(layout)[0]]) + float(cp_f) + float(lay["ep_f"])}
     if activations == "formula":
         if not prof.heads:
             raise ValueError("activations='formula' needs the number of heads (Workload(..., heads=...))")
@@ -1315,11 +1630,11 @@ def _auto_stages(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficien
         pre_act = float(prof.pre.evaluate(b, s_loc).activations["none"])
         post_act = float(prof.post.evaluate(b, s_loc).activations["none"])
     env = recompute_envelope(acts, times)
-    per = MM.model_state_bytes_per_param(param_dtype, grad_dtype, layout.zero, layout.dp * layout.cp)
+    lay_params, lay_experts = expert_split(prof, layout.ep)
     cbytes = gather_bytes_of(precision)
     out = {}
     for i in ((0, p - 1) if p > 1 else (0,)):
-        n_par = L_stage * prof.layer.params
+        n_par = L_stage * lay_params
         extra = 0.0
         if i == 0:
             n_par += prof.pre.params
@@ -1328,9 +1643,9 @@ def _auto_stages(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficien
             n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
             extra += post_act
         inflight = float(MM.inflight_microbatches(layout.schedule.value, p, i, m, v))
-        zbuf = _zero_buffers(layout.zero, prof, i, p, n_par, grad_dtype, cbytes)
-        out[i] = stage_auto(limit, (n_par * per.params + zbuf, n_par * per.grads, n_par * per.optimizer), inflight,
-                            L_stage, extra, env, acts)
+        zbuf = _zero_buffers(layout.zero, prof, i, p, n_par, grad_dtype, cbytes, ep=layout.ep)
+        st = state_of(layout, n_par, L_stage * lay_experts, param_dtype, grad_dtype)
+        out[i] = stage_auto(limit, (st.params + zbuf, st.grads, st.optimizer), inflight, L_stage, extra, env, acts)
     return out
 
 
@@ -1341,12 +1656,14 @@ def _gt(a, b) -> bool:
         return True
 
 
-def _zero_buffers(zero: int, prof: ModelProfile, i: int, p: int, n_par, grad_dtype: str, compute_bytes: int):
+def _zero_buffers(zero: int, prof: ModelProfile, i: int, p: int, n_par, grad_dtype: str, compute_bytes: int,
+                  ep: int = 1):
     """ZeRO-2/3's bytes in flight on pipeline rank ``i`` (:func:`mcompile.memory_model.zero_buffer_bytes`):
-    the largest gathered unit is a layer, or the embedding (first rank) / head (last rank) if larger."""
+    the largest gathered unit is a layer (its E/ep experts), or the embedding (first rank) / head (last
+    rank) if larger."""
     if zero < 2:
         return 0
-    unit = prof.layer.params
+    unit = expert_split(prof, ep)[0]
     if i == 0:
         unit = max(unit, prof.pre.params)
     if i == p - 1:
@@ -1359,10 +1676,10 @@ def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_
     """Bytes of the largest rank and its breakdown (module docstring of mcompile.memory_model);
     ``auto``: :func:`_auto_stages`'s per-stage layer bytes for ``recompute="auto"``."""
     b, p, v = layout.microbatch_size, layout.pp, layout.virtual
-    m = B / (layout.dp * b)
+    m = B / (layout.data_ranks * b)
     s_loc = s / layout.cp
     L_stage = math.ceil(prof.n_layers / p)
-    per = MM.model_state_bytes_per_param(param_dtype, grad_dtype, layout.zero, layout.dp * layout.cp)
+    lay_params, lay_experts = expert_split(prof, layout.ep)
     mode = layout.recompute.value if layout.recompute != Recompute.AUTO else "full"
     if activations == "formula":
         if not prof.heads:
@@ -1383,7 +1700,7 @@ def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_
     stages = range(p) if p > 1 else [0]
     best, best_d = None, None
     for i in (stages[0], stages[-1]) if p > 1 else stages:
-        n_par = L_stage * prof.layer.params
+        n_par = L_stage * lay_params
         extra_act = 0
         if i == 0:
             n_par += prof.pre.params
@@ -1397,11 +1714,12 @@ def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_
         one_pass = False
         reduce_copy = 0
         act_i = layer_act if auto is None else auto[i]["layer_bytes"]
-        tot, d = MM.peak_bytes(n_par * per.params, n_par * per.grads, n_par * per.optimizer,
+        st = state_of(layout, n_par, L_stage * lay_experts, param_dtype, grad_dtype)
+        tot, d = MM.peak_bytes(st.params, st.grads, st.optimizer,
                                inflight * (L_stage * act_i + extra_act), gradients_meet_activations=not one_pass,
                                reduction_buffer=reduce_copy,
                                zero_buffers=_zero_buffers(layout.zero, prof, i, p, n_par, grad_dtype,
-                                                          gather_bytes_of(precision)))
+                                                          gather_bytes_of(precision), ep=layout.ep))
         if auto is not None and auto[i]["fits"]:  # the budget used is what is left: ≤ the limit (rounding)
             tot = min(tot, auto[i]["limit"])
         if best is None or _gt(tot, best):
@@ -1534,7 +1852,7 @@ def resolve_precision(layout: Layout, precision: str | None) -> Layout:
 def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", global_batch: int,
              seq: int | None = None, precision: str | None = None, param_dtype: str = "bf16", grad_dtype: str = "fp32",
              activations: str = "graph", attention_kernel: str = "flash", efficiency: Efficiency | None = None,
-             memory_limit: float | None = None, **layout_fields) -> Estimate:
+             memory_limit: float | None = None, moe_imbalance: float = 1.0, **layout_fields) -> Estimate:
     """Price a layout: step time, memory of the largest rank, throughput.
 
     ``plan_or_layout``: a :class:`Layout`; a :class:`mcompile.plan.Plan` (dp/tp/pp from its mesh,
@@ -1548,7 +1866,11 @@ def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", g
     storage of parameters and of the gradients the data-parallel reduction moves.
     ``memory_limit``: bytes per GPU (default: the hardware's HBM): what ``fits`` compares against, and
     the limit under which ``recompute="auto"`` takes its activation budget (:func:`auto_mix`).
+    ``moe_imbalance``: expert parallelism's load imbalance, the busiest ep rank's routed slots over the
+    mean (1: uniform routing; at most ep): it scales that rank's expert compute and the token bytes of
+    its all-to-alls (:func:`_section_times`).
     """
+    check_imbalance(moe_imbalance)
     if attention_kernel not in ("flash", "unfused"):
         raise ValueError(f"attention_kernel={attention_kernel!r}: use 'flash' (fused SDPA, what mcompile runs) or "
                          "'unfused' (bmm, softmax, dropout, bmm: s×s scores through memory)")
@@ -1572,9 +1894,10 @@ def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", g
     if layout.recompute == Recompute.AUTO:
         auto = _auto_stages(layout, prof, hw, eff, global_batch, seq, limit=limit, precision=precision,
                             param_dtype=param_dtype, grad_dtype=grad_dtype, attention_kernel=attention_kernel,
-                            activations=activations)
+                            activations=activations, moe_imbalance=moe_imbalance)
     terms, details = _terms(layout, prof, hw, eff, global_batch, seq, precision=precision, param_dtype=param_dtype,
-                            grad_dtype=grad_dtype, attention_kernel=attention_kernel, auto=auto)
+                            grad_dtype=grad_dtype, attention_kernel=attention_kernel, auto=auto,
+                            moe_imbalance=moe_imbalance)
     terms = {k: float(_num(v)) for k, v in terms.items()}
     step = sum(terms.values())
     mem, mem_d = _memory(layout, prof, global_batch, seq, param_dtype=param_dtype, grad_dtype=grad_dtype,
@@ -1614,7 +1937,7 @@ def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", g
 
 def step_time_expr(layout: Layout, model, *, hardware: str | Hardware = "h100", precision: str | None = None,
                    param_dtype: str = "bf16", grad_dtype: str = "fp32", attention_kernel: str = "flash",
-                   efficiency: Efficiency | None = None) -> dict[str, sympy.Expr]:
+                   efficiency: Efficiency | None = None, moe_imbalance: float = 1.0) -> dict[str, sympy.Expr]:
     """The step-time terms as sympy expressions in ``global_batch`` and ``seq`` (``GLOBAL_BATCH``,
     ``SEQ``), plus their sum under "step_time"."""
     layout = resolve_precision(layout, precision)
@@ -1627,8 +1950,9 @@ def step_time_expr(layout: Layout, model, *, hardware: str | Hardware = "h100", 
         raise ValueError("recompute='auto' takes its budget from the memory left at given sizes: price it with "
                          "estimate(), not symbolically")
     _validate(layout, prof, GLOBAL_BATCH, SEQ)
+    check_imbalance(moe_imbalance)
     terms, _ = _terms(layout, prof, hw, eff, GLOBAL_BATCH, SEQ, precision=precision, param_dtype=param_dtype,
-                      grad_dtype=grad_dtype, attention_kernel=attention_kernel)
+                      grad_dtype=grad_dtype, attention_kernel=attention_kernel, moe_imbalance=moe_imbalance)
     terms = {k: sympy.sympify(v) for k, v in terms.items()}
     terms["step_time"] = sympy.Add(*terms.values())
     return terms

@@ -12,6 +12,11 @@ params in ``param_dtype`` (P B), gradients in ``grad_dtype`` (G B), AdamW's two 
     ZeRO-3 (and parameters, FSDP-like):   (P + G + 8 + 4·[P≠4]) / d       bf16+fp32 grads: 18/d B
     fp32 params and grads:                4 + 4 + 8 = 16 B,  ZeRO-1: 8 + 8/d B,  ZeRO-2: 4 + 12/d,  ZeRO-3: 16/d
 
+Expert parallelism (ep, folded into data parallelism as Megatron does): a dense parameter is
+replicated over the dp·ep·cp data-parallel ranks — ZeRO divides its state by those — a routed expert
+lives on one rank of each ep group (E/ep a rank) and is replicated over dp·cp only
+(:func:`model_state_bytes`); the plan's accounting (:func:`memory_per_rank`) does the same.
+
 plus what ZeRO-2/3 keep in flight (:func:`zero_buffer_bytes`, in the peak as ``zero_buffers``):
 
     ZeRO-2, ZeRO-3: 2 gradient buckets of ``bucket_bytes`` (the runtime's ``Config.bucket_mb`` = 25 MiB of
@@ -49,7 +54,8 @@ graph by op rule — a linear keeps its activation input, SDPA its q, k, v, outp
 norm or a non-linear pointwise op its input, a product its inputs, softmax its output, dropout
 (p > 0) its 1-byte mask; views resolve to the tensor they alias and each tensor counts once. A
 recomputed region keeps its inputs from outside instead of what its own nodes save. It reflects
-the kernels the model really uses (flash attention: no s² term) and any architecture.
+the kernels the model really uses (flash attention: no s² term) and any architecture. A routed MoE
+layer (one ``moe_ffn`` call) is counted by :func:`moe_saved_bytes` from its shapes.
 
 In-flight microbatches (activations of how many microbatches a pipeline stage holds at its peak)
 -------------------------------------------------------------------------------------------------
@@ -116,6 +122,8 @@ __all__ = [
     "inflight_microbatches",
     "peak_bytes",
     "saved_for_backward",
+    "moe_saved_bytes",
+    "model_state_bytes",
 ]
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "float": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2,
@@ -156,6 +164,19 @@ def model_state_bytes_per_param(param_dtype: str = "bf16", grad_dtype: str = "fp
     return StateBytes(p / dp if zero >= 3 else p, g / dp if zero >= 2 else g, opt / dp if zero >= 1 else opt)
 
 
+def model_state_bytes(dense, experts, param_dtype: str = "bf16", grad_dtype: str = "fp32", zero: int = 0, *,
+                      data: int = 1, expert_data: int = 1) -> StateBytes:
+    """Bytes (not per parameter) of one rank's model state holding ``dense`` replicated parameters and
+    ``experts`` routed-expert parameters (its E/ep experts). Megatron folds expert parallelism into
+    data parallelism: a dense parameter is replicated over every data-parallel rank (``data`` = dp·ep·cp,
+    what ZeRO shards it over), an expert over ``expert_data`` = dp·cp ranks only (the ranks that hold
+    the same experts)."""
+    d = model_state_bytes_per_param(param_dtype, grad_dtype, zero, data)
+    e = model_state_bytes_per_param(param_dtype, grad_dtype, zero, expert_data)
+    return StateBytes(dense * d.params + experts * e.params, dense * d.grads + experts * e.grads,
+                      dense * d.optimizer + experts * e.optimizer)
+
+
 # the runtime's data-parallel gradient bucket (Config.bucket_mb = 25 MiB of fp32 gradients, runtime/leaves.py)
 ZERO_BUCKET_BYTES = 25 * 2**20
 
@@ -184,33 +205,53 @@ class MemoryPerRank:
         return self.params + self.grads + self.optimizer
 
 
-def memory_per_rank(plan, dtype: str | None = None, zero: int = 0) -> MemoryPerRank:
+def memory_per_rank(plan, dtype: str | None = None, zero: int = 0, only: set[str] | None = None) -> MemoryPerRank:
     """Bytes of parameters, gradients and AdamW state that one rank of ``plan`` holds (the largest
     rank: every rank holds the same under tp/dp). Gradients fp32 (Megatron's ``main_grad``); AdamW's
     moments fp32 plus an fp32 master copy of non-fp32 parameters; plus AdamW's 4-byte step count per
     parameter tensor. Sharded parameters count their local (padded) piece, tied ones once. ZeRO-1
     divides the optimizer state by the plan's dp size, ZeRO-2 also the gradients, ZeRO-3 also the
     parameters (buffers in flight not included: :func:`zero_buffer_bytes`). Under pipeline parallelism a rank holds its
-    stages' parameters only (tied ones on every stage using them): the largest pipeline rank."""
+    stages' parameters only (tied ones on every stage using them): the largest pipeline rank. Under an
+    ``ep`` axis the dense parameters are replicated over dp·ep (what ZeRO divides them by) and the
+    routed experts (sharded over ep: E/ep of them) over dp. ``only``: count these parameters (FQNs) alone."""
     pipe = getattr(plan, "pipeline", None) or {}
+    if only is not None:
+        import dataclasses
+
+        plan = dataclasses.replace(plan, params={f: p for f, p in plan.params.items() if f in only})
     if pipe.get("param_stages"):
         per_rank = []
         for r in range(pipe["pp"]):
             mine = {f for f, stages in pipe["param_stages"].items() if any(s % pipe["pp"] == r for s in stages)}
             per_rank.append(_state_bytes([pp for f, pp in plan.params.items() if f in mine], dtype, zero,
-                                         plan.mesh.get("dp", 1)))
+                                         plan.mesh.get("dp", 1), _ep_of(plan)))
         return max(per_rank, key=lambda m: m.total)
-    return _state_bytes(list(plan.params.values()), dtype, zero, plan.mesh.get("dp", 1))
+    return _state_bytes(list(plan.params.values()), dtype, zero, plan.mesh.get("dp", 1), _ep_of(plan))
 
 
-def _state_bytes(params, dtype: str | None, zero: int, dp: int) -> MemoryPerRank:
+def _ep_of(plan) -> tuple[int, int | None]:
+    """(ep size, index of the ep axis in the plan's placements) or (1, None)."""
+    if "ep" not in plan.mesh:
+        return 1, None
+    return plan.mesh["ep"], list(plan.mesh).index("ep")
+
+
+def _state_bytes(params, dtype: str | None, zero: int, dp: int, ep: tuple = (1, None)) -> MemoryPerRank:
+    """Expert parameters (sharded over ep: their local piece is E/ep experts) are replicated over dp
+    only; the rest over dp·ep, the data-parallel ranks ZeRO shards over (:func:`model_state_bytes`)."""
+    from mcompile.placements import Shard
+
+    n_ep, ep_i = ep
     p = g = o = 0
     for pp in params:
         pb = _nbytes(dtype or pp.dtype)
         n = pp.local_numel
-        p += (n * pb) // (dp if zero >= 3 else 1)
-        g += (n * 4) // (dp if zero >= 2 else 1)
-        o += (n * (8 + (4 if pb != 4 else 0))) // (dp if zero else 1) + 4  # + AdamW's 0-d step
+        expert = ep_i is not None and isinstance(pp.placements[ep_i], Shard)
+        d = dp if expert else dp * n_ep
+        p += (n * pb) // (d if zero >= 3 else 1)
+        g += (n * 4) // (d if zero >= 2 else 1)
+        o += (n * (8 + (4 if pb != 4 else 0))) // (d if zero else 1) + 4  # + AdamW's 0-d step
     return MemoryPerRank(p, g, o)
 
 
@@ -373,6 +414,27 @@ def _to_expr(x):
     from mcompile.annotate import to_sympy
 
     return to_sympy(x)
+
+
+def moe_saved_bytes(node: fx.Node, hidden_share=1) -> sympy.Expr:
+    """Bytes a ``moe_ffn`` node (mcompile.moe: T tokens of width d, k experts each, experts of width f)
+    keeps for backward, which :func:`saved_for_backward` cannot read off one opaque call: per routed
+    slot (T·k of them) the gathered token row the first projection(s) read (d), what the activation
+    keeps (SwiGLU, separate or fused gate/up: gate and up, 2f; a plain MLP: its pre-activation, f), the
+    down projection's input (f), the expert output the routing weight multiplies (d), in the tokens'
+    dtype, and the routing weight itself. ``hidden_share``: the share of f one rank holds (1/tp under
+    expert tensor parallelism). Under ep a rank keeps the slots it received: T·k on average."""
+    from mcompile.annotate import numel
+    from mcompile.moe import ExpertForm
+
+    x, idx, weights, *ws = node.args
+    xv, iv, wv = x.meta["val"], idx.meta["val"], weights.meta["val"]
+    form = ExpertForm.parse(node.kwargs["form"])
+    f = int(ws[-1].meta["val"].shape[form.hidden_dims()[-1]])
+    d = int(xv.shape[-1])
+    slots = numel(iv)
+    hidden = (3 if form.kind != "plain" else 2) * f * sympy.sympify(hidden_share)
+    return sympy.expand(slots * ((2 * d + hidden) * xv.element_size() + wv.element_size()))
 
 
 def saved_for_backward(

@@ -11,6 +11,7 @@ all-to-all dispatch of :mod:`mcompile.runtime.moe`.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -61,9 +62,9 @@ def expert_ffn(xs: torch.Tensor, ws: list[torch.Tensor], form: ExpertForm, offs:
     """The experts on rows ``xs`` grouped by expert (group ends ``offs``): (N, d) -> (N, d)."""
     act = _ACTS[form.act]
     if grouped is None:
-        # the Triton kernel (kernels/grouped_gemm.py) is not wired in: under Triton's interpreter it is
-        # not thread-safe, and the in-process simulator runs the ranks as threads
-        from mcompile.models.moe import grouped_mm as grouped
+        # one grouped GEMM per projection (kernels/grouped_gemm.py): its Triton kernels on CUDA, torch._grouped_mm
+        # (padded to its alignment) on the CPU
+        from mcompile.kernels.grouped_gemm import experts_mm as grouped
 
     def lin(x, w):
         return grouped(x, w if form.transposed else w.transpose(1, 2), offs)
@@ -189,24 +190,47 @@ _register()
 
 # --------------------------------------------------------------------------- expert parallelism
 
+def _rank_key():
+    """The communicator bound for this rank (``ops.bind``): the in-process simulator runs several ranks
+    as threads of one process, so per-rank state is kept per communicator (None: none bound)."""
+    from mcompile import ops
+
+    try:
+        return ops.current()
+    except RuntimeError:
+        return None
+
+
 class _Stash:
     """What an ``moe_ep`` forward keeps for its backward, behind the int64 handle it returns: the
     routing permutations and split sizes (data-dependent sizes, which a traced program cannot
     carry) and the local experts' autograd graph. Entries go when their backward runs;
-    :func:`clear_stash` drops the rest (a forward without backward: evaluation)."""
+    :func:`clear_stash` drops the rest of a rank's (a forward without backward: evaluation)."""
 
     def __init__(self) -> None:
         self.items: dict[int, dict] = {}
+        self.owner: dict[int, object] = {}
         self.next = 0
+        self.lock = threading.Lock()
 
     def put(self, item: dict) -> int:
-        self.next += 1
-        self.items[self.next] = item
-        return self.next
+        with self.lock:
+            self.next += 1
+            self.items[self.next] = item
+            self.owner[self.next] = _rank_key()
+            return self.next
+
+    def clear(self, owner) -> None:
+        with self.lock:
+            for h in [h for h, o in self.owner.items() if o is owner]:
+                self.items.pop(h, None)
+                self.owner.pop(h, None)
 
     def pop(self, handle: int) -> dict:
         try:
-            return self.items.pop(handle)
+            with self.lock:
+                self.owner.pop(handle, None)
+                return self.items.pop(handle)
         except KeyError:
             raise RuntimeError(f"moe_ep backward: no forward state under handle {handle} (was the step's forward "
                                "run twice, or the stash cleared between forward and backward?)") from None
@@ -215,9 +239,11 @@ class _Stash:
 STASH = _Stash()
 
 
-def clear_stash() -> None:
-    STASH.items.clear()
-    MoEStats.reset()
+def clear_stash(comm=None) -> None:
+    """Drop what ``comm``'s rank (default: the bound communicator's) stashed, and reset its dropped count."""
+    comm = comm if comm is not None else _rank_key()
+    STASH.clear(comm)
+    MoEStats.reset(comm)
 
 
 def _a2a(x: torch.Tensor, out_rows: list[int], in_rows: list[int], axis: str) -> torch.Tensor:
@@ -229,10 +255,8 @@ def _a2a(x: torch.Tensor, out_rows: list[int], in_rows: list[int], axis: str) ->
 def _local_experts(form: ExpertForm, offs: torch.Tensor):
     """The local experts as a function of (rows grouped by local expert, *expert weights), for
     ``torch.func.vjp``: inside a custom op autograd records nothing, so the backward comes from the vjp."""
-    from mcompile.models.moe import grouped_mm_reference
-
     def run(xl, *lw):
-        return expert_ffn(xl, list(lw), form, offs, grouped_mm_reference)
+        return expert_ffn(xl, list(lw), form, offs)
 
     return run
 
@@ -256,14 +280,38 @@ def capacity_keep(idx: torch.Tensor, n_experts: int, factor: float) -> torch.Ten
 
 
 class MoEStats:
-    """Routed slots dropped by capacity, per rank, since :meth:`reset` (the runtime resets it at
-    every train_step: ``pm.moe_dropped`` is this rank's count of the last step)."""
+    """Routed slots dropped by capacity, per rank (per bound communicator), since :meth:`reset` (the
+    runtime resets it at every train_step: ``pm.moe_dropped`` is this rank's count of the last step)."""
 
-    dropped = 0
+    _by_rank: dict = {}
+    _lock = threading.Lock()
 
     @classmethod
-    def reset(cls) -> None:
-        cls.dropped = 0
+    def add(cls, n: int) -> None:
+        key = _rank_key()
+        with cls._lock:
+            cls._by_rank[key] = cls._by_rank.get(key, 0) + n
+
+    @classmethod
+    def of(cls, comm) -> int:
+        """``comm``'s rank's count."""
+        with cls._lock:
+            return cls._by_rank.get(comm, 0)
+
+    @classmethod
+    def total(cls) -> int:
+        """Every rank's (of this process: the simulator's ranks together)."""
+        with cls._lock:
+            return sum(cls._by_rank.values())
+
+    @classmethod
+    def reset(cls, comm=None) -> None:
+        """Zero ``comm``'s count (None: every rank's)."""
+        with cls._lock:
+            if comm is None:
+                cls._by_rank.clear()
+            else:
+                cls._by_rank.pop(comm, None)
 
 
 def _alltoall_forward(x, idx, weights, ws, form, n_experts, axis, n, capacity):
@@ -281,7 +329,7 @@ def _alltoall_forward(x, idx, weights, ws, form, n_experts, axis, n, capacity):
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     order = order[keep[order]]  # dropped slots are not sent
-    MoEStats.dropped += int(keep.numel() - order.numel())
+    MoEStats.add(int(keep.numel() - order.numel()))
     token = torch.div(order, k, rounding_mode="floor")
     counts = torch.bincount(flat[order], minlength=n_experts).to(torch.long)
     recv = comm.all_to_all(counts.view(n, E_l).contiguous(), [1] * n, [1] * n, axis)  # (n, E_l): from s to my e
@@ -325,7 +373,7 @@ def _allgather_forward(x, idx, weights, ws, form, n_experts, axis, n, capacity):
     comm = ops.current()
     E_l, k = n_experts // n, idx.shape[1]
     keep = capacity_keep(idx, n_experts, capacity)
-    MoEStats.dropped += int((~keep).sum())
+    MoEStats.add(int((~keep).sum()))
     x_all = comm.all_gather(x.contiguous(), 0, axis)
     idx_all = comm.all_gather(torch.where(keep, idx, -1).contiguous(), 0, axis).reshape(-1)
     w_all = comm.all_gather(weights.contiguous(), 0, axis).reshape(-1)

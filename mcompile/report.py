@@ -78,6 +78,86 @@ def plan_tables(plan: Plan, sizes: dict[str, int] | None = None, dtype: str | No
     return params, colls, memt
 
 
+def moe_summary(compiled, sizes: dict[str, int] | None = None, dtype: str | None = None) -> dict | None:
+    """The mixture-of-experts facts of a compiled plan (None for a dense model): per MoE layer E experts,
+    k of them per token, hidden d and expert width f; experts per rank (E/ep) and each expert's hidden
+    units per rank (f/tp under expert tensor parallelism); the collectives of one MoE layer over ep as
+    the plan records them (bytes this rank sends, formulas in ``batch`` and ``seq``: T = batch·seq tokens
+    of this rank; the all-to-all dispatcher's token rows, T·k·d elements, also with k as a symbol), their
+    sum per layer and step (forward and backward) and its value at ``sizes``; the model state per rank
+    split into experts and the rest (:func:`mcompile.memory_model.memory_per_rank`)."""
+    from mcompile.moe import ExpertForm, moe_layers_of
+
+    cap, plan = compiled.captured, compiled.plan
+    nodes = moe_layers_of(cap.gm)
+    if not nodes:
+        return None
+    n = nodes[0]
+    x, idx, _w, *ws = n.args
+    form = ExpertForm.parse(n.kwargs["form"])
+    E, k, d = int(ws[0].meta["val"].shape[0]), int(idx.meta["val"].shape[1]), int(x.meta["val"].shape[1])
+    f = int(ws[-1].meta["val"].shape[form.hidden_dims()[-1]])
+    ep, tp = plan.mesh.get("ep", 1), plan.mesh.get("tp", 1)
+    expert_fqns = {cap.params[w.name] for m in nodes for w in m.args[3:] if w.name in cap.params}
+    down = cap.params.get(ws[-1].name)
+    local_f = f
+    if down in plan.params:  # each expert's hidden units on one rank (expert tensor parallelism shards them)
+        local_f = int(plan.params[down].local_shape[form.hidden_dims()[-1]])
+    b, s, ks = sympy.Symbol("batch", positive=True), sympy.Symbol("seq", positive=True), sympy.Symbol("k")
+    at = {"batch": (sizes or {}).get("batch", 1), "seq": (sizes or {}).get("seq", 1)}
+    rec = [c for c in plan.collectives if c.axis == "ep" and c.purpose.startswith("moe")]
+    layer = rec[0].layer if rec else None
+    colls, per_layer = [], sympy.Integer(0)
+    for c in rec:
+        if c.layer != layer:
+            continue
+        e = sympy.sympify(c.bytes, locals={"batch": b, "seq": s})
+        with_k = sympy.expand(e / k) * ks if c.purpose in ("moe: dispatch", "moe: combine") else e
+        times = (c.forward != "none") + (c.backward != "none")
+        per_layer += times * e
+        colls.append({"purpose": c.purpose, "forward": c.forward, "backward": c.backward, "bytes": c.bytes,
+                      "bytes_in_k": str(with_k)})
+    layer_at = int(per_layer.subs({b: at["batch"], s: at["seq"]}))
+    mem_e = memory_per_rank(plan, dtype, only=expert_fqns)
+    mem_all = memory_per_rank(plan, dtype)
+    return {"moe_layers": len(nodes), "experts": E, "top_k": k, "hidden": d, "expert_hidden": f, "form": form.text(),
+            "ep": ep, "experts_per_rank": E // ep, "expert_hidden_per_rank": local_f, "tp": tp,
+            "collectives": colls, "layer_bytes": str(per_layer), "layer_bytes_at_sizes": layer_at,
+            "step_bytes_at_sizes": layer_at * len(nodes), "sizes": at,
+            "memory_per_rank": {"experts": mem_e.total, "dense": mem_all.total - mem_e.total, "total": mem_all.total}}
+
+
+def moe_text(compiled, sizes: dict[str, int] | None = None, dtype: str | None = None) -> str:
+    """:func:`moe_summary` as lines for ``mcompile plan`` ("" for a dense model)."""
+    m = moe_summary(compiled, sizes, dtype)
+    if m is None:
+        return ""
+    at = m["sizes"]
+    lines = [f"Mixture of experts: {m['moe_layers']} MoE layers of E={m['experts']} experts ({m['form']}), "
+             f"top-k={m['top_k']}, hidden d={m['hidden']}, expert hidden f={m['expert_hidden']}",
+             f"  experts per rank: {m['experts_per_rank']} (E/ep = {m['experts']}/{m['ep']})"
+             + (f", each with {m['expert_hidden_per_rank']} of its {m['expert_hidden']} hidden units (expert tensor "
+                f"parallelism over tp={m['tp']})" if m["expert_hidden_per_rank"] != m["expert_hidden"] else "")]
+    if m["collectives"]:
+        lines.append(f"  over ep={m['ep']}, per MoE layer and step, bytes this rank sends (T = batch*seq of its "
+                     f"tokens, k = {m['top_k']}; an all-to-all moves (ep-1)/ep of them off the rank):")
+        w = max(len(c["purpose"]) for c in m["collectives"])
+        for c in m["collectives"]:
+            kinds = " + ".join(x for x in (c["forward"] + " forward", c["backward"] + " backward")
+                               if not x.startswith("none"))
+            lines.append(f"    {c['purpose']:<{w}}  {kinds:<38} {c['bytes_in_k']}"
+                         + (f" = {c['bytes']}" if c["bytes_in_k"] != c["bytes"] else ""))
+        lines.append(f"    per MoE layer: {m['layer_bytes']} bytes; at batch={at['batch']}, seq={at['seq']}: "
+                     f"{_gib(m['layer_bytes_at_sizes'])} a layer, {_gib(m['step_bytes_at_sizes'])} for the "
+                     f"{m['moe_layers']} layers")
+    else:
+        lines.append("  no ep axis: every rank holds all experts and runs its own tokens through them (no all-to-all)")
+    mem = m["memory_per_rank"]
+    lines.append(f"  model state per rank (memory model: parameters, fp32 gradients, AdamW): experts "
+                 f"{_gib(mem['experts'])} + the rest {_gib(mem['dense'])} = {_gib(mem['total'])}")
+    return "\n".join(lines)
+
+
 def _fmt_bytes(expr: str, sizes: dict[str, int]) -> str:
     if not sizes:
         return expr

@@ -17,10 +17,12 @@ and re-plans that one graph per (tp, sequence parallel) (~0.1 s each) instead of
 
 The space (only what the runtime executes)
 ------------------------------------------
-- mesh ``dp x pp x tp = world`` (mesh order dp, pp, tp: tp on neighbouring GPUs); tp passes the
+- mesh ``dp x pp x ep x tp = world`` (mesh order dp, pp, ep, tp: tp on neighbouring GPUs); tp passes the
   planner's divisibility checks (:func:`mcompile.planner.check_divisibility`: heads, kv heads,
-  every contraction weight); pp <= the layers found; dp divides the global batch;
-- microbatch size b dividing the per-dp batch B/dp (m = B/(dp·b) microbatches);
+  every contraction weight); pp <= the layers found; dp x ep divides the global batch; ep only for a
+  model with MoE layers, dividing their expert count and the dp x ep data-parallel ranks (Megatron folds
+  expert parallelism into data parallelism: ep takes ranks from dp, never from tp or pp);
+- microbatch size b dividing the per-rank batch B/(dp·ep) (m = B/(dp·ep·b) microbatches);
 - schedule: pp = 1 → gradient accumulation; pp > 1 → 1f1b, zbh1 and interleaved with every
   v > 1 such that pp·v divides the layers and pp divides m (the runtime's rules); gpipe only on
   request (same bubble as 1f1b, more memory: always dominated);
@@ -203,7 +205,8 @@ class SearchWorkload(Workload):
             if self.model is None:
                 return super().profile(tp, sequence_parallel)
             self._profiles[key] = C.analyse(self.compiled(*key), n_layers=self.n_layers, name=self.name,
-                                            heads=self.heads, kv_heads=self.kv_heads, seq_len=self.seq_len)
+                                            heads=self.heads, kv_heads=self.kv_heads, seq_len=self.seq_len,
+                                            layer_counts=self.layer_counts)
         return self._profiles[key]
 
     def compiled(self, tp: int, sequence_parallel: bool = False):
@@ -247,7 +250,7 @@ class SearchWorkload(Workload):
                                   "(Workload(model, example_inputs) or a preset)")
             w = cls(model.model, model.example_inputs, model.example_kwargs, n_layers=model.n_layers,
                     name=model.name, heads=model.heads, kv_heads=model.kv_heads, seq_len=model.seq_len,
-                    dtype=model.dtype)
+                    dtype=model.dtype, layer_counts=model.layer_counts)
             w._profiles.update(model._profiles)
             return w
         if not isinstance(model, torch.nn.Module):
@@ -324,7 +327,10 @@ def _layer_weights(work: SearchWorkload, seq: int) -> tuple[float, float, float]
         end = trunk.layers_end if trunk.layers_end is not None else len(cost)
         edges = starts + [end]
         layers = [sum(cost[a:b]) for a, b in zip(edges[:-1], edges[1:])]
-        out = float(sum(cost[:starts[0]])), float(np.mean(layers)), float(sum(cost[end:]))
+        counts = work.layer_counts  # dense and MoE layers captured one each: the real model's mean layer
+        mean = (float(np.mean(layers)) if not counts or len(counts) != len(layers)
+                else float(sum(x * float(c) for x, c in zip(layers, counts.values())) / float(sum(counts.values()))))
+        out = float(sum(cost[:starts[0]])), mean, float(sum(cost[end:]))
     cache[seq] = out
     return out
 
@@ -378,6 +384,7 @@ class _Settings:
     attention_kernel: str
     efficiency: C.Efficiency | None  # as given (estimate() adapts it to the hardware itself)
     memory_limit: float | None = None  # bytes per GPU (None: the hardware's HBM): fits, and auto's budget
+    moe_imbalance: float = 1.0  # expert parallelism: the busiest ep rank's routed slots over the mean
 
     @property
     def limit(self) -> float:
@@ -385,12 +392,16 @@ class _Settings:
 
 
 class _Sections:
-    """Per (tp, sp, microbatch size, precision): the cost model's section times and activation bytes."""
+    """Per (tp, sp, ep, microbatch size, precision): the cost model's section times and activation bytes,
+    and a mean layer's parameters on a rank (E/ep of its experts)."""
 
-    def __init__(self, prof: C.ModelProfile, b: int, st: _Settings, precision: str | None = None):
+    def __init__(self, prof: C.ModelProfile, b: int, st: _Settings, precision: str | None = None, ep: int = 1):
         self.precision = precision = precision or st.precision
-        kw = dict(attention_kernel=st.attention_kernel, head_dim=prof.hidden / (prof.heads or 1))
-        lay = Layout(tp=prof.tp)  # tp is innermost: its link depends on tp alone
+        self.ep = ep
+        self.lay_params, self.lay_experts = C.expert_split(prof, ep)
+        kw = dict(attention_kernel=st.attention_kernel, head_dim=prof.hidden / (prof.heads or 1),
+                  moe_imbalance=st.moe_imbalance)
+        lay = Layout(tp=prof.tp, ep=ep)  # tp is innermost, ep next: their links depend on tp and ep alone
         self.lay = C._section_times(prof.layer, b, st.seq, lay, st.hw, st.eff, precision, **kw)
         self.pre = C._section_times(prof.pre, b, st.seq, lay, st.hw, st.eff, precision, **kw)
         self.post = C._section_times(prof.post, b, st.seq, lay, st.hw, st.eff, precision, **kw)
@@ -402,7 +413,8 @@ class _Sections:
         self.envelopes = {}
         for overlap in (False, True):
             comm = self.lay["comm_f_x"] if overlap else self.lay["comm_f"]
-            rec_time = {"none": 0.0, "selective": float(self.lay["attn"]), "full": float(self.lay["f"]) + float(comm)}
+            rec_time = {"none": 0.0, "selective": float(self.lay["attn"]),
+                        "full": float(self.lay["f"]) + float(comm) + float(self.lay["ep_f"])}
             self.envelopes[overlap] = C.recompute_envelope(self.layer_act, rec_time)
         self.envelope = self.envelopes[True]
 
@@ -427,11 +439,38 @@ def _inflight(schedule: str, p: int, i: int, m: float, v: int) -> float:
     return float(MM.inflight_microbatches(schedule, p, i, m, v))
 
 
+@dataclass(frozen=True)
+class _PerParam:
+    """Model-state bytes per parameter of a layout: dense parameters (replicated over dp·ep·cp, what
+    ZeRO shards them over) and routed experts (over dp·cp); :func:`mcompile.cost.state_of`."""
+
+    dense: MM.StateBytes
+    experts: MM.StateBytes
+
+    def of(self, n_par, n_experts) -> tuple[float, float, float]:
+        """(parameters, gradients, optimizer state) bytes of ``n_par`` parameters, ``n_experts`` of them experts."""
+        d, e, n = self.dense, self.experts, n_par - n_experts
+        if not n_experts:
+            return n_par * d.params, n_par * d.grads, n_par * d.optimizer
+        return (n * d.params + n_experts * e.params, n * d.grads + n_experts * e.grads,
+                n * d.optimizer + n_experts * e.optimizer)
+
+
+@functools.lru_cache(maxsize=1024)
+def _per(param_dtype: str, grad_dtype: str, zero: int, dp: int, ep: int, cp: int = 1) -> _PerParam:
+    return _PerParam(MM.model_state_bytes_per_param(param_dtype, grad_dtype, zero, dp * cp * ep),
+                     MM.model_state_bytes_per_param(param_dtype, grad_dtype, zero, dp * cp))
+
+
+def _per_of(layout: Layout, st: _Settings) -> _PerParam:
+    return _per(st.param_dtype, st.grad_dtype, layout.zero, layout.dp, layout.ep, layout.cp)
+
+
 def _memory(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[int, ...], st: _Settings,
             auto: dict | None = None):
     """:func:`mcompile.cost._memory` (graph activations) with ``layers[i]`` layers on pipeline rank i."""
-    per = MM.model_state_bytes_per_param(st.param_dtype, st.grad_dtype, layout.zero, layout.dp * layout.cp)
-    m = st.global_batch / (layout.dp * layout.microbatch_size)
+    per = _per_of(layout, st)
+    m = st.global_batch / (layout.data_ranks * layout.microbatch_size)
     one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
     zb = _zero_of(layout.zero, st, sec)
     if layout.recompute == Recompute.AUTO and auto is None:
@@ -442,44 +481,47 @@ def _memory(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[
 
 
 def _zero_of(zero: int, st: _Settings, sec: _Sections) -> tuple:
-    """(ZeRO stage, gradient dtype, bytes of a gathered parameter): what ZeRO-2/3's buffers in flight
+    """(ZeRO stage, gradient dtype, bytes of a gathered parameter, ep): what ZeRO-2/3's buffers in flight
     depend on (:func:`mcompile.cost._zero_buffers`)."""
-    return zero, st.grad_dtype, C.gather_bytes_of(sec.precision)
+    return zero, st.grad_dtype, C.gather_bytes_of(sec.precision), sec.ep
 
 
 def _zero_buffers(zero: tuple, prof, layers: tuple[int, ...], i: int, n_par) -> float:
-    z, grad_dtype, cbytes = zero
-    return C._zero_buffers(z, prof, i, len(layers), n_par, grad_dtype, cbytes) if z >= 2 else 0
+    z, grad_dtype, cbytes, ep = zero
+    return C._zero_buffers(z, prof, i, len(layers), n_par, grad_dtype, cbytes, ep=ep) if z >= 2 else 0
 
 
-def _auto_of(prof, sec: _Sections, layers: tuple[int, ...], per, schedule: str, v: int, m: float, limit: float, *,
-             one_pass: bool = False, reduce_bytes: float = 0.0, overlap: bool = True, zero: tuple = (0, "", 2)) -> dict:
+def _auto_of(prof, sec: _Sections, layers: tuple[int, ...], per: _PerParam, schedule: str, v: int, m: float,
+             limit: float, *, one_pass: bool = False, reduce_bytes: float = 0.0, overlap: bool = True,
+             zero: tuple = (0, "", 2, 1)) -> dict:
     """``recompute="auto"`` on every rank :func:`_memory_of` checks: :func:`mcompile.cost.stage_auto`
     (the budget left under ``limit``, per layer, and the envelope's mix there), by rank."""
     p = len(layers)
     out = {}
     for i in _ranks_to_check(layers):
-        n_par, extra_act = _rank_share(prof, sec, layers, i)
+        n_par, extra_act, n_exp = _rank_share(prof, sec, layers, i)
         zbuf = _zero_buffers(zero, prof, layers, i, n_par)
-        out[i] = C.stage_auto(limit, (n_par * per.params + zbuf, n_par * per.grads, n_par * per.optimizer),
+        sp, sg, so = per.of(n_par, n_exp)
+        out[i] = C.stage_auto(limit, (sp + zbuf, sg, so),
                               _inflight(schedule, p, i, m, v), layers[i], extra_act, sec.envelopes[overlap],
                               sec.layer_act, gradients_meet_activations=not one_pass,
                               reduction_buffer=n_par * reduce_bytes)
     return out
 
 
-def _rank_share(prof, sec: _Sections, layers: tuple[int, ...], i: int) -> tuple[float, float]:
+def _rank_share(prof, sec: _Sections, layers: tuple[int, ...], i: int) -> tuple[float, float, float]:
     """Pipeline rank ``i``'s parameters (its layers, the embedding on the first, the head on the last,
-    a tied weight counted once without pp) and its activations outside the layers."""
+    a tied weight counted once without pp), its activations outside the layers, and how many of its
+    parameters are routed experts (E/ep of each layer's)."""
     p = len(layers)
-    n_par, extra_act = layers[i] * prof.layer.params, 0.0
+    n_par, extra_act = layers[i] * sec.lay_params, 0.0
     if i == 0:
         n_par += prof.pre.params
         extra_act += sec.pre_act
     if i == p - 1:
         n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
         extra_act += sec.post_act
-    return n_par, extra_act
+    return n_par, extra_act, layers[i] * sec.lay_experts
 
 
 def _auto_is_none(auto: dict) -> bool:
@@ -495,9 +537,9 @@ def _lifetimes(layers: tuple[int, ...], m: float, zero: int, dp: int) -> tuple[b
     return False, 0.0
 
 
-def _memory_of(prof, sec: _Sections, layers: tuple[int, ...], per, schedule: str, v: int, m: float, mode: str,
-               detail: bool = True, *, one_pass: bool = False, reduce_bytes: float = 0.0, auto: dict | None = None,
-               zero: tuple = (0, "", 2)):
+def _memory_of(prof, sec: _Sections, layers: tuple[int, ...], per: _PerParam, schedule: str, v: int, m: float,
+               mode: str, detail: bool = True, *, one_pass: bool = False, reduce_bytes: float = 0.0,
+               auto: dict | None = None, zero: tuple = (0, "", 2, 1)):
     """The largest rank's bytes (and its breakdown when ``detail``), from its parts
     (:func:`mcompile.memory_model.peak_bytes`: what is live together at the peak). ``mode`` "auto":
     ``auto`` is :func:`_auto_of`'s per-rank result (each rank's layers keep its mix's bytes). ``zero``:
@@ -508,11 +550,11 @@ def _memory_of(prof, sec: _Sections, layers: tuple[int, ...], per, schedule: str
     layer_act = sec.layer_act[mode] if mode != "auto" else None
     best, best_d = None, None
     for i in _ranks_to_check(layers):
-        n_par, extra_act = _rank_share(prof, sec, layers, i)
+        n_par, extra_act, n_exp = _rank_share(prof, sec, layers, i)
         inflight = _inflight(schedule, p, i, m, v)
         act_i = layer_act if auto is None else auto[i]["layer_bytes"]
-        tot, d = MM.peak_bytes(n_par * per.params, n_par * per.grads, n_par * per.optimizer,
-                               inflight * (layers[i] * act_i + extra_act),
+        sp, sg, so = per.of(n_par, n_exp)
+        tot, d = MM.peak_bytes(sp, sg, so, inflight * (layers[i] * act_i + extra_act),
                                gradients_meet_activations=not one_pass, reduction_buffer=n_par * reduce_bytes,
                                zero_buffers=_zero_buffers(zero, prof, layers, i, n_par))
         if auto is not None and auto[i]["fits"]:  # the budget used is what is left: ≤ the limit (rounding)
@@ -538,7 +580,7 @@ def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[i
     hw, eff = st.hw, st.eff
     links = links or _links(layout, st)
     b, p, v = layout.microbatch_size, layout.pp, layout.virtual
-    m = st.global_batch / (layout.dp * b)
+    m = st.global_batch / (layout.data_ranks * b)
     lay, pre, post = sec.lay, sec.pre, sec.post
     kf, kb = C._tp_keys(layout)
     if layout.recompute == Recompute.FULL:
@@ -548,24 +590,27 @@ def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[i
     else:
         rec, rec_comm, rec_total = 0, 0, 0
     if layout.recompute == Recompute.AUTO and auto is None:
-        per = MM.model_state_bytes_per_param(st.param_dtype, st.grad_dtype, layout.zero, layout.dp * layout.cp)
+        per = _per_of(layout, st)
         one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
         auto = _auto_of(prof, sec, layers, per, layout.schedule.value, v, m, st.limit, one_pass=one_pass,
                         reduce_bytes=reduce_bytes, overlap=layout.overlap, zero=_zero_of(layout.zero, st, sec))
 
     def stage(n: int, extra: list[dict], i: int) -> dict:
         r, rc, rt = rec, rec_comm, rec_total
+        full = 1.0 if layout.recompute == Recompute.FULL else 0.0
         if auto is not None and layout.recompute == Recompute.AUTO:  # the rank's per-layer mix (cost.auto_mix)
             w = auto[i]["mix"]
             r = w.get("full", 0.0) * lay["f"] + w.get("selective", 0.0) * lay["attn"]
             rc = w.get("full", 0.0) * lay[kf]
             rt = w.get("full", 0.0) * lay["comm_f"]
-        keys = ("f", "b", "w", "comm_f", "comm_b", "comm_f_x", "comm_b_x")
+            full = w.get("full", 0.0)
+        keys = C._STAGE_KEYS
         d = {k: n * lay[k] for k in keys}
         d["r"] = n * r
         d["comm_r"] = n * rc
         d["comm_r_total"] = n * rt
         d["cp"] = n * 0
+        d["ep_r"] = n * full * lay["ep_f"]
         for e in extra:
             for k in keys:
                 d[k] = d[k] + e[k]
@@ -582,87 +627,95 @@ def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[i
                                                     st.hw.collective_call_latency)
 
     def total(d):
-        return d["f"] + d["b"] + d["r"] + d[kf] + d[kb] + d["comm_r"] + d["cp"] + p2p
+        return (d["f"] + d["b"] + d["r"] + d[kf] + d[kb] + d["comm_r"] + d["cp"] + p2p
+                + d["ep_f"] + d["ep_b"] + d["ep_r"])
 
     g_bytes, p_bytes = MM.DTYPE_BYTES[st.grad_dtype], MM.DTYPE_BYTES[st.param_dtype]
-    n_dp = layout.dp * layout.cp
+    n_dp = layout.dp * layout.cp * layout.ep  # ranks replicating the dense parameters
 
-    def dp_of(d, params, n):
-        return C.dp_comm(layout.zero, n_dp, links["dp"], hw, params=params, layer_params=prof.layer.params,
-                         layers=n, window=d["b"] + d["r"] + d[kb] + d["comm_r"], layer_forward=lay["f"],
-                         layer_backward=lay["b"] + d["r"] / max(n, 1),  # recompute runs in backward too
-                         grad_bytes=g_bytes, param_bytes=p_bytes, gather_bytes=C.gather_bytes_of(sec.precision),
-                         overlap_grad_reduce=layout.overlap_grad_reduce, overlap=layout.overlap)
+    def dp_of(d, params, n, n_experts=None):  # n_experts: the layers whose experts ``params`` holds (default n)
+        experts = (n if n_experts is None else n_experts) * sec.lay_experts
+        return C.data_comm(layout, hw, eff, params=params, experts=experts, layer_params=sec.lay_params,
+                           layer_experts=sec.lay_experts, layers=n, window=d["b"] + d["r"] + d[kb] + d["comm_r"],
+                           layer_forward=lay["f"],
+                           layer_backward=lay["b"] + d["r"] / max(n, 1),  # recompute runs in backward too
+                           grad_bytes=g_bytes, param_bytes=p_bytes, gather_bytes=C.gather_bytes_of(sec.precision))
 
     per_mb = layout.zero >= 2 and n_dp > 1  # ZeRO-2/3: per-microbatch collectives in every rank's stage time
-    slow, T, n_slow, P_stage, mb = None, None, None, None, None
+    slow, T, n_slow, P_stage, P_layers, mb = None, None, None, None, None, None
     bubble = 0
     for i in _ranks_to_check(layers):
         extra = ([pre] if i == 0 else []) + ([post] if i == p - 1 else [])
         d = stage(layers[i], extra, i)
-        params = layers[i] * prof.layer.params + (prof.pre.params if i == 0 else 0) + \
+        params = layers[i] * sec.lay_params + (prof.pre.params if i == 0 else 0) + \
             (prof.post.params - (prof.tied_params if p == 1 else 0) if i == p - 1 else 0)
         dpi = dp_of(d, params, layers[i]) if per_mb else None
         t = total(d) + (dpi["mb_exposed"] if per_mb else 0)
         bubble = max(bubble, C.pipeline_bubble(layout.schedule, p, v, t, d["w"]))  # as cost._terms: the longest
         if slow is None or t > T:
             slow, T, n_slow, slow_rank, mb = d, t, layers[i], i, dpi
-        P_stage = params if P_stage is None else max(P_stage, params)
+        if P_stage is None or params > P_stage:
+            P_stage, P_layers = params, layers[i]
 
-    dpc = dp_of(slow, P_stage, n_slow)
+    dpc = dp_of(slow, P_stage, n_slow, P_layers)
     if per_mb:
         dpc.update(mb_total=mb["mb_total"], mb_exposed=mb["mb_exposed"])
-    opt_params = P_stage / (layout.dp if layout.zero else 1)
+    opt_params = C.optimizer_params(layout, P_stage, P_layers * sec.lay_experts)
     optimizer = opt_params * (24 + g_bytes + (p_bytes if p_bytes != 4 else 0)) / (hw.hbm_bandwidth * eff.memory)
     tp_exposed = m * (slow[kf] + slow[kb] + slow["comm_r"])
     tp_total = m * (slow["comm_f"] + slow["comm_b"] + slow["comm_r_total"])
     terms = {"compute": m * (slow["f"] + slow["b"]), "recompute": m * slow["r"],
              "tp_comm": tp_exposed, "cp_comm": m * slow["cp"],
              "pp_p2p": m * p2p, "pp_bubble": bubble, "dp_comm": m * dpc["mb_exposed"] + dpc["step_exposed"],
-             "optimizer": optimizer}
+             "optimizer": optimizer, "ep_comm": m * (slow["ep_f"] + slow["ep_b"] + slow["ep_r"])}
     dp_total = m * dpc["mb_total"] + dpc["step_total"]
     details = {"microbatches": m, "layers_per_stage": n_slow, "params_per_rank": P_stage, "stage_time": T,
                "stage_weight_grad": slow["w"], "dp_comm_total": dp_total,
                "dp_comm_hidden": dp_total - terms["dp_comm"], "tp_comm_total": tp_total,
                "tp_comm_hidden": tp_total - tp_exposed, "cp_comm_total": 0.0, "cp_comm_hidden": 0.0,
                "slow_stage": slow_rank}
+    if prof.moe is not None:
+        details.update(C.ep_details(layout, prof, lay, st.moe_imbalance))
     return {k: float(x) for k, x in terms.items()}, details
 
 
 def _settings(hardware, global_batch, seq, precision, param_dtype, grad_dtype, attention_kernel, efficiency,
-              memory_limit=None):
+              memory_limit=None, moe_imbalance: float = 1.0):
     hw = get_hardware(hardware)
     eff = (efficiency or C.DEFAULT_EFFICIENCY).for_hardware(hw)
+    C.check_imbalance(moe_imbalance)
     return _Settings(hw, eff, int(global_batch), int(seq), precision, param_dtype, grad_dtype, attention_kernel,
-                     efficiency, float(memory_limit) if memory_limit is not None else None)
+                     efficiency, float(memory_limit) if memory_limit is not None else None, float(moe_imbalance))
 
 
 def price(layout: Layout, model, *, hardware: str | Hardware = "h100", global_batch: int, seq: int | None = None,
           precision: str | None = None, param_dtype: str = "bf16", grad_dtype: str = "fp32",
           attention_kernel: str = "flash", efficiency: C.Efficiency | None = None, uniform: bool = False,
           stages: StageSplit | None = None, example_inputs: tuple = (), example_kwargs: dict | None = None,
-          dtype: torch.dtype = torch.bfloat16, memory_limit: float | None = None) -> Estimate:
+          dtype: torch.dtype = torch.bfloat16, memory_limit: float | None = None,
+          moe_imbalance: float = 1.0) -> Estimate:
     """Price one layout as the search does: :func:`mcompile.cost.estimate` with the partitioner's
     stage cuts (``uniform=True``: the cost model's ⌈L/p⌉ layers on every rank instead). ``model`` as
     for :func:`search`; reuse a :class:`SearchWorkload` to price many layouts. ``memory_limit``: bytes
     per GPU (default the hardware's HBM): ``fits``, and the budget ``recompute="auto"`` gets.
-    ``precision``: the matmul precision (default: the layout's, else "bf16")."""
+    ``precision``: the matmul precision (default: the layout's, else "bf16"). ``moe_imbalance``:
+    :func:`mcompile.cost.estimate`'s."""
     layout = C.resolve_precision(layout, precision)
     work = SearchWorkload.of(model, example_inputs, example_kwargs, dtype=dtype)
     prof = work.profile(layout.tp, layout.sequence_parallel)
     seq = seq or prof.seq_len
     st = _settings(hardware, global_batch, seq, layout.precision, param_dtype, grad_dtype, attention_kernel,
-                   efficiency, memory_limit)
+                   efficiency, memory_limit, moe_imbalance)
     C._validate(layout, prof, global_batch, seq)
-    if layout.cp > 1 or layout.ep > 1:
-        raise ValueError("the search prices dp x pp x tp layouts (cp and ep are not executed by the runtime yet)")
+    if layout.cp > 1:
+        raise ValueError("the search prices dp x pp x ep x tp layouts (cp is not executed by the runtime yet)")
     if uniform:
         split = None
         layers = (math.ceil(work.depth / layout.pp),) * layout.pp
     else:
         split = stages or stage_split(work, layout.pp, layout.virtual, seq)
         layers = split.layers_per_rank
-    sec = _Sections(prof, layout.microbatch_size, st)
+    sec = _Sections(prof, layout.microbatch_size, st, ep=layout.ep)
     return _finish(layout, work, prof, sec, layers, split, st)
 
 
@@ -671,11 +724,12 @@ def _finish(layout, work, prof, sec, layers, split, st) -> Estimate:
     the given per-rank layer counts."""
     base = C.estimate(layout, work, hardware=st.hw, global_batch=st.global_batch, seq=st.seq,
                       precision=st.precision, param_dtype=st.param_dtype, grad_dtype=st.grad_dtype,
-                      attention_kernel=st.attention_kernel, efficiency=st.efficiency, memory_limit=st.limit)
+                      attention_kernel=st.attention_kernel, efficiency=st.efficiency, memory_limit=st.limit,
+                      moe_imbalance=st.moe_imbalance)
     auto = None
     if layout.recompute == Recompute.AUTO:
-        per = MM.model_state_bytes_per_param(st.param_dtype, st.grad_dtype, layout.zero, layout.dp * layout.cp)
-        m = st.global_batch / (layout.dp * layout.microbatch_size)
+        per = _per_of(layout, st)
+        m = st.global_batch / (layout.data_ranks * layout.microbatch_size)
         one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
         auto = _auto_of(prof, sec, layers, per, layout.schedule.value, layout.virtual, m, st.limit,
                         one_pass=one_pass, reduce_bytes=reduce_bytes, overlap=layout.overlap,
@@ -727,10 +781,20 @@ class _Space:
     overlap_grad_reduce: bool
     overlap: tuple[bool, ...] = (True, False)
     precision: tuple[str | None, ...] = (None,)
+    experts: int | None = None  # routed experts per MoE layer (None: a dense model, no ep)
+    ep_sizes: tuple[int, ...] | None = None  # the ep sizes allowed (None: every one that divides)
     tried: list = field(default_factory=list, compare=False)
 
-    def groups(self, tp_error) -> Iterator[tuple[int, bool, int, int, int]]:
-        """(tp, sp, pp, dp, zero) of every valid mesh; invalid ones are explained in ``tried``."""
+    def eps(self, data: int) -> list[int]:
+        """The ep sizes of ``data`` = dp x ep data-parallel ranks: ep divides them (Megatron folds ep into
+        data parallelism) and the experts; 1 alone for a dense model."""
+        if self.experts is None:
+            return [1]
+        return [e for e in _divisors(data) if self.experts % e == 0
+                and (self.ep_sizes is None or e in self.ep_sizes)]
+
+    def groups(self, tp_error) -> Iterator[tuple[int, bool, int, int, int, int]]:
+        """(tp, sp, pp, dp, ep, zero) of every valid mesh; invalid ones are explained in ``tried``."""
         for tp in _divisors(self.world):
             why = tp_error(tp) if tp > 1 else None
             if why:
@@ -741,25 +805,27 @@ class _Space:
                 self.tried.append(f"tp={tp}: sequence parallelism was required but tp does not divide seq={self.seq}")
                 continue
             for pp in _divisors(self.world // tp):
-                dp = self.world // (tp * pp)
+                data = self.world // (tp * pp)
                 if pp > self.depth:
                     self.tried.append(f"tp={tp} pp={pp}: more pipeline stages than the model's {self.depth} layers")
                     continue
-                if self.global_batch % dp:
-                    self.tried.append(f"tp={tp} pp={pp} dp={dp}: the global batch {self.global_batch} does not "
-                                      f"divide by dp={dp}")
+                if self.global_batch % data:
+                    self.tried.append(f"tp={tp} pp={pp} dp={data}: the global batch {self.global_batch} does not "
+                                      f"divide by dp={data}")
                     continue
-                zs = [z for z in self.zero if not (z and dp == 1)]
+                zs = [z for z in self.zero if not (z and data == 1)]
                 if not zs:
                     self.tried.append(f"tp={tp} pp={pp} dp=1: ZeRO-{'/'.join(map(str, self.zero))} was required "
                                       "but needs dp > 1")
-                for sp in sps:
-                    for z in zs:
-                        yield tp, sp, pp, dp, z
+                for ep in self.eps(data):
+                    for sp in sps:
+                        for z in zs:
+                            yield tp, sp, pp, data // ep, ep, z
 
-    def variants(self, pp: int, dp: int) -> Iterator[tuple[Schedule, int, int]]:
-        """(schedule, virtual, microbatch size), microbatch sizes increasing."""
-        per_dp = self.global_batch // dp
+    def variants(self, pp: int, data: int) -> Iterator[tuple[Schedule, int, int]]:
+        """(schedule, virtual, microbatch size) on ``data`` = dp x ep data-parallel ranks, microbatch sizes
+        increasing."""
+        per_dp = self.global_batch // data
         sizes = [b for b in _divisors(per_dp) if self.microbatch_sizes is None or b in self.microbatch_sizes]
         if pp == 1:
             scheds = [(Schedule.ONE_F_ONE_B, 1)]
@@ -785,8 +851,9 @@ class _Space:
             return [(o, pr) for pr in self.precision for o in self.overlap]
         return [(max(self.overlap), min(self.precision, key=_PRECISION_SPEED.get))]
 
-    def layout(self, tp, sp, pp, dp, z, s, v, b, rec, overlap: bool = True, precision: str | None = None) -> Layout:
-        return Layout(dp=dp, tp=tp, pp=pp, virtual=v, microbatch_size=b, schedule=s, sequence_parallel=sp,
+    def layout(self, tp, sp, pp, dp, z, s, v, b, rec, overlap: bool = True, precision: str | None = None,
+               ep: int = 1) -> Layout:
+        return Layout(dp=dp, tp=tp, pp=pp, ep=ep, virtual=v, microbatch_size=b, schedule=s, sequence_parallel=sp,
                       recompute=rec, zero=z, overlap_grad_reduce=self.overlap_grad_reduce, overlap=overlap,
                       precision=precision)
 
@@ -800,7 +867,7 @@ def _tuple(x) -> tuple:
 
 def _space(work: SearchWorkload, world: int, global_batch: int, seq: int, schedules, recompute, zero,
            sequence_parallel, microbatch_sizes, overlap_grad_reduce, overlap=(True, False),
-           precision=(None,)) -> _Space:
+           precision=(None,), ep=None) -> _Space:
     bad = [s for s in schedules if s not in _COST_SCHEDULE]
     if bad:
         raise SearchError(f"schedules {bad}: use any of gpipe, 1f1b, interleaved, zbh1")
@@ -816,27 +883,37 @@ def _space(work: SearchWorkload, world: int, global_batch: int, seq: int, schedu
     rec = tuple(r for r in (*RECOMPUTE_ORDER, Recompute.AUTO) if r.value in asked)
     if not isinstance(world, int) or world < 1:
         raise SearchError(f"world={world!r} must be a positive number of GPUs")
+    moe = work.profile(1, False).moe
+    ep_sizes = None
+    if ep is not None:
+        ep_sizes = _tuple(ep)
+        bad = [e for e in ep_sizes if not isinstance(e, int) or isinstance(e, bool) or e < 1]
+        if bad:
+            raise SearchError(f"ep {bad}: positive expert-parallel sizes")
+        if moe is None and any(e > 1 for e in ep_sizes):
+            raise SearchError(f"ep={ep!r}: {work.name or 'the model'} has no mixture-of-experts layer to shard over ep")
     return _Space(world, work.depth, int(global_batch), int(seq), tuple(schedules), rec, _tuple(zero),
                   tuple(bool(x) for x in sequence_parallel),
                   tuple(microbatch_sizes) if microbatch_sizes else None, overlap_grad_reduce,
-                  tuple(dict.fromkeys(_tuple(overlap))), tuple(dict.fromkeys(_tuple(precision))))
+                  tuple(dict.fromkeys(_tuple(overlap))), tuple(dict.fromkeys(_tuple(precision))),
+                  moe.experts if moe is not None else None, ep_sizes)
 
 
 def enumerate_layouts(model, world: int, *, global_batch: int, seq: int, schedules=DEFAULT_SCHEDULES,
                       recompute=DEFAULT_RECOMPUTE, zero=DEFAULT_ZERO, sequence_parallel=(False, True),
                       microbatch_sizes=None, overlap_grad_reduce: bool = True, overlap=(True, False),
-                      precision=None, example_inputs: tuple = (), example_kwargs: dict | None = None
+                      precision=None, example_inputs: tuple = (), example_kwargs: dict | None = None, ep=None
                       ) -> Iterator[Layout]:
     """Every layout of the search space, unpruned (what :func:`search` ranks, before pruning).
     ``precision``: None (layouts without one: priced at estimate()'s) or the precisions to enumerate."""
     work = SearchWorkload.of(model, example_inputs, example_kwargs)
     sp = _space(work, world, global_batch, seq, schedules, recompute, zero, sequence_parallel, microbatch_sizes,
-                overlap_grad_reduce, overlap, precision)
-    for tp, spar, pp, dp, z in sp.groups(work.tp_error):
-        for s, v, b in sp.variants(pp, dp):
+                overlap_grad_reduce, overlap, precision, ep)
+    for tp, spar, pp, dp, ep_, z in sp.groups(work.tp_error):
+        for s, v, b in sp.variants(pp, dp * ep_):
             for rec in sp.recompute:
                 for ov, pr in sp.options(tp, z):
-                    yield sp.layout(tp, spar, pp, dp, z, s, v, b, rec, ov, pr)
+                    yield sp.layout(tp, spar, pp, dp, z, s, v, b, rec, ov, pr, ep=ep_)
 
 
 # --------------------------------------------------------------------------- results
@@ -873,10 +950,11 @@ class Candidate:
         return self.layout.precision or self.estimate.details.get("precision", "bf16")
 
     def mesh(self, fake: bool = False):
-        """The :class:`mcompile.Mesh` (axes of size 1 dropped; dp, pp, tp in that order)."""
+        """The :class:`mcompile.Mesh` (axes of size 1 dropped; dp, pp, ep, tp in that order)."""
         from mcompile.mesh import Mesh
 
-        axes = {a: n for a, n in (("dp", self.layout.dp), ("pp", self.layout.pp), ("tp", self.layout.tp)) if n > 1}
+        lay = self.layout
+        axes = {a: n for a, n in (("dp", lay.dp), ("pp", lay.pp), ("ep", lay.ep), ("tp", lay.tp)) if n > 1}
         axes = axes or {"dp": 1}
         return Mesh.fake(**axes) if fake else Mesh(**axes)
 
@@ -884,7 +962,7 @@ class Candidate:
         """:class:`mcompile.Config` fields that run this layout."""
         lay = self.layout
         out = {"sequence_parallel": lay.sequence_parallel,
-               "microbatches": int(self.estimate.global_batch // (lay.dp * lay.microbatch_size)),
+               "microbatches": int(self.estimate.global_batch // (lay.data_ranks * lay.microbatch_size)),
                "recompute": lay.recompute.value, "zero": lay.zero}
         if not lay.overlap:  # Config's default is overlap=True, tp_overlap="auto" (collective matmul where it pays)
             out.update(overlap=False, tp_overlap="off")
@@ -920,7 +998,7 @@ class SearchResult(list):
     def best(self) -> Candidate:
         return self[0]
 
-    HEADER = ("#", "dp", "pp", "tp", "v", "mbs", "m", "schedule", "sp", "recompute", "zero", "overlap", "matmul",
+    HEADER = ("#", "dp", "pp", "ep", "tp", "v", "mbs", "m", "schedule", "sp", "recompute", "zero", "overlap", "matmul",
               "step s", "TFLOP/s", "MFU", "memory", "layers/stage", "largest terms")
 
     def rows(self) -> list[list[str]]:
@@ -929,7 +1007,8 @@ class SearchResult(list):
         for i, c in enumerate(self, 1):
             lay, e = c.layout, c.estimate
             top = sorted(e.breakdown.items(), key=lambda kv: -kv[1])[:3]
-            rows.append([str(i), str(lay.dp), str(lay.pp), str(lay.tp), str(lay.virtual), str(lay.microbatch_size),
+            rows.append([str(i), str(lay.dp), str(lay.pp), str(lay.ep), str(lay.tp), str(lay.virtual),
+                         str(lay.microbatch_size),
                          str(int(e.details["microbatches"])), _RUNTIME_SCHEDULE[lay.schedule] if lay.pp > 1 else "-",
                          "yes" if lay.sequence_parallel else "-", lay.recompute.value, str(lay.zero),
                          ("on" if lay.overlap else "off") if lay.tp > 1 or lay.zero >= 3 else "-", c.precision,
@@ -1021,7 +1100,7 @@ def _candidate_dict(c: Candidate) -> dict:
             "cut_nodes": list(c.stages.cut_nodes) if c.stages else None}
 
 
-_FIELDS = ("dp", "pp", "tp", "virtual", "microbatch_size", "schedule", "sequence_parallel", "recompute", "zero",
+_FIELDS = ("dp", "pp", "ep", "tp", "virtual", "microbatch_size", "schedule", "sequence_parallel", "recompute", "zero",
            "overlap", "precision")
 
 
@@ -1089,7 +1168,8 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
            grad_dtype: str = "fp32", attention_kernel: str = "flash", efficiency: C.Efficiency | None = None,
            schedules=DEFAULT_SCHEDULES, recompute=DEFAULT_RECOMPUTE, zero=DEFAULT_ZERO,
            sequence_parallel=(False, True), microbatch_sizes=None, overlap_grad_reduce: bool = True,
-           overlap=(True, False), dtype: torch.dtype = torch.bfloat16, exhaustive: bool = False) -> SearchResult:
+           overlap=(True, False), dtype: torch.dtype = torch.bfloat16, exhaustive: bool = False, ep=None,
+           moe_imbalance: float = 1.0) -> SearchResult:
     """The ``top_k`` fastest layouts of ``model`` on ``world`` GPUs that fit in ``memory_limit`` bytes
     per GPU (default: the hardware's HBM), ranked by predicted step time (module docstring).
 
@@ -1099,7 +1179,9 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
     FP8 before Hopper — are left out); each candidate's ``layout.precision`` says which it takes.
     ``param_dtype``/``grad_dtype``/``attention_kernel``/``efficiency`` are :func:`mcompile.cost.estimate`'s.
     ``schedules``, ``recompute``, ``zero``, ``overlap``, ``sequence_parallel``, ``microbatch_sizes``
-    restrict the space. ``exhaustive``: price every layout, no pruning (tests)."""
+    and ``ep`` (expert-parallel sizes, MoE models only) restrict the space. ``moe_imbalance``: the busiest
+    ep rank's routed tokens over the mean (:func:`mcompile.cost.estimate`). ``exhaustive``: price every
+    layout, no pruning (tests)."""
     t0 = time.perf_counter()
     hw = get_hardware(hardware)  # an unknown name: the error lists the known profiles
     if world is None:
@@ -1114,11 +1196,11 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
     if not seq:
         raise SearchError("search() needs seq= (the model states no maximum sequence length)")
     st = _settings(hw, global_batch, seq, precisions[0], param_dtype, grad_dtype, attention_kernel, efficiency,
-                   memory_limit)
+                   memory_limit, moe_imbalance)
     st_of = {pr: dataclasses.replace(st, precision=pr) for pr in precisions}
     limit = st.limit
     space = _space(work, world, global_batch, seq, schedules, recompute, zero, sequence_parallel, microbatch_sizes,
-                   overlap_grad_reduce, overlap, precisions)
+                   overlap_grad_reduce, overlap, precisions, ep)
     sections: dict[tuple, _Sections] = {}
     splits: dict[tuple, StageSplit] = {}
     found: list[tuple] = []  # (step, memory, index, layout, layers, split, ranked)
@@ -1126,11 +1208,11 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
     stats = dict(space=0, groups=0, priced=0, pruned_memory=0, pruned_dominated=0, pruned_groups=0)
     pruned_groups: list[tuple] = []
 
-    def sec_of(tp, sp, b, pr=precisions[0]):
-        key = (tp, sp, b, pr)
+    def sec_of(tp, sp, b, pr=precisions[0], ep=1):
+        key = (tp, sp, b, pr, ep)
         if key not in sections:
             sections[key] = _Sections(work.profile(tp, sp), b, st_of.get(pr) or dataclasses.replace(st, precision=pr),
-                                      pr)
+                                      pr, ep)
         return sections[key]
 
     def split_of(pp, v):
@@ -1138,22 +1220,23 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
             splits[(pp, v)] = stage_split(work, pp, v, seq)
         return splits[(pp, v)]
 
-    for tp, sp, pp, dp, z in space.groups(work.tp_error):
+    for tp, sp, pp, dp, ep_, z in space.groups(work.tp_error):
         stats["groups"] += 1
         prof = work.profile(tp, sp)
-        variants = list(space.variants(pp, dp))
+        variants = list(space.variants(pp, dp * ep_))
         options = space.options(tp, z, exhaustive)
         n_options = len(space.options(tp, z))
         n_variants = len(variants) * len(space.recompute) * n_options
         stats["space"] += n_variants
         stats["pruned_dominated"] += len(variants) * len(space.recompute) * (n_options - len(options))
-        # 1. memory lower bound of the group: model state averaged over the pipeline ranks
-        per = MM.model_state_bytes_per_param(param_dtype, grad_dtype, z, dp)
-        total_params = work.depth * prof.layer.params + prof.pre.params + prof.post.params - prof.tied_params
-        if not exhaustive and total_params * per.total / pp > limit:
+        # 1. memory lower bound of the group: model state averaged over the pipeline ranks (E/ep experts a rank)
+        per = _per(param_dtype, grad_dtype, z, dp, ep_)
+        lay_params, lay_experts = C.expert_split(prof, ep_)
+        total_params = work.depth * lay_params + prof.pre.params + prof.post.params - prof.tied_params
+        if not exhaustive and sum(per.of(total_params, work.depth * lay_experts)) / pp > limit:
             stats["pruned_groups"] += 1
             stats["pruned_memory"] += len(variants) * len(space.recompute) * len(options)
-            pruned_groups.append((tp, sp, pp, dp, z))
+            pruned_groups.append((tp, sp, pp, dp, ep_, z))
             continue
         over_at: dict[tuple, int] = {}  # (schedule, v) -> smallest microbatch size over the limit
         links = None
@@ -1164,11 +1247,11 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
                 continue
             split = split_of(pp, v)
             layers = split.layers_per_rank
-            m = global_batch / (dp * b)
+            m = global_batch / (dp * ep_ * b)
             fitted = False
             one_pass, reduce_bytes = _lifetimes(layers, m, z, dp)
             for pr in dict.fromkeys(o[1] for o in options):
-                sec = sec_of(tp, sp, b, pr)
+                sec = sec_of(tp, sp, b, pr, ep_)
                 zb = _zero_of(z, st_of[pr], sec)
                 ovs = [o for o, q in options if q == pr]
                 # overlap off where it changes nothing (tp = 1, ZeRO < 3) is the same layout twice: priced when
@@ -1178,12 +1261,12 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
                     mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, rec.value, detail=False,
                                         one_pass=one_pass, reduce_bytes=reduce_bytes, zero=zb)
                     if mem < smallest[0]:
-                        smallest[:] = [mem, space.layout(tp, sp, pp, dp, z, s, v, b, rec, ovs[0], pr)]
+                        smallest[:] = [mem, space.layout(tp, sp, pp, dp, z, s, v, b, rec, ovs[0], pr, ep_)]
                     if mem > limit:
                         stats["pruned_memory"] += len(ovs)
                         continue
                     for ov in ovs:
-                        lay = space.layout(tp, sp, pp, dp, z, s, v, b, rec, ov, pr)
+                        lay = space.layout(tp, sp, pp, dp, z, s, v, b, rec, ov, pr, ep_)
                         links = links or _links(lay, st)
                         terms, _ = _terms(lay, prof, sec, layers, st_of[pr], links)
                         stats["priced"] += 1
@@ -1198,7 +1281,7 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
                                         reduce_bytes=reduce_bytes, overlap=ov, zero=zb)
                         mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, "auto", detail=False,
                                             one_pass=one_pass, reduce_bytes=reduce_bytes, auto=auto, zero=zb)
-                        lay = space.layout(tp, sp, pp, dp, z, s, v, b, Recompute.AUTO, ov, pr)
+                        lay = space.layout(tp, sp, pp, dp, z, s, v, b, Recompute.AUTO, ov, pr, ep_)
                         if mem < smallest[0]:
                             smallest[:] = [mem, lay]
                         if mem > limit:
@@ -1221,7 +1304,7 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
     top = []
     for *_, lay, layers, split, _ in [r for r in found if r[6]][:max(1, top_k)]:
         prof = work.profile(lay.tp, lay.sequence_parallel)
-        sec = sec_of(lay.tp, lay.sequence_parallel, lay.microbatch_size, lay.precision)
+        sec = sec_of(lay.tp, lay.sequence_parallel, lay.microbatch_size, lay.precision, lay.ep)
         est = _finish(lay, work, prof, sec, layers, split, st_of[lay.precision])
         top.append(Candidate(lay, est, split if lay.pp > 1 else None))
     res = SearchResult(top, workload=work, world=world, hardware=hw, global_batch=int(global_batch), seq=int(seq),
@@ -1238,7 +1321,7 @@ def _reprice(layout: Layout, *, work, st: _Settings, sec_of, split_of) -> Estima
     pr = layout.precision
     prof = work.profile(layout.tp, layout.sequence_parallel)
     split = split_of(layout.pp, layout.virtual)
-    sec = sec_of(layout.tp, layout.sequence_parallel, layout.microbatch_size, pr)
+    sec = sec_of(layout.tp, layout.sequence_parallel, layout.microbatch_size, pr, layout.ep)
     return _finish(layout, work, prof, sec, split.layers_per_rank, split, dataclasses.replace(st, precision=pr))
 
 
@@ -1265,15 +1348,15 @@ def _most_saving(recompute: tuple) -> Recompute:
 def _nothing_fits(work, space, pruned_groups, smallest, limit, st, sec_of, split_of) -> str:
     # the groups pruned by their lower bound: their real footprints at each schedule's smallest microbatch
     # under the most memory-saving recompute mode allowed
-    for tp, sp, pp, dp, z in pruned_groups:
+    for tp, sp, pp, dp, ep, z in pruned_groups:
         prof = work.profile(tp, sp)
         seen = set()
-        for s, v, b in space.variants(pp, dp):
+        for s, v, b in space.variants(pp, dp * ep):
             if (s, v) in seen:
                 continue
             seen.add((s, v))
-            lay = space.layout(tp, sp, pp, dp, z, s, v, b, _most_saving(space.recompute))
-            mem, _ = _memory(lay, prof, sec_of(tp, sp, b), split_of(pp, v).layers_per_rank, st)
+            lay = space.layout(tp, sp, pp, dp, z, s, v, b, _most_saving(space.recompute), ep=ep)
+            mem, _ = _memory(lay, prof, sec_of(tp, sp, b, ep=ep), split_of(pp, v).layers_per_rank, st)
             if mem < smallest[0]:
                 smallest[:] = [mem, lay]
     mem, lay = smallest

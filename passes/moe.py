@@ -33,6 +33,7 @@ runs it as ordinary aten ops.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 
 import sympy
@@ -205,12 +206,16 @@ def _histc(x, bins=100, min=0, max=0):  # noqa: A002 - aten's names
     return torch.histc(x.float(), bins, min, max).to(x.dtype if x.is_floating_point() else torch.float32)
 
 
-def _on_cpu(a):
-    return torch.device("cpu") if isinstance(a, torch.device) else a
+def _region_fn(gm, region, y, inputs, others, dtypes: dict | None = None):
+    """The region as a callable of (x, idx, w, *params, *sizes); ``dtypes`` maps the dtype arguments of
+    its ops (a probe in float64 of a bf16 capture)."""
+    dtypes = dtypes or {}
 
+    def arg(a):  # a capture on the meta device (parallelize) names it in factories: evaluate on the CPU
+        if isinstance(a, torch.device):
+            return torch.device("cpu")
+        return dtypes.get(a, a) if isinstance(a, torch.dtype) else a
 
-def _region_fn(gm, region, y, inputs, others):
-    """The region as a callable of (x, idx, w, *params, *sizes)."""
     g = fx.Graph()
     env = {}
     for a in list(inputs) + list(others):
@@ -218,9 +223,8 @@ def _region_fn(gm, region, y, inputs, others):
     for n in gm.graph.nodes:
         if n in region:
             c = env[n] = g.node_copy(n, lambda a: env[a])
-            # a capture on the meta device (parallelize) names it in factories: evaluate on the CPU
-            c.args = fx.node.map_aggregate(c.args, _on_cpu)
-            c.kwargs = fx.node.map_aggregate(c.kwargs, _on_cpu)
+            c.args = fx.node.map_aggregate(c.args, arg)
+            c.kwargs = fx.node.map_aggregate(c.kwargs, arg)
             if n.target is aten.histc.default:  # traced on meta/CUDA for ints, which the CPU kernel refuses
                 c.target = _histc
     g.output(env[y])
@@ -233,15 +237,62 @@ def _identify(gm, region, y, x, idx, w, params, others):
     k = int(idx.meta["val"].shape[1])
     E = int(params[0].meta["val"].shape[0])
     dtype = x.meta["val"].dtype
-    fn = _region_fn(gm, region, y, [x, idx, w, *params], others)
     sizes = [int(sympy.sympify(a.meta["val"].node.expr).subs(env)) if isinstance(a.meta.get("val"), torch.SymInt)
              else float(sympy.sympify(a.meta["val"].node.expr).subs(env)) for a in others]
     gen = torch.Generator().manual_seed(0)
-    xv = torch.randn(T, d, generator=gen, dtype=torch.float32).to(dtype)
+    shapes = [tuple(p.meta["val"].shape[1:]) for p in params]
+    # evaluated in float64 first (the forms then differ by far more than rounding, at any width), the
+    # capture's dtype arguments mapped; then in the capture's dtype, for a region that needs it
+    # (torch._grouped_mm takes no float64: float32 next)
+    tries = [(dt, {dtype: dt}) for dt in (torch.float64, torch.float32) if dtype.is_floating_point and dt != dtype]
+    tries.append((dtype, {}))
+    fns = {}
+    for probe in _probe_shapes(shapes, d, E):
+        for dt, dtypes in tries:
+            fn = fns.setdefault(dt, _region_fn(gm, region, y, [x, idx, w, *params], others, dtypes))
+            form, perm = _identify_at(fn, gen.get_state(), T, d, k, E, dt, idx, w, params, probe, sizes, region,
+                                      dtypes)
+            if form is not None and _shapes_fit(form, [shapes[j] for j in perm], d):
+                return form, perm
+    return None, None
+
+
+# the experts' parameters a probe at the real widths may hold (fp32 elements): beyond, only the narrow probe runs
+_FULL_PROBE_ELEMENTS = 1 << 26
+_PROBE_WIDTH = 8
+
+
+def _probe_shapes(shapes, d: int, E: int):
+    """The expert weights' shapes (without E) to evaluate the region at. First narrowed: every width
+    other than the model width d scaled to a hidden width of 8 (a gate/up projection fused as 2f
+    becomes 16; 8 elements: 16 bytes in bf16, torch._grouped_mm's stride alignment), so identifying
+    Mixtral-8x7B's or DeepSeek-V3's experts costs megabytes, not tens of GB (the form does not depend
+    on the widths). Then, if that found nothing (a region that names its widths as constants) and the
+    real weights are small enough, the real shapes."""
+    hidden = [v for s in shapes for v in s if v != d]
+    f = min(hidden, default=0)
+    if f > _PROBE_WIDTH and all(v % f == 0 for v in hidden):
+        yield [tuple(v if v == d else v // f * _PROBE_WIDTH for v in s) for s in shapes]
+    if sum(math.prod(s) for s in shapes) * E <= _FULL_PROBE_ELEMENTS:
+        yield shapes
+
+
+def _identify_at(fn, state, T, d, k, E, dtype, idx, w, params, shapes, sizes, region, dtypes):
+    """_identify on weights of the given shapes (E experts each) in ``dtype`` (``dtypes``: the float
+    dtypes mapped to it)."""
+    gen = torch.Generator()
+    gen.set_state(state)
+
+    def cast(t, like):
+        return t.to(dtypes.get(like, like))
+
+    xv = cast(torch.randn(T, d, generator=gen, dtype=torch.float32), dtype)
     iv = torch.rand(T, E, generator=gen).argsort(1)[:, :k].to(idx.meta["val"].dtype)
     iv[0] = iv[1]  # two tokens with the same experts
-    wv = torch.rand(T, k, generator=gen, dtype=torch.float32).to(w.meta["val"].dtype)
-    pv = [(torch.randn(*p.meta["val"].shape, generator=gen) * 0.5).to(p.meta["val"].dtype) for p in params]
+    wv = cast(torch.rand(T, k, generator=gen, dtype=torch.float32), w.meta["val"].dtype)
+    # weights scaled by 1/sqrt(fan-in): every value stays O(1) at any width
+    pv = [cast(torch.randn(E, *s, generator=gen) * (0.5 / min(s) ** 0.5 + 0.5 / max(s) ** 0.5), p.meta["val"].dtype)
+          for p, s in zip(params, shapes)]
     leaves = [t.requires_grad_(True) for t in (xv, wv, *pv)]
     try:
         out = fn(leaves[0], iv, leaves[1], *leaves[2:], *sizes)
@@ -262,7 +313,6 @@ def _identify(gm, region, y, x, idx, w, params, others):
                                               (len(n.args) > 1 and n.args[1] == "tanh")) for n in region):
         acts = ["gelu_tanh"] + acts
     acts = list(dict.fromkeys(acts + list(_ACTS)))
-    shapes = [tuple(p.meta["val"].shape[1:]) for p in params]
     kinds = ["sep"] if len(params) == 3 else ["fused_gu", "fused_ug", "plain"]
     perms = list(itertools.permutations(range(len(params))))
     for kind, transposed, perm, act in itertools.product(kinds, (False, True), perms, acts):

@@ -375,7 +375,7 @@ class ParallelModule(torch.nn.Module):
         if self._has_moe_ep:
             from mcompile.moe import clear_stash
 
-            clear_stash()  # what a forward without backward (evaluation) left
+            clear_stash(self._comm)  # what a forward without backward (evaluation) left
         leaves = self._leaves
         leaves.begin()  # compute copies refreshed, main gradients cleared (earlier ones kept aside)
         rec = self._comm.recorder  # the timeline (start_timeline): this step's events replace the last one's
@@ -413,7 +413,7 @@ class ParallelModule(torch.nn.Module):
         if self._has_moe_ep:
             from mcompile.moe import MoEStats
 
-            self.moe_dropped = MoEStats.dropped  # routed slots this rank's capacity dropped in this step
+            self.moe_dropped = MoEStats.of(self._comm)  # routed slots this rank's capacity dropped in this step
         return (stats[0] / stats[1]).detach()
 
     @torch.no_grad()

@@ -285,7 +285,7 @@ def test_context_parallel_halves_a_ranks_work(gpt_wide):
     assert two.details["layer_forward"] == pytest.approx(one.details["layer_forward"] / 2, rel=1e-3)
     assert two.memory_breakdown["activations"] == pytest.approx(one.memory_breakdown["activations"] / 2)
     assert two.breakdown["cp_comm"] >= 0
-    with pytest.raises(ValueError, match="ep > 1"):
+    with pytest.raises(ValueError, match="no mixture-of-experts layer"):
         estimate(Layout(ep=2), gpt_wide, **kw)
 
 
