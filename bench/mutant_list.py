@@ -627,4 +627,25 @@ MUTANTS: list[Mutant] = [
                     "overwritten value",
         targets=("tests/test_joint.py -k overwritten",),
     ),
+    Mutant(
+        name="zero-ep-experts-sharded-over-data",
+        file="runtime/zero.py",
+        old="            if axes in group_of_axes and (axes or \"ep\" in self.data_axes):\n"
+            "                orders.setdefault(group_of_axes[axes], []).append((fqn, p.to_local().numel()))",
+        new="            if axes in group_of_axes and (axes or \"ep\" in self.data_axes):\n"
+            "                orders.setdefault(group_of_axes[frozenset(self.data_axes)], []).append("
+            "(fqn, p.to_local().numel()))",
+        description="ZeRO under ep reduce-scatters the experts' gradients over the dp x ep data ranks like the "
+                    "dense ones: other ep ranks' experts' gradients are summed into each shard",
+        targets=("tests/test_moe_parallel.py::test_zero_with_expert_parallel_parity",),
+    ),
+    Mutant(
+        name="blocks-no-side-values",
+        file="mcompile/blocks.py",
+        old="    return _symbolic(main) or v.numel() == 1",
+        new="    return False",
+        description="nothing may cross a stage cut beside the residual stream: Mixtral's per-layer aux losses "
+                    "leave no cut point, pp x ep cannot be partitioned",
+        targets=("tests/test_moe_parallel.py::test_pipeline_with_expert_parallel_parity",),
+    ),
 ]

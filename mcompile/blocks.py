@@ -7,9 +7,14 @@ build on it):
   no parameter (causal masks, position ids, RoPE tables, the token count of the labels): such
   values can be recomputed wherever they are needed, so they never have to cross a pipeline cut.
   Every other node is an *activation*.
-- **Narrow point** ``i``: the cut just before trunk position ``i`` across which exactly one
-  activation is live (defined before ``i``, used at or after it). In a pre-norm transformer these
-  are the residual stream between layers and, inside a layer, between attention and MLP.
+- **Narrow point** ``i``: the cut just before trunk position ``i`` across which one activation is
+  live (defined before ``i``, used at or after it) — beside, at most, *side values*: tensors whose
+  size does not grow with the batch or the sequence (no symbolic dimension; in a capture of static
+  shapes, single elements), together under ``1/SIDE_FRACTION`` of the activation: a layer's scalar
+  load-balancing loss kept for a mean over the layers. (A norm's per-token statistic grows with the
+  tokens: no cut inside a norm.) In a pre-norm transformer these are the residual stream between
+  layers and, inside a layer, between attention and MLP. The pipeline sends the side values with the
+  activation (passes/pipeline_split.py sends whatever crosses a cut).
 - **Repeated blocks**: parameters are listed in order of first use, each with a signature (its
   shape and dtype, the op that consumes it); the longest run of ``k >= 2`` repetitions of one
   period of signatures is the stack of transformer layers (``k`` layers). The first layer begins
@@ -25,6 +30,9 @@ import torch.fx as fx
 
 __all__ = ["Trunk", "analyse"]
 
+# side values may cross a narrow point beside its activation while together this many times smaller
+SIDE_FRACTION = 4
+
 
 @dataclass
 class Trunk:
@@ -32,7 +40,7 @@ class Trunk:
     pos: dict[str, int]  # node name -> trunk position
     input_only: set[str]  # names of nodes that depend on no parameter
     narrow: list[int]  # narrow points (cut before trunk position i), increasing
-    crossing: dict[int, str]  # narrow point -> the one activation live across it
+    crossing: dict[int, str]  # narrow point -> the activation live across it (the largest; side values aside)
     layer_starts: list[int] = field(default_factory=list)  # narrow point where each repeated block begins
     layers_end: int | None = None  # narrow point after the last block (start of the head)
     period: int = 0  # parameters per block
@@ -73,9 +81,9 @@ def analyse(gm: fx.GraphModule, params: set[str] | dict) -> Trunk:
         if any(a.name in dependent for a in n.all_input_nodes):
             dependent.add(n.name)
     input_only = {n.name for n in nodes if n.name not in dependent}
-    # liveness of activations across each cut: +1 on (def, last use]
-    delta = [0] * (end + 2)
-    last_user: dict[str, str] = {}
+    # liveness of activations across each cut: live on (def, last use]
+    starts: list[list[str]] = [[] for _ in range(end + 2)]
+    stops: list[list[str]] = [[] for _ in range(end + 2)]
     for n in nodes:
         if n.name not in dependent:
             continue
@@ -84,24 +92,59 @@ def analyse(gm: fx.GraphModule, params: set[str] | dict) -> Trunk:
             continue
         last = max(uses)
         if last > pos[n.name]:
-            delta[pos[n.name] + 1] += 1
-            delta[last + 1] -= 1
-            last_user[n.name] = last
-    live, narrow, crossing = 0, [], {}
+            starts[pos[n.name] + 1].append(n.name)
+            stops[last + 1].append(n.name)
+    size = {n.name: _numel(n) for n in nodes}
+    live: dict[str, int] = {}
+    narrow, crossing = [], {}
     seen_activation = False
     for i in range(end + 1):
-        live += delta[i]
+        for k in stops[i]:
+            live.pop(k, None)
+        for k in starts[i]:
+            live[k] = size[k]
         if i and nodes[i - 1].name in dependent:
             seen_activation = True
-        if i < end and seen_activation and live == 1:
-            narrow.append(i)
-    if narrow:
-        alive = sorted((pos[k], v, k) for k, v in last_user.items())
-        for i in narrow:
-            crossing[i] = next(k for p, v, k in alive if p < i <= v)
+        if i < end and seen_activation and live:
+            main = max(live, key=lambda k: live[k] or 0)
+            rest = sum(v or 0 for v in live.values()) - (live[main] or 0)
+            side_ok = all(v is not None and _side(nodes[pos[k]], nodes[pos[main]]) for k, v in live.items()
+                          if k != main)  # a size (SymInt) may not cross
+            if len(live) == 1 or (side_ok and live[main] > 1 and SIDE_FRACTION * rest <= live[main]):
+                narrow.append(i)
+                crossing[i] = main
     trunk = Trunk(nodes, pos, input_only, narrow, crossing)
     _find_blocks(trunk, gm, params)
     return trunk
+
+
+def _numel(n: fx.Node) -> int | None:
+    """Elements of ``n``'s value (its tensors'), sizes at their example values (the capture's hints);
+    None when it is not all tensors (a size)."""
+    vals = n.meta.get("val")
+    vals = vals if isinstance(vals, list | tuple) else [vals]
+    total = 0
+    for v in vals:
+        shape = getattr(v, "shape", None)
+        if shape is None:
+            return None
+        k = 1
+        for d in shape:  # never int() a SymInt: that guards, specialising the capture's shapes to its hints
+            k *= d if isinstance(d, int) else (getattr(d.node, "hint", None) or 1024)
+        total += k
+    return total
+
+
+def _symbolic(n: fx.Node) -> bool:
+    return any(not isinstance(d, int) for d in getattr(n.meta.get("val"), "shape", ()))
+
+
+def _side(n: fx.Node, main: fx.Node) -> bool:
+    """``n`` may cross a cut beside ``main`` (module docstring): its size does not grow with the tokens."""
+    v = n.meta.get("val")
+    if not hasattr(v, "shape") or _symbolic(n):
+        return False
+    return _symbolic(main) or v.numel() == 1
 
 
 def _find_blocks(trunk: Trunk, gm: fx.GraphModule, params: set[str]) -> None:

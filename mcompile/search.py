@@ -820,6 +820,9 @@ class _Space:
                 for ep in self.eps(data):
                     for sp in sps:
                         for z in zs:
+                            if ep > 1 and z == 3:  # the runtime's ZeRO-3 gathers over dp only (runtime/module.py)
+                                self.tried.append(f"tp={tp} pp={pp} ep={ep}: ZeRO-3 with ep is not run by the runtime")
+                                continue
                             yield tp, sp, pp, data // ep, ep, z
 
     def variants(self, pp: int, data: int) -> Iterator[tuple[Schedule, int, int]]:

@@ -23,6 +23,8 @@ One ``train_step``:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,12 +42,9 @@ __all__ = ["ParallelModule"]
 
 def _check_ep_config(config: Config, mesh) -> None:
     """What expert parallelism does not combine with yet, refused before anything runs."""
-    if config.zero:
-        raise ValueError(f"Config(zero={config.zero}) with ep={mesh.size('ep')}: ZeRO over the expert-parallel "
-                         "data ranks is not supported yet; use zero=0")
-    if mesh.size("pp") > 1:
-        raise ValueError(f"pp={mesh.size('pp')} with ep={mesh.size('ep')} is not supported yet by the runtime: use "
-                         "ep with dp and tp")
+    if config.zero == 3:
+        raise ValueError(f"Config(zero=3) with ep={mesh.size('ep')}: ZeRO-3 (parameters sharded, gathered per layer) "
+                         "over the expert-parallel data ranks is not supported yet; use zero=1 or zero=2")
 
 
 def _torch_placement(p):
@@ -81,6 +80,12 @@ class ParallelModule(torch.nn.Module):
         self.moe_dropped = 0  # routed slots dropped by capacity on this rank in the last step (moe_capacity_factor)
         if self._has_moe_ep:
             _check_ep_config(config, self.mesh)
+        if config.microbatches > 1 and self._rank == 0 and \
+                any(c.purpose == "batch statistic" for c in compiled.plan.collectives):
+            warnings.warn(f"the loss uses batch statistics (e.g. a mixture-of-experts load-balancing loss's tokens per "
+                          f"expert); with microbatches={config.microbatches} each step's microbatch computes its own, "
+                          "over every data rank, as gradient accumulation on one device does (and Megatron), not "
+                          "over the global batch: use microbatches=1 for the global batch's", stacklevel=3)
         self._device = torch.device("cuda", torch.cuda.current_device()) if device_mesh.device_type == "cuda" \
             else torch.device("cpu")
         from mcompile import meta as M
@@ -94,9 +99,9 @@ class ParallelModule(torch.nn.Module):
         # ZeRO-3 (passes/fsdp.py): which parameters are sharded over dp; their gathers are in the program
         # (rank_programs; under pp: in each stage program, runtime/pipeline.py)
         self._zero3 = {}
-        if config.zero >= 2 and self.mesh.size("dp") == 1:
+        if config.zero >= 2 and self._data_size == 1:
             raise ValueError(f"Config(zero={config.zero}) shards over the data-parallel axis, and this mesh has no dp "
-                             f"axis > 1 ({self.mesh!r}): add one (e.g. dp=2) or use zero=0")
+                             f"(or ep) axis > 1 ({self.mesh!r}): add one (e.g. dp=2) or use zero=0")
         if config.zero == 3:
             from mcompile.passes import fsdp
 
@@ -503,7 +508,7 @@ class ParallelModule(torch.nn.Module):
         from mcompile.runtime.leaves import Leaves
 
         self._zero = None
-        if self.config.zero in (1, 2) and self.mesh.size("dp") > 1:
+        if self.config.zero in (1, 2) and self._data_size > 1:
             from mcompile.runtime.zero import ZeroBuffers
 
             self._zero = ZeroBuffers(self)  # re-registers the parameters as views of flat buffers

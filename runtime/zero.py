@@ -93,6 +93,9 @@ class _Bucket:
     ready: int = 0
     work: object = None
     open: bool = False  # gradients of this step are being accumulated
+    group: str = "dp"  # the communicator group its gradients are reduced over and its state sharded over
+    n: int = 1  # that group's size
+
     valid: bool = False  # the owned range holds gradients (not zeroed since)
     saved: torch.Tensor | None = None  # owned gradients of an earlier train_step, added back at the end
     # ZeRO-2: the owned range's gradients live here (fp32, accumulated over microbatches); grad_buf is
@@ -119,7 +122,16 @@ class ZeroBuffers:
 
     def __init__(self, pm):
         self.dp = pm.mesh.size("dp")
-        self.dp_rank = pm._coords["dp"]
+        self.dp_rank = pm._coords.get("dp", 0)
+        # Expert parallelism (Megatron folds ep into dp): a dense parameter's gradient is reduced over the
+        # dp x ep data ranks (the "data" group) and its state sharded over them; a routed expert's (sharded
+        # over ep) over dp alone. A bucket holds parameters of one group.
+        self.data_axes = list(pm._data_axes)
+        group_of_axes = {frozenset(self.data_axes): ("data" if len(self.data_axes) > 1 else self.data_axes[0],
+                                                     pm._data_size, pm._data_coord)}
+        for a in self.data_axes:
+            group_of_axes.setdefault(frozenset([a]), (a, pm.mesh.size(a), pm._coords[a]))
+        group_of_axes.setdefault(frozenset(), ("", 1, 0))  # reduced over nothing (experts at dp=1)
         self.coords = dict(pm._coords)
         self.axis_names = pm.mesh.axis_names
         self.axis_sizes = {a: pm.mesh.size(a) for a in self.axis_names}
@@ -130,16 +142,19 @@ class ZeroBuffers:
         self.stage = pm.config.zero  # 1, or 2: gradients reduce-scattered after every microbatch, kept sharded
         self.per_microbatch = self.stage == 2
         plan = pm.plan
-        order = []
+        orders: dict[tuple, list] = {}
         for fqn in reversed(list(pm._params)):
             p = pm._params[fqn]
-            axes = [a for a in plan.params[fqn].grad_partial_axes if pm.mesh.size(a) > 1]
-            if "dp" in axes:
-                order.append((fqn, p.to_local().numel()))
+            axes = frozenset(a for a in plan.params[fqn].grad_partial_axes
+                             if pm.mesh.size(a) > 1 and a in self.data_axes)
+            if axes in group_of_axes and (axes or "ep" in self.data_axes):
+                orders.setdefault(group_of_axes[axes], []).append((fqn, p.to_local().numel()))
             elif p.requires_grad:
-                raise NotImplementedError(f"ZeRO-1: {fqn} has a gradient that is not reduced over dp")
-        layouts = bucket_layouts(order, self.dp, int(pm.config.bucket_mb * 2**20))
-        self.fqn_order = [f for f in pm._params if any(f in lay.fqns for lay in layouts)]
+                raise NotImplementedError(f"ZeRO-1: {fqn} has a gradient that is not reduced over the data-parallel "
+                                          f"ranks ({', '.join(sorted(axes)) or 'none'})")
+        bucket_bytes = int(pm.config.bucket_mb * 2**20)
+        layouts = [(g, lay) for g, order in orders.items() for lay in bucket_layouts(order, g[1], bucket_bytes)]
+        self.fqn_order = [f for f in pm._params if any(f in lay.fqns for _, lay in layouts)]
         self.buckets: list[_Bucket] = []
         # the placement of each parameter over every axis but dp: which axes its elements differ on
         self._sharded_axes: dict[str, frozenset] = {}
@@ -148,16 +163,17 @@ class ZeroBuffers:
             sharded = {a for a, pl in zip(self.axis_names, pp.placements) if isinstance(pl, Shard | BlockShard)}
             if "pp" in self.axis_sizes:
                 sharded.add("pp")  # stages hold disjoint parameters
-            self._sharded_axes[fqn] = frozenset(a for a in sharded if a != "dp" and self.axis_sizes[a] > 1)
+            self._sharded_axes[fqn] = frozenset(a for a in sharded if a not in ("dp", *self.data_axes)
+                                                and self.axis_sizes[a] > 1)
         self._norm_keys = sorted(set(self._sharded_axes.values()), key=sorted)
         pipe = getattr(pm, "_pipe", None)  # a tied weight on two pipeline stages: its owner counts it
         self._not_counted = {f for f in self.fqn_order if pipe is not None and pipe.owner[f] != pipe.pp_rank}
-        for lay in layouts:
+        for (group, group_size, rank), lay in layouts:
             params = [pm._params[f] for f in lay.fqns]
             full = torch.zeros(lay.padded, dtype=torch.float32, device=pm._device)
             for p, off, n in zip(params, lay.offsets, lay.numels):
                 full[off:off + n].copy_(p.detach().to_local().reshape(-1))
-            lo, hi = lay.owned(self.dp_rank)
+            lo, hi = lay.owned(rank)
             if self.param_dtype == torch.float32:
                 param_buf = full
                 master = full[lo:hi]  # the master shard is the parameters' own range
@@ -166,7 +182,8 @@ class ZeroBuffers:
                 param_buf = full.to(self.param_dtype)
                 del full
             b = _Bucket(lay, [], param_buf, torch.zeros(lay.padded, dtype=torch.float32, device=pm._device),
-                        master, lo, hi)
+                        master, lo, hi, group=group, n=group_size)
+            b.rank = rank
             if self.per_microbatch:  # ZeRO-2: the owned gradients apart; the full buffer only while filled
                 b.shard = torch.zeros(hi - lo, dtype=torch.float32, device=pm._device)
             for fqn, p, off, n in zip(lay.fqns, params, lay.offsets, lay.numels):
@@ -180,7 +197,7 @@ class ZeroBuffers:
         # the optimizer's parameters: this rank's segments of the master shard, with their gradients
         self.segments: list[tuple[Segment, _Bucket, torch.nn.Parameter]] = []
         for b in self.buckets:
-            for seg in b.layout.segments(self.dp_rank):
+            for seg in b.layout.segments(b.rank):
                 master_seg = torch.nn.Parameter(b.master[seg.start - b.lo:seg.stop - b.lo], requires_grad=True)
                 self.segments.append((seg, b, master_seg))
         self._tp_partial = {f for f in self.fqn_order if "tp" in plan.params[f].grad_partial_axes
@@ -214,8 +231,23 @@ class ZeroBuffers:
     def launch(self, b: _Bucket) -> None:
         """Every gradient of bucket ``b`` is final (ZeRO-2: for this microbatch): reduce-scatter it over
         dp, asynchronously, into the owned range of its buffer."""
-        b.work = _REDUCE_SCATTER(b.grad_buf[b.lo:b.hi], b.grad_buf, group=self.groups["dp"], async_op=True)
+        b.work = self._reduce_scatter(b, b.grad_buf[b.lo:b.hi], async_op=True)
         b.ready = 0
+
+    def _reduce_scatter(self, b: _Bucket, out: torch.Tensor, async_op: bool = False):
+        """Sum ``b``'s buffer over its group into ``out`` (its owned range); a group of one: already there."""
+        if b.n == 1:
+            if out.data_ptr() != b.grad_buf.data_ptr():
+                out.copy_(b.grad_buf[b.lo:b.hi])
+            return _DONE if async_op else None
+        return _REDUCE_SCATTER(out, b.grad_buf, group=self.groups[b.group], async_op=async_op)
+
+    def _all_gather(self, b: _Bucket, out: torch.Tensor, local: torch.Tensor, async_op: bool = False):
+        if b.n == 1:
+            if out.data_ptr() != local.data_ptr():
+                out.copy_(local)
+            return _DONE if async_op else None
+        return _ALL_GATHER(out, local, group=self.groups[b.group], async_op=async_op)
 
     # -- ZeRO-2: the full gradient buffers exist only while a backward fills them -------------------------
     def before_backward(self) -> None:
@@ -246,8 +278,8 @@ class ZeroBuffers:
             if b.work is not None:
                 b.work.wait()
             else:  # filled but never complete in one microbatch (a bucket across pipeline stages): now
-                with self.comm.timed("reduce_scatter", "dp", b.grad_buf, "bucket"):
-                    _REDUCE_SCATTER(b.grad_buf[b.lo:b.hi], b.grad_buf, group=self.groups["dp"])
+                with self.comm.timed("reduce_scatter", b.group, b.grad_buf, "bucket"):
+                    self._reduce_scatter(b, b.grad_buf[b.lo:b.hi])
             b.shard.add_(b.grad_buf[b.lo:b.hi])
             b.work, b.ready, b.filling = None, 0, False
             _release(b.grad_buf)
@@ -263,8 +295,8 @@ class ZeroBuffers:
             elif b.work is not None:
                 b.work.wait()
             elif b.open:  # not every parameter's hook fired in the last piece: reduce now
-                with self.comm.timed("reduce_scatter", "dp", b.grad_buf, "bucket"):
-                    _REDUCE_SCATTER(b.owned_grad, b.grad_buf, group=self.groups["dp"])
+                with self.comm.timed("reduce_scatter", b.group, b.grad_buf, "bucket"):
+                    self._reduce_scatter(b, b.owned_grad)
             if b.open:
                 opened.append(b)
             b.ready, b.work, b.open = 0, None, False
@@ -303,7 +335,7 @@ class ZeroBuffers:
             if not b.valid:
                 continue
             full = torch.empty_like(b.grad_buf)
-            _ALL_GATHER(full, b.owned_grad.contiguous(), group=self.groups["dp"])
+            self._all_gather(b, full, b.owned_grad.contiguous())
             for fqn, p, off, n in zip(b.layout.fqns, b.params, b.layout.offsets, b.layout.numels):
                 out[fqn] = full[off:off + n].view(p.to_local().shape)
         return {f: out[f] for f in self.fqn_order if f in out}
@@ -329,9 +361,11 @@ class ZeroBuffers:
                 if self.axis_sizes[ax] > 1:
                     dist.all_reduce(parts, op=dist.ReduceOp.MAX, group=self.groups[ax])
             return parts.max() if parts.numel() else torch.zeros(())
-        dist.all_reduce(parts, group=self.groups["dp"])
+        # the owned ranges partition each bucket over its group; summed over all data ranks, an expert's
+        # (sharded over ep, owned over dp) is counted once too
+        dist.all_reduce(parts, group=self.groups["data" if "data" in self.groups else "dp"])
         for ax in self.axis_names:
-            if ax == "dp" or self.axis_sizes[ax] == 1:
+            if ax in ("dp", *self.data_axes) or self.axis_sizes[ax] == 1:
                 continue
             if self.coords[ax] != 0:
                 for k, i in index.items():
@@ -353,8 +387,9 @@ class ZeroBuffers:
         for b in self.buckets:
             if self.param_dtype != torch.float32:
                 b.param_buf[b.lo:b.hi].copy_(b.master)
-            works.append(_ALL_GATHER(b.param_buf, b.param_buf[b.lo:b.hi], group=self.groups["dp"], async_op=True))
-            self.comm.launched("all_gather", "dp", b.param_buf, works[-1], source="publish")
+            works.append(self._all_gather(b, b.param_buf, b.param_buf[b.lo:b.hi], async_op=True))
+            if b.n > 1:
+                self.comm.launched("all_gather", b.group, b.param_buf, works[-1], source="publish")
         for w in works:
             w.wait()
 
@@ -382,8 +417,23 @@ class ZeroBuffers:
     def layout_signature(self) -> str:
         layout = {"dp": self.dp, "dtype": str(self.param_dtype),
                   "buckets": [[list(b.layout.fqns), list(b.layout.numels), list(b.layout.offsets), b.layout.padded]
-                              for b in self.buckets]}
+                              + ([b.group, b.n] if b.group != "dp" else []) for b in self.buckets]}
         return hashlib.sha256(json.dumps(layout).encode()).hexdigest()
+
+
+class _Done:
+    """The work of a collective over a group of one (nothing to wait for)."""
+
+    @staticmethod
+    def wait() -> bool:
+        return True
+
+    @staticmethod
+    def is_completed() -> bool:
+        return True
+
+
+_DONE = _Done()
 
 
 def _release(buf: torch.Tensor) -> None:

@@ -45,11 +45,16 @@ def moe_model(kind: str, seed: int = 0, batch: int = 4, seq: int = 16):
     return model, (x, y)
 
 
-def ep_train(rank, world, kind, mesh, steps=2, options=None):
+def ep_train(rank, world, kind, mesh, steps=2, options=None, batch=4):
     """``steps`` SGD steps: the losses, the full gradients of the first step (rank 0), the local sizes."""
-    model, inputs = moe_model(kind)
+    model, inputs = moe_model(kind, batch=batch)
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **(options or {}))
-    opt = torch.optim.SGD(pm.parameters(), lr=LR)
+    if (options or {}).get("zero"):  # ZeRO-1/2: state sharded over the data ranks (experts' over dp)
+        from mcompile.runtime.zero import DistributedOptimizer
+
+        opt = DistributedOptimizer(pm, torch.optim.SGD, lr=LR)
+    else:
+        opt = torch.optim.SGD(pm.parameters(), lr=LR)
     losses, grads = [], None
     for step in range(steps):
         loss = pm.train_step(*inputs)
@@ -59,16 +64,32 @@ def ep_train(rank, world, kind, mesh, steps=2, options=None):
         opt.zero_grad()
         losses.append(loss.item())
     local = {k: p.to_local().numel() for k, p in pm.named_parameters()}
+    if pm._zero is not None:  # ZeRO: (group, its size, the bucket's parameters, elements this rank owns)
+        local["zero"] = [(b.group, b.n, list(b.layout.fqns), b.hi - b.lo) for b in pm._zero.buckets]
     return losses, grads if rank == 0 else None, local
 
 
-def ep_reference(kind, steps=2):
-    model, inputs = moe_model(kind)
+def global_microbatches(inputs, data: int, microbatches: int) -> list[tuple]:
+    """The runtime's split of a global batch: ``data`` (dp x ep) contiguous rank slices, each cut into
+    ``microbatches``; global microbatch i is every rank's i-th piece (what one step of the runtime
+    computes together: its batch statistics are reduced over the data ranks)."""
+    return [tuple(torch.cat([t.chunk(data)[r].chunk(microbatches)[i] for r in range(data)]) for t in inputs)
+            for i in range(microbatches)]
+
+
+def ep_reference(kind, steps=2, batch=4, microbatches=1, data=1):
+    """The single-device model; with ``microbatches`` > 1, gradient accumulation over the runtime's global
+    microbatches (:func:`global_microbatches`), the loss their mean: a model whose loss holds batch
+    statistics (the load-balancing loss) computes them per microbatch, as Megatron does."""
+    model, inputs = moe_model(kind, batch=batch)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads = [], None
     for step in range(steps):
-        out = model(*inputs) if kind != "hf-mixtral" else model(input_ids=inputs[0], labels=inputs[1])
-        loss = out if isinstance(out, torch.Tensor) else out.loss
+        parts = []
+        for mb in global_microbatches(inputs, data, microbatches):
+            out = model(*mb) if kind != "hf-mixtral" else model(input_ids=mb[0], labels=mb[1])
+            parts.append(out if isinstance(out, torch.Tensor) else out.loss)
+        loss = torch.stack(parts).mean()
         loss.backward()
         if step == 0:
             grads = {k: p.grad.clone() for k, p in model.named_parameters()}

@@ -34,21 +34,33 @@ def test_moe_layers_are_found_and_keep_the_model_s_meaning(kind, form):
     # parity tests below prove the rewritten model's losses and gradients)
 
 
-def _check(kind, mesh, ep):
-    ref_losses, ref_grads, full = moe_cases.ep_reference(kind)
-    world = 1
-    for part in mesh.split(","):
-        world *= int(part.split("=")[1])
-    losses, grads, local = pool(world).run(moe_cases.ep_train, kind, mesh, timeout=600)[0]
+def _check(kind, mesh, ep, microbatches=1, batch=4, options=None):
+    m = mc.Mesh.parse(mesh)
+    ref_losses, ref_grads, full = moe_cases.ep_reference(kind, batch=batch, microbatches=microbatches,
+                                                         data=m.size("dp") * m.size("ep"))
+    opts = {"microbatches": microbatches, **(options or {})}
+    losses, grads, local = pool(m.size()).run(moe_cases.ep_train, kind, mesh, 2, opts, batch, timeout=600)[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for k, g in grads.items():
         err = ((g - ref_grads[k]).norm() / ref_grads[k].norm().clamp_min(1e-30)).item()
         assert err < 1e-5, (k, err)
+    zero = local.pop("zero", None)
     experts = [k for k in local if ".experts." in k]
     assert experts
     tp = 2 if "tp=2" in mesh else 1
     for k in experts:  # each rank holds 1/ep of the routed experts (and 1/tp of each, under expert-TP)
         assert local[k] * ep * tp == full[k], (k, local[k], full[k])
+    if (options or {}).get("zero"):  # dense state over the dp x ep data ranks, the experts' over dp alone
+        m = mc.Mesh.parse(mesh)
+        data, dp = m.size("dp") * m.size("ep"), m.size("dp")
+        assert zero and all(all(".experts." in f for f in fqns) or not any(".experts." in f for f in fqns)
+                            for _, _, fqns, _ in zero)
+        for group, n, fqns, owned in zero:
+            is_expert = ".experts." in fqns[0]
+            assert n == (dp if is_expert else data), (group, n, fqns)
+            assert owned * n >= sum(local[f] for f in fqns), (group, n, fqns, owned)  # the shards cover the bucket
+        sizes = {n for _, n, _, _ in zero}
+        assert data in sizes
 
 
 CASES = [("mixtral", "ep=2"), ("deepseek", "ep=2"), ("hf-mixtral", "ep=2"), ("mixtral", "dp=2,ep=2"),
@@ -60,6 +72,42 @@ CI = [("mixtral", "ep=2"), ("deepseek", "ep=2"), ("hf-mixtral", "ep=2")]
 @pytest.mark.parametrize("kind,mesh", tiered(CASES, CI))
 def test_expert_parallel_parity(kind, mesh):
     _check(kind, mesh, int(mesh.split("ep=")[1].split(",")[0]))
+
+
+PIPELINE = [("pp=2,ep=2", "2", "8"), ("pp=2,ep=2", "1", "4"), ("pp=2,ep=2", "4", "16"), ("pp=2,dp=2,ep=2", "2", "8")]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mesh,microbatches,batch", tiered(PIPELINE, PIPELINE[:1]))
+def test_pipeline_with_expert_parallel_parity(mesh, microbatches, batch):
+    """pp x ep: the stage cut carries the residual stream and each earlier layer's scalar aux and z
+    losses (side values: mcompile/blocks.py). The oracle is the single-device model accumulating
+    gradients over the runtime's global microbatches: a batch statistic (the load-balancing loss's
+    tokens per expert) is one microbatch's, over every data rank (ep_reference)."""
+    _check("mixtral", mesh, 2, microbatches=int(microbatches), batch=int(batch))
+
+
+ZERO = [("dp=2,ep=2", "1", "1", "4"), ("ep=2", "2", "2", "8"), ("ep=2,tp=2", "1", "1", "4"),
+        ("pp=2,dp=2,ep=2", "2", "2", "8")]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mesh,zero,microbatches,batch", tiered(ZERO, ZERO[:1]))
+def test_zero_with_expert_parallel_parity(mesh, zero, microbatches, batch):
+    """ZeRO-1/2 under ep (runtime/zero.py): a dense parameter's gradient is reduce-scattered and its
+    optimizer state sharded over the dp x ep data ranks, a routed expert's over dp alone (an ep rank
+    holds other experts); DistributedOptimizer(SGD) against the single-device model."""
+    _check("mixtral", mesh, 2, microbatches=int(microbatches), batch=int(batch), options={"zero": int(zero)})
+
+
+@pytest.mark.timeout(60)
+def test_zero3_with_ep_is_refused_before_anything_runs():
+    from mcompile.config import Config
+    from mcompile.runtime.module import _check_ep_config
+
+    with pytest.raises(ValueError, match=r"zero=3\) with ep=2.*use zero=1 or zero=2"):
+        _check_ep_config(Config(zero=3), mc.Mesh.fake(dp=2, ep=2))
+    _check_ep_config(Config(zero=2), mc.Mesh.fake(dp=2, ep=2))  # ZeRO-1/2 run (test above)
 
 
 @pytest.mark.timeout(120)
