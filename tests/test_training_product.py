@@ -32,6 +32,9 @@ def documented_commands() -> list[list[str]]:
     return [[sys.executable, "-m", "mcompile.cli", *c[1:]] for c in commands]
 
 
+# ~260 s on the 2-core CI machine (200 steps on 4 processes, then eval and generate): the slow tier. Each step
+# keeps its CI test: tests/test_train.py (train, resume, a killed rank), test_evaluate.py, test_generate.py.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_documented_sequence_trains_resumes_evaluates_and_generates(tmp_path):
     shutil.copytree(ROOT / "examples/train", tmp_path / "examples/train")
