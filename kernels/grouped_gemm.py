@@ -292,7 +292,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 @grouped_mm.register_fake
-def _(x, w, offs):
+def _grouped_mm_fake(x, w, offs):
     _check(x, w, offs)
     return x.new_empty((x.shape[0], w.shape[2]))
 
@@ -318,7 +318,7 @@ def grouped_mm_backward(
 
 
 @grouped_mm_backward.register_fake
-def _(grad, x, w, offs):
+def _grouped_mm_backward_fake(grad, x, w, offs):
     fmt = torch.contiguous_format
     return torch.empty_like(x, memory_format=fmt), torch.empty_like(w, memory_format=fmt)
 
@@ -342,15 +342,13 @@ torch.library.register_autograd("mcompile::grouped_mm", _grouped_mm_bwd, setup_c
 # thread-safe (the in-process simulator runs ranks as threads) and which is for correctness tests only.
 @torch.library.custom_op("mcompile::grouped_mm_torch", mutates_args=())
 def grouped_mm_torch(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """:func:`grouped_mm` on its PyTorch path only (:func:`grouped_mm_reference`), differentiable."""
+    """:func:`grouped_mm` on its PyTorch path only (:func:`grouped_mm_reference`); differentiated through
+    :func:`experts_mm`."""
     _check(x, w, offs)
     return grouped_mm_reference(x, w, offs)
 
 
-@grouped_mm_torch.register_fake
-def _(x, w, offs):
-    _check(x, w, offs)
-    return x.new_empty((x.shape[0], w.shape[2]))
+grouped_mm_torch.register_fake(_grouped_mm_fake)
 
 
 @torch.library.custom_op("mcompile::grouped_mm_torch_backward", mutates_args=())
@@ -360,19 +358,7 @@ def grouped_mm_torch_backward(
     return _grouped_mm_backward_reference(grad, x, w, offs)
 
 
-@grouped_mm_torch_backward.register_fake
-def _(grad, x, w, offs):
-    fmt = torch.contiguous_format
-    return torch.empty_like(x, memory_format=fmt), torch.empty_like(w, memory_format=fmt)
-
-
-def _grouped_mm_torch_bwd(ctx, grad):
-    x, w, offs = ctx.saved_tensors
-    dx, dw = grouped_mm_torch_backward(grad, x, w, offs)
-    return dx, dw, None
-
-
-torch.library.register_autograd("mcompile::grouped_mm_torch", _grouped_mm_torch_bwd, setup_context=_grouped_mm_setup)
+grouped_mm_torch_backward.register_fake(_grouped_mm_backward_fake)
 
 
 class _ExpertsMM(torch.autograd.Function):

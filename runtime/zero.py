@@ -95,6 +95,7 @@ class _Bucket:
     open: bool = False  # gradients of this step are being accumulated
     group: str = "dp"  # the communicator group its gradients are reduced over and its state sharded over
     n: int = 1  # that group's size
+    rank: int = 0  # this rank's index in that group (which range it owns)
 
     valid: bool = False  # the owned range holds gradients (not zeroed since)
     saved: torch.Tensor | None = None  # owned gradients of an earlier train_step, added back at the end
@@ -182,8 +183,7 @@ class ZeroBuffers:
                 param_buf = full.to(self.param_dtype)
                 del full
             b = _Bucket(lay, [], param_buf, torch.zeros(lay.padded, dtype=torch.float32, device=pm._device),
-                        master, lo, hi, group=group, n=group_size)
-            b.rank = rank
+                        master, lo, hi, group=group, n=group_size, rank=rank)
             if self.per_microbatch:  # ZeRO-2: the owned gradients apart; the full buffer only while filled
                 b.shard = torch.zeros(hi - lo, dtype=torch.float32, device=pm._device)
             for fqn, p, off, n in zip(lay.fqns, params, lay.offsets, lay.numels):
