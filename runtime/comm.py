@@ -121,6 +121,46 @@ class DistCommunicator:
         kind, axis = self._kinds.pop(buf.data_ptr(), ("collective", "?"))
         rec.wait(f"wait {kind} {axis}", t0)
 
+    def _ring_p2p(self, tensors: list[torch.Tensor], axis: str):
+        """The P2POps of one ring step over ``axis``: each tensor to the next rank, a buffer of its shape
+        from the previous (global peer ranks); sends and receives go in one batch, since on NCCL a send
+        blocks until its receive is posted."""
+        group, n, r = self.groups[axis], self.sizes[axis], self.ranks[axis]
+        nxt, prv = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+        sends = [t.contiguous() for t in tensors]
+        outs = [torch.empty_like(t) for t in sends]
+        p2p = [dist.P2POp(dist.isend, t, nxt, group) for t in sends] + [
+            dist.P2POp(dist.irecv, o, prv, group) for o in outs]
+        return sends, outs, p2p
+
+    def sendrecv_ring(self, tensors: list[torch.Tensor], axis: str) -> list[torch.Tensor]:
+        """Send each tensor to rank (r + 1) % n of ``axis`` and receive the same shapes from (r - 1) % n
+        (one ``batch_isend_irecv``); returns the received tensors."""
+        if self.sizes[axis] == 1:
+            return [t.clone() for t in tensors]
+        _, outs, p2p = self._ring_p2p(tensors, axis)
+        rec = self.recorder
+        t0 = rec.mark() if rec is not None else None
+        for work in dist.batch_isend_irecv(p2p):
+            work.wait()
+        if rec is not None:
+            rec.collective("sendrecv", axis, sum(o.nbytes for o in outs), t0)
+        return outs
+
+    def start_sendrecv_ring(self, tensors: list[torch.Tensor], axis: str) -> _RingRecv:
+        """:meth:`sendrecv_ring` launched asynchronously: a handle whose ``wait()`` returns the received
+        tensors (on NCCL: orders the compute stream after the transfer). The sent tensors are kept alive
+        until then."""
+        if self.sizes[axis] == 1:
+            return _RingRecv([], [t.clone() for t in tensors], [], None, axis)
+        sends, outs, p2p = self._ring_p2p(tensors, axis)
+        rec = self.recorder
+        t0 = rec.mark() if rec is not None else None
+        works = dist.batch_isend_irecv(p2p)
+        if rec is not None and works:
+            rec.launched("sendrecv", axis, sum(o.nbytes for o in outs), works[-1], t0)
+        return _RingRecv(works, outs, sends, rec, axis)
+
     def timed(self, kind: str, axis: str, x: torch.Tensor, source: str = "step"):
         """A context for a synchronous collective the runtime calls on ``x`` itself (not through this
         communicator): recorded while a timeline is on, a no-op context otherwise."""
@@ -135,6 +175,22 @@ class DistCommunicator:
         rec = self.recorder
         if rec is not None and work is not None:
             rec.launched(kind, axis, x.nbytes, work, source=source)
+
+
+class _RingRecv:
+    """A started ring step (:meth:`DistCommunicator.start_sendrecv_ring`)."""
+
+    def __init__(self, works, outs, sends, rec, axis):
+        self.works, self.outs, self.sends, self.rec, self.axis = works, outs, sends, rec, axis
+
+    def wait(self) -> list[torch.Tensor]:
+        t0 = self.rec.mark() if self.rec is not None else None
+        for work in self.works:
+            work.wait()
+        if self.rec is not None:
+            self.rec.wait(f"wait sendrecv {self.axis}", t0)
+        self.works, self.sends = [], []
+        return self.outs
 
 
 class _Timed:

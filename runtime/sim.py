@@ -94,6 +94,17 @@ class ThreadedCommunicator:
         assert out.shape[0] == sum(out_rows), (out.shape, out_rows)
         return out
 
+    def sendrecv_ring(self, tensors, axis):
+        """Each tensor to the next rank of ``axis``, the previous rank's received (the ring attention's step)."""
+        for t in tensors:
+            self.log.append(("sendrecv", axis, tuple(t.shape)))
+        parts = self._ex(axis, list(tensors))
+        return parts[(self.rank(axis) - 1) % len(parts)]
+
+    def start_sendrecv_ring(self, tensors, axis):
+        """:meth:`sendrecv_ring`, run at once; the handle's ``wait()`` returns the received tensors."""
+        return _Received(self.sendrecv_ring(tensors, axis))
+
     def start(self, kind, x, axis):
         if kind == "all_gather":
             out = self.all_gather(x, 0, axis)
@@ -107,6 +118,14 @@ class ThreadedCommunicator:
 
     def wait(self, buf):
         self.pending.pop(buf)
+
+
+class _Received:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def wait(self):
+        return self.tensors
 
 
 def run_threads(world: ThreadedWorld, fn: Callable[[int], object]) -> list:

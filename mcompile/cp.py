@@ -1,0 +1,682 @@
+"""Context parallelism: the sequence split over the ``cp`` mesh axis, and attention across the split.
+
+**Layout.** With ``balanced=True`` (the load-balanced causal layout of Megatron-LM / Transformer Engine)
+the global sequence of length ``s`` is cut into ``2 * cp`` chunks of ``c = s / (2 * cp)`` tokens and cp
+rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``, concatenated in that order: under a causal mask
+every rank then has the same number of visible (query, key) pairs. ``balanced=False`` is the naive
+contiguous split (rank ``r`` holds ``[r s / cp, (r + 1) s / cp)``), kept to measure the imbalance.
+:func:`local_positions` gives a rank's global positions, :func:`gather_order` the permutation that
+puts the ranks' concatenated tokens back into natural order.
+
+**Ops** (``torch.library.custom_op``, namespace ``mcompile``, fake implementations, registered
+autograd; the communicator is :func:`mcompile.ops.current`'s):
+
+=====================  =============================================  =====================================
+op                     forward                                        backward
+=====================  =============================================  =====================================
+cp_slice               keep the rank's tokens of a replicated value   the grad into zeros at the rank's
+                                                                      positions (no communication: the
+                                                                      loss over cp is a sum of the ranks'
+                                                                      partial losses; the runtime sums the
+                                                                      replicated value's gradient)
+cp_gather              all-gather the ranks' tokens, natural order    permute, reduce-scatter
+cp_attention           attention of the local queries over the        ``cp_attention_backward`` (below)
+                       whole sequence: ``(out, lse)``
+=====================  =============================================  =====================================
+
+``cp_attention`` variants:
+
+* ``ring`` (Liu et al. 2023, Ring Attention): the K/V blocks go around the ring (n - 1 p2p steps, the
+  next block's send issued before the current block's compute so they overlap on a GPU) and the
+  partial results are merged by their log-sum-exp (online softmax). Work is done at chunk
+  granularity: a (query chunk, key chunk) pair is fully visible, diagonal (causal within the chunk)
+  or invisible (skipped). Backward recomputes each block's probabilities from q, k and the saved
+  lse (FlashAttention-2's backward: ``D = rowsum(dout * out)``, ``ds = p * (dp - D)``); dq stays
+  local, dk / dv travel around the ring with their K/V block and arrive back at its owner.
+* ``allgather`` (the Llama 3 paper's CP): K/V all-gathered (cheap with few GQA kv heads), put in
+  natural order; the local queries attend by global positions. Backward: dK / dV permuted and
+  reduce-scattered back. The only variant with an arbitrary ``mask`` (boolean, True = attend, or
+  additive float; broadcastable to ``[b, hq, s_loc, s]``: the local query rows in the local layout,
+  every key in natural order).
+* ``a2a`` (Ulysses, Jacobs et al. 2023): an all-to-all turns ``[b, h, s_loc, d]`` into
+  ``[b, h / n, s, d]`` (heads split, every rank's tokens, natural order), attention on the local
+  heads over the whole sequence, an all-to-all back. Needs ``hq % n == 0``; kv heads are split too
+  when ``hkv % n == 0``, else repeated to ``hq`` first.
+
+Every variant computes in fp32 block by block (chunk x chunk scores, never ``s x s``), merging the
+blocks of a query chunk by log-sum-exp, and casts ``out`` back to ``q.dtype``; ``lse`` is fp32.
+:class:`CPStats` counts the (query, key) pairs each rank computed, the measure of the causal load
+balance.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+__all__ = ["local_positions", "gather_order", "concat_positions", "check_cp_attention", "cp_slice", "cp_gather",
+           "cp_attention", "cp_attention_backward", "CPStats", "VARIANTS", "CP_OPS"]
+
+VARIANTS = ("ring", "allgather", "a2a")
+FULL, DIAG = "full", "diag"  # a visible (query chunk, key chunk) pair: every score, or causal within the chunk
+
+
+# --------------------------------------------------------------------------- layout
+
+def _check_seq(seq: int, n: int, balanced: bool) -> None:
+    if not isinstance(seq, int):  # symbolic under tracing: checked when it runs
+        return
+    m = 2 * n if balanced else n
+    if seq % m:
+        what = f"2*cp = {m}" if balanced else f"cp = {m}"
+        raise ValueError(f"sequence length {seq} does not divide by {what}: use a multiple of {m}")
+
+
+def _chunks_of(n: int, rank: int, balanced: bool) -> list[int]:
+    """The global chunk ids a rank holds, in local order (chunks of s/(2n) tokens, or s/n contiguous)."""
+    return [rank, 2 * n - 1 - rank] if balanced else [rank]
+
+
+def _n_chunks(n: int, balanced: bool) -> int:
+    return 2 * n if balanced else n
+
+
+def local_positions(seq: int, n: int, rank: int, balanced: bool = True, device=None) -> torch.Tensor:
+    """The global positions of ``rank``'s tokens, in local order (int64, ``seq / n`` of them)."""
+    _check_seq(seq, n, balanced)
+    c = seq // _n_chunks(n, balanced)
+    return torch.cat([torch.arange(j * c, (j + 1) * c, device=device) for j in _chunks_of(n, rank, balanced)])
+
+
+def concat_positions(seq: int, n: int, balanced: bool = True, device=None) -> torch.Tensor:
+    """The global positions of every rank's local tokens concatenated in rank order (what an all-gather
+    of the local tokens holds): ``natural[concat_positions]`` is that concatenation."""
+    return torch.cat([local_positions(seq, n, r, balanced, device) for r in range(n)])
+
+
+def gather_order(seq: int, n: int, balanced: bool = True, device=None) -> torch.Tensor:
+    """The inverse of :func:`concat_positions`: ``concatenation[gather_order]`` is in natural order."""
+    return torch.argsort(concat_positions(seq, n, balanced, device))
+
+
+def _to_natural(x: torch.Tensor, dim: int, seq: int, n: int, balanced: bool) -> torch.Tensor:
+    """``x``'s ``dim`` holds every rank's tokens in rank order: reorder it naturally."""
+    return x.index_select(dim, gather_order(seq, n, balanced, x.device))
+
+
+def _to_concat(x: torch.Tensor, dim: int, seq: int, n: int, balanced: bool) -> torch.Tensor:
+    """The inverse of :func:`_to_natural`."""
+    return x.index_select(dim, concat_positions(seq, n, balanced, x.device))
+
+
+# --------------------------------------------------------------------------- per-rank statistics
+
+def _rank_key():
+    """The communicator bound for this rank (``ops.bind``; None when none is): the in-process simulator
+    runs several ranks as threads of one process, so per-rank state is kept per communicator."""
+    from mcompile import ops
+
+    try:
+        return ops.current()
+    except RuntimeError:
+        return None
+
+
+class CPStats:
+    """The attention score elements (query-key pairs, per batch and head) each rank computed in
+    ``cp_attention``'s forward since :meth:`reset`, per bound communicator: a fully visible chunk pair
+    counts ``c * c``, a diagonal (causal) one ``c * (c + 1) / 2``, an invisible one nothing (what a
+    kernel that skips masked tiles computes). With the balanced layout every rank's count is equal
+    under a causal mask; the contiguous split shows the naive imbalance (the last rank does
+    about ``2n - 1`` times the first's work). ``elements`` is the same count times batch x heads."""
+
+    _pairs: dict = {}
+    _elements: dict = {}
+    _lock = threading.Lock()
+
+    @classmethod
+    def add(cls, pairs: int, batch_heads: int) -> None:
+        key = _rank_key()
+        with cls._lock:
+            cls._pairs[key] = cls._pairs.get(key, 0) + pairs
+            cls._elements[key] = cls._elements.get(key, 0) + pairs * batch_heads
+
+    @classmethod
+    def of(cls, comm) -> int:
+        """``comm``'s rank's count of (query, key) pairs per batch and head."""
+        with cls._lock:
+            return cls._pairs.get(comm, 0)
+
+    @classmethod
+    def elements(cls, comm) -> int:
+        """``comm``'s rank's count of score elements (pairs x batch x the heads it computed)."""
+        with cls._lock:
+            return cls._elements.get(comm, 0)
+
+    @classmethod
+    def reset(cls, comm=None) -> None:
+        """Zero ``comm``'s counts (None: every rank's)."""
+        with cls._lock:
+            if comm is None:
+                cls._pairs.clear()
+                cls._elements.clear()
+            else:
+                cls._pairs.pop(comm, None)
+                cls._elements.pop(comm, None)
+
+
+# --------------------------------------------------------------------------- cp_slice / cp_gather
+
+def _seq_view(x: torch.Tensor, dim: int, seq: int) -> torch.Tensor:
+    """``x`` with ``dim`` moved first and viewed as (outer, seq, *rest)."""
+    t = x.movedim(dim, 0)
+    return t.reshape(-1, seq, *t.shape[1:])
+
+
+def _unview(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """(outer, L, *rest) -> ``dim`` of size outer * L, back in place."""
+    return t.reshape(-1, *t.shape[2:]).movedim(0, dim).contiguous()
+
+
+def _comm():
+    from mcompile import ops
+
+    return ops.current()
+
+
+def _slice(x, dim, axis, n, seq, balanced):
+    pos = local_positions(seq, n, _comm().rank(axis), balanced, x.device)
+    return _unview(_seq_view(x, dim, seq).index_select(1, pos), dim)
+
+
+def _unslice(g, dim, axis, n, seq, balanced):
+    """The grad of the rank's tokens scattered into zeros of the whole dim."""
+    pos = local_positions(seq, n, _comm().rank(axis), balanced, g.device)
+    t = _seq_view(g, dim, seq // n)
+    z = t.new_zeros((t.shape[0], seq, *t.shape[2:]))
+    z[:, pos] = t
+    return _unview(z, dim)
+
+
+def _gather(x, dim, axis, n, seq, balanced):
+    """Every rank's tokens (outer, seq/n each, along dim) all-gathered, put in natural order."""
+    t = _comm().all_gather(x.movedim(dim, 0).contiguous(), 0, axis)  # (n * outer * L, *rest), rank-major
+    L = seq // n
+    t = t.reshape(n, -1, L, *t.shape[1:]).transpose(0, 1).reshape(-1, seq, *t.shape[1:])  # (outer, seq) rank order
+    return _unview(_to_natural(t, 1, seq, n, balanced), dim)
+
+
+def _gather_backward(g, dim, axis, n, seq, balanced):
+    """The adjoint of :func:`_gather` when every rank's gradient of the whole value is a partial sum:
+    permuted to rank order, reduce-scattered."""
+    t = _to_concat(_seq_view(g, dim, seq), 1, seq, n, balanced)  # (outer, seq) in rank order
+    L = seq // n
+    t = t.reshape(t.shape[0], n, L, *t.shape[2:]).transpose(0, 1).reshape(-1, *t.shape[2:]).contiguous()
+    t = _comm().reduce_scatter(t, 0, axis)  # (outer * L, *rest)
+    return t.movedim(0, dim).contiguous()
+
+
+def _check_dim(x: torch.Tensor, dim: int, unit, op: str) -> None:
+    size = x.shape[dim]
+    if isinstance(size, int) and isinstance(unit, int) and size % unit:
+        raise ValueError(f"{op}: dim {dim} of a {list(x.shape)} tensor holds {size} tokens, not a multiple of "
+                         f"{unit} (the dim is viewed as (-1, {unit}))")
+
+
+def _resized(x: torch.Tensor, dim: int, size) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = size
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("mcompile::cp_slice", mutates_args=())
+def cp_slice(x: torch.Tensor, dim: int, axis: str, n: int, seq: int, balanced: bool = True) -> torch.Tensor:
+    """This rank's tokens of ``x``, whose ``dim`` holds the whole sequence viewed as (-1, seq)."""
+    _check_seq(seq, n, balanced)
+    _check_dim(x, dim, seq, "cp_slice")
+    return _slice(x, dim, axis, n, seq, balanced)
+
+
+@cp_slice.register_fake
+def _(x, dim, axis, n, seq, balanced=True):
+    _check_seq(seq, n, balanced)
+    _check_dim(x, dim, seq, "cp_slice")
+    return _resized(x, dim, x.shape[dim] // n)
+
+
+@torch.library.custom_op("mcompile::cp_slice_backward", mutates_args=())
+def cp_slice_backward(g: torch.Tensor, dim: int, axis: str, n: int, seq: int, balanced: bool = True) -> torch.Tensor:
+    return _unslice(g, dim, axis, n, seq, balanced)
+
+
+@cp_slice_backward.register_fake
+def _(g, dim, axis, n, seq, balanced=True):
+    return _resized(g, dim, g.shape[dim] * n)
+
+
+@torch.library.custom_op("mcompile::cp_gather", mutates_args=())
+def cp_gather(x: torch.Tensor, dim: int, axis: str, n: int, seq: int, balanced: bool = True) -> torch.Tensor:
+    """Every rank's tokens (``dim`` viewed as (-1, seq / n)) gathered into natural order."""
+    _check_seq(seq, n, balanced)
+    _check_dim(x, dim, seq // n, "cp_gather")
+    return _gather(x, dim, axis, n, seq, balanced)
+
+
+@cp_gather.register_fake
+def _(x, dim, axis, n, seq, balanced=True):
+    _check_seq(seq, n, balanced)
+    _check_dim(x, dim, seq // n, "cp_gather")
+    return _resized(x, dim, x.shape[dim] * n)
+
+
+@torch.library.custom_op("mcompile::cp_gather_backward", mutates_args=())
+def cp_gather_backward(g: torch.Tensor, dim: int, axis: str, n: int, seq: int, balanced: bool = True) -> torch.Tensor:
+    return _gather_backward(g, dim, axis, n, seq, balanced)
+
+
+@cp_gather_backward.register_fake
+def _(g, dim, axis, n, seq, balanced=True):
+    return _resized(g, dim, g.shape[dim] // n)
+
+
+def _layout_setup(ctx, inputs, output):
+    ctx.args = tuple(inputs[1:])
+
+
+torch.library.register_autograd(
+    "mcompile::cp_slice", lambda ctx, g: (cp_slice_backward(g.contiguous(), *ctx.args),) + (None,) * 5,
+    setup_context=_layout_setup)
+torch.library.register_autograd(
+    "mcompile::cp_gather", lambda ctx, g: (cp_gather_backward(g.contiguous(), *ctx.args),) + (None,) * 5,
+    setup_context=_layout_setup)
+
+
+# --------------------------------------------------------------------------- blockwise attention (fp32)
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (a row that sees no key) as 0, so ``exp(score - lse)`` is 0 there, not nan."""
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+def _kind(qc: int, kc: int, causal: bool) -> str | None:
+    """How query chunk ``qc`` sees key chunk ``kc`` (global chunk ids, chunks of equal size)."""
+    if not causal or kc < qc:
+        return FULL
+    return DIAG if kc == qc else None
+
+
+def _pairs(kind: str, c: int) -> int:
+    return c * c if kind == FULL else c * (c + 1) // 2
+
+
+def _scores(q, k, scale, kind, mask):
+    s = (q @ k.transpose(-1, -2)) * scale
+    if kind == DIAG:
+        c = s.shape[-1]
+        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return s
+
+
+class _Blocks:
+    """Query rows and key rows cut into chunks of ``c`` tokens with global chunk ids ``q_ids`` /
+    ``k_ids`` (in the tensors' order); ``mask`` (or None) is indexed by the tensors' positions."""
+
+    def __init__(self, q_ids: list[int], k_ids: list[int], c: int, causal: bool, mask=None):
+        self.q_ids, self.k_ids, self.c, self.causal, self.mask = q_ids, k_ids, c, causal, mask
+
+    def visible(self):
+        """(query chunk index, kind, query slice, key slice) of every pair to compute."""
+        c = self.c
+        for i, qc in enumerate(self.q_ids):
+            for j, kc in enumerate(self.k_ids):
+                kind = _kind(qc, kc, self.causal)
+                if kind is not None:
+                    yield i, kind, slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+
+    def mask_of(self, qs: slice, ks: slice):
+        return None if self.mask is None else self.mask[..., qs, ks]
+
+
+def _expand_heads(x: torch.Tensor, g: int) -> torch.Tensor:
+    """kv heads repeated to the query heads (query head j uses kv head j // g)."""
+    return x if g == 1 else x.repeat_interleave(g, dim=1)
+
+
+def _sum_heads(x: torch.Tensor, g: int) -> torch.Tensor:
+    """The adjoint of :func:`_expand_heads`."""
+    return x if g == 1 else x.unflatten(1, (-1, g)).sum(2)
+
+
+class _Softmax:
+    """The running output and log-sum-exp of every query chunk (online softmax over key blocks)."""
+
+    def __init__(self, q: torch.Tensor, n_chunks: int, c: int, dv: int):
+        b, h = q.shape[:2]
+        self.out = [q.new_zeros((b, h, c, dv)) for _ in range(n_chunks)]
+        self.lse = [q.new_full((b, h, c), float("-inf")) for _ in range(n_chunks)]
+        self.pairs = 0
+
+    def add(self, blocks: _Blocks, q, k, v, scale) -> None:
+        """Fold the visible pairs of ``blocks`` (q, k, v: fp32, same heads) in."""
+        for i, kind, qs, ks in blocks.visible():
+            s = _scores(q[:, :, qs], k[:, :, ks], scale, kind, blocks.mask_of(qs, ks))
+            lse_b = torch.logsumexp(s, -1)
+            out_b = torch.exp(s - _finite(lse_b).unsqueeze(-1)) @ v[:, :, ks]
+            lse = torch.logaddexp(self.lse[i], lse_b)
+            new = _finite(lse).unsqueeze(-1)
+            self.out[i] = self.out[i] * torch.exp(self.lse[i].unsqueeze(-1) - new) + out_b * torch.exp(
+                lse_b.unsqueeze(-1) - new)
+            self.lse[i] = lse
+            self.pairs += _pairs(kind, blocks.c)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat(self.out, 2), torch.cat(self.lse, 2)
+
+
+def _blocks_backward(blocks: _Blocks, q, k, v, do, lse, D, scale):
+    """FlashAttention-2's backward over the visible pairs: (dq, dk, dv) for these q and k rows (fp32,
+    k / v with the query heads); ``lse`` is the final one of the query rows, ``D = rowsum(do * out)``
+    (less the lse's own gradient)."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for _, kind, qs, ks in blocks.visible():
+        qb, kb, vb, dob = q[:, :, qs], k[:, :, ks], v[:, :, ks], do[:, :, qs]
+        s = _scores(qb, kb, scale, kind, blocks.mask_of(qs, ks))
+        p = torch.exp(s - _finite(lse[:, :, qs]).unsqueeze(-1))
+        dv[:, :, ks] += p.transpose(-1, -2) @ dob
+        ds = p * (dob @ vb.transpose(-1, -2) - D[:, :, qs].unsqueeze(-1))
+        dq[:, :, qs] += (ds @ kb) * scale
+        dk[:, :, ks] += (ds.transpose(-1, -2) @ qb) * scale
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- checks
+
+def check_cp_attention(variant: str, n: int, hq: int, hkv: int, seq: int, has_mask: bool,
+                       balanced: bool = True) -> None:
+    """Raise ValueError when ``variant`` cannot run this attention over cp = ``n`` (the planner may call
+    it before lowering; the op and its fake implementation do)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown cp attention variant {variant!r}: use one of {', '.join(VARIANTS)}")
+    if hkv <= 0 or hq % hkv:
+        raise ValueError(f"grouped-query attention needs the {hq} query heads to be a multiple of the {hkv} kv heads")
+    _check_seq(seq, n, balanced)
+    name = {"ring": "ring attention", "a2a": "Ulysses (a2a) attention"}.get(variant)
+    if has_mask and name is not None:
+        raise ValueError(f"{name} supports causal or no mask; an arbitrary mask needs cp_attention='allgather'")
+    if variant == "a2a" and hq % n:
+        valid = ", ".join(str(m) for m in range(2, hq + 1) if hq % m == 0) or "none"
+        raise ValueError(f"Ulysses (a2a) attention splits the {hq} query heads over cp={n}: use cp in {{{valid}}} "
+                         "or cp_attention='ring'/'allgather'")
+
+
+def _check(q, k, v, mask, n, variant, balanced):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"cp_attention takes q, k, v as [b, heads, s_loc, d]; got {list(q.shape)}, "
+                         f"{list(k.shape)}, {list(v.shape)}")
+    check_cp_attention(variant, n, q.shape[1], k.shape[1], n * q.shape[2], mask is not None, balanced)
+
+
+def _full_mask(mask, L: int, s: int):
+    """``mask`` broadcast over its last two dims to [.., .., L, s] (batch and head dims kept as given)."""
+    if mask is None:
+        return None
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    return mask.expand(mask.shape[0], mask.shape[1], L, s)
+
+
+# --------------------------------------------------------------------------- ring
+
+def _ring_start(comm, tensors: list[torch.Tensor], axis: str):
+    """Send ``tensors`` to the next rank of ``axis`` and receive the previous rank's: a handle whose
+    ``wait()`` returns them (asynchronous where the communicator has ``start_sendrecv_ring``)."""
+    start = getattr(comm, "start_sendrecv_ring", None)
+    if start is not None:
+        return start([t.contiguous() for t in tensors], axis)
+    got = comm.sendrecv_ring([t.contiguous() for t in tensors], axis)
+    return _Ready(got)
+
+
+class _Ready:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def wait(self):
+        return self.tensors
+
+
+def _ring_forward(q, k, v, axis, n, causal, scale, balanced):
+    comm = _comm()
+    r = comm.rank(axis)
+    g = q.shape[1] // k.shape[1]
+    ids = _chunks_of(n, r, balanced)
+    c = q.shape[2] // len(ids)
+    qf = q.float()
+    acc = _Softmax(qf, len(ids), c, v.shape[-1])
+    kv = [k, v]
+    for t in range(n):
+        nxt = _ring_start(comm, kv, axis) if t < n - 1 else None  # the next block is in flight during this one
+        blocks = _Blocks(ids, _chunks_of(n, (r - t) % n, balanced), c, causal)
+        acc.add(blocks, qf, _expand_heads(kv[0].float(), g), _expand_heads(kv[1].float(), g), scale)
+        if nxt is not None:
+            kv = nxt.wait()
+    out, lse = acc.result()
+    return out, lse, acc.pairs
+
+
+def _ring_backward(do, D, q, k, v, lse, axis, n, causal, scale, balanced):
+    comm = _comm()
+    r = comm.rank(axis)
+    g = q.shape[1] // k.shape[1]
+    ids = _chunks_of(n, r, balanced)
+    c = q.shape[2] // len(ids)
+    qf = q.float()
+    dq = torch.zeros_like(qf)
+    kv, dkv_in = [k, v], None
+    for t in range(n):
+        nxt = _ring_start(comm, kv, axis) if t < n - 1 else None
+        blocks = _Blocks(ids, _chunks_of(n, (r - t) % n, balanced), c, causal)
+        dq_b, dk_b, dv_b = _blocks_backward(blocks, qf, _expand_heads(kv[0].float(), g),
+                                            _expand_heads(kv[1].float(), g), do, lse, D, scale)
+        dq = dq + dq_b
+        dkv = [_sum_heads(dk_b, g), _sum_heads(dv_b, g)]
+        if dkv_in is not None:  # the block's dk / dv so far, from the ranks before this one
+            dk_in, dv_in = dkv_in.wait()
+            dkv = [dk_in + dkv[0], dv_in + dkv[1]]
+        dkv_in = _ring_start(comm, dkv, axis) if n > 1 else _Ready(dkv)  # to the block's next rank (finally: its owner)
+        if nxt is not None:
+            kv = nxt.wait()
+    dk, dv = dkv_in.wait()
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- allgather
+
+def _gather_kv(x, axis, n, balanced):
+    """[b, h, s_loc, d] of every rank -> [b, h, s, d] in natural order."""
+    full = _comm().all_gather(x.contiguous(), 2, axis)
+    return _to_natural(full, 2, full.shape[2], n, balanced)
+
+
+def _allgather_blocks(q, n, axis, causal, balanced, mask):
+    L = q.shape[2]
+    r = _comm().rank(axis)
+    ids = _chunks_of(n, r, balanced)
+    c = L // len(ids)
+    return _Blocks(ids, list(range(_n_chunks(n, balanced))), c, causal, _full_mask(mask, L, n * L))
+
+
+def _allgather_forward(q, k, v, mask, axis, n, causal, scale, balanced):
+    g = q.shape[1] // k.shape[1]
+    blocks = _allgather_blocks(q, n, axis, causal, balanced, mask)
+    k_all = _expand_heads(_gather_kv(k, axis, n, balanced).float(), g)
+    v_all = _expand_heads(_gather_kv(v, axis, n, balanced).float(), g)
+    qf = q.float()
+    acc = _Softmax(qf, len(blocks.q_ids), blocks.c, v.shape[-1])
+    acc.add(blocks, qf, k_all, v_all, scale)
+    out, lse = acc.result()
+    return out, lse, acc.pairs
+
+
+def _allgather_backward(do, D, q, k, v, lse, mask, axis, n, causal, scale, balanced):
+    """K / V gathered again (not kept from the forward), dK / dV permuted to rank order and
+    reduce-scattered to their owners."""
+    comm = _comm()
+    g = q.shape[1] // k.shape[1]
+    blocks = _allgather_blocks(q, n, axis, causal, balanced, mask)
+    k_all = _expand_heads(_gather_kv(k, axis, n, balanced).float(), g)
+    v_all = _expand_heads(_gather_kv(v, axis, n, balanced).float(), g)
+    dq, dk, dv = _blocks_backward(blocks, q.float(), k_all, v_all, do, lse, D, scale)
+    s = k_all.shape[2]
+    dk = comm.reduce_scatter(_to_concat(_sum_heads(dk, g), 2, s, n, balanced).contiguous(), 2, axis)
+    dv = comm.reduce_scatter(_to_concat(_sum_heads(dv, g), 2, s, n, balanced).contiguous(), 2, axis)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- a2a (Ulysses)
+
+def _heads_to_seq(x, axis, n, balanced):
+    """[b, h, s_loc, *rest] of every rank -> [b, h / n, s, *rest]: this rank's head group, every rank's
+    tokens, natural order."""
+    b, h, L = x.shape[:3]
+    rest = x.shape[3:]
+    send = x.reshape(b, n, h // n, L, *rest).transpose(0, 1).contiguous()  # head group j -> rank j
+    got = _comm().all_to_all(send, [1] * n, [1] * n, axis)  # (n, b, h/n, L, *rest): rank i's tokens
+    got = got.movedim(0, 2).reshape(b, h // n, n * L, *rest)
+    return _to_natural(got, 2, n * L, n, balanced)
+
+
+def _seq_to_heads(x, axis, n, balanced):
+    """The inverse of :func:`_heads_to_seq`."""
+    b, hl, s = x.shape[:3]
+    rest = x.shape[3:]
+    send = _to_concat(x, 2, s, n, balanced).reshape(b, hl, n, s // n, *rest).movedim(2, 0).contiguous()
+    got = _comm().all_to_all(send, [1] * n, [1] * n, axis)  # (n, b, h/n, L, *rest): head group i
+    return got.transpose(0, 1).reshape(b, n * hl, s // n, *rest)
+
+
+def _a2a_kv(x, hq, n):
+    """kv heads as the all-to-all needs them: split over cp if they divide, else repeated to hq."""
+    g = hq // x.shape[1]
+    return (x, g) if x.shape[1] % n == 0 else (_expand_heads(x, g), 1)
+
+
+def _a2a_blocks(s, n, causal, balanced):
+    ids = list(range(_n_chunks(n, balanced)))
+    return _Blocks(ids, ids, s // len(ids), causal)
+
+
+def _a2a_forward(q, k, v, axis, n, causal, scale, balanced):
+    hq = q.shape[1]
+    (k, g), (v, _) = _a2a_kv(k, hq, n), _a2a_kv(v, hq, n)
+    qh = _heads_to_seq(q, axis, n, balanced).float()
+    kh = _expand_heads(_heads_to_seq(k, axis, n, balanced).float(), g)
+    vh = _expand_heads(_heads_to_seq(v, axis, n, balanced).float(), g)
+    blocks = _a2a_blocks(qh.shape[2], n, causal, balanced)
+    acc = _Softmax(qh, len(blocks.q_ids), blocks.c, v.shape[-1])
+    acc.add(blocks, qh, kh, vh, scale)
+    out, lse = acc.result()
+    return _seq_to_heads(out, axis, n, balanced), _seq_to_heads(lse, axis, n, balanced), acc.pairs
+
+
+def _a2a_backward(do, D, q, k, v, lse, axis, n, causal, scale, balanced):
+    hq, hkv = q.shape[1], k.shape[1]
+    (k, g), (v, _) = _a2a_kv(k, hq, n), _a2a_kv(v, hq, n)
+    qh = _heads_to_seq(q, axis, n, balanced).float()
+    kh = _expand_heads(_heads_to_seq(k, axis, n, balanced).float(), g)
+    vh = _expand_heads(_heads_to_seq(v, axis, n, balanced).float(), g)
+    doh = _heads_to_seq(do, axis, n, balanced)
+    stats = _heads_to_seq(torch.stack([lse, D], -1), axis, n, balanced)
+    blocks = _a2a_blocks(qh.shape[2], n, causal, balanced)
+    dq, dk, dv = _blocks_backward(blocks, qh, kh, vh, doh, stats[..., 0], stats[..., 1], scale)
+    dq = _seq_to_heads(dq, axis, n, balanced)
+    dk = _seq_to_heads(_sum_heads(dk, g), axis, n, balanced)
+    dv = _seq_to_heads(_sum_heads(dv, g), axis, n, balanced)
+    if dk.shape[1] != hkv:  # repeated to hq before the all-to-all
+        dk, dv = _sum_heads(dk, hq // hkv), _sum_heads(dv, hq // hkv)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- the ops
+
+@torch.library.custom_op("mcompile::cp_attention", mutates_args=())
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, axis: str, n: int,
+                 variant: str, causal: bool, scale: float, balanced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of this rank's queries ``q`` [b, hq, s_loc, d] over the whole sequence, whose keys and
+    values are spread over ``axis`` like the queries (``k``, ``v``: [b, hkv, s_loc, d]); ``(out, lse)``
+    for the local query rows, as single-device attention on the global tensors (module docstring)."""
+    _check(q, k, v, mask, n, variant, balanced)
+    if variant == "ring":
+        out, lse, pairs = _ring_forward(q, k, v, axis, n, causal, scale, balanced)
+    elif variant == "allgather":
+        out, lse, pairs = _allgather_forward(q, k, v, mask, axis, n, causal, scale, balanced)
+    else:
+        out, lse, pairs = _a2a_forward(q, k, v, axis, n, causal, scale, balanced)
+    heads = q.shape[1] // n if variant == "a2a" else q.shape[1]
+    CPStats.add(pairs, q.shape[0] * heads)
+    return _bshd(out.to(q.dtype)), lse.contiguous()
+
+
+def _bshd(x: torch.Tensor) -> torch.Tensor:
+    """[b, h, s, d] laid out as [b, s, h, d], as torch's attention kernels return it (a captured graph
+    may view the transposed output without a copy); fake and real outputs must have the same strides."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@cp_attention.register_fake
+def _(q, k, v, mask, axis, n, variant, causal, scale, balanced):
+    _check(q, k, v, mask, n, variant, balanced)
+    b, h, s = q.shape[:3]
+    return q.new_empty((b, s, h, v.shape[-1])).transpose(1, 2), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("mcompile::cp_attention_backward", mutates_args=())
+def cp_attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor, mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, axis: str,
+                          n: int, variant: str, causal: bool, scale: float,
+                          balanced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of this rank's q, k, v: every rank's queries' contributions to dk / dv summed at
+    the keys' owner."""
+    do = dout.float()
+    D = (do * out.float()).sum(-1)
+    if dlse is not None:  # lse's own gradient: d lse / d score = p, so it enters as -dlse in D
+        D = D - dlse.float()
+    if variant == "ring":
+        dq, dk, dv = _ring_backward(do, D, q, k, v, lse, axis, n, causal, scale, balanced)
+    elif variant == "allgather":
+        dq, dk, dv = _allgather_backward(do, D, q, k, v, lse, mask, axis, n, causal, scale, balanced)
+    else:
+        dq, dk, dv = _a2a_backward(do, D, q, k, v, lse, axis, n, causal, scale, balanced)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+
+
+@cp_attention_backward.register_fake
+def _(dout, dlse, q, k, v, mask, out, lse, axis, n, variant, causal, scale, balanced):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+
+
+def _attn_setup(ctx, inputs, output):
+    q, k, v, mask = inputs[:4]
+    ctx.args = tuple(inputs[4:])
+    ctx.save_for_backward(q, k, v, mask, *output)
+
+
+def _attn_backward(ctx, dout, dlse):
+    q, k, v, mask, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = cp_attention_backward(dout.contiguous(), dlse, q, k, v, mask, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("mcompile::cp_attention", _attn_backward, setup_context=_attn_setup)
+
+
+CP_OPS = {
+    "cp_slice": torch.ops.mcompile.cp_slice.default,
+    "cp_gather": torch.ops.mcompile.cp_gather.default,
+    "cp_attention": torch.ops.mcompile.cp_attention.default,
+}
