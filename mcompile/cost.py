@@ -61,8 +61,7 @@ NVLink · e_intra. Otherwise it crosses nodes; the group has k = max(1, G/σ) me
 with its own NIC, so β = min(NVLink, k · NIC) · e_inter and α is the network's.
 
 Per microbatch and layer: tp collectives of the plan (forward ones in forward and again in a full
-recompute, backward ones in backward); cp: the K/V all-gather (forward) and the dK/dV reduce-scatter
-(backward), overlapped with the attention core.
+recompute, backward ones in backward); cp: the attention variant's (below, "Context parallelism").
 
 Overlap: priced as overlap, with contention
 -------------------------------------------
@@ -84,13 +83,37 @@ two in turn. Its exposed communication, what ``breakdown`` reports per kind (``t
   chunk cannot overlap (the last of all-gather → matmul, the first of matmul → reduce-scatter); c_gemm
   is the phase's GEMM time (backward: input and weight gradients). All-reduces (tp without SP) are not
   split: exposed in full. Without ``overlap``: all exposed (Megatron without ``--tp-comm-overlap``).
-- cp: the K/V collective beside the attention core (always: ring attention): overlapped(t_attn, t).
+- cp, ring attention: each of the cp−1 K/V transfers beside one block's attention (below); allgather
+  and a2a are exposed.
 - dp gradient buckets (``overlap_grad_reduce``): launched in the backward, the last layer's bucket
   always waits: exposed t/L + overlapped(window, t·(L−1)/L), window = the microbatch's backward on the
   stage (with its recompute and exposed tp communication). κ = 1 gives Megatron's max(t − window, t/L).
 - ZeRO-3 gathers (``Layout.overlap``): prefetched one layer ahead; see "Data parallelism and ZeRO".
 Each region is priced against its own compute; tp and dp regions that share a layer's compute are not
 charged against each other (a known optimism when both are large).
+
+Context parallelism (cp ranks; the load-balanced causal layout: 2·cp chunks, rank r holds r and 2cp−1−r)
+-------------------------------------------------------------------------------------------------------
+Each rank holds s/cp positions of every sequence for the whole model: every section is evaluated at
+s/cp, except that its queries meet all s keys (attention FLOPs and bytes × cp: s²/cp a rank). Parameters
+are replicated over cp, gradients summed and ZeRO sharded over dp·cp. Attention across the ranks, per
+layer and microbatch on one rank, on the cp axis's link (:func:`cp_comm`; hq, hkv query and kv heads on
+the rank, d the head dim, e the activation bytes, kv = 2·b·(s/cp)·hkv·d·e its K and V, q = b·(s/cp)·hq·d·e):
+
+    ring (Liu et al. 2023)      forward cp−1 steps of send/recv(kv), backward cp−1 of send/recv(2·kv) (K/V and
+                                dK/dV); each step beside one of the cp blocks of the attention core:
+                                exposed (cp−1) · overlapped(t_attn/cp, t_step) per phase
+    allgather (Llama 3)         forward all-gather(cp·kv); backward all-gather(cp·kv) + reduce-scatter(cp·kv)
+                                (dK/dV); exposed
+    a2a (Ulysses, Jacobs et al. 2023)  forward all-to-alls of q, k, v and the output, backward the same four,
+                                each (cp−1)/cp of the local tensor; k, v repeated to hq heads first when cp
+                                does not divide hkv; exposed. Needs cp | hq.
+
+A full recompute repeats the forward's. ``breakdown["cp_comm"]`` is the exposed part,
+``details["cp_comm_total"]`` all of it. :func:`choose_cp_attention` prices the applicable variants per
+layer (forward + backward, exposed) and returns the cheapest: what ``Config(cp_attention="auto")`` and
+the search take. Memory: :mod:`mcompile.memory_model` ("Context parallelism": activations at s/cp, plus
+the variant's buffers of one layer, :func:`cp_buffer_bytes`).
 
 Recompute: full = one more forward of every layer (its collectives included); selective = one
 more forward of the attention core (Korthikanti et al. 2022). auto (``Config(recompute="auto")``:
@@ -218,6 +241,9 @@ __all__ = [
     "overlapped",
     "dp_comm",
     "resolve_precision",
+    "CP_VARIANTS",
+    "cp_comm",
+    "choose_cp_attention",
 ]
 
 BATCH = sympy.Symbol("batch", positive=True, integer=True)
@@ -225,6 +251,7 @@ SEQ = sympy.Symbol("seq", positive=True, integer=True)
 GLOBAL_BATCH = sympy.Symbol("global_batch", positive=True, integer=True)
 
 MESH_ORDER = ("dp", "pp", "cp", "ep", "tp")
+CP_VARIANTS = ("ring", "allgather", "a2a")  # attention over the cp ranks (mcompile.cp); ties go to the first
 
 
 # --------------------------------------------------------------------------- layout
@@ -274,6 +301,9 @@ class Layout:
     overlap_grad_reduce: bool = True
     overlap: bool = True  # tp collective matmul and ZeRO-3's prefetched gathers (Config(overlap=, tp_overlap=))
     precision: str | None = None  # matmul precision ("bf16", "fp8", "fp32"); None: estimate()'s precision=
+    # attention across the cp ranks (cp > 1): "ring", "allgather" or "a2a" (Config(cp_attention=)); the
+    # search fills in choose_cp_attention's pick
+    cp_attention: str = "ring"
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "virtual", "cp", "ep", "microbatch_size"):
@@ -300,9 +330,12 @@ class Layout:
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise ValueError(f"zero={self.zero!r}: use 0 (replicated optimizer), 1 (optimizer state over dp), "
                              "2 (and gradients) or 3 (and parameters)")
-        if self.zero >= 2 and self.dp * self.ep == 1:
+        if self.zero >= 2 and self.dp * self.ep * self.cp == 1:
             raise ValueError(f"zero={self.zero} shards over the data-parallel ranks and needs dp > 1 (got dp=1); "
                              "use zero=0 with dp=1, or a layout with dp > 1")
+        if self.cp_attention not in CP_VARIANTS:
+            raise ValueError(f"cp_attention={self.cp_attention!r}: use 'ring', 'allgather' or 'a2a' (a Layout names "
+                             "the variant; choose_cp_attention() picks one for cp_attention='auto')")
 
     @property
     def world(self) -> int:
@@ -334,6 +367,8 @@ class Layout:
             extra.append("no overlap")
         if self.precision == "fp8":
             extra.append("fp8")
+        if self.cp > 1:
+            extra.append(f"cp {self.cp_attention}")
         return f"{axes} ({', '.join(extra)})"
 
 
@@ -1173,8 +1208,15 @@ def _validate(layout: Layout, prof: ModelProfile, global_batch, seq) -> None:
         by = f"dp={layout.dp} x ep={layout.ep}" if layout.ep > 1 else f"dp={layout.dp}"
         raise ValueError(f"the global batch of {global_batch} does not divide by {by} x "
                          f"microbatch_size={layout.microbatch_size}; use a batch that is a multiple of {step}")
-    if not _is_symbolic(seq) and seq % layout.cp:
-        raise ValueError(f"cp={layout.cp} does not divide the sequence length {seq}")
+    if not _is_symbolic(seq) and layout.cp > 1 and seq % (2 * layout.cp):
+        raise ValueError(f"cp={layout.cp} cuts each sequence into 2*cp = {2 * layout.cp} equal chunks (load-balanced "
+                         f"causal attention): the sequence length {seq} does not divide by {2 * layout.cp}")
+    if layout.cp > 1 and layout.cp_attention == "a2a" and prof.heads and (prof.heads // layout.tp) % layout.cp:
+        h = prof.heads // layout.tp
+        ok = [c for c in range(2, h + 1) if h % c == 0]
+        per = f" ({prof.heads} heads / tp={layout.tp})" if layout.tp > 1 else ""
+        raise ValueError(f"cp_attention='a2a' (Ulysses) splits the {h} query heads on a rank{per} over cp={layout.cp}: "
+                         f"valid cp sizes for a2a: {', '.join(map(str, ok)) or 'none'}; or use 'ring' or 'allgather'")
     if not _is_symbolic(seq) and layout.sequence_parallel and (seq // layout.cp) % layout.tp:
         raise ValueError(f"sequence parallelism splits each rank's {seq // layout.cp} positions over tp={layout.tp}: "
                          "use a sequence length that divides by cp x tp")
@@ -1196,7 +1238,7 @@ def _section_times(sec: Section, b, s, layout: Layout, hw: Hardware, eff: Effici
     peak_gemm = hw.peak_flops(precision)
     peak_attn = hw.peak_flops("bf16" if precision == "fp8" else precision)
     bw = hw.hbm_bandwidth * eff.memory
-    f = bk = w = attn = gf = gb = ex = 0
+    f = bk = w = attn = attn_b = gf = gb = ex = 0
     ep = layout.ep
     for op, fl, y in zip(sec.ops, flops, nbytes):
         if op.expert_weight_bytes is not None and ep > 1:  # E/ep experts here, the busiest rank's slots
@@ -1219,11 +1261,13 @@ def _section_times(sec: Section, b, s, layout: Layout, hw: Hardware, eff: Effici
                 t = _max(fl / (peak_attn * eff.attention), y / bw)
             tb = BACKWARD_MULTIPLIER.get(op.category, 2) * t
             attn += t
+            attn_b += tb
         else:
             t = y / bw
             tb = BACKWARD_BYTES.get(op.category, 1) * t
             if op.category == "softmax":
                 attn += t
+                attn_b += tb
         f += t
         bk += tb
     # host overhead per aten call (Hardware.op_overhead_*: measured on a CPU, 0 on GPUs)
@@ -1262,7 +1306,8 @@ def _section_times(sec: Section, b, s, layout: Layout, hw: Hardware, eff: Effici
                 ef += t
             else:
                 eb += t
-    return {"f": f, "b": bk, "w": w, "attn": attn, "comm_f": cf, "comm_b": cb, "comm_f_x": cf_x, "comm_b_x": cb_x,
+    return {"f": f, "b": bk, "w": w, "attn": attn, "attn_b": attn_b, "comm_f": cf, "comm_b": cb, "comm_f_x": cf_x,
+            "comm_b_x": cb_x,
             "gemm_f": gf, "gemm_b": gb, "ep_f": ef, "ep_b": eb, "expert_f": ex}
 
 
@@ -1299,20 +1344,12 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
     post = _section_times(prof.post, b, s_loc, layout, hw, eff, precision, **kw)
     kf, kb = _tp_keys(layout)
 
-    # context parallelism: K/V all-gather forward, reduce-scatter backward, hidden behind attention
-    cp_f = cp_b = cp_t = 0
-    if cp > 1:
-        beta, alpha = axis_link(layout, "cp", hw, eff)
-        kv = prof.kv_heads or prof.heads or 1
-        kv_bytes = 2 * b * s * prof.hidden * _ratio(kv, prof.heads or kv, s) * prof.activation_bytes / layout.tp
-        cp_t = collective_time("all_gather", kv_bytes, cp, beta, alpha, hw.collective_call_latency)
-        cp_f = _cp_exposed(cp_t, lay["attn"], hw)
-        cp_b = _cp_exposed(cp_t, 2 * lay["attn"], hw)
+    # context parallelism: the layout's attention variant per layer (cp_comm; full recompute repeats its forward)
+    cpc = _cp_layer(layout, prof, hw, eff, b, s, lay)
 
-    # recompute per layer (its exposed tp communication, and under full recompute the K/V all-gather and the
-    # MoE dispatch again)
+    # recompute per layer (its exposed tp communication, and under full recompute the MoE dispatch again)
     if layout.recompute == Recompute.FULL:
-        rec, rec_comm, rec_total = lay["f"], lay[kf] + cp_f, lay["comm_f"] + cp_t
+        rec, rec_comm, rec_total = lay["f"], lay[kf], lay["comm_f"]
     elif layout.recompute == Recompute.SELECTIVE:
         rec, rec_comm, rec_total = lay["attn"], 0, 0
     else:
@@ -1324,14 +1361,15 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
         if layout.recompute == Recompute.AUTO:  # a per-layer mix of the named policies (auto_mix)
             w = auto[i]["mix"]
             r = w.get("full", 0.0) * lay["f"] + w.get("selective", 0.0) * lay["attn"]
-            rc = w.get("full", 0.0) * (lay[kf] + cp_f)
-            rt = w.get("full", 0.0) * (lay["comm_f"] + cp_t)
+            rc = w.get("full", 0.0) * lay[kf]
+            rt = w.get("full", 0.0) * lay["comm_f"]
             full = w.get("full", 0.0)
         d = {k: L_stage * lay[k] for k in _STAGE_KEYS}
         d["r"] = L_stage * r
         d["comm_r"] = L_stage * rc
         d["comm_r_total"] = L_stage * rt
-        d["cp"] = L_stage * (cp_f + cp_b)
+        d["cp"] = L_stage * (cpc["f_x"] + cpc["b_x"] + full * cpc["f_x"])
+        d["cp_total"] = L_stage * (cpc["f"] + cpc["b"] + full * cpc["f"])
         d["ep_r"] = L_stage * full * lay["ep_f"]
         for e in extra:
             for k in _STAGE_KEYS:
@@ -1400,7 +1438,7 @@ def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B,
         "optimizer": optimizer,
         "ep_comm": m * (slow["ep_f"] + slow["ep_b"] + slow["ep_r"]),
     }
-    cp_total = m * L_stage * (2 * cp_t + (cp_t if layout.recompute == Recompute.FULL else 0))
+    cp_total = m * slow["cp_total"]
     dp_total = m * dpc["mb_total"] + dpc["step_total"]
     details = {"microbatches": m, "layers_per_stage": L_stage, "params_per_rank": P_stage, "stage_time": T,
                "slow_stage": 0 if slow_i == 0 else p - 1,
@@ -1491,11 +1529,190 @@ def check_imbalance(moe_imbalance) -> None:
                          "(1: uniform routing)")
 
 
-def _cp_exposed(t_comm, t_attention, hw: Hardware):
-    """Context parallelism's K/V collective behind the attention core (ring attention): exposed part."""
-    if not hw.comm_overlaps_compute:
-        return t_comm
-    return overlapped(t_attention, t_comm, hw.overlap_slowdown)
+# --------------------------------------------------------------------------- context parallelism
+
+
+def cp_buffer_bytes(variant: str, *, cp: int, b, seq, heads, kv_heads, head_dim, activation_bytes: int = 2):
+    """Bytes one rank's cp attention holds for one layer beside what the layer saves for backward (module
+    docstring, "Context parallelism"; its backward, the larger phase): ring 4 K/V blocks (the block computed
+    and the one arriving, and the dK/dV travelling with them), allgather the gathered K/V and the
+    full-length dK/dV before their reduce-scatter (2·cp blocks), a2a the head-split dout, dq, dk, dv (kv heads
+    repeated to the query heads when cp does not divide them). ``heads``/``kv_heads``: on the rank."""
+    if cp <= 1:
+        return 0
+    s_loc = seq / cp
+    kv = 2 * b * s_loc * kv_heads * head_dim * activation_bytes
+    if variant == "ring":
+        return 4 * kv
+    if variant == "allgather":
+        return 2 * cp * kv
+    if variant == "a2a":
+        q = b * s_loc * heads * head_dim * activation_bytes
+        return 2 * q + _a2a_kv_bytes(kv, cp, heads, kv_heads)
+    raise ValueError(f"cp_attention={variant!r}: use one of {', '.join(CP_VARIANTS)}")
+
+
+def _a2a_kv_bytes(kv, cp: int, heads, kv_heads):
+    """K and V as Ulysses moves them: the kv heads split over cp, or first repeated to the query heads."""
+    return kv if kv_heads % cp == 0 else kv * heads / kv_heads
+
+
+def cp_comm(variant: str, *, cp: int, b, seq, heads, kv_heads, head_dim, link: tuple[float, float], hw: Hardware,
+            attention_forward=0, attention_backward=None, activation_bytes: int = 2) -> dict:
+    """One layer's attention communication over ``cp`` ranks, per microbatch, on one rank (module
+    docstring, "Context parallelism"). ``heads``/``kv_heads``: the query and kv heads on the rank (its tp
+    share); ``head_dim``; ``seq``: the whole sequence (the rank holds seq/cp of it); ``link``: (β, α) of the
+    cp axis (:func:`axis_link`); ``attention_forward``/``_backward``: the rank's attention core time per
+    phase, what ring attention runs its transfers beside (backward default 2×). Works on numbers and sympy.
+
+    Returns seconds ``f`` and ``b`` (all of it, per phase), ``f_x`` and ``b_x`` (exposed), the bytes a rank
+    sends per phase ``sent_f``/``sent_b``, and ``buffers`` (:func:`cp_buffer_bytes`)."""
+    if cp <= 1:
+        return dict(_NO_CP)
+    if variant not in CP_VARIANTS:
+        raise ValueError(f"cp_attention={variant!r}: use one of {', '.join(CP_VARIANTS)}")
+    beta, alpha = link
+    call = hw.collective_call_latency
+    s_loc = seq / cp
+    kv = 2 * b * s_loc * kv_heads * head_dim * activation_bytes  # this rank's K and V
+    q = b * s_loc * heads * head_dim * activation_bytes  # its queries (the output: the same size)
+    if attention_backward is None:
+        attention_backward = 2 * attention_forward
+    frac = _ratio(cp - 1, cp, seq)
+    if variant == "ring":  # cp - 1 steps, each passing a K/V block on (backward: with its dK/dV)
+        step_f = collective_time("send_recv", kv, 2, beta, alpha, call)
+        step_b = collective_time("send_recv", 2 * kv, 2, beta, alpha, call)
+        f, bk = (cp - 1) * step_f, (cp - 1) * step_b
+        if hw.comm_overlaps_compute:  # each step beside one block's attention (the last block has no transfer)
+            k = hw.overlap_slowdown
+            f_x = (cp - 1) * overlapped(attention_forward / cp, step_f, k)
+            b_x = (cp - 1) * overlapped(attention_backward / cp, step_b, k)
+        else:
+            f_x, b_x = f, bk
+        sent_f, sent_b = (cp - 1) * kv, (cp - 1) * 2 * kv
+    elif variant == "allgather":  # K/V gathered; backward: gathered again, dK/dV reduce-scattered
+        ag = collective_time("all_gather", kv * cp, cp, beta, alpha, call)
+        rs = collective_time("reduce_scatter", kv * cp, cp, beta, alpha, call)
+        f, bk = ag, ag + rs
+        f_x, b_x = f, bk
+        sent_f, sent_b = (cp - 1) * kv, 2 * (cp - 1) * kv
+    else:  # a2a (Ulysses): q, k, v to heads-split, the output back; backward the same four
+        kvr = _a2a_kv_bytes(kv, cp, heads, kv_heads)
+        f = 2 * collective_time("all_to_all", q, cp, beta, alpha, call) + \
+            2 * collective_time("all_to_all", kvr / 2, cp, beta, alpha, call)
+        bk = f
+        f_x, b_x = f, bk
+        sent_f = sent_b = frac * (2 * q + kvr)
+    buffers = cp_buffer_bytes(variant, cp=cp, b=b, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                              activation_bytes=activation_bytes)
+    return {"f": f, "b": bk, "f_x": f_x, "b_x": b_x, "sent_f": sent_f, "sent_b": sent_b, "buffers": buffers}
+
+
+_NO_CP = {"f": 0, "b": 0, "f_x": 0, "b_x": 0, "sent_f": 0, "sent_b": 0, "buffers": 0}
+
+
+def cp_heads(prof: ModelProfile, tp: int) -> tuple:
+    """(query heads, kv heads, head dim) on one tp rank; a model whose heads are unknown: one head of width
+    hidden/tp."""
+    if not prof.heads:
+        return 1, 1, prof.hidden / tp
+    H, KV = prof.heads, prof.kv_heads or prof.heads
+    per = lambda x: x // tp if x % tp == 0 else x / tp  # noqa: E731
+    return per(H), per(KV), prof.hidden / H
+
+
+def _cp_layer(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, b, s, lay: dict,
+              variant: str | None = None) -> dict:
+    """:func:`cp_comm` of one mean layer of ``prof`` under ``layout`` (its variant, or ``variant``)."""
+    if layout.cp <= 1:
+        return dict(_NO_CP)
+    hq, hkv, d = cp_heads(prof, layout.tp)
+    return cp_comm(variant or layout.cp_attention, cp=layout.cp, b=b, seq=s, heads=hq, kv_heads=hkv, head_dim=d,
+                   link=axis_link(layout, "cp", hw, eff), hw=hw, attention_forward=lay["attn"],
+                   attention_backward=lay["attn_b"], activation_bytes=prof.activation_bytes)
+
+
+def cp_variants_allowed(layout: Layout, heads: int | None, masked: bool = False) -> tuple[str, ...]:
+    """The cp attention variants that can run: an arbitrary mask only allgather; a2a (Ulysses) only where
+    cp divides the query heads on a tp rank (``heads``: the model's; None: unknown, not refused)."""
+    if masked:
+        return ("allgather",)
+    return tuple(v for v in CP_VARIANTS if v != "a2a" or not heads or (heads // layout.tp) % layout.cp == 0)
+
+
+def choose_cp_attention(layout: Layout, hardware: str | Hardware = "h100", *, seq: int, model=None,
+                        heads: int | None = None, kv_heads: int | None = None, head_dim: float | None = None,
+                        masked: bool = False, precision: str | None = None, attention_kernel: str = "flash",
+                        efficiency: Efficiency | None = None, activation_bytes: int = 2) -> tuple[str, dict]:
+    """The cheapest cp attention variant for ``layout`` (cp > 1) and every applicable variant's price.
+
+    What ``Config(cp_attention="auto")`` and the search use: cheap (no capture when given a
+    :class:`ModelProfile` or the shapes) and deterministic. The model is either ``model`` — a
+    :class:`ModelProfile` analysed at the layout's tp, or a :class:`Workload` (its profile at the layout's
+    (tp, SP), captured once if not cached) — or its shapes: ``heads`` and ``kv_heads`` (the model's, all tp
+    ranks: the layout's tp splits them), ``head_dim`` and ``activation_bytes``. ``seq``: the whole sequence
+    (each cp rank holds seq/cp); the microbatch is ``layout.microbatch_size`` sequences. ``masked``: the
+    attention takes an arbitrary mask (only allgather applies). A variant's price is its exposed seconds
+    per layer and microbatch on one rank, forward + backward (:func:`cp_comm`'s ``f_x + b_x``; a full
+    recompute would repeat the forward's for every variant alike, and is left out so that the choice does
+    not depend on the recompute mode); ring's transfers run beside the attention core, priced from the
+    profile's layer (or, from shapes, 4·b·hq·(s/cp)·s·d FLOPs at the attention efficiency). Returns
+    ``(variant, {variant: seconds})``, the dict holding the applicable variants only (a2a needs cp to
+    divide the query heads on a tp rank); ties go to the earlier of ``CP_VARIANTS``."""
+    if layout.cp <= 1:
+        raise ValueError("choose_cp_attention needs a layout with cp > 1 (there is no attention across ranks)")
+    hw = get_hardware(hardware)
+    eff = (efficiency or DEFAULT_EFFICIENCY).for_hardware(hw)
+    precision = precision or layout.precision or "bf16"
+    if seq % (2 * layout.cp):
+        raise ValueError(f"cp={layout.cp} cuts each sequence into 2*cp = {2 * layout.cp} chunks: the sequence length "
+                         f"{seq} does not divide by {2 * layout.cp}")
+    b = layout.microbatch_size
+    prof = None
+    if model is not None:
+        prof = model.profile(layout.tp, layout.sequence_parallel) if isinstance(model, Workload) else model
+        if not isinstance(prof, ModelProfile):
+            raise TypeError(f"model={type(model).__name__}: pass a ModelProfile or a Workload (or heads=, kv_heads=, "
+                            "head_dim=)")
+        if prof.tp != layout.tp:
+            raise ValueError(f"the profile was analysed at tp={prof.tp}, the layout has tp={layout.tp}")
+        heads = prof.heads
+        hq, hkv, d = cp_heads(prof, layout.tp)
+        activation_bytes = prof.activation_bytes
+        kw = dict(attention_kernel=attention_kernel, head_dim=prof.hidden / (prof.heads or 1))
+        lay = _section_times(prof.layer, b, seq / layout.cp, layout, hw, eff, precision, **kw)
+        t_f, t_b = float(lay["attn"]), float(lay["attn_b"])
+    else:
+        if not heads or not head_dim:
+            raise ValueError("choose_cp_attention needs model= (a ModelProfile or Workload) or heads= and head_dim=")
+        kv_heads = kv_heads or heads
+        if heads % layout.tp or kv_heads % layout.tp:
+            raise ValueError(f"tp={layout.tp} does not divide the {heads} query heads and {kv_heads} kv heads")
+        hq, hkv, d = heads // layout.tp, kv_heads // layout.tp, head_dim
+        t_f = _attention_time(b, seq, layout.cp, hq, hkv, d, hw, eff, precision, attention_kernel, activation_bytes)
+        t_b = BACKWARD_MULTIPLIER.get("attention", 2) * t_f
+    link = axis_link(layout, "cp", hw, eff)
+    prices = {}
+    for v in cp_variants_allowed(layout, heads, masked):
+        c = cp_comm(v, cp=layout.cp, b=b, seq=seq, heads=hq, kv_heads=hkv, head_dim=d, link=link, hw=hw,
+                    attention_forward=t_f, attention_backward=t_b, activation_bytes=activation_bytes)
+        prices[v] = float(c["f_x"] + c["b_x"])
+    best = min(prices, key=lambda v: (prices[v], CP_VARIANTS.index(v)))
+    return best, prices
+
+
+def _attention_time(b, seq, cp, hq, hkv, d, hw: Hardware, eff: Efficiency, precision: str, kernel: str,
+                    e: int) -> float:
+    """One rank's attention core forward under cp, from shapes, as :func:`_section_times` prices an SDPA
+    node: torch's FLOP count 4·b·hq·(s/cp)·s·d (no causal halving), its q, k, v and output bytes × cp."""
+    s_loc = seq / cp
+    fl = 4 * b * hq * s_loc * seq * d
+    y = (2 * b * s_loc * hq * d + 2 * b * s_loc * hkv * d) * e * cp
+    peak = hw.peak_flops("bf16" if precision == "fp8" else precision) * eff.attention
+    bw = hw.hbm_bandwidth * eff.memory
+    if kernel == "unfused":
+        return fl / peak + (y + UNFUSED_ATTENTION_BYTES * fl / (4 * d)) / bw
+    return max(fl / peak, y / bw)
 
 
 # --------------------------------------------------------------------------- recompute="auto"
@@ -1607,13 +1824,9 @@ def _auto_stages(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficien
     L_stage = math.ceil(prof.n_layers / p)
     kw = dict(attention_kernel=attention_kernel, head_dim=prof.hidden / (prof.heads or 1), moe_imbalance=moe_imbalance)
     lay = _section_times(prof.layer, b, s_loc, layout, hw, eff, precision, **kw)
-    cp_f = 0
-    if layout.cp > 1:  # as _terms: full recompute repeats the exposed K/V all-gather
-        beta, alpha = axis_link(layout, "cp", hw, eff)
-        kv = prof.kv_heads or prof.heads or 1
-        kv_bytes = 2 * b * s * prof.hidden * (kv / (prof.heads or kv)) * prof.activation_bytes / layout.tp
-        cp_f = _cp_exposed(collective_time("all_gather", kv_bytes, layout.cp, beta, alpha,
-                                           hw.collective_call_latency), float(lay["attn"]), hw)
+    cpc = _cp_layer(layout, prof, hw, eff, b, s, lay)  # as _terms: full recompute repeats the cp forward
+    cp_f = cpc["f_x"]
+    cp_buf = float(cpc["buffers"])
     times = {"none": 0.0, "selective": float(lay["attn"]),
              "full": float(lay["f"]) + float(lay[_tp_keys(layout)[0]]) + float(cp_f) + float(lay["ep_f"])}
     if activations == "formula":
@@ -1621,7 +1834,8 @@ def _auto_stages(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficien
             raise ValueError("activations='formula' needs the number of heads (Workload(..., heads=...))")
         acts = {md: float(MM.activation_bytes_per_layer(s_loc, b, prof.hidden, prof.heads, tp=layout.tp,
                                                         sequence_parallel=layout.sequence_parallel, recompute=md,
-                                                        sp_variant=prof.sp_variant)) for md in RECOMPUTE_MODES}
+                                                        sp_variant=prof.sp_variant, key_len=s))
+                for md in RECOMPUTE_MODES}
         pre_act = 0.0
         post_act = float(MM.output_layer_activation_bytes(s_loc, b, prof.hidden, prof.vocab or 0, tp=layout.tp,
                                                           sequence_parallel=layout.sequence_parallel))
@@ -1645,7 +1859,8 @@ def _auto_stages(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficien
         inflight = float(MM.inflight_microbatches(layout.schedule.value, p, i, m, v))
         zbuf = _zero_buffers(layout.zero, prof, i, p, n_par, grad_dtype, cbytes, ep=layout.ep)
         st = state_of(layout, n_par, L_stage * lay_experts, param_dtype, grad_dtype)
-        out[i] = stage_auto(limit, (st.params + zbuf, st.grads, st.optimizer), inflight, L_stage, extra, env, acts)
+        out[i] = stage_auto(limit, (st.params + zbuf + cp_buf, st.grads, st.optimizer), inflight, L_stage, extra, env,
+                            acts)
     return out
 
 
@@ -1686,7 +1901,7 @@ def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_
             raise ValueError("activations='formula' needs the number of heads (Workload(..., heads=...))")
         layer_act = MM.activation_bytes_per_layer(s_loc, b, prof.hidden, prof.heads, tp=layout.tp,
                                                   sequence_parallel=layout.sequence_parallel, recompute=mode,
-                                                  sp_variant=prof.sp_variant)
+                                                  sp_variant=prof.sp_variant, key_len=s)
         post_act = MM.output_layer_activation_bytes(s_loc, b, prof.hidden, prof.vocab or 0, tp=layout.tp,
                                                     sequence_parallel=layout.sequence_parallel)
         pre_act = 0
@@ -1697,6 +1912,9 @@ def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_
     else:
         raise ValueError(f"activations={activations!r}: use 'graph' (saved tensors of the captured graph) or "
                          "'formula' (Korthikanti et al. 2022)")
+    hq, hkv, hd = cp_heads(prof, layout.tp)
+    cp_buf = cp_buffer_bytes(layout.cp_attention, cp=layout.cp, b=b, seq=s, heads=hq, kv_heads=hkv, head_dim=hd,
+                             activation_bytes=prof.activation_bytes)
     stages = range(p) if p > 1 else [0]
     best, best_d = None, None
     for i in (stages[0], stages[-1]) if p > 1 else stages:
@@ -1719,7 +1937,8 @@ def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_
                                inflight * (L_stage * act_i + extra_act), gradients_meet_activations=not one_pass,
                                reduction_buffer=reduce_copy,
                                zero_buffers=_zero_buffers(layout.zero, prof, i, p, n_par, grad_dtype,
-                                                          gather_bytes_of(precision), ep=layout.ep))
+                                                          gather_bytes_of(precision), ep=layout.ep),
+                               cp_buffers=cp_buf)
         if auto is not None and auto[i]["fits"]:  # the budget used is what is left: ≤ the limit (rounding)
             tot = min(tot, auto[i]["limit"])
         if best is None or _gt(tot, best):
@@ -1742,6 +1961,8 @@ def _layout_of(plan_or_layout, model, overrides: dict) -> tuple[Layout, Any, Any
         raise TypeError(f"estimate() takes a Layout, a Plan or a compiled plan, not {type(plan_or_layout).__name__}")
     fields = {a: plan.mesh.get(a, 1) for a in MESH_ORDER}
     fields["sequence_parallel"] = plan.options.sequence_parallel
+    if fields["cp"] > 1 and getattr(plan.options, "cp_attention", None) in CP_VARIANTS:  # the variant planned
+        fields["cp_attention"] = plan.options.cp_attention
     if plan.schedule:
         fields["schedule"] = plan.schedule
     if getattr(plan, "pipeline", None) and plan.pipeline.get("virtual"):  # the partitioner's stage table

@@ -45,6 +45,18 @@ that saves the *sharded* layer-norm outputs and all-gathers them again in backwa
 (``sp_variant="regather"``); mcompile's ``save_gathered`` keeps the gathered ones, adding
 2 · 2sbh·(1 − 1/t) (:func:`activation_bytes_per_layer`).
 
+Context parallelism (cp ranks; ``mcompile.cost``, "Context parallelism")
+------------------------------------------------------------------------
+Each rank holds seq/cp positions of every sequence for the whole model, so every activation above is
+evaluated at s = seq/cp: activation memory per rank falls as 1/cp (the scores of an explicit softmax,
+Korthikanti's 5as/h term, see all seq keys: ``key_len``). Parameters, gradients and optimizer state are
+replicated over cp; ZeRO shards them over dp·cp (·ep for dense parameters), the ranks gradients are
+summed over. On top, the attention variant's buffers of one layer, live while it runs
+(:func:`mcompile.cost.cp_buffer_bytes`, ``cp_buffers`` in :func:`peak_bytes`, X): ring 4 K/V blocks of a
+rank (K/V being computed on and arriving, dK/dV travelling with them), allgather 2·cp blocks (the
+gathered K/V and the full-length dK/dV before the reduce-scatter), a2a the head-split dout, dq, dk, dv.
+They are transient (one layer at a time), so they are counted once, not per layer.
+
 Outside the layers (Korthikanti §4.3): the first stage's embedding dropout mask sbh/t (sp) and the
 last stage's final norm input, head input and fp32 logits 4sbh/t·(1 + v/h)-ish; modelled by
 :func:`output_layer_activation_bytes`.
@@ -88,11 +100,12 @@ differently when a step is one microbatch on one stage; :func:`peak_bytes` keeps
 
     gradients meet activations (a persistent buffer; several microbatches per step, whose later
     forwards run with the earlier ones' gradients; pipelines, where one microbatch's backward runs
-    while others are in flight):                              P + O + G + Z + max(A, R)
-    otherwise (gradients made by backward, one microbatch):   P + O + Z + max(A, G + R)
+    while others are in flight):                              P + O + G + Z + X + max(A, R)
+    otherwise (gradients made by backward, one microbatch):   P + O + Z + X + max(A, G + R)
 
 Z: ZeRO-2/3's buffers in flight (:func:`zero_buffer_bytes`), live through forward and backward
-(ZeRO-2/3 keep only the 1/d gradient shard persistently: G above is that shard).
+(ZeRO-2/3 keep only the 1/d gradient shard persistently: G above is that shard). X: context
+parallelism's attention buffers of one layer (above; 0 without cp).
 
 Checked against the tracker's peak of real gloo runs (tests/test_cost_measured.py: llama3-tiny,
 dp=2×tp=2 with and without SP, dp=4, pp=2×tp=2 with 4 microbatches: within 10 %). What the
@@ -259,15 +272,17 @@ def _state_bytes(params, dtype: str | None, zero: int, dp: int, ep: tuple = (1, 
 
 
 def activation_bytes_per_layer(s, b, h, a, *, tp: int = 1, sequence_parallel: bool = False,
-                               recompute: str = "none", sp_variant: str = "regather"):
+                               recompute: str = "none", sp_variant: str = "regather", key_len=None):
     """Korthikanti et al. 2022, Table 2: bytes one transformer layer keeps for backward, per rank.
 
-    Works on numbers and on sympy symbols alike. ``recompute``: "none", "selective", "full"."""
+    Works on numbers and on sympy symbols alike. ``recompute``: "none", "selective", "full". ``s``: the
+    rank's own positions (seq/cp under context parallelism); ``key_len``: the keys each of its queries
+    meets, the scores' other side (default s; the whole sequence under cp)."""
     t = tp
     sp = sequence_parallel and t > 1
     if recompute == "full":
         return 2 * s * b * h / t if sp else 2 * s * b * h
-    attn_core = 5 * a * s / h  # softmax output, its dropout mask, dropout output
+    attn_core = 5 * a * (s if key_len is None else key_len) / h  # softmax output, its dropout mask, dropout output
     if recompute == "selective":
         attn_core = 0
     elif recompute != "none":
@@ -307,10 +322,11 @@ def inflight_microbatches(schedule: str, pp: int, stage: int, microbatches, virt
 
 
 def peak_bytes(params, grads, optimizer, activations, *, gradients_meet_activations: bool,
-               reduction_buffer=0, zero_buffers=0) -> tuple:
+               reduction_buffer=0, zero_buffers=0, cp_buffers=0) -> tuple:
     """(bytes at one rank's peak, what is live then by kind) from what it holds (module docstring,
     "Lifetimes"); ``reduction_buffer``: the data-parallel reduction's copy of the gradients (R);
-    ``zero_buffers``: ZeRO-2/3's gathered parameters and gradient buckets in flight (Z)."""
+    ``zero_buffers``: ZeRO-2/3's gathered parameters and gradient buckets in flight (Z); ``cp_buffers``:
+    context parallelism's attention buffers of one layer (X, :func:`mcompile.cost.cp_buffer_bytes`)."""
     def mx(a, b):
         return sympy.Max(a, b) if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic) else max(a, b)
 
@@ -325,7 +341,9 @@ def peak_bytes(params, grads, optimizer, activations, *, gradients_meet_activati
          "reduction_buffer": 0 if late == activations else reduction_buffer}
     if zero_buffers:
         d["zero_buffers"] = zero_buffers
-    return params + optimizer + (grads if gradients_meet_activations else 0) + zero_buffers + late, d
+    if cp_buffers:
+        d["cp_buffers"] = cp_buffers
+    return params + optimizer + (grads if gradients_meet_activations else 0) + zero_buffers + cp_buffers + late, d
 
 
 def _min(a, b):

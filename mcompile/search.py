@@ -17,11 +17,23 @@ and re-plans that one graph per (tp, sequence parallel) (~0.1 s each) instead of
 
 The space (only what the runtime executes)
 ------------------------------------------
-- mesh ``dp x pp x ep x tp = world`` (mesh order dp, pp, ep, tp: tp on neighbouring GPUs); tp passes the
+- mesh ``dp x pp x cp x ep x tp = world`` (mesh order dp, pp, cp, ep, tp: tp on neighbouring GPUs); tp passes the
   planner's divisibility checks (:func:`mcompile.planner.check_divisibility`: heads, kv heads,
   every contraction weight); pp <= the layers found; dp x ep divides the global batch; ep only for a
   model with MoE layers, dividing their expert count and the dp x ep data-parallel ranks (Megatron folds
-  expert parallelism into data parallelism: ep takes ranks from dp, never from tp or pp);
+  expert parallelism into data parallelism: ep takes ranks from dp, never from tp or pp); cp (context
+  parallelism: the sequence split over cp ranks for the whole model) of the sizes dividing world/tp for
+  which 2·cp divides the sequence (the load-balanced causal layout's chunks) and, unless ``cp=`` names
+  them, each chunk holds at least ``MIN_CP_CHUNK`` = 128 tokens (a FlashAttention tile); under cp the
+  microbatch size is 1 (a cp layout whose microbatch b divides by cp is, up to the tensors of the
+  sequence alone such as RoPE tables, the layout with dp·cp data-parallel ranks and microbatch b/cp:
+  the same tokens per rank and microbatch, without the cp communication), sequence parallelism needs tp
+  to divide seq/cp, ZeRO shards over dp·cp, and each cp layout takes the attention variant
+  :func:`mcompile.cost.choose_cp_attention` picks for it (``cp_attention="auto"``, what
+  ``Config(cp_attention="auto")`` runs; the pick does not depend on recompute or overlap, nor on bf16
+  vs FP8 matmuls — attention runs in bf16 either way —, so the pruning below keeps the same variant)
+  or each variant asked for (``cp_attention=``); activations fall as
+  1/cp, which is how cp wins where a long sequence does not fit otherwise;
 - microbatch size b dividing the per-rank batch B/(dp·ep) (m = B/(dp·ep·b) microbatches);
 - schedule: pp = 1 → gradient accumulation; pp > 1 → 1f1b, zbh1 and interleaved with every
   v > 1 such that pp·v divides the layers and pp divides m (the runtime's rules); gpipe only on
@@ -392,31 +404,52 @@ class _Settings:
 
 
 class _Sections:
-    """Per (tp, sp, ep, microbatch size, precision): the cost model's section times and activation bytes,
-    and a mean layer's parameters on a rank (E/ep of its experts)."""
+    """Per (tp, sp, ep, cp, microbatch size, precision): the cost model's section times and activation bytes
+    at the rank's seq/cp positions, a mean layer's parameters on a rank (E/ep of its experts), and under cp
+    each attention variant's per-layer communication and buffers (:func:`mcompile.cost.cp_comm`) and the
+    cheapest applicable one (:func:`mcompile.cost.choose_cp_attention`'s pick)."""
 
-    def __init__(self, prof: C.ModelProfile, b: int, st: _Settings, precision: str | None = None, ep: int = 1):
+    def __init__(self, prof: C.ModelProfile, b: int, st: _Settings, precision: str | None = None, ep: int = 1,
+                 cp: int = 1):
         self.precision = precision = precision or st.precision
-        self.ep = ep
+        self.ep, self.cp_size = ep, cp
         self.lay_params, self.lay_experts = C.expert_split(prof, ep)
         kw = dict(attention_kernel=st.attention_kernel, head_dim=prof.hidden / (prof.heads or 1),
                   moe_imbalance=st.moe_imbalance)
-        lay = Layout(tp=prof.tp, ep=ep)  # tp is innermost, ep next: their links depend on tp and ep alone
-        self.lay = C._section_times(prof.layer, b, st.seq, lay, st.hw, st.eff, precision, **kw)
-        self.pre = C._section_times(prof.pre, b, st.seq, lay, st.hw, st.eff, precision, **kw)
-        self.post = C._section_times(prof.post, b, st.seq, lay, st.hw, st.eff, precision, **kw)
-        self.layer_act = {m: float(v) for m, v in prof.layer.evaluate(b, st.seq).activations.items()}
-        self.pre_act = float(prof.pre.evaluate(b, st.seq).activations["none"])
-        self.post_act = float(prof.post.evaluate(b, st.seq).activations["none"])
+        # tp is innermost, ep next, then cp: their links depend on tp, ep and cp alone
+        lay = Layout(tp=prof.tp, ep=ep, cp=cp)
+        s_loc = st.seq / cp
+        self.lay = C._section_times(prof.layer, b, s_loc, lay, st.hw, st.eff, precision, **kw)
+        self.pre = C._section_times(prof.pre, b, s_loc, lay, st.hw, st.eff, precision, **kw)
+        self.post = C._section_times(prof.post, b, s_loc, lay, st.hw, st.eff, precision, **kw)
+        self.layer_act = {m: float(v) for m, v in prof.layer.evaluate(b, s_loc).activations.items()}
+        self.pre_act = float(prof.pre.evaluate(b, s_loc).activations["none"])
+        self.post_act = float(prof.post.evaluate(b, s_loc).activations["none"])
+        # context parallelism: every variant's layer communication; the applicable ones; the cheapest
+        self.cp = {v: C._cp_layer(lay, prof, st.hw, st.eff, b, st.seq, self.lay, v) for v in C.CP_VARIANTS}
+        self.cp_allowed = C.cp_variants_allowed(lay, prof.heads) if cp > 1 else C.CP_VARIANTS[:1]
+        prices = {v: float(self.cp[v]["f_x"] + self.cp[v]["b_x"]) for v in self.cp_allowed}
+        self.cp_choice = min(prices, key=lambda v: (prices[v], C.CP_VARIANTS.index(v)))
         # recompute="auto": the named policies' (bytes, recompute time) per layer and their lower envelope, with
-        # the recomputed forward's tp communication as the layout pays it (all, or what collective matmul exposes)
-        self.envelopes = {}
-        for overlap in (False, True):
+        # the recomputed forward's tp communication as the layout pays it (all, or what collective matmul exposes),
+        # and its cp communication (exposed)
+        self._envelopes = {}
+        self.envelopes = {o: self.envelope_of(o) for o in (False, True)}
+        self.envelope = self.envelopes[True]
+
+    def envelope_of(self, overlap: bool, cp_attention: str = "ring") -> list:
+        key = (overlap, cp_attention if self.cp_size > 1 else "ring")
+        if key not in self._envelopes:
             comm = self.lay["comm_f_x"] if overlap else self.lay["comm_f"]
             rec_time = {"none": 0.0, "selective": float(self.lay["attn"]),
-                        "full": float(self.lay["f"]) + float(comm) + float(self.lay["ep_f"])}
-            self.envelopes[overlap] = C.recompute_envelope(self.layer_act, rec_time)
-        self.envelope = self.envelopes[True]
+                        "full": float(self.lay["f"]) + float(comm) + float(self.cp[key[1]]["f_x"])
+                        + float(self.lay["ep_f"])}
+            self._envelopes[key] = C.recompute_envelope(self.layer_act, rec_time)
+        return self._envelopes[key]
+
+    def cp_buffers(self, cp_attention: str) -> float:
+        """Bytes of the cp attention variant's buffers of one layer (0 without cp)."""
+        return float(self.cp[cp_attention]["buffers"]) if self.cp_size > 1 else 0.0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -475,9 +508,11 @@ def _memory(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[
     zb = _zero_of(layout.zero, st, sec)
     if layout.recompute == Recompute.AUTO and auto is None:
         auto = _auto_of(prof, sec, layers, per, layout.schedule.value, layout.virtual, m, st.limit,
-                        one_pass=one_pass, reduce_bytes=reduce_bytes, overlap=layout.overlap, zero=zb)
+                        one_pass=one_pass, reduce_bytes=reduce_bytes, overlap=layout.overlap, zero=zb,
+                        cp_attention=layout.cp_attention)
     return _memory_of(prof, sec, layers, per, layout.schedule.value, layout.virtual, m, layout.recompute.value,
-                      one_pass=one_pass, reduce_bytes=reduce_bytes, auto=auto, zero=zb)
+                      one_pass=one_pass, reduce_bytes=reduce_bytes, auto=auto, zero=zb,
+                      cp_buffers=sec.cp_buffers(layout.cp_attention))
 
 
 def _zero_of(zero: int, st: _Settings, sec: _Sections) -> tuple:
@@ -493,17 +528,19 @@ def _zero_buffers(zero: tuple, prof, layers: tuple[int, ...], i: int, n_par) -> 
 
 def _auto_of(prof, sec: _Sections, layers: tuple[int, ...], per: _PerParam, schedule: str, v: int, m: float,
              limit: float, *, one_pass: bool = False, reduce_bytes: float = 0.0, overlap: bool = True,
-             zero: tuple = (0, "", 2, 1)) -> dict:
+             zero: tuple = (0, "", 2, 1), cp_attention: str = "ring") -> dict:
     """``recompute="auto"`` on every rank :func:`_memory_of` checks: :func:`mcompile.cost.stage_auto`
     (the budget left under ``limit``, per layer, and the envelope's mix there), by rank."""
     p = len(layers)
     out = {}
+    cp_buf = sec.cp_buffers(cp_attention)
     for i in _ranks_to_check(layers):
         n_par, extra_act, n_exp = _rank_share(prof, sec, layers, i)
         zbuf = _zero_buffers(zero, prof, layers, i, n_par)
         sp, sg, so = per.of(n_par, n_exp)
-        out[i] = C.stage_auto(limit, (sp + zbuf, sg, so),
-                              _inflight(schedule, p, i, m, v), layers[i], extra_act, sec.envelopes[overlap],
+        out[i] = C.stage_auto(limit, (sp + zbuf + cp_buf, sg, so),
+                              _inflight(schedule, p, i, m, v), layers[i], extra_act,
+                              sec.envelope_of(overlap, cp_attention),
                               sec.layer_act, gradients_meet_activations=not one_pass,
                               reduction_buffer=n_par * reduce_bytes)
     return out
@@ -539,11 +576,11 @@ def _lifetimes(layers: tuple[int, ...], m: float, zero: int, dp: int) -> tuple[b
 
 def _memory_of(prof, sec: _Sections, layers: tuple[int, ...], per: _PerParam, schedule: str, v: int, m: float,
                mode: str, detail: bool = True, *, one_pass: bool = False, reduce_bytes: float = 0.0,
-               auto: dict | None = None, zero: tuple = (0, "", 2, 1)):
+               auto: dict | None = None, zero: tuple = (0, "", 2, 1), cp_buffers: float = 0.0):
     """The largest rank's bytes (and its breakdown when ``detail``), from its parts
     (:func:`mcompile.memory_model.peak_bytes`: what is live together at the peak). ``mode`` "auto":
     ``auto`` is :func:`_auto_of`'s per-rank result (each rank's layers keep its mix's bytes). ``zero``:
-    :func:`_zero_of` (ZeRO-2/3's buffers in flight)."""
+    :func:`_zero_of` (ZeRO-2/3's buffers in flight); ``cp_buffers``: :meth:`_Sections.cp_buffers`."""
     p = len(layers)
     if mode == "auto" and auto is None:
         raise ValueError("_memory_of(mode='auto') needs auto=_auto_of(...)")
@@ -556,7 +593,7 @@ def _memory_of(prof, sec: _Sections, layers: tuple[int, ...], per: _PerParam, sc
         sp, sg, so = per.of(n_par, n_exp)
         tot, d = MM.peak_bytes(sp, sg, so, inflight * (layers[i] * act_i + extra_act),
                                gradients_meet_activations=not one_pass, reduction_buffer=n_par * reduce_bytes,
-                               zero_buffers=_zero_buffers(zero, prof, layers, i, n_par))
+                               zero_buffers=_zero_buffers(zero, prof, layers, i, n_par), cp_buffers=cp_buffers)
         if auto is not None and auto[i]["fits"]:  # the budget used is what is left: ≤ the limit (rounding)
             tot = min(tot, auto[i]["limit"])
         if best is None or tot > best:
@@ -574,7 +611,7 @@ def _links(layout: Layout, st: _Settings) -> dict:
 
 def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[int, ...], st: _Settings,
            links: dict | None = None, auto: dict | None = None):
-    """:func:`mcompile.cost._terms` with ``layers[r]`` layers on pipeline rank r (cp = 1); ``links``:
+    """:func:`mcompile.cost._terms` with ``layers[r]`` layers on pipeline rank r; ``links``:
     :func:`_links` of the layout, when already known; ``auto``: :func:`_auto_of` for recompute="auto"
     (computed here when not given). ``sec`` holds the section times at the layout's precision."""
     hw, eff = st.hw, st.eff
@@ -593,7 +630,9 @@ def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[i
         per = _per_of(layout, st)
         one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
         auto = _auto_of(prof, sec, layers, per, layout.schedule.value, v, m, st.limit, one_pass=one_pass,
-                        reduce_bytes=reduce_bytes, overlap=layout.overlap, zero=_zero_of(layout.zero, st, sec))
+                        reduce_bytes=reduce_bytes, overlap=layout.overlap, zero=_zero_of(layout.zero, st, sec),
+                        cp_attention=layout.cp_attention)
+    cpc = sec.cp[layout.cp_attention] if layout.cp > 1 else C._NO_CP
 
     def stage(n: int, extra: list[dict], i: int) -> dict:
         r, rc, rt = rec, rec_comm, rec_total
@@ -609,7 +648,8 @@ def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[i
         d["r"] = n * r
         d["comm_r"] = n * rc
         d["comm_r_total"] = n * rt
-        d["cp"] = n * 0
+        d["cp"] = n * (cpc["f_x"] + cpc["b_x"] + full * cpc["f_x"])
+        d["cp_total"] = n * (cpc["f"] + cpc["b"] + full * cpc["f"])
         d["ep_r"] = n * full * lay["ep_f"]
         for e in extra:
             for k in keys:
@@ -619,7 +659,7 @@ def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[i
     p2p = 0
     if p > 1:
         beta, alpha = links["pp"]
-        msg = b * st.seq * prof.hidden * prof.activation_bytes / layout.tp
+        msg = b * (st.seq / layout.cp) * prof.hidden * prof.activation_bytes / layout.tp
         p2p = 2 * v * C.collective_time("send_recv", msg, 2, beta, alpha, st.hw.collective_call_latency)
         if layout.tp > 1 and not layout.sequence_parallel:
             tb, ta = links["tp"]
@@ -669,11 +709,12 @@ def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[i
              "pp_p2p": m * p2p, "pp_bubble": bubble, "dp_comm": m * dpc["mb_exposed"] + dpc["step_exposed"],
              "optimizer": optimizer, "ep_comm": m * (slow["ep_f"] + slow["ep_b"] + slow["ep_r"])}
     dp_total = m * dpc["mb_total"] + dpc["step_total"]
+    cp_total = m * slow["cp_total"]
     details = {"microbatches": m, "layers_per_stage": n_slow, "params_per_rank": P_stage, "stage_time": T,
                "stage_weight_grad": slow["w"], "dp_comm_total": dp_total,
                "dp_comm_hidden": dp_total - terms["dp_comm"], "tp_comm_total": tp_total,
-               "tp_comm_hidden": tp_total - tp_exposed, "cp_comm_total": 0.0, "cp_comm_hidden": 0.0,
-               "slow_stage": slow_rank}
+               "tp_comm_hidden": tp_total - tp_exposed, "cp_comm_total": cp_total,
+               "cp_comm_hidden": cp_total - terms["cp_comm"], "slow_stage": slow_rank}
     if prof.moe is not None:
         details.update(C.ep_details(layout, prof, lay, st.moe_imbalance))
     return {k: float(x) for k, x in terms.items()}, details
@@ -707,15 +748,13 @@ def price(layout: Layout, model, *, hardware: str | Hardware = "h100", global_ba
     st = _settings(hardware, global_batch, seq, layout.precision, param_dtype, grad_dtype, attention_kernel,
                    efficiency, memory_limit, moe_imbalance)
     C._validate(layout, prof, global_batch, seq)
-    if layout.cp > 1:
-        raise ValueError("the search prices dp x pp x ep x tp layouts (cp is not executed by the runtime yet)")
     if uniform:
         split = None
         layers = (math.ceil(work.depth / layout.pp),) * layout.pp
     else:
         split = stages or stage_split(work, layout.pp, layout.virtual, seq)
         layers = split.layers_per_rank
-    sec = _Sections(prof, layout.microbatch_size, st, ep=layout.ep)
+    sec = _Sections(prof, layout.microbatch_size, st, ep=layout.ep, cp=layout.cp)
     return _finish(layout, work, prof, sec, layers, split, st)
 
 
@@ -733,7 +772,7 @@ def _finish(layout, work, prof, sec, layers, split, st) -> Estimate:
         one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
         auto = _auto_of(prof, sec, layers, per, layout.schedule.value, layout.virtual, m, st.limit,
                         one_pass=one_pass, reduce_bytes=reduce_bytes, overlap=layout.overlap,
-                        zero=_zero_of(layout.zero, st, sec))
+                        zero=_zero_of(layout.zero, st, sec), cp_attention=layout.cp_attention)
     terms, det = _terms(layout, prof, sec, layers, st, auto=auto)
     mem, mem_d = _memory(layout, prof, sec, layers, st, auto=auto)
     step = sum(terms.values())
@@ -783,7 +822,42 @@ class _Space:
     precision: tuple[str | None, ...] = (None,)
     experts: int | None = None  # routed experts per MoE layer (None: a dense model, no ep)
     ep_sizes: tuple[int, ...] | None = None  # the ep sizes allowed (None: every one that divides)
+    cp_sizes: tuple[int, ...] | None = None  # the cp sizes allowed (None: every one that applies)
+    cp_attention: tuple[str, ...] = ("auto",)  # "auto" (choose_cp_attention's pick) or the variants to price
+    heads: int | None = None  # the model's query heads (a2a needs cp to divide them on a tp rank)
     tried: list = field(default_factory=list, compare=False)
+
+    def cps(self, tp: int) -> Iterator[int]:
+        """The cp sizes with ``tp``: 1, and those allowed that divide world/tp and for which 2·cp divides the
+        sequence (the load-balanced layout's chunks) and a cp attention variant asked for applies; unless
+        given (``cp=``), only those whose chunks hold at least :data:`MIN_CP_CHUNK` tokens."""
+        for cp in _divisors(self.world // tp):
+            if cp == 1:
+                if self.cp_sizes is None or 1 in self.cp_sizes:
+                    yield cp
+                continue
+            if self.cp_sizes is not None and cp not in self.cp_sizes:
+                continue
+            if self.cp_sizes is None and self.seq < 2 * cp * MIN_CP_CHUNK:
+                continue
+            if self.seq % (2 * cp):
+                if self.cp_sizes is not None:
+                    self.tried.append(f"tp={tp} cp={cp}: 2*cp = {2 * cp} does not divide seq={self.seq}")
+                continue
+            if not self.cp_variants(tp, cp):
+                self.tried.append(f"tp={tp} cp={cp}: cp_attention={'/'.join(self.cp_attention)} does not apply "
+                                  f"(a2a needs cp to divide the {self.heads} query heads / tp)")
+                continue
+            yield cp
+
+    def cp_variants(self, tp: int, cp: int) -> tuple[str, ...]:
+        """The variants asked for that apply at (tp, cp): ("auto",) stands for choose_cp_attention's pick."""
+        if cp == 1:
+            return ("ring",)
+        if "auto" in self.cp_attention:
+            return ("auto",)
+        ok = C.cp_variants_allowed(Layout(tp=tp, cp=cp), self.heads)
+        return tuple(v for v in self.cp_attention if v in ok)
 
     def eps(self, data: int) -> list[int]:
         """The ep sizes of ``data`` = dp x ep data-parallel ranks: ep divides them (Megatron folds ep into
@@ -793,43 +867,50 @@ class _Space:
         return [e for e in _divisors(data) if self.experts % e == 0
                 and (self.ep_sizes is None or e in self.ep_sizes)]
 
-    def groups(self, tp_error) -> Iterator[tuple[int, bool, int, int, int, int]]:
-        """(tp, sp, pp, dp, ep, zero) of every valid mesh; invalid ones are explained in ``tried``."""
+    def groups(self, tp_error) -> Iterator[tuple[int, bool, int, int, int, int, int]]:
+        """(tp, sp, pp, dp, ep, zero, cp) of every valid mesh; invalid ones are explained in ``tried``."""
         for tp in _divisors(self.world):
             why = tp_error(tp) if tp > 1 else None
             if why:
                 self.tried.append(f"tp={tp}: {why}")
                 continue
-            sps = [sp for sp in self.sequence_parallel if not sp or (tp > 1 and self.seq % tp == 0)]
-            if not sps:
-                self.tried.append(f"tp={tp}: sequence parallelism was required but tp does not divide seq={self.seq}")
-                continue
-            for pp in _divisors(self.world // tp):
-                data = self.world // (tp * pp)
-                if pp > self.depth:
-                    self.tried.append(f"tp={tp} pp={pp}: more pipeline stages than the model's {self.depth} layers")
-                    continue
-                if self.global_batch % data:
-                    self.tried.append(f"tp={tp} pp={pp} dp={data}: the global batch {self.global_batch} does not "
-                                      f"divide by dp={data}")
-                    continue
-                zs = [z for z in self.zero if not (z and data == 1)]
-                if not zs:
-                    self.tried.append(f"tp={tp} pp={pp} dp=1: ZeRO-{'/'.join(map(str, self.zero))} was required "
-                                      "but needs dp > 1")
-                for ep in self.eps(data):
-                    for sp in sps:
-                        for z in zs:
-                            if ep > 1 and z == 3:  # the runtime's ZeRO-3 gathers over dp only (runtime/module.py)
-                                self.tried.append(f"tp={tp} pp={pp} ep={ep}: ZeRO-3 with ep is not run by the runtime")
-                                continue
-                            yield tp, sp, pp, data // ep, ep, z
+            for cp in self.cps(tp):
+                yield from self._groups(tp, cp)
 
-    def variants(self, pp: int, data: int) -> Iterator[tuple[Schedule, int, int]]:
+    def _groups(self, tp: int, cp: int) -> Iterator[tuple[int, bool, int, int, int, int, int]]:
+        at = f"tp={tp} cp={cp}" if cp > 1 else f"tp={tp}"
+        sps = [sp for sp in self.sequence_parallel if not sp or (tp > 1 and (self.seq // cp) % tp == 0)]
+        if not sps:
+            self.tried.append(f"{at}: sequence parallelism was required but tp does not divide "
+                              + (f"the {self.seq // cp} positions of a rank" if cp > 1 else f"seq={self.seq}"))
+            return
+        for pp in _divisors(self.world // (tp * cp)):
+            data = self.world // (tp * cp * pp)
+            if pp > self.depth:
+                self.tried.append(f"{at} pp={pp}: more pipeline stages than the model's {self.depth} layers")
+                continue
+            if self.global_batch % data:
+                self.tried.append(f"{at} pp={pp} dp={data}: the global batch {self.global_batch} does not "
+                                  f"divide by dp={data}")
+                continue
+            zs = [z for z in self.zero if not (z and data * cp == 1)]  # ZeRO shards over dp x cp (x ep)
+            if not zs:
+                self.tried.append(f"{at} pp={pp} dp=1: ZeRO-{'/'.join(map(str, self.zero))} was required "
+                                  "but needs dp > 1")
+            for ep in self.eps(data):
+                for sp in sps:
+                    for z in zs:
+                        if ep > 1 and z == 3:  # the runtime's ZeRO-3 gathers over dp only (runtime/module.py)
+                            self.tried.append(f"{at} pp={pp} ep={ep}: ZeRO-3 with ep is not run by the runtime")
+                            continue
+                        yield tp, sp, pp, data // ep, ep, z, cp
+
+    def variants(self, pp: int, data: int, cp: int = 1) -> Iterator[tuple[Schedule, int, int]]:
         """(schedule, virtual, microbatch size) on ``data`` = dp x ep data-parallel ranks, microbatch sizes
-        increasing."""
+        increasing; under cp > 1 microbatch size 1 only (module docstring, "The space")."""
         per_dp = self.global_batch // data
-        sizes = [b for b in _divisors(per_dp) if self.microbatch_sizes is None or b in self.microbatch_sizes]
+        sizes = [b for b in _divisors(per_dp) if (self.microbatch_sizes is None or b in self.microbatch_sizes)
+                 and (cp == 1 or b == 1)]
         if pp == 1:
             scheds = [(Schedule.ONE_F_ONE_B, 1)]
         else:
@@ -855,13 +936,17 @@ class _Space:
         return [(max(self.overlap), min(self.precision, key=_PRECISION_SPEED.get))]
 
     def layout(self, tp, sp, pp, dp, z, s, v, b, rec, overlap: bool = True, precision: str | None = None,
-               ep: int = 1) -> Layout:
-        return Layout(dp=dp, tp=tp, pp=pp, ep=ep, virtual=v, microbatch_size=b, schedule=s, sequence_parallel=sp,
-                      recompute=rec, zero=z, overlap_grad_reduce=self.overlap_grad_reduce, overlap=overlap,
-                      precision=precision)
+               ep: int = 1, cp: int = 1, cp_attention: str = "ring") -> Layout:
+        return Layout(dp=dp, tp=tp, pp=pp, ep=ep, cp=cp, virtual=v, microbatch_size=b, schedule=s,
+                      sequence_parallel=sp, recompute=rec, zero=z, overlap_grad_reduce=self.overlap_grad_reduce,
+                      overlap=overlap, precision=precision, cp_attention=cp_attention)
 
 
 _PRECISION_SPEED = {"fp8": 0, "bf16": 1, None: 1, "fp32": 2}  # fastest matmuls first
+# the fewest tokens in each of the 2·cp chunks of a context-parallel layout the search enumerates by default: a
+# FlashAttention tile (128 rows); shorter chunks leave the blocks of ring attention part empty, which the cost
+# model's roofline does not price (module docstring, "The space")
+MIN_CP_CHUNK = 128
 
 
 def _tuple(x) -> tuple:
@@ -870,7 +955,7 @@ def _tuple(x) -> tuple:
 
 def _space(work: SearchWorkload, world: int, global_batch: int, seq: int, schedules, recompute, zero,
            sequence_parallel, microbatch_sizes, overlap_grad_reduce, overlap=(True, False),
-           precision=(None,), ep=None) -> _Space:
+           precision=(None,), ep=None, cp=None, cp_attention="auto") -> _Space:
     bad = [s for s in schedules if s not in _COST_SCHEDULE]
     if bad:
         raise SearchError(f"schedules {bad}: use any of gpipe, 1f1b, interleaved, zbh1")
@@ -895,28 +980,56 @@ def _space(work: SearchWorkload, world: int, global_batch: int, seq: int, schedu
             raise SearchError(f"ep {bad}: positive expert-parallel sizes")
         if moe is None and any(e > 1 for e in ep_sizes):
             raise SearchError(f"ep={ep!r}: {work.name or 'the model'} has no mixture-of-experts layer to shard over ep")
+    cp_sizes = None
+    if cp is not None:
+        cp_sizes = _tuple(cp)
+        bad = [c for c in cp_sizes if not isinstance(c, int) or isinstance(c, bool) or c < 1]
+        if bad:
+            raise SearchError(f"cp {bad}: positive context-parallel sizes")
+    cpa = _tuple(cp_attention)
+    bad = [v for v in cpa if v not in ("auto", *C.CP_VARIANTS)]
+    if bad or not cpa:
+        raise SearchError(f"cp_attention={cp_attention!r}: 'auto' (the cheapest that applies) or any of "
+                          f"{', '.join(C.CP_VARIANTS)}")
     return _Space(world, work.depth, int(global_batch), int(seq), tuple(schedules), rec, _tuple(zero),
                   tuple(bool(x) for x in sequence_parallel),
                   tuple(microbatch_sizes) if microbatch_sizes else None, overlap_grad_reduce,
                   tuple(dict.fromkeys(_tuple(overlap))), tuple(dict.fromkeys(_tuple(precision))),
-                  moe.experts if moe is not None else None, ep_sizes)
+                  moe.experts if moe is not None else None, ep_sizes, cp_sizes, tuple(dict.fromkeys(cpa)),
+                  work.profile(1, False).heads)
 
 
 def enumerate_layouts(model, world: int, *, global_batch: int, seq: int, schedules=DEFAULT_SCHEDULES,
                       recompute=DEFAULT_RECOMPUTE, zero=DEFAULT_ZERO, sequence_parallel=(False, True),
                       microbatch_sizes=None, overlap_grad_reduce: bool = True, overlap=(True, False),
-                      precision=None, example_inputs: tuple = (), example_kwargs: dict | None = None, ep=None
-                      ) -> Iterator[Layout]:
+                      precision=None, example_inputs: tuple = (), example_kwargs: dict | None = None, ep=None,
+                      cp=None, cp_attention="auto", hardware: str | Hardware = "h100",
+                      attention_kernel: str = "flash") -> Iterator[Layout]:
     """Every layout of the search space, unpruned (what :func:`search` ranks, before pruning).
-    ``precision``: None (layouts without one: priced at estimate()'s) or the precisions to enumerate."""
+    ``precision``: None (layouts without one: priced at estimate()'s) or the precisions to enumerate.
+    ``cp``/``cp_attention`` as for :func:`search`; ``hardware`` and ``attention_kernel``: what
+    ``cp_attention="auto"`` picks the variant of a cp layout on (:func:`mcompile.cost.choose_cp_attention`)."""
     work = SearchWorkload.of(model, example_inputs, example_kwargs)
     sp = _space(work, world, global_batch, seq, schedules, recompute, zero, sequence_parallel, microbatch_sizes,
-                overlap_grad_reduce, overlap, precision, ep)
-    for tp, spar, pp, dp, ep_, z in sp.groups(work.tp_error):
-        for s, v, b in sp.variants(pp, dp * ep_):
+                overlap_grad_reduce, overlap, precision, ep, cp, cp_attention)
+    picks: dict[tuple, str] = {}
+
+    def pick(tp, spar, cp_, ep_, b, pr):
+        key = (tp, spar, cp_, ep_, b, pr)
+        if key not in picks:
+            picks[key] = C.choose_cp_attention(Layout(tp=tp, cp=cp_, ep=ep_, microbatch_size=b, sequence_parallel=spar,
+                                                      precision=pr), hardware, seq=seq, model=work.profile(tp, spar),
+                                               attention_kernel=attention_kernel)[0]
+        return picks[key]
+
+    for tp, spar, pp, dp, ep_, z, cp_ in sp.groups(work.tp_error):
+        for s, v, b in sp.variants(pp, dp * ep_, cp_):
             for rec in sp.recompute:
                 for ov, pr in sp.options(tp, z):
-                    yield sp.layout(tp, spar, pp, dp, z, s, v, b, rec, ov, pr, ep=ep_)
+                    for cpa in sp.cp_variants(tp, cp_):
+                        if cpa == "auto":
+                            cpa = pick(tp, spar, cp_, ep_, b, pr)
+                        yield sp.layout(tp, spar, pp, dp, z, s, v, b, rec, ov, pr, ep=ep_, cp=cp_, cp_attention=cpa)
 
 
 # --------------------------------------------------------------------------- results
@@ -953,11 +1066,12 @@ class Candidate:
         return self.layout.precision or self.estimate.details.get("precision", "bf16")
 
     def mesh(self, fake: bool = False):
-        """The :class:`mcompile.Mesh` (axes of size 1 dropped; dp, pp, ep, tp in that order)."""
+        """The :class:`mcompile.Mesh` (axes of size 1 dropped; dp, pp, cp, ep, tp in that order)."""
         from mcompile.mesh import Mesh
 
         lay = self.layout
-        axes = {a: n for a, n in (("dp", lay.dp), ("pp", lay.pp), ("ep", lay.ep), ("tp", lay.tp)) if n > 1}
+        axes = {a: n for a, n in (("dp", lay.dp), ("pp", lay.pp), ("cp", lay.cp), ("ep", lay.ep), ("tp", lay.tp))
+                if n > 1}
         axes = axes or {"dp": 1}
         return Mesh.fake(**axes) if fake else Mesh(**axes)
 
@@ -971,6 +1085,8 @@ class Candidate:
             out.update(overlap=False, tp_overlap="off")
         if self.precision == "fp8":
             out["fp8"] = "current"
+        if lay.cp > 1:  # the variant priced (Config(cp_attention="auto") picks the same: choose_cp_attention)
+            out["cp_attention"] = lay.cp_attention
         if lay.recompute == Recompute.AUTO:  # the budget every rank can take, per microbatch (passes/remat.py)
             budget = self.estimate.details.get("activation_budget")
             out["activation_budget"] = int(budget) if budget is not None else 0
@@ -1001,8 +1117,8 @@ class SearchResult(list):
     def best(self) -> Candidate:
         return self[0]
 
-    HEADER = ("#", "dp", "pp", "ep", "tp", "v", "mbs", "m", "schedule", "sp", "recompute", "zero", "overlap", "matmul",
-              "step s", "TFLOP/s", "MFU", "memory", "layers/stage", "largest terms")
+    HEADER = ("#", "dp", "pp", "cp", "ep", "tp", "v", "mbs", "m", "schedule", "sp", "recompute", "zero", "overlap",
+              "matmul", "step s", "TFLOP/s", "MFU", "memory", "layers/stage", "largest terms")
 
     def rows(self) -> list[list[str]]:
         """The ranking as rows of text under :attr:`HEADER` (the CLI's table and :meth:`table`)."""
@@ -1010,7 +1126,8 @@ class SearchResult(list):
         for i, c in enumerate(self, 1):
             lay, e = c.layout, c.estimate
             top = sorted(e.breakdown.items(), key=lambda kv: -kv[1])[:3]
-            rows.append([str(i), str(lay.dp), str(lay.pp), str(lay.ep), str(lay.tp), str(lay.virtual),
+            rows.append([str(i), str(lay.dp), str(lay.pp), str(lay.cp) + (f" {lay.cp_attention}" if lay.cp > 1 else ""),
+                         str(lay.ep), str(lay.tp), str(lay.virtual),
                          str(lay.microbatch_size),
                          str(int(e.details["microbatches"])), _RUNTIME_SCHEDULE[lay.schedule] if lay.pp > 1 else "-",
                          "yes" if lay.sequence_parallel else "-", lay.recompute.value, str(lay.zero),
@@ -1103,8 +1220,8 @@ def _candidate_dict(c: Candidate) -> dict:
             "cut_nodes": list(c.stages.cut_nodes) if c.stages else None}
 
 
-_FIELDS = ("dp", "pp", "ep", "tp", "virtual", "microbatch_size", "schedule", "sequence_parallel", "recompute", "zero",
-           "overlap", "precision")
+_FIELDS = ("dp", "pp", "cp", "ep", "tp", "virtual", "microbatch_size", "schedule", "sequence_parallel", "recompute",
+           "zero", "overlap", "precision", "cp_attention")
 
 
 def explain_pair(a: Candidate, b: Candidate) -> str:
@@ -1127,7 +1244,7 @@ def explain_pair(a: Candidate, b: Candidate) -> str:
         for k, x, y in rows:
             lines.append(f"  {k:<10} {x:>10.4g} s  {y:>10.4g} s   {y - x:+.4g} s")
     mrows = [(k, ea.memory_breakdown.get(k, 0.0), eb.memory_breakdown.get(k, 0.0))
-             for k in ("params", "grads", "optimizer", "activations", "zero_buffers")]
+             for k in ("params", "grads", "optimizer", "activations", "zero_buffers", "cp_buffers")]
     mrows = [r for r in mrows if abs(r[2] - r[1]) > 1]
     if mrows:
         lines.append("memory of the largest rank that differs (best vs runner-up):")
@@ -1172,7 +1289,7 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
            schedules=DEFAULT_SCHEDULES, recompute=DEFAULT_RECOMPUTE, zero=DEFAULT_ZERO,
            sequence_parallel=(False, True), microbatch_sizes=None, overlap_grad_reduce: bool = True,
            overlap=(True, False), dtype: torch.dtype = torch.bfloat16, exhaustive: bool = False, ep=None,
-           moe_imbalance: float = 1.0) -> SearchResult:
+           moe_imbalance: float = 1.0, cp=None, cp_attention="auto") -> SearchResult:
     """The ``top_k`` fastest layouts of ``model`` on ``world`` GPUs that fit in ``memory_limit`` bytes
     per GPU (default: the hardware's HBM), ranked by predicted step time (module docstring).
 
@@ -1182,7 +1299,10 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
     FP8 before Hopper — are left out); each candidate's ``layout.precision`` says which it takes.
     ``param_dtype``/``grad_dtype``/``attention_kernel``/``efficiency`` are :func:`mcompile.cost.estimate`'s.
     ``schedules``, ``recompute``, ``zero``, ``overlap``, ``sequence_parallel``, ``microbatch_sizes``
-    and ``ep`` (expert-parallel sizes, MoE models only) restrict the space. ``moe_imbalance``: the busiest
+    and ``ep`` (expert-parallel sizes, MoE models only) restrict the space, as do ``cp`` (context-parallel
+    sizes; None: every one for which 2·cp divides ``seq``) and ``cp_attention`` ("auto": each cp layout
+    with :func:`mcompile.cost.choose_cp_attention`'s pick, what ``Config(cp_attention="auto")`` runs; or
+    the variants to price, a name or a tuple). ``moe_imbalance``: the busiest
     ep rank's routed tokens over the mean (:func:`mcompile.cost.estimate`). ``exhaustive``: price every
     layout, no pruning (tests)."""
     t0 = time.perf_counter()
@@ -1203,7 +1323,7 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
     st_of = {pr: dataclasses.replace(st, precision=pr) for pr in precisions}
     limit = st.limit
     space = _space(work, world, global_batch, seq, schedules, recompute, zero, sequence_parallel, microbatch_sizes,
-                   overlap_grad_reduce, overlap, precisions, ep)
+                   overlap_grad_reduce, overlap, precisions, ep, cp, cp_attention)
     sections: dict[tuple, _Sections] = {}
     splits: dict[tuple, StageSplit] = {}
     found: list[tuple] = []  # (step, memory, index, layout, layers, split, ranked)
@@ -1211,11 +1331,11 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
     stats = dict(space=0, groups=0, priced=0, pruned_memory=0, pruned_dominated=0, pruned_groups=0)
     pruned_groups: list[tuple] = []
 
-    def sec_of(tp, sp, b, pr=precisions[0], ep=1):
-        key = (tp, sp, b, pr, ep)
+    def sec_of(tp, sp, b, pr=precisions[0], ep=1, cp=1):
+        key = (tp, sp, b, pr, ep, cp)
         if key not in sections:
             sections[key] = _Sections(work.profile(tp, sp), b, st_of.get(pr) or dataclasses.replace(st, precision=pr),
-                                      pr, ep)
+                                      pr, ep, cp)
         return sections[key]
 
     def split_of(pp, v):
@@ -1223,80 +1343,87 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
             splits[(pp, v)] = stage_split(work, pp, v, seq)
         return splits[(pp, v)]
 
-    for tp, sp, pp, dp, ep_, z in space.groups(work.tp_error):
+    for tp, sp, pp, dp, ep_, z, cp_ in space.groups(work.tp_error):
         stats["groups"] += 1
         prof = work.profile(tp, sp)
-        variants = list(space.variants(pp, dp * ep_))
+        variants = list(space.variants(pp, dp * ep_, cp_))
         options = space.options(tp, z, exhaustive)
-        n_options = len(space.options(tp, z))
+        asked_cp = space.cp_variants(tp, cp_)  # ("auto",): one layout, choose_cp_attention's variant
+        n_options = len(space.options(tp, z)) * len(asked_cp)
         n_variants = len(variants) * len(space.recompute) * n_options
         stats["space"] += n_variants
-        stats["pruned_dominated"] += len(variants) * len(space.recompute) * (n_options - len(options))
+        stats["pruned_dominated"] += len(variants) * len(space.recompute) * (n_options - len(options) * len(asked_cp))
         # 1. memory lower bound of the group: model state averaged over the pipeline ranks (E/ep experts a rank)
-        per = _per(param_dtype, grad_dtype, z, dp, ep_)
+        per = _per(param_dtype, grad_dtype, z, dp, ep_, cp_)
         lay_params, lay_experts = C.expert_split(prof, ep_)
         total_params = work.depth * lay_params + prof.pre.params + prof.post.params - prof.tied_params
         if not exhaustive and sum(per.of(total_params, work.depth * lay_experts)) / pp > limit:
             stats["pruned_groups"] += 1
-            stats["pruned_memory"] += len(variants) * len(space.recompute) * len(options)
-            pruned_groups.append((tp, sp, pp, dp, ep_, z))
+            stats["pruned_memory"] += len(variants) * len(space.recompute) * len(options) * len(asked_cp)
+            pruned_groups.append((tp, sp, pp, dp, ep_, z, cp_))
             continue
         over_at: dict[tuple, int] = {}  # (schedule, v) -> smallest microbatch size over the limit
         links = None
         named = [r for r in space.recompute if r != Recompute.AUTO]
         for s, v, b in variants:
             if not exhaustive and (s, v) in over_at:  # memory never falls as the microbatch grows (docstring)
-                stats["pruned_memory"] += len(space.recompute) * len(options)
+                stats["pruned_memory"] += len(space.recompute) * len(options) * len(asked_cp)
                 continue
             split = split_of(pp, v)
             layers = split.layers_per_rank
             m = global_batch / (dp * ep_ * b)
             fitted = False
-            one_pass, reduce_bytes = _lifetimes(layers, m, z, dp)
+            one_pass, reduce_bytes = _lifetimes(layers, m, z, dp * cp_)
             for pr in dict.fromkeys(o[1] for o in options):
-                sec = sec_of(tp, sp, b, pr, ep_)
+                sec = sec_of(tp, sp, b, pr, ep_, cp_)
                 zb = _zero_of(z, st_of[pr], sec)
                 ovs = [o for o, q in options if q == pr]
                 # overlap off where it changes nothing (tp = 1, ZeRO < 3) is the same layout twice: priced when
                 # exhaustive, not ranked
                 same = {False} if (tp == 1 and z < 3 and True in ovs) else set()
-                for k, rec in enumerate(named):
-                    mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, rec.value, detail=False,
-                                        one_pass=one_pass, reduce_bytes=reduce_bytes, zero=zb)
-                    if mem < smallest[0]:
-                        smallest[:] = [mem, space.layout(tp, sp, pp, dp, z, s, v, b, rec, ovs[0], pr, ep_)]
-                    if mem > limit:
-                        stats["pruned_memory"] += len(ovs)
-                        continue
-                    for ov in ovs:
-                        lay = space.layout(tp, sp, pp, dp, z, s, v, b, rec, ov, pr, ep_)
-                        links = links or _links(lay, st)
-                        terms, _ = _terms(lay, prof, sec, layers, st_of[pr], links)
-                        stats["priced"] += 1
-                        found.append((sum(terms.values()), mem, len(found), lay, layers, split, ov not in same))
-                    fitted = True
-                    if not exhaustive:  # 3. recompute dominance: the slower named modes need no pricing
-                        stats["pruned_dominated"] += (len(named) - k - 1) * len(ovs)
-                        break
-                if Recompute.AUTO in space.recompute:  # priced wherever it fits (docstring, pruning 3)
-                    for ov in ovs:
-                        auto = _auto_of(prof, sec, layers, per, s.value, v, m, limit, one_pass=one_pass,
-                                        reduce_bytes=reduce_bytes, overlap=ov, zero=zb)
-                        mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, "auto", detail=False,
-                                            one_pass=one_pass, reduce_bytes=reduce_bytes, auto=auto, zero=zb)
-                        lay = space.layout(tp, sp, pp, dp, z, s, v, b, Recompute.AUTO, ov, pr, ep_)
+                for cpa in (sec.cp_choice if a == "auto" else a for a in asked_cp):
+                    cpb = sec.cp_buffers(cpa)
+                    layout_at = functools.partial(space.layout, tp, sp, pp, dp, z, s, v, b)  # (rec, overlap, ...)
+
+                    for k, rec in enumerate(named):
+                        mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, rec.value, detail=False,
+                                            one_pass=one_pass, reduce_bytes=reduce_bytes, zero=zb, cp_buffers=cpb)
                         if mem < smallest[0]:
-                            smallest[:] = [mem, lay]
+                            smallest[:] = [mem, layout_at(rec, ovs[0], pr, ep_, cp_, cpa)]
                         if mem > limit:
-                            stats["pruned_memory"] += 1
+                            stats["pruned_memory"] += len(ovs)
                             continue
-                        links = links or _links(lay, st)
-                        terms, _ = _terms(lay, prof, sec, layers, st_of[pr], links, auto=auto)
-                        stats["priced"] += 1
-                        # where it reduces to none (none fits, and is priced), the same layout twice: not ranked
-                        ranked = not (_auto_is_none(auto) and Recompute.NONE in space.recompute) and ov not in same
-                        found.append((sum(terms.values()), mem, len(found), lay, layers, split, ranked))
+                        for ov in ovs:
+                            lay = layout_at(rec, ov, pr, ep_, cp_, cpa)
+                            links = links or _links(lay, st)
+                            terms, _ = _terms(lay, prof, sec, layers, st_of[pr], links)
+                            stats["priced"] += 1
+                            found.append((sum(terms.values()), mem, len(found), lay, layers, split, ov not in same))
                         fitted = True
+                        if not exhaustive:  # 3. recompute dominance: the slower named modes need no pricing
+                            stats["pruned_dominated"] += (len(named) - k - 1) * len(ovs)
+                            break
+                    if Recompute.AUTO in space.recompute:  # priced wherever it fits (docstring, pruning 3)
+                        for ov in ovs:
+                            auto = _auto_of(prof, sec, layers, per, s.value, v, m, limit, one_pass=one_pass,
+                                            reduce_bytes=reduce_bytes, overlap=ov, zero=zb, cp_attention=cpa)
+                            mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, "auto", detail=False,
+                                                one_pass=one_pass, reduce_bytes=reduce_bytes, auto=auto, zero=zb,
+                                                cp_buffers=cpb)
+                            lay = layout_at(Recompute.AUTO, ov, pr, ep_, cp_, cpa)
+                            if mem < smallest[0]:
+                                smallest[:] = [mem, lay]
+                            if mem > limit:
+                                stats["pruned_memory"] += 1
+                                continue
+                            links = links or _links(lay, st)
+                            terms, _ = _terms(lay, prof, sec, layers, st_of[pr], links, auto=auto)
+                            stats["priced"] += 1
+                            # where it reduces to none (none fits, and is priced), the same layout twice: not ranked
+                            ranked = (not (_auto_is_none(auto) and Recompute.NONE in space.recompute)
+                                      and ov not in same)
+                            found.append((sum(terms.values()), mem, len(found), lay, layers, split, ranked))
+                            fitted = True
             if not fitted:
                 over_at[(s, v)] = b
     if stats["groups"] == 0:
@@ -1307,7 +1434,7 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
     top = []
     for *_, lay, layers, split, _ in [r for r in found if r[6]][:max(1, top_k)]:
         prof = work.profile(lay.tp, lay.sequence_parallel)
-        sec = sec_of(lay.tp, lay.sequence_parallel, lay.microbatch_size, lay.precision, lay.ep)
+        sec = sec_of(lay.tp, lay.sequence_parallel, lay.microbatch_size, lay.precision, lay.ep, lay.cp)
         est = _finish(lay, work, prof, sec, layers, split, st_of[lay.precision])
         top.append(Candidate(lay, est, split if lay.pp > 1 else None))
     res = SearchResult(top, workload=work, world=world, hardware=hw, global_batch=int(global_batch), seq=int(seq),
@@ -1324,7 +1451,7 @@ def _reprice(layout: Layout, *, work, st: _Settings, sec_of, split_of) -> Estima
     pr = layout.precision
     prof = work.profile(layout.tp, layout.sequence_parallel)
     split = split_of(layout.pp, layout.virtual)
-    sec = sec_of(layout.tp, layout.sequence_parallel, layout.microbatch_size, pr, layout.ep)
+    sec = sec_of(layout.tp, layout.sequence_parallel, layout.microbatch_size, pr, layout.ep, layout.cp)
     return _finish(layout, work, prof, sec, split.layers_per_rank, split, dataclasses.replace(st, precision=pr))
 
 
@@ -1351,15 +1478,17 @@ def _most_saving(recompute: tuple) -> Recompute:
 def _nothing_fits(work, space, pruned_groups, smallest, limit, st, sec_of, split_of) -> str:
     # the groups pruned by their lower bound: their real footprints at each schedule's smallest microbatch
     # under the most memory-saving recompute mode allowed
-    for tp, sp, pp, dp, ep, z in pruned_groups:
+    for tp, sp, pp, dp, ep, z, cp in pruned_groups:
         prof = work.profile(tp, sp)
         seen = set()
-        for s, v, b in space.variants(pp, dp * ep):
+        for s, v, b in space.variants(pp, dp * ep, cp):
             if (s, v) in seen:
                 continue
             seen.add((s, v))
-            lay = space.layout(tp, sp, pp, dp, z, s, v, b, _most_saving(space.recompute), ep=ep)
-            mem, _ = _memory(lay, prof, sec_of(tp, sp, b, ep=ep), split_of(pp, v).layers_per_rank, st)
+            sec = sec_of(tp, sp, b, ep=ep, cp=cp)
+            lay = space.layout(tp, sp, pp, dp, z, s, v, b, _most_saving(space.recompute), ep=ep, cp=cp,
+                               cp_attention=sec.cp_choice)
+            mem, _ = _memory(lay, prof, sec, split_of(pp, v).layers_per_rank, st)
             if mem < smallest[0]:
                 smallest[:] = [mem, lay]
     mem, lay = smallest
@@ -1380,6 +1509,7 @@ def _nothing_fits(work, space, pruned_groups, smallest, limit, st, sec_of, split
 _PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "bf16"}
 _SEARCHED_OPTIONS = ("sequence_parallel", "recompute", "zero", "schedule")  # fixed by the user: a restriction
 _CHOSEN_OPTIONS = ("microbatches", "virtual_stages", "layers_per_stage", "stage_cuts")  # only the search sets
+AUTO_LAYOUT_CP = (1,)  # the cp sizes plan="auto" may choose (auto_layout's docstring)
 
 
 def auto_layout(model, world: int, example_inputs: tuple, example_kwargs: dict | None, options: dict, *,
@@ -1395,7 +1525,10 @@ def auto_layout(model, world: int, example_inputs: tuple, example_kwargs: dict |
     (a torch optimizer over ``pm.parameters()`` would see no gradients: ``train_step`` refuses to run).
     So the search chooses only ZeRO 0 — the plain loop ``opt = torch.optim.AdamW(pm.parameters())``
     works — unless ``distributed_optimizer=True`` says the optimizer will be a DistributedOptimizer
-    (then ZeRO 0/1), or ``zero`` is given (that level)."""
+    (then ZeRO 0/1), or ``zero`` is given (that level).
+
+    Context parallelism is not chosen here yet (cp = 1: :data:`AUTO_LAYOUT_CP`): ``plan="auto"`` has not
+    been run end to end with a cp mesh; :func:`search` explores it."""
     from mcompile.config import Config, Inputs
 
     given = [k for k in _CHOSEN_OPTIONS if k in options]
@@ -1416,7 +1549,8 @@ def auto_layout(model, world: int, example_inputs: tuple, example_kwargs: dict |
     # ZeRO 0, or 0/1 with a DistributedOptimizer (docstring; 2 and 3 run as passes on the joint program: opt in
     # with zero=); overlap as configured (Config(overlap=True) by default); the compute dtype, never FP8 unasked
     zero_levels = (0, 1) if distributed_optimizer else (0,)
-    restrict = {"recompute": RECOMPUTE_ORDER, "zero": zero_levels, "overlap": (bool(config.overlap),)}
+    restrict = {"recompute": RECOMPUTE_ORDER, "zero": zero_levels, "overlap": (bool(config.overlap),),
+                "cp": AUTO_LAYOUT_CP}
     if "sequence_parallel" in options:
         restrict["sequence_parallel"] = (bool(options["sequence_parallel"]),)
     if "recompute" in options:
