@@ -38,9 +38,11 @@ class Compiled:
         return [
             AxisInfo(ap.policy.axis, ap.policy.size, coords[ap.policy.axis], ap.result,
                      inputs_presharded=ap.policy.shard_inputs_dim0,
-                     loss_replicated=not ap.policy.shard_inputs_dim0,
+                     loss_replicated=not ap.policy.loss_partial,
                      vocab_pad_multiple=self.plan.options.vocab_pad_multiple,
-                     moe=(self.plan.options.moe_dispatcher, self.plan.options.moe_capacity_factor))
+                     moe=(self.plan.options.moe_dispatcher, self.plan.options.moe_capacity_factor),
+                     context_parallel=ap.policy.context_parallel,
+                     cp_attention=self.plan.options.cp_attention)
             for ap in self.axes
         ]
 
@@ -167,6 +169,7 @@ def compile_plan(
     share=None,
     moe_dispatcher: str = "alltoall",
     moe_capacity_factor: float = 0.0,
+    cp_attention: str = "auto",
 ) -> Compiled:
     """Capture, plan and lower (rank 0's program; others on demand).
 
@@ -188,6 +191,12 @@ def compile_plan(
     if token_weighted_loss:
         canon["mean_loss_to_sum_count"] = int(mean_loss_to_sum_count(cap.gm))
     check_arguments(cap.gm, mesh, microbatches, runtime=for_runtime)
+    if mesh.size("cp") > 1:
+        from mcompile.cp_plan import check_cp_mesh
+        from mcompile.passes.attention import canonicalize_attention
+
+        check_cp_mesh(mesh)
+        canon.update(canonicalize_attention(cap))
     annotation = annotate(cap.gm)
     hints = _hints(cap, example_inputs, example_kwargs, seq, batch)
     axes = plan_axes(cap, mesh, sequence_parallel, overrides, hints)
@@ -202,6 +211,10 @@ def compile_plan(
     options = PlanOptions(sequence_parallel=sp, sp_variant=SPVariant.SAVE_GATHERED,
                           vocab_pad_multiple=vocab_pad_multiple, moe_dispatcher=moe_dispatcher,
                           moe_capacity_factor=moe_capacity_factor)
+    if mesh.size("cp") > 1:
+        from mcompile.cp_plan import resolve_cp_attention
+
+        options.cp_attention = resolve_cp_attention(cp_attention, cap, mesh, hints)
     plan = assemble_plan(cap, mesh, axes, options, overrides)
     plan.inputs = input_specs(cap.input_names, example_inputs, example_kwargs)  # what estimate(plan, model) needs
     compiled = Compiled(cap, plan, mesh, axes, canon, annotation, short=short)
@@ -351,6 +364,7 @@ def parallelize(
         stage_cuts=config.stage_cuts, pipeline_seq=config.pipeline_seq, for_runtime=True,
         capture_cache=config.capture_cache, share=_from_rank0 if world > 1 else None,
         moe_dispatcher=config.moe_dispatcher, moe_capacity_factor=config.moe_capacity_factor,
+        cp_attention=config.cp_attention,
     )
     # every rank planned on its own: they must agree, or collectives would not match (a hang)
     digest = hashlib.sha256(compiled.plan.to_json().encode()).hexdigest()

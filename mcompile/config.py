@@ -80,6 +80,10 @@ class Config:
     # 0: dropless; > 0: each expert takes at most ceil(factor * local slots / experts) slots per rank, the
     # rest dropped (counted: pm.moe_dropped)
     moe_capacity_factor: float = 0.0
+    # attention over a "cp" axis (mcompile.cp): "ring" (K/V passed around the ring, overlapped with the block
+    # computed), "allgather" (K/V gathered: good with few kv heads; the one that takes an arbitrary mask),
+    # "a2a" (Ulysses: heads <-> sequence all-to-alls; heads must divide by cp), or "auto": the cost model's pick
+    cp_attention: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -94,6 +98,8 @@ class Config:
                              "microbatch> (>= 0)")
         if self.moe_dispatcher not in ("alltoall", "allgather"):
             raise ValueError(f"moe_dispatcher={self.moe_dispatcher!r}: use 'alltoall' or 'allgather'")
+        if self.cp_attention not in ("auto", "ring", "allgather", "a2a"):
+            raise ValueError(f"cp_attention={self.cp_attention!r}: use 'auto', 'ring', 'allgather' or 'a2a'")
         if not isinstance(self.moe_capacity_factor, int | float) or isinstance(self.moe_capacity_factor, bool) \
                 or self.moe_capacity_factor < 0:
             raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor!r}: use 0 (dropless) or a factor > 0 "

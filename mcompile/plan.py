@@ -130,6 +130,7 @@ class PlanOptions:
     vocab_pad_multiple: int = 128  # a vocab that tp does not divide: padded to a multiple of tp * this (Megatron's 128)
     moe_dispatcher: str = "alltoall"  # MoE layers over ep: "alltoall" | "allgather" (mcompile.moe)
     moe_capacity_factor: float = 0.0  # 0: dropless
+    cp_attention: str = "ring"  # attention over cp: "ring" | "allgather" | "a2a" (mcompile.cp; "auto" resolved)
 
 
 @dataclass
@@ -213,7 +214,8 @@ class Plan:
             activations={k: tuple(_parse(x) for x in v) for k, v in d["activations"].items()},
             collectives=[CollectiveSpec(**c) for c in d["collectives"]],
             options=PlanOptions(opts["sequence_parallel"], SPVariant(opts["sp_variant"]), opts["vocab_pad_multiple"],
-                                opts.get("moe_dispatcher", "alltoall"), opts.get("moe_capacity_factor", 0.0)),
+                                opts.get("moe_dispatcher", "alltoall"), opts.get("moe_capacity_factor", 0.0),
+                                opts.get("cp_attention", "ring")),
             model=d["model"], fallbacks=list(d["fallbacks"]), overrides=dict(d["overrides"]),
             stage_cuts=list(d["stage_cuts"]), recompute=list(d["recompute"]), schedule=d["schedule"],
             pipeline=dict(d.get("pipeline", {})),

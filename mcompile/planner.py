@@ -224,12 +224,18 @@ def megatron_policies(mesh: Mesh, sequence_parallel: bool, overrides: dict | Non
                                    allow_static_dims=False, params_replicated=True, partial_passthrough=False,
                                    param_overrides={**(experts or {}), **p_over[ax]}, node_overrides=n_over[ax],
                                    expert_parallel=True))
+        elif ax == "cp":
+            # context parallelism: the tokens of every sequence split over cp (load-balanced chunks), parameters
+            # replicated and their gradients summed over cp like dp's (mcompile.cp)
+            pols.append(AxisPolicy(ax, n, allowed_symbols=frozenset({SEQ}), allow_static_dims=False,
+                                   params_replicated=True, partial_passthrough=False, context_parallel=True,
+                                   param_overrides=p_over[ax], node_overrides=n_over[ax]))
         elif ax == "pp":
             continue  # pipeline stages split the graph itself (mcompile.partition); nothing is sharded over pp
         else:
             raise PlanError(
-                f"mesh axis {ax}={n}: this planner handles dp, ep, pp and tp so far (cp comes with its "
-                "pass); use a mesh like Mesh(dp=..., pp=..., ep=..., tp=...)"
+                f"mesh axis {ax}={n}: this planner handles dp, pp, cp, ep and tp; use a mesh like "
+                "Mesh(dp=..., pp=..., cp=..., tp=...)"
             )
     return pols
 
@@ -268,7 +274,7 @@ def assemble_plan(cap: Captured, mesh: Mesh, axes: list[AxisPlanResult], options
     partial: dict[str, set[str]] = {}
     for ap in axes:
         res = ap.result
-        loss_axis_partial = ap.policy.shard_inputs_dim0
+        loss_axis_partial = ap.policy.loss_partial
         for node in cap.gm.graph.nodes:
             s = res.strategies.get(node.name)
             if s is None:

@@ -40,6 +40,7 @@ __all__ = ["AxisPolicy", "AxisResult", "PlanError", "FallbackWarning", "propagat
 
 R = Replicate()
 INF = float("inf")
+REPLICATED_TOKENS = 1e18  # cp: the price of computing a token activation whole on every rank (see AxisPolicy)
 aten = torch.ops.aten
 # Ops whose non-first tensor inputs are weights that a tensor-parallel plan must shard.
 CONTRACTION_WEIGHT_ARGS = {
@@ -76,6 +77,16 @@ class AxisPolicy:
     node_overrides: dict = field(default_factory=dict)  # node name -> placement of its output
     param_hints: dict = field(default_factory=dict)  # placeholder name -> placement offered to rules first
     expert_parallel: bool = False  # ep: MoE nodes may take their expert-parallel strategy (lowering moe_ep)
+    # cp: every value computed from parameters that has a token dim (seq, or batch*seq flattened) is split on
+    # it (load-balanced chunks, mcompile.cp); attention takes its context-parallel lowering; the loss is the
+    # ranks' sum (inputs arrive whole: input-only values such as positions and shifted labels are computed
+    # whole, then sliced where they meet the split activations)
+    context_parallel: bool = False
+
+    @property
+    def loss_partial(self) -> bool:
+        """Whether the step's loss is the sum of this axis's ranks' (dp, ep, cp), not replicated (tp)."""
+        return self.shard_inputs_dim0 or self.context_parallel
 
 
 @dataclass
@@ -153,6 +164,8 @@ def propagate_axis(
         names = {k for k, s in sym.items() if s in free}
         if not names:
             return policy.allow_static_dims
+        if policy.context_parallel:  # the tokens: the sequence, or batch*seq flattened (seq innermost)
+            return SEQ in names and (size == sym.get(SEQ) or size == sym.get(SEQ) * sym.get(BATCH, 0))
         if BATCH in names:  # batch, or batch*seq flattened with the batch outermost (the view rule's job)
             return BATCH in policy.allowed_symbols
         return SEQ in policy.allowed_symbols and size == sym.get(SEQ)
@@ -171,7 +184,7 @@ def propagate_axis(
             if not isinstance(size, sympy.Expr) or not size.free_symbols:
                 return INF  # static dims (features, heads) are sharded by contractions, not by collectives
         if isinstance(cur, Replicate) and isinstance(req, Shard):
-            return 1e-3 + (b if grad else 0.0)
+            return 1e-3 + (b if grad and not policy.context_parallel else 0.0)  # cp: the slice's adjoint is local
         if isinstance(cur, Partial) and cur.reduce_op in ("sum", "avg") and isinstance(req, Replicate):
             return 2 * b
         if isinstance(cur, Partial) and cur.reduce_op == "max" and isinstance(req, Replicate) and not grad:
@@ -225,7 +238,8 @@ def propagate_axis(
         current = tuple(
             place.get(a.name) if place.get(a.name) is not None else policy.param_hints.get(a.name, R) for a in ins
         )
-        info = OpInfo(node, node.target, tuple(node.args), dict(node.kwargs), in_metas, outs, n, current)
+        info = OpInfo(node, node.target, tuple(node.args), dict(node.kwargs), in_metas, outs, n, current,
+                      token_symbol=sym.get(SEQ) if policy.context_parallel else None)
         rule = get_rule(node.target)
         if rule is None:
             # An input-only value (a mask, position ids, a RoPE table) held whole by every rank runs
@@ -236,9 +250,13 @@ def propagate_axis(
         else:
             cands = rule(info)
         weight_args = CONTRACTION_WEIGHT_ARGS.get(node.target, ())
+        token_out = policy.context_parallel and node.name in from_params and any(
+            any(shard_allowed(o, Shard(d)) for d in range(o.ndim)) for o in outs)
         best, best_cost = None, INF
         for s in cands:
             if s.lowering == "moe_ep" and not policy.expert_parallel:
+                continue
+            if s.lowering == "cp_attention" and not policy.context_parallel:
                 continue
             cost = 0.0
             for i, (a, req) in enumerate(zip(ins, s.inputs)):
@@ -267,6 +285,8 @@ def propagate_axis(
                 if (not policy.partial_passthrough and any(isinstance(p, Partial) for p in s.inputs)
                         and any(isinstance(p, Partial) for p in s.outputs)):
                     cost = INF
+            if cost < INF and token_out and all(isinstance(p, Replicate) for p in s.outputs):
+                cost += REPLICATED_TOKENS  # cp: a replicated token activation repeats its work on every rank
             if cost < best_cost:
                 best, best_cost = s, cost
         if node.name in policy.node_overrides:
@@ -276,6 +296,8 @@ def propagate_axis(
                 raise PlanError(f"override {node.name}={want!r} on axis {policy.axis}: no strategy of "
                                 f"{node.target} produces it; possible: {sorted({repr(s.outputs[0]) for s in cands})}")
             best = forced[0]
+        if token_out and best is not None and best_cost >= REPLICATED_TOKENS:
+            fallbacks.add(f"{node.target} (whole sequence on every {policy.axis} rank)")
         if info.notes:
             notes[node.name] = list(info.notes)
         if best is None:

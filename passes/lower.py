@@ -57,6 +57,8 @@ class AxisInfo:
     loss_replicated: bool  # grads of replicated values are exact (tp), not partial (dp)
     vocab_pad_multiple: int = 1  # a Shard dim that does not divide: padded to size * this (PlanOptions)
     moe: tuple = ("alltoall", 0.0)  # MoE layers over this axis (ep): dispatcher, capacity factor (PlanOptions)
+    context_parallel: bool = False  # cp: the tokens split (mcompile.cp), the loss the ranks' sum
+    cp_attention: str = "ring"  # cp: the attention variant (PlanOptions)
 
     def local_size(self, size: int, p) -> int:
         """This rank's share of a static dim of ``size`` placed ``p`` (Shard or BlockShard) on this
@@ -171,7 +173,9 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
         return _SIMPLIFIED[n]
 
     def emit_collective(op_name, args, origin: fx.Node, axis_i: int, fwd, bwd, dim, purpose, meta_val, pl):
-        node = g.call_function(OPS[op_name], args)
+        if op_name not in OPS:  # the context-parallel ones (mcompile.cp registers them)
+            import mcompile.cp  # noqa: F401
+        node = g.call_function(OPS[op_name] if op_name in OPS else getattr(torch.ops.mcompile, op_name).default, args)
         spec = CollectiveSpec(
             op=op_name, forward=str(fwd), backward=str(bwd), axis=axes[axis_i].name, dim=dim,
             bytes=nbytes_expr(meta_val, pl, axis_i), node=node.name, origin=origin.name,
@@ -227,6 +231,11 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                     cur[i] = w
                 continue
             w = want[i]
+            if ax.context_parallel:
+                if cur[i] != w:
+                    val = fetch_cp(a, val, tuple(cur), i, w, meta_val)
+                    cur[i] = w
+                continue
             need_f = partial_grad[i]
             if cur[i] == w and not need_f:
                 continue
@@ -277,6 +286,47 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
             cur[i] = w
         return val
 
+    seq_sym = cap.symbols.get("seq")
+
+    def fetch_cp(a: fx.Node, val, cur: tuple, i: int, w, meta_val):
+        """Redistribute along a context-parallel axis (mcompile.cp). A Shard there is the tokens' split:
+        on the sequence dim, or on batch*seq flattened (the sequence innermost), each rank holding its
+        load-balanced chunks. The loss is the ranks' sum, so every adjoint is a partial sum's: a slice's is
+        local (the gradient scattered into zeros), a gather's is a reduce-scatter, and a reduced statistic's
+        is an all-reduce."""
+        c, ax = cur[i], axes[i]
+        key = (a.name, cur, i, w, "cp")
+        if key in cache:
+            return cache[key]
+        if seq_sym is None:
+            raise NotImplementedError(f"{a.name}: context parallelism splits the sequence, and this capture has no "
+                                      "dynamic sequence dim")
+        seq = sym(seq_sym)
+        if isinstance(c, Partial) and isinstance(w, Replicate) and c.reduce_op in ("sum", "avg"):
+            v = val
+            if a.name in rg:
+                v = emit_collective("copy_ar_bwd", (v, ax.name, ax.size), a, i, CollectiveKind.NONE,
+                                    CollectiveKind.ALL_REDUCE, None, "token statistic: adjoint", meta_val, cur)
+            v = emit_collective("all_reduce", (v, ax.name, ax.size), a, i, CollectiveKind.ALL_REDUCE,
+                                CollectiveKind.NONE, None, "token statistic", meta_val, cur)
+            if c.reduce_op == "avg":
+                v = g.call_function(aten.div.Tensor, (v, ax.size))
+        elif isinstance(c, Replicate) and isinstance(w, Shard):
+            d = w.dim % meta_val.ndim
+            v = emit_collective("cp_slice", (val, d, ax.name, ax.size, seq), a, i, CollectiveKind.NONE,
+                                CollectiveKind.NONE, d, "cp: the rank's tokens", meta_val, cur)
+        elif isinstance(c, Shard) and isinstance(w, Replicate):
+            d = c.dim % meta_val.ndim
+            v = emit_collective("cp_gather", (val, d, ax.name, ax.size, seq), a, i, CollectiveKind.ALL_GATHER,
+                                CollectiveKind.REDUCE_SCATTER if a.name in rg else CollectiveKind.NONE, d,
+                                "cp: every rank's tokens", meta_val, cur)
+        else:
+            raise NotImplementedError(
+                f"redistribute {a.name} on {ax.name}: {c!r} -> {w!r} (context parallelism moves a value between "
+                "the whole sequence and the ranks' tokens only)")
+        cache[key] = v
+        return v
+
     emitted: dict[str, str] = {}  # program node -> the captured node whose lowering emitted it
     count = len(g.nodes)
 
@@ -297,7 +347,11 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
             results = node.args[0] if isinstance(node.args[0], tuple | list) else [node.args[0]]
             for a in results:
                 if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
-                    want = tuple(R if not ax.inputs_presharded else place[a.name][i] for i, ax in enumerate(axes))
+                    # an output stays as it is along axes whose ranks' results the runtime sums (dp, ep: the loss
+                    # over the batch; cp: over the tokens, a value of the tokens gathered whole)
+                    want = tuple(R if ax.loss_replicated or (ax.context_parallel
+                                                             and not isinstance(place[a.name][i], Partial))
+                                 else place[a.name][i] for i, ax in enumerate(axes))
                     outs.append(fetch(a, want, tuple(False for _ in axes)))
                 else:
                     outs.append(env.get(a.name, a) if isinstance(a, fx.Node) else a)
@@ -526,7 +580,47 @@ def moe_expert_parallel(g, node, want, ax: AxisInfo, emit, ax_i, place, device):
     return new
 
 
+def context_parallel_attention(g, node, want, ax: AxisInfo, emit, ax_i, place, device):
+    """Attention over cp (mcompile.cp): this rank's queries against every rank's keys, by the plan's
+    variant. The plan records its communication: per variant what moves (K/V around the ring in cp - 1
+    steps, K/V all-gathered, or q/k/v/out all-to-all), bytes as this rank's tensors."""
+    import mcompile.cp  # noqa: F401  (registers mcompile::cp_attention)
+
+    ins = tensor_input_nodes(node)
+    q, k, v = (want[a.name] for a in ins[:3])
+    mask = want[ins[3].name] if len(ins) > 3 else None
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    args = list(node.args) + [None] * (8 - len(node.args))
+    opt = {k_: node.kwargs.get(k_, args[j]) for j, k_ in enumerate(names)}
+    if opt["dropout_p"]:
+        raise NotImplementedError(f"{node.name}: attention dropout (p={opt['dropout_p']}) under context "
+                                  "parallelism is not supported; train with dropout_p=0 in attention")
+    qv, kvv = ins[0].meta["val"], ins[1].meta["val"]
+    hq, hkv = int(qv.shape[1]), int(kvv.shape[1])
+    if hq != hkv and not opt["enable_gqa"]:
+        raise NotImplementedError(f"{node.name}: {hq} query heads and {hkv} key heads without enable_gqa")
+    scale = float(opt["scale"]) if opt["scale"] is not None else float(qv.shape[-1]) ** -0.5
+    variant = ax.cp_attention
+    both = g.call_function(torch.ops.mcompile.cp_attention.default,
+                           (q, k, v, mask, ax.name, ax.size, variant, bool(opt["is_causal"]), scale, True))
+    new = g.call_function(operator.getitem, (both, 0))
+    pl = place[ins[0].name]
+    p2p, ag, rs, a2a, none = ("sendrecv", CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER,
+                              CollectiveKind.ALL_TO_ALL, CollectiveKind.NONE)
+    kv = kvv
+    if variant == "ring":
+        parts = [(p2p, p2p, kv, pl, f"cp ring: K/V x {ax.size - 1} steps")] * 2
+    elif variant == "allgather":
+        parts = [(ag, rs, kv, pl, "cp: gather K"), (ag, rs, kv, pl, "cp: gather V")]
+    else:
+        parts = [(a2a, a2a, qv, pl, "cp a2a: q"), (a2a, a2a, kv, pl, "cp a2a: k"), (a2a, a2a, kv, pl, "cp a2a: v"),
+                 (a2a, a2a, qv, pl, "cp a2a: out")]
+    emit.record(both, node, ax_i, parts)
+    return new
+
+
 LOWERINGS = {
+    "cp_attention": context_parallel_attention,
     "moe_ep": moe_expert_parallel,
     "vocab_parallel_embedding": vocab_parallel_embedding,
     "vocab_parallel_cross_entropy": vocab_parallel_cross_entropy,

@@ -67,15 +67,25 @@ class ParallelModule(torch.nn.Module):
         self._coords = self.mesh.coords(self._rank)
         # the data-parallel ranks: dp, and ep too (Megatron folds expert parallelism into data
         # parallelism: the batch is split over dp x ep, dense gradients are summed over both)
-        self._data_axes = tuple(a for a in self.mesh.axis_names if a in ("dp", "ep") and self.mesh.size(a) > 1)
+        # Context parallelism (cp) joins them for the reductions (each cp rank's loss and gradients are
+        # partial sums over its tokens, Megatron's dp x cp group) but not for the batch split: every cp rank
+        # takes the same batch rows, and its program slices its own tokens (mcompile.cp).
+        self._data_axes = tuple(a for a in self.mesh.axis_names if a in ("dp", "cp", "ep") and self.mesh.size(a) > 1)
+        self._batch_axes = tuple(a for a in self._data_axes if a != "cp")
+        self._cp = self.mesh.size("cp")
         self._data_size, self._data_coord = 1, 0
         for a in self._data_axes:
             self._data_size, self._data_coord = self._data_size * self.mesh.size(a), \
                 self._data_coord * self.mesh.size(a) + self._coords[a]
-        if len(self._data_axes) == 2:
-            self._comm.add_group("data", device_mesh[self._data_axes]._flatten("data").get_group())
-        elif self._data_axes:
-            self._comm.add_group("data", self._comm.groups[self._data_axes[0]])
+        self._batch_size, self._batch_coord = 1, 0
+        for a in self._batch_axes:
+            self._batch_size, self._batch_coord = self._batch_size * self.mesh.size(a), \
+                self._batch_coord * self.mesh.size(a) + self._coords[a]
+        for name, axes in (("data", self._data_axes), ("batch", self._batch_axes)):
+            if len(axes) >= 2:
+                self._comm.add_group(name, device_mesh[axes]._flatten(name).get_group())
+            elif axes:
+                self._comm.add_group(name, self._comm.groups[axes[0]])
         self._has_moe_ep = self.mesh.size("ep") > 1
         self.moe_dropped = 0  # routed slots dropped by capacity on this rank in the last step (moe_capacity_factor)
         if self._has_moe_ep:
@@ -292,7 +302,7 @@ class ParallelModule(torch.nn.Module):
 
     # -- running --------------------------------------------------------------------------------
     def _split(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
-        dp = self._data_size
+        dp = self._batch_size
         m = self.config.microbatches
         flat = list(args) + list(kwargs.values())
         batch = next((t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.ndim > 0), None)
@@ -304,12 +314,18 @@ class ParallelModule(torch.nn.Module):
                     f"the global batch of {batch} does not divide by dp={dp} x microbatches={m}; use a batch "
                     f"that is a multiple of {dp * m}"
                 )
-            pick = lambda t: t.chunk(dp)[self._data_coord] if _batched(t, batch) else t  # noqa: E731
+            pick = lambda t: t.chunk(dp)[self._batch_coord] if _batched(t, batch) else t  # noqa: E731
             args = tuple(pick(a) for a in args)
             kwargs = {k: pick(v) for k, v in kwargs.items()}
             batch //= dp
         elif batch % m:
             raise ValueError(f"the local batch of {batch} does not divide by microbatches={m}")
+        if self._cp > 1:
+            from mcompile.cp_plan import check_sequence
+
+            for t in flat:
+                if _batched(t, batch) and t.ndim >= 2:
+                    check_sequence(int(t.shape[1]), self._cp)
         if self._device.type == "cuda":  # this rank's slice pinned once: the copies below overlap the host
             pin = lambda t: t.contiguous().pin_memory() if isinstance(t, torch.Tensor) and t.device.type == "cpu" \
                 else t  # noqa: E731
@@ -439,8 +455,8 @@ class ParallelModule(torch.nn.Module):
                 dist.all_reduce(stats, group=self._comm.groups["data"])
             return stats[0] / stats[1]
         outs = out if isinstance(out, tuple | list) else (out,)
-        if self._data_size > 1:  # the batch dim of each output, gathered over dp (and ep)
-            outs = tuple(self._comm.all_gather(o.contiguous(), 0, "data") if o.ndim else o for o in outs)
+        if self._batch_size > 1:  # the batch dim of each output, gathered over dp (and ep; cp's are whole)
+            outs = tuple(self._comm.all_gather(o.contiguous(), 0, "batch") if o.ndim else o for o in outs)
         return outs[0] if len(outs) == 1 else outs
 
     def _pipe_forward(self, args, kwargs):

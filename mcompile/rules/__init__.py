@@ -116,6 +116,8 @@ class OpInfo:
     n: int  # axis size
     current: tuple = ()  # current placement of each tensor input (a hint; may be empty)
     notes: list[str] = field(default_factory=list)  # why a sharded strategy was impossible
+    # on a context-parallel axis (cp): the sequence symbol; a Shard there is the tokens' split (mcompile.cp)
+    token_symbol: object = None
 
     def arg(self, i: int, name: str | None = None, default=None):
         if i < len(self.args):

@@ -151,6 +151,17 @@ def sdpa(info: OpInfo) -> list[Strategy]:
             info.notes.append(f"indivisible: {q.shape[1]} query heads / {k.shape[1]} kv heads over {info.n}")
             continue
         s.append(Strategy((Shard(d), Shard(d), Shard(d)) + mask_p, (Shard(d),), name=name))
+    if info.token_symbol is not None:
+        # context parallel (cp): every rank's queries against every rank's keys, across ranks (mcompile.cp:
+        # ring / all-gather / Ulysses); a mask's query rows are the rank's, its key columns all of them
+        d = q.ndim - 2
+        mask_p = ()
+        if has_mask:
+            m = info.inputs[3]
+            md = m.ndim - 2
+            mask_p = (R if md < 0 or same(m.shape[md], 1) else Shard(md),)
+        s.insert(0, Strategy((Shard(d), Shard(d), Shard(d)) + mask_p, (Shard(d),), lowering="cp_attention",
+                             name="context_parallel"))
     return s + [Strategy((R,) * len(info.inputs), (R,), name="replicate")]
 
 

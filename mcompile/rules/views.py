@@ -98,6 +98,27 @@ def map_view_placement(p, ishape, oshape, n: int, notes: list[str] | None = None
     return None
 
 
+def map_token_view(p: Shard, ishape, oshape, tok):
+    """Where the tokens' split (cp: a Shard on the sequence, or on batch*seq flattened with the sequence
+    innermost) lands on the output of a view: the dim of the same view group that holds the sequence,
+    which must stay the innermost non-unit dim of its group on both sides ((b, s) <-> b*s), so each
+    rank's tokens stay its tokens. None otherwise."""
+    d = p.dim % len(ishape)
+
+    def has_tok(size) -> bool:
+        return isinstance(size, sympy.Expr) and tok in size.free_symbols
+
+    for ins, outs in view_groups(ishape, oshape):
+        if d not in ins:
+            continue
+        big_in = [k for k in ins if not same(ishape[k], 1)]
+        big_out = [k for k in outs if not same(oshape[k], 1)]
+        if not has_tok(ishape[d]) or not big_in or big_in[-1] != d or not big_out or not has_tok(oshape[big_out[-1]]):
+            return None
+        return Shard(big_out[-1])
+    return None
+
+
 def _cur(info: OpInfo, i: int = 0):
     return info.current[i] if len(info.current) > i else R
 
@@ -116,7 +137,10 @@ def view(info: OpInfo) -> list[Strategy]:
                     info.notes.append(f"squeezing dim {p.dim} (size {size}) sharded over {info.n}: "
                                       "a local piece may have size 1 and would be squeezed")
                 continue
-        q = map_view_placement(p, ishape, oshape, info.n, info.notes if p == _cur(info) else None)
+        if info.token_symbol is not None and isinstance(p, Shard):
+            q = map_token_view(p, ishape, oshape, info.token_symbol)
+        else:
+            q = map_view_placement(p, ishape, oshape, info.n, info.notes if p == _cur(info) else None)
         if q is not None and not isinstance(p, Replicate):
             out.append(Strategy((p,), (q,), name="view"))
     out.sort(key=lambda s: s.inputs[0] != _cur(info))  # the current placement first
