@@ -3,8 +3,9 @@
 Each parity case trains 3 AdamW steps on a pool of gloo workers (runtime_cases.train) and compares the
 losses, the clip norms and the unclipped gradients of the last step with the single-device run at 1e-5
 relative (fp32), as tests/test_runtime.py does for tp/dp. The CI tier keeps each attention variant once
-(ring, allgather, Ulysses a2a) on llama3-tiny; cp=4, cp x tp (SP), dp x cp and Hugging Face Llama run with
--m slow. The attention kernels themselves (every variant against torch's SDPA, the load-balanced chunks)
+(ring, allgather, Ulysses a2a) on llama3-tiny, cp x tp with sequence parallelism, dp x cp and unmodified
+Hugging Face Llama (causal mask and GQA repeat_kv recognised) under ring; cp=4, "auto" and HF Llama under
+allgather run with -m slow. The attention kernels themselves (every variant against torch's SDPA, the load-balanced chunks)
 are tests/test_cp_attention.py.
 """
 
@@ -43,7 +44,7 @@ CASES = [("llama3-tiny", "cp=2", {"cp_attention": v}) for v in ("ring", "allgath
     ("hf-llama", "cp=2", {"cp_attention": "allgather"}),
     ("hf-llama", "cp=2", {"cp_attention": "ring"}),
 ]
-_CI = CASES[:3]
+_CI = CASES[:3] + [CASES[4], CASES[5], CASES[8]]  # + cp x tp (SP), dp x cp, HF Llama ring
 
 
 @pytest.mark.timeout(900)
