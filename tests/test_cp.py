@@ -5,8 +5,8 @@ losses, the clip norms and the unclipped gradients of the last step with the sin
 relative (fp32), as tests/test_runtime.py does for tp/dp. The CI tier keeps each attention variant once
 (ring, allgather, Ulysses a2a) on llama3-tiny, cp x tp with sequence parallelism, dp x cp and unmodified
 Hugging Face Llama (causal mask and GQA repeat_kv recognised) under ring; cp=4, "auto" and HF Llama under
-allgather run with -m slow. The attention kernels themselves (every variant against torch's SDPA, the load-balanced chunks)
-are tests/test_cp_attention.py.
+allgather run with -m slow. The attention kernels themselves (every variant against torch's SDPA, the
+load-balanced chunks) are tests/test_cp_attention.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from runtime_cases import grad_errors, reference, train
 
 import mcompile as mc
 from mcompile.placements import Replicate
+
 from conftest import build, pool, tiered
 
 REL = 1e-5
@@ -91,7 +92,8 @@ class _Windowed(torch.nn.Module):
 
     def __init__(self, vocab=64, d=32, heads=4):
         super().__init__()
-        self.emb, self.qkv, self.out = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, vocab)
+        self.emb, self.qkv = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, 3 * d)
+        self.out = torch.nn.Linear(d, vocab)
         self.heads = heads
 
     def forward(self, x, y):
