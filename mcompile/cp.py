@@ -448,13 +448,17 @@ class _Ready:
         return self.tensors
 
 
-def _ring_forward(q, k, v, axis, n, causal, scale, balanced):
+def _ring_setup(q, k, axis, n, balanced):
+    """What both ring passes start from: the communicator, this rank, the GQA group size, the rank's chunk
+    ids and chunk length, and the fp32 queries."""
     comm = _comm()
     r = comm.rank(axis)
-    g = q.shape[1] // k.shape[1]
     ids = _chunks_of(n, r, balanced)
-    c = q.shape[2] // len(ids)
-    qf = q.float()
+    return comm, r, q.shape[1] // k.shape[1], ids, q.shape[2] // len(ids), q.float()
+
+
+def _ring_forward(q, k, v, axis, n, causal, scale, balanced):
+    comm, r, g, ids, c, qf = _ring_setup(q, k, axis, n, balanced)
     acc = _Softmax(qf, len(ids), c, v.shape[-1])
     kv = [k, v]
     for t in range(n):
@@ -468,12 +472,7 @@ def _ring_forward(q, k, v, axis, n, causal, scale, balanced):
 
 
 def _ring_backward(do, D, q, k, v, lse, axis, n, causal, scale, balanced):
-    comm = _comm()
-    r = comm.rank(axis)
-    g = q.shape[1] // k.shape[1]
-    ids = _chunks_of(n, r, balanced)
-    c = q.shape[2] // len(ids)
-    qf = q.float()
+    comm, r, g, ids, c, qf = _ring_setup(q, k, axis, n, balanced)
     dq = torch.zeros_like(qf)
     kv, dkv_in = [k, v], None
     for t in range(n):
