@@ -88,12 +88,16 @@ def _lower(compiled: Compiled, rank: int, device=None):
 
     if compiled.short is None:
         return lower_program(compiled.captured, compiled.axis_infos(rank), device)
-    from mcompile.meta import COLLECTIVE
+    from mcompile.meta import COLLECTIVE, COLLECTIVES
     from mcompile.repeat import repeat_lowered
 
     gm, _ = lower_program(compiled.short, compiled.axis_infos(rank), device)
     repeat_lowered(gm, compiled.captured.block)
-    return gm, [n.meta[COLLECTIVE] for n in gm.graph.nodes if COLLECTIVE in n.meta]
+    specs = []
+    for n in gm.graph.nodes:
+        specs += [n.meta[COLLECTIVE]] if COLLECTIVE in n.meta else []
+        specs += n.meta.get(COLLECTIVES, [])
+    return gm, specs
 
 
 def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: bool, cache: bool = False,

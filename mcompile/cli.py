@@ -34,7 +34,10 @@ class CLIError(Exception):
     pass
 
 
-def load_model(spec: str, device: str, batch: int, seq: int, dtype=None):
+def load_model(spec: str, device: str, batch: int, seq: int, dtype=None, max_seq: int | None = None):
+    """The model, example inputs and name of ``spec``. ``max_seq``: a preset's context raised (or lowered) to
+    this many positions — a RoPE model such as Llama extended to a long context (its shapes are otherwise
+    the same); a model with learned positions (GPT-2) gets a position table of that length."""
     import torch
 
     from mcompile.models import PRESETS, get_preset
@@ -47,6 +50,8 @@ def load_model(spec: str, device: str, batch: int, seq: int, dtype=None):
                 f"path. Presets: {', '.join(sorted(PRESETS))}"
             )
         pre = get_preset(spec)
+        if max_seq is not None:
+            pre = _with_max_seq(pre, max_seq)
         try:
             pre.example_inputs(batch=batch, seq=seq, device="meta")  # validates seq against the model
         except ValueError as e:
@@ -77,6 +82,15 @@ def load_model(spec: str, device: str, batch: int, seq: int, dtype=None):
     return model, tuple(inputs), spec
 
 
+def _with_max_seq(pre, max_seq: int):
+    import dataclasses
+
+    if max_seq < 1:
+        raise CLIError(f"--max-seq {max_seq}: use a positive number of positions")
+    field = "block_size" if hasattr(pre.config, "block_size") else "max_seq_len"
+    return dataclasses.replace(pre, config=dataclasses.replace(pre.config, **{field: max_seq}))
+
+
 def _compile(args, device: str):
     import torch
 
@@ -90,16 +104,22 @@ def _compile(args, device: str):
     dtype = getattr(torch, args.dtype) if args.dtype else None
     if args.seq is None:
         args.seq = _default_seq(args.model)
-    model, inputs, name = load_model(args.model, device, max(args.batch, 2), max(args.seq, 2), dtype)
+    max_seq = getattr(args, "max_seq", None)
+    if max_seq is not None and ":" in args.model:
+        raise CLIError("--max-seq applies to presets; a module:factory model sets its own context length")
+    model, inputs, name = load_model(args.model, device, max(args.batch, 2), max(args.seq, 2), dtype, max_seq)
     overrides = {}
     for o in args.override or []:
         key, _, spec = o.partition("=")
         overrides[key] = spec
     layers = [int(x) for x in args.layers_per_stage.split(",")] if args.layers_per_stage else None
+    # under cp the loss is planned as parallelize runs it: a mean cross-entropy rewritten into (sum, count)
+    # (passes/loss.py), each rank's tokens summed where they are; a mean would gather the logits over cp
     c = compile_plan(model, mesh, inputs, sequence_parallel=args.sp, overrides=overrides or None,
+                     token_weighted_loss=mesh.size("cp") > 1,
                      seq=args.seq, batch=args.batch, schedule=args.schedule, virtual_stages=args.virtual,
                      microbatches=args.microbatches, pipeline_granularity=args.granularity,
-                     layers_per_stage=layers, pipeline_seq=args.seq)
+                     layers_per_stage=layers, pipeline_seq=args.seq, cp_attention=args.cp_attention)
     c.plan.model = name
     c.cli_inputs = inputs
     return c
@@ -112,7 +132,7 @@ def _default_seq(spec: str) -> int:
 
 
 def cmd_plan(args) -> int:
-    from mcompile.report import collective_bytes, memory_per_rank, moe_summary, moe_text, plan_text
+    from mcompile.report import collective_bytes, cp_summary, memory_per_rank, moe_summary, moe_text, plan_text
 
     if args.list:
         from mcompile.models import PRESETS
@@ -149,6 +169,9 @@ def cmd_plan(args) -> int:
         moe = moe_summary(c, sizes, args.dtype)
         if moe is not None:
             d["moe"] = moe
+        cp = cp_summary(c.plan, sizes)
+        if cp is not None:
+            d["context_parallel"] = cp
         fp8 = _fp8_report(args, c)
         if fp8 is not None:
             d["fp8"] = fp8.to_dict()
@@ -389,6 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="sequence length for sizes (default: 2048, or the model's maximum if smaller)")
         sp.add_argument("--batch", type=int, default=1, help="batch per data-parallel rank (default 1)")
         sp.add_argument("--sp", action="store_true", help="Megatron sequence parallelism")
+        sp.add_argument("--max-seq", type=int, default=None, metavar="N",
+                        help="a preset's context length raised to N positions (e.g. Llama-3-8B at 131072 for a "
+                             "long-context plan with cp=...)")
+        sp.add_argument("--cp-attention", choices=["auto", "ring", "allgather", "a2a"], default="auto",
+                        help="attention across the cp axis (Config(cp_attention=); auto: the cost model's pick)")
         sp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="parameter dtype for memory figures (default: the model's)")
         sp.add_argument("--override", action="append", metavar="FQN=AXIS=PLACEMENT",

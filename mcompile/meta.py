@@ -20,6 +20,7 @@ LOWERING = "mc_lowering"  # str | None: name of a special local lowering (vocab-
 
 # Lowered per-rank programs (mcompile.passes.lower).
 COLLECTIVE = "mc_collective"  # mcompile.plan.CollectiveSpec on every inserted collective node
+COLLECTIVES = "mc_collectives"  # list[CollectiveSpec]: a node that runs several inside (MoE dispatch, cp attention)
 ORIGIN = "mc_origin"  # str: name of the captured-graph node this local node implements
 LAYER = "mc_layer"  # int | None: transformer layer index (reporting only), from nn_module_stack
 PARAM_FQN = "mc_param_fqn"  # str: original FQN on parameter/buffer placeholders

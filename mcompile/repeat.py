@@ -243,11 +243,15 @@ def _relabel(new: fx.Node, old: fx.Node, block: Block, j: int, origin_of) -> Non
         new.meta[M.LAYER] = j
     if M.ORIGIN in old.meta and origin_of is not None:
         new.meta[M.ORIGIN] = origin_of(old.meta[M.ORIGIN], j)
+    def moved(spec):
+        return dataclasses.replace(spec, node=new.name, origin=origin_of(spec.origin, j) if origin_of else spec.origin,
+                                   layer=j if spec.layer == block.last else spec.layer)
+
     spec = old.meta.get(M.COLLECTIVE)
     if spec is not None:
-        new.meta[M.COLLECTIVE] = dataclasses.replace(
-            spec, node=new.name, origin=origin_of(spec.origin, j) if origin_of else spec.origin,
-            layer=j if spec.layer == block.last else spec.layer)
+        new.meta[M.COLLECTIVE] = moved(spec)
+    if old.meta.get(M.COLLECTIVES):
+        new.meta[M.COLLECTIVES] = [moved(s) for s in old.meta[M.COLLECTIVES]]
 
 
 def _clear_copy_marks(gm: fx.GraphModule) -> None:

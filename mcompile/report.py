@@ -173,11 +173,47 @@ def plan_text(plan: Plan, sizes: dict[str, int] | None = None, dtype: str | None
     head = " x ".join(f"{a}={n}" for a, n in plan.mesh.items())
     sp = f"on ({plan.options.sp_variant})" if plan.options.sequence_parallel else "off"
     console.print(f"Plan for {plan.model or 'model'} on mesh {head}; sequence parallel: {sp}")
+    cp_line = cp_text(plan, sizes)
+    if cp_line:
+        console.print(cp_line)
     if plan.fallbacks:
         console.print(f"Replicated because no sharding rule exists: {', '.join(plan.fallbacks)}")
     for t in plan_tables(plan, sizes, dtype):
         console.print(t)
     return buf.getvalue()
+
+
+def cp_summary(plan: Plan, sizes: dict[str, int] | None = None) -> dict | None:
+    """The sequence split of a context-parallel plan (None without cp): the attention variant, the chunks, and
+    at ``sizes`` the tokens of each sequence a rank holds (and between tp regions under sequence parallelism)."""
+    cp, tp = plan.mesh.get("cp", 1), plan.mesh.get("tp", 1)
+    if cp <= 1:
+        return None
+    d = {"cp": cp, "attention": plan.options.cp_attention, "chunks": 2 * cp, "chunks_of_rank": "r and 2cp-1-r"}
+    seq, batch = (sizes or {}).get("seq"), (sizes or {}).get("batch", 1)
+    if isinstance(seq, int):
+        d.update(seq=seq, tokens_per_sequence_per_rank=seq // cp, chunk_tokens=seq // (2 * cp),
+                 tokens_per_rank=batch * seq // cp)
+        if plan.options.sequence_parallel and tp > 1:
+            d["tokens_between_tp_regions"] = seq // cp // tp
+    return d
+
+
+def cp_text(plan: Plan, sizes: dict[str, int] | None = None) -> str:
+    """:func:`cp_summary` in a line ("" without cp)."""
+    d = cp_summary(plan, sizes)
+    if d is None:
+        return ""
+    n = d["chunks"]
+    head = (f"Context parallel: cp={d['cp']}, attention {d['attention']!r}; each sequence is cut into {n} chunks "
+            f"and cp rank r holds chunks r and {n - 1}-r (load-balanced causal attention)")
+    if "seq" not in d:
+        return head
+    sp = (f"; {d['tokens_between_tp_regions']} between tensor-parallel regions (sequence parallel over "
+          f"tp={plan.mesh.get('tp', 1)})" if "tokens_between_tp_regions" in d else "")
+    return (f"{head}: of each {d['seq']}-token sequence a rank holds {d['tokens_per_sequence_per_rank']} tokens "
+            f"({d['chunk_tokens']} a chunk){sp}; {d['tokens_per_rank']} tokens per rank per step at batch "
+            f"{(sizes or {}).get('batch', 1)}")
 
 
 def measure_per_rank(compiled, inputs: tuple, lr: float = 1e-3) -> list[dict[str, int]]:

@@ -190,11 +190,13 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
     def record_collectives(node: fx.Node, origin: fx.Node, axis_i: int, parts: list) -> None:
         """Specs of the collectives one emitted node runs inside (an MoE dispatch): ``parts`` are
         (forward kind, backward kind, meta of the moved tensor, placements, purpose)."""
+        mine = node.meta.setdefault(M.COLLECTIVES, [])
         for fwd, bwd, meta_val, pl, purpose in parts:
-            specs.append(CollectiveSpec(
+            mine.append(CollectiveSpec(
                 op=node.target.__name__, forward=str(fwd), backward=str(bwd), axis=axes[axis_i].name, dim=0,
                 bytes=nbytes_expr(meta_val, pl, axis_i), node=node.name, origin=origin.name,
                 layer=layer_index(origin), purpose=purpose))
+        specs.extend(mine[-len(parts):] if parts else [])
 
     emit_collective.record = record_collectives
 
@@ -605,8 +607,7 @@ def context_parallel_attention(g, node, want, ax: AxisInfo, emit, ax_i, place, d
                            (q, k, v, mask, ax.name, ax.size, variant, bool(opt["is_causal"]), scale, True))
     new = g.call_function(operator.getitem, (both, 0))
     pl = place[ins[0].name]
-    p2p, ag, rs, a2a, none = ("sendrecv", CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER,
-                              CollectiveKind.ALL_TO_ALL, CollectiveKind.NONE)
+    p2p, ag, rs, a2a = "sendrecv", CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL
     kv = kvv
     if variant == "ring":
         parts = [(p2p, p2p, kv, pl, f"cp ring: K/V x {ax.size - 1} steps")] * 2

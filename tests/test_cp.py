@@ -131,3 +131,46 @@ def test_cp_with_pp_or_ep_is_refused_before_planning(mesh):
     with pytest.raises(ValueError, match="not supported yet: use cp with dp and tp"):
         model, inputs = build("llama3-tiny", batch=2)
         mc.compile_plan(model, mc.Mesh.fake(**mesh), inputs, cp_attention="ring")
+
+
+@pytest.mark.timeout(300)
+def test_cli_plans_llama3_8b_at_128k_tokens_on_cp8_tp8_with_memory_per_rank(capsys):
+    """Acceptance 4: a 128K-token plan of Llama-3-8B on a fake cp=8 x tp=8 mesh (the preset's context
+    raised with --max-seq), with the sequence split, per-layer attention over cp, and memory per rank. The
+    loss is planned on each rank's own tokens: no logits gathered over cp."""
+    import json
+
+    from mcompile.cli import main
+
+    args = ["plan", "llama3-8b", "--mesh", "cp=8,tp=8", "--sp", "--seq", "131072", "--max-seq", "131072",
+            "--dtype", "bfloat16", "--gpu", "h100", "--json"]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    d = json.loads(out.out)
+    assert d["context_parallel"] == {"cp": 8, "attention": "ring", "chunks": 16, "chunks_of_rank": "r and 2cp-1-r",
+                                     "seq": 131072, "tokens_per_sequence_per_rank": 16384, "chunk_tokens": 8192,
+                                     "tokens_per_rank": 16384, "tokens_between_tp_regions": 2048}
+    cp = [c for c in d["collectives"] if c["axis"] == "cp"]
+    assert not [c for c in cp if c["op"] == "cp_gather"], "the loss gathers the logits over cp"
+    ring = [c for c in cp if c["op"].startswith("cp_attention")]
+    assert sorted({c["layer"] for c in ring}) == list(range(32)) and len(ring) == 64  # K and V, every layer
+    # model state: 8.03e9 parameters over tp=8 (vocab padded): 2 bytes (bf16) each, and 18 bytes with the fp32
+    # gradient, master copy and AdamW m, v (Megatron's 18 bytes a parameter; AdamW's step counts aside)
+    state = d["memory_per_rank"]
+    assert 2 * 1.0e9 < state["params"] < 2 * 1.01e9
+    assert state["total"] == pytest.approx(9 * state["params"], rel=1e-6)
+    assert "fits" in out.err and "cp buffers" in out.err
+
+
+@pytest.mark.timeout(300)
+def test_max_seq_is_refused_for_a_factory_model_and_a_longer_sequence_still_needs_it(capsys):
+    from mcompile.cli import main
+
+    assert main(["plan", "llama3-8b", "--mesh", "cp=8", "--seq", "16384"]) == 2
+    assert "exceeds the max sequence length 8192" in capsys.readouterr().err
+    assert main(["plan", "test_cp:_factory", "--mesh", "cp=2", "--max-seq", "64"]) == 2
+    assert "--max-seq applies to presets" in capsys.readouterr().err
+
+
+def _factory():
+    return build("llama3-tiny", batch=2)[0]
