@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+import importlib
+import importlib.util
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -31,7 +32,7 @@ def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-Family = Literal["gpt", "llama", "mixtral", "deepseek"]
+Family = str  # "gpt", "llama", "mixtral", "deepseek", or a family module's own (FAMILY_MODULES below)
 
 # a family's model class and the config class it takes
 _FAMILIES: dict[str, tuple[type[nn.Module], type]] = {
@@ -50,10 +51,15 @@ class Preset:
 
     name: str
     family: Family
-    config: GPTConfig | LlamaConfig | MixtralConfig | DeepSeekV3Config
+    config: object  # the family's config dataclass (GPTConfig, LlamaConfig, ...)
     model_class: type[nn.Module] | None = None
+    # a family whose model is not called as model(tokens, targets) (an encoder-decoder, images and text):
+    # inputs(config, batch, seq, device, generator) -> the example inputs' tuple, random and valid
+    inputs: Callable | None = None
 
     def __post_init__(self) -> None:
+        if self.family not in _FAMILIES and self.model_class is not None:
+            return  # a family module's model (FAMILY_MODULES): its own class and config
         if self.family not in _FAMILIES:
             raise ValueError(f"preset {self.name!r}: unknown family {self.family!r}; families: {', '.join(_FAMILIES)}")
         cls, config_cls = _FAMILIES[self.family]
@@ -95,6 +101,8 @@ class Preset:
         gen = None
         if seed is not None and device.type != "meta":
             gen = torch.Generator(device=device).manual_seed(seed)
+        if self.inputs is not None:
+            return tuple(self.inputs(self.config, batch, seq, device, gen))
         idx = torch.randint(0, self.vocab_size, (batch, seq), device=device, dtype=torch.long, generator=gen)
         targets = torch.randint(
             0, self.vocab_size, (batch, seq), device=device, dtype=torch.long, generator=gen
@@ -181,7 +189,15 @@ _ALL = [
               routed_scaling_factor=2.5, first_dense_layers=3),
 ]
 
+# families defined in a module of their own (models/<name>.py), each with a list PRESETS of Preset
+FAMILY_MODULES = ("bert", "t5", "mla", "mamba", "llava", "retro")
+for _mod in FAMILY_MODULES:
+    if importlib.util.find_spec(f"{__package__}.{_mod}") is not None:
+        _ALL += importlib.import_module(f"{__package__}.{_mod}").PRESETS
+
 PRESETS: dict[str, Preset] = {p.name: p for p in _ALL}
+if len(PRESETS) != len(_ALL):
+    raise AssertionError("two presets share a name")
 
 
 def list_presets() -> list[str]:

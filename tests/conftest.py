@@ -64,6 +64,9 @@ def build(name: str, seed: int = 0, device=None, batch: int = 2):
 
         pre = get_preset(name)
         model = pre.build()
+        if pre.inputs is not None:  # a family with its own inputs (models/<family>.py): seq 16, seeded
+            model.eval()
+            return model, pre.example_inputs(batch=batch, seq=16, seed=seed + 1)
         vocab = pre.config.vocab_size
     model.eval()  # dropout off: parity runs at p = 0 (DESIGN §11)
     g = torch.Generator().manual_seed(seed + 1)
