@@ -29,12 +29,12 @@ def check_sequence(seq: int, cp: int) -> None:
 
 
 def check_cp_mesh(mesh: Mesh) -> None:
-    """The layouts cp runs with today: cp alone, with dp and with tp (sequence parallel inside a cp rank).
-    cp with pp or ep is refused before anything is captured or run (neither is proven at parity yet)."""
-    for ax in ("pp", "ep"):
-        if mesh.size(ax) > 1:
-            raise ValueError(f"context parallelism (cp={mesh.size('cp')}) with {ax}={mesh.size(ax)} is not supported "
-                             f"yet: use cp with dp and tp (e.g. Mesh(dp=..., cp=..., tp=...)), or {ax} without cp")
+    """The layouts cp runs with today: cp alone, with dp, with tp (sequence parallel inside a cp rank) and
+    with pp (each stage's ranks split the tokens; stages pass their local tokens). cp with ep is refused
+    before anything is captured or run (not proven at parity yet)."""
+    if mesh.size("ep") > 1:
+        raise ValueError(f"context parallelism (cp={mesh.size('cp')}) with ep={mesh.size('ep')} is not supported "
+                         "yet: use cp with dp, tp and pp (e.g. Mesh(dp=..., pp=..., cp=..., tp=...)), or ep without cp")
 
 
 def attention_nodes(cap: Captured) -> list[torch.fx.Node]:

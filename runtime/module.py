@@ -470,8 +470,8 @@ class ParallelModule(torch.nn.Module):
             results = self._pipe.run(self._split(args, kwargs), forward_only=True)
         if self._token_weighted:
             stats = self._pipe.reduce_results(results)
-            if self.mesh.size("dp") > 1:
-                dist.all_reduce(stats, group=self._comm.groups["dp"])
+            if self._data_size > 1:  # every data rank's tokens: dp, cp (each rank's share of a sequence) and ep
+                dist.all_reduce(stats, group=self._comm.groups["data"])
             return stats[0] / stats[1]
         dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
                   torch.int16, torch.int8, torch.uint8, torch.bool)  # the wire codes: indices here

@@ -508,7 +508,11 @@ def _expand(grads, outputs):
 # The glue between a ParallelModule and the executor
 # ------------------------------------------------------------------------------------------------
 _COMM_OPS = {"all_reduce": 1, "all_reduce_max": 1, "reduce_scatter": 2, "all_gather": 2,  # op -> axis arg
-             "start_all_reduce": 1, "start_reduce_scatter": 1, "start_all_gather": 1}  # (recorded as the collective)
+             "start_all_reduce": 1, "start_reduce_scatter": 1, "start_all_gather": 1,  # (recorded as the collective)
+             # ops that communicate inside (mcompile.cp, mcompile.moe): each a sequence of exchanges that every
+             # rank of the group runs the same way, recorded as one step of that group
+             "cp_gather": 2, "cp_gather_backward": 2, "cp_attention": 4, "cp_attention_backward": 8,
+             "moe_ep": 6, "moe_ep_backward": 4}
 
 
 class _RecordCollectives(torch.utils._python_dispatch.TorchDispatchMode):
@@ -807,6 +811,8 @@ class Pipeline:
             error = e
         groups = [(pm._comm.groups[a], group_of(a, pm._rank)) for a in mesh.axis_names
                   if a != "pp" and mesh.size(a) > 1]
+        if len(pm._data_axes) > 1:  # dp x cp (x ep): the gradient buckets' and the loss's group
+            groups.append((pm._comm.groups["data"], self._data_members()))
         error = check_collectives_across(mine, groups, device=pm._device) or error
         if self.pp > 1:  # the pipeline's members derived the same lists (plans or inputs could differ)
             error = check_derived_across(pm._rank, derived, pm._comm.groups["pp"], group_of("pp", pm._rank),
@@ -821,6 +827,12 @@ class Pipeline:
                                     "cause); this rank's own lists match")
         self._probed[key] = send_specs
         return send_specs
+
+    def _data_members(self) -> tuple[int, ...]:
+        """The global ranks of this rank's data group (dp x cp x ep: they differ only on those axes)."""
+        pm, mesh = self.pm, self.pm.mesh
+        return tuple(r for r in range(mesh.size()) if all(
+            mesh.coords(r)[a] == pm._coords[a] for a in mesh.axis_names if a not in pm._data_axes))
 
     def _runner(self, s: int):
         """Stage ``s``'s joint runner: this rank's own, or one made to derive another rank's ops."""
@@ -904,15 +916,16 @@ class Pipeline:
                 out.append(CommOp("coll", f"all_reduce tied {fqn}", tuple(shape), f32, group=members, axis="pp"))
         if q != self.pp_rank:
             return out
-        if mesh.size("dp") > 1:
+        if pm._data_size > 1:  # the data ranks: dp, and cp's (each holds a share of every sequence's tokens)
+            data = self._data_members()
             zero = getattr(pm, "_zero", None)
             if zero is not None:  # (ZeRO-2 reduce-scatters per microbatch too: the same sequence on every dp rank)
-                out += [CommOp("coll", "reduce_scatter dp bucket", (b.grad_buf.numel(),), f32, group=group("dp"),
+                out += [CommOp("coll", "reduce_scatter dp bucket", (b.grad_buf.numel(),), f32, group=data,
                                axis="dp") for b in zero.buckets]
             else:
                 out += [CommOp("coll", "all_reduce dp bucket", (b.buf.numel(),), f32,
-                               group=group("dp"), axis="dp") for b in pm._leaves.buckets if b.reduce_dp]
-            out.append(CommOp("coll", "all_reduce loss", (2,), f32, group=group("dp"), axis="dp"))
+                               group=data, axis="dp") for b in pm._leaves.buckets if b.reduce_dp]
+            out.append(CommOp("coll", "all_reduce loss", (2,), f32, group=data, axis="dp"))
         if getattr(pm, "_tp_partial", None):
             n = sum(pm._leaves.main[f].numel() for f in pm._tp_partial)
             out.append(CommOp("coll", "all_reduce sp norm grads", (n,), f32, group=group("tp"), axis="tp"))

@@ -179,3 +179,10 @@ def contract(rank, world, name, mesh, options):
     back = pm.full_state_dict()
     out["load_round_trip"] = all(torch.equal(back[k], perturbed[k]) for k in perturbed)
     return out
+
+
+def forward_loss(rank, world, name, mesh, options, batch=4):
+    """The parallel module's forward (no training step) on the global batch: the model's loss."""
+    model, inputs = build(name, batch=batch)
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
+    return pm(*inputs).item()

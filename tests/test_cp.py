@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_cases import grad_errors, reference, train
+from runtime_cases import forward_loss, grad_errors, reference, train
 
 import mcompile as mc
 from mcompile.placements import Replicate
@@ -44,8 +44,11 @@ CASES = [("llama3-tiny", "cp=2", {"cp_attention": v}) for v in ("ring", "allgath
     ("llama3-tiny", "cp=2", {"cp_attention": "auto"}),
     ("hf-llama", "cp=2", {"cp_attention": "allgather"}),
     ("hf-llama", "cp=2", {"cp_attention": "ring"}),
+    ("llama3-tiny", "pp=2,cp=2", {"cp_attention": "ring", "microbatches": 2}),
+    ("llama3-tiny", "pp=2,cp=2", {"cp_attention": "allgather", "microbatches": 2}),
+    ("llama3-tiny", "pp=2,cp=2", {"cp_attention": "a2a", "microbatches": 2, "schedule": "gpipe"}),
 ]
-_CI = CASES[:3] + [CASES[4], CASES[5], CASES[8]]  # + cp x tp (SP), dp x cp, HF Llama ring
+_CI = CASES[:3] + [CASES[4], CASES[5], CASES[8], CASES[9]]  # + cp x tp (SP), dp x cp, HF Llama ring, pp x cp
 
 
 @pytest.mark.timeout(900)
@@ -57,6 +60,16 @@ def test_cp_parity(name, mesh, options):
 def _plan(name, cp, **kw):
     model, inputs = build(name, batch=2)
     return mc.compile_plan(model, mc.Mesh.fake(cp=cp), inputs, **kw)
+
+
+@pytest.mark.timeout(600)
+def test_pipeline_forward_loss_is_the_mean_over_every_cp_ranks_tokens():
+    """forward() under pp x cp: the last stage's (sum, count) reduced over the data group (cp included)."""
+    model, inputs = build("llama3-tiny", batch=4)
+    want = model(*inputs).item()
+    got = pool(4).run(forward_loss, "llama3-tiny", "pp=2,cp=2", {"cp_attention": "allgather", "microbatches": 2},
+                      timeout=300)
+    assert got == pytest.approx([want] * 4, rel=REL, abs=0)
 
 
 @pytest.mark.timeout(300)
@@ -126,11 +139,10 @@ def test_ulysses_with_more_ranks_than_heads_lists_the_valid_cp():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mesh", [{"pp": 2, "cp": 2}, {"ep": 2, "cp": 2}])
-def test_cp_with_pp_or_ep_is_refused_before_planning(mesh):
-    with pytest.raises(ValueError, match="not supported yet: use cp with dp and tp"):
-        model, inputs = build("llama3-tiny", batch=2)
-        mc.compile_plan(model, mc.Mesh.fake(**mesh), inputs, cp_attention="ring")
+def test_cp_with_ep_is_refused_before_planning():
+    with pytest.raises(ValueError, match="not supported yet: use cp with dp, tp and pp"):
+        model, inputs = build("mixtral-tiny", batch=2)
+        mc.compile_plan(model, mc.Mesh.fake(ep=2, cp=2), inputs, cp_attention="ring")
 
 
 @pytest.mark.timeout(300)
