@@ -333,14 +333,16 @@ def pipeline_text(plan: Plan, batch: int = 1, dtype: str | None = None, width: i
     per_param = 18 if dtype in ("bfloat16", "float16") else 16  # weights + fp32 grads + AdamW (Megatron)
     mb = max(1, batch // m) if batch >= m else 1
     actions = build_schedule(plan.schedule, pp, v, m)
-    stage_bytes = {i: st["act_bytes_per_sample"] * mb / plan.mesh.get("tp", 1) for i, st in enumerate(pl["stages"])}
+    split = plan.mesh.get("tp", 1) * plan.mesh.get("cp", 1)  # cp: a rank holds 1/cp of every sequence's tokens
+    stage_bytes = {i: st["act_bytes_per_sample"] * mb / split for i, st in enumerate(pl["stages"])}
     peak = [peak_activation_bytes(actions[r], {s: b for s, b in stage_bytes.items() if s % pp == r})
             for r in range(pp)]
     total_cost = sum(st["cost"] for st in pl["stages"]) or 1.0
     t = Table(title=f"Pipeline: {len(pl['stages'])} stages on pp={pp} (virtual {v}), schedule {plan.schedule}, "
                     f"{m} microbatches of {mb}, cuts at {pl['granularity']} granularity")
     for col in ("stage", "rank", "layers", "parameters", "per rank", "param+grad+optim per rank",
-                "activations / microbatch (captured / tp)", "cost share"):
+                "activations / microbatch (captured / tp" + (" / cp)" if plan.mesh.get("cp", 1) > 1 else ")"),
+                "cost share"):
         t.add_column(col)
     n_layers = int(round(pl["stages"][-1]["layers"][1]))
     for i, st in enumerate(pl["stages"]):
