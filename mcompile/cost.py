@@ -846,7 +846,7 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
             rec = [n for n in members if _op_class(_cat(n)) == "attention" or _cat(n) == "softmax"]
         keep = lambda x: BATCH in sympy.sympify(x.meta.get(OUT_BYTES, 0)).subs(sub).free_symbols  # noqa: E731
         e = MM.saved_for_backward(members, is_param=is_param, local_fraction=local_fraction, recomputed=rec,
-                                  keep_input=keep)
+                                  keep_input=keep, needs_grad=needs_grad)
         if mode != "full":  # what the experts keep (saved_for_backward sees the moe_ffn node as one opaque call)
             e = e + sympy.Add(*[MM.moe_saved_bytes(n, hidden_share=share(n))
                                 for n in members if n in moe_facts])
@@ -857,6 +857,9 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
     for n in nodes:
         if any((a.op == "placeholder" and a.name in cap.params) or a in differentiable for a in n.all_input_nodes):
             differentiable.add(n)
+
+    def needs_grad(a: fx.Node) -> bool:  # a value autograd records a gradient for
+        return (a.op == "placeholder" and a.name in cap.params) or a in differentiable
 
     def node_counts(members: list[fx.Node]) -> tuple[float, float]:
         calls = [n for n in members if isinstance(n.target, torch._ops.OpOverload)]
