@@ -49,14 +49,31 @@ def valid_sizes(dims: list[int], limit: int | None = None) -> list[int]:
     return [t for t in range(1, (limit or g) + 1) if g % t == 0] if g else [1]
 
 
-def _sdpa_heads(cap: Captured) -> list[tuple[int, int, str]]:
+def _sdpa_heads(cap: Captured) -> list[tuple[int, int, str, str]]:
+    """(query heads, kv heads, source line, module path) of every attention."""
     out = []
     for n in cap.gm.graph.nodes:
         if n.op == "call_function" and n.target is aten.scaled_dot_product_attention.default:
             q, k = n.args[0].meta["val"], n.args[1].meta["val"]
             if isinstance(q.shape[1], int) and isinstance(k.shape[1], int):
-                out.append((int(q.shape[1]), int(k.shape[1]), _where(n)))
+                out.append((int(q.shape[1]), int(k.shape[1]), _where(n), _module_path(n)))
     return out
+
+
+def _module_path(node) -> str:
+    """The innermost module the node was traced in ("" when unknown)."""
+    stack = node.meta.get("nn_module_stack")
+    if not isinstance(stack, dict) or not stack:
+        return ""
+    last = list(stack.values())[-1]
+    path = last[0] if isinstance(last, tuple) and last and isinstance(last[0], str) else ""
+    return path.removeprefix("L['self'].").removeprefix("L__self__.")
+
+
+def _component(path: str) -> str:
+    """The model's top-level part a module path belongs to ("vision_tower", "encoder", ...; "" at the top)."""
+    head = path.split(".", 1)[0]
+    return head if "." in path else ""
 
 
 def _where(node) -> str:
@@ -92,14 +109,21 @@ def check_divisibility(cap: Captured, tp: int) -> None:
         return
     heads = _sdpa_heads(cap)
     weights, hidden = _weights(cap)
-    dims = [d for h, k, _ in heads for d in (h, k)] + [d for _, s in weights for d in s]
+    dims = [d for h, k, _, _ in heads for d in (h, k)] + [d for _, s in weights for d in s]
     ok = valid_sizes(dims)
-    for h, k, where in heads:
+    components = {_component(path) for *_, path in heads}
+    for h, k, where, path in heads:
+        part = _component(path)
+        # a model of several parts (a vision tower and a language model, an encoder and a decoder) names the
+        # part whose heads do not divide, and the sizes that part alone allows
+        of = (f" in {part!r} (attention {path}; valid tp sizes for {part!r} alone: "
+              f"{_fmt(valid_sizes([d for hh, kk, _, pp in heads if _component(pp) == part for d in (hh, kk)]))})"
+              if part and len(components) > 1 else "")
         if h % tp:
-            raise PlanError(f"tp={tp} does not divide num_heads={h}; valid tp sizes: {_fmt(ok)}. {where}")
+            raise PlanError(f"tp={tp} does not divide num_heads={h}{of}; valid tp sizes: {_fmt(ok)}. {where}")
         if k % tp:
             raise PlanError(
-                f"tp={tp} does not divide num_kv_heads={k} (Megatron shards kv heads too; replicating them "
+                f"tp={tp} does not divide num_kv_heads={k}{of} (Megatron shards kv heads too; replicating them "
                 f"would cost an extra gradient all-reduce per layer); valid tp sizes: {_fmt(ok)}. {where}"
             )
     for fqn, shape in weights:

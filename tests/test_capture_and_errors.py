@@ -155,6 +155,43 @@ def test_tp_that_does_not_divide_lists_valid_sizes(cfg, tp, needle):
         plan(m, Mesh(tp=tp), inputs)
 
 
+def test_tp_not_dividing_the_heads_of_one_part_names_that_part():
+    """A model of two parts (a 4-head "vision" tower feeding an 8-head "lm"): tp=8 divides the language model's
+    heads but not the tower's; the error names the part, its attention and the sizes it allows."""
+    F = torch.nn.functional
+
+    class Attn(torch.nn.Module):
+        def __init__(self, d, h):
+            super().__init__()
+            self.h, self.qkv, self.o = h, torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+            return self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d))
+
+    class Tower(torch.nn.Module):
+        def __init__(self, h):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Attn(64, h)])
+
+        def forward(self, x):
+            return x + self.layers[0](x)
+
+    class TwoParts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vision, self.lm = Tower(4), Tower(8)
+
+        def forward(self, x):
+            return self.lm(self.vision(x)).sum()
+
+    with pytest.raises(PlanError, match=r"tp=8 does not divide num_heads=4 in 'vision' \(attention vision.layers.0; "
+                                        r"valid tp sizes for 'vision' alone: 1, 2, 4\); valid tp sizes: 1, 2, 4"):
+        plan(TwoParts(), Mesh(tp=8), (torch.randn(2, 16, 64),))
+    plan(TwoParts(), Mesh(tp=4), (torch.randn(2, 16, 64),))  # both parts divide
+
+
 def test_tp_not_dividing_hidden():
     """A model with no attention, whose hidden size 10 does not divide tp=4."""
 
