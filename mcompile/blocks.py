@@ -24,6 +24,8 @@ build on it):
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -158,18 +160,30 @@ def _find_blocks(trunk: Trunk, gm: fx.GraphModule, params: set[str]) -> None:
     first_use.sort(key=lambda t: t[0])
     sigs = [_signature(ph, u) for _, ph, u in first_use]
     n = len(sigs)
-    best = (0, 0, 0)  # (coverage, -period, -start) maximised
+    names = [ph.name for _, ph, _ in first_use]
+
+    def coherence(start: int, period: int, k: int) -> int:
+        """How much each block's parameters share a module: the common name prefix of its first and last
+        parameter, summed. Breaks ties between alignments of equal coverage: a post-LN encoder's embedding
+        LayerNorm has the signature of each layer's last LayerNorm, and the blocks shifted by it
+        (embeddings.ln + layer 0 but its ln_2, ...) cover as many parameters as the layers themselves."""
+        return sum(len(os.path.commonprefix([names[start + b * period], names[start + (b + 1) * period - 1]]))
+                   for b in range(k))
+
+    best = (0, 0, 0, 0)  # (coverage, -period, coherence, -start) maximised
     for period in range(1, n // 2 + 1):
         run = [0] * (n + 1)  # run[j]: how many consecutive equal pairs sig[j+t] == sig[j+t+period]
         for j in range(n - period - 1, -1, -1):
             run[j] = run[j + 1] + 1 if sigs[j] == sigs[j + period] else 0
         for start in range(n - period):
             k = 1 + run[start] // period
-            if k >= 2 and (k * period, -period, -start) > best:
-                best = (k * period, -period, -start)
+            if k >= 2 and (k * period, -period) >= best[:2]:
+                key = (k * period, -period, coherence(start, period, k), -start)
+                if key > best:
+                    best = key
     if not best[0]:
         return
-    coverage, period, start = best[0], -best[1], -best[2]
+    coverage, period, start = best[0], -best[1], -best[3]
     k = coverage // period
     narrow = trunk.narrow
     last_use: dict[str, int] = {}

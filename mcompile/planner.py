@@ -109,6 +109,8 @@ def check_divisibility(cap: Captured, tp: int) -> None:
         return
     heads = _sdpa_heads(cap)
     weights, hidden = _weights(cap)
+    whole = {cap.params[n] for n in latent_hints(cap)}  # replicated over tp: nothing of theirs to divide
+    weights = [(fqn, shape) for fqn, shape in weights if fqn not in whole]
     dims = [d for h, k, _, _ in heads for d in (h, k)] + [d for _, s in weights for d in s]
     ok = valid_sizes(dims)
     components = {_component(path) for *_, path in heads}
@@ -119,13 +121,22 @@ def check_divisibility(cap: Captured, tp: int) -> None:
         of = (f" in {part!r} (attention {path}; valid tp sizes for {part!r} alone: "
               f"{_fmt(valid_sizes([d for hh, kk, _, pp in heads if _component(pp) == part for d in (hh, kk)]))})"
               if part and len(components) > 1 else "")
+        at = f"Attention {path}: {where}" if path and not of else where
         if h % tp:
-            raise PlanError(f"tp={tp} does not divide num_heads={h}{of}; valid tp sizes: {_fmt(ok)}. {where}")
+            raise PlanError(f"tp={tp} does not divide num_heads={h}{of}; valid tp sizes: {_fmt(ok)}. {at}")
         if k % tp:
             raise PlanError(
                 f"tp={tp} does not divide num_kv_heads={k}{of} (Megatron shards kv heads too; replicating them "
-                f"would cost an extra gradient all-reduce per layer); valid tp sizes: {_fmt(ok)}. {where}"
+                f"would cost an extra gradient all-reduce per layer); valid tp sizes: {_fmt(ok)}. {at}"
             )
+    for n in cap.gm.graph.nodes:  # the Mamba-2 scan (kernels/ssd_scan.py): heads and B/C groups split together
+        if n.op == "call_function" and str(n.target) == "mcompile.ssd_scan.default":
+            h, g = int(n.args[0].meta["val"].shape[2]), int(n.args[3].meta["val"].shape[2])
+            if h % tp or g % tp:
+                what = f"the {h} SSM heads" if h % tp else f"the {g} B/C groups"
+                raise PlanError(f"tp={tp} does not divide {what} of the Mamba-2 scan (ssd_scan, {_module_path(n)}): "
+                                f"tp splits its heads and groups together (Megatron's MambaMixer); valid tp sizes: "
+                                f"{_fmt(valid_sizes(dims + [h, g]))}")
     for fqn, shape in weights:
         for d in shape:
             if d % tp:
@@ -225,6 +236,94 @@ def block_hints(cap: Captured) -> dict[str, object]:
     return hints
 
 
+_LATENT_STOP = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default,
+                aten.embedding.default, aten.scaled_dot_product_attention.default}
+
+
+def latent_hints(cap: Captured) -> dict[str, object]:
+    """Low-rank down-projections that stay replicated over tp (Megatron's multi-head latent attention keeps
+    linear_q_down_proj / linear_kv_down_proj whole): a linear whose whole output, before any other
+    contraction, is normalised over its features (a latent with its own norm: sharding it would reduce the
+    norm's statistics and make the up-projection row-parallel, two all-reduces for a small matmul) or is
+    broadcast whole to every head (a key shared by the heads: MLA's decoupled RoPE key). A per-head norm
+    (Qwen3's q_norm) or GQA's repeat_kv act on a head's slice, not the whole output, and do not count."""
+    hints: dict[str, object] = {}
+    for node in cap.gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.linear.default:
+            continue
+        w = node.args[1]
+        if getattr(w, "name", None) not in cap.params or w.meta["val"].ndim != 2:
+            continue
+        width = int(w.meta["val"].shape[0])
+        if int(w.meta["val"].shape[1]) <= width or _after_contraction(node.args[0]):
+            continue  # not a down-projection, or the second half of a pair (an MLP's down, attention's out)
+        seen, todo, latent = set(), [(node, 0)], False
+        while todo and not latent:
+            cur, depth = todo.pop()
+            for u in cur.users:
+                if u in seen or u.op != "call_function" or depth > 12 or _contraction(u):
+                    continue
+                seen.add(u)
+                latent = _whole_width(u, cur, width)
+                if latent:
+                    break
+                todo.append((u, depth + 1))
+        if latent:
+            hints[w.name] = R
+            if len(node.args) > 2 and getattr(node.args[2], "name", None) in cap.params:
+                hints[node.args[2].name] = R
+    return hints
+
+
+def _contraction(n: torch.fx.Node) -> bool:
+    """A matmul-like op (linear, attention, a convolution) or a custom op (a scan, an MoE layer)."""
+    return n.target in _LATENT_STOP or n.target in (aten.convolution.default, aten.conv1d.default,
+                                                    aten.conv2d.default) or \
+        str(getattr(n.target, "namespace", "aten")) != "aten"
+
+
+def _after_contraction(x) -> bool:
+    """Whether ``x`` is computed from a contraction (a linear, attention, a custom op such as a scan) by ops
+    short of a residual sum: the input of an MLP's down-projection or attention's output projection is;
+    the normalised residual stream a latent is projected from is not (an embedding counts as a source)."""
+    todo, seen = [x], set()
+    while todo:
+        cur = todo.pop()
+        if not isinstance(cur, torch.fx.Node) or cur in seen or cur.op != "call_function":
+            continue
+        seen.add(cur)
+        if cur.target is aten.embedding.default:
+            continue
+        if _contraction(cur):
+            return True
+        tensors = [a for a in cur.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if cur.target is aten.add.Tensor and len(tensors) == 2 and not any(
+                a.op == "placeholder" and a.meta["val"].ndim == 1 for a in tensors):
+            continue  # a residual sum: the stream, not a projection's output (a 1-D parameter added is a bias)
+        todo.extend(tensors)
+    return False
+
+
+def _whole_width(u: torch.fx.Node, x: torch.fx.Node, width: int) -> bool:
+    """Whether ``u`` normalises its input ``x`` over a last dim of ``width`` features, or broadcasts such
+    an ``x`` along a new or size-1 dim (expand)."""
+    val = x.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.ndim == 0 or val.shape[-1] != width:
+        return False
+    if u.target in (aten.rms_norm.default, aten.layer_norm.default, aten.native_layer_norm.default):
+        return True
+    if u.target in (aten.mean.dim, aten.sum.dim_IntList, aten.var.correction, aten.var.dim):
+        dims = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
+        dims = [dims] if isinstance(dims, int) else list(dims or [])
+        return bool(dims) and all(d % val.ndim == val.ndim - 1 for d in dims)
+    if u.target is aten.expand.default:
+        out = u.meta.get("val")
+        return isinstance(out, torch.Tensor) and out.ndim >= val.ndim and any(
+            int(o) > 1 and (d < out.ndim - val.ndim or int(val.shape[d - (out.ndim - val.ndim)]) == 1)
+            for d, o in enumerate(out.shape[:-1]) if isinstance(o, int))
+    return False
+
+
 def megatron_policies(mesh: Mesh, sequence_parallel: bool, overrides: dict | None = None,
                       experts: dict | None = None) -> list[AxisPolicy]:
     p_over, n_over = _parse_overrides(overrides, mesh)
@@ -277,7 +376,7 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
     if sequence_parallel and mesh.size("tp") == 1:
         sequence_parallel = False
     out = []
-    blocks = block_hints(cap)
+    blocks = {**block_hints(cap), **latent_hints(cap)}
     experts = check_experts(cap, mesh.size("ep")) if "ep" in mesh.axis_names else None
     for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):
         if pol.shard_contraction_weights:

@@ -258,19 +258,24 @@ def propagate_axis(
                 continue
             if s.lowering == "cp_attention" and not policy.context_parallel:
                 continue
+            if s.name == "expand_broadcast" and node.name not in from_params:
+                continue  # an input-only value (a mask, a table) stays whole: its consumers take what they need
             cost = 0.0
             for i, (a, req) in enumerate(zip(ins, s.inputs)):
                 if a.name in cap.params:
                     cur = place[a.name]
                     if cur is None:
                         hint = policy.param_hints.get(a.name)
-                        if hint is not None and isinstance(hint, BlockShard) and req != hint:
-                            cost = INF  # a fused projection later split into blocks: only the block layout
+                        if hint is not None and isinstance(hint, BlockShard | Replicate) and req != hint:
+                            # a fused projection later split into blocks: only the block layout; a latent
+                            # down-projection (planner.latent_hints): only whole
+                            cost = INF
                         elif isinstance(req, Partial):
                             cost = INF
                         elif policy.params_replicated and not isinstance(req, Replicate):
                             cost = INF
-                        elif policy.shard_contraction_weights and i in weight_args and isinstance(req, Replicate):
+                        elif policy.shard_contraction_weights and i in weight_args and isinstance(req, Replicate) \
+                                and not isinstance(hint, Replicate):
                             cost = INF
                     elif cur != req:
                         cost = INF

@@ -614,6 +614,25 @@ def test_where(data):
           expect=pointwise_expect(shapes, out.shape, n))
 
 
+@pytest.mark.timeout(120)
+@hyp(25)
+@given(data=st.data())
+def test_where_scalar(data):
+    """where(cond, scalar, x) / where(cond, x, scalar): pointwise over their two tensors."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    base = draw_shape(data, n, 1, 4)
+    kind = data.draw(st.sampled_from(["ScalarSelf", "ScalarOther"]), label="op")
+    shapes = [draw_broadcast_shape(data, base) for _ in range(2)]
+    shapes[data.draw(st.integers(0, 1), label="full")] = base
+    c, x = make(shapes[0], "bool", gen), make(shapes[1], "f", gen)
+    scalar = data.draw(st.sampled_from([0.0, -2.5]), label="scalar")
+    op = getattr(aten.where, kind)
+    args = (c, scalar, x) if kind == "ScalarSelf" else (c, x, scalar)
+    current = tuple(draw_current(data, t, n) for t in (c, x))
+    check(op, args, n=n, current=current, gen=gen, expect=pointwise_expect(shapes, op(*args).shape, n))
+
+
 # ---------------------------------------------------------------------------------------------
 # reductions and normalisations
 # ---------------------------------------------------------------------------------------------
@@ -1519,11 +1538,63 @@ def test_view_indivisible_note():
 
 
 # ---------------------------------------------------------------------------------------------
+# the Mamba-2 block's own ops (mcompile/rules/ssm.py)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@hyp(15)
+@given(data=st.data())
+def test_depthwise_conv1d(data):
+    """A depthwise conv1d (groups == channels) shards its channels with the weight's and bias's rows (the
+    localizer gives each rank as many groups as its channels), or the batch; padding, stride and
+    dilation drawn (the causal conv of Mamba-2: padding k - 1)."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    ch = n * data.draw(st.integers(1, 3), label="ch")
+    k = data.draw(st.integers(1, 4), label="k")
+    stride, padding, dilation = (data.draw(st.integers(1, 2), label=lbl) for lbl in ("stride", "pad", "dil"))
+    length = data.draw(st.integers(dilation * (k - 1) + 1, 10), label="length")
+    x = make([data.draw(st.sampled_from([1, n]), label="b"), ch, length], "f", gen)
+    w, bias = make([ch, 1, k], "f", gen), make([ch], "f", gen)
+    with_bias = data.draw(st.booleans(), label="bias")
+    args = (x, w, bias if with_bias else None, [stride], [padding - 1], [dilation], ch)
+    nb = 3 if with_bias else 2
+    expect = [((Shard(1), Shard(0)) + ((Shard(0),) if nb == 3 else ()), (Shard(1),))]
+    check(aten.conv1d.default, args, n=n, current=(R,) * nb, gen=gen, expect=expect)
+
+
+@pytest.mark.timeout(120)
+@hyp(15)
+@given(data=st.data())
+def test_ssd_scan(data):
+    """The Mamba-2 scan (kernels/ssd_scan.py's reference on CPU) per head: x, dt by heads, A and D by heads,
+    B and C by groups when the groups divide (replicated with one group); or by batch."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    groups = data.draw(st.sampled_from([1, n]), label="groups")
+    heads = groups * data.draw(st.integers(1, 2), label="per_group") * (n if groups == 1 else 1)
+    b, length, p, d = data.draw(st.sampled_from([1, n]), label="b"), data.draw(st.integers(1, 6), label="l"), 2, 3
+    x = make([b, length, heads, p], "f", gen)
+    dt = torch.nn.functional.softplus(make([b, length, heads], "f", gen))
+    A = -torch.rand(heads, dtype=F64, generator=gen) - 0.1
+    B, C = make([b, length, groups, d], "f", gen), make([b, length, groups, d], "f", gen)
+    D = make([heads], "f", gen)
+    bc = Shard(2) if groups % n == 0 and groups > 1 else R
+    expect = [((Shard(2), Shard(2), Shard(0), bc, bc, Shard(0)), (Shard(2),))]
+    check(_SSD_SCAN, (x, dt, A, B, C, D), n=n, gen=gen, expect=expect)
+
+
+# ---------------------------------------------------------------------------------------------
 # every registered op has a test
 # ---------------------------------------------------------------------------------------------
 
+import mcompile.kernels.ssd_scan  # noqa: E402, F401 - registers mcompile::ssd_scan
+
+_SSD_SCAN = torch.ops.mcompile.ssd_scan.default
 TESTED_OPS = (
-    set(UNARY) | set(BINARY) | {aten.where.self} | set(REDUCE_KIND) | set(SOFTMAX)
+    set(UNARY) | set(BINARY) | {aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther}
+    | set(REDUCE_KIND) | set(SOFTMAX)
     | {aten.layer_norm.default, aten.rms_norm.default}
     | {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
        aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints, aten.unflatten.int,
@@ -1537,6 +1608,7 @@ TESTED_OPS = (
        aten.tril.default, aten.triu.default}
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
     | {aten.chunk.default, aten.diff.default}  # tested in tests/test_rules_dtensor.py (test_chunk, test_diff)
+    | {aten.conv1d.default, _SSD_SCAN}
 )
 # Registered ops deliberately without a test here (with the reason).
 from mcompile.moe import moe_ffn  # noqa: E402
@@ -1545,6 +1617,7 @@ EXCLUDED: set = {
     moe_ffn,  # a whole MoE layer, not an aten op: its strategies are proven by tests/test_moe_parallel.py's parity
     aten.scatter_add.default,  # its histogram strategy: proven by the Mixtral load-balancing loss under dp x ep
     aten.histc.default,  # its histogram strategy: proven by HF Mixtral's load-balancing loss under ep (hf-mixtral)
+    aten.copy_.default,  # in place (this harness differentiates leaves): HF T5's shifted ids, tests/test_family_t5.py
 }
 
 

@@ -213,7 +213,7 @@ def _load():
     if not _loaded:
         _loaded = True
         from mcompile import moe  # noqa: F401 - the moe_ffn rule
-        from mcompile.rules import factory, matmul, pointwise, reductions, views  # noqa: F401
+        from mcompile.rules import factory, matmul, pointwise, reductions, ssm, views  # noqa: F401
 
 
 def replicate_all(info: OpInfo) -> Strategy:

@@ -234,7 +234,13 @@ def expand(info: OpInfo) -> list[Strategy]:
         if not same(i.shape[d], 1) or same(o.shape[d + off], 1):
             out.append(Strategy((Shard(d),), (Shard(d + off),), name="expand"))
     out.sort(key=lambda s: s.inputs[0] != _cur(info))
-    return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
+    # a replicated value broadcast along a new or size-1 static dim (a key shared by every head: MLA's
+    # decoupled RoPE key; a mask over heads) can come out sharded on it at no cost: each rank keeps its part
+    bcast = [Strategy((R,), (Shard(d),), name="expand_broadcast") for d in range(o.ndim)
+             if (d < off or same(i.shape[d - off], 1)) and isinstance(o.shape[d], int) and o.shape[d] > 1
+             and o.shape[d] % info.n == 0]
+    return out + [Strategy((Partial(),), (Partial(),), name="partial")] + bcast + [
+        Strategy((R,), (R,), name="replicate")]
 
 
 def _keep_other_dims(info: OpInfo, dim: int, out_dim_of=lambda d: d, n_out: int = 1) -> list[Strategy]:
