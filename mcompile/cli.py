@@ -57,8 +57,10 @@ def load_model(spec: str, device: str, batch: int, seq: int, dtype=None, max_seq
         except ValueError as e:
             raise CLIError(str(e)) from e
         model = pre.build(device=device, dtype=dtype)
-        # the capture template is small: batch and sequence are symbols, sizes come from --batch/--seq
-        return model, pre.example_inputs(batch=2, seq=16, device=device), spec
+        # the capture template is small: batch and sequence are symbols, sizes come from --batch/--seq; a model
+        # whose sequence comes in units (RETRO's chunks) declares them as its config's seq_multiple
+        unit = int(getattr(pre.config, "seq_multiple", 1))
+        return model, pre.example_inputs(batch=2, seq=-(-16 // unit) * unit, device=device), spec
     mod_name, _, attr = spec.partition(":")
     # the console script's sys.path[0] is its own bin/ folder: `mcompile plan mypkg.models:make` run from the
     # folder holding mypkg/ should find it, as `python -m` would

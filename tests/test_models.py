@@ -253,10 +253,22 @@ def test_registry() -> None:
         "deepseek-tiny",
         "deepseek-v3",
     }
-    assert set(PRESETS) == expected
-    assert list_presets() == sorted(expected)
+    import importlib
+
+    from mcompile.models.presets import FAMILY_MODULES
+
+    modules = [importlib.import_module(f"mcompile.models.{m}") for m in FAMILY_MODULES
+               if importlib.util.find_spec(f"mcompile.models.{m}") is not None]
+    families = {p.name: p for mod in modules for p in mod.PRESETS}  # models/<family>.py: their own presets
+    assert set(PRESETS) == expected | set(families)
+    assert list_presets() == sorted(expected | set(families))
+    for name, preset in families.items():
+        assert PRESETS[name] is preset and preset.model_class is not None and preset.inputs is not None
+        assert isinstance(preset.build(device="meta"), preset.model_class)
     for name, preset in PRESETS.items():
         assert preset.name == name
+        if name in families:
+            continue
         family = {"gpt2": "gpt", "gpt3": "gpt", "llama3": "llama"}.get(name.split("-")[0], name.split("-")[0])
         assert preset.family == family
         assert isinstance(preset.config, GPTConfig if preset.family == "gpt" else LlamaConfig)

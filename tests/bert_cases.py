@@ -1,0 +1,87 @@
+"""Gloo worker functions for tests/test_family_bert.py (fn(rank, world, *args)): the unmodified Hugging Face
+``BertForMaskedLM``, built here because tests/conftest.py's ``build`` does not know it. Module-level so the
+worker processes can import them by name. Our own BERT presets run through tests/runtime_cases.py."""
+
+from __future__ import annotations
+
+import torch
+
+import mcompile as mc
+
+LR = 1e-4  # DESIGN §10: parity after AdamW steps at 1e-5 needs lr <= 1e-3 (tests/test_runtime.py)
+VOCAB = 128
+
+
+class MaskedLMLoss(torch.nn.Module):
+    """``model(input_ids, attention_mask, token_type_ids, labels).loss`` as a plain positional forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids, attention_mask, token_type_ids, labels):
+        return self.m(input_ids=ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                      labels=labels).loss
+
+
+def build_hf(seed: int = 0, batch: int = 4, seq: int = 16):
+    """(model.eval(), (ids, attention_mask, token_type_ids, labels)): HF BERT masked-LM, hidden 64, 2 layers,
+    8 heads, intermediate 128, vocabulary 128, dropout 0. The first row's last 3 positions are padding
+    (pad_token_id 0, attention_mask 0); masked-LM targets at every third unpadded position, -100 elsewhere."""
+    from transformers import BertConfig, BertForMaskedLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=8, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    model = MaskedLMLoss(BertForMaskedLM(cfg)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones_like(ids)
+    ids[0, -3:] = cfg.pad_token_id
+    mask[0, -3:] = 0
+    token_type = (torch.arange(seq)[None, :] >= seq // 2).long().expand(batch, seq).contiguous()
+    labels = torch.full_like(ids, -100)
+    labels[:, ::3] = ids[:, ::3]
+    labels[mask == 0] = -100
+    return model, (ids, mask, token_type, labels)
+
+
+def train(rank, world, mesh, options, steps=3, batch=4):
+    """runtime_cases.train for the HF model: per-step losses, the unclipped full gradients of the last step
+    (rank 0), this rank's local parameter sizes, the clip norms."""
+    from runtime_cases import norm_value
+
+    model, inputs = build_hf(batch=batch)
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    losses, grads, norms = [], None, []
+    for step in range(steps):
+        loss = pm.train_step(*inputs)
+        if step == steps - 1:
+            grads = pm.full_grads()
+        norms.append(norm_value(torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    local_numels = {k: p.to_local().numel() for k, p in pm.named_parameters()}
+    return losses, grads if rank == 0 else None, local_numels, norms
+
+
+def reference(steps=3, batch=4):
+    """``train`` on one device."""
+    model, inputs = build_hf(batch=batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads, norms = [], None, []
+    for step in range(steps):
+        loss = model(*inputs)
+        loss.backward()
+        if step == steps - 1:
+            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads, norms
