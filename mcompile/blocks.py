@@ -25,7 +25,6 @@ build on it):
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass, field
 
 import torch.fx as fx

@@ -304,6 +304,54 @@ def _after_contraction(x) -> bool:
     return False
 
 
+_SCORES = (aten.matmul.default, aten.bmm.default)
+
+
+def position_bias_hints(cap: Captured) -> dict[str, object]:
+    """Tables of per-head score biases split by heads over tp (T5's relative position bias: an embedding
+    [buckets, heads] looked up per (query, key) pair and added to the attention scores): Megatron shards it
+    with the heads, so each rank adds its heads' bias where its heads' scores are. Found from the graph: an
+    embedding whose output reaches, before any contraction, attention's mask (SDPA's attn_mask) or a sum
+    with scores (a q·kᵀ product), with as many columns as that attention has heads."""
+    hints: dict[str, object] = {}
+    for node in cap.gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.embedding.default:
+            continue
+        w = node.args[0]
+        if getattr(w, "name", None) not in cap.params or w.meta["val"].ndim != 2:
+            continue
+        heads = int(w.meta["val"].shape[1])
+        seen, todo, found = set(), [(node, 0)], False
+        while todo and not found:
+            cur, depth = todo.pop()
+            for u in cur.users:
+                if u in seen or u.op != "call_function" or depth > 16:
+                    continue
+                seen.add(u)
+                if u.target is aten.scaled_dot_product_attention.default:
+                    mask = u.args[3] if len(u.args) > 3 else u.kwargs.get("attn_mask")
+                    found = mask is cur and int(u.args[0].meta["val"].shape[1]) == heads
+                elif u.target is aten.add.Tensor and any(
+                        isinstance(a, torch.fx.Node) and a is not cur and _from_scores(a, heads) for a in u.args):
+                    found = True
+                elif not _contraction(u):
+                    todo.append((u, depth + 1))
+                if found:
+                    break
+        if found:
+            hints[w.name] = Shard(1)
+    return hints
+
+
+def _from_scores(x: torch.fx.Node, heads: int) -> bool:
+    """Whether ``x`` is attention scores (a matmul's [.., heads, q, k] output, through views)."""
+    while x.op == "call_function" and x.target in (*_THROUGH, aten.mul.Tensor, aten.div.Tensor):
+        x = x.args[0]
+    val = x.meta.get("val")
+    return x.op == "call_function" and x.target in _SCORES and isinstance(val, torch.Tensor) and val.ndim == 4 \
+        and int(val.shape[1]) == heads
+
+
 def _whole_width(u: torch.fx.Node, x: torch.fx.Node, width: int) -> bool:
     """Whether ``u`` normalises its input ``x`` over a last dim of ``width`` features, or broadcasts such
     an ``x`` along a new or size-1 dim (expand)."""
@@ -376,7 +424,7 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
     if sequence_parallel and mesh.size("tp") == 1:
         sequence_parallel = False
     out = []
-    blocks = {**block_hints(cap), **latent_hints(cap)}
+    blocks = {**block_hints(cap), **latent_hints(cap), **position_bias_hints(cap)}
     experts = check_experts(cap, mesh.size("ep")) if "ep" in mesh.axis_names else None
     for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):
         if pol.shard_contraction_weights:

@@ -179,10 +179,12 @@ def propagate_axis(
             return 0.0
         b = _bytes(meta, hints, sizes) * (n - 1) / n
         grad = src.name in rg
-        if isinstance(req, Shard) and not policy.redistribute_to_static_dims:
+        if isinstance(req, Shard) and not policy.redistribute_to_static_dims and src.name in from_params:
             size = meta.shape[req.dim % meta.ndim]
             if not isinstance(size, sympy.Expr) or not size.free_symbols:
-                return INF  # static dims (features, heads) are sharded by contractions, not by collectives
+                # static dims (features, heads) of activations are sharded by contractions, not by collectives;
+                # an input-only value (a mask, a zero position bias over heads) is sliced where it is needed
+                return INF
         if isinstance(cur, Replicate) and isinstance(req, Shard):
             return 1e-3 + (b if grad and not policy.context_parallel else 0.0)  # cp: the slice's adjoint is local
         if isinstance(cur, Partial) and cur.reduce_op in ("sum", "avg") and isinstance(req, Replicate):
@@ -266,9 +268,10 @@ def propagate_axis(
                     cur = place[a.name]
                     if cur is None:
                         hint = policy.param_hints.get(a.name)
-                        if hint is not None and isinstance(hint, BlockShard | Replicate) and req != hint:
+                        if hint is not None and isinstance(hint, BlockShard | Replicate | Shard) and req != hint:
                             # a fused projection later split into blocks: only the block layout; a latent
-                            # down-projection (planner.latent_hints): only whole
+                            # down-projection (planner.latent_hints): only whole; a per-head score bias
+                            # table (planner.position_bias_hints): only by heads
                             cost = INF
                         elif isinstance(req, Partial):
                             cost = INF

@@ -109,9 +109,29 @@ def drop_noop_slices(gm: fx.GraphModule) -> int:
     return count
 
 
+def drop_empty_cats(gm: fx.GraphModule) -> int:
+    """``cat([empty, x])`` is ``x``: a key/value cache created empty and appended to in a training forward
+    (transformers' DynamicCache, HF T5's cross-attention cache). Left in, the empty whole tensor would make
+    the cat gather the heads-sharded x over tp."""
+    from mcompile.passes.attention import _only_nonempty
+
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.cat.default:
+            kept = _only_nonempty(node)
+            if kept is not None:
+                node.replace_all_uses_with(kept)
+                count += 1
+    if count:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return count
+
+
 def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
     return {
         "drop_noop_slices": drop_noop_slices(gm),
+        "drop_empty_cats": drop_empty_cats(gm),
         "conv1d_to_matmul": conv1d_to_matmul(gm),
         "split_linear_bias": split_linear_bias(gm),
         "moe_layers": _moe_layers(gm),

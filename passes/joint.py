@@ -124,11 +124,80 @@ def _first_unsupported(program: fx.GraphModule) -> str | None:
     return None
 
 
+_SCATTER_OF_VIEW = {torch.ops.aten.slice.Tensor: torch.ops.aten.slice_scatter.default,
+                    torch.ops.aten.select.int: torch.ops.aten.select_scatter.default}
+
+
+def functional_writes(program: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``program`` whose in-place writes into tensors it made itself are functional ops, as
+    AOTAutograd's functionalisation makes them: ``x.masked_fill_(m, v)`` becomes ``x2 = masked_fill(x, m, v)``
+    and a write into a slice or select of x (HF T5's decoder ids: zeros, then ``ids[..., 1:] = labels[...,
+    :-1]``) becomes the functional op on the view scattered back (``slice_scatter``); what reads x after
+    the write reads the new value. Traced as is, such a write returns a value nobody reads and the graph
+    built from what the outputs need loses it (a silently wrong loss). Writes into inputs and constants (an
+    FP8 amax history) stay writes. A write this cannot express raises :class:`JointTraceError`."""
+    import copy
+
+    def writes(gm):
+        return [n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "_schema", None)
+                is not None and n.target._schema.is_mutable and n.args and isinstance(n.args[0], fx.Node)
+                and _base_of(n.args[0]).op not in ("placeholder", "get_attr")]
+
+    if not writes(program):
+        return program
+    gm = copy.deepcopy(program)
+    g = gm.graph
+    for n in writes(gm):
+        order = {m: i for i, m in enumerate(g.nodes)}
+        dst = n.args[0]
+        view = dst if dst.op == "call_function" and dst.target in _SCATTER_OF_VIEW else None
+        base = view.args[0] if view is not None else dst
+        packet, overload = n.target._schema.name.split("::")[1], n.target._overloadname
+        functional = getattr(getattr(torch.ops.aten, packet.rstrip("_"), None), overload, None)
+        stale = [u for u in base.users if u is not n and u is not view and order[u] < order[n]
+                 and any(order[w] > order[n] for w in u.users)]
+        if (view is not None and view.args[0].op == "call_function" and view.args[0].target in _SCATTER_OF_VIEW) \
+                or (view is None and dst is not base) or functional is None or not packet.endswith("_") or stale:
+            raise JointTraceError(
+                f"{n.name} ({n.target}) writes in place into a tensor the model made, in a way mcompile's joint "
+                "graph cannot rewrite functionally (a view of a view, or a view read after the write): write it "
+                "out of place (x = x.masked_fill(...), torch.where, torch.cat) or run with "
+                "Config(execution='autograd')")
+        with g.inserting_after(n):
+            value = g.call_function(functional, tuple(n.args), dict(n.kwargs))
+            value.meta = dict(n.meta)
+        new = value
+        if view is not None:
+            with g.inserting_after(value):
+                new = g.call_function(_SCATTER_OF_VIEW[view.target], (base, value, *view.args[1:]), dict(view.kwargs))
+                new.meta = dict(base.meta)
+        later = order[n]
+        for u in list(base.users):
+            if u not in (n, value, new) and order.get(u, -1) > later:
+                u.replace_input_with(base, new)
+        if view is not None:
+            for u in list(view.users):
+                if u not in (n, value, new) and order.get(u, -1) > later:
+                    u.replace_input_with(view, value)
+        n.replace_all_uses_with(value)
+        g.erase_node(n)
+    g.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _base_of(x: fx.Node) -> fx.Node:
+    while x.op == "call_function" and x.target in _SCATTER_OF_VIEW:
+        x = x.args[0]
+    return x
+
+
 def trace_joint(program: fx.GraphModule, args: list) -> JointGraph:
     """Trace ``program(*args)`` and the gradients of its differentiable outputs with respect to the
     arguments that require grad into one graph. ``args`` are the real (or fake) inputs of one call:
     only their metadata is used. Raises :class:`JointTraceError` naming the op when the program's
     backward cannot be traced (then ``Config(execution="autograd")`` runs it eagerly)."""
+    program = functional_writes(program)
     for n in program.graph.nodes:  # our meta, carried onto the traced nodes (module docstring)
         if n.op == "call_function":
             n.meta["custom"] = {**n.meta.get("custom", {}), M.LAYER: n.meta.get(M.LAYER),

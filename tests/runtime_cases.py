@@ -186,3 +186,36 @@ def forward_loss(rank, world, name, mesh, options, batch=4):
     model, inputs = build(name, batch=batch)
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
     return pm(*inputs).item()
+
+
+class ShiftedIds(torch.nn.Module):
+    """Embedding -> linear -> cross-entropy whose second ids are the labels shifted right in place, as Hugging
+    Face's encoder-decoders make decoder inputs: zeros, a slice written, a select filled, a masked fill."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.fc = torch.nn.Linear(32, 64, bias=False)
+
+    def forward(self, ids, labels):
+        shifted = labels.new_zeros(labels.shape)
+        shifted[..., 1:] = labels[..., :-1].clone()
+        shifted[..., 0] = 3
+        shifted.masked_fill_(shifted == -100, 0)
+        h = self.emb(shifted) + self.emb(ids)
+        return torch.nn.functional.cross_entropy(self.fc(h).flatten(0, 1), labels.flatten())
+
+
+def shifted_ids_case():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(1, 64, (4, 16), generator=g), torch.randint(1, 64, (4, 16), generator=g)
+    labels[0, :5] = -100
+    return ShiftedIds(), (ids, labels)
+
+
+def shifted_ids_losses(rank, world, mesh, options, steps=2):
+    model, inputs = shifted_ids_case()
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    return train_steps(pm, opt, inputs, steps)

@@ -104,3 +104,20 @@ def pointwise(info: OpInfo) -> list[Strategy]:
     # every output out like the first: one placement per output, as getitem expects
     k = len(info.outputs)
     return [replace(s, outputs=s.outputs * k) for s in out] if k > 1 else out
+
+
+# ``torch.where`` with a Python scalar for one branch (where.ScalarSelf / ScalarOther: a decoder's start token
+# where the position is 0, the shifted labels elsewhere) and ``dst.copy_(src)`` (Hugging Face T5's
+# ``_shift_right`` writes the labels into a slice of a new tensor): pointwise over their tensors (src
+# broadcasting), so every output dim they share may be split. No Partial: the scalar branch would not scale
+# with the summands, and a copy is no sum.
+
+
+@rule(aten.where.ScalarSelf, aten.where.ScalarOther)
+def where_scalar(info) -> list[Strategy]:
+    return pointwise_shard_strategies(info) + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]
+
+
+@rule(aten.copy_.default)
+def copy_(info) -> list[Strategy]:
+    return pointwise_shard_strategies(info) + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]
