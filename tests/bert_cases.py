@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import torch
 
-import mcompile as mc
-
-LR = 1e-4  # DESIGN §10: parity after AdamW steps at 1e-5 needs lr <= 1e-3 (tests/test_runtime.py)
 VOCAB = 128
 
 
@@ -50,38 +47,15 @@ def build_hf(seed: int = 0, batch: int = 4, seq: int = 16):
 
 
 def train(rank, world, mesh, options, steps=3, batch=4):
-    """runtime_cases.train for the HF model: per-step losses, the unclipped full gradients of the last step
+    """runtime_cases.train_model for the HF model: per-step losses, the unclipped full gradients of the last step
     (rank 0), this rank's local parameter sizes, the clip norms."""
-    from runtime_cases import norm_value
+    from runtime_cases import train_model
 
-    model, inputs = build_hf(batch=batch)
-    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    losses, grads, norms = [], None, []
-    for step in range(steps):
-        loss = pm.train_step(*inputs)
-        if step == steps - 1:
-            grads = pm.full_grads()
-        norms.append(norm_value(torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    local_numels = {k: p.to_local().numel() for k, p in pm.named_parameters()}
-    return losses, grads if rank == 0 else None, local_numels, norms
+    return train_model(rank, *build_hf(batch=batch), mesh, options, steps)
 
 
 def reference(steps=3, batch=4):
     """``train`` on one device."""
-    model, inputs = build_hf(batch=batch)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads, norms = [], None, []
-    for step in range(steps):
-        loss = model(*inputs)
-        loss.backward()
-        if step == steps - 1:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, grads, norms
+    from runtime_cases import reference_model
+
+    return reference_model(*build_hf(batch=batch), steps)

@@ -23,11 +23,16 @@ def norm_value(norm) -> float:
 
 
 def train(rank, world, name, mesh, options, steps=3, batch=4, want_grads_at=None):
-    """Three AdamW steps with clipping. Per-step losses; full gradients at one step, taken *before*
+    """Three AdamW steps with clipping of the tiny model ``name`` (conftest.build): :func:`train_model`."""
+    model, inputs = build(name, batch=batch)
+    return train_model(rank, model, inputs, mesh, options, steps, want_grads_at)
+
+
+def train_model(rank, model, inputs, mesh, options, steps=3, want_grads_at=None):
+    """AdamW steps with clipping. Per-step losses; full gradients at one step, taken *before*
     clipping (rank 0); this rank's local parameter sizes; the total norm each clipping returned.
     Clipping to norm 1 before comparing would hide a gradient wrong by a constant factor (DESIGN,
     "Learned since"): the unclipped gradients and the returned norms are what parity compares."""
-    model, inputs = build(name, batch=batch)
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     losses, grads, norms = [], None, []
@@ -50,6 +55,11 @@ def train(rank, world, name, mesh, options, steps=3, batch=4, want_grads_at=None
 def reference(name, steps=3, batch=4, want_grads_at=None):
     """``train`` on one device: per-step losses, the unclipped gradients at one step, the clip norms."""
     model, inputs = build(name, batch=batch)
+    return reference_model(model, inputs, steps, want_grads_at)
+
+
+def reference_model(model, inputs, steps=3, want_grads_at=None):
+    """:func:`train_model` on one device."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads, norms = [], None, []
     want = steps - 1 if want_grads_at is None else want_grads_at
@@ -63,6 +73,32 @@ def reference(name, steps=3, batch=4, want_grads_at=None):
         opt.zero_grad()
         losses.append(loss.item())
     return losses, grads, norms
+
+
+def world_of(mesh: str) -> int:
+    """The ranks of a mesh spec such as "dp=2,tp=2"."""
+    world = 1
+    for part in mesh.split(","):
+        world *= int(part.split("=")[1])
+    return world
+
+
+def check_parity(name, mesh, options, batch=4, rel=1e-5):
+    """:func:`train` of the preset ``name`` on a pool of gloo workers against one device: every rank's losses
+    and clip norms, and rank 0's unclipped gradients, at ``rel`` relative. (results, gradient errors)."""
+    import pytest
+
+    from conftest import pool
+
+    results = pool(world_of(mesh)).run(train, name, mesh, options, 3, batch, timeout=600)
+    ref_losses, ref_grads, ref_norms = reference(name, batch=batch)
+    for losses, _, _, norms in results:
+        assert losses == pytest.approx(ref_losses, rel=rel, abs=0)
+        assert norms == pytest.approx(ref_norms, rel=rel, abs=0)
+    errors = grad_errors(results[0][1], ref_grads)
+    for k, err in errors.items():
+        assert err <= rel, (k, err)
+    return results, errors
 
 
 def grad_errors(grads: dict, ref: dict) -> dict[str, float]:

@@ -8,9 +8,7 @@ Module-level so the workers can import them by name.
 from __future__ import annotations
 
 import torch
-from runtime_cases import LR, norm_value, train
-
-import mcompile as mc
+from runtime_cases import reference_model, train, train_model
 
 
 class Seq2SeqLoss(torch.nn.Module):
@@ -48,39 +46,11 @@ def train_t5(rank, world, name, mesh, options, steps=3, batch=4):
 
 
 def train_hf(rank, world, mesh, options, steps=3, batch=4):
-    """runtime_cases.train for the HF model: per-step losses, the unclipped full gradients of the last step
+    """runtime_cases.train_model for the HF model: per-step losses, the unclipped full gradients of the last step
     (rank 0), local parameter sizes, the clip norms."""
-    model, inputs = hf_t5(batch=batch)
-    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    losses, grads, norms = [], None, []
-    for step in range(steps):
-        loss = pm.train_step(*inputs)
-        if step == steps - 1:
-            grads = pm.full_grads()
-        if "pp" in mesh:
-            norms.append(norm_value(pm.clip_grad_norm_(1.0)))
-        else:
-            norms.append(norm_value(torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    local_numels = {k: p.to_local().numel() for k, p in pm.named_parameters()}
-    return losses, grads if rank == 0 else None, local_numels, norms
+    return train_model(rank, *hf_t5(batch=batch), mesh, options, steps)
 
 
 def reference_hf(steps=3, batch=4):
     """``train_hf`` on one device."""
-    model, inputs = hf_t5(batch=batch)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads, norms = [], None, []
-    for step in range(steps):
-        loss = model(*inputs)
-        loss.backward()
-        if step == steps - 1:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, grads, norms
+    return reference_model(*hf_t5(batch=batch), steps)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_cases import forward_loss, grad_errors, reference, train
+from runtime_cases import check_parity, forward_loss
 
 import mcompile as mc
 from mcompile.placements import Replicate
@@ -21,20 +21,6 @@ from mcompile.placements import Replicate
 from conftest import build, pool, tiered
 
 REL = 1e-5
-
-
-def _check(name, mesh, options, batch=4):
-    world = 1
-    for part in mesh.split(","):
-        world *= int(part.split("=")[1])
-    results = pool(world).run(train, name, mesh, options, 3, batch, timeout=600)
-    ref_losses, ref_grads, ref_norms = reference(name, batch=batch)
-    for losses, _, _, norms in results:
-        assert losses == pytest.approx(ref_losses, rel=REL, abs=0)
-        assert norms == pytest.approx(ref_norms, rel=REL, abs=0)
-    for k, err in grad_errors(results[0][1], ref_grads).items():
-        assert err <= REL, (k, err)
-    return results
 
 
 CASES = [("llama3-tiny", "cp=2", {"cp_attention": v}) for v in ("ring", "allgather", "a2a")] + [
@@ -54,7 +40,7 @@ _CI = CASES[:3] + [CASES[4], CASES[5], CASES[8], CASES[9]]  # + cp x tp (SP), dp
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name,mesh,options", tiered(CASES, _CI))
 def test_cp_parity(name, mesh, options):
-    _check(name, mesh, options)
+    check_parity(name, mesh, options, rel=REL)
 
 
 def _plan(name, cp, **kw):

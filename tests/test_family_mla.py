@@ -24,11 +24,11 @@ import warnings
 
 import pytest
 import torch
-from runtime_cases import grad_errors, reference, train
+from runtime_cases import check_parity
 
 from mcompile.placements import Replicate, Shard
 
-from conftest import build, pool, tiered
+from conftest import build, tiered
 
 REL = 1e-5  # fp32, another summation order over the tp pieces: ~1e-7 measured
 # the Megatron placement of the latent down-projections and the rope key, pinned (the planner shards them)
@@ -144,21 +144,6 @@ def test_default_plan_parity_tp2_sim():
         torch.testing.assert_close(full[fqn], p.grad, rtol=REL, atol=REL * float(p.grad.abs().max()))
 
 
-def _check(name, mesh, options, batch=4):
-    world = 1
-    for part in mesh.split(","):
-        world *= int(part.split("=")[1])
-    results = pool(world).run(train, name, mesh, options, 3, batch, timeout=600)
-    ref_losses, ref_grads, ref_norms = reference(name, batch=batch)
-    for losses, _, _, norms in results:
-        assert losses == pytest.approx(ref_losses, rel=REL, abs=0)
-        assert norms == pytest.approx(ref_norms, rel=REL, abs=0)
-    errors = grad_errors(results[0][1], ref_grads)
-    for k, err in errors.items():
-        assert err <= REL, (k, err)
-    return results, errors
-
-
 PARITY = [("mla-tiny", "tp=2", "planned"), ("mla-tiny", "dp=2,tp=2", "planned")]
 OPTIONS = {"planned": {}}
 
@@ -169,7 +154,7 @@ def test_mla_parity(name, mesh, options):
     """3 AdamW steps on gloo processes (tests/runtime_cases.py train): losses, clip norms and the unclipped
     gradients of the last step equal one device's at 1e-5 relative (fp32); the up-projections are sharded
     on every rank (local sizes), the latents whole."""
-    results, errors = _check(name, mesh, OPTIONS[options])
+    results, errors = check_parity(name, mesh, OPTIONS[options], rel=REL)
     print(f"{mesh}: max gradient error {max(errors.values()):.2e}")
     local = results[0][2]
     assert local["layers.0.attention.wq_b.weight"] == 12 * 8 * 32 // 2  # heads x (nope + rope) x q_lora, / tp

@@ -21,11 +21,11 @@ from collections import Counter
 
 import pytest
 import torch
-from runtime_cases import grad_errors, reference, train
+from runtime_cases import check_parity
 
 from mcompile.placements import Replicate, Shard
 
-from conftest import build, pool, tiered
+from conftest import build, tiered
 
 REL = 1e-5  # fp32, another summation order over the tp pieces: ~1e-7 measured
 
@@ -128,21 +128,6 @@ def test_plan_is_megatron_with_one_more_all_reduce_per_retro_layer():
     assert not [s for s in c.plan.collectives if s.forward == "all_gather"]
 
 
-def _check(name, mesh, options, batch=4):
-    world = 1
-    for part in mesh.split(","):
-        world *= int(part.split("=")[1])
-    results = pool(world).run(train, name, mesh, options, 3, batch, timeout=600)
-    ref_losses, ref_grads, ref_norms = reference(name, batch=batch)
-    for losses, _, _, norms in results:
-        assert losses == pytest.approx(ref_losses, rel=REL, abs=0)
-        assert norms == pytest.approx(ref_norms, rel=REL, abs=0)
-    errors = grad_errors(results[0][1], ref_grads)
-    for k, err in errors.items():
-        assert err <= REL, (k, err)
-    return results, errors
-
-
 PARITY = [("retro-tiny", "tp=2", {}), ("retro-tiny", "dp=2,tp=2", {})]
 
 
@@ -151,7 +136,7 @@ PARITY = [("retro-tiny", "tp=2", {}), ("retro-tiny", "dp=2,tp=2", {})]
 def test_retro_parity(name, mesh, options):
     """Losses, clip norms and unclipped gradients of 3 AdamW steps equal one device's at 1e-5; the CCA's
     projections are split on every rank (local sizes)."""
-    results, errors = _check(name, mesh, options)
+    results, errors = check_parity(name, mesh, options, rel=REL)
     print(f"{mesh}: max gradient error {max(errors.values()):.2e}")
     local = results[0][2]
     assert local["layers.1.cca.wk.weight"] == 64 * 32 // 2
