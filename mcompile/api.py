@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -14,7 +15,11 @@ from mcompile.mesh import Mesh
 from mcompile.plan import Plan, PlanOptions, SPVariant, input_specs
 from mcompile.planner import AxisPlanResult, assemble_plan, plan_axes
 
-__all__ = ["Compiled", "compile_plan", "plan"]
+__all__ = ["Compiled", "SequenceParallelWarning", "compile_plan", "plan"]
+
+
+class SequenceParallelWarning(UserWarning):
+    """``sequence_parallel=True`` that splits nothing on the sequence: the plan is plain tensor parallelism."""
 
 
 @dataclass
@@ -225,6 +230,10 @@ def compile_plan(
     gm, specs = _lower(compiled, 0)
     compiled._programs[(0, None)] = (gm, specs)
     plan.collectives = list(specs)
+    if sp and not any(c.axis == "tp" and c.forward == "reduce_scatter" for c in specs):
+        warnings.warn("sequence_parallel=True split no activation on its sequence over tp (the token dim is not "
+                      "the captured sequence alone, e.g. image patches + text, or there is no row-parallel "
+                      "output): the plan runs as plain tensor parallelism", SequenceParallelWarning, stacklevel=2)
     if mesh.size("pp") > 1:
         _plan_pipeline(compiled, schedule, virtual_stages, microbatches, pipeline_granularity, layers_per_stage,
                        stage_cuts, pipeline_seq or hints.get(cap.symbols.get(SEQ), 2048))

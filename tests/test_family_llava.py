@@ -175,6 +175,20 @@ def test_parity_tp2_thread_simulator():
                                    msg=lambda m, fqn=fqn: f"{fqn}: {m}")
 
 
+@pytest.mark.timeout(300)
+def test_sequence_parallel_that_splits_nothing_warns():
+    """Until SP learns a sequence of patches + text (xfail below), asking for it says the plan is plain tp."""
+    from mcompile.api import SequenceParallelWarning
+
+    model, inputs = build("llava-tiny", batch=2)
+    with pytest.warns(SequenceParallelWarning, match="split no activation on its sequence"):
+        mc.compile_plan(model, mc.Mesh.fake(tp=2), inputs, sequence_parallel=True)
+    llama, llama_inputs = build("llama3-tiny", batch=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SequenceParallelWarning)
+        mc.compile_plan(llama, mc.Mesh.fake(tp=2), llama_inputs, sequence_parallel=True)
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "sequence_parallel=True is silently a no-op here: mcompile/planner.py::megatron_policies lets SP shard "
     "only dims whose size IS the captured SEQ symbol (allowed_symbols={SEQ}); the LM's sequence is "
