@@ -125,7 +125,7 @@ def _candidates(trunk: Trunk, granularity: str) -> list[int]:
     if not trunk.layer_starts:
         raise PartitionError("no repeated blocks found in the graph: pin the stage cuts by node name")
     if granularity == "layer":
-        return list(trunk.layer_starts[1:])
+        return list(trunk.layer_starts)
     lo, hi = trunk.layer_starts[0], trunk.layers_end if trunk.layers_end is not None else len(trunk.nodes)
     pts = [p for p in trunk.narrow if lo < p < hi]
     # one candidate per run of adjacent narrow points (they differ by views and casts only): the last
