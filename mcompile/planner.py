@@ -257,18 +257,7 @@ def latent_hints(cap: Captured) -> dict[str, object]:
         width = int(w.meta["val"].shape[0])
         if int(w.meta["val"].shape[1]) <= width or _after_contraction(node.args[0]):
             continue  # not a down-projection, or the second half of a pair (an MLP's down, attention's out)
-        seen, todo, latent = set(), [(node, 0)], False
-        while todo and not latent:
-            cur, depth = todo.pop()
-            for u in cur.users:
-                if u in seen or u.op != "call_function" or depth > 12 or _contraction(u):
-                    continue
-                seen.add(u)
-                latent = _whole_width(u, cur, width)
-                if latent:
-                    break
-                todo.append((u, depth + 1))
-        if latent:
+        if _reaches(node, lambda u, cur, width=width: _whole_width(u, cur, width)):
             hints[w.name] = R
             if len(node.args) > 2 and getattr(node.args[2], "name", None) in cap.params:
                 hints[node.args[2].name] = R
@@ -321,26 +310,35 @@ def position_bias_hints(cap: Captured) -> dict[str, object]:
         if getattr(w, "name", None) not in cap.params or w.meta["val"].ndim != 2:
             continue
         heads = int(w.meta["val"].shape[1])
-        seen, todo, found = set(), [(node, 0)], False
-        while todo and not found:
-            cur, depth = todo.pop()
-            for u in cur.users:
-                if u in seen or u.op != "call_function" or depth > 16:
-                    continue
-                seen.add(u)
-                if u.target is aten.scaled_dot_product_attention.default:
-                    mask = u.args[3] if len(u.args) > 3 else u.kwargs.get("attn_mask")
-                    found = mask is cur and int(u.args[0].meta["val"].shape[1]) == heads
-                elif u.target is aten.add.Tensor and any(
-                        isinstance(a, torch.fx.Node) and a is not cur and _from_scores(a, heads) for a in u.args):
-                    found = True
-                elif not _contraction(u):
-                    todo.append((u, depth + 1))
-                if found:
-                    break
-        if found:
+        if _reaches(node, lambda u, cur, heads=heads: _biases_scores(u, cur, heads), depth=16):
             hints[w.name] = Shard(1)
     return hints
+
+
+def _biases_scores(u: torch.fx.Node, x: torch.fx.Node, heads: int) -> bool:
+    """Whether ``u`` uses ``x`` as the mask of an attention of ``heads`` heads or adds it to its scores."""
+    if u.target is aten.scaled_dot_product_attention.default:
+        mask = u.args[3] if len(u.args) > 3 else u.kwargs.get("attn_mask")
+        return mask is x and int(u.args[0].meta["val"].shape[1]) == heads
+    return u.target is aten.add.Tensor and any(
+        isinstance(a, torch.fx.Node) and a is not x and _from_scores(a, heads) for a in u.args)
+
+
+def _reaches(node: torch.fx.Node, test, depth: int = 12) -> bool:
+    """Whether some op using ``node``'s value, directly or through ops short of a contraction (at most
+    ``depth`` of them), passes ``test(op, the value it reads)``."""
+    seen, todo = set(), [(node, 0)]
+    while todo:
+        cur, d = todo.pop()
+        for u in cur.users:
+            if u in seen or u.op != "call_function" or d > depth:
+                continue
+            seen.add(u)
+            if test(u, cur):
+                return True
+            if not _contraction(u):
+                todo.append((u, d + 1))
+    return False
 
 
 def _from_scores(x: torch.fx.Node, heads: int) -> bool:

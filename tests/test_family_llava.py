@@ -190,11 +190,11 @@ def test_sequence_parallel_that_splits_nothing_warns():
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "sequence_parallel=True is silently a no-op here: mcompile/planner.py::megatron_policies lets SP shard "
-    "only dims whose size IS the captured SEQ symbol (allowed_symbols={SEQ}); the LM's sequence is "
-    "seq + 16 (patches + text) and the ViT's is the constant 17, so no activation is sequence-sharded, no "
-    "reduce-scatter / all-gather pair is planned, and nothing warns. Fix: allow sizes affine in SEQ (and "
-    "static sizes divisible by tp), or refuse / warn when SP shards nothing"))
+    "sequence_parallel=True is a no-op here (it warns: SequenceParallelWarning): mcompile/planner.py::"
+    "megatron_policies lets SP shard only dims whose size IS the captured SEQ symbol (allowed_symbols={SEQ}); "
+    "the LM's sequence is seq + 16 (patches + text) and the ViT's is the constant 17, so no activation is "
+    "sequence-sharded, no reduce-scatter / all-gather pair is planned. Fix: allow sizes affine in SEQ (and "
+    "static sizes divisible by tp)"))
 @pytest.mark.timeout(600)
 def test_sequence_parallel_plan_shards_the_lm_sequence():
     model, inputs = build("llava-tiny", batch=2)
