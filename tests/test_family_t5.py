@@ -293,8 +293,10 @@ def test_pipeline_stages_are_the_encoder_and_the_decoder():
 
 # --- the CLI on the published size, and a bad tp -----------------------------------------------------------
 
+@pytest.mark.slow  # two stacks: captured whole, not from two layers (mcompile/repeat): 83-199 s here
 @pytest.mark.timeout(900)
 def test_cli_plans_t5_11b_at_tp8(capsys):
+    """``mcompile plan t5-11b --mesh tp=8``: no fallbacks, memory per rank."""
     import json
 
     from mcompile.cli import main
