@@ -34,13 +34,8 @@ _NOOP_SLICE_END = 2**63 - 1
 
 def canonicalize_attention(cap: Captured) -> dict[str, int]:
     """Rewrite the captured graph in place; returns counts of what changed."""
-    counts = {"causal_masks": 0, "gqa_unrepeated": 0, "empty_cats": 0}
-    for node in list(cap.gm.graph.nodes):
-        if node.op == "call_function" and node.target is aten.cat.default:
-            kept = _only_nonempty(node)
-            if kept is not None:
-                node.replace_all_uses_with(kept)
-                counts["empty_cats"] += 1
+    # (an empty cache cat before the attention was dropped for every mesh: canonicalize.drop_empty_cats)
+    counts = {"causal_masks": 0, "gqa_unrepeated": 0}
     for node in list(cap.gm.graph.nodes):
         if node.op != "call_function" or node.target is not _SDPA:
             continue
