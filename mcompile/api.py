@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from mcompile.annotate import AnnotationSummary, annotate
 from mcompile.arguments import check_arguments
-from mcompile.capture import BATCH, SEQ, Captured, capture, warn_unless_loss
+from mcompile.capture import BATCH, SEQ, Captured, CaptureError, capture, warn_unless_loss
 from mcompile.mesh import Mesh
 from mcompile.plan import Plan, PlanOptions, SPVariant, input_specs
 from mcompile.planner import AxisPlanResult, assemble_plan, plan_axes
@@ -97,7 +97,7 @@ def _lower(compiled: Compiled, rank: int, device=None):
     from mcompile.repeat import repeat_lowered
 
     gm, _ = lower_program(compiled.short, compiled.axis_infos(rank), device)
-    repeat_lowered(gm, compiled.captured.block)
+    repeat_lowered(gm, compiled.captured.blocks)
     specs = []
     for n in gm.graph.nodes:
         specs += [n.meta[COLLECTIVE]] if COLLECTIVE in n.meta else []
@@ -107,15 +107,15 @@ def _lower(compiled: Compiled, rank: int, device=None):
 
 def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: bool, cache: bool = False,
              share=None):
-    """(capture, canonicalize's counts, block), canonicalised: the short model's capture and its
-    repeated block when the model is a stack of identical blocks deeper than two (mcompile.repeat),
-    else the whole model's capture and None. ``cache``: through the on-disk capture cache
+    """(capture, canonicalize's counts, blocks), canonicalised: the short model's capture and the
+    repeated group of each run of alike blocks (mcompile.repeat), else the whole model's capture and
+    None. ``cache``: through the on-disk capture cache
     (mcompile.capture_cache); ``share(produce)``: runs ``produce`` on one rank and returns its result
     on every rank (parallelize: rank 0 captures, every rank plans from the same serialised program)."""
     import logging
 
     from mcompile.passes import canonicalize
-    from mcompile.repeat import find_block, truncate, uniform
+    from mcompile.repeat import find_block, truncate_runs
 
     def captured(mod):
         if share is None:
@@ -129,18 +129,24 @@ def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: b
         return from_packed(data, mod)
 
     log = logging.getLogger("mcompile.repeat")
-    short = truncate(model, keep=2) if repeat_blocks else None
-    if short is not None:
-        root, path, depth = short
-        why = uniform(model.get_submodule(path))
-        if why is None:
+    short = truncate_runs(model, keep=2) if repeat_blocks else None
+    while short is not None:
+        root, runs = short
+        try:
             cap = captured(root)
-            canon = canonicalize(cap.gm)
-            block = find_block(cap, path, 2, depth)
-            if block is not None:
-                return cap, canon, block
-            why = "the captured graph does not show the list's blocks as repeated layers"
-        log.info("capturing all %d blocks of %s: %s", depth, path, why)
+        except CaptureError as e:  # a forward that depends on the depth (a buffer per layer, layers[i])
+            log.info("capturing every block: the model with two groups of each run does not capture (%s)",
+                     str(e).splitlines()[0])
+            break
+        canon = canonicalize(cap.gm)
+        found = [find_block(cap, run, 2) for run in runs]
+        if all(b is not None for b, _ in found):
+            return cap, canon, tuple(b for b, _ in found)
+        for run, (b, why) in zip(runs, found):
+            if b is None:
+                log.info("capturing all %d blocks of %s from %d: %s", run.reps * run.period, run.list_path,
+                         run.start, why)
+        short = truncate_runs(model, keep=2, runs=[r for r, (b, _) in zip(runs, found) if b is not None])
     cap = captured(model)
     return cap, canonicalize(cap.gm), None
 
@@ -186,7 +192,7 @@ def compile_plan(
     dtype). ``token_weighted_loss``: rewrite a mean cross-entropy output into (sum, count)
     (:mod:`mcompile.passes.loss`). ``for_runtime``: the programs will run (``parallelize``), so what
     the runtime cannot do yet is refused too (:func:`mcompile.arguments.check_arguments`).
-    ``repeat_blocks``: capture, plan and lower two of a deep stack of identical blocks and repeat them
+    ``repeat_blocks``: capture, plan and lower two groups of each run of alike blocks and repeat them
     (mcompile.repeat: the same plan and programs as the whole model's capture, at any depth's cost);
     False captures the whole model. ``capture_cache``: look the capture up in / add it to the on-disk
     cache (mcompile.capture_cache); ``share``: see :func:`_capture` (parallelize)."""
@@ -194,7 +200,7 @@ def compile_plan(
 
     if mesh.size("pp") > 1 and set(mesh.axis_names) == {"pp"}:  # a degenerate dp axis carries the stages' params
         mesh = Mesh.fake(dp=1, pp=mesh.size("pp")) if mesh.fake_mesh else Mesh(dp=1, pp=mesh.size("pp"))
-    cap, canon, block = _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks, capture_cache,
+    cap, canon, blocks = _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks, capture_cache,
                                  share)
     warn_unless_loss(cap)  # a plan of logits or several outputs is no training plan (forward still serves them)
     if token_weighted_loss:
@@ -210,10 +216,10 @@ def compile_plan(
     hints = _hints(cap, example_inputs, example_kwargs, seq, batch)
     axes = plan_axes(cap, mesh, sequence_parallel, overrides, hints)
     short = None
-    if block is not None:
+    if blocks is not None:
         from mcompile.repeat import repeat_axes, repeat_captured
 
-        short, (cap, copies) = cap, repeat_captured(cap, block, model)
+        short, (cap, copies) = cap, repeat_captured(cap, blocks, model)
         repeat_axes(axes, copies)
         annotation = annotate(cap.gm, reuse=True)
     sp = sequence_parallel and mesh.size("tp") > 1

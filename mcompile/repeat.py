@@ -1,25 +1,32 @@
-"""Plans at any depth: capture, plan and lower ONE repeated block, then repeat it (issue 18).
+"""Plans at any depth: capture, plan and lower TWO of each run of repeated blocks, then repeat them (issue 18).
 
 Capturing an 80-layer model costs torch.export ~40 s and propagation grows faster than the depth.
 The layers of a transformer are one block repeated, and the planner is a forward walk whose choice
 at a node depends only on where its inputs are (mcompile.propagate): layer ``j >= 1`` sees exactly
 what layer 1 sees. So:
 
-1. :func:`truncate` — a shallow copy of the model whose longest ``nn.ModuleList`` of same-type blocks
-   keeps ``keep`` (2) of them. :func:`uniform` refuses lists whose blocks differ in anything but their
-   parameters' values and their own index (per-layer attention types, a dense first layer): those are
-   captured whole.
-2. Capture, canonicalise and plan the short model. :func:`find_block` locates block ``keep-1`` in the
-   captured graph from the dataflow (mcompile.blocks: repeated parameter signatures between narrow
-   points) and checks it is the module list's block (its parameters are ``<list>.<keep-1>.*``).
-3. :func:`repeat_graph` copies the block's nodes ``depth - keep`` times after it: the block's input
-   (block ``keep-2``'s output) becomes the previous copy's output, its parameters become the next
-   layer's placeholders (``<list>.<j>.*``, named as torch.export names them), values it reads from
-   outside (masks, RoPE tables, sizes: input-only, identical for every layer) stay shared, and what
-   came after the block reads the last copy. The same function expands the captured graph (the full
-   model's graph, as a full capture gives it), the planner's per-node results (:func:`repeat_axes`),
-   and each rank's lowered program (the lowering records which captured node each program node was
-   emitted for: ``gm.meta["mc_emitted_for"]``), so per-rank programs are never lowered at full depth.
+1. :func:`find_runs` — in every ``nn.ModuleList`` (not inside another list's blocks), the runs of
+   ``reps >= 3`` consecutive *groups* of ``period`` blocks that are alike: a stack of identical layers is
+   one run of period 1; a hybrid stack repeats a pattern (RETRO's ``retro, plain, plain`` from layer 5,
+   a Mamba hybrid's ``Mamba, MLP``); an encoder-decoder or a vision-language model has a run in each
+   stack. Blocks are alike when they differ in nothing but their parameters' values and their own index
+   (per-layer attention types, a dense first layer break a run). :func:`truncate_runs` makes a shallow
+   copy of the model keeping two groups of each run (the blocks keep their indices: FQNs are the real
+   model's).
+2. Capture, canonicalise and plan the short model. :func:`find_block` locates each run's second group
+   in the captured graph from the dataflow — the cuts before and after it that one value of the run
+   crosses (besides values made before the run: encoder memory, masks, position bias, RoPE tables,
+   shared by every layer) — and checks it against the module structure (its parameters are the group's,
+   every node the module stack files under the group lies inside it).
+3. :func:`repeat_graph` copies the group's nodes ``reps - 2`` times after it: the group's input (the
+   first group's output) becomes the previous copy's output, its parameters become the next group's
+   placeholders (named as torch.export names them), values it reads from outside stay shared, what came
+   after the run reads the last copy, and a per-layer side value collected in a list after the run
+   (MoE load-balancing losses stacked for their mean) is collected from every copy. The same function
+   expands the captured graph (the full model's graph, as a full capture gives it), the planner's
+   per-node results (:func:`repeat_axes`), and each rank's lowered program (the lowering records which
+   captured node each program node was emitted for: ``gm.meta["mc_emitted_for"]``), so per-rank programs
+   are never lowered at full depth.
 
 The full capture is the reference: tests/test_repeat.py checks plans and per-rank programs of deep
 models against it. ``compile_plan(..., repeat_blocks=False)`` captures the whole model.
@@ -31,6 +38,7 @@ import copy
 import dataclasses
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,45 +47,20 @@ import torch.fx as fx
 from mcompile import meta as M
 from mcompile.capture import Captured
 
-__all__ = ["Block", "RepeatedCapture", "truncate", "uniform", "find_block", "repeat_graph", "repeat_axes",
-           "repeat_captured", "repeat_lowered", "EMITTED_FOR", "copy_name"]
+__all__ = ["Run", "Block", "RepeatedCapture", "find_runs", "truncate_runs", "truncate", "uniform", "find_block",
+           "repeat_graph", "repeat_axes", "repeat_captured", "repeat_lowered", "EMITTED_FOR", "copy_name"]
 
 log = logging.getLogger("mcompile.repeat")
 EMITTED_FOR, VALUE_OF = M.EMITTED_FOR, M.VALUE_OF
+MAX_PERIOD = 8  # longest pattern of blocks looked for
 
 
 def copy_name(name: str, j: int) -> str:
-    """The name of node ``name``'s copy in layer ``j`` (captured and lowered graphs alike)."""
+    """The name of node ``name``'s copy in group ``j`` (captured and lowered graphs alike)."""
     return f"{name}_L{j}"
 
 
-def _longest_list(model: torch.nn.Module, keep: int):
-    best = None
-    for name, mod in model.named_modules():
-        if name and isinstance(mod, torch.nn.ModuleList) and len(mod) > keep and \
-                len({type(c) for c in mod}) == 1 and (best is None or len(mod) > len(best[1])):
-            best = (name, mod)
-    return best
-
-
-def truncate(model: torch.nn.Module, keep: int = 2) -> tuple[torch.nn.Module, str, int] | None:
-    """A shallow copy of ``model`` whose longest ``nn.ModuleList`` of same-type blocks keeps ``keep``
-    of them (parameters shared, the user's module untouched), the list's path and its length; None
-    when the model has no such list."""
-    best = _longest_list(model, keep)
-    if best is None:
-        return None
-    *path, last = best[0].split(".")
-    root = copy.copy(model)
-    root._modules = dict(root._modules)
-    cur = root
-    for part in path:
-        child = copy.copy(cur._modules[part])
-        child._modules = dict(child._modules)
-        cur._modules[part] = child
-        cur = child
-    cur._modules[last] = torch.nn.ModuleList(list(best[1])[:keep])
-    return root, best[0], len(best[1])
+# --------------------------------------------------------------------------- runs of alike blocks
 
 
 def _facts(mod: torch.nn.Module) -> dict:
@@ -96,91 +79,329 @@ def _facts(mod: torch.nn.Module) -> dict:
     return out
 
 
-def uniform(blocks: torch.nn.ModuleList) -> str | None:
-    """None when every block is block 0 up to parameter values and its own index (an attribute equal
-    to the block's position in every block, ``layer_idx``); else what differs."""
+def _fingerprints(blocks: torch.nn.ModuleList) -> list[dict]:
+    """Each block's facts less its index (an attribute equal to the block's position in every block,
+    ``layer_idx``)."""
     facts = [_facts(b) for b in blocks]
     index = {k for k in facts[0] if all(f.get(k) == repr(i) for i, f in enumerate(facts))}
-    ref = {k: v for k, v in facts[0].items() if k not in index}
-    for i, f in enumerate(facts[1:], 1):
-        f = {k: v for k, v in f.items() if k not in index}
-        if f != ref:
-            key = next(k for k in sorted(set(f) | set(ref), key=str) if f.get(k) != ref.get(k))
+    return [{k: v for k, v in f.items() if k not in index} for f in facts]
+
+
+def uniform(blocks: torch.nn.ModuleList) -> str | None:
+    """None when every block is block 0 up to parameter values and its own index; else what differs."""
+    fps = _fingerprints(blocks)
+    for i, f in enumerate(fps[1:], 1):
+        if f != fps[0]:
+            key = next(k for k in sorted(set(f) | set(fps[0]), key=str) if f.get(k) != fps[0].get(k))
             return f"block {i} differs from block 0 in {'.'.join(p for p in key if p)}"
     return None
 
 
 @dataclass(frozen=True)
+class Run:
+    """``reps`` consecutive groups of ``period`` alike blocks of the module list ``list_path``, the
+    first group starting at its block ``start``."""
+
+    list_path: str
+    start: int
+    period: int
+    reps: int
+
+    def group(self, g: int) -> range:
+        """Block indices of group ``g``."""
+        return range(self.start + g * self.period, self.start + (g + 1) * self.period)
+
+
+def find_runs(blocks: torch.nn.ModuleList, keep: int = 2, list_path: str = "") -> list[Run]:
+    """The runs of more than ``keep`` alike groups in ``blocks``, left to right: at each block the
+    period (up to MAX_PERIOD) whose run leaves the most blocks out of the capture."""
+    fps = _fingerprints(blocks)
+    n, out, i = len(fps), [], 0
+    while i < n:
+        best = None  # (blocks saved, -period, reps)
+        for p in range(1, min(MAX_PERIOD, (n - i) // (keep + 1)) + 1):
+            r = 1
+            while i + (r + 1) * p <= n and fps[i + r * p: i + (r + 1) * p] == fps[i: i + p]:
+                r += 1
+            if r > keep and (best is None or ((r - keep) * p, -p) > best[:2]):
+                best = ((r - keep) * p, -p, r)
+        if best is None:
+            i += 1
+            continue
+        out.append(Run(list_path, i, -best[1], best[2]))
+        i += best[2] * -best[1]
+    return out
+
+
+class _Kept(torch.nn.ModuleList):
+    """A module list holding some of another's blocks under their own indices (so the short model's
+    parameters have the real model's FQNs); integer indexing and slicing are by position."""
+
+    def __getitem__(self, idx):
+        mods = list(self._modules.values())
+        return type(self)._of(mods[idx]) if isinstance(idx, slice) else mods[idx]
+
+    @classmethod
+    def _of(cls, mods):
+        out = cls()
+        for i, m in enumerate(mods):
+            out._modules[str(i)] = m
+        return out
+
+
+def _replace(root: torch.nn.Module, path: str, new: torch.nn.Module, copied: set) -> torch.nn.Module:
+    """``root`` with the submodule at ``path`` replaced, every module on the way shallow-copied once
+    (``copied``: ids of the copies made so far); the user's modules are untouched."""
+    if id(root) not in copied:
+        root = copy.copy(root)
+        root._modules = dict(root._modules)
+        copied.add(id(root))
+    *parts, last = path.split(".")
+    cur = root
+    for part in parts:
+        child = cur._modules[part]
+        if id(child) not in copied:
+            child = copy.copy(child)
+            child._modules = dict(child._modules)
+            copied.add(id(child))
+            cur._modules[part] = child
+        cur = child
+    cur._modules[last] = new
+    return root
+
+
+def truncate_runs(model: torch.nn.Module, keep: int = 2,
+                  runs: Sequence[Run] | None = None) -> tuple[torch.nn.Module, list[Run]] | None:
+    """A shallow copy of ``model`` keeping ``keep`` groups of each run (``runs``, or those of every module
+    list not inside another list's blocks) and the runs; None when there is none."""
+    if runs is None:
+        runs, lists = [], []
+        for name, mod in model.named_modules():
+            if not name or not isinstance(mod, torch.nn.ModuleList) or len(mod) <= keep or \
+                    any(name.startswith(p + ".") for p in lists):
+                continue
+            found = find_runs(mod, keep, name)
+            if found:
+                lists.append(name)
+                runs += found
+    runs = list(runs)
+    if not runs:
+        return None
+    root, copied = model, set()
+    for name in dict.fromkeys(r.list_path for r in runs):
+        drop = {i for r in runs if r.list_path == name for i in range(r.start + keep * r.period,
+                                                                       r.start + r.reps * r.period)}
+        kept = _Kept()
+        for key, block in model.get_submodule(name)._modules.items():
+            if int(key) not in drop:
+                kept._modules[key] = block
+        root = _replace(root, name, kept, copied)
+    return root, runs
+
+
+def truncate(model: torch.nn.Module, keep: int = 2) -> tuple[torch.nn.Module, str, int] | None:
+    """A shallow copy of ``model`` whose longest ``nn.ModuleList`` of same-type blocks keeps ``keep``
+    of them, the list's path and its length; None when the model has no such list (the search's
+    estimate of a stack's depth)."""
+    best = None
+    for name, mod in model.named_modules():
+        if name and isinstance(mod, torch.nn.ModuleList) and len(mod) > keep and \
+                len({type(c) for c in mod}) == 1 and (best is None or len(mod) > len(best[1])):
+            best = (name, mod)
+    if best is None:
+        return None
+    return _replace(model, best[0], torch.nn.ModuleList(list(best[1])[:keep]), set()), best[0], len(best[1])
+
+
+# --------------------------------------------------------------------------- the block in the graph
+
+
+@dataclass(frozen=True)
 class Block:
-    """Block ``keep-1`` of a captured short model, and how deep the real model is."""
+    """Group ``keep-1`` of a run in a captured short model, and how many groups the real model has."""
 
     list_path: str  # the module list, "m.model.layers"
-    keep: int  # blocks captured
-    depth: int  # blocks of the real model
-    nodes: tuple[str, ...]  # captured call_function nodes of the copied block, program order
-    entry: str  # captured node whose value enters the block (the previous block's output)
-    exit: str  # captured node the block ends with (its output)
+    keep: int  # groups captured
+    depth: int  # groups of the real model
+    nodes: tuple[str, ...]  # captured call_function nodes of the copied group, program order
+    entry: str  # captured node whose value enters the group (the previous group's output)
+    exit: str  # captured node the group ends with (its output)
+    start: int = 0  # block index of the run's first group
+    period: int = 1  # blocks per group
 
     @property
     def last(self) -> int:
         return self.keep - 1
 
-    def fqn(self, fqn: str, j: int) -> str | None:
-        """Layer ``j``'s name of block ``keep-1``'s tensor ``fqn`` (None: not the block's own)."""
-        head = f"{self.list_path}.{self.last}."
-        return f"{self.list_path}.{j}.{fqn[len(head):]}" if fqn.startswith(head) else None
+    def index(self, i: int, j: int, groups: int = 1) -> int | None:
+        """Group ``j``'s block index of the copied group's block ``i`` (None: not the group's). With
+        ``groups=keep``, a block of an earlier captured group moves as far (a node the cut before the copied
+        group files under the previous block, as a post-norm layer's last norm: in group ``j`` it is group
+        ``j-1``'s)."""
+        lo = self.start + (self.keep - groups) * self.period
+        return i + (j - self.last) * self.period if lo <= i < self.start + self.keep * self.period else None
 
-    def placeholder(self, name: str, j: int) -> str:
-        """Layer ``j``'s placeholder name, as torch.export names it (``p_<fqn with _>``)."""
-        old = _sanitize(f"{self.list_path}.{self.last}.")
-        new = _sanitize(f"{self.list_path}.{j}.")
-        return name.replace(old, new, 1) if old in name else copy_name(name, j)
+    def fqn(self, fqn: str, j: int) -> str | None:
+        """Group ``j``'s name of the copied group's tensor ``fqn`` (None: not the group's own)."""
+        head = self.list_path + "."
+        if not fqn.startswith(head):
+            return None
+        idx, _, rest = fqn[len(head):].partition(".")
+        new = self.index(int(idx), j) if idx.isdigit() and rest else None
+        return None if new is None else f"{head}{new}.{rest}"
+
+    def placeholder(self, name: str, fqn: str | None, j: int) -> str:
+        """Group ``j``'s placeholder name, as torch.export names it (``p_<fqn with _>``)."""
+        new = self.fqn(fqn, j) if isinstance(fqn, str) else None
+        if new is not None:
+            head = len(self.list_path) + 1
+            old_h = _sanitize(f"{self.list_path}.{fqn[head:].partition('.')[0]}.")
+            new_h = _sanitize(f"{self.list_path}.{new[head:].partition('.')[0]}.")
+            m = re.search(rf"(?<![^_]){re.escape(old_h)}", name)
+            if m:
+                return name[: m.start()] + new_h + name[m.end():]
+        return copy_name(name, j)
 
     def layer_path(self, path: str, j: int) -> str:
-        """Module path ``<list>.<keep-1>...`` of a node's ``nn_module_stack`` moved to layer ``j``."""
-        for old, new in ((f"{self.list_path}.{self.last}", f"{self.list_path}.{j}"),
-                         (f"{self.list_path}[{self.last}]", f"{self.list_path}[{j}]")):
-            if path == old or path.startswith((old + ".", old + "[")):
-                return new + path[len(old):]
+        """Module path ``<list>.<i>...`` of a node's ``nn_module_stack`` moved to group ``j``."""
+        for sep, close in ((".", ""), ("[", "]")):
+            m = re.match(rf"{re.escape(self.list_path)}{re.escape(sep)}(\d+){re.escape(close)}", path)
+            if m:
+                new = self.index(int(m.group(1)), j, self.keep)
+                if new is not None:
+                    return f"{self.list_path}{sep}{new}{close}" + path[m.end():]
         return path
+
+    def layer(self, layer, j: int):
+        """A node's layer index (M.LAYER, CollectiveSpec.layer) moved to group ``j``."""
+        new = self.index(layer, j, self.keep) if isinstance(layer, int) else None
+        return layer if new is None else new
 
 
 def _sanitize(s: str) -> str:
     return re.sub(r"[^0-9a-zA-Z_]+", "_", s)
 
 
-def find_block(cap, list_path: str, keep: int, depth: int) -> Block | None:
-    """Block ``keep-1`` of ``cap`` (a capture of the short model), or None when the dataflow does not
-    show ``keep`` blocks made of the list's parameters."""
-    from mcompile.blocks import analyse
+def _group_of(node: fx.Node, run: Run) -> int | None:
+    """The block index of ``run``'s list that the node's module stack files it under (None: none)."""
+    stack = node.meta.get("nn_module_stack")
+    if not isinstance(stack, dict):
+        return None
+    pat = re.compile(rf"{re.escape(run.list_path)}(?:\.(\d+)|\[(\d+)\])(?:$|[.\[])")
+    for v in stack.values():
+        path = v[0] if isinstance(v, tuple) and v else v
+        m = pat.match(path) if isinstance(path, str) else None
+        if m:
+            return int(m.group(1) or m.group(2))
+    return None
 
-    trunk = analyse(cap.gm, cap.params)
-    if trunk.num_layers != keep:
-        return None
-    starts = trunk.layer_starts + [trunk.layers_end if trunk.layers_end is not None else len(trunk.nodes)]
-    a, b = starts[keep - 1], starts[keep]
-    nodes = trunk.nodes[a:b]
-    if not nodes or a not in trunk.crossing or b not in trunk.crossing:
-        return None
-    entry, exit_ = trunk.crossing[a], trunk.crossing[b]
-    names = {n.name for n in nodes}
-    if exit_ not in names:
-        return None
-    head = f"{list_path}.{keep - 1}."
-    used = {p.name for n in nodes for p in n.all_input_nodes if p.op == "placeholder" and p.name in cap.params}
-    own = {ph for ph, fqn in cap.params.items() if fqn.startswith(head)}
-    foreign = {p for p in used - own if cap.params[p].startswith(f"{list_path}.")}  # another block's
-    if not used & own or foreign or own - used:
-        return None  # the dataflow's block is not the module list's block keep-1
-    return Block(list_path, keep, depth, tuple(n.name for n in nodes), entry, exit_)
+
+def find_block(cap, run: Run, keep: int = 2) -> tuple[Block | None, str]:
+    """Group ``keep-1`` of ``run`` in ``cap`` (a capture of the short model), or None and why not."""
+    from mcompile.blocks import SIDE_FRACTION, _numel, _side
+
+    g = cap.gm.graph
+    nodes = [n for n in g.nodes if n.op == "call_function"]
+    pos = {n: i for i, n in enumerate(nodes)}
+    end = len(nodes)
+    tables = {**cap.params, **cap.buffers}
+    placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
+
+    def own(grp: int) -> set[fx.Node]:
+        heads = tuple(f"{run.list_path}.{i}." for i in run.group(grp))
+        return {placeholders[ph] for ph, fqn in tables.items() if fqn.startswith(heads) and ph in placeholders}
+
+    def uses(phs) -> list[int]:
+        return [pos[u] for ph in phs for u in ph.users if u in pos]
+
+    first, second = own(keep - 2), own(keep - 1)
+    u0, u1 = uses(first), uses(second)
+    if not u0 or not u1:
+        return None, "the short model's graph uses none of the run's parameters"
+    attributed = {n: _group_of(n, run) for n in nodes}
+    in_first = [pos[n] for n, b in attributed.items() if b in run.group(keep - 2)]
+    f0 = min(u0 + in_first)  # the run begins: values made before it are shared by every group
+    l0, f1, l1 = max(u0), min(u1), max(u1)
+    if f1 <= l0:
+        return None, "the run's groups interleave in the program"
+    dependent = set(cap.params)
+    for n in nodes:
+        if any(a.name in dependent for a in n.all_input_nodes):
+            dependent.add(n.name)
+    starts = [[] for _ in range(end + 2)]
+    stops = [[] for _ in range(end + 2)]
+    for n in nodes[f0:]:
+        if n.name in dependent and n.users:
+            last = max(pos.get(u, end) for u in n.users)
+            if last > pos[n]:
+                starts[pos[n] + 1].append(n)
+                stops[last + 1].append(n)
+    live: dict[fx.Node, int] = {}
+    crossing: dict[int, fx.Node] = {}  # cut -> the one run value crossing it (side values aside)
+    for c in range(f0, end + 1):
+        for n in stops[c]:
+            live.pop(n, None)
+        for n in starts[c]:
+            live[n] = _numel(n) or 0
+        if live:
+            main = max(live, key=live.get)
+            rest = sum(live.values()) - live[main]
+            if len(live) == 1 or (live[main] > 1 and SIDE_FRACTION * rest <= live[main] and
+                                  all(_side(n, main) for n in live if n is not main)):
+                crossing[c] = main
+    s1 = min((c for c in crossing if l0 < c <= f1), default=None)  # as blocks.analyse cuts between layers
+    e1 = min((c for c in crossing if c > l1), default=None)
+    if s1 is None or e1 is None:
+        return None, "no cut before or after the run's second group that one value crosses"
+    members = nodes[s1:e1]
+    inside = set(members)
+    entry, exit_ = crossing[s1], crossing[e1]
+    if exit_ not in inside:
+        return None, "the value leaving the second group is not made in it"
+    used = {a for n in members for a in n.all_input_nodes if a.op == "placeholder" and a.name in tables}
+    others = {a for a in used - second if tables[a.name].startswith(run.list_path + ".")}
+    if others or second - used:
+        return None, "the dataflow's group does not use exactly its blocks' parameters"
+    for n in members:  # the cuts may move no-ops (a dtype cast, an assert) across a block boundary, never more
+        b = attributed[n]
+        if b is not None and b not in run.group(keep - 1) and any(
+                a in pos and a.name in dependent and pos[a] < f0 for a in n.all_input_nodes):
+            return None, f"{n.name} of block {b} lies inside the dataflow's group and reads a value from before the run"
+    for n in members:
+        for a in n.all_input_nodes:
+            if a in pos and a not in inside and a is not entry and pos[a] >= f0 and a.name in dependent:
+                return None, f"{n.name} reads {a.name}, a value the first group made besides its output"
+        if n is exit_:
+            continue
+        for u in n.users:
+            if u not in inside and (n in u.args or n in u.kwargs.values()):
+                return None, f"{u.name} reads {n.name}, a value of the second group alone, after the run"
+    return Block(run.list_path, keep, run.reps, tuple(n.name for n in members), entry.name, exit_.name,
+                 run.start, run.period), ""
+
+
+def _expand(a, seq: dict[fx.Node, list[fx.Node]]):
+    """An argument with each repeated node in a list replaced by its value in every group, and each
+    repeated node given directly replaced by the last group's."""
+    if isinstance(a, list | tuple):
+        out = []
+        for x in a:
+            if isinstance(x, fx.Node) and x in seq:
+                out += seq[x]
+            else:
+                out.append(_expand(x, seq))
+        return type(a)(out)
+    if isinstance(a, fx.Node) and a in seq:
+        return seq[a][-1]
+    return a
 
 
 def repeat_graph(gm: fx.GraphModule, block: Block, members: list[fx.Node], entry: fx.Node, exit_: fx.Node,
                  origin_of=None) -> dict[str, list[str]]:
-    """Copy ``members`` (block ``keep-1``'s nodes of ``gm``, contiguous) for layers ``keep..depth-1``
-    after them. ``entry``: the node the block reads as its input; ``exit_``: its output. Placeholders
-    of the block's own parameters and buffers get layer ``j``'s (placed after the block's). Returns
-    node name -> the names of its copies, layer by layer (placeholders included)."""
+    """Copy ``members`` (group ``keep-1``'s nodes of ``gm``, contiguous) for groups ``keep..depth-1``
+    after them. ``entry``: the node the group reads as its input; ``exit_``: its output. Placeholders
+    of the group's own parameters and buffers get group ``j``'s (placed after the group's). Returns
+    node name -> the names of its copies, group by group (placeholders included)."""
     g = gm.graph
     if not members:
         return {}
@@ -189,22 +410,21 @@ def repeat_graph(gm: fx.GraphModule, block: Block, members: list[fx.Node], entry
     if pos != list(range(pos[0], pos[0] + len(pos))):
         raise AssertionError("the repeated block's nodes are not contiguous in the program")
     inside = set(members)
-    phs = [n for n in g.nodes if n.op == "placeholder"]
     own = {}
-    for ph in phs:
-        fqn = ph.meta.get(M.PARAM_FQN)
+    for ph in g.nodes:
+        fqn = ph.meta.get(M.PARAM_FQN) if ph.op == "placeholder" else None
         if isinstance(fqn, str) and block.fqn(fqn, block.keep) is not None:
             own[ph] = fqn
     copies: dict[str, list[str]] = {n.name: [] for n in list(own) + members}
+    seq: dict[fx.Node, list[fx.Node]] = {n: [n] for n in members}
     last_ph = max(own, key=lambda p: order[p]) if own else None
     prev_exit = exit_
     after = members[-1]
-    env: dict[fx.Node, fx.Node] = {}  # a node -> its copy in the layer being made (the last one, after)
     for j in range(block.keep, block.depth):
-        env = {}
+        env: dict[fx.Node, fx.Node] = {}  # a node -> its copy in group j
         for ph, fqn in own.items():
             with g.inserting_after(last_ph):
-                new = g.placeholder(block.placeholder(ph.name, j))
+                new = g.placeholder(block.placeholder(ph.name, fqn, j))
             new.meta.update(ph.meta)
             new.meta[M.PARAM_FQN] = block.fqn(fqn, j)
             env[ph] = new
@@ -220,15 +440,31 @@ def repeat_graph(gm: fx.GraphModule, block: Block, members: list[fx.Node], entry
             new.meta = dict(n.meta)
             _relabel(new, n, block, j, origin_of)
             env[n] = new
+            seq[n].append(new)
             copies[n.name].append(new.name)
             after = new
         prev_exit = env[exit_]
-    # what came after the block reads the last layer
+    # what came after the run reads the last group; a list of per-group values, every group's
     for n in members:
-        final = env.get(n, n)
         for u in list(n.users):
             if u not in inside and not u.meta.get("_mc_copy"):
-                u.replace_input_with(n, final)
+                u.args = tuple(_expand(a, seq) for a in u.args)
+                u.kwargs = {k: _expand(v, seq) for k, v in u.kwargs.items()}
+    if origin_of is not None and block.depth > block.keep:  # a lowered program: what after the run is about
+        names, j = set(block.nodes), block.depth - 1           # the group's values is about the last group's
+        nodes = list(g.nodes)
+        for n in nodes[nodes.index(after) + 1:]:
+            if n.meta.get(M.ORIGIN) in names:
+                n.meta[M.ORIGIN] = origin_of(n.meta[M.ORIGIN], j)
+                n.meta[M.LAYER] = block.layer(n.meta.get(M.LAYER), j)
+            for key in (M.COLLECTIVE, M.COLLECTIVES):
+                specs = n.meta.get(key)
+                moved = [dataclasses.replace(sp, origin=origin_of(sp.origin, j), layer=block.layer(sp.layer, j))
+                         if sp.origin in names else sp for sp in (specs if isinstance(specs, list) else [specs])
+                         if sp is not None]
+                if moved:
+                    n.meta[key] = moved if isinstance(specs, list) else moved[0]
+    _clear_copy_marks(gm)
     gm.recompile()
     return copies
 
@@ -239,13 +475,14 @@ def _relabel(new: fx.Node, old: fx.Node, block: Block, j: int, origin_of) -> Non
     if isinstance(stack, dict):
         new.meta["nn_module_stack"] = {k: (block.layer_path(v[0], j), *v[1:]) if isinstance(v, tuple) and v
                                        and isinstance(v[0], str) else v for k, v in stack.items()}
-    if old.meta.get(M.LAYER) == block.last:
-        new.meta[M.LAYER] = j
+    if old.meta.get(M.LAYER) is not None:
+        new.meta[M.LAYER] = block.layer(old.meta[M.LAYER], j)
     if M.ORIGIN in old.meta and origin_of is not None:
         new.meta[M.ORIGIN] = origin_of(old.meta[M.ORIGIN], j)
+
     def moved(spec):
         return dataclasses.replace(spec, node=new.name, origin=origin_of(spec.origin, j) if origin_of else spec.origin,
-                                   layer=j if spec.layer == block.last else spec.layer)
+                                   layer=block.layer(spec.layer, j))
 
     spec = old.meta.get(M.COLLECTIVE)
     if spec is not None:
@@ -260,8 +497,8 @@ def _clear_copy_marks(gm: fx.GraphModule) -> None:
 
 
 def captured_origin(block: Block):
-    """Captured name mapping of the copies: a block node -> its copy in layer j; the block's entry
-    (the previous layer's output) -> the previous layer's exit."""
+    """Captured name mapping of the copies: a group node -> its copy in group j; the group's entry
+    (the previous group's output) -> the previous group's exit."""
     names = set(block.nodes)
 
     def of(name: str, j: int) -> str:
@@ -273,7 +510,7 @@ def captured_origin(block: Block):
     return of
 
 
-def repeat_captured(cap: Captured, block: Block, model: torch.nn.Module):
+def repeat_captured(cap: Captured, blocks: Sequence[Block], model: torch.nn.Module):
     """The short capture ``cap`` grown to the model's depth (``cap`` itself untouched): a
     :class:`RepeatedCapture` whose parameter and buffer tables and state (read from ``model``, whose
     blocks the short capture never saw) are the full model's; and node name -> its copies' names."""
@@ -283,14 +520,14 @@ def repeat_captured(cap: Captured, block: Block, model: torch.nn.Module):
     gm = fx.GraphModule(cap.gm, g)
     if [n.name for n in g.nodes] != [n.name for n in cap.gm.graph.nodes]:
         raise AssertionError("copying the captured graph renamed its nodes")
-    by = {n.name: n for n in g.nodes}
-    members = [by[n] for n in block.nodes]
-    copies = repeat_graph(gm, block, members, by[block.entry], by[block.exit])
-    _clear_copy_marks(gm)
+    copies: dict[str, list[str]] = {}
+    for block in blocks:
+        by = {n.name: n for n in g.nodes}
+        copies.update(repeat_graph(gm, block, [by[n] for n in block.nodes], by[block.entry], by[block.exit]))
     # tables in placeholder order
-    phs = [n for n in g.nodes if n.op == "placeholder"]
     params, buffers, constants = {}, {}, {}
-    for ph in phs:
+    source = {c: k for k, v in copies.items() for c in v}
+    for ph in (n for n in g.nodes if n.op == "placeholder"):
         fqn = ph.meta.get(M.PARAM_FQN)
         if ph.name in cap.params:
             params[ph.name] = cap.params[ph.name]
@@ -299,7 +536,7 @@ def repeat_captured(cap: Captured, block: Block, model: torch.nn.Module):
         elif ph.name in cap.constants:
             constants[ph.name] = cap.constants[ph.name]
         else:
-            src = next((k for k, v in copies.items() if ph.name in v), None)
+            src = source.get(ph.name)
             if src in cap.params:
                 params[ph.name] = fqn
             elif src in cap.buffers:
@@ -308,7 +545,7 @@ def repeat_captured(cap: Captured, block: Block, model: torch.nn.Module):
                 constants[ph.name] = cap.constants[src]  # constants): a uniform block's copies are equal
     fields = {f.name: getattr(cap, f.name) for f in dataclasses.fields(cap)}
     fields.update(gm=gm, params=params, buffers=buffers, constants=constants)
-    return RepeatedCapture(**fields, model_state=model.state_dict(keep_vars=True), block=block), copies
+    return RepeatedCapture(**fields, model_state=model.state_dict(keep_vars=True), blocks=tuple(blocks)), copies
 
 
 @dataclass
@@ -317,7 +554,7 @@ class RepeatedCapture(Captured):
     so the state comes from the model itself."""
 
     model_state: dict = dataclasses.field(default_factory=dict)
-    block: Block | None = None
+    blocks: tuple[Block, ...] = ()
 
     def state_values(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -339,18 +576,18 @@ def repeat_axes(axes, copies: dict[str, list[str]]) -> None:
                         d[c] = d[name]
 
 
-def repeat_lowered(gm: fx.GraphModule, block: Block) -> fx.GraphModule:
+def repeat_lowered(gm: fx.GraphModule, blocks: Sequence[Block]) -> fx.GraphModule:
     """A rank's program lowered from the short capture, grown to the model's depth (in place)."""
     emitted = gm.meta.get(EMITTED_FOR)
     value_of = gm.meta.get(VALUE_OF)
     if emitted is None or value_of is None:
         raise AssertionError("repeat_lowered needs a program from passes.lower (it records what it emitted for)")
-    names = set(block.nodes)
-    members = [n for n in gm.graph.nodes if emitted.get(n.name) in names]
-    by = {n.name: n for n in gm.graph.nodes}
-    entry, exit_ = by[value_of[block.entry]], by[value_of[block.exit]]
-    repeat_graph(gm, block, members, entry, exit_, origin_of=captured_origin(block))
-    _clear_copy_marks(gm)
+    for block in blocks:
+        names = set(block.nodes)
+        members = [n for n in gm.graph.nodes if emitted.get(n.name) in names]
+        by = {n.name: n for n in gm.graph.nodes}
+        entry, exit_ = by[value_of[block.entry]], by[value_of[block.exit]]
+        repeat_graph(gm, block, members, entry, exit_, origin_of=captured_origin(block))
     gm.meta.pop(EMITTED_FOR, None)
     gm.meta.pop(VALUE_OF, None)
     return gm

@@ -28,8 +28,27 @@ class HFLoss(torch.nn.Module):
         return self.m(input_ids=ids, labels=labels, use_cache=False).loss
 
 
+# tiny presets deepened so that each run has a third group to repeat: (runs found, as (list, start, period,
+# groups)), the preset's depth fields
+PRESET_DEPTHS = {
+    "mixtral-tiny": ([("layers", 0, 1, 4)], {"n_layers": 4}),  # per-layer aux losses stacked after the run
+    "t5-tiny": ([("encoder.layers", 0, 1, 3), ("decoder.layers", 0, 1, 3)],
+                {"num_layers": 3, "num_decoder_layers": 3}),  # two stacks; memory and biases read by every layer
+    "retro-tiny": ([("layers", 0, 3, 3)], {"n_layers": 11, "retro_start": 2}),  # plain, plain, retro x 3
+    "mamba2-hybrid-tiny": ([("layers", 0, 2, 3), ("layers", 7, 2, 3)], {"pattern": "M-M-M-*M-M-M-"}),
+    "bert-tiny": ([("layers", 0, 1, 4)], {"n_layers": 4}),  # post-norm: the cut files a norm under the layer before
+    "llava-tiny": ([("vision.layers", 0, 1, 3), ("layers", 0, 1, 3)], {"n_layers": 3, "vision_layers": 3}),
+}
+
+
 def deep(name: str, layers: int = 4):
     torch.manual_seed(0)
+    if name in PRESET_DEPTHS:
+        from mcompile.models import get_preset
+
+        preset = get_preset(name)
+        preset = dataclasses.replace(preset, config=dataclasses.replace(preset.config, **PRESET_DEPTHS[name][1]))
+        return preset.build(), preset.example_inputs(seed=1)
     if name == "llama3-tiny":
         from mcompile.models import get_preset
         from mcompile.models.llama import Llama
@@ -93,7 +112,7 @@ def test_repeated_blocks_give_the_full_capture_plan_and_programs(name, mesh, sp)
     every rank's program node for node (names aside)."""
     _, _, full, rep = both(name, mesh, sp, microbatches=2)
     assert full.short is None and rep.short is not None
-    assert rep.captured.block.depth == 4 and rep.captured.block.keep == 2
+    assert [(b.depth, b.keep) for b in rep.captured.blocks] == [(4, 2)]
     assert list(rep.captured.params.values()) == list(full.captured.params.values())
     assert [n.name for n in rep.captured.gm.graph.nodes if n.op == "placeholder"] == \
         [n.name for n in full.captured.gm.graph.nodes if n.op == "placeholder"]
@@ -110,6 +129,48 @@ def test_repeated_blocks_give_the_full_capture_plan_and_programs(name, mesh, sp)
             [len(s["layers"]) for s in rep.plan.pipeline["stages"]] == \
             [len(s["layers"]) for s in full.plan.pipeline["stages"]]
         assert rep.plan.pipeline["stages"] == full.plan.pipeline["stages"]
+
+
+@pytest.mark.parametrize("name", [n if n in ("t5-tiny", "mamba2-hybrid-tiny", "bert-tiny") else
+                                  pytest.param(n, marks=pytest.mark.slow) for n in PRESET_DEPTHS])
+def test_runs_of_each_family_give_the_full_capture_plan_and_programs(name):
+    """Every run of alike blocks is repeated — both stacks of an encoder-decoder and of a vision-language
+    model, a hybrid stack's repeated pattern — and plan, collectives (layer labels too) and every rank's
+    program are the whole capture's."""
+    _, _, full, rep = both(name, "tp=2")
+    assert full.short is None and rep.short is not None
+    assert [(b.list_path, b.start, b.period, b.depth) for b in rep.captured.blocks] == PRESET_DEPTHS[name][0]
+
+
+def test_per_layer_side_values_are_collected_from_every_repeated_layer():
+    """Mixtral's load-balancing and z losses are stacked over the layers after the stack: the repeated
+    program stacks all four layers' (it once stacked the two captured ones: a silent wrong loss), and the
+    4-layer model trains with single-device loss and gradients at tp=2."""
+    from sim_harness import combine_grads, run_sim
+
+    model, inputs, full, rep = both("mixtral-tiny", "tp=2")
+    stacks = [n for n in rep.captured.gm.graph.nodes if n.target is torch.ops.aten.stack.default]
+    assert stacks and all(len(n.args[0]) == 4 for n in stacks)
+    model.zero_grad()
+    ref_loss = model(*inputs)
+    ref_loss.backward()
+    results = run_sim(rep, inputs, backward=True)
+    torch.testing.assert_close(results[0][0], ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    grads = combine_grads(rep, [g for _, g, _ in results])
+    assert {k for k in grads if ".3." in k}
+    for fqn, g in grads.items():
+        torch.testing.assert_close(g, dict(model.named_parameters())[fqn].grad, rtol=1e-5, atol=1e-7, msg=fqn)
+
+
+def test_a_short_model_that_does_not_capture_falls_back_to_the_whole_model():
+    """DeepSeek-V3 keeps a buffer of per-MoE-layer expert loads its forward updates whole: two groups of
+    its run of MoE layers do not run, so the whole model is captured (and planned right)."""
+    from mcompile.models import get_preset
+
+    preset = get_preset("deepseek-tiny")
+    preset = dataclasses.replace(preset, config=dataclasses.replace(preset.config, n_layers=5))
+    c = compile_plan(preset.build(), Mesh.parse("tp=2"), preset.example_inputs(seed=1))
+    assert c.short is None and any(f.startswith("layers.4.") for f in c.plan.params)
 
 
 @pytest.mark.parametrize("name", tiered([("llama3-tiny",), ("hf-gpt2",)], [("llama3-tiny",)]))
