@@ -45,6 +45,8 @@ class Trunk:
     layer_starts: list[int] = field(default_factory=list)  # narrow point where each repeated block begins
     layers_end: int | None = None  # narrow point after the last block (start of the head)
     period: int = 0  # parameters per block
+    # every run of repeated blocks (the one above among them), in program order: (block starts, end)
+    runs: list[tuple[list[int], int | None]] = field(default_factory=list)
 
     @property
     def num_layers(self) -> int:
@@ -98,25 +100,35 @@ def analyse(gm: fx.GraphModule, params: set[str] | dict) -> Trunk:
     size = {n.name: _numel(n) for n in nodes}
     live: dict[str, int] = {}
     narrow, crossing = [], {}
+    live_at: list[dict[str, int]] = []  # cut i -> the activations live across it
     seen_activation = False
     for i in range(end + 1):
         for k in stops[i]:
             live.pop(k, None)
         for k in starts[i]:
             live[k] = size[k]
+        live_at.append(dict(live) if seen_activation or (i and nodes[i - 1].name in dependent) else {})
         if i and nodes[i - 1].name in dependent:
             seen_activation = True
-        if i < end and seen_activation and live:
-            main = max(live, key=lambda k: live[k] or 0)
-            rest = sum(v or 0 for v in live.values()) - (live[main] or 0)
-            side_ok = all(v is not None and _side(nodes[pos[k]], nodes[pos[main]]) for k, v in live.items()
-                          if k != main)  # a size (SymInt) may not cross
-            if len(live) == 1 or (side_ok and live[main] > 1 and SIDE_FRACTION * rest <= live[main]):
+        if i < end and seen_activation:
+            main = _one_crossing(live, nodes, pos)
+            if main is not None:
                 narrow.append(i)
                 crossing[i] = main
     trunk = Trunk(nodes, pos, input_only, narrow, crossing)
-    _find_blocks(trunk, gm, params)
+    _find_blocks(trunk, gm, params, live_at)
     return trunk
+
+
+def _one_crossing(live: dict[str, int], nodes: list[fx.Node], pos: dict[str, int]) -> str | None:
+    """The activation crossing a cut where ``live`` are live, when it is one (beside side values)."""
+    if not live:
+        return None
+    main = max(live, key=lambda k: live[k] or 0)
+    rest = sum(v or 0 for v in live.values()) - (live[main] or 0)
+    side_ok = all(v is not None and _side(nodes[pos[k]], nodes[pos[main]]) for k, v in live.items()
+                  if k != main)  # a size (SymInt) may not cross
+    return main if len(live) == 1 or (side_ok and live[main] > 1 and SIDE_FRACTION * rest <= live[main]) else None
 
 
 def _numel(n: fx.Node) -> int | None:
@@ -148,7 +160,7 @@ def _side(n: fx.Node, main: fx.Node) -> bool:
     return _symbolic(main) or v.numel() == 1
 
 
-def _find_blocks(trunk: Trunk, gm: fx.GraphModule, params: set[str]) -> None:
+def _find_blocks(trunk: Trunk, gm: fx.GraphModule, params: set[str], live_at: list[dict[str, int]]) -> None:
     first_use: list[tuple[int, fx.Node, fx.Node]] = []
     for ph in gm.graph.nodes:
         if ph.op == "placeholder" and ph.name in params:
@@ -158,8 +170,79 @@ def _find_blocks(trunk: Trunk, gm: fx.GraphModule, params: set[str]) -> None:
                 first_use.append((trunk.pos[u.name], ph, u))
     first_use.sort(key=lambda t: t[0])
     sigs = [_signature(ph, u) for _, ph, u in first_use]
-    n = len(sigs)
     names = [ph.name for _, ph, _ in first_use]
+    last_use: dict[str, int] = {}
+    for _, ph, _ in first_use:
+        last_use[ph.name] = max(trunk.pos[u.name] for u in ph.users if u.name in trunk.pos)
+
+    def add_run_cuts(start: int, period: int, k: int) -> None:
+        """Narrow points of the run counting only values made since it began: what every block reads from
+        before the run (a decoder's encoder memory and position bias) crosses each of its cuts beside the
+        residual stream, as it travels with each microbatch through a pipeline."""
+        f0, last = first_use[start][0], first_use[start + (k - 1) * period][0]
+        context = {v for v in live_at[f0] if trunk.pos[v] < f0 and v in live_at[last]}
+        if not context:
+            return
+        lo = max(trunk.pos[v] for v in context) + 1
+        hi = min(c for c in range(last, len(live_at)) if not context & set(live_at[c])) \
+            if any(not context & set(live_at[c]) for c in range(last, len(live_at))) else len(live_at) - 1
+        for c in range(lo, hi + 1):
+            if c not in trunk.crossing and c < len(trunk.nodes):
+                main = _one_crossing({v: n for v, n in live_at[c].items() if v not in context}, trunk.nodes,
+                                     trunk.pos)
+                if main is not None:
+                    trunk.crossing[c] = main
+        trunk.narrow[:] = sorted(trunk.crossing)
+
+    def before(position: int) -> int | None:
+        narrow = trunk.narrow
+        ok = [p for p in narrow if p <= position]
+        return ok[-1] if ok else None
+
+    def after(position: int) -> int | None:
+        ok = [p for p in trunk.narrow if p > position]
+        return ok[0] if ok else None
+
+    def layers(start: int, period: int, k: int) -> tuple[list[int], int | None] | None:
+        """Narrow points where each of the run's k blocks begins, and the one after the last (or None)."""
+        def block_end(b: int) -> int | None:  # the first narrow point after the last use of block b's parameters
+            return after(max(last_use[names[start + b * period + j]] for j in range(period)))
+
+        starts = [before(first_use[start][0])] + [block_end(b) for b in range(k - 1)]
+        if any(a is None for a in starts) or any(b <= a for a, b in zip(starts[:-1], starts[1:])):
+            return None  # blocks that no narrow point separates: no layer structure to cut at
+        end = block_end(k - 1)
+        return starts, (None if end is not None and end <= starts[-1] else end)
+
+    main = _best_run(sigs, names, 0, len(sigs))
+    if main is None:
+        return
+    add_run_cuts(*main)
+    found = layers(*main)
+    if found is None:
+        return
+    trunk.layer_starts, trunk.layers_end = found
+    trunk.period = main[1]
+    # the other runs (a second stack: a decoder beside its encoder, a language model after its vision tower;
+    # a hybrid stack's other patterns), each of blocks of >= 2 parameters, in the parameters before and after
+    trunk.runs = [found]
+    spans = [(0, main[0]), (main[0] + main[1] * main[2], len(sigs))]
+    while spans:
+        lo, hi = spans.pop()
+        run = _best_run(sigs, names, lo, hi, min_period=2)
+        if run is None:
+            continue
+        add_run_cuts(*run)
+        other = layers(*run)
+        if other is not None:
+            trunk.runs.append(other)
+        spans += [(lo, run[0]), (run[0] + run[1] * run[2], hi)]
+    trunk.runs.sort()
+
+
+def _best_run(sigs: list, names: list[str], lo: int, hi: int, min_period: int = 1) -> tuple[int, int, int] | None:
+    """(start, period, k): the run of ``k >= 2`` repetitions of one period of signatures in ``sigs[lo:hi]``
+    covering the most parameters (module docstring); None when there is none."""
 
     def coherence(start: int, period: int, k: int) -> int:
         """How much each block's parameters share a module: the common name prefix of its first and last
@@ -169,45 +252,18 @@ def _find_blocks(trunk: Trunk, gm: fx.GraphModule, params: set[str]) -> None:
         return sum(len(os.path.commonprefix([names[start + b * period], names[start + (b + 1) * period - 1]]))
                    for b in range(k))
 
+    n = hi - lo
     best = (0, 0, 0, 0)  # (coverage, -period, coherence, -start) maximised
-    for period in range(1, n // 2 + 1):
+    for period in range(min_period, n // 2 + 1):
         run = [0] * (n + 1)  # run[j]: how many consecutive equal pairs sig[j+t] == sig[j+t+period]
         for j in range(n - period - 1, -1, -1):
-            run[j] = run[j + 1] + 1 if sigs[j] == sigs[j + period] else 0
+            run[j] = run[j + 1] + 1 if sigs[lo + j] == sigs[lo + j + period] else 0
         for start in range(n - period):
             k = 1 + run[start] // period
             if k >= 2 and (k * period, -period) >= best[:2]:
-                key = (k * period, -period, coherence(start, period, k), -start)
+                key = (k * period, -period, coherence(lo + start, period, k), -(lo + start))
                 if key > best:
                     best = key
     if not best[0]:
-        return
-    coverage, period, start = best[0], -best[1], -best[3]
-    k = coverage // period
-    narrow = trunk.narrow
-    last_use: dict[str, int] = {}
-    for _, ph, _ in first_use:
-        last_use[ph.name] = max(trunk.pos[u.name] for u in ph.users if u.name in trunk.pos)
-
-    def before(position: int) -> int | None:
-        ok = [p for p in narrow if p <= position]
-        return ok[-1] if ok else None
-
-    def after(position: int) -> int | None:
-        ok = [p for p in narrow if p > position]
-        return ok[0] if ok else None
-
-    def block_end(b: int) -> int | None:
-        """The first narrow point after the last use of block b's parameters."""
-        params = [first_use[start + b * period + j][1].name for j in range(period)]
-        return after(max(last_use[p] for p in params))
-
-    starts = [before(first_use[start][0])]
-    for b in range(1, k):
-        starts.append(block_end(b - 1))
-    if any(a is None for a in starts) or any(b <= a for a, b in zip(starts[:-1], starts[1:])):
-        return  # blocks that no narrow point separates: no layer structure to cut at
-    end = block_end(k - 1)
-    if end is not None and end <= starts[-1]:
-        end = None
-    trunk.layer_starts, trunk.layers_end, trunk.period = starts, end, period
+        return None
+    return -best[3], -best[1], best[0] // -best[1]

@@ -124,9 +124,11 @@ def _candidates(trunk: Trunk, granularity: str) -> list[int]:
         raise PartitionError(f"granularity={granularity!r}: use one of {', '.join(GRANULARITIES)}")
     if not trunk.layer_starts:
         raise PartitionError("no repeated blocks found in the graph: pin the stage cuts by node name")
+    runs = trunk.runs or [(trunk.layer_starts, trunk.layers_end)]  # every stack (blocks.py), not only the longest
     if granularity == "layer":
-        return list(trunk.layer_starts)
-    lo, hi = trunk.layer_starts[0], trunk.layers_end if trunk.layers_end is not None else len(trunk.nodes)
+        return sorted({p for starts, end in runs for p in starts + ([end] if end is not None and end != runs[-1][1]
+                                                                    else [])})
+    lo, hi = runs[0][0][0], runs[-1][1] if runs[-1][1] is not None else len(trunk.nodes)
     pts = [p for p in trunk.narrow if lo < p < hi]
     # one candidate per run of adjacent narrow points (they differ by views and casts only): the last
     return [p for i, p in enumerate(pts) if i + 1 == len(pts) or pts[i + 1] != p + 1]
@@ -214,7 +216,7 @@ def partition(
         finer = partition(captured, pp, virtual, granularity="sublayer", **kw)
         return finer if max(finer.stage_cost) < max(whole.stage_cost) * (1 - 1e-9) else whole
     k = pp * virtual
-    num_layers = trunk.num_layers
+    num_layers = sum(len(starts) for starts, _ in trunk.runs) or trunk.num_layers  # every stack's
     if k == 1:
         cost, act = _cost_arrays(trunk, captured.symbols, microbatch, seq, intensity)
         return _result(captured, trunk, pp, virtual, granularity, [], cost, act, sum(cost), False)
@@ -266,13 +268,14 @@ def _pinned(trunk: Trunk, k: int, layers_per_stage, cuts) -> list[int]:
     if layers_per_stage is not None and cuts is not None:
         raise PartitionError("give layers_per_stage or cuts, not both")
     if layers_per_stage is not None:
+        starts = sorted(p for run, _ in trunk.runs for p in run) or trunk.layer_starts  # every stack's layers
         if len(layers_per_stage) != k or any(n < 1 for n in layers_per_stage) or \
-                sum(layers_per_stage) != trunk.num_layers:
+                sum(layers_per_stage) != len(starts):
             raise PartitionError(
                 f"layers_per_stage={list(layers_per_stage)} must have {k} positive entries summing to the model's "
-                f"{trunk.num_layers} layers")
+                f"{len(starts)} layers")
         acc = list(itertools.accumulate(layers_per_stage))[:-1]
-        return [trunk.layer_starts[a] for a in acc]
+        return [starts[a] for a in acc]
     names = {n.name: i for i, n in enumerate(trunk.nodes)}
     if len(cuts) != k - 1:
         raise PartitionError(f"{k} stages need {k - 1} cuts, got {len(cuts)}")

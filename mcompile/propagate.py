@@ -61,6 +61,35 @@ class FallbackWarning(UserWarning):
     """An op has no sharding rule: it runs replicated."""
 
 
+_SAME_VALUE = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout,
+               torch.ops.aten._to_copy.default, torch.ops.aten.clone.default, torch.ops.aten.contiguous.default,
+               torch.ops.aten.alias.default, torch.ops.aten.detach.default}
+
+
+def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
+    """``s`` adds (or subtracts) two Partials into a Partial no larger than its larger input — one reduction
+    of the sum instead of one of each (BERT's word + position + token-type embeddings, each vocab-parallel:
+    Megatron's single all-reduce) — or passes a Partial through a copy that changes neither its dtype nor its
+    shape (HF GPT-2's ``position_embeds.to(device)`` before that add): the reduction waits at no cost. Only
+    for Partials read by this node alone: one that something else needs whole is reduced anyway (a residual
+    stream read by the next norm and the residual add stays replicated, as Megatron's)."""
+    def readers(a: fx.Node) -> list[fx.Node]:
+        return [u for u in a.users if u.op == "output" or u.meta.get("val") is not None]  # asserts aside
+
+    if any(isinstance(p, Partial) and readers(a) != [node] for a, p in zip(tensor_input_nodes(node), s.inputs)):
+        return False
+    if node.target in _SAME_VALUE:  # only on the way to such an add
+        after = readers(node)
+        return len(in_metas) == 1 and in_metas[0].dtype == outs[0].dtype and \
+            tuple(in_metas[0].shape) == tuple(outs[0].shape) and len(after) == 1 and \
+            after[0].target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
+    if node.target not in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor) or len(in_metas) != 2 or \
+            not all(isinstance(p, Partial) for p in s.inputs):
+        return False
+    size = [math.prod(int(d) if isinstance(d, int) else 1 << 20 for d in m.shape) for m in (*in_metas, outs[0])]
+    return size[2] <= max(size[:2])
+
+
 @dataclass
 class AxisPolicy:
     axis: str
@@ -291,7 +320,8 @@ def propagate_axis(
                     if not shard_allowed(o, p):
                         cost = INF
                 if (not policy.partial_passthrough and any(isinstance(p, Partial) for p in s.inputs)
-                        and any(isinstance(p, Partial) for p in s.outputs)):
+                        and any(isinstance(p, Partial) for p in s.outputs)
+                        and not (policy.shard_contraction_weights and _sums_partials(node, s, in_metas, outs))):
                     cost = INF
             if cost < INF and token_out and all(isinstance(p, Replicate) for p in s.outputs):
                 cost += REPLICATED_TOKENS  # cp: a replicated token activation repeats its work on every rank

@@ -10,7 +10,7 @@ What each test isolates:
   (tp=2 and dp=2 x tp=2: losses, clip norms and unclipped gradients of 3 AdamW steps at 1e-5, fp32);
 - sequence parallelism (xfail: today the planner shards no sequence of this model, silently);
 - pipeline parallelism over the two stacks (pp=2, 2 microbatches): the vision tower + projector | LM split
-  pinned, and the partitioner's own split (xfail: it cannot cut inside the LM);
+  pinned, and the partitioner's own split (no worse: its candidates span both stacks);
 - a tp that divides the LM's heads but not the vision tower's is refused, naming the vision tower;
 - ``mcompile plan llava-1.5-13b`` on a fake tp=4 mesh (slow), and tp=8 (xfail: the patch embedding's 588
   inputs).
@@ -285,15 +285,11 @@ def test_pinned_vision_lm_split_puts_each_stack_on_its_own_stage():
         assert where == ([0] if fqn.startswith(("vision.", "projector.")) else [1]), (fqn, where)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "mcompile/blocks.py finds ONE run of repeated blocks (here vision.layers: both stacks have 2 layers) and "
-    "mcompile/partition.py::_candidates only cuts between its first block and its end, so the LM (2/3 of the "
-    "cost) is all 'head' and is never cut: the partitioner picks a cut inside vision layer 1 with stage costs "
-    "195M / 407M (imbalance 0.35) while the cut before the token embedding gives 278M / 324M (0.077). Fix: "
-    "take the narrow points of every run of repeated blocks (or of the whole trunk between the first "
-    "parameter use and the head) as candidates."))
 @pytest.mark.timeout(600)
 def test_partitioner_balances_at_least_as_well_as_the_vision_lm_split():
+    """The partitioner's candidates are the narrow points of every stack (mcompile.blocks finds the vision
+    tower's run and the LM's), so its own split is no worse than the pinned vision | LM one (before issue 19
+    the LM was all 'head' and the cut fell inside vision layer 1: imbalance 0.35 against 0.077)."""
     auto = _pp_plan().plan.pipeline
     pinned = _pp_plan(**VISION_LM_CUT).plan.pipeline
     assert max(s["cost"] for s in auto["stages"]) <= max(s["cost"] for s in pinned["stages"])

@@ -75,8 +75,10 @@ def test_megatron_layout(name, tp, sp):
     assert origins["vocab-parallel loss: max"] == 1
     assert origins["vocab-parallel loss: sum exp"] == 1
     assert origins["vocab-parallel loss: target logit"] == 1
-    emb_reductions = [s for s in outside if s.origin.startswith("embedding")]
-    assert len(emb_reductions) == n_emb
+    # the embeddings (GPT-2: token + position, each vocabulary-parallel) are summed as partial sums and
+    # reduced once, as Megatron reduces its one vocabulary-parallel embedding
+    emb_reductions = [s for s in outside if "partial" in s.purpose]
+    assert n_emb >= 1 and len(emb_reductions) == 1, emb_reductions
     head_entry = [s for s in outside if "loss" not in s.purpose and s not in emb_reductions]
     assert len(head_entry) == 1, head_entry
     assert head_entry[0].op == ("all_gather" if sp else "copy_ar_bwd")
