@@ -143,7 +143,7 @@ def test_retro_parity(name, mesh, options):
     assert local["layers.1.cca.wo.weight"] == 64 * 64 // 2
 
 
-@pytest.mark.slow  # captured whole (the every-3rd RETRO layers are no stack of identical blocks): ~60 s
+@pytest.mark.slow  # 8 of 32 layers captured (mcompile.repeat: plain x 5, then (retro, plain, plain) x 9): ~8 s
 @pytest.mark.timeout(300)
 def test_cli_plans_retro_7_5b(capsys):
     """The CLI captures at whole chunks (the config's seq_multiple: 64 tokens) and plans the published shape."""
@@ -160,9 +160,9 @@ def test_cli_plans_retro_7_5b(capsys):
 @pytest.mark.timeout(600)
 def test_plan_retro_7_5b_on_meta():
     """What ``mcompile plan retro-7.5b --mesh tp=8`` would do, captured at seq 128 (2 chunks): memory per
-    rank and 2 / 3 forward all-reduces per decoder / RETRO layer. The 32 layers are captured whole (the
-    repeat of identical blocks, mcompile.repeat, does not cover a period-3 pattern): 55-100 s wall measured
-    on the shared 2-core machine."""
+    rank and 2 / 3 forward all-reduces per decoder / RETRO layer. 8 of the 32 layers are captured and the
+    runs repeated (mcompile.repeat: plain x 5, then (retro, plain, plain) x 9; 55-100 s wall when every
+    layer was captured)."""
     from mcompile.models import get_preset
     from mcompile.report import memory_per_rank
 
