@@ -85,9 +85,15 @@ def _where(node) -> str:
     return ""
 
 
-def _weights(cap: Captured) -> tuple[list[tuple[str, tuple]], int | None]:
-    """(FQN, shape) of contraction weights, and the hidden size (embedding dim) if any."""
+def _weights(cap: Captured) -> tuple[list[tuple[str, tuple, tuple]], int | None]:
+    """(FQN, shape, the dims tp must divide) of contraction weights, and the hidden size (embedding dim) if
+    any. A linear reading the user's input itself (LLaVA's patch embedding: 3 x 14 x 14 = 588 pixel values a
+    patch) is column-parallel: its input dim is never split, so tp need not divide it."""
     ws, hidden, vocab_params = [], None, set()
+    dependent = set(cap.params)
+    for n in cap.gm.graph.nodes:
+        if n.op == "call_function" and any(a.name in dependent for a in n.all_input_nodes):
+            dependent.add(n.name)
     for n in cap.gm.graph.nodes:
         if n.op != "call_function" or n.target not in CONTRACTION_WEIGHT_ARGS:
             continue
@@ -99,7 +105,9 @@ def _weights(cap: Captured) -> tuple[list[tuple[str, tuple]], int | None]:
                     hidden = shape[1]
                     vocab_params.add(w.name)
                 elif w.name not in vocab_params:
-                    ws.append((cap.params[w.name], shape))
+                    x = n.args[0]
+                    raw = n.target is aten.linear.default and isinstance(x, torch.fx.Node) and x.name not in dependent
+                    ws.append((cap.params[w.name], shape, shape[:-1] if raw else shape))
     return ws, hidden
 
 
@@ -110,8 +118,8 @@ def check_divisibility(cap: Captured, tp: int) -> None:
     heads = _sdpa_heads(cap)
     weights, hidden = _weights(cap)
     whole = {cap.params[n] for n in latent_hints(cap)}  # replicated over tp: nothing of theirs to divide
-    weights = [(fqn, shape) for fqn, shape in weights if fqn not in whole]
-    dims = [d for h, k, _, _ in heads for d in (h, k)] + [d for _, s in weights for d in s]
+    weights = [w for w in weights if w[0] not in whole]
+    dims = [d for h, k, _, _ in heads for d in (h, k)] + [d for *_, s in weights for d in s]
     ok = valid_sizes(dims)
     components = {_component(path) for *_, path in heads}
     for h, k, where, path in heads:
@@ -137,8 +145,8 @@ def check_divisibility(cap: Captured, tp: int) -> None:
                 raise PlanError(f"tp={tp} does not divide {what} of the Mamba-2 scan (ssd_scan, {_module_path(n)}): "
                                 f"tp splits its heads and groups together (Megatron's MambaMixer); valid tp sizes: "
                                 f"{_fmt(valid_sizes(dims + [h, g]))}")
-    for fqn, shape in weights:
-        for d in shape:
+    for fqn, shape, checked in weights:
+        for d in checked:
             if d % tp:
                 what = f"hidden={d}" if d == hidden else f"the size {d} of {fqn} {list(shape)}"
                 raise PlanError(f"tp={tp} does not divide {what}; valid tp sizes: {_fmt(ok)}")

@@ -9,6 +9,7 @@ from mcompile import Mesh
 from mcompile.api import compile_plan, plan
 from mcompile.capture import CaptureError, capture
 from mcompile.models import get_preset
+from mcompile.placements import Shard
 from mcompile.plan import Plan
 from mcompile.propagate import PlanError
 from mcompile.runtime.sim import ThreadedWorld, run_threads
@@ -208,6 +209,29 @@ def test_tp_not_dividing_hidden():
     x = torch.randint(0, 16, (2, 8))
     with pytest.raises(PlanError, match=r"tp=4 does not divide hidden=10; valid tp sizes: 1, 2"):
         plan(MLP(), Mesh(tp=4), (x, x))
+
+
+def test_tp_need_not_divide_the_inputs_of_a_linear_reading_raw_features():
+    """A linear on the user's input itself (a patch embedding on 6 pixel values) is column-parallel: tp=4 need
+    not divide its 6 inputs, only its outputs. A hidden linear's input size still counts."""
+
+    class Patches(torch.nn.Module):
+        def __init__(self, hidden=16):
+            super().__init__()
+            self.embed = torch.nn.Linear(6, hidden)
+            self.up = torch.nn.Linear(hidden, 32)
+            self.down = torch.nn.Linear(32, hidden)
+            self.head = torch.nn.Linear(hidden, 16)
+
+        def forward(self, x, y):
+            h = self.down(torch.relu(self.up(self.embed(x))))
+            return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+    x, y = torch.randn(2, 8, 6), torch.randint(0, 16, (2, 8))
+    c = plan(Patches(), Mesh(tp=4), (x, y))
+    assert c.params["embed.weight"].placements == (Shard(0),) and c.params["embed.weight"].local_shape == (4, 6)
+    with pytest.raises(PlanError, match=r"tp=4 does not divide the size 10"):
+        plan(Patches(hidden=10), Mesh(tp=4), (x, y))
 
 
 def test_mesh_errors():

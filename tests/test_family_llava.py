@@ -12,8 +12,8 @@ What each test isolates:
 - pipeline parallelism over the two stacks (pp=2, 2 microbatches): the vision tower + projector | LM split
   pinned, and the partitioner's own split (no worse: its candidates span both stacks);
 - a tp that divides the LM's heads but not the vision tower's is refused, naming the vision tower;
-- ``mcompile plan llava-1.5-13b`` on a fake tp=4 mesh (slow), and tp=8 (xfail: the patch embedding's 588
-  inputs).
+- ``mcompile plan llava-1.5-13b`` on fake tp=4 and tp=8 meshes (slow; tp need not divide the patch
+  embedding's 588 pixel inputs).
 """
 
 from __future__ import annotations
@@ -348,14 +348,12 @@ def test_cli_plans_llava_1_5_13b_on_a_fake_tp4_mesh(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "mcompile/planner.py::check_divisibility requires tp to divide EVERY dim of every contraction weight, "
-    "including the input dim of the patch embedding (vision.patch_embed.weight [1024, 588]: 3*14*14 = 588 is "
-    "not a multiple of 8) that the plan never shards (it is column-parallel, Shard(0) over 1024): tp=8 "
-    "is refused although Megatron runs LLaVA-1.5 at tp=8. Fix: check only the dims the plan shards "
-    "(after propagation), or the output dim of column-parallel and the input dim of row-parallel weights"))
 @pytest.mark.timeout(1200)
 def test_cli_plans_llava_1_5_13b_on_a_fake_tp8_mesh(capsys):
+    """tp=8, as Megatron runs LLaVA-1.5: the patch embedding reads the pixels themselves, so it is column-parallel
+    and tp need not divide its 3 x 14 x 14 = 588 inputs (planner._weights; it once refused tp=8 for them)."""
     plan, elapsed = _cli_plan(capsys, "tp=8")
     print(f"llava-1.5-13b tp=8 planned in {elapsed:.1f} s")
     assert plan["fallbacks"] == []
+    patch = plan["params"]["vision.patch_embed.weight"]
+    assert patch["placements"] == ["S(0)"] and patch["local_shape"] == [1024 // 8, 588]
