@@ -107,7 +107,7 @@ def analyse(gm: fx.GraphModule, params: set[str] | dict) -> Trunk:
             live.pop(k, None)
         for k in starts[i]:
             live[k] = size[k]
-        live_at.append(dict(live) if seen_activation or (i and nodes[i - 1].name in dependent) else {})
+        live_at.append(dict(live))
         if i and nodes[i - 1].name in dependent:
             seen_activation = True
         if i < end and seen_activation:
@@ -184,8 +184,7 @@ def _find_blocks(trunk: Trunk, gm: fx.GraphModule, params: set[str], live_at: li
         if not context:
             return
         lo = max(trunk.pos[v] for v in context) + 1
-        hi = min(c for c in range(last, len(live_at)) if not context & set(live_at[c])) \
-            if any(not context & set(live_at[c]) for c in range(last, len(live_at))) else len(live_at) - 1
+        hi = next((c for c in range(last, len(live_at)) if not context & set(live_at[c])), len(live_at) - 1)
         for c in range(lo, hi + 1):
             if c not in trunk.crossing and c < len(trunk.nodes):
                 main = _one_crossing({v: n for v, n in live_at[c].items() if v not in context}, trunk.nodes,
