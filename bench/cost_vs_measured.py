@@ -267,8 +267,11 @@ def run(quick: bool = False, rounds: int = 3, warmup: int = 2, steps: int = 5, m
     predicted = predict(cfg, layouts, profiles)
 
     # the workers import this file as the module `cost_vs_measured` (not as __main__)
+    # (bench/ leaves sys.path again after the run: worker pools a caller starts later would inherit it, and its
+    # kernels.py would shadow the Hub's `kernels` package that transformers imports)
     bench_dir = str(Path(__file__).resolve().parent)
-    if bench_dir not in sys.path:
+    added = bench_dir not in sys.path
+    if added:
         sys.path.insert(0, bench_dir)
     import cost_vs_measured as me
 
@@ -291,6 +294,8 @@ def run(quick: bool = False, rounds: int = 3, warmup: int = 2, steps: int = 5, m
     finally:
         for p in pools.values():
             p.close()
+        if added:
+            sys.path.remove(bench_dir)
 
     rows = []
     for name, world, mesh, options, _ in layouts:

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
+
+# `python -m pytest` (the README's command) puts the working directory first on sys.path. There, the repository's
+# top-level folders shadow installed packages of the same names: transformers (>= 5.2x) depends on the Hub's
+# `kernels` package and imports it once it finds one, getting our kernels/ folder instead (ImportError in every
+# Hugging Face model's construction). mcompile itself is imported through its install (pyproject's package-dir
+# mapping), never through the root, and the worker pools inherit this sys.path.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p) != _ROOT]
 
 # Triton reads TRITON_INTERPRET once, at its first import (torch.utils.flop_counter imports it):
 # the kernel tests run the Triton kernels on CPU tensors through the interpreter (DESIGN §8).

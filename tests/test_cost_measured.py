@@ -35,11 +35,14 @@ RESULT = ROOT / "bench" / "results" / "cost_vs_measured.json"
 
 
 def _bench():
+    # bench/ on sys.path only for this import: left there, it is inherited by every worker pool started later,
+    # whose `import kernels` (transformers probes the Hub's `kernels` package) would find bench/kernels.py
     path = str(ROOT / "bench")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    import cost_vs_measured
-
+    sys.path.insert(0, path)
+    try:
+        import cost_vs_measured
+    finally:
+        sys.path.remove(path)
     return cost_vs_measured
 
 
