@@ -111,17 +111,38 @@ def compiled_model():
     return compiled
 
 
-_POOLS: dict = {}
+_POOLS: dict = {}  # world size -> live WorkerPool, least recently used first
+# live worker processes one test process keeps (a worker holds ~0.75 GB once it has built a few Hugging Face
+# models): pools of 2 and 4 stay up together; an 8-rank pool closes the others first. Under pytest-xdist each of
+# its processes keeps its own pools.
+MAX_LIVE_WORKERS = 8
 
 
 def pool(n: int):
     """A live pool of n gloo worker processes, kept for the whole session (started on first use)."""
     from mcompile.runtime.launch import WorkerPool
 
-    p = _POOLS.get(n)
+    p = _POOLS.pop(n, None)
     if p is None or not p.alive:
-        p = _POOLS[n] = WorkerPool(n)
+        if p is not None:
+            p.close()
+        while _POOLS and sum(q.nprocs for q in _POOLS.values()) + n > MAX_LIVE_WORKERS:
+            _POOLS.pop(next(iter(_POOLS))).close()
+        p = WorkerPool(n)
+    _POOLS[n] = p
     return p
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns xdist_group marks into node id suffixes
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n N --dist loadgroup`` (the CI tier's command), a test that uses a module- or class-scoped
+    fixture runs in the same process as the rest of its file, so the fixture (a training run, a set of plans) is
+    built once; every other test is scheduled on its own."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d[-1].scope in ("module", "class", "package") for d in defs if d):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 def pytest_sessionfinish(session, exitstatus):

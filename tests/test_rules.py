@@ -303,6 +303,10 @@ def check_backward(op, args, kwargs, s: Strategy, pieces, n: int, gen, ctx: str)
             assert_same(torch.stack(g).sum(0), w, f"{what} summed over the ranks")
 
 
+# test_every_argument_is_drawn_with_a_non_default_value reads what the rule tests drew in this process: under
+# pytest-xdist the whole file runs in one worker
+pytestmark = pytest.mark.xdist_group("tests/test_rules.py")
+
 # op -> names of the schema arguments with a default that some drawn case gave another value
 DRAWN_NON_DEFAULT: dict = {}
 
