@@ -89,3 +89,41 @@ def test_parallelize_captures_on_rank_0_only_and_reuses_the_cache(tmp_path):
     assert [c for c, _, _ in first] == [1, 0, 0, 0]
     assert [c for c, _, _ in again] == [0, 0, 0, 0]
     assert len({loss for _, loss, _ in first + again}) == 1
+
+
+def test_unpacking_the_same_bytes_again_is_a_fresh_copy_of_the_program():
+    """capture_cache.unpack keeps each program it deserialised (a warm parallelize's costliest step) and hands out
+    deep copies: equal graphs, no shared nodes, an edit to one copy is not in the next; once anything is added to
+    the ShapeEnv the copies share (a guard), the bytes are loaded afresh, with a ShapeEnv of their own."""
+    pre = get_preset("llama3-tiny")
+    model, inputs = pre.build(), pre.example_inputs(batch=2, seq=16)
+    data = capture(model, inputs, meta_dtype=torch.float32, pack="bytes")
+    capture_cache._UNPACKED.clear()
+    loads = []
+    load = torch.export.load
+
+    def counted(*a, **k):
+        loads.append(1)
+        return load(*a, **k)
+
+    torch.export.load = counted
+    try:
+        a, *rest_a = capture_cache.unpack(data)
+        b, *rest_b = capture_cache.unpack(data)
+        assert len(loads) == 1 and rest_a == rest_b
+        assert _structure(a.graph_module) == _structure(b.graph_module)
+        assert not {id(n) for n in a.graph.nodes} & {id(n) for n in b.graph.nodes}
+        victim = next(n for n in a.graph.nodes if n.op == "call_function")
+        victim.meta["edited"] = True
+        c, *_ = capture_cache.unpack(data)
+        assert len(loads) == 1 and not any(n.meta.get("edited") for n in c.graph.nodes)
+        env = capture_cache._shape_env_of(c)
+        sym = next(iter(env.var_to_range))
+        env.guards.append(env.guards[0] if env.guards else object())  # anything added since the load
+        d, *_ = capture_cache.unpack(data)
+        assert len(loads) == 2 and capture_cache._shape_env_of(d) is not env
+        assert _structure(d.graph_module) == _structure(b.graph_module) and sym in capture_cache._shape_env_of(
+            d).var_to_range
+    finally:
+        torch.export.load = load
+        capture_cache._UNPACKED.clear()
