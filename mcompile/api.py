@@ -369,6 +369,10 @@ def parallelize(
             f"{mesh!r} has {mesh.size()} ranks but the world has {world} processes: make the product of "
             f"the mesh axes equal the number of processes (launch {mesh.size()} processes, or change the mesh)"
         )
+    if weights is not None:  # no checkpoint there: the same error on every rank before minutes of planning
+        from mcompile.runtime.weights import check_path
+
+        check_path(weights)
     device_type = rank_device().type  # also the current CUDA device on NCCL (LOCAL_RANK)
     shape, names = mesh.shape, mesh.axis_names
     if mesh.size("pp") > 1 and len(names) == 1:  # stage parameters live on the other axes: give them one

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
-__all__ = ["WeightsError", "open_weights", "load"]
+__all__ = ["WeightsError", "open_weights", "check_path", "load"]
 
 log = logging.getLogger("mcompile.weights")
 
@@ -469,6 +469,17 @@ def _agree(error: BaseException | None, path) -> None:
         raise error
     text = first if first.startswith("weights=") else f"weights={path}: reading failed on rank {r}: {first}"
     raise WeightsError(text) from error
+
+
+def check_path(path) -> None:
+    """Open ``path``'s headers on every rank before anything is planned (no value read): a path with no checkpoint
+    is the same :class:`WeightsError` on every rank in a second, not after the capture and the plan. Collective."""
+    error = None
+    try:
+        open_weights(path)
+    except Exception as e:  # noqa: BLE001 - gathered, raised on every rank
+        error = e
+    _agree(error, path)
 
 
 def load(pm, model: torch.nn.Module, cap, path) -> tuple[dict[str, torch.Tensor], set[str]]:

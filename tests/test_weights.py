@@ -187,6 +187,9 @@ def test_bad_weights_are_the_same_error_on_every_rank(ckpts):
     assert "found no checkpoint" in ranks[0]["empty"][0] and "expected a Hugging Face" in ranks[0]["empty"][0]
     assert "pytorch_model.bin" in ranks[0]["empty"][0] and "pickles" in ranks[0]["empty"][0]
     assert "no such file or folder" in ranks[0]["nowhere"][0]
+    # no checkpoint at the path: refused on every rank before anything is captured or planned
+    assert not any(r[name][2] for r in ranks for name in ("empty", "nowhere"))
+    assert all(r[name][2] for r in ranks for name in ("missing", "shape", "io"))
     assert "reading failed on rank 1: OSError: Input/output error reading" in ranks[0]["io"][0]
 
 

@@ -102,9 +102,17 @@ def load_errors(rank, world, cases, fail_reading_on=None):
     """cases: (label, kind, mesh, path). The error each parallelize raises on this rank (or "no error"), and
     whether the model given stayed wholly on meta. ``fail_reading_on``: (label, rank) whose reads of
     values fail (an I/O error after every check passed: on that rank alone)."""
+    import mcompile.api as A
     from mcompile.runtime import weights as W
 
     out = {}
+    planned = []
+    compile_plan = A.compile_plan
+
+    def recording(*a, **k):  # whether the error came before planning
+        planned.append(True)
+        return compile_plan(*a, **k)
+
     for label, kind, mesh, path in cases:
         model, inputs = hf_model(kind)
         read = W._Safetensors.read
@@ -112,6 +120,8 @@ def load_errors(rank, world, cases, fail_reading_on=None):
             def broken(self, stored, index=None):
                 raise OSError(f"Input/output error reading {stored.key}")
             W._Safetensors.read = broken
+        planned.clear()
+        A.compile_plan = recording
         try:
             mc.parallelize(model, mc.Mesh.parse(mesh), inputs, weights=path)
             msg = "no error"
@@ -119,5 +129,6 @@ def load_errors(rank, world, cases, fail_reading_on=None):
             msg = f"{type(e).__name__}: {e}"
         finally:
             W._Safetensors.read = read
-        out[label] = (msg, all(t.is_meta for t in model.state_dict().values()))
+            A.compile_plan = compile_plan
+        out[label] = (msg, all(t.is_meta for t in model.state_dict().values()), bool(planned))
     return out
