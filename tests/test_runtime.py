@@ -63,11 +63,12 @@ _CI = [("llama3-tiny", m, o) for m, o in CASES if (m, o) not in (
     ("dp=2,tp=2", {"sequence_parallel": True}),
     ("dp=2,tp=2", {"sequence_parallel": True, "recompute": "full"}))] + [("gpt2-tiny", m, o) for m, o in (
         ("tp=2", {"sequence_parallel": True}), ("tp=4", {"microbatches": 2}), ("dp=2", {}),
-        ("dp=2,tp=2", {"sequence_parallel": True, "microbatches": 2}),
-        ("dp=2,tp=2", {"recompute": "full", "recompute_method": "block", "microbatches": 2}))]
-# GPT-2's fused runtime case (24 s of Triton interpreter) is -m slow: its patterns' loss and gradients stay in CI in
-# tests/test_fuse.py (gpt2-tiny, hf-gpt2 at tp=1/2/2+SP), the GELU kernel's in tests/test_kernels_pointwise.py,
-# and the fused runtime on 4 ranks in the llama3-tiny case above
+        ("dp=2,tp=2", {"sequence_parallel": True, "microbatches": 2}))]
+# -m slow, their proofs in CI: GPT-2's block recompute (the same case on llama3-tiny: which layers are recomputed
+# is read from the graph's layer labels, one pass for both families; GPT-2 under selective recompute in
+# tests/test_zero.py::test_zero1_parity_with_pipeline). GPT-2's fused runtime case (24 s of Triton interpreter): its
+# patterns' loss and gradients in tests/test_fuse.py (gpt2-tiny, hf-gpt2 at tp=1/2/2+SP), the GELU kernel's in
+# tests/test_kernels_pointwise.py, the fused runtime on 4 ranks in the llama3-tiny case above.
 
 
 @pytest.mark.timeout(600)

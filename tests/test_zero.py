@@ -37,13 +37,17 @@ CASES = [
     # several buckets (10 KB of fp32 gradients each), so parameters straddle ranges and buckets
     ("dp=2,tp=2", {"sequence_parallel": True, "bucket_mb": 0.01}),
     ("dp=2,tp=2", {"sequence_parallel": True, "recompute": "full", "microbatches": 2}),
+    # -m slow: ZeRO-1 x recompute stays in CI in the full-recompute case above, selective recompute's parity at
+    # dp=2 x tp=2 + SP in tests/test_runtime.py
     ("dp=2,tp=2", {"sequence_parallel": True, "recompute": "selective"}),
 ]
+_SLOW = [CASES[3]]
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mesh,options", CASES, ids=[f"{m}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
-                                                      for m, o in CASES])
+@pytest.mark.parametrize("mesh,options", [pytest.param(m, o, marks=[pytest.mark.slow] if (m, o) in _SLOW else [],
+                                                       id=f"{m}-{'-'.join(f'{k}={v}' for k, v in o.items())}")
+                                          for m, o in CASES])
 def test_zero1_parity(mesh, options):
     _parity("llama3-tiny", mesh, {"zero": 1, **options})
 
