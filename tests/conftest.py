@@ -25,8 +25,8 @@ if "MCOMPILE_CACHE" not in os.environ:
 
 import warnings  # noqa: E402
 
-import pytest
-import torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 MODELS = ["gpt2-tiny", "llama3-tiny", "hf-llama", "hf-gpt2"]
 
