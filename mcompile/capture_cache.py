@@ -162,7 +162,11 @@ def unpack(data: bytes) -> tuple[torch.export.ExportedProgram, str, bool, dict]:
         while len(_UNPACKED) > _UNPACKED_MAX:
             _UNPACKED.pop(next(iter(_UNPACKED)))
     ep, output, prints, aliases, _ = kept
-    return copy.deepcopy(ep), output, prints, copy.deepcopy(aliases)
+    try:
+        ep = copy.deepcopy(ep)
+    except RuntimeError:  # a constant that is no graph leaf (seen: MoE programs' lifted tensors): not kept, the
+        _UNPACKED.pop(digest, None)  # caller takes the loaded program itself (the next unpack loads again)
+    return ep, output, prints, copy.deepcopy(aliases)
 
 
 def load(k: str) -> bytes | None:

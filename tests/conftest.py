@@ -128,7 +128,14 @@ def pool(n: int):
             p.close()
         while _POOLS and sum(q.nprocs for q in _POOLS.values()) + n > MAX_LIVE_WORKERS:
             _POOLS.pop(next(iter(_POOLS))).close()
-        p = WorkerPool(n)
+        # the workers start with this sys.path: never the root or bench/ (a test may have put them there: the CLI
+        # finds `pkg.module:factory` models from the working directory), see the top of this file
+        saved = sys.path[:]
+        sys.path[:] = [q for q in sys.path if os.path.abspath(q) not in (_ROOT, os.path.join(_ROOT, "bench"))]
+        try:
+            p = WorkerPool(n)
+        finally:
+            sys.path[:] = saved
     _POOLS[n] = p
     return p
 
