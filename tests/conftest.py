@@ -11,7 +11,14 @@ import sys
 # Hugging Face model's construction). mcompile itself is imported through its install (pyproject's package-dir
 # mapping), never through the root, and the worker pools inherit this sys.path.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p) != _ROOT]
+
+
+def _importable(paths: list[str]) -> list[str]:
+    """``paths`` without the repository root and bench/ (its kernels.py shadows the Hub's package too)."""
+    return [p for p in paths if os.path.abspath(p) not in (_ROOT, os.path.join(_ROOT, "bench"))]
+
+
+sys.path[:] = _importable(sys.path)
 
 # Triton reads TRITON_INTERPRET once, at its first import (torch.utils.flop_counter imports it):
 # the kernel tests run the Triton kernels on CPU tensors through the interpreter (DESIGN §8).
@@ -131,7 +138,7 @@ def pool(n: int):
         # the workers start with this sys.path: never the root or bench/ (a test may have put them there: the CLI
         # finds `pkg.module:factory` models from the working directory), see the top of this file
         saved = sys.path[:]
-        sys.path[:] = [q for q in sys.path if os.path.abspath(q) not in (_ROOT, os.path.join(_ROOT, "bench"))]
+        sys.path[:] = _importable(sys.path)
         try:
             p = WorkerPool(n)
         finally:
@@ -142,9 +149,9 @@ def pool(n: int):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns xdist_group marks into node id suffixes
 def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n N --dist loadgroup`` (the CI tier's command), a test that uses a module- or class-scoped
-    fixture runs in the same process as the rest of its file, so the fixture (a training run, a set of plans) is
-    built once; every other test is scheduled on its own."""
+    """Under ``pytest -n N --dist loadgroup`` (pytest-xdist; docs/testing.md), a test that uses a module- or
+    class-scoped fixture runs in the same process as the rest of its file, so the fixture (a training run, a set of
+    plans) is built once; every other test is scheduled on its own."""
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         defs = info.name2fixturedefs.values() if info is not None else ()
