@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -291,6 +292,14 @@ def _hints(cap: Captured, inputs, kwargs, seq, batch) -> dict:
         out[cap.symbols[BATCH]] = max(int(b), 2)
     if SEQ in cap.symbols:
         out[cap.symbols[SEQ]] = max(int(s), 2)
+    # any other size symbol of an input (an encoder-decoder's label length, a second sequence): its example size
+    for name in cap.user_inputs:
+        node = cap.placeholder(name)
+        val = node.meta.get("val") if node is not None else None
+        for size in (val.shape if isinstance(val, torch.Tensor) else ()):
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol) \
+                    and size.node.expr not in out and size.node.hint is not None:
+                out[size.node.expr] = max(int(size.node.hint), 2)
     return out
 
 
@@ -348,10 +357,9 @@ def parallelize(
     import hashlib
 
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from mcompile.config import Config
-    from mcompile.runtime.launch import init_distributed, rank_device
+    from mcompile.runtime.launch import device_mesh, init_distributed, rank_device
     from mcompile.runtime.module import ParallelModule
 
     if config is not None and options:
@@ -377,7 +385,7 @@ def parallelize(
     shape, names = mesh.shape, mesh.axis_names
     if mesh.size("pp") > 1 and len(names) == 1:  # stage parameters live on the other axes: give them one
         shape, names = (1, *shape), ("dp", *names)
-    dmesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    dmesh = device_mesh(device_type, shape, names)  # made once per process and mesh: reused by later calls
     compiled = compile_plan(
         model, mesh, example_inputs, example_kwargs, sequence_parallel=config.sequence_parallel,
         overrides=config.overrides or None, vocab_pad_multiple=config.vocab_pad_multiple,

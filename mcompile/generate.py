@@ -494,9 +494,8 @@ class Generator:
         import datetime
 
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
 
-        from mcompile.runtime.launch import init_distributed, rank_device
+        from mcompile.runtime.launch import device_mesh, init_distributed, rank_device
         from mcompile.runtime.module import ParallelModule
 
         init_distributed(timeout=datetime.timedelta(seconds=self.config.collective_timeout_s))
@@ -511,7 +510,7 @@ class Generator:
         if len(set(digests)) != 1:
             raise RuntimeError("ranks planned generation differently: build the same model with the same options on "
                                "every rank")
-        dmesh = init_device_mesh(rank_device().type, self.mesh.shape, mesh_dim_names=self.mesh.axis_names)
+        dmesh = device_mesh(rank_device().type, self.mesh.shape, self.mesh.axis_names)
         # the parameter store: loading (weights=), meta-device initialisation and rank 0's broadcast as in training
         self._pm = ParallelModule(self.plan.prefill, dmesh, self.config, lm, weights=weights)
         self._rank, self._device, self._comm = dist.get_rank(), self._pm._device, self._pm._comm

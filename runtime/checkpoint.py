@@ -452,7 +452,9 @@ def save(pm, path: str | Path, optimizer=None, extra: dict | None = None, async_
         _finish(tmp_path, path, meta, None)
         return None
     if getattr(pm, "_checkpoint_group", None) is None:  # the background writes' own collectives
-        pm._checkpoint_group = dist.new_group(backend="gloo")
+        from mcompile.runtime.launch import process_group
+
+        pm._checkpoint_group = process_group(backend="gloo", tag="async checkpoint")  # one per process
     group = pm._checkpoint_group
     staged = {k: v.staged() if isinstance(v, _Pieces) else
               v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in state.items()}

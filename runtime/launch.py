@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["init_distributed", "shutdown_distributed", "spawn", "WorkerPool", "free_port", "rank_device",
-           "uses_nccl"]
+           "uses_nccl", "device_mesh", "process_group"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)  # the test pools and spawn: a hang fails fast
 
@@ -53,6 +53,42 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta = d
     if uses_nccl(backend):
         torch.cuda.set_device(_local_cuda_index(int(os.environ["RANK"])))
     dist.init_process_group(backend, timeout=timeout)
+
+
+# Process groups made once per process and default group, as Megatron makes its groups once at start-up: a
+# ParallelModule, a Generator, an eval after training on the same mesh reuse them. Each gloo group holds two
+# worker threads and a TCP loop, each NCCL group a communicator; a process that parallelized a few hundred
+# times (a test worker, a notebook) held ~650 threads before, and every new group is a rendezvous of all
+# ranks. Every rank makes the same calls in the same order (torch.distributed's rule for new_group), so every
+# rank hits or misses the cache together. Keyed by the default group object itself: after
+# destroy_process_group and a new init the old groups are never handed out.
+_GROUPS: dict = {}
+
+
+def _cached(key, make):
+    world = dist.group.WORLD
+    hit = _GROUPS.get(key)
+    if hit is not None and hit[0] is world:
+        return hit[1]
+    value = make()
+    _GROUPS[key] = (world, value)
+    return value
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """``init_device_mesh(device_type, shape, mesh_dim_names=names)``, made once per process (see ``_GROUPS``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return _cached(("mesh", device_type, tuple(shape), tuple(names)),
+                   lambda: init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names)))
+
+
+def process_group(ranks: list[int] | None = None, backend: str | None = None, tag: str = ""):
+    """``dist.new_group(ranks, backend=backend)``, made once per process for the same (ranks, backend, tag);
+    ``tag`` tells apart groups of the same ranks that must not share a communicator (the pipeline's
+    two directions of a pair of ranks)."""
+    key = ("group", tuple(ranks) if ranks is not None else None, backend, tag)
+    return _cached(key, lambda: dist.new_group(ranks, backend=backend) if backend else dist.new_group(ranks))
 
 
 def uses_nccl(backend: str) -> bool:

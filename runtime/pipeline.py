@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mcompile.runtime.launch import process_group
 from mcompile.runtime.schedules import Action
 from mcompile.timeline import clock_for
 
@@ -639,7 +640,7 @@ class Pipeline:
             for combo in itertools.product(*[range(mesh.size(a)) for a in others]):
                 c = dict(zip(others, combo))
                 members = [mesh.rank_of(**{**c, "pp": r}) for r in ranks]
-                g = dist.new_group(members)
+                g = process_group(members, tag="pipeline parameter sync")  # made once per process
                 if all(coords[a] == c[a] for a in others) and self.pp_rank in ranks:
                     for fqn, r in self.param_ranks.items():
                         if tuple(sorted(r)) == ranks:
@@ -664,7 +665,7 @@ class Pipeline:
         for src, dst in sorted(p for p in pairs if p[0] != p[1]):
             for combo in itertools.product(*[range(mesh.size(a)) for a in others]):
                 c = dict(zip(others, combo))
-                g = dist.new_group([mesh.rank_of(**{**c, "pp": r}) for r in (src, dst)])
+                g = process_group([mesh.rank_of(**{**c, "pp": r}) for r in (src, dst)], tag=f"p2p {src}->{dst}")
                 if all(coords[a] == c[a] for a in others) and self.pp_rank in (src, dst):
                     out[(src, dst)] = g
         # NCCL creates a communicator at its first operation, blocking until the peer joins: a

@@ -255,3 +255,34 @@ def shifted_ids_losses(rank, world, mesh, options, steps=2):
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     return train_steps(pm, opt, inputs, steps)
+
+
+def gloo_threads() -> int:
+    """Threads of this process that gloo process groups run (two per group and a TCP loop)."""
+    import os
+
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return sum(n.startswith(("pt_gloo", "gloo_")) for n in names)
+
+
+def parallelize_repeatedly(rank, world, mesh: str, times: int):
+    """``parallelize`` the same tiny model ``times`` times on one mesh: the gloo threads after each, and whether
+    every module got the same process groups (made once per process, mcompile.runtime.launch.device_mesh)."""
+    import gc
+
+    threads, groups = [], []
+    for _ in range(times):
+        model, inputs = build("llama3-tiny")
+        pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs)
+        pm.train_step(*inputs)
+        groups.append(tuple(id(pm.device_mesh.get_group(a)) for a in pm.device_mesh.mesh_dim_names))
+        del pm
+        gc.collect()
+        threads.append(gloo_threads())
+    return threads, len(set(groups))

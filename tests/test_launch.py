@@ -118,3 +118,16 @@ def test_init_distributed_takes_the_device_from_local_rank_and_a_long_timeout(mo
     assert calls["device"] == 13 % 8 and calls["backend"] == "cpu:gloo,cuda:nccl"
     with pytest.raises(ValueError, match="collective_timeout_s"):
         Config(collective_timeout_s=0)
+
+
+def test_process_groups_are_made_once_per_process():
+    """Three ``parallelize`` calls on one dp=2 x tp=2 mesh share one set of process groups: the gloo threads of
+    a worker do not grow after the first (they grew by ~6 per call before: a test worker of the CI tier held
+    ~650 threads and ran the kernel's scheduler at 60% of the CPU), and every module holds the same groups."""
+    from runtime_cases import parallelize_repeatedly
+
+    from conftest import pool
+
+    for threads, distinct in pool(4).run(parallelize_repeatedly, "dp=2,tp=2", 3):
+        assert distinct == 1
+        assert threads[1:] == [threads[0]] * 2, threads
