@@ -65,7 +65,9 @@ def load_model(spec: str, device: str, batch: int, seq: int, dtype=None, max_seq
     # the console script's sys.path[0] is its own bin/ folder: `mcompile plan mypkg.models:make` run from the
     # folder holding mypkg/ should find it, as `python -m` would
     if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+        # appended, not first: installed packages keep their names (a checkout's folders, such as mcompile's own
+        # kernels/, would otherwise shadow the Hub's `kernels` that transformers imports)
+        sys.path.append(os.getcwd())
     try:
         factory = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
