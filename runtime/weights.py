@@ -41,8 +41,9 @@ Design (and why):
 - **Keys.** The checkpoint's keys are the model's ``state_dict()`` keys. A tied weight is found under
   any of its names (HF omits ``lm_head.weight`` when it is tied to the embedding). A model wrapped in
   a module that prefixes every key (``mcompile.models.hf.CausalLMLoss``'s ``m.``, the guide's
-  ``WithLoss``) matches a checkpoint of the bare model: of the prefixes common to every model key
-  (and none), the one that finds the most parameters is stripped. Checkpoint keys the model does not
+  ``WithLoss``) matches a checkpoint of the bare model, and a bare model its wrapper's checkpoint: of the
+  prefixes common to every model key (and none), stripped, or common to every checkpoint key, added, the
+  one that finds the most parameters is used. Checkpoint keys the model does not
   have are ignored and listed in one warning (rank 0, logger ``mcompile.weights``). Buffers the
   checkpoint lacks (Llama's non-persistent rotary ``inv_freq``) keep the model's values, or are
   initialised as a meta model's are (:mod:`mcompile.runtime.init`).
@@ -308,6 +309,53 @@ def _common_prefixes(names: list[str]) -> list[str]:
     return [""] + [".".join(common[:i]) + "." for i in range(1, len(common) + 1)]
 
 
+def _prefix_pair(model_keys: list[str], groups: list[tuple[str, ...]], stored) -> tuple[str, str]:
+    """(the prefix stripped from the model's keys, the prefix put before them) under which the checkpoint holds the
+    most parameters (``groups``: each parameter's names, tied ones together): a wrapped model reads its bare
+    model's checkpoint (``m.``stripped), a bare model its wrapper's (``m.`` added); the shortest pair on a tie."""
+    def found(pq):
+        p, q = pq
+        return sum(any(n.startswith(p) and q + n[len(p):] in stored for n in ns) for ns in groups)
+
+    pairs = [(p, q) for p in _common_prefixes(model_keys) for q in _common_prefixes(list(stored)) if not (p and q)]
+    return max(pairs, key=lambda pq: (found(pq), -len(pq[0]) - len(pq[1])))
+
+
+def check_shapes(path, model: torch.nn.Module) -> None:
+    """Every parameter of ``model`` (on meta is enough) in the checkpoint at ``path``, in its shape — the names
+    and shapes only, from the headers, in this process (no collective): what ``mcompile train`` checks before it
+    starts any process. Raises :class:`WeightsError` naming what is missing or misshapen."""
+    src = open_weights(path)
+    stored = src.entries
+    groups: dict[int, list[str]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(n)
+        shapes[n] = tuple(p.shape)
+    model_keys = list(model.state_dict().keys())
+    prefix, theirs = _prefix_pair(model_keys, [tuple(ns) for ns in groups.values()], stored)
+    key = lambda n: theirs + n[len(prefix):]  # noqa: E731
+    missing, bad = [], []
+    for ns in groups.values():
+        hit = next((stored[key(n)] for n in ns if key(n) in stored), None)
+        if hit is None:
+            missing.append(key(ns[0]))
+            continue
+        k = hit.where[1] if isinstance(hit.where, tuple) else None
+        problem, _ = _shape_problem(ns[0], hit, shapes[ns[0]], k)
+        if problem:
+            bad.append(problem)
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) of the model are missing from it: {_fmt_names(missing)}")
+    if bad:
+        problems.append(f"{len(bad)} tensor(s) have another shape there than in the model: {_fmt_names(bad)}")
+    if problems:
+        raise WeightsError(f"weights={src.path} ({src.what}): " + "; ".join(problems)
+                           + ". Pass the checkpoint of this model (the same config), or change the model's config "
+                           "to the checkpoint's")
+
+
 def _shape_problem(fqn: str, s: Stored, want: tuple[int, ...], k: int | None) -> tuple[str | None, int | None]:
     """(a message if the stored shape cannot hold the model's tensor, the dim DCP blocks join on)."""
     have = tuple(s.shape)
@@ -334,12 +382,9 @@ def _match(src, model: torch.nn.Module, cap, plan) -> _Match:
     model_keys += [n for ns in names.values() for n in ns]
     stored = src.entries
 
-    def found(prefix):
-        return sum(any(n.startswith(prefix) and n[len(prefix):] in stored for n in ns) for ns in names.values())
-
-    prefix = max(_common_prefixes(model_keys), key=lambda p: (found(p), -len(p)))
+    prefix, theirs = _prefix_pair(model_keys, list(names.values()), stored)
     m = _Match(prefix)
-    key = lambda n: n[len(prefix):]  # noqa: E731
+    key = lambda n: theirs + n[len(prefix):]  # noqa: E731
     missing, shapes, dtypes = [], [], []
     model_tensors = dict(model.named_parameters(remove_duplicate=False))
     model_tensors.update(dict(model.named_buffers(remove_duplicate=False)))
