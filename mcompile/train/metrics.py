@@ -46,10 +46,26 @@ def model_flops_per_step(pm, global_batch: int, seq_len: int) -> float | None:
     return 3.0 * float(ann.evaluate(ann.matmul_flops, subs))
 
 
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.0f}"
+
+
+def compact(row: dict) -> str:
+    """The progress bar's stats in at most ~46 characters (the bar's line fits 80 columns): loss, lr, tokens/s,
+    MFU; the full figures go to the plain lines, JSONL and TensorBoard."""
+    text = f"loss {row['loss']:.4f} lr {row['lr']:.1e} {_si(row['tokens_per_s'])} tok/s"
+    if row.get("mfu") is not None:
+        text += f" MFU {row['mfu']:.1%}"
+    return text
+
+
 class Metrics:
     """Rank 0's output: a rich progress bar or plain lines, JSONL and TensorBoard."""
 
-    def __init__(self, cfg: TrainConfig, start_step: int, hardware: str):
+    def __init__(self, cfg: TrainConfig, start_step: int, hardware: str, console=None):
         lc = cfg.logging
         self.steps = cfg.train.steps
         self.hardware = hardware
@@ -65,13 +81,14 @@ class Metrics:
         self.progress = None
         from rich.console import Console
 
-        self.console = Console()
+        self.console = console or Console()
         if lc.progress == "on" or (lc.progress == "auto" and self.console.is_terminal):
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
-                                     console=self.console)
+            # fixed widths that fit 80 columns: name 5, bar 12, steps, the compact stats (~45), time left 7
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(bar_width=12), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[stats]}"), TimeRemainingColumn(compact=True),
+                                     console=self.console, expand=False)
             self.task = self.progress.add_task("train", total=self.steps, completed=start_step, stats="")
             self.progress.start()
 
@@ -85,17 +102,18 @@ class Metrics:
                     self.tb.add_scalar(("eval/" if k.startswith("eval") else "train/") + k, v, row["step"])
         if "loss" in row:
             text = (f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['tokens_per_s']:,.0f} tok/s  "
-                    + (f"MFU {row['mfu']:.2%} ({self.hardware})" if row.get("mfu") is not None else ""))
+                    + (f"MFU {row['mfu']:.2%} ({self.hardware})  " if row.get("mfu") is not None else "")
+                    + (f"mem {row['mem_gib']:.2f} GiB" if row.get("mem_gib") is not None else ""))
         else:
             text = f"eval loss {row['eval_loss']:.4f}"
         if self.progress is not None:
             if "loss" in row:
-                self.progress.update(self.task, completed=row["step"], stats=text)
+                self.progress.update(self.task, completed=row["step"], stats=compact(row))
             else:
                 self.progress.console.print(f"step {row['step']}: {text}")
         else:
-            print(f"step {row['step']}/{self.steps}  {text}" + (f"  grad_norm {row['grad_norm']:.3g}"
-                                                                  if "grad_norm" in row else ""), flush=True)
+            print(f"step {row['step']}/{self.steps}  {text.rstrip()}" + (f"  grad_norm {row['grad_norm']:.3g}"
+                                                                          if "grad_norm" in row else ""), flush=True)
 
     def advance(self, step: int) -> None:
         if self.progress is not None:
