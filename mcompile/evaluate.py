@@ -65,7 +65,7 @@ def _loss_of(out) -> torch.Tensor:
 
 @torch.no_grad()
 def perplexity(pm, dataset, *, batch_size: int, max_batches: int | None = None, start: int = 0,
-               ignore_index: int = -100) -> dict:
+               ignore_index: int = -100, objective=None) -> dict:
     """``{"loss", "ppl", "tokens", "batches"}`` over the full batches of ``dataset`` (``len(dataset)`` samples,
     ``dataset.batch(first, n) -> (tokens, targets)``, such as ``mcompile.data.SampleDataset(...,
     split="valid")``) from sample ``start``, ``max_batches`` at most: the token-weighted mean cross-entropy
@@ -73,7 +73,9 @@ def perplexity(pm, dataset, *, batch_size: int, max_batches: int | None = None, 
     every rank with the same dataset; each rank gets the same numbers) or a plain module,
     ``model(tokens, targets) -> mean loss``. The targets are aligned with the tokens (the model does not shift
     them: our presets, Megatron's convention) and ``ignore_index`` targets are not counted. A last batch
-    shorter than ``batch_size`` is left out (a data-parallel batch must split evenly)."""
+    shorter than ``batch_size`` is left out (a data-parallel batch must split evenly). ``objective``: a
+    :class:`mcompile.train.objective.Objective` (what ``mcompile train`` trained: a Hugging Face model's labels
+    convention) that turns each batch into the model's inputs and says how many targets its mean counts."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: give at least 1")
     parallel = _is_parallel(pm)
@@ -101,10 +103,14 @@ def perplexity(pm, dataset, *, batch_size: int, max_batches: int | None = None, 
                                  "several documents that a model of (tokens, targets) would attend across): "
                                  "build the held-out split with packing=False")
             tokens, targets = torch.as_tensor(sample[0]), torch.as_tensor(sample[1])
-            k = int((targets != ignore_index).sum())
+            if objective is not None:
+                args = objective.inputs(tokens, targets, start + b * batch_size)
+                k = objective.counted(args)
+            else:
+                args, k = (tokens, targets), int((targets != ignore_index).sum())
             if k == 0:
                 continue  # no counted token: the model's mean is 0/0
-            loss = pm.forward(tokens, targets) if parallel else _loss_of(pm(tokens, targets))
+            loss = pm.forward(*args) if parallel else _loss_of(pm(*args))
             _loss_of(loss)
             total += float(loss.double()) * k
             count += k

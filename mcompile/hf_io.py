@@ -405,16 +405,21 @@ def _parse_size(size) -> int:
     return int(float(m.group(1)) * base ** "_KMGT".index(m.group(2).upper() or "_"))
 
 
-def _hf_meta_model(cfg):
-    """The Hugging Face model ``cfg`` builds, on the meta device (names, shapes and ties; no memory)."""
-    from transformers import AutoModelForCausalLM
+def _hf_meta_model(cfg, cls=None):
+    """The Hugging Face model ``cfg`` builds, on the meta device (names, shapes and ties; no memory): of class
+    ``cls`` (the model being exported: a masked LM or a seq2seq model too), else the config's first
+    ``architectures`` entry, else a causal LM."""
+    import transformers
     from transformers.utils import logging as hf_logging
 
+    if cls is None:
+        arch = next((a for a in (getattr(cfg, "architectures", None) or []) if hasattr(transformers, a)), None)
+        cls = getattr(transformers, arch) if arch else transformers.AutoModelForCausalLM
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(cfg)
+            return cls.from_config(cfg) if hasattr(cls, "from_config") else cls(cfg)
     finally:
         hf_logging.set_verbosity(verbosity)
 
@@ -429,7 +434,7 @@ class _Entry:
 def _plan_export(tensors: list[_Tensor], fam: _Family | None, cfg) -> list[list[_Entry]]:
     """Per tensor, the file entries it becomes; checked against the Hugging Face model ``cfg`` builds:
     every one of its tensors written once (a tied one under its kept name), no other, shapes equal."""
-    hf = _hf_meta_model(cfg)
+    hf = _hf_meta_model(cfg, type(fam.module) if fam is not None and fam.kind == "hf" else None)
     hf_sd = hf.state_dict(keep_vars=True)
     hf_groups: dict[int, list[str]] = {}
     for k, t in hf_sd.items():

@@ -52,6 +52,9 @@ def _entry(cfg):
 def run(args) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
+        from mcompile.train.preflight import preflight
+
+        preflight(cfg)  # what would fail in the processes: packages, model.hf, init_from, the tokenizer
     except ConfigError as e:
         print(f"mcompile train: error: {e}", file=sys.stderr)
         return 2
@@ -83,7 +86,9 @@ def launch(cfg, nproc: int, max_restarts: int = 0, entry=None, payload: tuple | 
     from mcompile.runtime.launch import free_port
 
     if os.getcwd() not in sys.path:  # a factory in a package of the current folder (the workers inherit sys.path)
-        sys.path.insert(0, os.getcwd())
+        # appended, not first: installed packages keep their names (a checkout's folders, such as mcompile's own
+        # kernels/, would otherwise shadow the Hub's `kernels` that transformers imports)
+        sys.path.append(os.getcwd())
     # the workers create their own store for each attempt: with the rendezvous store shared (torch's default since
     # 2.5) a restarted attempt reads the previous attempt's gloo / NCCL addresses and cannot connect
     # (pytorch/pytorch#135712)

@@ -1,10 +1,11 @@
-"""``mcompile eval`` and ``mcompile generate``: a trained run's checkpoint, read under any layout.
+"""``mcompile eval``, ``mcompile generate`` and ``mcompile export``: a trained run's checkpoint, read under any layout.
 
     mcompile eval CONFIG.toml [--checkpoint DIR] [--mesh tp=2] [--batches N] [--lambada FILE.jsonl] [--json]
     mcompile generate CONFIG.toml --prompt TEXT [--prompt ...] [--max-new-tokens N] [--temperature T]
                       [--top-p P] [--seed S] [--mesh tp=2] [--checkpoint DIR]
+    mcompile export CONFIG.toml --hf OUT [--checkpoint DIR] [--mesh tp=2] [--dtype fp32|bf16|fp16]
 
-Both read the run's TOML config (the same file and ``--set`` overrides as ``mcompile train``) for the model and
+All read the run's TOML config (the same file and ``--set`` overrides as ``mcompile train``) for the model and
 the data, and the newest complete checkpoint in ``checkpoint.dir`` unless ``--checkpoint`` names one. The
 checkpoint is read straight into each rank's pieces under the mesh given here (``--mesh``; default: the
 config's), whatever layout saved it (``parallelize(..., weights=)``, mcompile.runtime.weights).
@@ -16,6 +17,8 @@ config's), whatever layout saved it (``parallelize(..., weights=)``, mcompile.ru
 - ``generate``: the text the model continues each prompt with (a KV cache the compiler adds,
   mcompile.generate.Generator), greedy at ``--temperature 0`` (default), else sampled (top-p, seeded: every rank
   draws the same tokens). The tokenizer is ``data.tokenizer``, or the one the dataset was preprocessed with.
+- ``export``: a Hugging Face ``from_pretrained`` folder of the checkpoint (``model.safetensors``, ``config.json``,
+  the run's tokenizer files; mcompile.train.export), for a ``model.hf`` model or a llama3-* / gpt2-* preset.
 
 Processes: one process runs in place; a mesh of N ranks is N processes started here (torch's elastic agent, as
 ``mcompile train``), or the processes torchrun started (``RANK`` / ``WORLD_SIZE`` in the environment).
@@ -43,11 +46,24 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the layout to run under, e.g. tp=2 (default: the config's parallel.mesh; 'auto': tp=1)")
 
 
+_SHARED = ("The run's TOML config gives the model and the data; the newest complete checkpoint in checkpoint.dir "
+           "is read (or --checkpoint DIR) under --mesh (default: the config's), whatever layout saved it.")
+_EVAL = ("The perplexity of a trained run's checkpoint on the held-out split (data.valid_fraction: whole documents; "
+         "the token-weighted mean of the run's training loss, as the run's objective defines it) and, with "
+         "--lambada FILE, the LAMBADA last-word accuracy (strict: every token of the word). " + _SHARED)
+_GENERATE = ("Continue each --prompt with a trained run's checkpoint (a KV cache added by the compiler): greedy at "
+             "--temperature 0, else sampled with top-p, seeded (every rank draws the same tokens). The tokenizer is "
+             "data.tokenizer, or the one the dataset was preprocessed with. " + _SHARED)
+_EXPORT = ("Write a trained run's checkpoint as a Hugging Face from_pretrained folder (model.safetensors, "
+           "config.json, generation_config.json where the model has one, and the run's tokenizer files): a model.hf "
+           "model keeps its names and config; the llama3-* / gpt2-* presets become LlamaForCausalLM / "
+           "GPT2LMHeadModel. " + _SHARED)
+
+
 def add_parsers(subparsers) -> None:
-    """Register ``eval`` and ``generate`` on an argparse subparsers object."""
-    doc = __doc__.split("\n\n")
+    """Register ``eval``, ``generate`` and ``export`` on an argparse subparsers object."""
     pe = subparsers.add_parser("eval", help="perplexity on the held-out split and LAMBADA-style last-word accuracy "
-                                            "of a trained run's checkpoint", description=doc[1])
+                                            "of a trained run's checkpoint", description=_EVAL)
     _common(pe)
     pe.add_argument("--batches", type=int, default=None,
                     help="batches of train.global_batch samples (default: eval.batches; 0: the whole split)")
@@ -56,7 +72,7 @@ def add_parsers(subparsers) -> None:
     pe.add_argument("--json", action="store_true", help="print one JSON object")
     pe.set_defaults(func=run_eval)
     pg = subparsers.add_parser("generate", help="continue prompts with a trained run's checkpoint (KV cache; greedy, "
-                                                "temperature, top-p)", description=doc[1])
+                                                "temperature, top-p)", description=_GENERATE)
     _common(pg)
     pg.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     pg.add_argument("--max-new-tokens", type=int, default=32)
@@ -65,6 +81,13 @@ def add_parsers(subparsers) -> None:
     pg.add_argument("--seed", type=int, default=0)
     pg.add_argument("--json", action="store_true", help="print one JSON object: prompts, token ids and texts")
     pg.set_defaults(func=run_generate)
+    px = subparsers.add_parser("export", help="write a trained run's checkpoint as a Hugging Face from_pretrained "
+                                              "folder (weights, config, tokenizer)", description=_EXPORT)
+    _common(px)
+    px.add_argument("--hf", required=True, metavar="OUT", help="the folder to write (created; a previous export's "
+                                                               "weight files in it are replaced)")
+    px.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="the stored dtype (default fp32)")
+    px.set_defaults(func=run_export)
 
 
 # ------------------------------------------------------------------------------------------ set-up (no torch)
@@ -72,7 +95,10 @@ def _prepare(args, what: str):
     """(cfg, checkpoint path, mesh string) or an error message."""
     from pathlib import Path
 
+    from mcompile.train.preflight import preflight
+
     cfg = load_config(args.config, args.overrides)
+    preflight(cfg, weights=False)  # the checkpoint read is the command's own, checked below
     ckpt = args.checkpoint
     if ckpt is None:
         from mcompile.train.loop import latest_checkpoint
@@ -140,37 +166,48 @@ def _say(text: str) -> None:
 
 
 def _tokenizer(cfg):
-    from mcompile.data import IndexedDataset, load_tokenizer
-    from mcompile.train.loop import _shipped
+    from mcompile.data import load_tokenizer
+    from mcompile.train.export import tokenizer_path
 
-    if cfg.data.tokenizer:
-        return load_tokenizer(_shipped(cfg.data.tokenizer, "tokenizer"))
-    sources = cfg.data.sources
-    first = sources if isinstance(sources, str) else sources[0] if isinstance(sources[0], str) else sources[0][0]
-    recorded = IndexedDataset(first).meta.get("tokenizer", {}).get("path")
-    if not recorded:
-        raise ConfigError(f"no tokenizer: set data.tokenizer (the dataset {first} records none)")
-    return load_tokenizer(recorded)
+    path = tokenizer_path(cfg)
+    if not path:
+        raise ConfigError(f"no tokenizer: set data.tokenizer (the dataset {cfg.data.sources} records none)")
+    return load_tokenizer(path)
+
+
+def _causal_only(cfg, what: str):
+    """The run's objective; ``generate`` and LAMBADA need a model that predicts the next token."""
+    from mcompile.train.objective import resolve
+
+    objective = resolve(cfg)
+    if objective.kind not in ("next-token", "causal-lm"):
+        raise ConfigError(f"{what} continues text with a causal language model, and this run trains a "
+                          f"{objective.kind} model (model.objective): use mcompile eval without --lambada")
+    return objective
 
 
 def _eval_entry(cfg, ckpt, mesh, args) -> dict:
-    import torch
 
     import mcompile as mc
     from mcompile.evaluate import last_word_accuracy, perplexity
-    from mcompile.train.loop import _dataset, _options, build_model
+    from mcompile.train.loop import _dataset, _options, build_model, example_inputs
+    from mcompile.train.objective import resolve
 
     _init(cfg)
     t = cfg.train
-    model, _, example = build_model(cfg)
+    if args["lambada"]:
+        _causal_only(cfg, "--lambada")
+    model, vocab, example = build_model(cfg)
+    objective = resolve(cfg, vocab_size=vocab or 0)
     options = {k: v for k, v in _options(cfg).items() if k in ("dtype", "init_seed")}
     if example is None:
-        example = (torch.zeros(t.global_batch, t.seq_len, dtype=torch.long),) * 2
+        example = example_inputs(cfg, objective, vocab, batch=t.global_batch)
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), example, weights=ckpt, **options)
     valid = _dataset(cfg, "valid")
     batches = cfg.eval.batches if args["batches"] is None else args["batches"]
-    out = {"checkpoint": ckpt, "mesh": mesh,
-           "valid": perplexity(pm, valid, batch_size=t.global_batch, max_batches=batches or None)}
+    out = {"checkpoint": ckpt, "mesh": mesh, "objective": objective.kind,
+           "valid": perplexity(pm, valid, batch_size=t.global_batch, max_batches=batches or None,
+                               objective=objective)}
     del pm
     if args["lambada"]:
         from mcompile.data import tiny_lambada
@@ -199,9 +236,12 @@ def _generate_entry(cfg, ckpt, mesh, args) -> dict:
     from mcompile.train.loop import build_model
 
     _init(cfg)
+    _causal_only(cfg, "mcompile generate")
     tok = _tokenizer(cfg)
     model, _, _ = build_model(cfg)
     gen = Generator(model, mc.Mesh.parse(mesh), weights=ckpt)
+    if not args["json"]:
+        _say(f"{ckpt} under {mesh}:")
     results = []
     for prompt in args["prompt"]:
         ids = tok.encode(prompt)
@@ -219,6 +259,29 @@ def _generate_entry(cfg, ckpt, mesh, args) -> dict:
         for r in results:
             _say(f"{r['prompt']}{r['text']}")
     return {"results": results}
+
+
+def _export_entry(cfg, ckpt, mesh, args) -> dict:
+    import torch
+
+    import mcompile as mc
+    from mcompile.train.export import export_run
+    from mcompile.train.loop import build_model, example_inputs
+    from mcompile.train.objective import resolve
+
+    _init(cfg)
+    model, vocab, example = build_model(cfg)
+    if example is None:
+        example = example_inputs(cfg, resolve(cfg, vocab_size=vocab or 0), vocab)
+    pm = mc.parallelize(model, mc.Mesh.parse(mesh), example, weights=ckpt, init_seed=cfg.train.seed)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args["dtype"]]
+    out = export_run(cfg, pm, args["hf"], dtype=dtype)
+    _say(f"exported {ckpt} to {out}: load it with from_pretrained({str(out)!r})")
+    return {"checkpoint": ckpt, "folder": str(out)}
+
+
+def run_export(args) -> int:
+    return _dispatch(args, "export", _export_entry)
 
 
 def run_eval(args) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,11 @@ class ConfigError(ValueError):
 class ModelConfig:
     preset: str = ""  # a name from mcompile.models (`mcompile plan --list`)
     factory: str = ""  # "package.module:function" returning the model, or (model, example_inputs)
-    hf: str = ""  # a Hugging Face config.json, or a folder holding one (AutoModelForCausalLM.from_config)
+    hf: str = ""  # a Hugging Face config.json, or a folder holding one (built from the config by the Auto class
+    #               of its objective: AutoModelForCausalLM, AutoModelForMaskedLM or AutoModelForSeq2SeqLM)
+    objective: str = "auto"  # what a step predicts: auto | next-token | causal-lm | masked-lm | seq2seq
+    #                          (mcompile.train.objective; auto: the model's own convention)
+    mask_token_id: int = -1  # masked-lm: the mask token (-1: read from the tokenizer files beside model.hf)
     overrides: dict = field(default_factory=dict)  # fields of the preset's / HF config (vocab_size, n_layers, ...)
     kwargs: dict = field(default_factory=dict)  # keyword arguments of `factory`
     init_from: str = ""  # weights: a HF folder / .safetensors file / mcompile checkpoint (parallelize weights=)
@@ -62,14 +67,14 @@ class DataConfig:
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     mesh: str = "auto"  # "dp=2,tp=2" (axes dp, pp, tp, ...) or "auto": mcompile.search picks the layout
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False  # Megatron's sequence parallelism: norms and dropout sharded over tp by tokens
     zero: int = 0  # 0 | 1 | 2 | 3 (1 and 2: the optimizer is mcompile's DistributedOptimizer)
-    microbatches: int = 1
+    microbatches: int = 1  # per step and dp rank: gradient accumulation, and the pipeline's microbatches
     schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved | zbh1
-    virtual_stages: int = 1
+    virtual_stages: int = 1  # pipeline stages per pp rank (the interleaved schedule)
     recompute: str = "none"  # none | full | selective
     fp8: str = "none"  # none | current | delayed
-    fuse: bool = False
+    fuse: bool = False  # RMSNorm / SwiGLU through mcompile's fused kernels (mcompile.passes.fuse)
     hardware: str = "auto"  # the profile for plan "auto" and for MFU: "auto" = cpu-gloo on CPU, h100 on GPU
 
 
@@ -77,9 +82,9 @@ class ParallelConfig:
 class OptimizerConfig:
     name: str = "adamw"  # adamw | sgd
     lr: float = 3e-4  # the peak learning rate
-    betas: list = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    betas: list = field(default_factory=lambda: [0.9, 0.95])  # adamw
+    eps: float = 1e-8  # adamw
+    weight_decay: float = 0.1  # decoupled (adamw) or L2 (sgd); 1-D parameters excluded unless decay_1d
     decay_1d: bool = False  # also decay 1-D parameters (norm weights, biases); off, as in GPT-3 / Megatron
     momentum: float = 0.9  # sgd only
 
@@ -89,14 +94,14 @@ class ScheduleConfig:
     kind: str = "cosine"  # cosine | wsd | constant
     warmup: int = 0  # steps of linear warmup from 0 to optimizer.lr
     decay_fraction: float = 0.2  # wsd: the last fraction of the steps decays linearly to min_lr
-    min_lr: float = 0.0
+    min_lr: float = 0.0  # the learning rate the decay ends at
 
 
 @dataclass(kw_only=True, frozen=True)
 class TrainingConfig:
-    steps: int = 100
+    steps: int = 100  # optimizer steps of the whole run (a resumed run goes on to this step)
     global_batch: int = 8  # sequences per optimizer step, over all data-parallel ranks and microbatches
-    seq_len: int = 64
+    seq_len: int = 64  # tokens per sample (the data cuts windows of seq_len + 1)
     clip: float = 1.0  # global gradient-norm clipping; 0: off (the norm is still logged)
     seed: int = 0  # model initialisation and data order
     dtype: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 (master weights, gradients stay fp32)
@@ -117,6 +122,15 @@ class CheckpointConfig:
     keep: int = 3  # the newest K complete checkpoints are kept; 0: all
     async_save: bool = False  # save in the background when the checkpoint module offers it
     final_state_dict: str = ""  # after the last step rank 0 torch.saves pm.full_state_dict() here
+    export_hf: Any = ""  # after the last step: a Hugging Face from_pretrained folder (with the run's tokenizer):
+    #                      a path, or true for checkpoint.dir/hf (mcompile export does it for any checkpoint)
+
+    @property
+    def export_hf_dir(self) -> str:
+        """The folder ``export_hf`` names ("" when off)."""
+        if self.export_hf is True:
+            return str(Path(self.dir) / "hf")
+        return self.export_hf or ""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -137,8 +151,8 @@ class LaunchConfig:
 class DebugConfig:
     # fault injection for restart tests: on the first attempt only (TORCHELASTIC_RESTART_COUNT 0 or unset),
     # rank `kill_rank` SIGKILLs itself at the start of step `kill_step`; 0: never
-    kill_step: int = 0
-    kill_rank: int = 0
+    kill_step: int = 0  # the step rank kill_rank kills itself at (first attempt only); 0: never
+    kill_rank: int = 0  # the rank that kill_step kills
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -165,9 +179,10 @@ class TrainConfig:
 _SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)
                               if f.name not in ("source", "explicit")}
 _TYPES: dict[str, Any] = {"betas": "floats", "overrides": "table", "kwargs": "table", "sources": "sources",
-                          "tokenize": "strings"}
+                          "tokenize": "strings", "export_hf": "path_or_bool"}
 _CHOICES = {
     "model.init": ("meta", "eager"),
+    "model.objective": ("auto", "next-token", "causal-lm", "masked-lm", "seq2seq"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zbh1"),
     "parallel.recompute": ("none", "full", "selective"),
     "parallel.fp8": ("none", "current", "delayed"),
@@ -192,6 +207,7 @@ def _type_of(section: str, f: dataclasses.Field):
 def _type_name(t) -> str:
     return {"floats": "a list of numbers", "table": "a table ({ key = value, ... })", "strings": "a list of strings",
             "sources": "a prefix string, a list of prefixes, or a list of [prefix, weight] pairs",
+            "path_or_bool": "a folder path, or true / false",
             bool: "a boolean (true / false)", int: "an integer", float: "a number", str: "a string"}[t]
 
 
@@ -231,6 +247,12 @@ def _convert(key: str, value, t, where: str):
         return dict(value)
     if t == "sources":
         return _sources(key, value, where, bad)
+    if t == "path_or_bool":
+        if value is False:
+            return ""
+        if value is True or isinstance(value, str):
+            return value
+        raise bad()
     raise AssertionError(t)
 
 
@@ -427,6 +449,12 @@ def _check(cfg: TrainConfig, where: str) -> None:
         _check_mesh(mesh, where)
     if cfg.checkpoint.interval and not cfg.checkpoint.dir:
         raise ConfigError(f"checkpoint.interval = {cfg.checkpoint.interval} in {where} needs checkpoint.dir")
+    if cfg.checkpoint.export_hf is True and not cfg.checkpoint.dir:
+        raise ConfigError(f"checkpoint.export_hf = true in {where} writes to checkpoint.dir/hf: set checkpoint.dir, "
+                          "or give export_hf a folder")
+    if m.objective not in ("auto", "next-token") and not m.hf:
+        raise ConfigError(f"model.objective = {m.objective!r} in {where} is for Hugging Face models (model.hf); "
+                          "presets and factories take (tokens, targets) as they are: use \"next-token\" or \"auto\"")
 
 
 def _check_mesh(mesh: str, where: str) -> None:
@@ -463,3 +491,42 @@ def mesh_size(mesh: str) -> int:
     for part in mesh.split(","):
         n *= int(part.split("=")[1])
     return n
+
+
+# ---------------------------------------------------------------------------------------------- reference
+def reference_markdown() -> str:
+    """The config reference (docs/config.md): every table and key with its type, default, choices and the
+    comment beside its field above. ``python scripts/config_reference.py`` writes it;
+    tests/test_train.py checks the committed page equals it."""
+    import inspect
+    import re
+
+    lines = ["# `mcompile train` config reference", "",
+             "Generated from the config dataclasses (`mcompile/train/config.py`) by",
+             "`python scripts/config_reference.py`; `tests/test_train.py` keeps it in sync.",
+             "Every key is checked when the file is read: an unknown key names the nearest valid one, a wrong type",
+             "the type expected. `--set TABLE.KEY=VALUE` overrides a key (TOML value syntax).", ""]
+    for section, cls in _SECTIONS.items():
+        comments: dict[str, list[str]] = {}
+        current = None
+        for raw in inspect.getsource(cls).splitlines():
+            m = re.match(r"\s+(\w+): [^=]+= .*?(?:#\s?(.*))?$", raw)
+            if m and not raw.strip().startswith("#"):
+                current = m.group(1)
+                comments[current] = [m.group(2).strip()] if m.group(2) else []
+            elif current and re.match(r"\s+#\s", raw):
+                comments[current].append(raw.strip().lstrip("#").strip())
+            elif raw.strip().startswith(("@property", "def ")):
+                current = None
+        lines += [f"## `[{section}]`", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            t = _type_of(section, f)
+            kind = _type_name(t).replace("|", "\\|")
+            choices = _CHOICES.get(f"{section}.{f.name}")
+            if choices:
+                kind = " \\| ".join(f"`{c}`" for c in choices)
+            text = " ".join(comments.get(f.name, [])).replace("|", "\\|")
+            lines.append(f"| `{f.name}` | {kind} | `{json.dumps(default)}` | {text} |")
+        lines.append("")
+    return "\n".join(lines)

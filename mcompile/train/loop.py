@@ -40,9 +40,10 @@ import torch.distributed as dist
 
 from mcompile.train.config import ConfigError, TrainConfig
 from mcompile.train.metrics import Metrics, hardware_profile, model_flops_per_step
+from mcompile.train.objective import resolve
 from mcompile.train.schedule import lr_at
 
-__all__ = ["train", "build_model", "latest_checkpoint"]
+__all__ = ["train", "build_model", "example_inputs", "latest_checkpoint"]
 
 log = logging.getLogger("mcompile.train")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -75,7 +76,9 @@ def train(cfg: TrainConfig) -> dict:
 def _import(spec: str, key: str):
     mod, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path and "" not in sys.path:  # a package of the current folder, as `python -m`
-        sys.path.insert(0, os.getcwd())
+        # appended, not first: installed packages keep their names (a checkout's folders, such as mcompile's own
+        # kernels/, would otherwise shadow the Hub's `kernels` that transformers imports)
+        sys.path.append(os.getcwd())
     try:
         return getattr(importlib.import_module(mod), attr)
     except (ImportError, AttributeError) as e:
@@ -101,17 +104,26 @@ def build_model(cfg: TrainConfig):
             model = pre.model_class(config)
         vocab = config.vocab_size
     elif m.hf:
-        from transformers import AutoModelForCausalLM
+        # the bare Hugging Face model: its checkpoints hold its own names (eval, generate, weights= and the
+        # exporter read them as they are); mcompile binds its example inputs as (input_ids, labels)
+        import transformers
 
-        from mcompile.models.hf import CausalLMLoss
+        from mcompile.train.objective import resolve
 
         hf_config = _hf_config(m.hf)
         for k, v in m.overrides.items():
             if not hasattr(hf_config, k):
                 raise ConfigError(f"unknown key 'model.overrides.{k}': {type(hf_config).__name__} has no field {k!r}")
             setattr(hf_config, k, v)
-        with device:
-            model = CausalLMLoss(AutoModelForCausalLM.from_config(hf_config))
+        objective = resolve(cfg)
+        auto = getattr(transformers, objective.auto_class)
+        try:
+            with device:
+                model = auto.from_config(hf_config)
+        except ValueError as e:
+            raise ConfigError(f"model.hf = {m.hf!r}: {auto.__name__} cannot build a {type(hf_config).__name__} "
+                              f"(objective {objective.kind!r}): set model.objective to what the model is trained "
+                              f"for ({e})") from None
         vocab = hf_config.vocab_size
     else:
         factory = _import(m.factory, "model.factory")
@@ -121,6 +133,14 @@ def build_model(cfg: TrainConfig):
         emb = next((x for x in model.modules() if isinstance(x, torch.nn.Embedding)), None)
         vocab = emb.num_embeddings if emb is not None else None
     return model, vocab, example
+
+
+def example_inputs(cfg: TrainConfig, objective, vocab: int | None, batch: int = 2) -> tuple:
+    """The inputs the model is captured with: random tokens of ``train.seq_len`` through the run's objective
+    (random ids, not zeros: a Hugging Face model's second input is taken for an attention mask when 0/1)."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab or 2, (batch, cfg.train.seq_len + 1), generator=g)
+    return objective.inputs(tokens[:, :-1], tokens[:, 1:])
 
 
 def _hf_config(path: str):
@@ -252,15 +272,28 @@ def _optimizer(cfg: TrainConfig, pm):
     return cls([g for g in groups if g["params"]], **kwargs), pm.clip_grad_norm_
 
 
-def _evaluate(pm, valid, batches: int, batch_size: int) -> tuple[float, int]:
-    """Token-weighted mean loss over the fixed valid batches (each batch's mean times its token count)."""
+def _evaluate(pm, valid, batches: int, batch_size: int, objective) -> tuple[float, int]:
+    """Token-weighted mean loss over the fixed valid batches (each batch's mean times its token count), each
+    batch given to the model as the run's objective says."""
     total, count = 0.0, 0
     for i in range(batches):
         tokens, targets = valid.batch(i * batch_size, batch_size)
-        n = int((targets != -100).sum())
-        total += float(pm.forward(tokens, targets)) * n
+        inputs = objective.inputs(tokens, targets, i * batch_size)
+        n = objective.counted(inputs)
+        if n == 0:
+            continue
+        total += float(pm.forward(*inputs)) * n
         count += n
     return total / max(count, 1), count
+
+
+def _peak_memory_gib() -> float:
+    """This process's peak memory: the CUDA allocator's peak on a GPU, else the peak resident set."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def _wait(pending) -> None:
@@ -276,10 +309,9 @@ def _train(cfg: TrainConfig) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     tc, cc = cfg.train, cfg.checkpoint
     model, vocab, example = build_model(cfg)
+    objective = resolve(cfg, vocab_size=vocab or 0)
     if example is None:
-        g = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, vocab or 2, (2, tc.seq_len), generator=g)
-        example = (tokens, tokens.clone())
+        example = example_inputs(cfg, objective, vocab)
     _prepare_data(cfg, rank)  # the data before planning: its errors come before the model's compile
     data = _dataset(cfg, "train")
     valid = _dataset(cfg, "valid") if cfg.eval.interval else None
@@ -303,6 +335,8 @@ def _train(cfg: TrainConfig) -> dict:
         pm = mc.parallelize(model, mc.Mesh.parse(mesh_spec), tuple(example), weights=cfg.model.init_from or None,
                             **options)
     del model
+    if rank == 0 and cfg.model.init_from:
+        print(f"weights loaded from {cfg.model.init_from} (model.init_from)", flush=True)
     dp, m = pm.mesh.size("dp"), pm.config.microbatches
     if tc.global_batch % (dp * m):
         raise ConfigError(f"train.global_batch = {tc.global_batch} does not divide by dp={dp} x "
@@ -340,6 +374,7 @@ def _train(cfg: TrainConfig) -> dict:
                                 resumed, ", ".join(f"train.{k} {a} -> {b}" for k, (a, b) in changed.items()))
                 print(f"resumed from {resumed} (step {start_step}, {consumed} samples consumed)", flush=True)
 
+    consumed_at_start = consumed
     flops = model_flops_per_step(pm, tc.global_batch, tc.seq_len) if rank == 0 else None
     dtype_name = {"fp32": "fp32", "bf16": "bf16", "fp16": "bf16"}[tc.dtype]
     if pm.config.fp8 is not None and hw.fp8_flops is not None:
@@ -351,7 +386,8 @@ def _train(cfg: TrainConfig) -> dict:
         print(f"training {cfg.model.preset or cfg.model.hf or cfg.model.factory} ({n_params:,} parameters) on "
               f"{pm.mesh!r}, {world} processes: sequence_parallel={pm.config.sequence_parallel}, "
               f"zero={pm.config.zero}, microbatches={pm.config.microbatches}, dtype={tc.dtype}; {tc.global_batch} x "
-              f"{tc.seq_len} tokens per step" + (f", {flops / 1e9:.3g} GFLOP (model)" if flops else ""), flush=True)
+              f"{tc.seq_len} tokens per step" + (f", {flops / 1e9:.3g} GFLOP (model)" if flops else "")
+              + f"; objective: {objective.describe()}", flush=True)
     save_kw = {}
     if cc.async_save:
         if "async_save" in inspect.signature(pm.save_checkpoint).parameters:
@@ -378,10 +414,12 @@ def _train(cfg: TrainConfig) -> dict:
                                                        "seed": tc.seed}, **save_kw)
         if not save_kw:
             finish_saving()
+        if rank == 0:
+            print(f"checkpoint saved: {path}" + (" (writing in the background)" if save_kw else ""), flush=True)
 
     losses: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, grad norm) of this attempt
-    eval_loss, last_log, last_time = None, start_step, time.perf_counter()
-    row = {}
+    eval_loss, best_eval, last_log, last_time = None, None, start_step, time.perf_counter()
+    row, first_step_s = {}, None
     saved_at = start_step if resumed else None
     for step in range(start_step + 1, tc.steps + 1):
         if cfg.debug.kill_step == step and cfg.debug.kill_rank == rank and restart == 0:
@@ -391,24 +429,35 @@ def _train(cfg: TrainConfig) -> dict:
         for group in opt.param_groups:
             group["lr"] = lr
         tokens, targets = data.batch(consumed, tc.global_batch)
-        consumed += tc.global_batch
         if vocab is not None and int(tokens.max()) >= vocab:
             raise ValueError(f"the data holds token id {int(tokens.max())} but the model's vocabulary has {vocab} "
                              "entries: preprocess with the model's tokenizer, or set model.overrides.vocab_size")
-        loss = pm.train_step(tokens, targets)
+        inputs = objective.inputs(tokens, targets, consumed)
+        consumed += tc.global_batch
+        loss = pm.train_step(*inputs)
         norm = clip(tc.clip if tc.clip > 0 else math.inf)
         opt.step()
         opt.zero_grad()
         losses.append((step, loss, norm.detach() if isinstance(norm, torch.Tensor) else torch.tensor(norm)))
-        if step % cfg.logging.interval == 0 or step in (tc.steps, tc.stop_at):
+        logged = step % cfg.logging.interval == 0 or step in (tc.steps, tc.stop_at)
+        if first_step_s is None:
+            # the first step of an attempt compiles (joint trace, warm-up): its time is reported on its own and
+            # left out of the throughput of the window it opens
+            float(loss)
+            first_step_s = time.perf_counter() - last_time
+            if rank == 0:
+                print(f"step {step}: first step {first_step_s:.1f} s (includes compilation)", flush=True)
+            if not logged:
+                last_log, last_time = step, time.perf_counter()
+        if logged:
             now = time.perf_counter()
             loss_v, norm_v = float(loss), float(losses[-1][2])
             dt = now - last_time
-            n = step - last_log
+            n = max(step - last_log, 1)
             row = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": norm_v,
                    "tokens_per_s": n * tc.global_batch * tc.seq_len / dt, "step_time_s": dt / n,
                    "mfu": (flops * n / dt / world / peak) if flops else None, "consumed_samples": consumed,
-                   "restart": restart}
+                   "restart": restart, "mem_gib": round(_peak_memory_gib(), 3)}
             if metrics is not None:
                 metrics.record(row)
             last_log, last_time = step, time.perf_counter()
@@ -416,7 +465,8 @@ def _train(cfg: TrainConfig) -> dict:
             metrics.advance(step)
         paused = time.perf_counter()
         if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == tc.steps):
-            eval_loss, n_tokens = _evaluate(pm, valid, cfg.eval.batches, eval_bs)
+            eval_loss, n_tokens = _evaluate(pm, valid, cfg.eval.batches, eval_bs, objective)
+            best_eval = eval_loss if best_eval is None else min(best_eval, eval_loss)
             if metrics is not None:
                 metrics.record({"step": step, "eval_loss": eval_loss, "eval_tokens": n_tokens})
         if cc.dir and cc.interval and step % cc.interval == 0:
@@ -435,10 +485,24 @@ def _train(cfg: TrainConfig) -> dict:
         if rank == 0:
             Path(cc.final_state_dict).parent.mkdir(parents=True, exist_ok=True)
             torch.save(sd, cc.final_state_dict)
+    exported = None
+    if cc.export_hf_dir and last == tc.steps and last > start_step:
+        from mcompile.train.export import export_run
+
+        exported = str(export_run(cfg, pm, cc.export_hf_dir))
+        if rank == 0:
+            print(f"exported for from_pretrained: {exported}", flush=True)
     if metrics is not None:
         metrics.close()
     logged = [(s, float(lv)) for s, lv, _ in losses]
+    wall = time.perf_counter() - t0
+    tokens_seen = (consumed - consumed_at_start) * tc.seq_len
+    if rank == 0 and losses:
+        print(f"done: steps {start_step + 1}-{logged[-1][0]} in {wall:.1f} s ({tokens_seen:,} tokens), final loss "
+              f"{logged[-1][1]:.4f}" + (f", best eval loss {best_eval:.4f}" if best_eval is not None else "")
+              + (f", peak memory {_peak_memory_gib():.2f} GiB (rank 0)"), flush=True)
     return {"steps": tc.steps, "start_step": start_step, "resumed_from": resumed, "losses": logged,
-            "final_loss": logged[-1][1] if logged else None, "eval_loss": eval_loss, "mesh": repr(pm.mesh),
-            "consumed_samples": consumed, "tokens_per_s": row.get("tokens_per_s"), "mfu": row.get("mfu"),
-            "hardware": hw.name, "restart": restart, "wall_s": time.perf_counter() - t0}
+            "final_loss": logged[-1][1] if logged else None, "eval_loss": eval_loss, "best_eval_loss": best_eval,
+            "mesh": repr(pm.mesh), "consumed_samples": consumed, "tokens_per_s": row.get("tokens_per_s"),
+            "mfu": row.get("mfu"), "hardware": hw.name, "restart": restart, "wall_s": wall,
+            "first_step_s": first_step_s, "objective": objective.kind, "exported_hf": exported}
