@@ -345,15 +345,21 @@ def check_shapes(path, model: torch.nn.Module) -> None:
         problem, _ = _shape_problem(ns[0], hit, shapes[ns[0]], k)
         if problem:
             bad.append(problem)
+    _raise_problems(src, missing, bad, [], "", "change the model's config to the checkpoint's")
+
+
+def _raise_problems(src, missing: list[str], shapes: list[str], dtypes: list[str], how: str, fix: str) -> None:
+    """One WeightsError naming every missing, misshapen and unconvertible tensor (nothing if there is none)."""
     problems = []
     if missing:
-        problems.append(f"{len(missing)} tensor(s) of the model are missing from it: {_fmt_names(missing)}")
-    if bad:
-        problems.append(f"{len(bad)} tensor(s) have another shape there than in the model: {_fmt_names(bad)}")
+        problems.append(f"{len(missing)} tensor(s) of the model are missing from it{how}: {_fmt_names(missing)}")
+    if shapes:
+        problems.append(f"{len(shapes)} tensor(s) have another shape there than in the model: {_fmt_names(shapes)}")
+    if dtypes:
+        problems.append(f"{len(dtypes)} tensor(s) have a dtype that cannot be converted: {_fmt_names(dtypes)}")
     if problems:
         raise WeightsError(f"weights={src.path} ({src.what}): " + "; ".join(problems)
-                           + ". Pass the checkpoint of this model (the same config), or change the model's config "
-                           "to the checkpoint's")
+                           + f". Pass the checkpoint of this model (the same config), or {fix}")
 
 
 def _shape_problem(fqn: str, s: Stored, want: tuple[int, ...], k: int | None) -> tuple[str | None, int | None]:
@@ -419,19 +425,9 @@ def _match(src, model: torch.nn.Module, cap, plan) -> _Match:
             dtypes.append(f"{hit.key}: {hit.dtype} in the checkpoint, {model_tensors[fqn].dtype} in the model")
         else:
             m.buffers[fqn] = hit
-    problems = []
-    how = f" (keys looked up without the model's prefix {prefix!r})" if prefix else ""
-    if missing:
-        problems.append(f"{len(missing)} tensor(s) of the model are missing from it{how}: {_fmt_names(missing)}")
-    if shapes:
-        problems.append(f"{len(shapes)} tensor(s) have another shape there than in the model: "
-                        f"{_fmt_names(shapes)}")
-    if dtypes:
-        problems.append(f"{len(dtypes)} tensor(s) have a dtype that cannot be converted: {_fmt_names(dtypes)}")
-    if problems:
-        raise WeightsError(f"weights={src.path} ({src.what}): " + "; ".join(problems)
-                           + ". Pass the checkpoint of this model (the same config), or build the model that "
-                           "matches the checkpoint")
+    how = (f" (keys looked up without the model's prefix {prefix!r})" if prefix
+           else f" (keys looked up with the checkpoint's prefix {theirs!r})" if theirs else "")
+    _raise_problems(src, missing, shapes, dtypes, how, "build the model that matches the checkpoint")
     known = {key(n) for n in model_keys if n.startswith(prefix)}
     m.extra = sorted(k for k in stored if k not in known)
     return m
