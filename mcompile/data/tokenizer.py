@@ -196,13 +196,14 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 def _hf_config(path: Path) -> dict:
-    """eos_token / bos_token from a tokenizer_config.json beside the tokenizer.json (strings; {} if none)."""
+    """eos_token / bos_token / mask_token from a tokenizer_config.json beside the tokenizer.json (strings; {} if
+    none)."""
     try:
         config = json.loads((path.parent / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         return {}
     out = {}
-    for key in ("eos_token", "bos_token"):
+    for key in ("eos_token", "bos_token", "mask_token"):
         value = config.get(key) if isinstance(config, dict) else None
         if isinstance(value, dict):  # {"content": "</s>", ...}, older files
             value = value.get("content")

@@ -70,13 +70,9 @@ def _mask_token_from_folder(path: str) -> int | None:
     p = Path(path)
     if p.is_file():
         p = p.parent
-    try:
-        tc = json.loads((p / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        tc = {}
-    mask = tc.get("mask_token")
-    if isinstance(mask, dict):
-        mask = mask.get("content")
+    from mcompile.data.tokenizer import _hf_config
+
+    mask = _hf_config(p / "tokenizer.json").get("mask_token")
     try:
         tj = json.loads((p / "tokenizer.json").read_text())
     except (OSError, ValueError):
