@@ -23,6 +23,7 @@ graph through ``node.meta["custom"]`` (``torch.fx.traceback.preserve_node_meta``
 
 from __future__ import annotations
 
+import collections
 import operator
 from dataclasses import dataclass, field
 
@@ -207,6 +208,10 @@ def trace_joint(program: fx.GraphModule, args: list) -> JointGraph:
     # module constants (an FP8 amax history, a fused op's table) become inputs of the trace: one that is
     # changed in place is then changed on the tensor the runtime passes, not on a copy baked into the graph
     consts = lifted_constants(program)
+    key = _trace_key(program, list(args), consts)
+    if key in _TRACED:  # the same program and signature traced before in this process
+        _TRACED.move_to_end(key)
+        return _copy_joint(_TRACED[key], [t for _, t in consts])
     n_args = len(args)
     args = list(args) + [t for _, t in consts]
 
@@ -220,9 +225,14 @@ def trace_joint(program: fx.GraphModule, args: list) -> JointGraph:
         with fx_traceback.preserve_node_meta():
             return _flat(it.run(*primals[:n_args]))
 
-    def joint(primals, tangents):
+    def joint(primals):
         outs = forward(*primals)
-        diff = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        diff_idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        # the output gradients: a marker node each, made placeholders after the trace (below), so the forward
+        # runs once — not once more beforehand only to learn the outputs' shapes (~10% of a program's trace)
+        tangents = [_tangent(outs[i]) for i in diff_idx]
+        shapes["n_out"], shapes["diff"] = len(outs), diff_idx
+        diff = [outs[i] for i in diff_idx]
         req = [p for p in primals if isinstance(p, torch.Tensor) and p.requires_grad]
         grads = torch.autograd.grad(diff, req, tangents, allow_unused=True) if diff and req else [None] * len(req)
         return (*outs, *grads)
@@ -240,16 +250,12 @@ def trace_joint(program: fx.GraphModule, args: list) -> JointGraph:
 
             fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
                     for a in args]
-        with mode, torch.enable_grad():  # the outputs, to size the tangents
-            outs = forward(*fake)
-        diff_idx = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
-        with mode:
-            tangents = [torch.empty_like(outs[i]) for i in diff_idx]
-        shapes["n_out"] = len(outs)
         with mode, torch.enable_grad():
-            gm = make_fx(joint, tracing_mode="real")(fake, tangents)
+            gm = make_fx(joint, tracing_mode="real")(fake)
+        _tangents_to_placeholders(gm, fake)
     except Exception as e:  # noqa: BLE001 - re-raised with what to do
         raise JointTraceError(_trace_failure(program, e)) from e
+    diff_idx = shapes["diff"]
     gm.graph.eliminate_dead_code()
     gm.recompile()
     gm.meta["mc_num_fwd_outputs"] = shapes["n_out"]
@@ -257,8 +263,95 @@ def trace_joint(program: fx.GraphModule, args: list) -> JointGraph:
     primal_names = [n.name for n in phs if n.name.startswith("primals")]
     tangent_names = [n.name for n in phs if n.name.startswith("tangents")]
     grad_primals = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    return JointGraph(gm, len(primal_names), shapes["n_out"], diff_idx, grad_primals, primal_names, tangent_names,
-                      [t for _, t in consts])
+    jg = JointGraph(gm, len(primal_names), shapes["n_out"], diff_idx, grad_primals, primal_names, tangent_names,
+                    [t for _, t in consts])
+    _TRACED[key] = _copy_joint(jg, [])
+    while len(_TRACED) > _TRACED_MAX:
+        _TRACED.popitem(last=False)
+    return jg
+
+
+# Joint graphs traced in this process, by program and input signature (:func:`_trace_key`). A program is traced
+# once per signature by its runner (runtime/joint.py); a later ``parallelize`` of the same model and layout in
+# the same process (a resumed run, a checkpoint loaded into a fresh module, the probe of another rank's stage)
+# builds new runners over equal programs, and tracing is the largest part of their first step (~2 s for a tiny
+# two-layer model). Kept as copies, handed out as copies: what the signature passes do to one never reaches another.
+_TRACED: collections.OrderedDict = collections.OrderedDict()
+_TRACED_MAX = 64
+
+
+def _trace_key(program: fx.GraphModule, args: list, consts: list) -> str:
+    """What the joint trace of ``program`` on ``args`` depends on: the program's code (every node, target and
+    literal argument), the meta the trace carries onto its nodes (layer, origin), and the metadata of the inputs
+    and lifted constants (shape, stride, dtype, device, requires_grad; not their values: the trace is on fake
+    tensors). Non-tensor arguments by value."""
+    import hashlib
+
+    def sig(a):
+        if isinstance(a, torch.Tensor):
+            return ("t", tuple(a.shape), tuple(a.stride()), str(a.dtype), a.device.type, a.requires_grad)
+        return ("v", repr(a))
+
+    h = hashlib.sha256(program.graph.python_code(root_module="self").src.encode())  # the graph, recompiled or not
+    h.update(repr([(n.name, sorted(n.meta.get("custom", {}).items(), key=lambda kv: kv[0]))
+                   for n in program.graph.nodes if n.op == "call_function"]).encode())
+    h.update(repr([sig(a) for a in args]).encode())
+    h.update(repr([(name, sig(t)) for name, t in consts]).encode())
+    return h.hexdigest()
+
+
+def _copy_joint(jg: JointGraph, constants: list) -> JointGraph:
+    """``jg`` over a copy of its graph (new nodes; their meta dicts copied, the values in them shared, as
+    ``copy.deepcopy(graph)`` does) with ``constants`` as the lifted constants."""
+    import copy
+
+    gm = fx.GraphModule(jg.gm, copy.deepcopy(jg.gm.graph), class_name=type(jg.gm).__name__)
+    gm.meta.update(jg.gm.meta)
+    return JointGraph(gm, jg.num_primals, jg.num_outputs, list(jg.diff_outputs), list(jg.grad_primals),
+                      list(jg.primal_names), list(jg.tangent_names), list(constants))
+
+
+@torch.library.custom_op("mcompile::joint_tangent", mutates_args=())
+def _tangent_op(size: list[int], stride: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Stands for the gradient of an output of this size, stride and dtype while the joint graph is traced:
+    each such node becomes a ``tangents_<k>`` placeholder of the joint graph (:func:`_tangents_to_placeholders`).
+    Made from the output's metadata, not from the output, so the trace gains no node that reads it."""
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+@_tangent_op.register_fake
+def _(size, stride, dtype, device):
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+def _tangent(out: torch.Tensor) -> torch.Tensor:
+    return _tangent_op(list(out.shape), list(out.stride()), out.dtype, out.device)
+
+
+def _tangents_to_placeholders(gm: fx.GraphModule, primals: list) -> None:
+    """The traced ``joint(primals)`` as if traced as ``joint(primals, tangents)``: each tangent marker node
+    (in order) replaced by a placeholder ``tangents_<k>`` after the primals, and the module's calling
+    convention (its pytree codegen) taking the two lists."""
+    import torch.utils._pytree as pytree
+
+    g = gm.graph
+    marks = [n for n in g.nodes if n.op == "call_function" and n.target is torch.ops.mcompile.joint_tangent.default]
+    last = [n for n in g.nodes if n.op == "placeholder"][-1]
+    tangents = []
+    for k, mark in enumerate(marks):
+        with g.inserting_after(last):
+            ph = g.placeholder(f"tangents_{k + 1}")
+        ph.meta = {key: v for key, v in mark.meta.items() if key in ("val", "tensor_meta")}
+        assert ph.name == f"tangents_{k + 1}", ph.name
+        mark.replace_all_uses_with(ph)
+        g.erase_node(mark)
+        last = ph
+        tangents.append(ph.meta.get("val"))
+    codegen = g._codegen
+    if isinstance(codegen, fx.graph._PyTreeCodeGen):
+        info = codegen.pytree_info
+        in_spec = pytree.tree_flatten((list(primals), tangents))[1]
+        g._codegen = fx.graph._PyTreeCodeGen(fx.graph._PyTreeInfo(["primals", "tangents"], in_spec, info.out_spec))
 
 
 def lifted_constants(program: fx.GraphModule) -> list[tuple[str, torch.Tensor]]:

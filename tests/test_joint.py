@@ -333,3 +333,60 @@ def test_in_place_writes_into_a_fresh_tensor_are_kept_by_the_joint_graph():
         got = pool(2).run(shifted_ids_losses, "tp=2", options, timeout=300)
         for losses in got:
             assert losses == pytest.approx(want, rel=1e-5, abs=0), options
+
+
+@pytest.mark.timeout(300)
+def test_a_program_traced_again_in_the_process_gets_a_copy_of_its_joint_graph(monkeypatch):
+    """A second trace of an equal program with inputs of the same metadata (a resumed run, a module rebuilt in the
+    same process) takes the first trace, copied (passes/joint.py ``_TRACED``): the same code, none of its nodes,
+    and the calling program's own constants. Anything the trace depends on — the graph, the layer meta it
+    carries, an input's requires_grad — traces anew."""
+    import copy
+
+    import torch.fx as fx
+
+    from mcompile.passes import joint as J
+
+    _, inputs, c, _ = compiled("llama3-tiny", "tp=2", True)
+    prog, args = rank_args(c, 0, inputs, c.captured.state_values())
+    traces = []
+    real = J.make_fx
+    monkeypatch.setattr(J, "make_fx", lambda *a, **k: traces.append(1) or real(*a, **k))
+    monkeypatch.setattr(J, "_TRACED", type(J._TRACED)())
+
+    def again(program=None, call=None):
+        p = program or fx.GraphModule(prog, copy.deepcopy(prog.graph))  # equal, not the same object
+        for name, t in J.lifted_constants(p):  # constants of its own (same metadata, other tensors)
+            *path, last = name.split(".")
+            owner = p
+            for part in path:
+                owner = getattr(owner, part)
+            setattr(owner, last, t.clone())
+        jg = J.trace_joint(p, call or args)
+        assert [id(t) for t in jg.constants] == [id(t) for _, t in J.lifted_constants(p)]
+        return jg
+
+    first = again()
+    second = again()
+    assert len(traces) == 1
+    assert second.gm.code == first.gm.code and (second.num_outputs, second.diff_outputs, second.grad_primals) == \
+        (first.num_outputs, first.diff_outputs, first.grad_primals)
+    assert not {id(n) for n in second.gm.graph.nodes} & {id(n) for n in first.gm.graph.nodes}
+    for n in second.gm.graph.nodes:  # a pass rewriting the copy leaves the first trace (and the memo) as they were
+        n.meta["mc_test"] = 1
+    assert not any("mc_test" in n.meta for n in first.gm.graph.nodes)
+    assert again().gm.code == first.gm.code and len(traces) == 1
+
+    relabelled = fx.GraphModule(prog, copy.deepcopy(prog.graph))
+    node = next(n for n in relabelled.graph.nodes if n.op == "call_function")
+    node.meta["mc_layer"] = 99
+    assert len(traces) == 1 and again(relabelled) is not None and len(traces) == 2
+    frozen = [a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]  # no weight grads
+    assert again(call=frozen).grad_primals == [] and len(traces) == 3
+    changed = fx.GraphModule(prog, copy.deepcopy(prog.graph))  # one node more: another program
+    out = next(n for n in changed.graph.nodes if n.op == "output")
+    with changed.graph.inserting_before(out):
+        extra = changed.graph.call_function(torch.ops.aten.mul.Tensor, (out.args[0][0], 1.0))
+    out.args = ((extra, *out.args[0][1:]),)
+    again(changed)
+    assert len(traces) == 4
