@@ -171,3 +171,11 @@ def tiered(cases, ci) -> list:
         return "-".join(c if isinstance(c, str) else "-".join(f"{k}={v}" for k, v in c.items()) for c in case)
 
     return [pytest.param(*c, id=ident(c), marks=() if c in ci else pytest.mark.slow) for c in cases]
+
+
+def examples(ci: int, slow: int) -> list:
+    """``pytest.param``s of a property test's example count: ``ci`` in the CI tier, ``slow`` more with -m slow (the
+    same property drawn further). For property tests whose examples each cost seconds (a Triton kernel through the
+    interpreter, a model compiled per draw); the test builds its ``@given`` inside with ``settings(max_examples=n)``."""
+    return [pytest.param(ci, id=f"{ci}-examples"), pytest.param(slow, id=f"{slow}-examples", marks=pytest.mark.slow)]
+

@@ -184,14 +184,18 @@ def test_wide_rows_loop_over_column_blocks(op, dtype, device):
 @pytest.mark.parametrize("groups", [1, 2])
 def test_weight_grad_row_groups_loop_over_tiles(op, groups, monkeypatch):
     """Rows wider than the widest block (capped at 16 columns here; 40 columns walk 3 blocks) and
-    fewer row groups than row tiles (which takes > 8192 rows at the default cap): each program of
-    the weight-gradient kernel sums several tiles of rows."""
+    fewer row groups than row tiles (which takes > 8192 rows at the default caps): each program of
+    the weight-gradient kernel sums several tiles of rows. Row tiles of 8 rows here (32 by default), so
+    37 rows make 5 tiles, the last one partial: the interpreter runs a program per row in the other kernels
+    (150 rows of 32-row tiles took 5.8 s a case)."""
     monkeypatch.setattr(norms, "_MAX_BLOCK_N", 16)
     monkeypatch.setattr(norms, "_DW_MAX_GROUPS", groups)
-    assert 150 > 2 * groups * norms._DW_BLOCK_M
-    assert norms._bwd_layout(150, 40, torch.device("cpu"))[::3] == (False, groups)
+    monkeypatch.setattr(norms, "_DW_BLOCK_M", 8)
+    rows = 37
+    assert rows > 2 * groups * norms._DW_BLOCK_M and rows % norms._DW_BLOCK_M
+    assert norms._bwd_layout(rows, 40, torch.device("cpu"))[::3] == (False, groups)
     with kernels_on("cpu"):
-        RUNS[op]((150, 40), torch.float32, torch.float32, 2, "cpu")
+        RUNS[op]((rows, 40), torch.float32, torch.float32, 2, "cpu")
 
 
 def test_backward_layout_by_width():

@@ -39,6 +39,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from mcompile.kernels import ssd_scan as S  # noqa: E402
 
+from conftest import examples  # noqa: E402
+
 pytestmark = pytest.mark.skipif(S.triton is None, reason="triton is not installed (Linux-only dependency)")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,21 +115,25 @@ def close(name, actual, want, abs_scale):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("n_examples", examples(ci=4, slow=20))  # ~6 s an example through the interpreter
 @pytest.mark.parametrize("device", DEVICES)
-@PROPERTY
-@given(case=cases())
-def test_kernels_forward_and_backward_match_the_references(device, case):
-    b, l, h, p, g, n, chunk, seed = case  # noqa: E741
-    t = make(b, l, h, p, g, n, seed, device)
-    ref = expected(t)
-    with kernels_on(device, chunk):
-        leaves = [t[k].clone().requires_grad_() for k in NAMES]
-        y = S.ssd_scan(*leaves)
-        grads = torch.autograd.grad(y, leaves, t["dy"])
-    close("y", y, ref[""][0], ref["abs"][0])
-    for name, got, want, scale in zip(NAMES, grads, ref[""][1], ref["abs"][1]):
-        assert got.shape == t[name].shape and got.dtype == t[name].dtype
-        close(f"d{name}", got, want, scale)
+def test_kernels_forward_and_backward_match_the_references(device, n_examples):
+    @settings(PROPERTY, max_examples=n_examples)
+    @given(case=cases())
+    def check(case):
+        b, l, h, p, g, n, chunk, seed = case  # noqa: E741
+        t = make(b, l, h, p, g, n, seed, device)
+        ref = expected(t)
+        with kernels_on(device, chunk):
+            leaves = [t[k].clone().requires_grad_() for k in NAMES]
+            y = S.ssd_scan(*leaves)
+            grads = torch.autograd.grad(y, leaves, t["dy"])
+        close("y", y, ref[""][0], ref["abs"][0])
+        for name, got, want, scale in zip(NAMES, grads, ref[""][1], ref["abs"][1]):
+            assert got.shape == t[name].shape and got.dtype == t[name].dtype
+            close(f"d{name}", got, want, scale)
+
+    check()
 
 
 @pytest.mark.timeout(300)
