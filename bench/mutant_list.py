@@ -37,9 +37,11 @@ _BWD_SP = "tests/test_planner.py::test_backward_parity_and_counts[llama3-tiny-tp
 _FWD_TP = "tests/test_planner.py::test_forward_parity_in_one_process[llama3-tiny-2-tp]"
 _FWD_SP = "tests/test_planner.py::test_forward_parity_in_one_process[llama3-tiny-2-tp+sp]"
 _FWD_PADDED = "tests/test_planner.py::test_forward_parity_in_one_process[hf-gpt2-2-tp]"  # vocab 129 -> 256
-_RT_TP = "tests/test_runtime.py::test_parity_presets[llama3-tiny-tp=2-]"
-_RT_SP = "tests/test_runtime.py::test_parity_presets[llama3-tiny-tp=2-sequence_parallel=True]"
-_RT_DP = "tests/test_runtime.py::test_parity_presets[llama3-tiny-dp=2-]"
+# the CI tier's cases (the plain tp=2, tp=2 + SP and dp=2 cases run with -m slow; the mutants are run on the CI
+# tier alone, so each targets a CI case that catches it: checked by running it)
+_RT_TP = "tests/test_runtime.py::test_parity_presets[llama3-tiny-tp=2-sequence_parallel=True-microbatches=2]"
+_RT_SP = _RT_TP
+_RT_DP = "tests/test_runtime.py::test_parity_presets[llama3-tiny-dp=2-microbatches=2]"
 _RT_DP_MB = "tests/test_runtime.py::test_parity_presets[llama3-tiny-dp=2-microbatches=2]"
 _BUBBLE = "tests/test_pipeline.py::test_schedules_run_every_action_once_and_meet_their_bubble"
 _SCHED_MEM = "tests/test_schedule_memory.py"  # schedule in-flight counts and peak_activation_bytes
