@@ -25,7 +25,10 @@ EXACT = 271 / 16  # (256 + 7 + 8 ones) over 16 microbatches (a scalar loss count
     ("dp=2,pp=2", {"zero": 0, "stage_cuts": ["linear_1"]}),
     ("dp=2,pp=2", {"zero": 1, "stage_cuts": ["linear_1"], "schedule": "zbh1"}),
     ("dp=4", {"zero": 1}),
-], ids=["pp-zero1", "pp-zero0", "pp-zero1-zbh1", "dp-zero1"])
+    # the eager fallback: autograd leaves each bf16 microbatch gradient in .grad, handed to the fp32 buffer (the
+    # joint path above adds into the buffer inside its backward graph and never reads .grad)
+    ("dp=4", {"zero": 0, "execution": "autograd"}),
+], ids=["pp-zero1", "pp-zero0", "pp-zero1-zbh1", "dp-zero1", "dp-autograd"])
 def test_microbatch_gradients_accumulate_in_fp32(mesh, options):
     from leaves_cases import accumulate_grads
 
