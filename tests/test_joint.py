@@ -311,6 +311,38 @@ def test_a_value_overwritten_in_place_keeps_its_old_value_for_backward(policy):
         torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-7)
 
 
+class _InputWrite(torch.nn.Module):
+    """An in-place write into an input by a value that requires grad (``b *= sigmoid(x @ w)``), read before it."""
+
+    def forward(self, w, x, b):
+        h = x @ w
+        r = (b * 2).sum()
+        b.mul_(h.sigmoid())
+        return (b * h).sum() + r
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["none", "full", "selective"])
+def test_an_input_overwritten_in_place_keeps_its_old_value_for_backward(policy):
+    """A write into an input stays a write in the joint graph (functional_writes rewrites only the tensors the
+    program made, so the router above no longer reaches this): autograd's clone of b for ``b.mul_(s)``'s
+    gradient must run in forward, before the write (passes/remat.py ``classify``), not be recomputed in backward
+    from the overwritten b."""
+    import torch.fx as fx
+
+    prog = fx.symbolic_trace(_InputWrite())
+    g = torch.Generator().manual_seed(0)
+    w0, x, b0 = torch.randn(8, 8, generator=g), torch.randn(4, 8, generator=g), torch.rand(4, 8, generator=g) + 0.5
+    w = w0.clone().requires_grad_()
+    loss = _InputWrite()(w, x, b0.clone())
+    loss.backward()
+    runner = JointRunner(prog, Config(recompute=policy))
+    outs, ctx = runner.forward([w0.clone().requires_grad_(), x, b0.clone()])
+    grad = runner.backward(ctx, [torch.ones_like(outs[0])])[0]  # w is the one input that requires grad
+    torch.testing.assert_close(outs[0].detach(), loss.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad, w.grad, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.timeout(600)
 def test_in_place_writes_into_a_fresh_tensor_are_kept_by_the_joint_graph():
     """Decoder ids made as Hugging Face's encoder-decoders make them (zeros, a slice written with the labels, a
