@@ -115,7 +115,7 @@ def close(name, actual, want, abs_scale):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("n_examples", examples(ci=4, slow=20))  # ~6 s an example through the interpreter
+@pytest.mark.parametrize("n_examples", examples(ci=4, slow=20))  # 1-6 s an example through the interpreter
 @pytest.mark.parametrize("device", DEVICES)
 def test_kernels_forward_and_backward_match_the_references(device, n_examples):
     @settings(PROPERTY, max_examples=n_examples)

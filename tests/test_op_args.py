@@ -204,7 +204,7 @@ SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, phases=[Ph
     pytest.param(False, False, 25, id="tp2", marks=pytest.mark.slow),
     pytest.param(True, False, 25, id="tp2+sp", marks=pytest.mark.slow),
     pytest.param(True, True, 40, id="tp2+sp+fuse-40", marks=pytest.mark.slow),
-    pytest.param(True, True, 10, id="tp2+sp+fuse")])  # CI: the one that covers most, its first 10 draws
+    pytest.param(True, True, 10, id="tp2+sp+fuse")])  # CI: the one that covers most, 10 derandomised draws
 def test_non_default_arguments_forward_and_backward(sp, fuse, n_examples, monkeypatch):
     if fuse:
         # the ranks run in threads and Triton's interpreter is not thread-safe (tests/test_fuse.py): the
