@@ -3,20 +3,26 @@
 For the common case these are torch's own public ``Shard(dim)``, ``Replicate()`` and
 ``Partial()`` (DESIGN §4). One extension, documented and tested:
 
-- ``BlockShard(dim, blocks)``: dim ``dim`` is made of ``blocks`` equal blocks (e.g. the fused QKV
+- ``BlockShard(dim, blocks)``: dim ``dim`` is made of consecutive blocks (e.g. the fused QKV
   output of GPT-2's ``c_attn``: [q | k | v]) and *each block* is sharded over the axis, so a rank
-  holds ``[q_r | k_r | v_r]``. A later ``split`` into ``blocks`` parts yields plain ``Shard`` pieces.
-  This is what torch's private ``_StridedShard(dim, split_factor=blocks)`` describes.
+  holds ``[q_r | k_r | v_r]``. A later ``split`` (or slices) at the block boundaries yields plain
+  ``Shard`` pieces. ``blocks`` is a count of equal blocks (what torch's private
+  ``_StridedShard(dim, split_factor=blocks)`` describes) or, for blocks of unequal sizes, their
+  sizes' ratios: Phi-3's ``qkv_proj`` with 4 query and 2 key/value heads is ``B(0,2:1:1)``, so a
+  rank holds its query heads and the key/value heads they attend with (equal blocks would not:
+  4 equal blocks give a rank query heads of two different groups). Each block's size must divide
+  by the axis size; a rank's share of the dim is then ``size / axis size`` as for ``Shard``.
 
 A dim padded to a multiple of the axis size (a vocabulary of 50257 at tp=2) keeps a plain
 ``Shard``: the padding lives in the plan's ``ParamPlan.padded_shape`` and in the padded global size
 of the activations computed from that parameter.
 
-Text form (plans, CLI): ``R``, ``S(d)``, ``P(sum)``, ``P(max)``, ``B(d,k)``.
+Text form (plans, CLI): ``R``, ``S(d)``, ``P(sum)``, ``P(max)``, ``B(d,k)``, ``B(d,2:1:1)``.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -44,13 +50,44 @@ P = Partial()
 
 @dataclass(frozen=True)
 class BlockShard:
-    """``blocks`` equal blocks along ``dim``, each sharded over the axis (see module docstring)."""
+    """Blocks along ``dim``, each sharded over the axis (see module docstring). ``blocks``: the number of
+    equal blocks, or the blocks' size ratios (normalised: divided by their gcd; all equal -> a count)."""
 
     dim: int
-    blocks: int
+    blocks: int | tuple[int, ...]
+
+    def __post_init__(self):
+        if isinstance(self.blocks, tuple | list):
+            ratios = tuple(int(r) for r in self.blocks)
+            if len(ratios) < 2 or min(ratios) <= 0:
+                raise ValueError(f"BlockShard blocks {self.blocks!r}: two or more positive sizes")
+            g = math.gcd(*ratios)
+            ratios = tuple(r // g for r in ratios)
+            object.__setattr__(self, "blocks", len(ratios) if len(set(ratios)) == 1 else ratios)
+
+    @property
+    def count(self) -> int:
+        """How many blocks."""
+        return self.blocks if isinstance(self.blocks, int) else len(self.blocks)
+
+    def sizes(self, n):
+        """The blocks' sizes in a dim of ``n`` elements (global, or a rank's share: both are proportional)."""
+        if isinstance(self.blocks, int):
+            return [n // self.blocks] * self.blocks
+        total = sum(self.blocks)
+        return [n * r // total for r in self.blocks]
+
+    def divides(self, n, size: int) -> bool:
+        """Whether a dim of ``n`` elements is made of these blocks, each divisible by an axis of ``size``."""
+        total = self.blocks if isinstance(self.blocks, int) else sum(self.blocks)
+        return n % (total * size) == 0
 
     def __repr__(self) -> str:
-        return f"B({self.dim},{self.blocks})"
+        return f"B({self.dim},{_blocks_text(self.blocks)})"
+
+
+def _blocks_text(blocks) -> str:
+    return str(blocks) if isinstance(blocks, int) else ":".join(map(str, blocks))
 
 
 def is_shard(p) -> bool:
@@ -69,11 +106,11 @@ def format_placement(p) -> str:
     if isinstance(p, Partial):
         return f"P({p.reduce_op})"
     if isinstance(p, BlockShard):
-        return f"B({p.dim},{p.blocks})"
+        return f"B({p.dim},{_blocks_text(p.blocks)})"
     raise TypeError(f"not a placement: {p!r}")
 
 
-_PAT = re.compile(r"^(R|S\((-?\d+)\)|P\((\w+)\)|B\((-?\d+),(\d+)\))$")
+_PAT = re.compile(r"^(R|S\((-?\d+)\)|P\((\w+)\)|B\((-?\d+),(\d+(?::\d+)+|\d+)\))$")
 
 
 def parse_placement(text: str):
@@ -86,7 +123,8 @@ def parse_placement(text: str):
         return Shard(int(m.group(2)))
     if m.group(3) is not None:
         return Partial(m.group(3))
-    return BlockShard(int(m.group(4)), int(m.group(5)))
+    blocks = m.group(5)
+    return BlockShard(int(m.group(4)), tuple(map(int, blocks.split(":"))) if ":" in blocks else int(blocks))
 
 
 def shard_tensor(full: torch.Tensor, p, rank: int, size: int, padded_size: int | None = None) -> torch.Tensor:
@@ -109,9 +147,9 @@ def shard_tensor(full: torch.Tensor, p, rank: int, size: int, padded_size: int |
         if n % size:
             raise ValueError(f"dim {d} of size {n} does not divide by the axis size {size}")
         return full.narrow(d, rank * (n // size), n // size).clone()
-    if n % (p.blocks * size):
-        raise ValueError(f"dim {d} of size {n} is not {p.blocks} blocks divisible by the axis size {size}")
-    blocks = full.chunk(p.blocks, dim=d)
+    if not p.divides(n, size):
+        raise ValueError(f"dim {d} of size {n} is not {p!r}'s blocks each divisible by the axis size {size}")
+    blocks = full.split(p.sizes(n), dim=d)
     return torch.cat([b.narrow(d, rank * (b.shape[d] // size), b.shape[d] // size) for b in blocks], dim=d)
 
 
@@ -128,8 +166,8 @@ def unshard_tensors(locals_: list[torch.Tensor], p, true_size: int | None = None
     if isinstance(p, Shard):
         full = torch.cat(locals_, dim=d)
     else:
-        per_rank = [t.chunk(p.blocks, dim=d) for t in locals_]
-        full = torch.cat([torch.cat([pr[b] for pr in per_rank], dim=d) for b in range(p.blocks)], dim=d)
+        per_rank = [t.split(p.sizes(t.shape[d]), dim=d) for t in locals_]
+        full = torch.cat([torch.cat([pr[b] for pr in per_rank], dim=d) for b in range(p.count)], dim=d)
     if true_size is not None and true_size != full.shape[d]:
         full = full.narrow(d, 0, true_size)
     return full

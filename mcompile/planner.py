@@ -202,42 +202,77 @@ def _parse_overrides(overrides: dict | None, mesh: Mesh) -> tuple[dict, dict]:
     return params, nodes
 
 
-_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
 _THROUGH = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
-def block_hints(cap: Captured) -> dict[str, object]:
-    """Fused projections split into k equal blocks later (GPT-2's c_attn -> q, k, v): their weight
-    (and bias) must shard each block, ``BlockShard``, so the split stays local."""
-    hints: dict[str, object] = {}
-    for node in cap.gm.graph.nodes:
-        if node.op != "call_function" or node.target not in _SPLITS:
+def _feature_cuts(gm: torch.fx.GraphModule):
+    """``(value, part sizes)`` for each value cut into two or more parts along its last dim: by a split /
+    chunk / unbind, or by slices that tile the dim (Phi-3's ``qkv[..., :q]``, ``[q:q+kv]``, ``[q+kv:]``)."""
+    slices: dict = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.args[0], torch.fx.Node):
             continue
-        outs = node.meta["val"]
         x = node.args[0]
-        nd = x.meta["val"].ndim
-        dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
-        if dim != nd - 1 or len(outs) < 2 or len({str(o.shape[dim]) for o in outs}) != 1:
+        val = x.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.ndim == 0:
             continue
-        k = len(outs)
+        nd = val.ndim
+        if node.target in _SPLITS:
+            dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) if node.target is not \
+                aten.unbind.int else (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
+            sizes = [o.shape[-1 if node.target is aten.unbind.int else dim] if node.target is not aten.unbind.int
+                     else 1 for o in node.meta["val"]]
+            if dim % nd == nd - 1 and len(sizes) >= 2:
+                yield x, sizes
+        elif node.target is aten.slice.Tensor:
+            dim, start = node.args[1] if len(node.args) > 1 else 0, node.args[2] if len(node.args) > 2 else 0
+            end, step = node.args[3] if len(node.args) > 3 else None, node.args[4] if len(node.args) > 4 else 1
+            n = val.shape[-1]
+            if dim % nd == nd - 1 and step == 1 and isinstance(n, int) and isinstance(start, int | None) \
+                    and isinstance(end, int | None):
+                slices.setdefault(x, set()).add((start or 0, n if end is None or end >= n else end))
+    for x, bounds in slices.items():
+        cuts = sorted(bounds)
+        n = x.meta["val"].shape[-1]
+        if len(cuts) >= 2 and cuts[0][0] == 0 and cuts[-1][1] == n and all(a[1] == b[0] for a, b in zip(cuts, cuts[1:])):
+            yield x, [b - a for a, b in cuts]
+
+
+def block_hints(cap: Captured) -> dict[str, object]:
+    """Fused projections whose output is cut into parts along its features later: GPT-2's ``c_attn`` split
+    into q, k, v; Phi-3's ``qkv_proj`` sliced into 4 query and 2 + 2 key/value heads; ``gate_up_proj``
+    chunked into gate and up. Their weight (and bias) must shard each part, ``BlockShard`` (with the
+    parts' size ratios when unequal), so the cut stays local and each rank holds its heads of q, k and
+    v and its half of gate and up (Megatron's layout: otherwise the weight's plain rows put all of q on
+    one rank, and every part is gathered before use). A value reached through a view that changes the
+    last dim (GPT-NeoX's [b, s, heads, 3 * head_dim], cut per head) is not a fused projection's block
+    layout: plain sharding by heads already keeps its cut local."""
+    hints: dict[str, object] = {}
+    for x, sizes in _feature_cuts(cap.gm):
+        blocks = BlockShard(0, tuple(sizes) if all(isinstance(s, int) for s in sizes) else len(sizes))
         cur = x
         while isinstance(cur, torch.fx.Node) and cur.op == "call_function":
             if cur.target in _THROUGH:
-                cur = cur.args[0]
+                src = cur.args[0]
+                if not isinstance(src, torch.fx.Node) or str(src.meta["val"].shape[-1]) != str(
+                        cur.meta["val"].shape[-1]):
+                    break  # the view regroups the cut dim: the parts are not blocks of the projection
+                cur = src
             elif cur.target is aten.add.Tensor:
                 nxt = None
                 for a in cur.args:
                     if getattr(a, "name", None) in cap.params and a.meta["val"].ndim == 1:
-                        hints[a.name] = BlockShard(0, k)
+                        hints[a.name] = blocks
                     elif isinstance(a, torch.fx.Node):
                         nxt = a
                 cur = nxt
             elif cur.target in (aten.linear.default, aten.matmul.default):
                 w = cur.args[1]
                 if getattr(w, "name", None) in cap.params:
-                    hints[w.name] = BlockShard(0 if cur.target is aten.linear.default else 1, k)
+                    hints[w.name] = BlockShard(0 if cur.target is aten.linear.default else 1, blocks.blocks)
                     if len(cur.args) > 2 and getattr(cur.args[2], "name", None) in cap.params:
-                        hints[cur.args[2].name] = BlockShard(0, k)
+                        hints[cur.args[2].name] = blocks
                 break
             else:
                 break
@@ -293,7 +328,8 @@ def _after_contraction(x) -> bool:
             continue
         if _contraction(cur):
             return True
-        tensors = [a for a in cur.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        # a multi-output node's value is a list (chunk -> getitem: Phi-3's gate_up_proj halves)
+        tensors = [a for a in cur.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor | list | tuple)]
         if cur.target is aten.add.Tensor and len(tensors) == 2 and not any(
                 a.op == "placeholder" and a.meta["val"].ndim == 1 for a in tensors):
             continue  # a residual sum: the stream, not a projection's output (a 1-D parameter added is a bias)

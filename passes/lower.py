@@ -402,7 +402,8 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                 vals = node.meta["val"] if isinstance(node.meta["val"], list | tuple) else [node.meta["val"]]
                 per_out = [tuple(p[k] if isinstance(p, tuple) else p for p in out_pl) for k in range(len(vals))]
                 shapes = [[sym(s) for s in local_shape(v, pl)] for v, pl in zip(vals, per_out)]
-                args, kwargs = loc(args, kwargs, None, out_pl, shapes, None)
+                in_pl = tuple(s.inputs if s is not None else None for s in strategies)
+                args, kwargs = loc(args, kwargs, in_pl, out_pl, shapes, tuple(ax.size for ax in axes))
             new = _call(g, node, tuple(args), dict(kwargs), device)
         _copy_meta(node, new)
         env[node.name] = new

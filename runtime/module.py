@@ -48,8 +48,15 @@ def _check_ep_config(config: Config, mesh) -> None:
 
 
 def _torch_placement(p):
+    """The DTensor placement of a parameter's piece. Equal blocks are torch's ``_StridedShard``. Blocks of
+    unequal sizes (Phi-3's fused q/k/v with fewer key/value heads) have no torch placement: the DTensor
+    says ``Shard(dim)``, which is right for everything the runtime does with it (elementwise optimizer
+    steps, norms, local shapes) but orders the dim's elements differently from the parameter in a global
+    view (``DTensor.full_tensor``): whole parameters come from :meth:`ParallelModule.full_state_dict`,
+    checkpoints from mcompile's own index runs (runtime/checkpoint.py), both of which use the plan's
+    ``BlockShard``."""
     if isinstance(p, BlockShard):
-        return _StridedShard(p.dim, split_factor=p.blocks)
+        return _StridedShard(p.dim, split_factor=p.blocks) if isinstance(p.blocks, int) else Shard(p.dim)
     return p
 
 

@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mcompile.placements import BlockShard, Partial, Replicate, Shard, shard_tensor, unshard_tensors
+from mcompile.placements import BlockShard, Partial, Replicate, Shard, parse_placement, shard_tensor, unshard_tensors
 from mcompile.rules import OpInfo, Strategy, TensorMeta, get_localizer, get_rule, registered_ops
 from mcompile.rules.views import map_view_placement, view_groups
 
@@ -143,7 +143,7 @@ def fits(shape, p, n: int) -> bool:
         if len(shape) == 0:
             return False
         size = shape[_dim_of(shape, p, "input")]
-        return size % (n * (p.blocks if isinstance(p, BlockShard) else 1)) == 0
+        return p.divides(size, n) if isinstance(p, BlockShard) else size % n == 0
     return True
 
 
@@ -151,7 +151,7 @@ def local_shape(shape, p, n: int) -> list[int]:
     shape = list(shape)
     if isinstance(p, Shard | BlockShard):
         d = _dim_of(shape, p, "output")
-        assert shape[d] % (n * (p.blocks if isinstance(p, BlockShard) else 1)) == 0, (
+        assert (p.divides(shape[d], n) if isinstance(p, BlockShard) else shape[d] % n == 0), (
             f"output placement {p!r} does not fit output shape {tuple(shape)} over n={n}"
         )
         shape[d] //= n
@@ -215,7 +215,7 @@ def run_strategy(op, args, kwargs, s: Strategy, ref: list[torch.Tensor], n: int,
         a = _walk(args, lambda _t, it=it: next(it))
         k = _walk(kwargs, lambda _t, it=it: next(it))
         if loc is not None:
-            a, k = loc(a, k, None, s.outputs, local_out, n)
+            a, k = loc(a, k, (s.inputs,), s.outputs, local_out, (n,))  # one axis, as lowered
         try:
             outs = _outputs(op(*a, **k))
         except Exception as e:  # a strategy that fits its inputs must run on the local pieces
@@ -277,7 +277,7 @@ def check_backward(op, args, kwargs, s: Strategy, pieces, n: int, gen, ctx: str)
         a = _walk(args, lambda _t, it=it: next(it))
         k = _walk(kwargs, lambda _t, it=it: next(it))
         if loc is not None:
-            a, k = loc(a, k, None, s.outputs, local_out, n)
+            a, k = loc(a, k, (s.inputs,), s.outputs, local_out, (n,))  # one axis, as lowered
         outs = _outputs(op(*a, **k))
         local_cots = [c if not isinstance(s.outputs[i], Shard | BlockShard) else shard_tensor(c, s.outputs[i], r, n)
                       for i, c in zip(diff, cots)]
@@ -895,6 +895,81 @@ def test_slice_select(data):
     expect = [((Shard(d),), (Shard(out_dim(d)),)) for d in divisible_dims(shape, n) if d != dim % nd]
     expect.append(((P,), (P,)))
     check(op, args, n=n, current=(cur,), gen=gen, expect=expect, current_first=True)
+
+
+@pytest.mark.timeout(120)
+@hyp(25)
+@given(data=st.data())
+def test_repeat_interleave(data):
+    """repeat_interleave(x, r, dim) keeps every dim's sharding, the repeated one's too (GQA's key/value heads
+    repeated by heads: a rank repeats its own heads), with or without ``output_size``; without ``dim`` (a
+    flattened result) only replicated."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 1, 4)
+    nd = len(shape)
+    x = make(shape, "f", gen)
+    r = data.draw(st.integers(1, 3), label="repeats")
+    if data.draw(st.booleans(), label="flat"):
+        check(aten.repeat_interleave.self_int, (x, r), n=n, gen=gen, expect=[((R,), (R,))])
+        return
+    dim = data.draw(st.integers(-nd, nd - 1), label="dim")
+    kwargs = {"output_size": shape[dim] * r} if data.draw(st.booleans(), label="output_size") else {}
+    cur = draw_current(data, x, n, blocks=False)
+    expect = [((Shard(d),), (Shard(d),)) for d in divisible_dims(shape, n)] + [((P,), (P,))]
+    check(aten.repeat_interleave.self_int, (x, r, dim), kwargs, n=n, current=(cur,), gen=gen, expect=expect,
+          current_first=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cut", ["slices", "split_with_sizes"])
+@hyp(25)
+@given(data=st.data())
+def test_unequal_blocks(cut, data):
+    """A fused projection's output of unequal blocks (Phi-3's [q | k | v] with 4 query and 2 + 2
+    key/value heads: ``B(d,2:1:1)``) cut at the block bounds, by slices (the last one to the int64
+    maximum, as HF writes ``qkv[..., q + kv:]``) or by split_with_sizes, gives each block as a plain Shard
+    (each rank's pieces are its share of every block). A slice that is not one block keeps the other dims'
+    strategies only."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    ratios = data.draw(st.lists(st.integers(1, 3), min_size=2, max_size=3), label="ratios")
+    unit = n * data.draw(st.integers(1, 2), label="m")
+    sizes = [r * unit for r in ratios]
+    shape = draw_shape(data, n, 1, 3)
+    nd = len(shape)
+    dim = data.draw(st.integers(0, nd - 1), label="dim")
+    shape[dim] = sum(sizes)
+    x = make(shape, "f", gen)
+    cur = BlockShard(dim, tuple(ratios))
+    bounds = [sum(sizes[:b]) for b in range(len(sizes) + 1)]
+    expect = [((Shard(d),), (Shard(d),)) for d in divisible_dims(shape, n) if d != dim] + [((P,), (P,))]
+    if cut == "slices":
+        b = data.draw(st.integers(0, len(sizes) - 1), label="block")
+        whole = data.draw(st.booleans(), label="one block")
+        start, end = (bounds[b], bounds[b + 1]) if whole else (bounds[b], bounds[b + 1] - 1)
+        if whole and b == len(sizes) - 1:
+            end = 2**62
+        strategies = check(aten.slice.Tensor, (x, dim, start, end, 1), n=n, current=(cur,), gen=gen,
+                           expect=expect + ([((cur,), (Shard(dim),))] if whole else []), current_first=True)
+        assert whole == any(s.name == "slice_block" for s in strategies)
+    else:
+        check(aten.split_with_sizes.default, (x, sizes, dim), n=n, current=(cur,), gen=gen,
+              expect=[(i, o * len(sizes)) for i, o in expect] + [((cur,), (Shard(dim),) * len(sizes))],
+              current_first=True)
+
+
+def test_unequal_block_placement_text_and_pieces():
+    """``B(d,2:1:1)``: parsed and printed, ratios normalised (equal ratios are a block count), and a rank's
+    piece is its share of each block in order."""
+    assert parse_placement("B(0,4:2:2)") == BlockShard(0, (2, 1, 1)) and repr(BlockShard(0, (2, 1, 1))) == "B(0,2:1:1)"
+    assert BlockShard(1, (3, 3)) == BlockShard(1, 2) and parse_placement("B(-1,2)") == BlockShard(-1, 2)
+    full = torch.arange(16)  # q: 0..7, k: 8..11, v: 12..15
+    pieces = [shard_tensor(full, BlockShard(0, (2, 1, 1)), r, 2) for r in range(2)]
+    assert pieces[0].tolist() == [0, 1, 2, 3, 8, 9, 12, 13] and pieces[1].tolist() == [4, 5, 6, 7, 10, 11, 14, 15]
+    assert torch.equal(unshard_tensors(pieces, BlockShard(0, (2, 1, 1))), full)
+    with pytest.raises(ValueError, match="divisible"):
+        shard_tensor(torch.arange(12), BlockShard(0, (2, 1, 1)), 0, 2)  # blocks of 6, 3, 3 over 2 ranks
 
 
 @pytest.mark.timeout(120)

@@ -37,7 +37,8 @@ def linear(info: OpInfo) -> list[Strategy]:
     out_nd = info.outputs[0].ndim
     s = []
     wcur = info.current[1] if len(info.current) > 1 else R
-    if isinstance(wcur, BlockShard) and wcur.dim % 2 == 0 and divisible(w.shape[0], info.n * wcur.blocks):
+    if isinstance(wcur, BlockShard) and wcur.dim % 2 == 0 and (not isinstance(w.shape[0], int)
+                                                               or wcur.divides(w.shape[0], info.n)):
         blk = BlockShard(0, wcur.blocks)
         s.append(Strategy((R, blk) + ((blk,) if has_bias else ()), (BlockShard(out_nd - 1, wcur.blocks),),
                           name="column_blocks"))

@@ -257,10 +257,64 @@ def _keep_other_dims(info: OpInfo, dim: int, out_dim_of=lambda d: d, n_out: int 
                   Strategy((R,), tuple(R for _ in range(n_out)), name="replicate")]
 
 
+@rule(aten.repeat_interleave.self_int)
+def repeat_interleave(info: OpInfo) -> list[Strategy]:
+    """``repeat_interleave(x, r, dim)`` repeats each element of ``dim`` r times in place (GQA's key/value heads
+    repeated for their query heads): a rank's share of ``dim`` repeated is its share of the result, so every
+    dim may stay sharded, the repeated one too. Without ``dim`` the input is flattened first: replicated."""
+    dim = info.arg(2, "dim", None)
+    if dim is None or not isinstance(info.arg(1), int):
+        return [Strategy((R,), (R,), name="replicate")]
+    out = [Strategy((Shard(d),), (Shard(d),), name="same_dim") for d in range(info.inputs[0].ndim)]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
+
+
+@localizer(aten.repeat_interleave.self_int)
+def _repeat_interleave_local(args, kwargs, in_p, out_p, local_shapes, n):
+    if kwargs.get("output_size") is not None:  # the result's size along dim, of the local piece
+        dim = args[2] if len(args) > 2 else kwargs["dim"]
+        kwargs = dict(kwargs, output_size=local_shapes[0][dim % len(local_shapes[0])])
+    return args, kwargs
+
+
 @rule(aten.slice.Tensor)
 def slice_(info: OpInfo) -> list[Strategy]:
-    dim = norm_dim(info.arg(1, "dim", 0), info.inputs[0].ndim)
-    return _keep_other_dims(info, dim)
+    """Other dims stay sharded. A slice that cuts exactly one block out of a ``BlockShard`` dim (Phi-3's
+    ``qkv[..., :q_size]``) is that block's plain ``Shard``: each rank slices its share of the block
+    (the localizer below moves the bounds)."""
+    x = info.inputs[0]
+    dim = norm_dim(info.arg(1, "dim", 0), x.ndim)
+    out = _keep_other_dims(info, dim)
+    cur = _cur(info)
+    if isinstance(cur, BlockShard) and cur.dim % x.ndim == dim and isinstance(x.shape[dim], int):
+        start, end, step = info.arg(2, "start", None), info.arg(3, "end", None), info.arg(4, "step", 1)
+        n = x.shape[dim]
+        bounds, at = [], 0
+        for size in cur.sizes(n):
+            bounds.append((at, at + size))
+            at += size
+        start = 0 if start is None else start
+        end = n if end is None or (isinstance(end, int) and end >= n) else end
+        if step == 1 and (start, end) in bounds and all(divisible(b - a, info.n) for a, b in bounds):
+            out.insert(0, Strategy((cur,), (Shard(dim),), name="slice_block"))
+    return out
+
+
+@localizer(aten.slice.Tensor)
+def _slice_local(args, kwargs, in_p, out_p, local_shapes, n):
+    """A block cut out of a ``BlockShard`` dim: on a rank's piece every block is 1/n as long, so the bounds
+    are the global ones over n (the last block's end may be the int64 maximum: kept)."""
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    args = list(args)
+    for ins, o, size in zip(in_p, out_p, n):
+        nd = len(local_shapes[0])
+        if (isinstance(o, Shard) and o.dim % nd == dim % nd and ins is not None and isinstance(ins[0], BlockShard)
+                and len(args) > 3):
+            args[2] = (args[2] or 0) // size
+            if args[3] < 2**62:
+                args[3] //= size
+    return tuple(args), kwargs
 
 
 @rule(aten.select.int)
@@ -281,10 +335,17 @@ def split(info: OpInfo) -> list[Strategy]:
     out = _keep_other_dims(info, dim, (lambda d: d if d < dim else d - 1) if unbind else (lambda d: d), k)
     cur = _cur(info)
     sizes = [o.shape[dim] for o in info.outputs] if not unbind else []
-    if (isinstance(cur, BlockShard) and cur.dim % nd == dim and cur.blocks == k and not unbind
-            and all(same(s, sizes[0]) for s in sizes) and divisible(sizes[0], info.n)):
+    if (isinstance(cur, BlockShard) and cur.dim % nd == dim and cur.count == k and not unbind
+            and all(divisible(s, info.n) for s in sizes) and _at_block_bounds(cur, info.inputs[0].shape[dim], sizes)):
         out.insert(0, Strategy((cur,), tuple(Shard(dim) for _ in range(k)), name="split_blocks"))
     return out
+
+
+def _at_block_bounds(p: BlockShard, n, sizes) -> bool:
+    """Whether pieces of ``sizes`` (in order) are the blocks of ``p`` in a dim of ``n`` elements."""
+    if isinstance(p.blocks, int):
+        return all(same(s, sizes[0]) for s in sizes)
+    return isinstance(n, int) and all(isinstance(s, int) for s in sizes) and p.sizes(n) == list(sizes)
 
 
 @localizer(aten.split.Tensor)
