@@ -35,6 +35,7 @@ class Compiled:
     annotation: AnnotationSummary | None = None  # FLOPs / bytes of the captured graph (mcompile.annotate)
     partition: object = None  # mcompile.partition.StagePartition when the mesh has pp > 1
     short: Captured | None = None  # the short model's capture when the layers were repeated (mcompile.repeat)
+    quality: list = field(default_factory=list)  # mcompile.quality.Finding: where the plan is not Megatron's layout
     _programs: dict = field(default_factory=dict)
 
     def axis_infos(self, rank: int):
@@ -237,6 +238,9 @@ def compile_plan(
     gm, specs = _lower(compiled, 0)
     compiled._programs[(0, None)] = (gm, specs)
     plan.collectives = list(specs)
+    from mcompile.quality import warn_quality
+
+    compiled.quality = warn_quality(compiled)  # Megatron's layout, or a PlanQualityWarning naming what is not
     if sp and not any(c.axis == "tp" and c.forward == "reduce_scatter" for c in specs):
         warnings.warn("sequence_parallel=True split no activation on its sequence over tp (the token dim is not "
                       "the captured sequence alone, e.g. image patches + text, or there is no row-parallel "

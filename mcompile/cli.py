@@ -170,6 +170,7 @@ def cmd_plan(args) -> int:
             coll["bytes_at_sizes"] = collective_bytes(coll["bytes"], sizes)
         if measured is not None:
             d["measured_per_rank"] = measured
+        d["quality"] = [{"layers": list(f.layers), "kind": f.kind, "text": f.text} for f in c.quality]
         moe = moe_summary(c, sizes, args.dtype)
         if moe is not None:
             d["moe"] = moe
@@ -182,6 +183,8 @@ def cmd_plan(args) -> int:
         print(json.dumps(d, indent=1))
     else:
         print(plan_text(c.plan, sizes, args.dtype))
+        if c.quality:  # mcompile.quality: where the plan is not Megatron's tensor-parallel layout
+            print("Not Megatron's layout (PlanQualityWarning):\n" + "\n".join(f"  {f}" for f in c.quality))
         moe = moe_text(c, sizes, args.dtype)
         if moe:
             print(moe)

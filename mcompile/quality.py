@@ -1,0 +1,165 @@
+"""Megatron's layout, or a reason: the plan-quality check run on every plan with a tensor-parallel axis.
+
+Parity cannot see a poor layout: a fused projection split as plain rows computes the model exactly and
+moves several times Megatron's bytes. So every plan is checked against Megatron's tensor-parallel layout
+(Shoeybi et al. 2019, "Megatron-LM", section 3; Korthikanti et al. 2022 for sequence parallelism), per
+transformer layer:
+
+1. **Collectives.** A layer enters a tp region at each column-parallel projection and leaves it at the
+   row-parallel projection that writes back to the residual width (attention's output projection, an MLP's
+   down projection): Megatron runs one forward collective per exit (an all-reduce), two with sequence
+   parallelism (the all-gather entering and the reduce-scatter leaving). The exits are counted from the
+   captured model, not the plan: a linear back to the residual stream's width whose input was computed
+   from another contraction (:func:`mcompile.planner._after_contraction`). A layer whose forward tp
+   collectives exceed that count is reported with every collective of the layer and the captured node
+   whose value it moves.
+2. **Weights.** Every weight matrix a contraction of the layer uses is sharded over tp, unless the plan
+   keeps it whole for a reason Megatron shares: a low-rank latent projection (multi-head latent
+   attention's down projections, :func:`mcompile.planner.latent_hints`) or an MoE router (a few outputs,
+   one per expert). Any other whole weight is reported.
+
+Findings of alike layers (block repetition: the same finding in layers 0..L-1) are reported once with
+their layers. ``compile_plan`` warns a :class:`PlanQualityWarning` and keeps them in
+``Compiled.quality``; ``mcompile plan`` prints them.
+
+Not covered yet: a parallel-residual block (GPT-J / GPT-NeoX ``use_parallel_residual``) where Megatron
+sums the two exits before one all-reduce is held to two collectives, not one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from mcompile.annotate import layer_index
+from mcompile.placements import Replicate, is_shard
+
+__all__ = ["PlanQualityWarning", "Finding", "check_quality", "tp_exits"]
+
+aten = torch.ops.aten
+_WEIGHT_USES = {aten.linear.default: 1, aten.matmul.default: 1, aten.mm.default: 1, aten.addmm.default: 2}
+# how a weight may reach its contraction (Falcon's ``x @ self.weight.T``: numpy_T, then matmul)
+_TO_WEIGHT = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default, aten.to.dtype,
+              aten._to_copy.default, aten.alias.default, aten.view.default}
+
+
+def _weight_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The parameter placeholder a contraction multiplies by (through transposes and casts), or None."""
+    i = _WEIGHT_USES.get(node.target)
+    if i is None or len(node.args) <= i:
+        return None
+    w = node.args[i]
+    while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in _TO_WEIGHT:
+        w = w.args[0]
+    return w if isinstance(w, torch.fx.Node) and w.op == "placeholder" else None
+
+
+class PlanQualityWarning(UserWarning):
+    """The plan is not Megatron's layout: more tp collectives per layer than Megatron runs, or a weight
+    matrix left whole without a reason (see :mod:`mcompile.quality`)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    layers: tuple[int, ...]
+    kind: str  # "collectives" | "whole weight"
+    text: str
+
+    def __str__(self) -> str:
+        where = f"layer {self.layers[0]}" if len(self.layers) == 1 else \
+            f"layers {', '.join(map(str, self.layers[:4]))}{', ...' if len(self.layers) > 4 else ''}"
+        return f"{where}: {self.text}"
+
+
+def tp_exits(gm: torch.fx.GraphModule) -> dict[int, list[str]]:
+    """Per layer, the linears that leave a tp region in Megatron's layout: a projection to the residual
+    stream's width (the layer's input width) whose input is computed from another contraction."""
+    from mcompile.planner import _after_contraction
+
+    out: dict[int, list[str]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or _weight_of(node) is None:
+            continue
+        layer = layer_index(node)
+        if layer is None:
+            continue
+        if _after_contraction(node.args[0]):
+            out.setdefault(layer, []).append(node.name)
+    return out
+
+
+def _whole_reason(node: torch.fx.Node, w: torch.fx.Node, hints: dict) -> str | None:
+    if w.name in hints:
+        return "a low-rank latent projection kept whole (as Megatron's multi-head latent attention)"
+    shape = w.meta["val"].shape
+    if node.target is aten.linear.default and len(shape) == 2 and int(shape[0]) <= 256 and int(shape[1]) >= 4 * int(
+            shape[0]) and any(u.target in (aten.topk.default, aten.softmax.int, aten.sigmoid.default)
+                              for u in _pointwise_users(node)):
+        return "an MoE router (a few outputs, one per expert: kept whole, as Megatron does)"
+    return None
+
+
+def _pointwise_users(node: torch.fx.Node, depth: int = 4) -> list[torch.fx.Node]:
+    out, todo = [], [(node, 0)]
+    while todo:
+        cur, d = todo.pop()
+        for u in cur.users:
+            out.append(u)
+            if d + 1 < depth:
+                todo.append((u, d + 1))
+    return out
+
+
+def check_quality(compiled) -> list[Finding]:
+    """The plan's findings against Megatron's layout (empty: Megatron's layout). Only tp is checked."""
+    from mcompile.planner import latent_hints
+
+    mesh = compiled.mesh
+    if "tp" not in mesh.axis_names or mesh.size("tp") <= 1:
+        return []
+    plan, cap = compiled.plan, compiled.captured
+    sp = plan.options.sequence_parallel
+    exits = tp_exits(cap.gm)
+    raw: list[tuple[int, str, tuple, str]] = []  # layer, kind, what alike layers share, text
+    per_layer: dict[int, list] = {}
+    for spec in plan.collectives:
+        if spec.axis == "tp" and spec.layer is not None and spec.forward != "none":
+            per_layer.setdefault(spec.layer, []).append(spec)
+    for layer, specs in sorted(per_layer.items()):
+        bar = len(exits.get(layer, ())) * (2 if sp else 1)
+        if len(specs) > bar:
+            moved = ", ".join(f"{s.forward} of {s.origin}" for s in specs)
+            raw.append((layer, "collectives", (bar, tuple(s.forward for s in specs)), f"{len(specs)} forward tp collectives where Megatron runs {bar} "
+                                              f"({len(exits.get(layer, ()))} tp region exits"
+                                              f"{', sequence parallel' if sp else ''}): {moved}"))
+    hints = latent_hints(cap)
+    tp_i = mesh.axis_names.index("tp")
+    seen = set()
+    for node in cap.gm.graph.nodes:
+        w = _weight_of(node) if node.op == "call_function" else None
+        layer = layer_index(node) if w is not None else None
+        if layer is None:
+            continue
+        fqn = cap.params.get(w.name)
+        if fqn is None or fqn in seen or w.meta["val"].ndim != 2 or fqn not in plan.params:
+            continue
+        seen.add(fqn)
+        p = plan.params[fqn].placements[tp_i]
+        if is_shard(p) or not isinstance(p, Replicate) or _whole_reason(node, w, hints):
+            continue
+        short = fqn.split(f".{layer}.", 1)[-1]
+        raw.append((layer, "whole weight", (short,), f"{short} ({tuple(w.meta['val'].shape)}) is whole on every tp rank"))
+    grouped: dict[tuple, tuple[list[int], str]] = {}  # alike layers: one finding, the first layer's text
+    for layer, kind, key, text in raw:
+        grouped.setdefault((kind, key), ([], text))[0].append(layer)
+    return [Finding(tuple(layers), kind, text) for (kind, _), (layers, text) in grouped.items()]
+
+
+def warn_quality(compiled, stacklevel: int = 3) -> list[Finding]:
+    findings = check_quality(compiled)
+    if findings:
+        warnings.warn("the plan is not Megatron's tensor-parallel layout (mcompile.quality):\n  " +
+                      "\n  ".join(map(str, findings)), PlanQualityWarning, stacklevel=stacklevel)
+    return findings
