@@ -340,6 +340,27 @@ def _after_contraction(x) -> bool:
 _SCORES = (aten.matmul.default, aten.bmm.default)
 
 
+def router_hints(cap: Captured) -> dict[str, object]:
+    """MoE routers stay replicated over tp, as Megatron keeps them: a linear to a few outputs (one per
+    expert, at most half the input width) whose scores reach a top-k before any contraction. Sharded over
+    its experts it would save nothing worth having and cost an all-gather of the scores per layer."""
+    from mcompile.moe import moe_ffn
+
+    hints: dict[str, object] = {}
+    for node in cap.gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.linear.default:
+            continue
+        w = node.args[1]
+        if getattr(w, "name", None) not in cap.params or w.meta["val"].ndim != 2:
+            continue
+        experts, width = (int(d) for d in w.meta["val"].shape)
+        if 2 * experts <= width and _reaches(node, lambda u, cur: u.target in (aten.topk.default, moe_ffn), depth=6):
+            hints[w.name] = R
+            if len(node.args) > 2 and getattr(node.args[2], "name", None) in cap.params:
+                hints[node.args[2].name] = R
+    return hints
+
+
 def position_bias_hints(cap: Captured) -> dict[str, object]:
     """Tables of per-head score biases split by heads over tp (T5's relative position bias: an embedding
     [buckets, heads] looked up per (query, key) pair and added to the attention scores): Megatron shards it
@@ -466,7 +487,7 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
     if sequence_parallel and mesh.size("tp") == 1:
         sequence_parallel = False
     out = []
-    blocks = {**block_hints(cap), **latent_hints(cap), **position_bias_hints(cap)}
+    blocks = {**block_hints(cap), **latent_hints(cap), **router_hints(cap), **position_bias_hints(cap)}
     experts = check_experts(cap, mesh.size("ep")) if "ep" in mesh.axis_names else None
     for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):
         if pol.shard_contraction_weights:

@@ -9,14 +9,15 @@ transformer layer:
    row-parallel projection that writes back to the residual width (attention's output projection, an MLP's
    down projection): Megatron runs one forward collective per exit (an all-reduce), two with sequence
    parallelism (the all-gather entering and the reduce-scatter leaving). The exits are counted from the
-   captured model, not the plan: a linear back to the residual stream's width whose input was computed
-   from another contraction (:func:`mcompile.planner._after_contraction`). A layer whose forward tp
+   captured model, not the plan: a linear whose input was computed from another contraction
+   (:func:`mcompile.planner._after_contraction`), or an MoE layer (``moe_ffn``: its experts' down
+   projections, summed). A layer whose forward tp
    collectives exceed that count is reported with every collective of the layer and the captured node
    whose value it moves.
 2. **Weights.** Every weight matrix a contraction of the layer uses is sharded over tp, unless the plan
    keeps it whole for a reason Megatron shares: a low-rank latent projection (multi-head latent
    attention's down projections, :func:`mcompile.planner.latent_hints`) or an MoE router (a few outputs,
-   one per expert). Any other whole weight is reported.
+   one per expert, :func:`mcompile.planner.router_hints`). Any other whole weight is reported.
 
 Findings of alike layers (block repetition: the same finding in layers 0..L-1) are reported once with
 their layers. ``compile_plan`` warns a :class:`PlanQualityWarning` and keeps them in
@@ -78,8 +79,13 @@ def tp_exits(gm: torch.fx.GraphModule) -> dict[int, list[str]]:
     stream's width (the layer's input width) whose input is computed from another contraction."""
     from mcompile.planner import _after_contraction
 
+    from mcompile.moe import moe_ffn
+
     out: dict[int, list[str]] = {}
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is moe_ffn and layer_index(node) is not None:
+            out.setdefault(layer_index(node), []).append(node.name)  # experts' down projections, summed
+            continue
         if node.op != "call_function" or _weight_of(node) is None:
             continue
         layer = layer_index(node)
@@ -90,31 +96,17 @@ def tp_exits(gm: torch.fx.GraphModule) -> dict[int, list[str]]:
     return out
 
 
-def _whole_reason(node: torch.fx.Node, w: torch.fx.Node, hints: dict) -> str | None:
-    if w.name in hints:
+def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict) -> str | None:
+    if w.name in latents:
         return "a low-rank latent projection kept whole (as Megatron's multi-head latent attention)"
-    shape = w.meta["val"].shape
-    if node.target is aten.linear.default and len(shape) == 2 and int(shape[0]) <= 256 and int(shape[1]) >= 4 * int(
-            shape[0]) and any(u.target in (aten.topk.default, aten.softmax.int, aten.sigmoid.default)
-                              for u in _pointwise_users(node)):
-        return "an MoE router (a few outputs, one per expert: kept whole, as Megatron does)"
+    if w.name in routers:
+        return "an MoE router (one output per expert: kept whole, as Megatron does)"
     return None
-
-
-def _pointwise_users(node: torch.fx.Node, depth: int = 4) -> list[torch.fx.Node]:
-    out, todo = [], [(node, 0)]
-    while todo:
-        cur, d = todo.pop()
-        for u in cur.users:
-            out.append(u)
-            if d + 1 < depth:
-                todo.append((u, d + 1))
-    return out
 
 
 def check_quality(compiled) -> list[Finding]:
     """The plan's findings against Megatron's layout (empty: Megatron's layout). Only tp is checked."""
-    from mcompile.planner import latent_hints
+    from mcompile.planner import latent_hints, router_hints
 
     mesh = compiled.mesh
     if "tp" not in mesh.axis_names or mesh.size("tp") <= 1:
@@ -134,7 +126,7 @@ def check_quality(compiled) -> list[Finding]:
             raw.append((layer, "collectives", (bar, tuple(s.forward for s in specs)), f"{len(specs)} forward tp collectives where Megatron runs {bar} "
                                               f"({len(exits.get(layer, ()))} tp region exits"
                                               f"{', sequence parallel' if sp else ''}): {moved}"))
-    hints = latent_hints(cap)
+    latents, routers = latent_hints(cap), router_hints(cap)
     tp_i = mesh.axis_names.index("tp")
     seen = set()
     for node in cap.gm.graph.nodes:
@@ -147,7 +139,7 @@ def check_quality(compiled) -> list[Finding]:
             continue
         seen.add(fqn)
         p = plan.params[fqn].placements[tp_i]
-        if is_shard(p) or not isinstance(p, Replicate) or _whole_reason(node, w, hints):
+        if is_shard(p) or not isinstance(p, Replicate) or _whole_reason(w, latents, routers):
             continue
         short = fqn.split(f".{layer}.", 1)[-1]
         raw.append((layer, "whole weight", (short,), f"{short} ({tuple(w.meta['val'].shape)}) is whole on every tp rank"))
