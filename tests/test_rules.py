@@ -679,6 +679,22 @@ def test_reductions(op, data):
     check(op, args, n=n, current=(cur,), gen=gen, expect=expect, current_first=True)
 
 
+@pytest.mark.timeout(60)
+def test_mean_over_unequal_shards_is_not_partial_avg():
+    """The ranks' means of unequal shards do not average to the mean (5 rows at n=2: 3 and 2 rows, and
+    (m_a + m_b) / 2 weights each row of the 2-row shard 3/2 times): a dim the axis does not divide gets no
+    Partial(avg), and the rule says why; the sum over it stays Partial(sum), exact for any split."""
+    for op, kind in ((aten.mean.dim, "avg"), (aten.sum.dim_IntList, "sum")):
+        x = TensorMeta((5, 4), F32)
+        info = OpInfo(node=None, op=op, args=(None, [0], True), kwargs={}, inputs=[x],
+                      outputs=[TensorMeta((1, 4), F32)], n=2, current=(Shard(0),))
+        partial = [s for s in get_rule(op)(info) if s.inputs == (Shard(0),) and s.outputs == (Partial(kind),)]
+        if kind == "avg":
+            assert not partial and any("unequal shards" in note for note in info.notes), info.notes
+        else:
+            assert partial
+
+
 SOFTMAX = {
     aten._softmax.default: lambda x, d: (x, d, False),
     aten.softmax.int: lambda x, d: (x, d),
