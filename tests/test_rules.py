@@ -839,13 +839,15 @@ def test_unsqueeze_squeeze_flatten_unflatten(which, data):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("which", ["transpose", "permute", "t"])
+@pytest.mark.parametrize("which", ["transpose", "permute", "t", "numpy_T"])
 @hyp(25)
 @given(data=st.data())
 def test_transpose_permute_t(which, data):
     n = data.draw(st.sampled_from(NS), label="n")
     gen = new_gen(data)
-    shape = draw_shape(data, n, 1 if which != "permute" else 0, 2 if which == "t" else 4)
+    # numpy_T (x.T, Falcon's `input @ weight.T`) reverses the dims of a matrix (torch deprecates it at other ranks)
+    shape = draw_shape(data, n, 2 if which == "numpy_T" else 1 if which != "permute" else 0,
+                       2 if which in ("t", "numpy_T") else 4)
     nd = len(shape)
     x = make(shape, "f", gen)
     if which == "transpose":
@@ -853,8 +855,8 @@ def test_transpose_permute_t(which, data):
         op, args = aten.transpose.int, (x, a, b)
         perm = list(range(nd))
         perm[a % nd], perm[b % nd] = perm[b % nd], perm[a % nd]
-    elif which == "t":
-        op, args, perm = aten.t.default, (x,), list(reversed(range(nd)))
+    elif which in ("t", "numpy_T"):
+        op, args, perm = getattr(aten, which).default, (x,), list(reversed(range(nd)))
     else:
         perm = data.draw(st.permutations(list(range(nd))), label="perm")
         signed = [p - nd if data.draw(st.booleans(), label="neg") else p for p in perm]
@@ -1618,7 +1620,7 @@ TESTED_OPS = (
     | {aten.layer_norm.default, aten.rms_norm.default}
     | {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
        aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints, aten.unflatten.int,
-       aten.transpose.int, aten.t.default, aten.permute.default, aten.expand.default, aten.slice.Tensor,
+       aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default, aten.expand.default, aten.slice.Tensor,
        aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.cat.default,
        aten.pad.default, aten.constant_pad_nd.default}
     | {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
