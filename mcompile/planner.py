@@ -289,7 +289,9 @@ def latent_hints(cap: Captured) -> dict[str, object]:
     contraction, is normalised over its features (a latent with its own norm: sharding it would reduce the
     norm's statistics and make the up-projection row-parallel, two all-reduces for a small matmul) or is
     broadcast whole to every head (a key shared by the heads: MLA's decoupled RoPE key). A per-head norm
-    (Qwen3's q_norm) or GQA's repeat_kv act on a head's slice, not the whole output, and do not count."""
+    (Qwen3's q_norm) or GQA's repeat_kv act on a head's slice, not the whole output, and do not count; nor
+    does a norm whose output reaches attention before any projection (OLMo-2's k_norm over all of a GQA
+    key's heads: the key itself, split by heads like the query, its norm's statistics all-reduced)."""
     hints: dict[str, object] = {}
     for node in cap.gm.graph.nodes:
         if node.op != "call_function" or node.target is not aten.linear.default:
@@ -300,11 +302,30 @@ def latent_hints(cap: Captured) -> dict[str, object]:
         width = int(w.meta["val"].shape[0])
         if int(w.meta["val"].shape[1]) <= width or _after_contraction(node.args[0]):
             continue  # not a down-projection, or the second half of a pair (an MLP's down, attention's out)
-        if _reaches(node, lambda u, cur, width=width: _whole_width(u, cur, width)):
+        if _reaches(node, lambda u, cur, width=width: _whole_width(u, cur, width) and (
+                u.target is aten.expand.default or _reaches(u, lambda v, _, cap=cap: _reads_weight(v, cap)))):
             hints[w.name] = R
             if len(node.args) > 2 and getattr(node.args[2], "name", None) in cap.params:
                 hints[node.args[2].name] = R
     return hints
+
+
+_LINEAR = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default)
+_TO_WEIGHT = (*_THROUGH, aten.t.default, aten.transpose.int, aten.permute.default, aten._to_copy.default,
+              aten.to.dtype)
+
+
+def _reads_weight(n: torch.fx.Node, cap: Captured) -> bool:
+    """Whether ``n`` is a projection: a matmul-like op with a parameter operand (through transposes,
+    views and casts), as an up-projection reading a latent is and attention's q·kᵀ is not."""
+    if n.target not in _LINEAR:
+        return False
+    for a in n.all_input_nodes:
+        while a.op == "call_function" and a.target in _TO_WEIGHT:
+            a = a.args[0]
+        if a.name in cap.params:
+            return True
+    return False
 
 
 def _contraction(n: torch.fx.Node) -> bool:

@@ -4,6 +4,15 @@
   [in, out] and views back: ``view(addmm(b, view(x, [-1, k]), W), [.., n])``. Rewritten as
   ``add(matmul(x, W), b)`` on the unflattened activation, so the sequence dim survives for
   sequence parallelism and the weight is a direct argument of the contraction.
+- ``functional_inplace``: ``y = x.add_(z)`` (Falcon's ``mlp_output += attention_output``) on a tensor the
+  model made -> ``y = add(x, z)``, later readers of ``x`` reading ``y``, as AOTAutograd's functionalisation
+  does: one rule per op (add's) serves both spellings, and no local op writes into a value the lowering
+  may have redistributed (a copy). Writes into inputs, parameters and buffers stay writes (they are the
+  program's effects); a write into a view, or into a tensor a view was taken of, stays too (the per-rank
+  joint trace rewrites or refuses those: passes/joint.py ``functional_writes``).
+- ``transposed_weight_to_linear``: ``matmul(x, W.T)`` (``numpy_T``, ``t``, ``transpose(0, 1)`` of a 2-D
+  parameter; Falcon's ``FalconLinear``) -> ``linear(x, W)``: the weight is then a direct argument of the
+  contraction, placed by it (column- or row-parallel), not by the transpose that reads it first.
 - ``split_linear_bias``: ``linear(x, W, b)`` -> ``add(linear(x, W), b)``. A row-parallel linear's
   output is Partial and its bias must be added after the reduction (DESIGN §11); splitting every
   bias lets the propagator place the add after the collective. (A later fusion pass re-fuses biases
@@ -12,8 +21,12 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
+
+from mcompile import meta as M
 
 aten = torch.ops.aten
 
@@ -65,6 +78,91 @@ def conv1d_to_matmul(gm: fx.GraphModule) -> int:
         count += 1
     gm.graph.lint()
     gm.recompile()
+    return count
+
+
+# writes that change no value (autograd flags): rules of their own, nothing to rewrite; and copy_, whose
+# functional form aten.copy has no derivative (the joint trace, passes/joint.py, rewrites the copies it can)
+_KEPT_WRITES = {aten.detach_.default, aten.requires_grad_.default, aten.copy_.default}
+
+
+def _aliases(node: fx.Node) -> bool:
+    """Whether ``node``'s value is a view of another tensor (a write into it writes that tensor too)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:  # an element of split / unbind / chunk
+        return _aliases(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
+
+
+def functional_inplace(gm: fx.GraphModule) -> int:
+    """In-place ops on tensors the model made -> their functional form (module docstring)."""
+    count = 0
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in list(gm.graph.nodes):
+        schema = getattr(n.target, "_schema", None)
+        if n.op != "call_function" or schema is None or not schema.is_mutable or n.target in _KEPT_WRITES:
+            continue
+        dst = n.args[0] if n.args else None
+        packet, overload = schema.name.split("::")[1], n.target._overloadname
+        functional = getattr(getattr(aten, packet[:-1], None), overload, None) if packet.endswith("_") else None
+        if (not isinstance(dst, fx.Node) or dst.op != "call_function" or _aliases(dst) or functional is None
+                or not schema.arguments[0].alias_info or not schema.arguments[0].alias_info.is_write):
+            continue
+        # a view of dst taken before the write would see it: leave such a write as it is
+        if any(u is not n and order[u] < order[n] and _aliases(u) for u in dst.users):
+            continue
+        val = _fake_call(functional, n.args, n.kwargs)
+        old = n.meta.get("val")
+        if not isinstance(old, torch.Tensor) or val.shape != old.shape or val.dtype != old.dtype:
+            continue  # type promotion or broadcasting the in-place form does not do: not the same value
+        with gm.graph.inserting_after(n):
+            new = gm.graph.call_function(functional, tuple(n.args), dict(n.kwargs))
+        new.meta = {**n.meta, "val": val}
+        for u in list(dst.users):  # who reads dst after the write reads the written value
+            if u is not n and u is not new and order[u] > order[n]:
+                u.replace_input_with(dst, new)
+        n.replace_all_uses_with(new)
+        gm.graph.erase_node(n)
+        order[new] = order[n]
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+_TRANSPOSES = {aten.numpy_T.default, aten.t.default, aten.transpose.int, aten.permute.default}
+
+
+def transposed_weight_to_linear(gm: fx.GraphModule) -> int:
+    """``matmul(x, W.T)`` of a 2-D parameter -> ``linear(x, W)`` (module docstring)."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.matmul.default or node.kwargs:
+            continue
+        x, wt = node.args
+        if not (isinstance(wt, fx.Node) and wt.op == "call_function" and wt.target in _TRANSPOSES):
+            continue
+        w = wt.args[0]
+        if not (isinstance(w, fx.Node) and w.op == "placeholder" and M.PARAM_FQN in w.meta
+                and w.meta["val"].ndim == 2):
+            continue
+        if wt.target is aten.transpose.int and sorted(d % 2 for d in wt.args[1:3]) != [0, 1]:
+            continue
+        if wt.target is aten.permute.default and [d % 2 for d in wt.args[1]] != [1, 0]:
+            continue
+        with gm.graph.inserting_after(node):
+            lin = _new(gm.graph, aten.linear.default, (x, w), node)
+        node.replace_all_uses_with(lin)
+        gm.graph.erase_node(node)
+        if not wt.users:
+            gm.graph.erase_node(wt)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
     return count
 
 
@@ -130,6 +228,8 @@ def drop_empty_cats(gm: fx.GraphModule) -> int:
 
 def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
     return {
+        "functional_inplace": functional_inplace(gm),
+        "transposed_weight_to_linear": transposed_weight_to_linear(gm),
         "drop_noop_slices": drop_noop_slices(gm),
         "drop_empty_cats": drop_empty_cats(gm),
         "conv1d_to_matmul": conv1d_to_matmul(gm),

@@ -253,12 +253,25 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                                       CollectiveKind.ALL_REDUCE, None, "enter tp region", meta_val, cur)
             elif isinstance(c, Partial) and isinstance(w, Replicate):
                 op = "all_reduce_max" if c.reduce_op == "max" else "all_reduce"
-                if c.reduce_op not in ("sum", "max"):
+                if c.reduce_op not in ("sum", "max", "avg"):
                     raise NotImplementedError(f"reducing Partial({c.reduce_op}) of {a.name} on {ax.name}")
-                val = emit_collective(op, (val, ax.name, n), a, i,
-                                      CollectiveKind.ALL_REDUCE_MAX if op == "all_reduce_max" else
-                                      CollectiveKind.ALL_REDUCE, CollectiveKind.NONE, None, "reduce partial",
-                                      meta_val, cur)
+                # one reduction serves every reader: one entering the tp region (f, below) and one that
+                # is not (a post-norm layer's residual reads the embedding its q/k/v projections read)
+                plain = (a.name, tuple(cur), i, w, False)
+                if plain in cache:
+                    val = cache[plain]
+                else:
+                    val = emit_collective(op, (val, ax.name, n), a, i,
+                                          CollectiveKind.ALL_REDUCE_MAX if op == "all_reduce_max" else
+                                          CollectiveKind.ALL_REDUCE, CollectiveKind.NONE, None, "reduce partial",
+                                          meta_val, cur)
+                    if c.reduce_op == "avg":
+                        # each rank holds the mean of its shard, equal ones (the reduction rule offers no
+                        # Partial(avg) over a dim the axis does not divide): the mean is their sum / n. The
+                        # all-reduce's backward is the identity (the replicated gradient is exact on every
+                        # rank), so each rank's partial mean gets grad / n here, as d(mean)/d(partial) = 1/n
+                        val = g.call_function(aten.div.Tensor, (val, n))
+                    cache[plain] = val
                 if need_f:
                     reduced = [*cur[:i], w, *cur[i + 1:]]
                     val = emit_collective("copy_ar_bwd", (val, ax.name, n), a, i, CollectiveKind.NONE,

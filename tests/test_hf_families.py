@@ -8,6 +8,11 @@ detect packed sequences from the position ids: ``aten.diff``). GPT-NeoX splits i
 ``aten.chunk``. What is isolated: the op coverage of the rules (no ``FallbackWarning``), and that
 the plan those rules give computes the model (parity through the in-process thread simulator,
 tests/sim_harness.py).
+
+Two more at the shapes their issue gave (4 layers, hidden 64, 4 heads, 2 kv heads: block repetition on):
+OLMo-2, whose q/k RMSNorms run over the whole projection (all heads: the mean of squares over a
+heads-sharded dim is a Partial(avg), all-reduced), and Falcon with ``new_decoder_architecture`` (a fused
+grouped QKV, ``input @ weight.T`` linears, attention and MLP in parallel summed in place: ``+=``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from mcompile.models.hf import CausalLMLoss
 
 from conftest import tiered
 
-FAMILIES = ["llama", "qwen3", "mistral", "gemma", "gpt2", "gpt-neox"]
+FAMILIES = ["llama", "qwen3", "mistral", "gemma", "gpt2", "gpt-neox", "olmo2", "falcon"]
 
 
 class CausalLMLossNoCache(torch.nn.Module):
@@ -55,6 +60,13 @@ def hf_model(family: str) -> torch.nn.Module:
                                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     if family == "gpt-neox":
         return hf.GPTNeoXForCausalLM(hf.GPTNeoXConfig(**common, rotary_pct=0.25))
+    deep = {**common, "num_hidden_layers": 4, "num_attention_heads": 4}
+    if family == "olmo2":
+        return hf.Olmo2ForCausalLM(hf.Olmo2Config(**deep, num_key_value_heads=2))
+    if family == "falcon":
+        return hf.FalconForCausalLM(hf.FalconConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, new_decoder_architecture=True,
+            num_kv_heads=2, hidden_dropout=0.0, attention_dropout=0.0))
     raise ValueError(family)
 
 
@@ -88,8 +100,10 @@ def planned(family: str, call: str, tp: int):
 
 
 PLAN_CASES = [(f, call, tp) for tp in ("2", "4") for f in FAMILIES for call in ("loss", "no_cache")]
-# the CI tier: every family at tp=2 without the cache (aten.diff), both calls for Llama and GPT-NeoX
-PLAN_CI = [c for c in PLAN_CASES if c[2] == "2" and (c[1] == "no_cache" or c[0] in ("llama", "gpt-neox"))]
+# the CI tier: every family at tp=2 without the cache (aten.diff), both calls for Llama and GPT-NeoX; OLMo-2's
+# and Falcon's ops are covered there by their parity cases (test_megatron_layout_and_parity_tp2)
+PLAN_CI = [c for c in PLAN_CASES if c[2] == "2" and c[0] not in ("olmo2", "falcon")
+           and (c[1] == "no_cache" or c[0] in ("llama", "gpt-neox"))]
 
 
 @pytest.mark.timeout(300)
@@ -105,7 +119,7 @@ def test_no_op_runs_replicated(family, call, tp):
         assert "aten.chunk.default" in ops
 
 
-PARITY = [(f, "no_cache") for f in FAMILIES]
+PARITY = [(f, "no_cache") for f in FAMILIES if f not in ("olmo2", "falcon")]
 
 
 @pytest.mark.timeout(300)
@@ -131,3 +145,71 @@ def test_parity_tp2(family, call):
     for fqn, want in ref.items():
         torch.testing.assert_close(full[fqn], want, rtol=1e-5, atol=1e-5 * float(want.abs().max()),
                                    msg=lambda m, fqn=fqn: f"{family} {fqn}: {m}")
+
+
+def _parity(family, call, c, model, inputs):
+    """Loss and every gradient against the single-device model, through the thread simulator (tolerances:
+    test_parity_tp2)."""
+    model.zero_grad()
+    ref_loss = model(*inputs)
+    ref_loss.backward()
+    ref = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    results = run_sim(c, inputs, backward=True)
+    for loss, _, _ in results:
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
+    full = combine_grads(c, [g for _, g, _ in results])
+    assert set(ref) <= set(full)
+    for fqn, want in ref.items():
+        torch.testing.assert_close(full[fqn], want, rtol=1e-5, atol=1e-5 * float(want.abs().max()),
+                                   msg=lambda m, fqn=fqn: f"{family} {fqn}: {m}")
+
+
+# Megatron's layout per family at tp=2: (the projections read from the replicated stream: column-parallel,
+# the ones back to it: row-parallel) and the forward all-reduces of one layer's activations, by origin.
+MEGATRON = {
+    # q, k, v, gate, up by output features; o, down by input features; q_norm / k_norm weights with their
+    # heads. Forward: o and down (Megatron's 2) and the q and k norms' mean of squares (b x s floats each)
+    "olmo2": ({"self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0, "mlp.gate_proj": 0,
+               "mlp.up_proj": 0, "self_attn.q_norm": 0, "self_attn.k_norm": 0, "self_attn.o_proj": 1,
+               "mlp.down_proj": 1}, 4),
+    # the fused QKV (whole kv groups per rank) and h_to_4h column-parallel, dense and 4h_to_h row-parallel;
+    # attention's and the MLP's partial sums added before their one all-reduce
+    "falcon": ({"self_attention.query_key_value": 0, "mlp.dense_h_to_4h": 0, "self_attention.dense": 1,
+                "mlp.dense_4h_to_h": 1}, 1),
+}
+LAYERS = {"olmo2": "m.model.layers", "falcon": "m.transformer.h"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", tiered([("olmo2",), ("falcon",)], [("olmo2",)]))
+def test_megatron_layout_and_parity_tp2(family):
+    """OLMo-2 and Falcon (new decoder architecture) at tp=2: no op left replicated, every layer's weights
+    in Megatron's layout with its forward all-reduces and no all-gather (a layout the planner fell back
+    from would gather), and the single-device loss and gradients."""
+    from mcompile.placements import Replicate, Shard
+
+    model, inputs, c, reported = planned(family, "loss", 2)
+    assert not reported, reported
+    assert c.plan.fallbacks == []
+    shards, per_layer = MEGATRON[family]
+    for i in range(4):
+        for name, dim in shards.items():
+            assert c.plan.params[f"{LAYERS[family]}.{i}.{name}.weight"].placements == (Shard(dim),), (i, name)
+    assert all(pp.placements == (Replicate(),) for fqn, pp in c.plan.params.items()
+               if fqn.startswith(LAYERS[family]) and not any(f".{n}." in fqn for n in shards)), "norms whole"
+    forward = [s for s in c.plan.collectives if s.forward != "none"]
+    assert not [s for s in forward if s.forward == "all_gather"]
+    for i in range(4):
+        assert len([s for s in forward if s.layer == i and s.forward == "all_reduce"]) == per_layer, i
+    _parity(family, "loss", c, model, inputs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["olmo2", "falcon"])
+def test_parity_tp4(family):
+    """At tp=4 the 2 kv heads (groups) split inside a head: not Megatron's layout (that would replicate kv
+    heads), but the plan must still compute the model."""
+    model, inputs, c, reported = planned(family, "loss", 4)
+    assert not reported and c.plan.fallbacks == []
+    _parity(family, "loss", c, model, inputs)

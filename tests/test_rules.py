@@ -679,6 +679,22 @@ def test_reductions(op, data):
     check(op, args, n=n, current=(cur,), gen=gen, expect=expect, current_first=True)
 
 
+@pytest.mark.timeout(60)
+def test_mean_over_unequal_shards_is_not_partial_avg():
+    """The ranks' means of unequal shards do not average to the mean (5 rows at n=2: 3 and 2 rows, and
+    (m_a + m_b) / 2 weights each row of the 2-row shard 3/2 times): a dim the axis does not divide gets no
+    Partial(avg), and the rule says why; the sum over it stays Partial(sum), exact for any split."""
+    for op, kind in ((aten.mean.dim, "avg"), (aten.sum.dim_IntList, "sum")):
+        x = TensorMeta((5, 4), F32)
+        info = OpInfo(node=None, op=op, args=(None, [0], True), kwargs={}, inputs=[x],
+                      outputs=[TensorMeta((1, 4), F32)], n=2, current=(Shard(0),))
+        partial = [s for s in get_rule(op)(info) if s.inputs == (Shard(0),) and s.outputs == (Partial(kind),)]
+        if kind == "avg":
+            assert not partial and any("unequal shards" in note for note in info.notes), info.notes
+        else:
+            assert partial
+
+
 SOFTMAX = {
     aten._softmax.default: lambda x, d: (x, d, False),
     aten.softmax.int: lambda x, d: (x, d),
@@ -823,13 +839,15 @@ def test_unsqueeze_squeeze_flatten_unflatten(which, data):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("which", ["transpose", "permute", "t"])
+@pytest.mark.parametrize("which", ["transpose", "permute", "t", "numpy_T"])
 @hyp(25)
 @given(data=st.data())
 def test_transpose_permute_t(which, data):
     n = data.draw(st.sampled_from(NS), label="n")
     gen = new_gen(data)
-    shape = draw_shape(data, n, 1 if which != "permute" else 0, 2 if which == "t" else 4)
+    # numpy_T (x.T, Falcon's `input @ weight.T`) reverses the dims of a matrix (torch deprecates it at other ranks)
+    shape = draw_shape(data, n, 2 if which == "numpy_T" else 1 if which != "permute" else 0,
+                       2 if which in ("t", "numpy_T") else 4)
     nd = len(shape)
     x = make(shape, "f", gen)
     if which == "transpose":
@@ -837,8 +855,8 @@ def test_transpose_permute_t(which, data):
         op, args = aten.transpose.int, (x, a, b)
         perm = list(range(nd))
         perm[a % nd], perm[b % nd] = perm[b % nd], perm[a % nd]
-    elif which == "t":
-        op, args, perm = aten.t.default, (x,), list(reversed(range(nd)))
+    elif which in ("t", "numpy_T"):
+        op, args, perm = getattr(aten, which).default, (x,), list(reversed(range(nd)))
     else:
         perm = data.draw(st.permutations(list(range(nd))), label="perm")
         signed = [p - nd if data.draw(st.booleans(), label="neg") else p for p in perm]
@@ -1677,7 +1695,7 @@ TESTED_OPS = (
     | {aten.layer_norm.default, aten.rms_norm.default}
     | {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
        aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints, aten.unflatten.int,
-       aten.transpose.int, aten.t.default, aten.permute.default, aten.expand.default, aten.slice.Tensor,
+       aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default, aten.expand.default, aten.slice.Tensor,
        aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.cat.default,
        aten.pad.default, aten.constant_pad_nd.default}
     | {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,

@@ -15,7 +15,8 @@ torch 2.13 keeps three registries there; the bridge reads two of them at run tim
   not bridged.
 
 Translation into :class:`Strategy`: ``Shard(d)`` and ``Replicate()`` as they are; ``Partial(sum)``
-and ``Partial(max)`` as they are (the lowering reduces only those two); a strategy naming
+and ``Partial(max)`` as they are (the lowering reduces ``Partial(avg)`` too, on tp, but only the hand-written
+mean rule is trusted to give it over equal shards: none of the bridged ops is checked for it); a strategy naming
 ``_StridedShard``, another Partial, or ``None`` (a masked-off output) is dropped, and so is one that
 shards a static dim the axis does not divide (DTensor allows uneven shards; our lowering does not).
 Symbolic sizes (batch, sequence) are replaced by large distinct multiples of n before asking torch,
@@ -51,7 +52,7 @@ __all__ = ["DENIED", "bridge_rule", "bridged_ops", "dtensor_ops", "refusal"]
 
 aten = torch.ops.aten
 R = Replicate()
-_PARTIALS = ("sum", "max")  # the Partial kinds the lowering can reduce (passes/lower.py)
+_PARTIALS = ("sum", "max")  # the Partial kinds taken from DTensor (module docstring: avg is not)
 # Sizes stand-ins for symbols: n * 2520 (divisible by 1..10) times a distinct prime each.
 _PRIMES = (11, 13, 17, 19, 23, 29, 31, 37)
 

@@ -1,7 +1,10 @@
 """Reductions and normalisations along dims.
 
 Reducing over a sharded dim leaves each rank a partial result: ``sum`` -> Partial(sum), ``mean``
--> Partial(avg) (shards are equal), ``amax`` -> Partial(max). Softmax-like ops, norms and scans
+-> Partial(avg), ``amax`` -> Partial(max). Partial(avg) is offered only where the shards are equal: the
+mean of unequal shards' means is not the mean, so a static dim the axis does not divide gets no such
+strategy (a padded vocabulary arrives here at its true size). A symbolic dim (the sequence under sequence
+parallelism) is taken to split evenly, as every sharded symbolic dim is. Softmax-like ops, norms and scans
 along a dim (``cumsum``, ``diff``) keep a shard on any dim they do not work along.
 """
 
@@ -10,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mcompile.placements import Partial, Shard
-from mcompile.rules import OpInfo, R, Strategy, norm_dim, rule
+from mcompile.rules import OpInfo, R, Strategy, divisible, norm_dim, rule
 
 aten = torch.ops.aten
 
@@ -36,6 +39,10 @@ def reduce(info: OpInfo) -> list[Strategy]:
     out = []
     for d in range(nd):
         if d in dims:
+            if kind == "avg" and not divisible(info.inputs[0].shape[d], info.n):
+                info.notes.append(f"indivisible: a mean over dim {d} of size {info.inputs[0].shape[d]} split "
+                                  f"over {info.n} ranks would average unequal shards")
+                continue
             out.append(Strategy((Shard(d),), (Partial(kind),), name=f"reduce_{kind}"))
         else:
             od = d if keep else d - sum(1 for r in dims if r < d)

@@ -214,8 +214,9 @@ def transpose(info: OpInfo) -> list[Strategy]:
     return _perm_rule(info, perm)
 
 
-@rule(aten.t.default)
+@rule(aten.t.default, aten.numpy_T.default)
 def t(info: OpInfo) -> list[Strategy]:
+    """``x.t()`` and ``x.T`` (``numpy_T``: every dim reversed, at any rank; Falcon's ``input @ weight.T``)."""
     return _perm_rule(info, list(reversed(range(info.inputs[0].ndim))))
 
 

@@ -1,0 +1,102 @@
+"""Canonicalisation before planning (passes/canonicalize.py): in-place arithmetic on tensors the model made
+becomes functional, and ``x @ W.T`` of a parameter becomes ``linear(x, W)``.
+
+What is isolated: the rewrite keeps the captured program's value (run before and after on the same inputs),
+leaves alone the writes it cannot express functionally (into an input, into a tensor a view was taken of,
+one whose functional form would promote the dtype), and with both rewrites Falcon's layer in miniature
+(``FalconLinear``'s ``input @ weight.T``, ``mlp_output += attention_output``) plans in Megatron's layout
+with no op left to run replicated.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from mcompile.placements import Shard
+from mcompile.passes.canonicalize import functional_inplace
+
+aten = torch.ops.aten
+
+
+class _Writes(torch.nn.Module):
+    def forward(self, x, b):
+        y = x * 2
+        y += x  # a fresh tensor: rewritten
+        z = x * 3
+        v = z[:, :1]  # a view of z taken before the write: the write must stay (v sees it)
+        z.add_(1)
+        h = x.to(torch.bfloat16)
+        h += x  # bf16 += fp32 stays bf16; add would promote to fp32: stays a write
+        b.mul_(2)  # an input: the program's effect, stays
+        return y * 5, v * 1, h.float(), z
+
+
+def _ops(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.timeout(60)
+def test_functional_inplace_keeps_the_value_and_the_writes_it_cannot_rewrite():
+    x, b = torch.randn(3, 4), torch.randn(3, 4)
+    gm = torch.export.export(_Writes(), (x, b.clone()), strict=False).module()
+    want = gm(x, b.clone())
+    writes = [t for t in _ops(gm) if t._schema.is_mutable]
+    assert writes.count(aten.add_.Tensor) == 3 and aten.mul_.Tensor in writes
+    assert functional_inplace(gm) == 1
+    after = _ops(gm)
+    assert after.count(aten.add_.Tensor) == 2 and aten.mul_.Tensor in after and aten.add.Tensor in after
+    got = gm(x, b.clone())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+class _FalconLayer(torch.nn.Module):
+    """Falcon's new decoder layer in miniature: one norm read by attention and the MLP in parallel, every
+    projection ``input @ weight.T``, the two outputs summed in place."""
+
+    def __init__(self, d=16, f=32):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.v, self.o = (torch.nn.Parameter(torch.randn(d, d) / 4) for _ in range(2))
+        self.up, self.down = torch.nn.Parameter(torch.randn(f, d) / 4), torch.nn.Parameter(torch.randn(d, f) / 4)
+
+    def forward(self, x):
+        h = self.ln(x)
+        mlp = torch.nn.functional.gelu(h @ self.up.T) @ self.down.T
+        attn = (h @ self.v.T) @ self.o.T
+        mlp += attn
+        return x + mlp
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_FalconLayer() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+@pytest.mark.timeout(120)
+def test_falcon_style_layer_plans_megatron_at_tp2():
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = compile_plan(_Model(), Mesh.fake(tp=2), (torch.randn(2, 8, 16),), repeat_blocks=False)
+    assert c.plan.fallbacks == [] and not [w for w in caught if "sharding rule" in str(w.message)]
+    ops = _ops(c.captured.gm)
+    assert aten.add_.Tensor not in ops and aten.numpy_T.default not in ops and aten.matmul.default not in ops
+    for i in range(2):
+        for name, dim in (("up", 0), ("v", 0), ("down", 1), ("o", 1)):
+            assert c.plan.params[f"layers.{i}.{name}"].placements == (Shard(dim),), (i, name)
+    forward = [s for s in c.plan.collectives if s.forward != "none"]
+    # the two partial sums added before one all-reduce per layer, nothing gathered
+    assert sorted(s.forward for s in forward) == ["all_reduce", "all_reduce"], forward
