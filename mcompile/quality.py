@@ -8,7 +8,9 @@ transformer layer:
 1. **Collectives.** A layer enters a tp region at each column-parallel projection and leaves it at the
    row-parallel projection that writes back to the residual width (attention's output projection, an MLP's
    down projection): Megatron runs one forward collective per exit (an all-reduce), two with sequence
-   parallelism (the all-gather entering and the reduce-scatter leaving). The exits are counted from the
+   parallelism (the all-gather entering and the reduce-scatter leaving). The all-reduce of a norm's
+   statistics over tp-sharded features (OLMo-2's q/k norm over all heads) is the model's, not the
+   layout's, and is not counted. The exits are counted from the
    captured model, not the plan: a linear whose input was computed from another contraction
    (:func:`mcompile.planner._after_contraction`), or an MoE layer (``moe_ffn``: its experts' down
    projections, summed). A layer whose forward tp
@@ -42,6 +44,7 @@ __all__ = ["PlanQualityWarning", "Finding", "check_quality", "tp_exits"]
 aten = torch.ops.aten
 _WEIGHT_USES = {aten.linear.default: 1, aten.matmul.default: 1, aten.mm.default: 1, aten.addmm.default: 2}
 # how a weight may reach its contraction (Falcon's ``x @ self.weight.T``: numpy_T, then matmul)
+_STATISTICS = {aten.mean.dim, aten.sum.dim_IntList, aten.var.correction, aten.amax.default}
 _TO_WEIGHT = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default, aten.to.dtype,
               aten._to_copy.default, aten.alias.default, aten.view.default}
 
@@ -119,7 +122,12 @@ def check_quality(compiled) -> list[Finding]:
     for spec in plan.collectives:
         if spec.axis == "tp" and spec.layer is not None and spec.forward != "none":
             per_layer.setdefault(spec.layer, []).append(spec)
+    nodes = {n.name: n for n in cap.gm.graph.nodes}
     for layer, specs in sorted(per_layer.items()):
+        # a norm's statistics over tp-sharded features (OLMo-2's q/k norm over all heads: a mean of [b, s, 1]
+        # all-reduced) are the model's, not the layout's: any tp layout of that norm reduces them
+        stats = [s for s in specs if getattr(nodes.get(s.origin), "target", None) in _STATISTICS]
+        specs = [s for s in specs if s not in stats]
         bar = len(exits.get(layer, ())) * (2 if sp else 1)
         if len(specs) > bar:
             moved = ", ".join(f"{s.forward} of {s.origin}" for s in specs)
