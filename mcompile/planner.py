@@ -235,7 +235,8 @@ def _feature_cuts(gm: torch.fx.GraphModule):
     for x, bounds in slices.items():
         cuts = sorted(bounds)
         n = x.meta["val"].shape[-1]
-        if len(cuts) >= 2 and cuts[0][0] == 0 and cuts[-1][1] == n and all(a[1] == b[0] for a, b in zip(cuts, cuts[1:])):
+        tiled = all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+        if len(cuts) >= 2 and cuts[0][0] == 0 and cuts[-1][1] == n and tiled:
             yield x, [b - a for a, b in cuts]
 
 

@@ -78,11 +78,10 @@ class Finding:
 
 
 def tp_exits(gm: torch.fx.GraphModule) -> dict[int, list[str]]:
-    """Per layer, the linears that leave a tp region in Megatron's layout: a projection to the residual
-    stream's width (the layer's input width) whose input is computed from another contraction."""
-    from mcompile.planner import _after_contraction
-
+    """Per layer, what leaves a tp region in Megatron's layout: a projection whose input is computed from
+    another contraction (attention's output projection, an MLP's down projection), or an MoE layer."""
     from mcompile.moe import moe_ffn
+    from mcompile.planner import _after_contraction
 
     out: dict[int, list[str]] = {}
     for node in gm.graph.nodes:
@@ -131,7 +130,8 @@ def check_quality(compiled) -> list[Finding]:
         bar = len(exits.get(layer, ())) * (2 if sp else 1)
         if len(specs) > bar:
             moved = ", ".join(f"{s.forward} of {s.origin}" for s in specs)
-            raw.append((layer, "collectives", (bar, tuple(s.forward for s in specs)), f"{len(specs)} forward tp collectives where Megatron runs {bar} "
+            kinds = (bar, tuple(s.forward for s in specs))
+            raw.append((layer, "collectives", kinds, f"{len(specs)} forward tp collectives where Megatron runs {bar} "
                                               f"({len(exits.get(layer, ()))} tp region exits"
                                               f"{', sequence parallel' if sp else ''}): {moved}"))
     latents, routers = latent_hints(cap), router_hints(cap)
@@ -150,7 +150,8 @@ def check_quality(compiled) -> list[Finding]:
         if is_shard(p) or not isinstance(p, Replicate) or _whole_reason(w, latents, routers):
             continue
         short = fqn.split(f".{layer}.", 1)[-1]
-        raw.append((layer, "whole weight", (short,), f"{short} ({tuple(w.meta['val'].shape)}) is whole on every tp rank"))
+        shape = tuple(w.meta["val"].shape)
+        raw.append((layer, "whole weight", (short,), f"{short} ({shape}) is whole on every tp rank"))
     grouped: dict[tuple, tuple[list[int], str]] = {}  # alike layers: one finding, the first layer's text
     for layer, kind, key, text in raw:
         grouped.setdefault((kind, key), ([], text))[0].append(layer)

@@ -15,8 +15,8 @@ import warnings
 import pytest
 import torch
 
-from mcompile.placements import Shard
 from mcompile.passes.canonicalize import functional_inplace
+from mcompile.placements import Shard
 
 aten = torch.ops.aten
 

@@ -122,7 +122,8 @@ def _parity(model, c, inputs):
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=0)
     got = combine_grads(c, [g for _, g, _ in results])
     for fqn, w in want.items():
-        torch.testing.assert_close(got[fqn], w, rtol=1e-5, atol=1e-5 * float(w.abs().max()), msg=lambda m, f=fqn: f"{f}: {m}")
+        torch.testing.assert_close(got[fqn], w, rtol=1e-5, atol=1e-5 * float(w.abs().max()),
+                                   msg=lambda m, f=fqn: f"{f}: {m}")
 
 
 @pytest.mark.timeout(300)
@@ -135,7 +136,8 @@ def test_phi3_fused_projections_are_sharded_part_wise_with_megatrons_collectives
         assert pl["mlp.gate_up_proj.weight"] == BlockShard(0, 2)
         assert pl["self_attn.o_proj.weight"] == Shard(1) and pl["mlp.down_proj.weight"] == Shard(1)
     per_layer = _forward_tp_per_layer(c)
-    assert sorted(per_layer) == [0, 1, 2, 3] and all(cnt == Counter(all_reduce=2) for cnt in per_layer.values()), per_layer
+    assert sorted(per_layer) == [0, 1, 2, 3], per_layer
+    assert all(cnt == Counter(all_reduce=2) for cnt in per_layer.values()), per_layer
     _parity(model, c, inputs)
 
 

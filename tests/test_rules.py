@@ -1695,8 +1695,9 @@ TESTED_OPS = (
     | {aten.layer_norm.default, aten.rms_norm.default}
     | {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
        aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints, aten.unflatten.int,
-       aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default, aten.expand.default, aten.slice.Tensor,
-       aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.cat.default,
+       aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default, aten.expand.default,
+       aten.slice.Tensor, aten.repeat_interleave.self_int, aten.select.int, aten.split.Tensor,
+       aten.split_with_sizes.default, aten.unbind.int, aten.cat.default,
        aten.pad.default, aten.constant_pad_nd.default}
     | {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
        aten.outer.default, aten.embedding.default, aten.scaled_dot_product_attention.default,
