@@ -164,9 +164,7 @@ def functional_writes(program: fx.GraphModule) -> fx.GraphModule:
                 "graph cannot rewrite functionally (a view of a view, or a view read after the write): write it "
                 "out of place (x = x.masked_fill(...), torch.where, torch.cat) or run with "
                 "Config(execution='autograd')")
-        with g.inserting_after(n):
-            value = g.call_function(functional, tuple(n.args), dict(n.kwargs))
-            value.meta = dict(n.meta)
+        value = _functional_value(g, n, functional)
         new = value
         if view is not None:
             with g.inserting_after(value):
@@ -185,6 +183,30 @@ def functional_writes(program: fx.GraphModule) -> fx.GraphModule:
     g.eliminate_dead_code()
     gm.recompile()
     return gm
+
+
+def _functional_value(g: fx.Graph, n: fx.Node, functional) -> fx.Node:
+    """The value the in-place write ``n`` leaves in its destination, computed out of place by nodes inserted
+    after ``n``: the write's functional op (``masked_fill_`` -> ``masked_fill``), except for ``dst.copy_(src)``.
+    Its functional twin ``aten.copy`` has no derivative in autograd (AOTAutograd's functionalisation emits
+    it only after autograd has run), so a joint trace through it fails whenever ``src`` requires grad (Hugging
+    Face DeepSeek-V3's attention builds its keys by ``copy_`` of two projections into slices of ``new_empty``).
+    What a copy leaves is ``src`` cast to the destination's dtype and device and broadcast to its shape, which
+    autograd differentiates (the destination's old value gets no gradient: it is overwritten); cloned, so the
+    value is a tensor of its own as the destination was (no later write into an input that ``src`` views
+    reaches it)."""
+    def after(prev: fx.Node, target, args, kwargs=None) -> fx.Node:
+        with g.inserting_after(prev):
+            node = g.call_function(target, args, kwargs or {})
+        node.meta = dict(n.meta)
+        return node
+
+    if n.target is not aten.copy_.default:
+        return after(n, functional, tuple(n.args), dict(n.kwargs))
+    dst, src = n.args[0], n.args[1]
+    cast = after(n, aten.type_as.default, (src, dst))
+    wide = after(cast, aten.expand_as.default, (cast, dst))
+    return after(wide, aten.clone.default, (wide,))
 
 
 def _base_of(x: fx.Node) -> fx.Node:

@@ -11,12 +11,20 @@ MIXTRAL_TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=4,
 DEEPSEEK_TINY = dict(vocab_size=256, dim=64, n_layers=2, n_heads=8, n_kv_heads=8, ffn_hidden=128, max_seq_len=128,
                      norm_eps=1e-6, rope_theta=10000.0, moe_ffn_hidden=32, n_routed_experts=8, n_shared_experts=1,
                      top_k=2, n_groups=4, topk_groups=2, first_dense_layers=1)
+# unmodified Hugging Face DeepseekV3ForCausalLM: multi-head latent attention (its keys built by copy_ into
+# slices of new_empty), sigmoid router with the correction bias, normalised and scaled top-k weights, one
+# shared expert, fused gate_up experts; layer 0 dense, layers 1-3 MoE (captured: 0-2, layer 3 repeated)
+HF_DEEPSEEK_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
+                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
 LR = 0.5
 
 
 def moe_model(kind: str, seed: int = 0, batch: int = 4, seq: int = 16):
-    """(model, inputs): the tiny Mixtral-style / DeepSeek-style preset configs, or an unmodified HF
-    MixtralForCausalLM with its load-balancing loss on; a batch of random tokens and targets."""
+    """(model, inputs): the tiny Mixtral-style / DeepSeek-style preset configs, an unmodified HF
+    MixtralForCausalLM with its load-balancing loss on, or an unmodified HF DeepseekV3ForCausalLM; a batch
+    of random tokens and targets."""
     torch.manual_seed(seed)
     if kind == "mixtral":
         from mcompile.models.moe import Mixtral, MixtralConfig
@@ -37,11 +45,19 @@ def moe_model(kind: str, seed: int = 0, batch: int = 4, seq: int = 16):
                             max_position_embeddings=128, output_router_logits=True, router_aux_loss_coef=0.02,
                             tie_word_embeddings=False)
         model = MixtralForCausalLM(cfg)
+    elif kind == "hf-deepseek":
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**HF_DEEPSEEK_TINY))
+        with torch.no_grad():  # a skewed correction bias: the choice differs from the sigmoid scores' top-k
+            for layer in model.model.layers[HF_DEEPSEEK_TINY["first_k_dense_replace"]:]:
+                layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(HF_DEEPSEEK_TINY["n_routed_experts"]) * 0.05)
     else:
         raise ValueError(kind)
+    vocab = HF_DEEPSEEK_TINY["vocab_size"] if kind == "hf-deepseek" else 256
     g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randint(0, 256, (batch, seq), generator=g)
-    y = torch.randint(0, 256, (batch, seq), generator=g)
+    x = torch.randint(0, vocab, (batch, seq), generator=g)
+    y = torch.randint(0, vocab, (batch, seq), generator=g)
     return model, (x, y)
 
 
@@ -87,7 +103,7 @@ def ep_reference(kind, steps=2, batch=4, microbatches=1, data=1):
     for step in range(steps):
         parts = []
         for mb in global_microbatches(inputs, data, microbatches):
-            out = model(*mb) if kind != "hf-mixtral" else model(input_ids=mb[0], labels=mb[1])
+            out = model(input_ids=mb[0], labels=mb[1]) if kind.startswith("hf-") else model(*mb)
             parts.append(out if isinstance(out, torch.Tensor) else out.loss)
         loss = torch.stack(parts).mean()
         loss.backward()

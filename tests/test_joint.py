@@ -311,6 +311,55 @@ def test_a_value_overwritten_in_place_keeps_its_old_value_for_backward(policy):
         torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-7)
 
 
+class _CopyIntoFresh(torch.nn.Module):
+    """Keys built as Hugging Face DeepSeek-V3's attention builds them: ``new_empty``, then ``copy_`` of two
+    values that require grad into its slices, one broadcast over the heads; and a whole fresh buffer of
+    another dtype overwritten by ``copy_`` of a broadcast row."""
+
+    def __init__(self):
+        super().__init__()
+        self.nope, self.rot = torch.nn.Linear(8, 4 * 3, bias=False), torch.nn.Linear(8, 2, bias=False)
+        self.row = torch.nn.Parameter(torch.randn(5))
+
+    def forward(self, x, y):
+        b, s, _ = x.shape
+        nope = self.nope(x).view(b, s, 4, 3).transpose(1, 2)
+        rot = self.rot(x).view(b, 1, s, 2).expand(-1, 4, -1, -1)
+        k = nope.new_empty(b, 4, s, 5)
+        k[..., :3].copy_(nope)
+        k[..., 3:].copy_(rot)
+        bias = x.new_zeros(s, 5, dtype=torch.float64)
+        bias.copy_(self.row)
+        return ((k * k.sum(1, keepdim=True)).sum((1, 3)) * y).mean() + (bias.float() * k).sum()
+
+
+@pytest.mark.timeout(120)
+def test_copies_into_a_fresh_tensor_are_differentiated_by_the_joint_graph():
+    """``dst.copy_(src)`` into a tensor the program made, with ``src`` requiring grad: functional_writes once
+    made it ``aten.copy``, which autograd cannot differentiate, and the joint trace of Hugging Face
+    DeepSeek-V3 failed (JointTraceError: derivative for aten::copy is not implemented). The copy's value is
+    src cast, broadcast and cloned now: gradients equal eager autograd's."""
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+
+    torch.manual_seed(0)
+    model, x, y = _CopyIntoFresh(), torch.randn(2, 6, 8), torch.randn(2, 6)
+    c = compile_plan(model, Mesh.fake(dp=1), (x, y))
+    prog = c.program(0)
+    assert sum(n.target is torch.ops.aten.copy_.default for n in prog.graph.nodes) == 3
+    fqns = [c.captured.params[n.name] for n in prog.graph.nodes if n.name in c.captured.params]
+    params = dict(model.named_parameters())
+    loss = model(x, y)
+    loss.backward()
+    runner = JointRunner(prog, Config())
+    outs, ctx = runner.forward([params[f].detach().clone().requires_grad_(True) for f in fqns] + [x, y])
+    grads = runner.backward(ctx, [torch.ones_like(outs[0])])
+    torch.testing.assert_close(outs[0].detach(), loss.detach(), rtol=1e-6, atol=0)
+    assert len(grads) == len(fqns) == 3
+    for g, f in zip(grads, fqns):
+        torch.testing.assert_close(g, params[f].grad, rtol=1e-6, atol=1e-7)
+
+
 class _InputWrite(torch.nn.Module):
     """An in-place write into an input by a value that requires grad (``b *= sigmoid(x @ w)``), read before it."""
 

@@ -64,8 +64,9 @@ def _check(kind, mesh, ep, microbatches=1, batch=4, options=None):
 
 
 CASES = [("mixtral", "ep=2"), ("deepseek", "ep=2"), ("hf-mixtral", "ep=2"), ("mixtral", "dp=2,ep=2"),
-         ("mixtral", "ep=2,tp=2"), ("mixtral", "ep=4"), ("deepseek", "ep=2,tp=2"), ("hf-mixtral", "dp=2,ep=2")]
-CI = [("mixtral", "ep=2"), ("deepseek", "ep=2"), ("hf-mixtral", "ep=2")]
+         ("mixtral", "ep=2,tp=2"), ("mixtral", "ep=4"), ("deepseek", "ep=2,tp=2"), ("hf-mixtral", "dp=2,ep=2"),
+         ("hf-deepseek", "ep=2"), ("hf-deepseek", "dp=2,ep=2"), ("hf-deepseek", "ep=2,tp=2")]
+CI = [("mixtral", "ep=2"), ("deepseek", "ep=2"), ("hf-mixtral", "ep=2"), ("hf-deepseek", "ep=2")]
 
 
 @pytest.mark.timeout(900)
