@@ -108,12 +108,18 @@ def _lower(compiled: Compiled, rank: int, device=None):
 
 
 def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: bool, cache: bool = False,
-             share=None):
+             share=None, rewrite=None):
     """(capture, canonicalize's counts, blocks), canonicalised: the short model's capture and the
     repeated group of each run of alike blocks (mcompile.repeat), else the whole model's capture and
     None. ``cache``: through the on-disk capture cache
     (mcompile.capture_cache); ``share(produce)``: runs ``produce`` on one rank and returns its result
-    on every rank (parallelize: rank 0 captures, every rank plans from the same serialised program)."""
+    on every rank (parallelize: rank 0 captures, every rank plans from the same serialised program).
+    ``rewrite(cap) -> counts``: a mesh-dependent rewrite of the canonical graph (the attention
+    canonicalisation under cp), applied to every capture here, before the blocks are located: a
+    :class:`~mcompile.repeat.Block` names the nodes of the graph it was found in, so a rewrite after
+    :func:`~mcompile.repeat.find_block` that drops or replaces a node of a block (GQA's ``repeat_kv``
+    inside each layer) or one feeding it (the causal mask before the run) would leave the block naming
+    nodes that no longer exist, and the graph repeated would not be the graph planned."""
     import logging
 
     from mcompile.passes import canonicalize
@@ -141,6 +147,7 @@ def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: b
                      str(e).splitlines()[0])
             break
         canon = canonicalize(cap.gm)
+        canon.update(rewrite(cap) if rewrite is not None else {})
         found = [find_block(cap, run, 2) for run in runs]
         if all(b is not None for b, _ in found):
             return cap, canon, tuple(b for b, _ in found)
@@ -150,7 +157,9 @@ def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: b
                          run.start, why)
         short = truncate_runs(model, keep=2, runs=[r for r, (b, _) in zip(runs, found) if b is not None])
     cap = captured(model)
-    return cap, canonicalize(cap.gm), None
+    canon = canonicalize(cap.gm)
+    canon.update(rewrite(cap) if rewrite is not None else {})
+    return cap, canon, None
 
 
 def _flat_inputs(cap: Captured, inputs: tuple, kwargs: dict) -> list:
@@ -202,18 +211,19 @@ def compile_plan(
 
     if mesh.size("pp") > 1 and set(mesh.axis_names) == {"pp"}:  # a degenerate dp axis carries the stages' params
         mesh = Mesh.fake(dp=1, pp=mesh.size("pp")) if mesh.fake_mesh else Mesh(dp=1, pp=mesh.size("pp"))
-    cap, canon, blocks = _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks, capture_cache,
-                                 share)
-    warn_unless_loss(cap)  # a plan of logits or several outputs is no training plan (forward still serves them)
-    if token_weighted_loss:
-        canon["mean_loss_to_sum_count"] = int(mean_loss_to_sum_count(cap.gm))
-    check_arguments(cap.gm, mesh, microbatches, runtime=for_runtime)
+    rewrite = None
     if mesh.size("cp") > 1:
         from mcompile.cp_plan import check_cp_mesh
         from mcompile.passes.attention import canonicalize_attention
 
-        check_cp_mesh(mesh)
-        canon.update(canonicalize_attention(cap))
+        check_cp_mesh(mesh)  # before minutes of capture
+        rewrite = canonicalize_attention  # inside _capture: the blocks are located in the rewritten graph
+    cap, canon, blocks = _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks, capture_cache,
+                                 share, rewrite)
+    warn_unless_loss(cap)  # a plan of logits or several outputs is no training plan (forward still serves them)
+    if token_weighted_loss:
+        canon["mean_loss_to_sum_count"] = int(mean_loss_to_sum_count(cap.gm))
+    check_arguments(cap.gm, mesh, microbatches, runtime=for_runtime)
     annotation = annotate(cap.gm)
     hints = _hints(cap, example_inputs, example_kwargs, seq, batch)
     axes = plan_axes(cap, mesh, sequence_parallel, overrides, hints)

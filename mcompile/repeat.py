@@ -13,7 +13,8 @@ what layer 1 sees. So:
    (per-layer attention types, a dense first layer break a run). :func:`truncate_runs` makes a shallow
    copy of the model keeping two groups of each run (the blocks keep their indices: FQNs are the real
    model's).
-2. Capture, canonicalise and plan the short model. :func:`find_block` locates each run's second group
+2. Capture, canonicalise (cp's attention rewrite included: the group is located in the graph that is
+   planned and repeated) and plan the short model. :func:`find_block` locates each run's second group
    in the captured graph from the dataflow — the cuts before and after it that one value of the run
    crosses (besides values made before the run: encoder memory, masks, position bias, RoPE tables,
    shared by every layer) — and checks it against the module structure (its parameters are the group's,
@@ -523,6 +524,12 @@ def repeat_captured(cap: Captured, blocks: Sequence[Block], model: torch.nn.Modu
     copies: dict[str, list[str]] = {}
     for block in blocks:
         by = {n.name: n for n in g.nodes}
+        gone = [n for n in (*block.nodes, block.entry, block.exit) if n not in by]
+        if gone:  # the planned graph is not the one the block was found in: repeating it would be wrong
+            raise AssertionError(
+                f"the repeated group of {block.list_path} names nodes the captured graph no longer has "
+                f"({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}): every rewrite of the captured graph "
+                "must run before find_block (api._capture's rewrite)")
         copies.update(repeat_graph(gm, block, [by[n] for n in block.nodes], by[block.entry], by[block.exit]))
     # tables in placeholder order
     params, buffers, constants = {}, {}, {}

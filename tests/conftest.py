@@ -62,6 +62,21 @@ def build(name: str, seed: int = 0, device=None, batch: int = 2):
                               num_hidden_layers=4 if name == "hf-llama-deep" else 2,
                               num_attention_heads=8, num_key_value_heads=4)
             model = HFLoss(LlamaForCausalLM(cfg))
+        elif name.startswith(("hf-llama-4l", "hf-qwen3-4l", "hf-mistral-4l")):
+            # RoPE + GQA causal LMs of 4 layers (planned from 2 captured, mcompile.repeat), 4 heads over 2 K/V heads:
+            # under cp their causal mask and repeat_kv are rewritten (passes/attention). "-nocache": use_cache=False;
+            # else the default call, whose DynamicCache lifts empty tensors inside each layer
+            import transformers
+
+            family = name.split("-")[1]
+            kind = {"llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
+            extra = {"head_dim": 16} if family == "qwen3" else {}
+            if name.endswith("-nocache"):
+                extra["use_cache"] = False
+            cfg = getattr(transformers, f"{kind}Config")(
+                vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, **extra)
+            model = HFLoss(getattr(transformers, f"{kind}ForCausalLM")(cfg))
         else:  # odd vocabulary: padded under tp, as GPT-2's 50257
             cfg = GPT2Config(vocab_size=129, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

@@ -8,8 +8,10 @@ from mcompile.placements import Replicate, unshard_tensors
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
 
-def combine_grads(c, grads_per_rank):
-    """Full gradients from every rank's local ones, by the plan's placements and partial axes."""
+def combine_grads(c, grads_per_rank, dp_mean: bool = True):
+    """Full gradients from every rank's local ones, by the plan's placements and partial axes.
+    ``dp_mean``: each dp rank's loss is its own batch mean (the dp ranks' gradients are averaged); False:
+    the ranks' losses are sums (token-weighted, :func:`run_sim_token_weighted`), their gradients added."""
     mesh = c.mesh
     full = {}
     for fqn, pp in c.plan.params.items():
@@ -21,7 +23,7 @@ def combine_grads(c, grads_per_rank):
                 vals = [pieces[r] for r in group]
                 if isinstance(pl, Replicate):
                     out = sum(vals) if ax in pp.grad_partial_axes else vals[0]
-                    if ax == "dp":
+                    if ax == "dp" and dp_mean:
                         out = out / len(vals)  # each dp rank's loss is its own batch mean
                 else:
                     true = pp.shape[pl.dim % len(pp.shape)]
@@ -62,6 +64,36 @@ def run_sim(c, inputs, backward: bool):
 
     world.communicator = communicator
     return run_threads(world, rank_fn)
+
+
+def run_sim_token_weighted(c, inputs):
+    """One training step of a plan compiled with ``token_weighted_loss=True`` (as ``parallelize`` does), with
+    the runtime's loss convention (``ParallelModule.train_step``): each rank's program returns the loss sum and
+    the target count of its own tokens (its dp slice of the batch, its cp share of the sequence), backward runs
+    on that sum, and the global mean divides by the count summed over the data axes (dp, cp). A plan the
+    plain :func:`run_sim` cannot check: under cp no rank's output is a mean of its own batch.
+    (global mean loss, full gradients by FQN)."""
+    mesh = c.mesh
+    world = ThreadedWorld(mesh)
+    state = c.captured.state_values()
+    dp = mesh.size("dp")
+
+    def rank_fn(r):
+        local = {k: v.detach().clone().requires_grad_(k in c.captured.params) for k, v in
+                 c.local_state(r, state).items()}
+        mine = tuple(t.chunk(dp)[mesh.coords(r).get("dp", 0)] for t in inputs)
+        total, count = c.run_local(r, local, mine)
+        total.backward()
+        return total.detach(), count.detach(), {k: v.grad for k, v in local.items() if k in c.captured.params}
+
+    results = run_threads(world, rank_fn)
+    # one rank per piece of the data: the others (tp) hold the same sum and count
+    data = [r for r in range(mesh.size())
+            if all(v == 0 for ax, v in mesh.coords(r).items() if ax not in ("dp", "cp"))]
+    total = sum(results[r][0] for r in data)
+    count = sum(results[r][1] for r in data)
+    grads = combine_grads(c, [g for _, _, g in results], dp_mean=False)
+    return total / count, {k: g / count for k, g in grads.items()}
 
 
 def rank_args(c, r, inputs, state):

@@ -5,8 +5,10 @@ losses, the clip norms and the unclipped gradients of the last step with the sin
 relative (fp32), as tests/test_runtime.py does for tp/dp. The CI tier keeps each attention variant once
 (ring, allgather, Ulysses a2a) on llama3-tiny, cp x tp with sequence parallelism, dp x cp and unmodified
 Hugging Face Llama (causal mask and GQA repeat_kv recognised) under ring; cp=4, "auto" and HF Llama under
-allgather run with -m slow. The attention kernels themselves (every variant against torch's SDPA, the
-load-balanced chunks) are tests/test_cp_attention.py.
+allgather run with -m slow. 4-layer HF Llama / Qwen3 / Mistral, planned from 2 captured layers (mcompile.repeat),
+train at parity in threads (HF Llama cp=2 in CI, every layout with -m slow) and on the pool with -m slow. The
+attention kernels themselves (every variant against torch's SDPA, the load-balanced chunks) are
+tests/test_cp_attention.py.
 """
 
 from __future__ import annotations
@@ -35,12 +37,49 @@ CASES = [("llama3-tiny", "cp=2", {"cp_attention": v}) for v in ("ring", "allgath
     ("llama3-tiny", "pp=2,cp=2", {"cp_attention": "a2a", "microbatches": 2, "schedule": "gpipe"}),
 ]
 _CI = CASES[:3] + [CASES[4], CASES[5], CASES[8], CASES[9]]  # + cp x tp (SP), dp x cp, HF Llama ring, pp x cp
+# unmodified HF RoPE + GQA causal LMs of 4 layers, planned from 2 captured layers and repeated (mcompile.repeat), their
+# causal mask and repeat_kv rewritten for cp (passes/attention) before the repeated group is located (a KeyError in
+# repeat_captured when the rewrite came after it). On the worker pool with -m slow (the runtime's whole path); every
+# layout in threads below (test_repeated_rope_models_train_at_parity_in_threads), HF Llama cp=2 in CI
+CASES += [(f"hf-{f}-4l", "cp=2", {"cp_attention": "ring"}) for f in ("llama", "qwen3", "mistral")] + \
+    [("hf-llama-4l", mesh, {"cp_attention": "ring", **extra})
+     for mesh, extra in (("cp=4", {}), ("cp=2,tp=2", {"sequence_parallel": True}), ("dp=2,cp=2", {}))]
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name,mesh,options", tiered(CASES, _CI))
 def test_cp_parity(name, mesh, options):
     check_parity(name, mesh, options, rel=REL)
+
+
+# the default call (a DynamicCache whose empty tensors are lifted constants inside each layer) at every layout;
+# use_cache=False at cp=2
+_THREADED = [(f"hf-{f}-4l", mesh) for f in ("llama", "qwen3", "mistral")
+             for mesh in ("cp=2", "cp=4", "cp=2,tp=2", "dp=2,cp=2")] + \
+    [(f"hf-{f}-4l-nocache", "cp=2") for f in ("llama", "qwen3", "mistral")]
+
+
+@pytest.mark.parametrize("name,mesh", tiered(_THREADED, _THREADED[:1]))
+def test_repeated_rope_models_train_at_parity_in_threads(name, mesh):
+    """4-layer HF Llama / Qwen3 / Mistral under cp, planned from 2 captured layers: every rank's program run
+    together in threads (runtime.sim) gives the single-device loss and every gradient (fp32, 1e-5), the loss
+    reduced as the runtime reduces it (sim_harness.run_sim_token_weighted)."""
+    from sim_harness import run_sim_token_weighted
+
+    model, inputs = build(name, batch=4)
+    c = mc.compile_plan(model, mc.Mesh.parse(mesh), inputs, token_weighted_loss=True, cp_attention="ring",
+                        sequence_parallel="tp" in mesh)
+    assert c.short is not None and [(b.keep, b.depth) for b in c.captured.blocks] == [(2, 4)]
+    assert c.canonical["causal_masks"] == 2 and c.canonical["gqa_unrepeated"] == 2  # the short model's 2 layers
+    loss, grads = run_sim_token_weighted(c, inputs)
+    model.zero_grad()
+    ref = model(*inputs)
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=REL, abs=0)
+    assert sorted(grads) == sorted(k for k, _ in model.named_parameters())
+    for k, p in model.named_parameters():
+        err = ((grads[k] - p.grad).norm() / p.grad.norm()).item()
+        assert err <= REL, (k, err)
 
 
 def _plan(name, cp, **kw):

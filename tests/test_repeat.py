@@ -101,7 +101,11 @@ def both(name, mesh, sp=False, **kw):
 
 
 CASES = [("llama3-tiny", "dp=2,tp=2", True), ("hf-llama", "tp=2", False), ("hf-gpt2", "tp=2", True),
-         ("llama3-tiny", "pp=2,tp=2", False)]
+         ("llama3-tiny", "pp=2,tp=2", False),
+         # cp rewrites the causal mask before the run and GQA's repeat_kv inside each layer (passes/attention):
+         # the repeated group is located in the rewritten graph (a KeyError in repeat_captured when it was not;
+         # CI: tests/test_cp.py::test_repeated_rope_models_train_at_parity_in_threads)
+         ("hf-llama", "cp=2", False)]
 
 
 @pytest.mark.parametrize("name,mesh,sp", [pytest.param(*c, marks=pytest.mark.slow) if c[0] == "hf-llama" else c
@@ -140,6 +144,35 @@ def test_runs_of_each_family_give_the_full_capture_plan_and_programs(name):
     _, _, full, rep = both(name, "tp=2")
     assert full.short is None and rep.short is not None
     assert [(b.list_path, b.start, b.period, b.depth) for b in rep.captured.blocks] == PRESET_DEPTHS[name][0]
+
+
+_CP = [(f"hf-{f}-4l{c}", mesh) for f in ("llama", "qwen3", "mistral") for c in ("-nocache", "")
+       for mesh in ("cp=2", "cp=4", "cp=2,tp=2", "dp=2,cp=2")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,mesh", _CP)
+def test_repeated_rope_models_under_cp_give_the_full_capture_plan(name, mesh):
+    """4-layer HF Llama / Qwen3 / Mistral (4 heads over 2 K/V heads) under cp: the plan from 2 captured layers is
+    the whole capture's — parameters and placements, the collectives in order with their layers; with
+    use_cache=False every rank's program node for node. (The default call's DynamicCache lifts empty tensors in
+    each layer, which torch.export numbers model-wide and lists after every parameter: the repeated copies are
+    named after the captured layer's and listed with it, so those programs differ in placeholders only.)"""
+    from conftest import build
+
+    model, inputs = build(name, batch=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = compile_plan(model, Mesh.parse(mesh), inputs, repeat_blocks=False, sequence_parallel="tp" in mesh)
+        rep = compile_plan(model, Mesh.parse(mesh), inputs, sequence_parallel="tp" in mesh)
+    assert full.short is None and rep.short is not None
+    assert rep.plan.params == full.plan.params
+    assert [dataclasses.replace(s, node="", origin="") for s in rep.plan.collectives] == \
+        [dataclasses.replace(s, node="", origin="") for s in full.plan.collectives]
+    if name.endswith("-nocache"):
+        assert structure(rep.captured.gm) == structure(full.captured.gm)
+        for r in range(full.mesh.size()):
+            assert structure(rep.program(r)) == structure(full.program(r)), r
 
 
 def test_per_layer_side_values_are_collected_from_every_repeated_layer():
