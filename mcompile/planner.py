@@ -294,20 +294,12 @@ def latent_hints(cap: Captured) -> dict[str, object]:
     does a norm whose output reaches attention before any projection (OLMo-2's k_norm over all of a GQA
     key's heads: the key itself, split by heads like the query, its norm's statistics all-reduced)."""
     hints: dict[str, object] = {}
-    for node in cap.gm.graph.nodes:
-        if node.op != "call_function" or node.target is not aten.linear.default:
-            continue
-        w = node.args[1]
-        if getattr(w, "name", None) not in cap.params or w.meta["val"].ndim != 2:
-            continue
-        width = int(w.meta["val"].shape[0])
-        if int(w.meta["val"].shape[1]) <= width or _after_contraction(node.args[0]):
+    for node, w, (width, fan_in) in _linears(cap):
+        if fan_in <= width or _after_contraction(node.args[0]):
             continue  # not a down-projection, or the second half of a pair (an MLP's down, attention's out)
         if _reaches(node, lambda u, cur, width=width: _whole_width(u, cur, width) and (
                 u.target is aten.expand.default or _reaches(u, lambda v, _, cap=cap: _reads_weight(v, cap)))):
-            hints[w.name] = R
-            if len(node.args) > 2 and getattr(node.args[2], "name", None) in cap.params:
-                hints[node.args[2].name] = R
+            _whole(hints, node, w, cap)
     return hints
 
 
@@ -362,6 +354,23 @@ def _after_contraction(x) -> bool:
 _SCORES = (aten.matmul.default, aten.bmm.default)
 
 
+def _linears(cap: Captured):
+    """``(node, weight placeholder, (out, in))`` of every linear whose weight is a 2-D parameter."""
+    for node in cap.gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.linear.default:
+            continue
+        w = node.args[1]
+        if getattr(w, "name", None) in cap.params and w.meta["val"].ndim == 2:
+            yield node, w, tuple(int(d) for d in w.meta["val"].shape)
+
+
+def _whole(hints: dict, node: torch.fx.Node, w: torch.fx.Node, cap: Captured):
+    """Hint a linear's weight (and its bias) replicated."""
+    hints[w.name] = R
+    if len(node.args) > 2 and getattr(node.args[2], "name", None) in cap.params:
+        hints[node.args[2].name] = R
+
+
 def router_hints(cap: Captured) -> dict[str, object]:
     """MoE routers stay replicated over tp, as Megatron keeps them: a linear to a few outputs (one per
     expert, at most half the input width) whose scores reach a top-k before any contraction. Sharded over
@@ -369,17 +378,9 @@ def router_hints(cap: Captured) -> dict[str, object]:
     from mcompile.moe import moe_ffn
 
     hints: dict[str, object] = {}
-    for node in cap.gm.graph.nodes:
-        if node.op != "call_function" or node.target is not aten.linear.default:
-            continue
-        w = node.args[1]
-        if getattr(w, "name", None) not in cap.params or w.meta["val"].ndim != 2:
-            continue
-        experts, width = (int(d) for d in w.meta["val"].shape)
+    for node, w, (experts, width) in _linears(cap):
         if 2 * experts <= width and _reaches(node, lambda u, cur: u.target in (aten.topk.default, moe_ffn), depth=6):
-            hints[w.name] = R
-            if len(node.args) > 2 and getattr(node.args[2], "name", None) in cap.params:
-                hints[node.args[2].name] = R
+            _whole(hints, node, w, cap)
     return hints
 
 

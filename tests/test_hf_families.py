@@ -21,7 +21,7 @@ import warnings
 
 import pytest
 import torch
-from sim_harness import combine_grads, run_sim
+from sim_harness import assert_sim_parity
 
 from mcompile.models.hf import CausalLMLoss
 
@@ -133,35 +133,13 @@ def test_parity_tp2(family, call):
     sharded = [fqn for fqn, pp in c.plan.params.items() if any(not p.__class__.__name__ == "Replicate"
                                                                for p in pp.placements)]
     assert len(sharded) >= 8, sharded
-    model.zero_grad()
-    ref_loss = model(*inputs)
-    ref_loss.backward()
-    ref = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
-    results = run_sim(c, inputs, backward=True)
-    for loss, _, _ in results:
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
-    full = combine_grads(c, [g for _, g, _ in results])
-    assert set(ref) <= set(full)
-    for fqn, want in ref.items():
-        torch.testing.assert_close(full[fqn], want, rtol=1e-5, atol=1e-5 * float(want.abs().max()),
-                                   msg=lambda m, fqn=fqn: f"{family} {fqn}: {m}")
+    assert_sim_parity(c, model, inputs, family)
 
 
 def _parity(family, call, c, model, inputs):
     """Loss and every gradient against the single-device model, through the thread simulator (tolerances:
     test_parity_tp2)."""
-    model.zero_grad()
-    ref_loss = model(*inputs)
-    ref_loss.backward()
-    ref = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
-    results = run_sim(c, inputs, backward=True)
-    for loss, _, _ in results:
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=0)
-    full = combine_grads(c, [g for _, g, _ in results])
-    assert set(ref) <= set(full)
-    for fqn, want in ref.items():
-        torch.testing.assert_close(full[fqn], want, rtol=1e-5, atol=1e-5 * float(want.abs().max()),
-                                   msg=lambda m, fqn=fqn: f"{family} {fqn}: {m}")
+    assert_sim_parity(c, model, inputs, family)
 
 
 # Megatron's layout per family at tp=2: (the projections read from the replicated stream: column-parallel,

@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from sim_harness import combine_grads, run_sim
+from sim_harness import assert_sim_parity
 
 from mcompile.api import compile_plan
 from mcompile.mesh import Mesh
@@ -111,19 +111,7 @@ def _forward_tp_per_layer(c) -> dict[int, Counter]:
 
 
 def _parity(model, c, inputs):
-    """Loss and every gradient of the thread-simulated tp ranks against the single-device model. fp32, another
-    summation order over the tp pieces: ~1e-7 relative measured, so rtol 1e-5 (atol 1e-5 of the largest entry)."""
-    model.zero_grad()
-    ref = model(*inputs)
-    ref.backward()
-    want = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
-    results = run_sim(c, inputs, backward=True)
-    for loss, _, _ in results:
-        torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=0)
-    got = combine_grads(c, [g for _, g, _ in results])
-    for fqn, w in want.items():
-        torch.testing.assert_close(got[fqn], w, rtol=1e-5, atol=1e-5 * float(w.abs().max()),
-                                   msg=lambda m, f=fqn: f"{f}: {m}")
+    assert_sim_parity(c, model, inputs)
 
 
 @pytest.mark.timeout(300)
