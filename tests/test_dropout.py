@@ -148,7 +148,10 @@ def test_bert_tp2_equals_one_rank_in_the_simulator(tmp_path, monkeypatch):
 
 
 _CASES = [("dp=2,tp=2", {}), ("pp=2", {"microbatches": 2})]
-_CI = [("pp=2", {"microbatches": 2})]
+# both slow: a 1-rank and a 2- or 4-rank gloo pool, each building HF BERT and training 3 steps, take minutes on 2
+# shared cores (pp=2: 58 s plus 71 s for the 1-rank oracle measured, 166 + 105 s under a load of 19), not the
+# < 15 s a CI real-process case may cost; the simulator case above is the CI tier's parity check
+_CI: list = []
 
 
 @pytest.fixture(scope="module")
