@@ -80,12 +80,29 @@ class Compiled:
             out[ph] = t
         return out
 
-    def run_local(self, rank: int, local_state: dict, inputs: tuple, kwargs: dict | None = None):
+    def run_local(self, rank: int, local_state: dict, inputs: tuple, kwargs: dict | None = None, *,
+                  seed: int = 0, step: int = 0):
+        """Rank ``rank``'s program on its pieces of the state and its data-parallel slice of the batch
+        (``inputs``: equal slices in data-rank order); training-mode dropout draws from (``seed``, ``step``)."""
+        from mcompile.dropout import RNG_INPUT, rng_state
+
         gm = self.program(rank)
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        user = dict(zip(self.captured.user_inputs, _flat_inputs(self.captured, inputs, kwargs or {})))
+        flat = _flat_inputs(self.captured, inputs, kwargs or {})
+        user = dict(zip(self.captured.user_inputs, flat))
+        if RNG_INPUT in names:  # this slice's first row in the global batch: its data rank's
+            rows = next((int(t.shape[0]) for t in flat if isinstance(t, torch.Tensor) and t.ndim), 0)
+            user[RNG_INPUT] = rng_state(seed, step, self.data_rank(rank) * rows)
         args = [local_state[n] if n in local_state else user[n] for n in names]
         return gm(*args)
+
+    def data_rank(self, rank: int) -> int:
+        """``rank``'s index among the ranks the batch is split over (dp, then ep: runtime/module.py's order)."""
+        coords, index = self.mesh.coords(rank), 0
+        for a in self.mesh.axis_names:
+            if a in ("dp", "ep"):
+                index = index * self.mesh.size(a) + coords[a]
+        return index
 
 
 def _lower(compiled: Compiled, rank: int, device=None):
@@ -95,11 +112,13 @@ def _lower(compiled: Compiled, rank: int, device=None):
 
     if compiled.short is None:
         return lower_program(compiled.captured, compiled.axis_infos(rank), device)
-    from mcompile.meta import COLLECTIVE, COLLECTIVES
+    from mcompile.meta import COLLECTIVE, COLLECTIVES, ORIGIN
+    from mcompile.passes.dropout import rekey
     from mcompile.repeat import repeat_lowered
 
     gm, _ = lower_program(compiled.short, compiled.axis_infos(rank), device)
     repeat_lowered(gm, compiled.captured.blocks)
+    rekey(gm, ORIGIN)  # each repeated block's dropouts draw their own masks
     specs = []
     for n in gm.graph.nodes:
         specs += [n.meta[COLLECTIVE]] if COLLECTIVE in n.meta else []

@@ -19,10 +19,13 @@ line and what to do:
   the batch: when the batch is split (dp, microbatches) each piece would count only its own ids.
 - ``sparse=True`` embeddings (a sparse weight gradient): parameters are DTensors with dense,
   reduced and sharded gradients (when the programs are to run).
-- dropout in training mode (``p > 0``) under tensor parallelism: a rank-local mask on a sharded
-  activation repeats the other ranks' masks, and a replicated activation needs the same mask on every
-  tp rank; both need Megatron's per-rank RNG streams (Korthikanti et al. 2022, §4.3; Megatron's
-  ``CudaRNGStatesTracker``), which mcompile does not have yet.
+- dropout in training mode (``p > 0``) drawn from torch's generator under tensor parallelism:
+  ``native_dropout``, ``feature_dropout`` (``nn.Dropout2d``/``3d``), ``alpha_dropout`` and
+  ``feature_alpha_dropout``. A rank-local mask on a sharded activation repeats the other ranks' masks, and
+  a replicated activation needs the same mask on every tp rank. ``F.dropout`` / ``nn.Dropout``
+  (``aten.dropout``) and attention dropout (``scaled_dot_product_attention(dropout_p=)``, rewritten into
+  its math form by passes/canonicalize.py) are lowered to masks from global indices instead
+  (mcompile/dropout.py, passes/dropout.py), the same on every layout.
 """
 
 from __future__ import annotations
@@ -45,10 +48,13 @@ def _where(node: fx.Node) -> str:
     return f" (at {line})" if line else ""
 
 
+_TORCH_RNG_DROPOUTS = (aten.feature_dropout.default, aten.alpha_dropout.default, aten.feature_alpha_dropout.default)
+
+
 def training_dropout_p(node: fx.Node) -> float:
     """The drop probability of a dropout that is active in this graph, else 0."""
     a = node.args
-    if node.target is aten.dropout.default:
+    if node.target is aten.dropout.default or node.target in _TORCH_RNG_DROPOUTS:
         return float(a[1]) if a[2] else 0.0
     if node.target is aten.native_dropout.default:
         train = a[2] if len(a) > 2 else node.kwargs.get("train", True)
@@ -93,12 +99,12 @@ def check_arguments(gm: fx.GraphModule, mesh: Mesh, microbatches: int = 1, runti
                 "lookup computes a dense one). Use sparse=False (and a dense optimizer)."
             )
         p = training_dropout_p(node)
-        if p > 0 and tp > 1 and runtime:
-            sdpa = node.target is aten.scaled_dot_product_attention.default
-            what = "scaled_dot_product_attention(dropout_p=" if sdpa else "dropout(p="
+        torch_rng = node.target is aten.native_dropout.default or node.target in _TORCH_RNG_DROPOUTS
+        if p > 0 and tp > 1 and runtime and torch_rng:
+            what = node.target.__name__.split(".")[0]
             raise PlanError(
-                f"{what}{p}) runs in training mode{_where(node)}, and tensor parallelism (tp={tp}) needs per-rank "
-                "random streams for it (a sharded activation needs a different mask on each tp rank, a replicated "
-                "one the same mask), which mcompile does not provide yet. Build the model with dropout 0 (e.g. "
-                "hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), or use a layout without tp."
+                f"{what}(p={p}) runs in training mode{_where(node)}, and draws its mask from torch's generator, "
+                f"which under tensor parallelism (tp={tp}) would repeat one rank's mask on the others' pieces. "
+                "mcompile gives layout-independent masks to F.dropout / nn.Dropout and attention dropout: use "
+                "those, build the model with this dropout at 0, or use a layout without tp."
             )

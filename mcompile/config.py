@@ -69,6 +69,9 @@ class Config:
     # a model built on the meta device is initialised with its own initialisation, each tensor's generator
     # seeded from (init_seed, its name): the same values on every layout (mcompile.runtime.init)
     init_seed: int = 0
+    # training-mode dropout's masks are a function of (dropout_seed, the step, the dropout node, each element's
+    # index in the single-device tensor): the same on every layout (mcompile/dropout.py); < 2**32
+    dropout_seed: int = 0
     # parallelize captures once: rank 0 runs torch.export (or finds the capture in the on-disk cache,
     # $MCOMPILE_CACHE, default ~/.cache/mcompile/captures) and broadcasts it (mcompile.capture_cache);
     # False: rank 0 still captures for all, but neither reads nor writes the on-disk cache
@@ -149,6 +152,9 @@ class Config:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} must be a positive number of seconds")
         if not isinstance(self.init_seed, int) or isinstance(self.init_seed, bool) or self.init_seed < 0:
             raise ValueError(f"init_seed={self.init_seed!r} must be an integer >= 0")
+        if not isinstance(self.dropout_seed, int) or isinstance(self.dropout_seed, bool) or \
+                not 0 <= self.dropout_seed < 2**32:
+            raise ValueError(f"dropout_seed={self.dropout_seed!r} must be an integer in [0, 2**32)")
         self._check_fp8()
 
     def _check_fp8(self):

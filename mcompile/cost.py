@@ -218,7 +218,7 @@ import torch.fx as fx
 from mcompile import memory_model as MM
 from mcompile.annotate import BACKWARD_MULTIPLIER, MATMUL_CATEGORIES, layer_index, layer_path, node_cost
 from mcompile.hardware import Hardware, get_hardware
-from mcompile.meta import BYTES_READ, BYTES_WRITTEN, FLOPS, OUT_BYTES
+from mcompile.meta import ATTENTION_CORE, BYTES_READ, BYTES_WRITTEN, FLOPS, OUT_BYTES
 from mcompile.placements import BlockShard, Partial, Shard
 
 __all__ = [
@@ -843,7 +843,8 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
         if mode == "full":
             rec = members
         elif mode == "selective":
-            rec = [n for n in members if _op_class(_cat(n)) == "attention" or _cat(n) == "softmax"]
+            rec = [n for n in members if _op_class(_cat(n)) == "attention" or _cat(n) == "softmax"
+                   or n.meta.get(ATTENTION_CORE)]
         keep = lambda x: BATCH in sympy.sympify(x.meta.get(OUT_BYTES, 0)).subs(sub).free_symbols  # noqa: E731
         e = MM.saved_for_backward(members, is_param=is_param, local_fraction=local_fraction, recomputed=rec,
                                   keep_input=keep, needs_grad=needs_grad)

@@ -63,11 +63,13 @@ last stage's final norm input, head input and fp32 logits 4sbh/t·(1 + v/h)-ish;
 
 Graph path (:func:`saved_for_backward`): the tensors autograd would keep, read off the captured
 graph by op rule — a linear keeps its activation input, SDPA its q, k, v, output and log-sum-exp, a
-norm or a non-linear pointwise op its input, a product its inputs, softmax its output, dropout
-(p > 0) its 1-byte mask; views resolve to the tensor they alias and each tensor counts once. A
-recomputed region keeps its inputs from outside instead of what its own nodes save. It reflects
-the kernels the model really uses (flash attention: no s² term) and any architecture. A routed MoE
-layer (one ``moe_ffn`` call) is counted by :func:`moe_saved_bytes` from its shapes.
+norm or a non-linear pointwise op its input, a product its inputs, softmax its output; dropout keeps
+nothing (mcompile recomputes its mask from a counter in backward, mcompile/dropout.py, where Megatron
+keeps a 1-byte mask: Korthikanti's formula counts it); views resolve to the tensor they alias and
+each tensor counts once. A recomputed region keeps its inputs from outside instead of what its own
+nodes save. It reflects the kernels the model really uses (flash attention: no s² term) and any
+architecture. A routed MoE layer (one ``moe_ffn`` call) is counted by :func:`moe_saved_bytes` from its
+shapes.
 
 In-flight microbatches (activations of how many microbatches a pipeline stage holds at its peak)
 -------------------------------------------------------------------------------------------------
@@ -422,18 +424,15 @@ def _saved_by(node: fx.Node, is_param: Callable[[fx.Node], bool],
         if isinstance(out, torch.Tensor) and out.dim() >= 2:  # fp32 log-sum-exp per (batch, head, query)
             kept.append((node, "lse", numel(out) / _to_expr(out.shape[-1]) * 4))
         return kept
-    if pk is aten.dropout:
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.0)
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        if not train or not p:
-            return []
-        return [(node, "mask", numel(node.meta["val"]))]  # 1 byte per element
+    if pk is aten.dropout:  # lowered to mcompile::dropout, whose backward recomputes the mask (passes/dropout.py)
+        return []
     if pk in _KEEPS_ACTIVATION_INPUTS:
         ins = [a for a in node.all_input_nodes if _is_tensor_node(a)]
 
-        def for_another(a):  # a is kept for the gradient of another operand (x * x: of itself)
+        def for_another(a):  # a is kept for the gradient of another operand (x * x: of itself; x * 0.125 keeps
+            # nothing: the other operand is a number)
             return needs_grad is None or any(needs_grad(b) for b in ins if b is not a) or (
-                len(ins) == 1 and needs_grad(a))
+                sum(x is a for x in node.args) > 1 and needs_grad(a))
         return [(a, "tensor", None) for a in acts if a.meta["val"].dim() > 0 and for_another(a)]
     if pk in _KEEPS_INPUT:
         return [(acts[0], "tensor", None)] if acts else []

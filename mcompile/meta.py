@@ -23,6 +23,9 @@ COLLECTIVE = "mc_collective"  # mcompile.plan.CollectiveSpec on every inserted c
 COLLECTIVES = "mc_collectives"  # list[CollectiveSpec]: a node that runs several inside (MoE dispatch, cp attention)
 ORIGIN = "mc_origin"  # str: name of the captured-graph node this local node implements
 LAYER = "mc_layer"  # int | None: transformer layer index (reporting only), from nn_module_stack
+# bool: a node of an attention written out in ops (an SDPA with dropout, passes/canonicalize.py): selective
+# recompute's attention core, like an SDPA node (passes/recompute.py, mcompile/cost.py)
+ATTENTION_CORE = "mc_attention_core"
 PARAM_FQN = "mc_param_fqn"  # str: original FQN on parameter/buffer placeholders
 
 # Later per-rank passes (their values are set by the pass named).

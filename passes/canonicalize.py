@@ -27,22 +27,25 @@ import torch
 import torch.fx as fx
 
 from mcompile import meta as M
+from mcompile.meta import ATTENTION_CORE
 
 aten = torch.ops.aten
 
 
-def _fake_call(target, args, kwargs=None):
-    """Run ``target`` on the fake values of its node arguments: the new node's ``meta["val"]``."""
+def _fake_call(target, args, kwargs=None, like: fx.Node | None = None):
+    """Run ``target`` on the fake values of its node arguments: the new node's ``meta["val"]`` (in the
+    fake mode of a tensor argument, or of ``like``'s value for a factory such as ``arange(size)``)."""
     vals = fx.node.map_aggregate(args, lambda a: a.meta["val"] if isinstance(a, fx.Node) else a)
-    mode = next(a.meta["val"].fake_mode for a in fx.node.map_aggregate(args, lambda a: a) if
-                isinstance(a, fx.Node) and hasattr(a.meta.get("val"), "fake_mode"))
+    nodes = [a for a in fx.node.map_aggregate(args, lambda a: a) if isinstance(a, fx.Node)]
+    mode = next(a.meta["val"].fake_mode for a in nodes + ([like] if like is not None else [])
+                if hasattr(a.meta.get("val"), "fake_mode"))
     with mode:
         return target(*vals, **(kwargs or {}))
 
 
-def _new(graph: fx.Graph, target, args, like: fx.Node) -> fx.Node:
-    n = graph.call_function(target, args)
-    n.meta["val"] = _fake_call(target, args)
+def _new(graph: fx.Graph, target, args, like: fx.Node, kwargs: dict | None = None) -> fx.Node:
+    n = graph.call_function(target, args, kwargs or {})
+    n.meta["val"] = _fake_call(target, args, kwargs, like)
     for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
         if k in like.meta:
             n.meta[k] = like.meta[k]
@@ -226,10 +229,74 @@ def drop_empty_cats(gm: fx.GraphModule) -> int:
     return count
 
 
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def attention_dropout_to_math(gm: fx.GraphModule) -> int:
+    """``scaled_dot_product_attention(..., dropout_p=p > 0)`` -> its math form with an explicit
+    ``aten.dropout`` of the probabilities: ``dropout(softmax(q kᵀ · scale + mask), p) v``.
+
+    A fused attention draws its dropout mask inside the kernel from torch's generator; mcompile's masks
+    come from a counter over global indices (mcompile/dropout.py), so the probabilities must be a value
+    of the graph (torch's own math backend computes the same expression). Models in eval mode pass
+    dropout_p=0 and keep their fused attention."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        args = list(node.args) + [None] * (8 - len(node.args))
+        a = {k: node.kwargs.get(k, args[i]) for i, k in enumerate(_SDPA_ARGS)}
+        p = a["dropout_p"]
+        if not p:
+            continue
+        if not isinstance(p, float | int):
+            raise NotImplementedError(f"{node.name}: attention dropout_p={p} computed in the graph: pass a number")
+        if a["enable_gqa"]:
+            raise NotImplementedError(f"{node.name}: attention dropout with enable_gqa=True: repeat the key/value "
+                                      "heads before the attention (transformers' repeat_kv) or train with "
+                                      "attention dropout 0")
+        q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
+        qv = q.meta["val"]
+        scale = a["scale"] if a["scale"] is not None else float(qv.shape[-1]) ** -0.5
+        g = gm.graph
+        before = set(g.nodes)
+        with g.inserting_before(node):
+            # the scale on the scores, as Megatron's baddbmm(alpha=) does (a scaled copy of q would be kept)
+            kt = _new(g, aten.transpose.int, (k, -2, -1), node)
+            scores = _new(g, aten.mul.Tensor, (_new(g, aten.matmul.default, (q, kt), node), scale), node)
+            if a["is_causal"]:  # torch's is_causal: query i sees keys j <= i (top-left aligned)
+                dev = qv.device
+                rows = _new(g, aten.arange.default, (_new(g, aten.sym_size.int, (q, qv.ndim - 2), node),), node,
+                            {"device": dev})
+                cols = _new(g, aten.arange.default, (_new(g, aten.sym_size.int, (k, qv.ndim - 2), node),), node,
+                            {"device": dev})
+                above = _new(g, aten.gt.Tensor, (_new(g, aten.unsqueeze.default, (cols, 0), node),
+                                                 _new(g, aten.unsqueeze.default, (rows, 1), node)), node)
+                scores = _new(g, aten.masked_fill.Scalar, (scores, above, float("-inf")), node)
+            if isinstance(mask, fx.Node) and mask.meta["val"].dtype == torch.bool:
+                hidden = _new(g, aten.logical_not.default, (mask,), node)
+                scores = _new(g, aten.masked_fill.Scalar, (scores, hidden, float("-inf")), node)
+            elif isinstance(mask, fx.Node):
+                scores = _new(g, aten.add.Tensor, (scores, mask), node)
+            probs = _new(g, aten.softmax.int, (scores, -1), node)
+            probs = _new(g, aten.dropout.default, (probs, float(p), True), node)
+            out = _new(g, aten.matmul.default, (probs, v), node)
+        for n in set(g.nodes) - before:  # the nodes made above: selective recompute's attention core
+            n.meta[ATTENTION_CORE] = True
+        node.replace_all_uses_with(out)
+        g.erase_node(node)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
 def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
     return {
         "functional_inplace": functional_inplace(gm),
         "transposed_weight_to_linear": transposed_weight_to_linear(gm),
+        "attention_dropout_to_math": attention_dropout_to_math(gm),
         "drop_noop_slices": drop_noop_slices(gm),
         "drop_empty_cats": drop_empty_cats(gm),
         "conv1d_to_matmul": conv1d_to_matmul(gm),

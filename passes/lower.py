@@ -31,6 +31,7 @@ from mcompile import meta as M
 from mcompile.annotate import layer_index
 from mcompile.capture import Captured
 from mcompile.ops import OPS
+from mcompile.passes.dropout import is_training_dropout, lower_dropout
 from mcompile.placements import BlockShard, Partial, Replicate, Shard
 from mcompile.plan import CollectiveKind, CollectiveSpec
 from mcompile.planner import vocab_local_size
@@ -139,6 +140,9 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                 for d, s in enumerate(node.meta["val"].shape):
                     if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol and s.node.expr not in sources:
                         sources[s.node.expr] = (new, d)
+    # training-mode dropout draws its masks from (seed, step, batch offset): one small input of the program,
+    # the same tensor for every dropout (passes/dropout.py, mcompile/dropout.py)
+    rng = _rng_input(g, src) if any(is_training_dropout(n) for n in src.graph.nodes) else None
     sym = _Sym(g, sources)
     # a symbolic size used as a value, not a shape (a mean written as sum / numel, the tokens-per-expert
     # fraction of a load-balancing loss), is the single-device model's: over the batch of every rank
@@ -402,6 +406,15 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                 )
             want[a.name] = fetch(a, tuple(req), tuple(pg))
         lowering = next((s.lowering for s in strategies if s is not None and s.lowering), None)
+        if lowering is None and is_training_dropout(node):
+            x_node = node.args[0]
+            in_pl = tuple(s.inputs[0] if s is not None else R for s in strategies)
+            new = lower_dropout(g, node, want[x_node.name], in_pl, axes, sym, bsym, seq_sym, rng, device)
+            _copy_meta(node, new)
+            env[node.name] = new
+            place[node.name] = tuple(s.outputs[0] if s is not None and s.outputs else R for s in strategies)
+            tag(node.name)
+            continue
         out_pl = tuple(s.outputs if len(s.outputs) > 1 else (s.outputs[0] if s.outputs else None) for s in strategies)
         if lowering is not None:
             ax_i = next(i for i, s in enumerate(strategies) if s is not None and s.lowering)
@@ -429,6 +442,19 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
     return gm, specs
 
 
+def _rng_input(g: fx.Graph, src: fx.Graph) -> fx.Node:
+    """The program input ``mc_rng`` (int64 [3]: seed, step, batch offset), after the captured ones."""
+    from mcompile.dropout import RNG_INPUT
+
+    node = g.placeholder(RNG_INPUT)
+    mode = next((n.meta["val"].fake_mode for n in src.graph.nodes if n.op == "placeholder"
+                 and hasattr(n.meta.get("val"), "fake_mode")), None)
+    if mode is not None:
+        with mode:
+            node.meta["val"] = torch.empty(3, dtype=torch.int64)
+    return node
+
+
 def _call(g: fx.Graph, node: fx.Node, args: tuple, kwargs: dict, device) -> fx.Node:
     """The op on local pieces, adapted to the device it will run on: a model captured on the meta device
     may have taken a branch for accelerators (transformers' load-balancing loss counts with ``histc``
@@ -447,6 +473,8 @@ def _copy_meta(node: fx.Node, new: fx.Node):
             new.meta[k] = node.meta[k]
     new.meta[M.ORIGIN] = node.name
     new.meta[M.LAYER] = layer_index(node)
+    if node.meta.get(M.ATTENTION_CORE):
+        new.meta[M.ATTENTION_CORE] = True
 
 
 def _arg(x, want, env, sym, device, glob=None):

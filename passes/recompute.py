@@ -49,7 +49,7 @@ def recompute_nodes(gm: fx.GraphModule, mode: str, method: str = "uniform", num_
             else:
                 raise ValueError(f"recompute method {method!r}: use 'uniform' or 'block'")
         elif mode == "selective":
-            if n.target is aten.scaled_dot_product_attention.default:
+            if n.target is aten.scaled_dot_product_attention.default or n.meta.get(M.ATTENTION_CORE):
                 out[n.name] = layers.index(layer)
         else:
             raise ValueError(f"recompute {mode!r}: use 'none', 'full' or 'selective'")

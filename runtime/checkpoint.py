@@ -445,7 +445,7 @@ def save(pm, path: str | Path, optimizer=None, extra: dict | None = None, async_
     inner = _inner(optimizer) if optimizer is not None else None
     meta = {"format": FORMAT, "digest": plan_digest(pm.plan), "mesh": pm.plan.mesh,
             "sequence_parallel": pm.plan.options.sequence_parallel, "zero": pm.config.zero,
-            "dtype": str(pm.config.dtype), "extra": extra or {},
+            "dtype": str(pm.config.dtype), "extra": extra or {}, "dropout_step": pm.dropout_step,
             "optimizer": type(inner).__name__ if inner is not None else None, "fp8": _fp8_meta(pm, histories)}
     if not async_save:
         dcp.save(state, checkpoint_id=str(tmp_path), planner=_SavePlanner())
@@ -720,6 +720,7 @@ def load(pm, path: str | Path, optimizer=None, fp8_state: bool = True) -> dict:
                         seen.setdefault(key, v)
                     elif not isinstance(v, torch.Tensor) and key in state:
                         inner.state[p][name] = state[key]
+    pm.dropout_step = int(meta.get("dropout_step", 0))  # the masks go on where the saved run was
     return meta.get("extra", {})
 
 

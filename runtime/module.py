@@ -33,6 +33,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from mcompile import ops
 from mcompile.config import Config, Inputs
+from mcompile.dropout import RNG_INPUT, rng_state
 from mcompile.passes.overlap import grad_sink
 from mcompile.placements import BlockShard, Partial, unshard_tensors
 from mcompile.runtime.comm import DistCommunicator
@@ -151,6 +152,10 @@ class ParallelModule(torch.nn.Module):
         self._token_weighted = bool(compiled.canonical.get("mean_loss_to_sum_count"))
         self._tied = {fqn: ties for fqn, ties in cap.tied.items()}
         self._placeholders = [n.name for n in self._program.graph.nodes if n.op == "placeholder"]
+        # training-mode dropout (mcompile/dropout.py): the programs read (seed, step, batch offset) from an input;
+        # the step counts train_step and forward calls, and is saved in checkpoints
+        self._uses_rng = RNG_INPUT in self._placeholders
+        self.dropout_step = 0
         # parameters: rank 0's values, broadcast (never trust that every rank built the same weights);
         # those of a model built on the meta device: computed on every rank, piece by piece (runtime/init.py);
         # with ``weights=``: every rank reads its pieces from the checkpoint (runtime/weights.py), which wins
@@ -345,23 +350,40 @@ class ParallelModule(torch.nn.Module):
             pieces.append((tuple(move(cut(a)) for a in args), {k: move(cut(v)) for k, v in kwargs.items()}))
         return pieces
 
-    def _call_args(self, args: tuple, kwargs: dict, local: dict | None = None) -> list:
-        """The program's positional inputs for one piece of the batch."""
+    def _rng_states(self, pieces: list) -> list:
+        """Per piece of this step's batch, the dropout program input (mcompile/dropout.py): the seed, this step,
+        and the piece's first row in the global batch — this data rank's slice (dp x ep, in rank order; a
+        ``inputs="local"`` slice counts as one of equal slices), then the microbatch within it. Advances the
+        step. Empty when no program draws dropout masks."""
+        if not self._uses_rng:
+            return [None] * len(pieces)
+        step, self.dropout_step = self.dropout_step, self.dropout_step + 1
+        out = []
+        for i, (a, k) in enumerate(pieces):
+            rows = next((int(t.shape[0]) for t in list(a) + list(k.values()) if isinstance(t, torch.Tensor)
+                         and t.ndim), 0)
+            out.append(rng_state(self.config.dropout_seed, step, (self._batch_coord * len(pieces) + i) * rows,
+                                 self._device))
+        return out
+
+    def _call_args(self, args: tuple, kwargs: dict, local: dict | None = None, rng=None) -> list:
+        """The program's positional inputs for one piece of the batch (``rng``: its dropout input)."""
         local = local if local is not None else self._local_inputs()
         cap = self._compiled.captured
         user = list(args) + [kwargs[n] for n in cap.input_names[len(args):]]
         by_name = dict(zip(cap.user_inputs, user))
+        by_name[RNG_INPUT] = rng
         return [local[n] if n in local else by_name[n] for n in self._placeholders]
 
-    def _run(self, args: tuple, kwargs: dict, local: dict | None = None):
-        call = self._call_args(args, kwargs, local)
+    def _run(self, args: tuple, kwargs: dict, local: dict | None = None, rng=None):
+        call = self._call_args(args, kwargs, local, rng)
         with ops.bind(self._comm):
             return self._program(*call)
 
-    def _joint_step(self, args: tuple, kwargs: dict, local: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _joint_step(self, args: tuple, kwargs: dict, local: dict, rng=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one piece on the joint program; weight gradients added into the
         fp32 buffers. Returns (loss sum, token count)."""
-        call = self._call_args(args, kwargs, local)
+        call = self._call_args(args, kwargs, local, rng)
         runner = self._runner
         rec = self._comm.recorder  # the timeline (start_timeline): this call's F and B intervals
         t0 = rec.mark() if rec is not None else None
@@ -400,6 +422,7 @@ class ParallelModule(torch.nn.Module):
         """Forward + backward of the global batch; gradients accumulate into ``.grad``; returns the
         single-device loss of the global batch (detached 0-d tensor, no host sync)."""
         pieces = self._split(args, kwargs)
+        rngs = self._rng_states(pieces)
         if self._has_moe_ep:
             from mcompile.moe import clear_stash
 
@@ -413,17 +436,17 @@ class ParallelModule(torch.nn.Module):
         count = torch.zeros((), dtype=torch.float32, device=self._device)
         with ops.bind(self._comm, process_wide=True), grad_sink(leaves):  # backward: collectives, bucket launches
             if self._pipe is not None:  # the schedule's microbatches through this rank's stages
-                pipe_stats = self._pipe.reduce_results(self._pipe.run(pieces))
+                pipe_stats = self._pipe.reduce_results(self._pipe.run(pieces, rngs=rngs))
                 self._pipe.push_grads()  # weights tied across stages: summed, then their buckets reduce
                 total, count = pipe_stats[0], pipe_stats[1]
             local = self._local_inputs() if self._pipe is None else None
             for i, (a, k) in enumerate(pieces if self._pipe is None else ()):
                 leaves.armed = i == len(pieces) - 1
                 if self._runner is not None:
-                    loss_sum, c = self._joint_step(a, k, local)
+                    loss_sum, c = self._joint_step(a, k, local, rngs[i])
                 else:
                     t0 = rec.mark() if rec is not None else None
-                    loss_sum, c = self._loss_parts(self._run(a, k, local))
+                    loss_sum, c = self._loss_parts(self._run(a, k, local, rngs[i]))
                     if rec is not None:
                         rec.compute("F", t0)
                         t0 = rec.mark()
@@ -453,7 +476,7 @@ class ParallelModule(torch.nn.Module):
         pieces = self._split(args, kwargs) if self.config.microbatches == 1 else None
         if pieces is None:
             raise ValueError("forward runs the whole local batch at once: use a Config with microbatches=1")
-        out = self._run(*pieces[0])
+        out = self._run(*pieces[0], rng=self._rng_states(pieces)[0])
         loss_like = self._token_weighted or (isinstance(out, tuple | list) and len(out) == 1 and out[0].ndim == 0)
         if loss_like:
             total, count = self._loss_parts(out)
@@ -474,7 +497,8 @@ class ParallelModule(torch.nn.Module):
         ndim and shape) sized by a one-element broadcast before it, then each output into a buffer
         the others allocate from the header."""
         with ops.bind(self._comm, process_wide=True):
-            results = self._pipe.run(self._split(args, kwargs), forward_only=True)
+            pieces = self._split(args, kwargs)
+            results = self._pipe.run(pieces, forward_only=True, rngs=self._rng_states(pieces))
         if self._token_weighted:
             stats = self._pipe.reduce_results(results)
             if self._data_size > 1:  # every data rank's tokens: dp, cp (each rank's share of a sequence) and ep

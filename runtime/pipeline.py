@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mcompile.dropout import RNG_INPUT
 from mcompile.runtime.launch import process_group
 from mcompile.runtime.schedules import Action
 from mcompile.timeline import clock_for
@@ -933,7 +934,7 @@ class Pipeline:
         return out
 
     # -- running --------------------------------------------------------------------------------------
-    def _inputs_fn(self, pieces):
+    def _inputs_fn(self, pieces, rngs):
         pm = self.pm
         cap = pm._compiled.captured
         compute = pm._leaves.compute  # plain local leaves in the compute dtype (runtime/leaves.py)
@@ -945,20 +946,26 @@ class Pipeline:
             named = dict(zip(cap.user_inputs, user))
             named.update(pm._extra)
             named.update(params)
+            named[RNG_INPUT] = rngs[mb]  # the microbatch's dropout input (mcompile/dropout.py)
             return named
 
         return fn
 
-    def run(self, pieces, forward_only: bool = False):
+    def run(self, pieces, forward_only: bool = False, rngs=None):
         """One step over the microbatches; returns (loss sum, token count) of the whole local batch
-        on every rank of the pipeline (forward_only: the last stage's outputs, broadcast)."""
+        on every rank of the pipeline (forward_only: the last stage's outputs, broadcast). ``rngs``: each
+        microbatch's dropout input (ParallelModule._rng_states)."""
         pm = self.pm
         cap = pm._compiled.captured
         args0, kwargs0 = pieces[0]
         user0 = list(args0) + [kwargs0[n] for n in cap.input_names[len(args0):]]
-        specs = self._probe({n: t for n, t in zip(cap.user_inputs, user0) if isinstance(t, torch.Tensor)})
+        rngs = rngs if rngs is not None else [None] * len(pieces)
+        probe_inputs = {n: t for n, t in zip(cap.user_inputs, user0) if isinstance(t, torch.Tensor)}
+        if rngs[0] is not None:
+            probe_inputs[RNG_INPUT] = rngs[0]
+        specs = self._probe(probe_inputs)
         pm._leaves.refresh()
-        inputs_fn = self._inputs_fn(pieces)
+        inputs_fn = self._inputs_fn(pieces, rngs)
         split = self.schedule == "zbh1"
         last = {(a.stage, a.kind): a.mb for a in self.actions[self.pp_rank] if a.kind in "BW"}
         stages = {}

@@ -59,3 +59,26 @@ def reference(steps=3, batch=4):
     from runtime_cases import reference_model
 
     return reference_model(*build_hf(batch=batch), steps)
+
+
+def build_hf_dropout(seed: int = 0, batch: int = 4, seq: int = 16):
+    """(model in training mode, inputs): HF BERT masked-LM with its default dropout (hidden_dropout_prob and
+    attention_probs_dropout_prob 0.1), hidden 64, 4 layers, 4 heads, vocabulary 128; the inputs of
+    :func:`build_hf`."""
+    from transformers import BertConfig, BertForMaskedLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                     num_attention_heads=4, max_position_embeddings=64)
+    assert cfg.hidden_dropout_prob == cfg.attention_probs_dropout_prob == 0.1  # transformers' defaults
+    return MaskedLMLoss(BertForMaskedLM(cfg)).train(), build_hf(seed, batch, seq)[1]
+
+
+def train_dropout(rank, world, mesh, options, steps=3, batch=4):
+    """runtime_cases.train_model of :func:`build_hf_dropout`: masks from mcompile's counter-based generator
+    (mcompile/dropout.py), so every layout, one rank included, draws the same ones."""
+    from runtime_cases import train_model
+
+    return train_model(rank, *build_hf_dropout(batch=batch), mesh, options, steps)

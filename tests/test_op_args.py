@@ -18,7 +18,8 @@ Tolerance: fp32, loss 1e-6 relative (tp changes only the summation order: measur
 shift-invariant) and whose computed one is rounding noise, within 1e-6 of the largest gradient norm.
 
 Arguments no placement can keep are refused by name (mcompile/arguments.py): ``max_norm``,
-``scale_grad_by_freq`` with the batch split, training-mode dropout under tp.
+``scale_grad_by_freq`` with the batch split, training-mode dropout drawn from torch's generator under tp
+(``AlphaDropout``, ``Dropout2d``; ``nn.Dropout`` draws layout-independent masks: tests/test_dropout.py).
 """
 
 from __future__ import annotations
@@ -237,10 +238,10 @@ def test_padding_idx_on_either_rank_and_label_smoothing():
 
 
 class _Tiny(torch.nn.Module):
-    def __init__(self, **emb):
+    def __init__(self, drop=torch.nn.Dropout, **emb):
         super().__init__()
         self.e = torch.nn.Embedding(VOCAB, HIDDEN, **emb)
-        self.drop = torch.nn.Dropout(0.1)
+        self.drop = drop(0.1)
         self.head = torch.nn.Linear(HIDDEN, VOCAB)
 
     def forward(self, ids, labels):
@@ -253,7 +254,8 @@ class _Tiny(torch.nn.Module):
     ({"max_norm": 1.0}, "eval", "dp=2", 1, ["max_norm=1.0"]),
     ({"scale_grad_by_freq": True}, "eval", "dp=2", 1, ["scale_grad_by_freq=True", "dp=2"]),
     ({"scale_grad_by_freq": True}, "eval", "tp=2", 2, ["scale_grad_by_freq=True", "microbatches=2"]),
-    ({}, "train", "tp=2", 1, ["dropout(p=0.1)", "tp=2", "dropout 0"]),
+    # nn.Dropout draws layout-independent masks (tests/test_dropout.py); AlphaDropout draws from torch's generator
+    ({"drop": torch.nn.AlphaDropout}, "train", "tp=2", 1, ["alpha_dropout(p=0.1)", "tp=2", "F.dropout"]),
     ({"sparse": True}, "eval", "dp=2", 1, ["sparse=True", "sparse=False"]),
 ])
 def test_arguments_no_layout_keeps_are_refused_by_name(emb, mode, mesh, microbatches, words):

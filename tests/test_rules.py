@@ -1742,8 +1742,8 @@ NOT_DRAWN = {
     "requires_grad": "aten.tensor of constants: never a parameter",
     "size": "_assert_tensor_metadata: dropped by the lowering (an assert on global sizes)",
     "stride": "_assert_tensor_metadata: dropped by the lowering",
-    "dropout_p": "SDPA's random masks have no single-device value to compare; refused under tp by parallelize "
-                 "(mcompile/arguments.py, tests/test_op_args.py), the same op per rank elsewhere",
+    "dropout_p": "SDPA's random masks have no single-device value to compare; an SDPA with dropout is rewritten "
+                 "into its math form with mcompile's layout-independent dropout (tests/test_dropout.py)",
 }
 
 
