@@ -573,14 +573,7 @@ class Pipeline:
         if config.execution == "joint":
             from mcompile.runtime.joint import JointRunner
 
-            self.runners = {s: JointRunner(self.stages[s].gm, config, name=f"stage {s}",
-                                           split_inputs=list(range(len(self.stages[s].inputs) -
-                                                                   len(self.stages[s].received),
-                                                                   len(self.stages[s].inputs))),
-                                           accumulate=lambda args: pm._leaves.targets(args),
-                                           grad_buckets=lambda pos, s=s: pm._leaves.bucket_index(
-                                               self._param_at(s, pos)))
-                            for s in self.own}
+            self.runners = {s: self._make_runner(s) for s in self.own}
         else:
             for s in self.own:  # recompute inside each stage program
                 st = self.stages[s]
@@ -835,14 +828,33 @@ class Pipeline:
         return tuple(r for r in range(mesh.size()) if all(
             mesh.coords(r)[a] == pm._coords[a] for a in mesh.axis_names if a not in pm._data_axes))
 
-    def _runner(self, s: int):
-        """Stage ``s``'s joint runner: this rank's own, or one made to derive another rank's ops."""
+    def _make_runner(self, s: int):
+        """Stage ``s``'s joint runner, built as its owner builds it, whichever rank builds it.
+
+        The passes after the partition depend on how the backward hands out its weight gradients:
+        with ``accumulate`` each is added into its main-gradient buffer inside the graph, and ZeRO-3's
+        ``fsdp.prefetch`` moves those additions with the reduce-scatter waits, which decides where the
+        next reduce-scatter starts. A runner built without it (as the probe once built the stages of
+        other ranks) issues the same collectives in another order, and the pipeline group's ranks
+        then derive different programs for one stage. So every rank builds every stage's runner with
+        in-graph accumulation; only the buffers differ: a non-own stage's fake leaves get scratch
+        buffers (``JointRunner.forward``), and its dp bucket launches, which are not collectives of
+        the graph (the leaves launch them at run time and ``step_end_ops`` counts them), are left out
+        since the buckets are the owner's."""
         from mcompile.runtime.joint import JointRunner
 
+        pm, st = self.pm, self.stages[s]
+        own = s in self.own
+        return JointRunner(st.gm, pm.config, name=f"stage {s}",
+                           split_inputs=list(range(len(st.inputs) - len(st.received), len(st.inputs))),
+                           accumulate=(lambda args: pm._leaves.targets(args)) if own else (lambda args: {}),
+                           grad_buckets=(lambda pos: pm._leaves.bucket_index(self._param_at(s, pos))) if own
+                           else None)
+
+    def _runner(self, s: int):
+        """Stage ``s``'s joint runner: this rank's own, or one made to derive another rank's ops."""
         if s not in self.runners:
-            st = self.stages[s]
-            self.runners[s] = JointRunner(st.gm, self.pm.config, name=f"stage {s}",
-                                          split_inputs=list(range(len(st.inputs) - len(st.received), len(st.inputs))))
+            self.runners[s] = self._make_runner(s)
         return self.runners[s]
 
     def _probe_joint(self, st, args: list):
