@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import Function, FunctionCtx, _is_setup_context_defined
 
-__all__ = ["NAMESPACE", "FunctionRefused", "wrapping", "is_wrapped", "manifest", "ensure"]
+__all__ = ["NAMESPACE", "FunctionRefused", "wrapping", "is_wrapped", "manifest", "check_importable", "ensure"]
 
 NAMESPACE = "mcompile_fn"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # lives as long as the process: the ops' registrations
@@ -293,27 +293,46 @@ def manifest(ep) -> list[dict]:
              "args": list(_OPS[n].args), "outs": _OPS[n].outs} for n in names if n in _OPS]
 
 
+def _resolve(entry: dict) -> type | None:
+    """The Function of a manifest entry, imported by module and qualified name, if that names it."""
+    if "<locals>" in entry["qualname"]:
+        return None
+    try:
+        cls = importlib.import_module(entry["module"])
+        for part in entry["qualname"].split("."):
+            cls = getattr(cls, part)
+    except (ImportError, AttributeError):
+        return None
+    ok = isinstance(cls, type) and issubclass(cls, Function) and \
+        _op_name(cls, tuple(entry["args"]), entry["outs"]) == entry["op"]
+    return cls if ok else None
+
+
+def _not_importable(entry: dict) -> FunctionRefused:
+    return FunctionRefused(
+        f"the captured program applies the custom torch.autograd.Function {entry['module']}.{entry['qualname']}, "
+        "which another process cannot import by that name, and every rank (process) must run it",
+        "define the Function at the top level of an importable module (or of the script that runs)", None)
+
+
+def check_importable(entries: list[dict]) -> None:
+    """Before a capture is sent to other processes (``parallelize``): each Function can be found there.
+    Raised on the capturing rank, the error reaches every rank (a failure on rank 0 is broadcast)."""
+    for e in entries:
+        cls = _resolve(e)
+        if cls is None or (e["op"] in _OPS and _OPS[e["op"]].cls is not cls):  # a name that finds another class
+            raise _not_importable(e)
+
+
 def ensure(entries: list[dict]) -> None:
     """Define the ops of a packed program in this process (before it is loaded): each Function imported
     by module and qualified name. Raises FunctionRefused when one cannot be found."""
     for e in entries:
         if e["op"] in _DEFINED:
             continue
-        cls = None
-        if "<locals>" not in e["qualname"]:
-            try:
-                cls = importlib.import_module(e["module"])
-                for part in e["qualname"].split("."):
-                    cls = getattr(cls, part)
-            except (ImportError, AttributeError):
-                cls = None
-        if not (isinstance(cls, type) and issubclass(cls, Function)) or \
-                _op_name(cls, tuple(e["args"]), e["outs"]) != e["op"]:
-            raise FunctionRefused(
-                f"the captured program applies the custom torch.autograd.Function {e['module']}.{e['qualname']}, "
-                "which this process cannot import by that name (it was captured in another process)",
-                "define the Function at the top level of an importable module, so that every rank (process) can "
-                "find it", None)
+        cls = _resolve(e)
+        if cls is None:
+            raise _not_importable(e)
         _define(cls, tuple(e["args"]), e["outs"])
 
 

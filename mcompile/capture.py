@@ -234,8 +234,11 @@ def capture(
         key = capture_cache.key(model, args, kwargs, f"dynamic={dynamic}")
         data = capture_cache.load(key)
         if data is not None:
+            if pack == "bytes":
+                _check_functions_importable(name, capture_cache.functions(data))
+                return data
             try:
-                return data if pack == "bytes" else from_packed(data, model)
+                return from_packed(data, model)
             except Exception as e:  # noqa: BLE001 - an unreadable entry is captured again and replaced
                 capture_cache.log.info("capture cache entry %s unreadable (%s): capturing", key, e)
     before = _leaks(model)
@@ -288,11 +291,21 @@ def capture(
                if isinstance(t, torch.Tensor)):
             capture_cache.store(key, packed)  # no weights in it: a meta-device capture
         if pack == "bytes":
+            _check_functions_importable(name, capture_cache.functions(packed))
             return packed
     cap = _from_exported(ep, model, name)
     cap.output = what[-1] if what else cap.output
     cap.packed = packed
     return cap
+
+
+def _check_functions_importable(name: str, entries: list[dict]) -> None:
+    """Bytes for other processes (parallelize's ranks) must name Functions those processes can import; raised
+    here, on the capturing rank, the error reaches every rank."""
+    try:
+        autograd_fn.check_importable(entries)
+    except autograd_fn.FunctionRefused as e:
+        raise CaptureError(f"cannot capture {name} for parallelize: {e.cause}\n  fix: {e.fix}") from e
 
 
 def _warn_prints(name: str) -> None:

@@ -174,20 +174,24 @@ def unpack(data: bytes) -> tuple[torch.export.ExportedProgram, str, bool, dict]:
     return ep, output, prints, copy.deepcopy(aliases)
 
 
-def _define_functions(data: bytes) -> None:
-    """The ``mcompile_fn`` ops (custom autograd.Functions) of a packed program, defined in this process
-    before torch.export.load resolves its ops by name (read from the archive's extra file directly)."""
+def functions(data: bytes) -> list[dict]:
+    """The custom autograd.Functions (``mcompile_fn`` ops) a packed program runs, read from the archive's
+    extra file directly (before torch.export.load, which resolves ops by name)."""
     import zipfile
-
-    from mcompile import autograd_fn
 
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as z:
             name = next((n for n in z.namelist() if n.endswith("extra/mcompile.json")), None)
             info = json.loads(z.read(name) or b"{}") if name else {}
     except (zipfile.BadZipFile, ValueError):
-        return  # torch.export.load reports an unreadable archive itself
-    autograd_fn.ensure(info.get("functions", []))
+        return []  # torch.export.load reports an unreadable archive itself
+    return info.get("functions", [])
+
+
+def _define_functions(data: bytes) -> None:
+    from mcompile import autograd_fn
+
+    autograd_fn.ensure(functions(data))
 
 
 def load(k: str) -> bytes | None:

@@ -178,3 +178,31 @@ def test_what_cannot_be_wrapped_is_refused_with_cause_line_and_fix(cls, cause, l
         capture(cls(), (torch.randn(2, 4, 8),))
     msg = str(e.value)
     assert cause in msg and f"{__file__}:" in msg and line in msg and "fix: " in msg, msg
+
+
+def _local_function_model():
+    class Local(torch.autograd.Function):  # inside a function: no other process can import it by name
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 3
+
+    class Applies(_Base):
+        def forward(self, x):
+            return Local.apply(self.lin(x)).sum()
+
+    return Applies()
+
+
+@pytest.mark.slow
+def test_a_function_other_processes_cannot_import_is_refused_for_parallelize_only():
+    """In one process (compile_plan, the simulator) a Function defined inside a function is fine; the bytes
+    parallelize sends its other ranks are refused on the capturing rank, where the error reaches every rank."""
+    model, x = _local_function_model(), torch.randn(2, 4, 8)
+    capture(model, (x,))
+    with pytest.raises(CaptureError, match=r"_local_function_model.<locals>.Local, which another process cannot "
+                                           r"import(.|\n)*fix: define the Function at the top level"):
+        capture(model, (x,), pack="bytes")
