@@ -18,9 +18,10 @@ one per Function class and argument signature, so the captured graph holds one o
 - **CompositeExplicitAutograd kernel**: the forward alone (below autograd: inference mode).
 
 Sharding: none is inferred. The op has no rule, so under tp it runs replicated (a
-``FallbackWarning`` names it) and under dp its input is gathered whole: even when the forward is
-elementwise, the backward is arbitrary code (normalising by the gradient's norm couples every
-element and every sample), so no split of its inputs can be proven to give the same gradients.
+``FallbackWarning`` names it): even when the forward is elementwise, the backward is arbitrary code
+(normalising by the gradient's norm couples every element), so no split of its inputs can be proven
+to give the same gradients. Under dp it runs on each rank's batch, as every op does (data
+parallelism's assumption that samples are independent holds for it only if its code keeps them so).
 
 What cannot be wrapped is refused at capture, naming the Function (:class:`FunctionRefused`): a
 forward that does not run on fake tensors (``.item()``, numpy, data-dependent branches), an output
