@@ -15,9 +15,11 @@ Outputs: forward may return a tensor, a tuple/list of tensors, or a dict / datac
 ``ModelOutput``, of which the ``loss`` is captured when present (training), else the ``logits``
 (inference); anything else (a ``DynamicCache``, hidden states) is dropped (:func:`_plain_output`).
 A Hugging Face model's positional example inputs are read as ``(input_ids, labels)``
-(:func:`_bind_inputs`). Every failure is one :class:`CaptureError` naming its cause, the user's line
-and the fix for that cause (:func:`_diagnose`): a data-dependent branch, an untraceable op, a Python
-side effect, an output that is not tensors, a positional input bound to a mask.
+(:func:`_bind_inputs`). A custom ``torch.autograd.Function`` is captured as one op that keeps its
+backward (:mod:`mcompile.autograd_fn`, active around the export). Every failure is one
+:class:`CaptureError` naming its cause, the user's line and the fix for that cause (:func:`_diagnose`):
+a data-dependent branch, an untraceable op, a Python side effect, an output that is not tensors, a
+positional input bound to a mask, a Function that cannot be an op.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch.fx as fx
 from torch.export import Dim
 from torch.export.graph_signature import InputKind
 
+from mcompile import autograd_fn
 from mcompile import meta as M
 
 __all__ = ["CaptureError", "CaptureWarning", "Captured", "OutputWarning", "capture", "warn_unless_loss"]
@@ -231,15 +234,19 @@ def capture(
         key = capture_cache.key(model, args, kwargs, f"dynamic={dynamic}")
         data = capture_cache.load(key)
         if data is not None:
+            if pack == "bytes":
+                _check_functions_importable(name, capture_cache.functions(data))
+                return data
             try:
-                return data if pack == "bytes" else from_packed(data, model)
+                return from_packed(data, model)
             except Exception as e:  # noqa: BLE001 - an unreadable entry is captured again and replaced
                 capture_cache.log.info("capture cache entry %s unreadable (%s): capturing", key, e)
     before = _leaks(model)
     what: list[str] = []  # what the adapted forward returned (set inside the trace)
     printed = _Tee(sys.stdout)
     try:
-        with _plain_outputs(model, what), _recorded_warnings() as caught, contextlib.redirect_stdout(printed):
+        with _plain_outputs(model, what), _recorded_warnings() as caught, contextlib.redirect_stdout(printed), \
+                autograd_fn.wrapping():
             try:
                 ep = torch.export.export(
                     model, args, kwargs, dynamic_shapes={**shapes_named[0], **_arg_names(model, shapes_named[1])},
@@ -264,7 +271,7 @@ def capture(
     except Exception as e:  # noqa: BLE001 - every export failure becomes one clear error
         op, cause, where, fix = _diagnose(e)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        said = "" if isinstance(e, _Refused) else f"  torch says: {first}\n"
+        said = "" if isinstance(e, _Refused | autograd_fn.FunctionRefused) else f"  torch says: {first}\n"
         raise CaptureError(
             f"cannot capture {name} with torch.export: {cause}{f' (op {op})' if op else ''}\n"
             f"  at {where or 'an unknown location'}\n"
@@ -284,11 +291,21 @@ def capture(
                if isinstance(t, torch.Tensor)):
             capture_cache.store(key, packed)  # no weights in it: a meta-device capture
         if pack == "bytes":
+            _check_functions_importable(name, capture_cache.functions(packed))
             return packed
     cap = _from_exported(ep, model, name)
     cap.output = what[-1] if what else cap.output
     cap.packed = packed
     return cap
+
+
+def _check_functions_importable(name: str, entries: list[dict]) -> None:
+    """Bytes for other processes (parallelize's ranks) must name Functions those processes can import; raised
+    here, on the capturing rank, the error reaches every rank."""
+    try:
+        autograd_fn.check_importable(entries)
+    except autograd_fn.FunctionRefused as e:
+        raise CaptureError(f"cannot capture {name} for parallelize: {e.cause}\n  fix: {e.fix}") from e
 
 
 def _warn_prints(name: str) -> None:
@@ -317,7 +334,10 @@ def from_packed(data: bytes, model: torch.nn.Module) -> Captured:
     from mcompile import capture_cache
     from mcompile.annotate import ALIASES
 
-    ep, output, prints, aliases = capture_cache.unpack(data)
+    try:
+        ep, output, prints, aliases = capture_cache.unpack(data)
+    except autograd_fn.FunctionRefused as e:
+        raise CaptureError(f"cannot load the capture of {type(model).__name__}: {e.cause}\n  fix: {e.fix}") from e
     for n in ep.graph_module.graph.nodes:  # storage sharing is not serialised: what the capture recorded
         if n.name in aliases:
             n.meta[ALIASES] = tuple(aliases[n.name])
@@ -504,9 +524,9 @@ def _a(x) -> str:
 
 
 def _refuse_custom_functions(out: torch.Tensor) -> None:
-    """torch.export (non-strict) traces a custom ``torch.autograd.Function``'s forward and keeps none of
-    its backward: the captured program would differentiate the forward's ops instead. Its node in the
-    traced autograd graph names the Function."""
+    """A custom ``torch.autograd.Function`` that reached the trace without going through
+    :func:`mcompile.autograd_fn.wrapping` (a subclass with its own ``apply``): torch.export would keep its
+    forward's ops and none of its backward. Its node in the traced autograd graph names the Function."""
     todo, seen = [out.grad_fn], set()
     while todo:
         fn = todo.pop()
@@ -514,12 +534,12 @@ def _refuse_custom_functions(out: torch.Tensor) -> None:
             continue
         seen.add(id(fn))
         cls = getattr(fn, "_forward_cls", None)
-        if cls is not None and not cls.__module__.startswith("torch."):
+        if cls is not None and not cls.__module__.startswith("torch.") and not autograd_fn.is_wrapped(cls):
             raise _Refused(
-                f"forward applies the custom torch.autograd.Function {cls.__qualname__}, whose backward "
-                "torch.export does not keep: the captured program would differentiate its forward instead, so "
-                "gradients would silently differ",
-                "write it with torch ops autograd differentiates (drop the custom backward), or as a "
+                f"forward applies the custom torch.autograd.Function {cls.__qualname__} without going through "
+                "Function.apply (its class overrides apply), so mcompile cannot keep its backward: the captured "
+                "program would differentiate its forward instead, and gradients would silently differ",
+                "call the Function through torch.autograd.Function.apply (do not override apply), or write it as a "
                 "torch.library.custom_op with register_fake and register_autograd",
                 _source_of(cls.forward))
         todo.extend(f for f, _ in fn.next_functions)
@@ -678,7 +698,7 @@ def _chain(e: BaseException):
 def _diagnose(e: BaseException) -> tuple[str | None, str, str | None, str]:
     """(op, cause, where, fix) of a failed capture, by class of failure."""
     chain = list(_chain(e))
-    ours = next((x for x in chain if isinstance(x, _Refused)), None)
+    ours = next((x for x in chain if isinstance(x, _Refused | autograd_fn.FunctionRefused)), None)
     if ours is not None:
         return None, ours.cause, ours.where or _user_frame(e), ours.fix
     text = "\n".join(str(x) for x in chain)

@@ -92,7 +92,8 @@ def key(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | No
     except ImportError:
         pass
     h.update(repr(versions).encode())
-    h.update(hashlib.sha256((Path(__file__).parent / "capture.py").read_bytes()).digest())  # the capture's code
+    for code in ("capture.py", "autograd_fn.py"):  # the capture's code
+        h.update(hashlib.sha256((Path(__file__).parent / code).read_bytes()).digest())
     for name, mod in model.named_modules(remove_duplicate=False):
         attrs = sorted((k, repr(v)) for k, v in vars(mod).items()
                        if not k.startswith("_") and isinstance(v, bool | int | float | str | type(None) | tuple
@@ -111,9 +112,12 @@ def key(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | No
 def pack(ep: torch.export.ExportedProgram, output: str, prints: bool, aliases: dict) -> bytes:
     """An exported program (as export returned it: before mcompile.capture edits its graph) and what
     the capture learned about it (what the output is, whether forward prints, which outputs share
-    storage with an input: serialisation loses that), as bytes."""
+    storage with an input: serialisation loses that; which custom autograd.Functions its ``mcompile_fn``
+    ops run: a process that loads it defines them first), as bytes."""
+    from mcompile import autograd_fn
+
     buf = io.BytesIO()
-    info = {"output": output, "prints": prints, "aliases": aliases}
+    info = {"output": output, "prints": prints, "aliases": aliases, "functions": autograd_fn.manifest(ep)}
     torch.export.save(ep, buf, extra_files={"mcompile.json": json.dumps(info)})
     return buf.getvalue()
 
@@ -152,6 +156,7 @@ def unpack(data: bytes) -> tuple[torch.export.ExportedProgram, str, bool, dict]:
     if kept is not None and _shape_env_state(_shape_env_of(kept[0])) != kept[4]:
         kept = None  # something added to the shared ShapeEnv: no longer the program as loaded
     if kept is None:
+        _define_functions(data)
         extra = {"mcompile.json": ""}
         ep = torch.export.load(io.BytesIO(data), extra_files=extra)
         info = json.loads(extra["mcompile.json"] or "{}")
@@ -167,6 +172,26 @@ def unpack(data: bytes) -> tuple[torch.export.ExportedProgram, str, bool, dict]:
     except RuntimeError:  # a constant that is no graph leaf (seen: MoE programs' lifted tensors): not kept, the
         _UNPACKED.pop(digest, None)  # caller takes the loaded program itself (the next unpack loads again)
     return ep, output, prints, copy.deepcopy(aliases)
+
+
+def functions(data: bytes) -> list[dict]:
+    """The custom autograd.Functions (``mcompile_fn`` ops) a packed program runs, read from the archive's
+    extra file directly (before torch.export.load, which resolves ops by name)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            name = next((n for n in z.namelist() if n.endswith("extra/mcompile.json")), None)
+            info = json.loads(z.read(name) or b"{}") if name else {}
+    except (zipfile.BadZipFile, ValueError):
+        return []  # torch.export.load reports an unreadable archive itself
+    return info.get("functions", [])
+
+
+def _define_functions(data: bytes) -> None:
+    from mcompile import autograd_fn
+
+    autograd_fn.ensure(functions(data))
 
 
 def load(k: str) -> bytes | None:

@@ -517,6 +517,11 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
             pol.param_hints = dict(blocks)
         out.append(AxisPlanResult(pol, propagate_axis(cap, pol, hints)))
     for op in sorted(set().union(*(ap.result.fallbacks for ap in out))):  # one warning per op
+        if op.startswith("mcompile_fn."):  # a user's autograd.Function (mcompile.autograd_fn): no rule to add
+            warnings.warn(f"no sharding rule for {op}, the custom torch.autograd.Function of that name: it runs "
+                          "replicated (its backward is arbitrary code, so no split of its inputs is inferred)",
+                          FallbackWarning, stacklevel=3)
+            continue
         warnings.warn(f"no sharding rule for {op}: it runs replicated (add a rule in mcompile/rules)",
                       FallbackWarning, stacklevel=3)
     return out

@@ -272,19 +272,34 @@ class _LibOp(_Base):
         return torch.ops.mcompile_test2.cpu_only(self.lin(x)).sum()  # op with a CPU kernel only
 
 
-class _Twice(torch.autograd.Function):
+class _Positive(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a):
-        return a * 2
+        return a[a > 0]  # output shape depends on values: cannot be an op with a fake implementation
 
     @staticmethod
     def backward(ctx, g):
-        return g * 3  # deliberately not forward's derivative: export would silently use 2
+        return g
 
 
-class _AutogradFn(_Base):
+class _NumpyFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        return torch.from_numpy(np.tanh(a.numpy()))  # numpy inside a Function's forward
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _FnShape(_Base):
     def forward(self, x):
-        return _Twice.apply(self.lin(x)).sum()
+        return _Positive.apply(self.lin(x)).sum()
+
+
+class _FnNumpy(_Base):
+    def forward(self, x):
+        return _NumpyFn.apply(self.lin(x)).sum()
 
 
 class _Append(_Base):
@@ -333,8 +348,12 @@ CLASSES = {
                   "register a fake kernel for mcompile_test::no_fake"),
     "lib_op": (_LibOp, "the op mcompile_test2.cpu_only.default has no fake (meta) kernel", "cpu_only(self.lin(x))",
                "register a fake kernel for mcompile_test2.cpu_only.default"),
-    "autograd_function": (_AutogradFn, "custom torch.autograd.Function _Twice, whose backward torch.export does "
-                          "not keep", "def forward(ctx, a):", "write it with torch ops autograd differentiates"),
+    "autograd_function_shape": (_FnShape, "the forward of the custom torch.autograd.Function _Positive returns a "
+                                "tensor whose shape depends on tensor values", "def forward(ctx, a):",
+                                "give _Positive.forward outputs of fixed shape"),
+    "autograd_function_numpy": (_FnNumpy, "the forward of the custom torch.autograd.Function _NumpyFn cannot run on "
+                                "placeholder tensors", "np.tanh(a.numpy())",
+                                "write _NumpyFn.forward with torch ops instead of numpy"),
     "list_on_self": (_Append, "forward stores a traced value outside the model (self.seen[0])", "def forward(self, x):",
                      "keep forward free of Python side effects"),
     "global": (_Global, "forward stores a traced value outside the model (global _GLOBAL_LOG[0])",
