@@ -33,7 +33,8 @@ labels are the original ids there, -100 elsewhere; an encoder-decoder gets rando
 **Stages**, each recorded with its outcome, seconds, and on failure the exception type and the first line of
 its message (a later stage whose input is missing is ``skipped``):
 
-1. ``builds``: the config shrinks and the model instantiates (fp32).
+1. ``builds``: the config shrinks, the model instantiates (fp32) and its eager forward returns a scalar loss
+   (so a later failure is mcompile's, not the call's).
 2. ``captures``: ``mcompile.capture.capture(model, (), kwargs)`` (the capture step alone, the cheapest public
    way) captures a scalar loss.
 3. ``plans_tp2``: ``compile_plan(model, Mesh.fake(tp=2), (), kwargs)`` with ``plan.fallbacks == []`` and no
@@ -275,8 +276,11 @@ def inputs(kind: str, cfg, takes_cache: bool) -> dict:
 
 
 def _why(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+    """The exception's type and first line; for a CaptureError also the line with torch's own message (its
+    first line names only the kind of failure)."""
+    lines = str(e).strip().splitlines() or [""]
+    said = next((ln.strip() for ln in lines[1:] if ln.strip().startswith("torch says:")), None)
+    return f"{type(e).__name__}: {lines[0]}{' | ' + said if said else ''}"[:400]
 
 
 class _Progress:
@@ -330,6 +334,10 @@ def run_one(name: str, kind: str, path: Path) -> None:
         rec["params"] = n
         kw = inputs(kind, cfg, "use_cache" in inspect.signature(model.forward).parameters)
         ref = copy.deepcopy(model)  # the single-device model, trained alongside
+        # the model runs as called (eager, on a copy): a failure here is the call's or the config's, not mcompile's
+        loss = copy.deepcopy(model)(**kw).loss
+        if loss is None or loss.ndim != 0:
+            raise RuntimeError(f"the eager forward returned loss {loss!r}, not a scalar")
     except Exception as e:  # noqa: BLE001
         prog.end("builds", False, _why(e))
         return
