@@ -17,9 +17,11 @@ are run once (the other is listed as an alias).
 **The tiny size.** Each model is built from its own config class (``cls.config_class``) with these values set
 under whichever of the family's own names its config has (read from its dataclass fields and its
 ``attribute_map``; :data:`ROLES`): hidden 64, 4 layers (an encoder-decoder: 4 + 4), 4 heads, 2 kv heads where the
-config has a kv-head count (GQA), intermediate 128, vocabulary 128, head_dim 16 where the config has one, every
-dropout / layerdrop / router jitter 0; MoE families 4 experts, top-2; multi-head latent attention ranks 32.
-Special token ids outside the vocabulary are moved into it. The values the config ended up with are recorded.
+config has a kv-head count (GQA; as many as heads under multi-head latent attention), intermediate 128,
+vocabulary 128, head_dim 16 where the config has one, every dropout / layerdrop / router jitter 0; MoE families
+4 experts, top-2, one expert group; multi-head latent attention ranks 32; per-layer lists (``layer_types``) cut
+to 4 layers. Special token ids outside the vocabulary are moved into it. The values the config ended up with
+are recorded.
 A config still above :data:`MAX_PARAMS` parameters after shrinking (a size attribute under a name not known
 here) is a build failure naming the count, never a long run.
 
@@ -126,6 +128,7 @@ ROLES = {
     "head_dim": (HEAD_DIM, ("head_dim", "d_kv", "kv_channels", "d_head", "attention_head_size")),
     "experts": (4, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")),
     "top_k": (2, ("num_experts_per_tok", "moe_topk", "num_experts_per_token")),
+    "expert_groups": (1, ("n_group", "topk_group")),  # DeepSeek's group-limited routing: one group of the 4
     "latent_rank": (32, ("q_lora_rank", "kv_lora_rank")),
     "rope_dim": (8, ("qk_rope_head_dim",)),
     "nope_dim": (HEAD_DIM, ("qk_nope_head_dim", "v_head_dim")),
@@ -215,6 +218,8 @@ def tiny_config(cfg_cls, kind: str):
             if role == "ffn" and alias == "hidden_dim" and hidden_name == "hidden_dim":
                 continue
             name = amap.get(alias, alias)
+            if role == "kv_heads" and "kv_lora_rank" in names:
+                value = HEADS  # multi-head latent attention: as many kv heads as heads (no GQA)
             if name in names and name not in out:
                 if role == "latent_rank" and getattr(base, name, None) is None:
                     continue  # q_lora_rank None: the family's full-rank query projection
@@ -227,8 +232,10 @@ def tiny_config(cfg_cls, kind: str):
             out[name] = _in_vocab(name, v, kind)
     if kind == "decoder" and "is_decoder" in names:
         out["is_decoder"] = True  # BERT-like ForCausalLM classes attend causally only as decoders
-    if isinstance(getattr(base, "layer_types", None), list | tuple) and "layer_types" in names:
-        out["layer_types"] = list(base.layer_types[:LAYERS]) if len(base.layer_types) >= LAYERS else None
+    for name in names:  # per-layer lists (layer_types, mlp_layer_types, ...): the first 4, else the default
+        v = getattr(base, name, None)
+        if name.endswith("layer_types") and isinstance(v, list | tuple):
+            out[name] = list(v[:LAYERS]) if len(v) >= LAYERS else None
     cfg = cfg_cls(**{k: v for k, v in out.items() if k in names})
     if kind == "encoder-decoder" and getattr(cfg, "decoder_start_token_id", None) is None:
         # HF's label shift reads it; a hub checkpoint's config.json carries it (T5's: the pad token), the
