@@ -426,6 +426,9 @@ def _parity(c, ref, kw) -> tuple[dict, list]:
     for f, p in ref_params.items():
         if not torch.equal(full[alias.get(f, f)], p.detach()):
             raise RuntimeError(f"the captured value of {f} is not the model's")
+    # a frozen parameter (requires_grad=False: Marian's sinusoidal positions) gets no gradient, as in the model
+    needs_grad = {alias.get(f, f) for f, p in ref.named_parameters(remove_duplicate=False) if p.requires_grad}
+    trained = {ph for ph, fqn in cap.params.items() if fqn in needs_grad}
     opt_full, opt_alone = torch.optim.AdamW(list(full.values())), torch.optim.AdamW(alone.parameters())
     worst = {"loss": 0.0, "grad": 0.0, "loss_step": 0, "grad_step": 0, "grad_param": "", "noise_level": set(),
              "noise": 0.0}
@@ -445,12 +448,12 @@ def _parity(c, ref, kw) -> tuple[dict, list]:
         world = ThreadedWorld(c.mesh)
 
         def rank_fn(r):
-            local = {k: v.detach().clone().requires_grad_(k in cap.params) for k, v in c.local_state(r, state).items()}
+            local = {k: v.detach().clone().requires_grad_(k in trained) for k, v in c.local_state(r, state).items()}
             out = c.run_local(r, local, (), kw)
             out[0].backward()
             # a parameter this rank's program does not use has a zero gradient (None in autograd)
             return out[0].detach(), {k: v.grad if v.grad is not None else torch.zeros_like(v)
-                                     for k, v in local.items() if k in cap.params}
+                                     for k, v in local.items() if k in cap.params}  # frozen: zeros
 
         results = run_threads(world, rank_fn)
         for loss, _ in results:
