@@ -1,0 +1,674 @@
+"""The Hugging Face zoo as the measure of "any model": every causal LM, masked LM and text encoder-decoder
+class the installed ``transformers`` exports, shrunk to a tiny size, through capture, tp=2 planning,
+Megatron's layout and tp=2 training at single-device parity.
+
+    python bench/hf_zoo.py [--write | --out PATH] [--resume] [--only NAME,NAME] [--kind KIND] [--every K]
+    python bench/hf_zoo.py --table [--out PATH]      # the markdown table of a record
+
+**Which classes.** Every ``*ForCausalLM`` (kind ``decoder``) and ``*ForMaskedLM`` (``encoder``) the package
+exports (and the LM-head classes named otherwise, :data:`LM_HEADS`: GPT-2's ``GPT2LMHeadModel``, Marian's
+``MarianMTModel``, ...), and every ``*ForConditionalGeneration`` whose config is a text sequence-to-sequence
+model (``encoder-decoder``): ``is_encoder_decoder``,
+``main_input_name == "input_ids"``, no image/audio/video input in ``forward`` and no sub-config other than a
+text ``encoder``/``decoder`` pair. The other ``*ForConditionalGeneration`` classes (vision-language, speech,
+audio, multi-part models) are listed under ``skipped`` with the reason, not dropped. Two names of one class
+are run once (the other is listed as an alias).
+
+**The tiny size.** Each model is built from its own config class (``cls.config_class``) with these values set
+under whichever of the family's own names its config has (read from its dataclass fields and its
+``attribute_map``; :data:`ROLES`): hidden 64, 4 layers (an encoder-decoder: 4 + 4), 4 heads, 2 kv heads where the
+config has a kv-head count (GQA; as many as heads under multi-head latent attention), intermediate 128,
+vocabulary 128, head_dim 16 where the config has one, every dropout / layerdrop / router jitter 0; MoE families
+4 experts, top-2, one expert group; multi-head latent attention ranks 32; per-layer lists (``layer_types``) cut
+to 4 layers. Special token ids outside the vocabulary are moved into it. The values the config ended up with
+are recorded.
+A config still above :data:`MAX_PARAMS` parameters after shrinking (a size attribute under a name not known
+here) is a build failure naming the count, never a long run.
+
+**How it is called.** As training code calls it, in train mode (every dropout 0, so the step is
+deterministic): ``model(input_ids=ids, labels=labels, use_cache=False)`` (``use_cache`` only where forward
+takes it), batch 2, sequence 16. A decoder's labels are its ids (HF shifts them) with the first 3 targets of
+row 0 ignored (-100); a masked LM's inputs have a quarter of the positions replaced by a mask token and its
+labels are the original ids there, -100 elsewhere; an encoder-decoder gets random labels (HF derives
+``decoder_input_ids`` by shifting them right, as its loss expects) with the first 3 of row 0 ignored.
+
+**Stages**, each recorded with its outcome, seconds, and on failure the exception type and the first line of
+its message (a later stage whose input is missing is ``skipped``):
+
+1. ``builds``: the config shrinks, the model instantiates (fp32) and its eager forward returns a scalar loss
+   (so a later failure is mcompile's, not the call's).
+2. ``captures``: ``mcompile.capture.capture(model, (), kwargs)`` (the capture step alone, the cheapest public
+   way) captures a scalar loss.
+3. ``plans_tp2``: ``compile_plan(model, Mesh.fake(tp=2), (), kwargs)`` with ``plan.fallbacks == []`` and no
+   ``FallbackWarning`` (an op without a sharding rule runs replicated).
+4. ``megatron_layout``: that plan raised no ``PlanQualityWarning`` and ``c.quality == []`` (mcompile/quality.py).
+5. ``parity_tp2``: 3 AdamW steps at tp=2 in the in-process thread simulator (mcompile.runtime.sim, as
+   tests/sim_harness.py runs it), fp32, against the single-device model at the same parameters (below): every
+   step's loss and every parameter's unclipped gradient within 1e-5 relative (the loss ``|l - l_ref| / |l_ref|``;
+   a gradient's largest entry error over its largest reference entry, ``max|g - g_ref| / max|g_ref|``, which
+   implies ``assert_close(rtol=1e-5, atol=1e-5 * max|g_ref|)``). A gradient that is zero in exact arithmetic (its
+   reference's largest entry below 1e-6 of the model's largest gradient: an attention key bias, since softmax
+   ignores a per-query constant) is rounding noise on both sides, where a relative error means nothing: it is
+   held to ``max|g - g_ref| <= 1e-6 * max|g_ref of the model|`` instead (as tests/test_family_bert.py holds
+   BERT's key.bias), and listed. Runs whenever stage 3 produced a plan, even one with fallbacks (its outcome is
+   still informative).
+
+What stage 5 proves and what it does not. Each step runs every rank's program on its local pieces of the
+current parameters; the ranks' gradients are combined into full gradients the way the runtime reduces them
+(tests/sim_harness.combine_grads: a sharded parameter's pieces concatenated by its placement, a replicated
+parameter's partial gradients summed over tp) and compared with the single-device model's loss and gradients
+*at the same parameters* (the reference's parameters are set to the plan's before each step). The optimizer step
+is then taken by one torch AdamW on a copy of the *full* parameters with the combined gradients, and the updated
+full parameters are resharded (``c.local_state(r, state)``) as the next step's local state. So it proves that the
+per-rank programs compute the single-device loss and gradients at parameters that have moved off their initial
+values (a bias or norm weight no longer 0 / 1, attention no longer uniform), and that sharding and resharding the
+parameters round-trips. It does not prove the runtime's own optimizer path (DTensor AdamW on local shards,
+gradient buckets, ZeRO), nor anything about gloo processes, the real collectives or memory: the runtime tests'
+job. Why not compare against a reference trained on its own gradients: AdamW divides each entry by its own
+magnitude, so an entry whose gradient is fp32 rounding noise moves by up to the learning rate either way, and two
+exact programs whose gradients differ by 1e-7 relative (a different summation order) differ by ~2e-4 in their
+gradients one step later (measured on the tiny Llama, one trajectory's gradients perturbed by 1e-7 of each
+tensor's largest entry). That trajectory is still trained and its losses recorded (``trained_alone``), unjudged.
+
+**How it runs.** One subprocess per architecture (``nice -n 19``, one intra-op thread), one at a time, with a
+timeout (``--timeout``, 180 s: the machine this ran on was shared, at load averages of 6-15 on 2 cores); the
+child writes its progress after every stage, so a timeout or crash records
+the stage it was in. The record is rewritten after every architecture: ``--write`` rewrites
+``bench/results/hf_zoo.json``, ``--out PATH`` another file, neither a temporary file (bench/_results.py); an
+interrupted run goes on with ``--resume`` (architectures already recorded are kept). ``--every K`` runs a
+deterministic subset (every K-th architecture of the sorted list, per kind; the total is recorded). The summary,
+per kind, is the fraction of the architectures run that pass each stage and all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import dataclasses
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+_BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(_BENCH))
+import _results  # noqa: E402
+
+# then off the path: bench/kernels.py would shadow the ``kernels`` package that transformers imports
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH]
+
+NAME = "hf_zoo"
+STAGES = ("builds", "captures", "plans_tp2", "megatron_layout", "parity_tp2")
+KINDS = ("decoder", "encoder", "encoder-decoder")
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB, HEAD_DIM = 64, 4, 4, 2, 128, 128, 16
+BATCH, SEQ, STEPS, RTOL = 2, 16, 3, 1e-5
+NOISE = 1e-6  # a gradient whose largest entry is below this fraction of the model's largest is rounding noise
+MAX_PARAMS = 20_000_000  # the tiny config has ~0.3M; a model above this kept a size this script did not shrink
+
+# role -> the names families give it (the config's attribute_map adds its own): each one the config has is set
+ROLES = {
+    "hidden": (HIDDEN, ("hidden_size", "n_embd", "n_embed", "d_model", "dim", "embed_dim", "model_dim",
+                        "embedding_size", "word_embed_proj_dim", "d_embed", "hidden_dim")),
+    "layers": (LAYERS, ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers",
+                        "num_encoder_layers", "encoder_layers", "decoder_layers")),
+    "heads": (HEADS, ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
+                      "decoder_attention_heads", "num_decoder_attention_heads")),
+    "kv_heads": (KV_HEADS, ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "multi_query_group_num")),
+    "ffn": (FFN, ("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
+                  "ffn_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "expert_intermediate_size", "hidden_dim")),
+    "vocab": (VOCAB, ("vocab_size", "decoder_vocab_size", "src_vocab_size", "tgt_vocab_size")),
+    "head_dim": (HEAD_DIM, ("head_dim", "d_kv", "kv_channels", "d_head", "attention_head_size")),
+    "experts": (4, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")),
+    "top_k": (2, ("num_experts_per_tok", "moe_topk", "num_experts_per_token")),
+    "expert_groups": (1, ("n_group", "topk_group")),  # DeepSeek's group-limited routing: one group of the 4
+    "latent_rank": (32, ("q_lora_rank", "kv_lora_rank")),
+    "rope_dim": (8, ("qk_rope_head_dim",)),
+    "nope_dim": (HEAD_DIM, ("qk_nope_head_dim", "v_head_dim")),
+}
+# the LM-head classes of families whose class name does not say it (GPT-2's is GPT2LMHeadModel); XLM's and
+# Flaubert's LM head is trained as a masked LM (its labels are not shifted)
+LM_HEADS = {"GPT2LMHeadModel": "decoder", "OpenAIGPTLMHeadModel": "decoder", "CTRLLMHeadModel": "decoder",
+            "XLNetLMHeadModel": "decoder", "ReformerModelWithLMHead": "decoder", "BertLMHeadModel": "decoder",
+            "BlipTextLMHeadModel": "decoder", "XLMWithLMHeadModel": "encoder", "FlaubertWithLMHeadModel": "encoder",
+            "MarianMTModel": "encoder-decoder"}
+_DROP = re.compile(r"dropout|pdrop|layerdrop|drop_path|jitter")
+_MEDIA = {"pixel_values", "input_features", "input_values", "flattened_patches", "audio_values",
+          "pixel_values_videos", "image_embeds", "input_audio_features", "audio_codes"}
+
+
+# -- which classes -------------------------------------------------------------------------------------------
+
+
+def zoo(only: set[str] | None = None) -> tuple[list[dict], list[dict]]:
+    """(the architectures to run: name, kind; the skipped ones: name, kind, reason), sorted by name; of the
+    names in ``only`` alone when given (importing every model module takes a while)."""
+    import transformers as hf
+
+    run, skipped, seen = [], [], {}
+    for name in sorted(only if only is not None else dir(hf)):
+        if name.startswith(("AutoModel", "TF", "Flax")):
+            continue
+        kind = ("decoder" if name.endswith("ForCausalLM") else "encoder" if name.endswith("ForMaskedLM") else
+                "encoder-decoder" if name.endswith("ForConditionalGeneration") else LM_HEADS.get(name))
+        if kind is None:
+            continue
+        try:
+            cls = getattr(hf, name)
+        except Exception as e:  # noqa: BLE001 - a class whose module does not import is a build failure
+            run.append({"name": name, "kind": kind, "import_error": _why(e)})
+            continue
+        if cls in seen:
+            skipped.append({"name": name, "kind": kind, "reason": f"an alias of {seen[cls]} (the same class)"})
+            continue
+        seen[cls] = name
+        why = _not_text_seq2seq(cls) if kind == "encoder-decoder" else None
+        if why:
+            skipped.append({"name": name, "kind": kind, "reason": why})
+        else:
+            run.append({"name": name, "kind": kind})
+    return run, skipped
+
+
+def _not_text_seq2seq(cls) -> str | None:
+    """Why a ``*ForConditionalGeneration`` class is not a text encoder-decoder, or None."""
+    try:
+        cfg = cls.config_class()
+    except Exception as e:  # noqa: BLE001
+        return f"its default config does not build ({_why(e)})"
+    media = sorted(set(inspect.signature(cls.forward).parameters) & _MEDIA)
+    subs = sorted(getattr(cfg, "sub_configs", None) or {})
+    if media:
+        return f"not text-only: forward takes {', '.join(media)}"
+    if not getattr(cfg, "is_encoder_decoder", False):
+        return f"not an encoder-decoder (a conditioned decoder{'; sub-configs ' + ', '.join(subs) if subs else ''})"
+    if getattr(cls, "main_input_name", "input_ids") != "input_ids":
+        return f"not text-only: its main input is {cls.main_input_name}"
+    if subs and subs != ["decoder", "encoder"]:
+        return f"a multi-part model (sub-configs {', '.join(subs)})"
+    return None
+
+
+# -- the tiny config and the inputs ---------------------------------------------------------------------------
+
+
+def _names(cfg_cls, cfg) -> set[str]:
+    fields = {f.name for f in dataclasses.fields(cfg_cls)} if dataclasses.is_dataclass(cfg_cls) else set()
+    return fields | set(inspect.signature(cfg_cls.__init__).parameters) - {"self", "kwargs"}
+
+
+def tiny_config(cfg_cls, kind: str):
+    """The family's config at the tiny size (module docstring), and the values set, by name."""
+    base = cfg_cls()
+    names = _names(cfg_cls, base)
+    amap = dict(getattr(base, "attribute_map", {}) or {})
+    hidden_name = amap.get("hidden_size", "hidden_size")
+    out: dict = {}
+    for role, (value, aliases) in ROLES.items():
+        for alias in aliases:
+            if role == "hidden" and alias == "hidden_dim" and hidden_name != "hidden_dim":
+                continue  # DistilBERT's hidden_dim is its FFN width (its hidden size is dim)
+            if role == "ffn" and alias == "hidden_dim" and hidden_name == "hidden_dim":
+                continue
+            name = amap.get(alias, alias)
+            if role == "kv_heads" and "kv_lora_rank" in names:
+                value = HEADS  # multi-head latent attention: as many kv heads as heads (no GQA)
+            if name in names and name not in out:
+                if role == "latent_rank" and getattr(base, name, None) is None:
+                    continue  # q_lora_rank None: the family's full-rank query projection
+                out[name] = value
+    for name in names:
+        v = getattr(base, name, None)
+        if _DROP.search(name) and isinstance(v, float) and not isinstance(v, bool):
+            out[name] = 0.0
+        if name.endswith("token_id"):
+            out[name] = _in_vocab(name, v, kind)
+    if kind == "decoder" and "is_decoder" in names:
+        out["is_decoder"] = True  # BERT-like ForCausalLM classes attend causally only as decoders
+    for name in names:  # per-layer lists (layer_types, mlp_layer_types, ...): the first 4, else the default
+        v = getattr(base, name, None)
+        if name.endswith("layer_types") and isinstance(v, list | tuple):
+            out[name] = list(v[:LAYERS]) if len(v) >= LAYERS else None
+    cfg = cfg_cls(**{k: v for k, v in out.items() if k in names})
+    if kind == "encoder-decoder" and getattr(cfg, "decoder_start_token_id", None) is None:
+        # HF's label shift reads it; a hub checkpoint's config.json carries it (T5's: the pad token), the
+        # config class's defaults may not
+        cfg.decoder_start_token_id = cfg.pad_token_id if getattr(cfg, "pad_token_id", None) is not None else 0
+    return cfg, {k: v for k, v in out.items() if not (_DROP.search(k) or k.endswith("token_id") or k == "is_decoder")}
+
+
+def _in_vocab(name: str, v, kind: str):
+    """A special token id inside the tiny vocabulary (the family's own when it already is). An
+    encoder-decoder needs a pad and a decoder start token (HF's label shift reads them)."""
+    low = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0}.get(name, 3)
+    if isinstance(v, list | tuple):
+        return [x if isinstance(x, int) and x < VOCAB else low for x in v]
+    if v is None:
+        return low if kind == "encoder-decoder" and name in ("pad_token_id", "decoder_start_token_id") else None
+    return v if isinstance(v, int) and v < VOCAB else low
+
+
+def inputs(kind: str, cfg, takes_cache: bool) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, VOCAB, (BATCH, SEQ), generator=g)
+    kw = {"input_ids": ids}
+    if kind == "decoder":
+        labels = ids.clone()
+    elif kind == "encoder":
+        masked = torch.rand(BATCH, SEQ, generator=g) < 0.25
+        masked[:, 1] = True  # every row has a target
+        mask_id = getattr(cfg, "mask_token_id", None)
+        kw["input_ids"] = torch.where(masked, mask_id if isinstance(mask_id, int) and mask_id < VOCAB else 4, ids)
+        labels = torch.where(masked, ids, -100)
+    else:
+        labels = torch.randint(5, VOCAB, (BATCH, SEQ), generator=g)
+    if kind != "encoder":
+        labels[0, :3] = -100
+    kw["labels"] = labels
+    if takes_cache:
+        kw["use_cache"] = False
+    return kw
+
+
+# -- one architecture (the child process) ---------------------------------------------------------------------
+
+
+def _why(e: BaseException) -> str:
+    """The exception's type and first line; for a CaptureError also the line with torch's own message (its
+    first line names only the kind of failure)."""
+    lines = str(e).strip().splitlines() or [""]
+    said = next((ln.strip() for ln in lines[1:] if ln.strip().startswith("torch says:")), None)
+    return f"{type(e).__name__}: {lines[0]}{' | ' + said if said else ''}"[:400]
+
+
+class _Progress:
+    """The child's record, rewritten after every stage (the parent reads it after a timeout or a crash)."""
+
+    def __init__(self, path: Path, rec: dict):
+        self.path, self.rec = path, rec
+        rec["stages"] = {s: {"outcome": "skipped"} for s in STAGES}
+        self.save()
+
+    def save(self):
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.rec, default=str))
+        os.replace(tmp, self.path)
+
+    def start(self, stage: str):
+        self.rec["stages"][stage] = {"outcome": "running"}
+        self.rec["running"] = stage
+        self.t0 = time.perf_counter()
+        self.save()
+
+    def end(self, stage: str, ok: bool, reason: str | None = None, **extra):
+        self.rec["stages"][stage] = {"outcome": "pass" if ok else "fail",
+                                     "seconds": round(time.perf_counter() - self.t0, 2),
+                                     **({"reason": reason} if reason else {}), **extra}
+        self.rec.pop("running", None)
+        self.save()
+
+
+def run_one(name: str, kind: str, path: Path) -> None:
+    import torch
+    import transformers as hf
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    prog = _Progress(path, {"name": name, "kind": kind})
+    rec = prog.rec
+
+    prog.start("builds")
+    try:
+        cls = getattr(hf, name)
+        cfg, shrunk = tiny_config(cls.config_class, kind)
+        rec["model_type"], rec["config"] = getattr(cfg, "model_type", ""), shrunk
+        with torch.device("meta"):
+            n = sum(p.numel() for p in cls(cfg).parameters())
+        if n > MAX_PARAMS:
+            raise ValueError(f"the shrunk config still has {n / 1e6:.0f}M parameters: a size attribute not shrunk")
+        torch.manual_seed(0)
+        model = cls(cfg).float().train()
+        rec["params"] = n
+        kw = inputs(kind, cfg, "use_cache" in inspect.signature(model.forward).parameters)
+        ref = copy.deepcopy(model)  # the single-device model, trained alongside
+        # the model runs as called (eager, on a copy): a failure here is the call's or the config's, not mcompile's
+        loss = copy.deepcopy(model)(**kw).loss
+        if loss is None or loss.ndim != 0:
+            raise RuntimeError(f"the eager forward returned loss {loss!r}, not a scalar")
+    except Exception as e:  # noqa: BLE001
+        prog.end("builds", False, _why(e))
+        return
+    prog.end("builds", True)
+
+    from mcompile.api import compile_plan
+    from mcompile.capture import capture
+    from mcompile.mesh import Mesh
+    from mcompile.propagate import FallbackWarning
+    from mcompile.quality import PlanQualityWarning
+
+    prog.start("captures")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cap = capture(copy.deepcopy(model), (), kw)
+        out = [v.meta.get("val") for v in cap.gm.graph.output_node().args[0]]
+        if not (len(out) == 1 and getattr(out[0], "ndim", None) == 0):
+            raise RuntimeError(f"captured {cap.output}, not a scalar loss")
+        prog.end("captures", True, output=cap.output)
+    except Exception as e:  # noqa: BLE001
+        prog.end("captures", False, _why(e))
+        return
+
+    prog.start("plans_tp2")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            c = compile_plan(model, Mesh.fake(tp=2), (), kw)
+    except Exception as e:  # noqa: BLE001
+        prog.end("plans_tp2", False, _why(e))
+        return
+    fallback = [str(w.message).splitlines()[0] for w in caught if issubclass(w.category, FallbackWarning)]
+    n_fb = len(c.plan.fallbacks)
+    reason = None
+    if fallback or n_fb:
+        reason = f"FallbackWarning: {fallback[0]}" if fallback else f"plan.fallbacks: {c.plan.fallbacks[0]}"
+    prog.end("plans_tp2", not reason, reason, fallbacks=n_fb, fallback_warnings=fallback[:5] or None)
+
+    prog.start("megatron_layout")
+    quality = [str(w.message).splitlines()[0] for w in caught if issubclass(w.category, PlanQualityWarning)]
+    findings = [str(f) for f in c.quality]
+    reason = None
+    if quality or findings:
+        reason = f"PlanQualityWarning: {(findings or quality)[0]}"
+    prog.end("megatron_layout", not reason, reason, findings=findings[:5] or None)
+
+    prog.start("parity_tp2")
+    try:
+        worst, losses = _parity(c, ref, kw)
+        ok = worst["loss"] <= RTOL and worst["grad"] <= RTOL and worst["noise"] <= NOISE
+        reason = None if ok else (
+            f"loss relative error {worst['loss']:.1e} (step {worst['loss_step']})" if worst["loss"] > RTOL else
+            f"gradient relative error {worst['grad']:.1e} in {worst['grad_param']} (step {worst['grad_step']})"
+            if worst["grad"] > RTOL else f"a zero gradient off by {worst['noise']:.1e} of the largest gradient")
+        prog.end("parity_tp2", ok, reason, max_loss_rel=worst["loss"], max_grad_rel=worst["grad"],
+                 worst_grad=worst["grad_param"], max_zero_grad_abs=worst["noise"],
+                 noise_level_grads=sorted(worst["noise_level"]) or None, losses=losses)
+    except Exception as e:  # noqa: BLE001
+        prog.end("parity_tp2", False, _why(e))
+
+
+def _parity(c, ref, kw) -> tuple[dict, list]:
+    """Stage 5 (module docstring): the largest relative errors (and where), and per step the loss and the
+    independently trained reference's loss."""
+    import torch
+
+    sys.path.append(str(_results.ROOT / "tests"))
+    from sim_harness import combine_grads  # how the runtime reduces each placement's gradient
+
+    from mcompile.runtime.sim import ThreadedWorld, run_threads
+
+    cap = c.captured
+    state = dict(cap.state_values())
+    alone = copy.deepcopy(ref)  # trained on its own gradients: the drift, recorded, not judged
+    ref_params = dict(ref.named_parameters())
+    alias = {f: canon for canon, group in cap.tied.items() for f in group}
+    full = {fqn: state[ph].detach().clone() for ph, fqn in cap.params.items()}  # the plan's parameters, full
+    for f, p in ref_params.items():
+        if not torch.equal(full[alias.get(f, f)], p.detach()):
+            raise RuntimeError(f"the captured value of {f} is not the model's")
+    # a frozen parameter (requires_grad=False: Marian's sinusoidal positions) gets no gradient, as in the model
+    needs_grad = {alias.get(f, f) for f, p in ref.named_parameters(remove_duplicate=False) if p.requires_grad}
+    trained = {ph for ph, fqn in cap.params.items() if fqn in needs_grad}
+    opt_full, opt_alone = torch.optim.AdamW(list(full.values())), torch.optim.AdamW(alone.parameters())
+    worst = {"loss": 0.0, "grad": 0.0, "loss_step": 0, "grad_step": 0, "grad_param": "", "noise_level": set(),
+             "noise": 0.0}
+    losses = []
+    for step in range(STEPS):
+        with torch.no_grad():  # the reference at the plan's current parameters
+            for f, p in ref_params.items():
+                p.copy_(full[alias.get(f, f)])
+                p.grad = None
+        ref_loss = ref(**kw).loss
+        ref_loss.backward()
+        opt_alone.zero_grad(set_to_none=True)
+        alone_loss = alone(**kw).loss
+        alone_loss.backward()
+        opt_alone.step()
+        losses.append({"loss": float(ref_loss), "trained_alone": float(alone_loss)})
+        world = ThreadedWorld(c.mesh)
+
+        def rank_fn(r):
+            local = {k: v.detach().clone().requires_grad_(k in trained) for k, v in c.local_state(r, state).items()}
+            out = c.run_local(r, local, (), kw)
+            out[0].backward()
+            # a parameter this rank's program does not use has a zero gradient (None in autograd)
+            return out[0].detach(), {k: v.grad if v.grad is not None else torch.zeros_like(v)
+                                     for k, v in local.items() if k in cap.params}  # frozen: zeros
+
+        results = run_threads(world, rank_fn)
+        for loss, _ in results:
+            err = abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))
+            if err > worst["loss"]:
+                worst.update(loss=err, loss_step=step + 1)
+        got = combine_grads(c, [g for _, g in results])
+        top = max(float(p.grad.abs().max()) for p in ref_params.values() if p.grad is not None)
+        for f, p in ref_params.items():
+            mine = got[alias.get(f, f)]
+            if p.grad is None:
+                if mine.abs().max() > 0:
+                    raise RuntimeError(f"{f} has no gradient in the model but a nonzero one in the plan")
+                full[alias.get(f, f)].grad = None
+                continue
+            if float(p.grad.abs().max()) <= NOISE * top:
+                # zero in exact arithmetic (an attention key bias: softmax ignores a per-query constant), so
+                # both sides hold rounding noise and a relative error means nothing: an absolute bound instead
+                # against the model's largest gradient (as tests/test_family_bert.py holds BERT's key.bias)
+                worst["noise_level"].add(f)
+                worst["noise"] = max(worst["noise"], float((mine - p.grad).abs().max()) / top)
+                err = 0.0
+            else:
+                err = float((mine - p.grad).abs().max()) / float(p.grad.abs().max())
+            if err > worst["grad"]:
+                worst.update(grad=err, grad_step=step + 1, grad_param=f)
+            full[alias.get(f, f)].grad = mine.clone()
+        opt_full.step()  # AdamW on the combined full gradients; resharded by local_state next step
+        for ph, fqn in cap.params.items():
+            state[ph] = full[fqn]
+    return worst, losses
+
+
+# -- the run (the parent process) -----------------------------------------------------------------------------
+
+
+def run_child(arch: dict, timeout: float) -> dict:
+    """One architecture in a niced subprocess; its record, with the stage a timeout or a crash hit."""
+    if "import_error" in arch:
+        rec = {"name": arch["name"], "kind": arch["kind"], "stages": {s: {"outcome": "skipped"} for s in STAGES}}
+        rec["stages"]["builds"] = {"outcome": "fail", "reason": arch["import_error"]}
+        rec["seconds"] = 0.0
+        return rec
+    with tempfile.TemporaryDirectory(prefix="mcompile-zoo-") as tmp:
+        path = Path(tmp) / "progress.json"
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        cmd = ["nice", "-n", "19", sys.executable, str(Path(__file__).resolve()), "--child", arch["name"],
+               "--child-kind", arch["kind"], "--child-progress", str(path)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
+            failure = None if proc.returncode == 0 else \
+                f"the process exited with {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1][:200]}"
+        except subprocess.TimeoutExpired:
+            failure = f"timeout after {timeout:.0f} s"
+        seconds = round(time.perf_counter() - t0, 1)
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            rec = {"name": arch["name"], "kind": arch["kind"], "stages": {s: {"outcome": "skipped"} for s in STAGES},
+                   "running": "builds"}
+    if failure:
+        stage = rec.pop("running", None)
+        if stage:
+            rec["stages"][stage] = {"outcome": "fail", "reason": failure}
+        else:
+            rec["error"] = failure
+    rec["seconds"] = seconds
+    return rec
+
+
+def passed(rec: dict) -> bool:
+    return all(rec["stages"][s]["outcome"] == "pass" for s in STAGES)
+
+
+def summary(records: list[dict]) -> dict:
+    """Per kind (and over all): the architectures run and the fraction passing each stage and all of them."""
+    out = {}
+    for kind in (*KINDS, "all"):
+        recs = [r for r in records if kind in ("all", r["kind"])]
+        if not recs:
+            continue
+        row = {"run": len(recs)}
+        for s in STAGES:
+            row[s] = round(sum(r["stages"][s]["outcome"] == "pass" for r in recs) / len(recs), 3)
+        row["all_stages"] = round(sum(passed(r) for r in recs) / len(recs), 3)
+        out[kind] = row
+    return out
+
+
+def _group(reason: str) -> str:
+    """A failure reason without what differs per model (numbers, quoted names, layer lists, shapes)."""
+    if "forward tp collectives where Megatron runs" in reason:  # the collectives listed differ per model
+        return "PlanQualityWarning: more forward tp collectives per layer than Megatron runs"
+    r = re.sub(r"\b[a-z][a-z_]*_\d+\b", "<node>", reason)  # captured node names: mean_1, linear_12
+    r = re.sub(r"'[^']*'|\"[^\"]*\"|`[^`]*`", "'…'", r)
+    r = re.sub(r"\[[^\]]*\]|\([^)]*\)", "(…)", r)
+    r = re.sub(r"\b\d[\d.e+-]*\b", "N", r)
+    r = re.sub(r"\b(layers?) N(, N)*(, \.\.\.)?", r"\1 N", r)
+    return r[:160]
+
+
+def failure_groups(records: list[dict]) -> list[dict]:
+    """Every failing stage's reason, grouped by stage and reason (most common first): a plan with fallbacks
+    still has its layout and parity judged, so one architecture may appear under several stages."""
+    groups: dict = collections.defaultdict(list)
+    for r in records:
+        for s in STAGES:
+            st = r["stages"][s]
+            if st["outcome"] == "fail":
+                groups[(s, _group(st.get("reason", "")))].append(r["name"])
+    return [{"stage": s, "reason": why, "count": len(names), "architectures": sorted(names)}
+            for (s, why), names in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
+
+
+def table(rec: dict) -> str:
+    """The record as a markdown table: architecture, kind, each stage ✓ / ✗ (with the reason) / – (not run)."""
+    mark = {"pass": "✓", "skipped": "–"}
+    lines = ["| architecture | kind | " + " | ".join(STAGES) + " |", "|---|---|" + "---|" * len(STAGES)]
+    for r in sorted(rec["architectures"].values(), key=lambda r: (KINDS.index(r["kind"]), r["name"])):
+        cells = []
+        for s in STAGES:
+            st = r["stages"][s]
+            cells.append(mark.get(st["outcome"]) or "✗ " + st.get("reason", st["outcome"]).replace("|", "\\|")[:120])
+        lines.append(f"| {r['name']} | {r['kind']} | " + " | ".join(cells) + " |")
+    if rec.get("skipped"):
+        lines += ["", "| not run | kind | reason |", "|---|---|---|"]
+        lines += [f"| {s['name']} | {s['kind']} | {s['reason']} |" for s in rec["skipped"]]
+    return "\n".join(lines)
+
+
+def _write(path: Path | None, rec: dict) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(rec, indent=1, default=str, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)  # a kill leaves the old record or the new one, never half of one
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    _results.add_arguments(ap, NAME)
+    ap.add_argument("--resume", action="store_true", help="keep the architectures the record already has")
+    ap.add_argument("--only", default=None, help="comma-separated class names")
+    ap.add_argument("--kind", choices=KINDS, default=None)
+    ap.add_argument("--every", type=int, default=1, help="run every K-th architecture of each kind (a subset)")
+    ap.add_argument("--timeout", type=float, default=180.0, help="seconds per architecture")
+    ap.add_argument("--table", action="store_true", help="print the record (--out, else the committed one) as markdown")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-kind", help=argparse.SUPPRESS)
+    ap.add_argument("--child-progress", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        run_one(args.child, args.child_kind, Path(args.child_progress))
+        return
+    path = _results.destination(NAME, args.write, args.out, temporary=True)
+    if args.table:
+        src = Path(args.out) if args.out else _results.RESULTS / f"{NAME}.json"
+        print(table(json.loads(src.read_text())))
+        return
+
+    import transformers
+
+    wanted = set(args.only.split(",")) if args.only else None
+    todo, skipped = zoo(wanted)
+    if wanted:
+        unknown = wanted - {a["name"] for a in todo} - {s["name"] for s in skipped}
+        if unknown:
+            sys.exit(f"--only: {', '.join(sorted(unknown))} is not a causal LM, masked LM or encoder-decoder class "
+                     f"of transformers {transformers.__version__}")
+    total = collections.Counter(a["kind"] for a in todo)
+    if args.kind:
+        todo = [a for a in todo if a["kind"] == args.kind]
+    if args.every > 1:
+        todo = [a for k in KINDS for a in [a for a in todo if a["kind"] == k][::args.every]]
+    rec = json.loads(path.read_text()) if args.resume and path and path.exists() else {}
+    archs = rec.get("architectures", {}) if args.resume else {}
+    runs = rec.get("runs", []) + [{"only": args.only, "kind": args.kind, "every": args.every,
+                                   "commit": _results.commit(),
+                                   "date": time.strftime("%Y-%m-%d %H:%M")}]
+    if not wanted or "total_in_zoo" not in rec:
+        rec["total_in_zoo"] = dict(total)  # with --only: of those names
+    if not wanted or "skipped" not in rec:
+        rec["skipped"] = skipped
+    rec.update({
+        "benchmark": NAME, "transformers": transformers.__version__, "torch": __import__("torch").__version__,
+        "machine": _results.machine(), "commit": _results.commit(), "date": time.strftime("%Y-%m-%d"),
+        "tiny": {"hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "kv_heads": KV_HEADS, "intermediate": FFN,
+                 "vocab": VOCAB, "head_dim": HEAD_DIM, "batch": BATCH, "seq": SEQ, "steps": STEPS, "rtol": RTOL},
+        "timeout_s": args.timeout, "runs": runs, "architectures": archs,
+    })
+    print(f"{len(todo)} architectures to run ({dict(total)} of {'those named' if wanted else 'the zoo'}; "
+          f"{len(skipped)} not run, with a reason); "
+          f"record: {path}", file=sys.stderr)
+    for i, arch in enumerate(todo):
+        if arch["name"] in archs:
+            continue
+        r = run_child(arch, args.timeout)
+        archs[arch["name"]] = r
+        first = next((f"{s}: {r['stages'][s].get('reason', '')}" for s in STAGES
+                      if r["stages"][s]["outcome"] == "fail"), "all stages pass")
+        print(f"[{i + 1}/{len(todo)}] {arch['name']} ({arch['kind']}, {r['seconds']} s): {first[:150]}",
+              file=sys.stderr)
+        rec["summary"], rec["failures"] = summary(list(archs.values())), failure_groups(list(archs.values()))
+        _write(path, rec)
+    rec["summary"], rec["failures"] = summary(list(archs.values())), failure_groups(list(archs.values()))
+    _write(path, rec)
+    for kind, row in rec["summary"].items():
+        print(f"{kind:16s} run {row['run']:3d}  " + "  ".join(f"{s} {row[s]:.2f}" for s in (*STAGES, "all_stages")))
+    for g in rec["failures"][:15]:
+        print(f"  {g['count']:3d}  {g['stage']}: {g['reason']}")
+    if path:
+        print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""bench/hf_zoo.py's record for one architecture (the unmodified Hugging Face Llama at the tiny size): the script
+runs end to end in its subprocess-per-architecture mode and writes the record the docs table and the summary are
+made from. What is isolated: the record's shape (every stage with an outcome, a reason on failure, the summary's
+fractions), not the zoo's results (those are bench/results/hf_zoo.json's)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("builds", "captures", "plans_tp2", "megatron_layout", "parity_tp2")
+
+
+@pytest.mark.timeout(300)
+def test_zoo_record_of_llama(tmp_path):
+    out = tmp_path / "zoo.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hf_zoo.py"), "--only", "LlamaForCausalLM", "--out",
+                           str(out), "--timeout", "280"], capture_output=True, text=True, timeout=290, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    for key in ("benchmark", "transformers", "machine", "commit", "tiny", "runs", "total_in_zoo", "skipped",
+                "architectures", "summary", "failures"):
+        assert key in rec, key
+    assert rec["benchmark"] == "hf_zoo" and rec["commit"] != "unknown"
+    llama = rec["architectures"]["LlamaForCausalLM"]
+    assert llama["kind"] == "decoder" and llama["seconds"] > 0
+    assert llama["config"]["hidden_size"] == 64 and llama["config"]["num_key_value_heads"] == 2
+    assert set(llama["stages"]) == set(STAGES)
+    for name, st in llama["stages"].items():
+        assert st["outcome"] in ("pass", "fail", "skipped"), (name, st)
+        assert st["outcome"] != "fail" or st["reason"], (name, st)
+    # Llama is the reference family: every stage passes (parity judged at 1e-5 inside the script)
+    assert all(st["outcome"] == "pass" for st in llama["stages"].values()), llama["stages"]
+    assert llama["stages"]["parity_tp2"]["max_grad_rel"] <= 1e-5
+    assert len(llama["stages"]["parity_tp2"]["losses"]) == 3
+    assert rec["summary"]["decoder"] == {"run": 1, **{s: 1.0 for s in STAGES}, "all_stages": 1.0}
+    table = subprocess.run([sys.executable, str(ROOT / "bench" / "hf_zoo.py"), "--table", "--out", str(out)],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path).stdout
+    assert "| LlamaForCausalLM | decoder | ✓ | ✓ | ✓ | ✓ | ✓ |" in table
