@@ -461,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--recompute", default="none", choices=["none", "full", "selective", "auto"],
                     help="recompute policy for the partition pass (--after partition)")
     ps.add_argument("--activation-budget", type=int, default=None, metavar="BYTES",
-                    help="recompute=auto: bytes of saved activations per rank and microbatch")
+                    help="recompute=auto: bytes of saved activations one rank keeps at its peak (under pp "
+                         "shared by the microbatches a stage holds in flight)")
     ps.add_argument("--codegen", default="eager", choices=["eager", "inductor"])
     ps.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3],
                     help="ZeRO stage (3: parameters sharded over dp and gathered before use: the fsdp pass)")

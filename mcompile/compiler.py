@@ -234,9 +234,15 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
                 insert_gathers(st.gm, zero3_placeholders(compiled, st.params), mesh.size("dp"))
         programs = [(f"stage {st.index}", st.gm, st.inputs, len(st.received), st.index % pp == pp_rank)
                     for st in stages]
+        from mcompile.runtime.pipeline import stage_activation_budget
+        from mcompile.runtime.schedules import build_schedule
+
+        actions = build_schedule(config.schedule, pp, config.virtual_stages, config.microbatches)
+        budgets = {f"stage {st.index}": stage_activation_budget(config, actions, st.index) for st in stages}
     else:
         phs = [n.name for n in rp.program.graph.nodes if n.op == "placeholder"]
         programs = [("program", rp.program, phs, 0, True)]
+        budgets = {}
     if p.scope == "rank":
         for label, gm, _, _, mine in programs:
             if mine:
@@ -252,7 +258,8 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
         args += carried
         split = list(range(len(args) - n_recv, len(args))) if split_w and n_recv else None
         # as the runtime builds it: weight gradients added into their buffers inside backward
-        runner = JointRunner(gm, config, split_inputs=split, name=label, accumulate=lambda a: {})
+        runner = JointRunner(gm, config, split_inputs=split, name=label, accumulate=lambda a: {},
+                             budget=budgets.get(label))
         with torch.enable_grad():
             jp = runner.compile(args)
         with mode, torch.no_grad():

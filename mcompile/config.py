@@ -29,7 +29,11 @@ class Config:
     #                          activation_budget: mcompile.passes.remat); on the joint graph (passes/joint.py)
     recompute_method: str = "uniform"  # full recompute: "uniform" (groups of layers) or "block" (first layers)
     recompute_num_layers: int = 1
-    activation_budget: int | None = None  # recompute="auto": bytes of saved activations per program call
+    # recompute="auto": bytes of saved activations one rank holds at its peak. Without pp that is one program
+    # call's (microbatches run one at a time); under pp a stage's forwards share it with the others its rank
+    # holds in flight under the schedule (1F1B: p on stage 0, 1 on the last; runtime/pipeline.py
+    # stage_activation_budget), each getting budget // in-flight
+    activation_budget: int | None = None
     # "joint": each program traced into forward + backward modules run without autograd (passes/joint.py);
     # "autograd": the fallback for programs whose backward cannot be traced: forward under autograd
     execution: str = "joint"
@@ -94,8 +98,8 @@ class Config:
         if self.recompute not in ("none", "full", "selective", "auto"):
             raise ValueError(f"recompute={self.recompute!r}: use 'none', 'full', 'selective' or 'auto'")
         if self.recompute == "auto" and (self.activation_budget is None or self.activation_budget < 0):
-            raise ValueError("recompute='auto' needs activation_budget=<bytes of saved activations per rank and "
-                             "microbatch> (>= 0)")
+            raise ValueError("recompute='auto' needs activation_budget=<bytes of saved activations per rank at its "
+                             "peak, shared by the microbatches a pipeline stage holds in flight> (>= 0)")
         if self.moe_dispatcher not in ("alltoall", "allgather"):
             raise ValueError(f"moe_dispatcher={self.moe_dispatcher!r}: use 'alltoall' or 'allgather'")
         if self.cp_attention not in ("auto", "ring", "allgather", "a2a"):

@@ -1794,7 +1794,7 @@ def stage_auto(limit: float, fixed: tuple, inflight, n_layers: int, extra_act: f
     (``fixed`` = (params, grads, optimizer) bytes of the stage; ``inflight`` microbatches, each keeping
     ``n_layers`` layers and ``extra_act`` bytes outside them), inverted to bytes per layer, and the
     mix of :func:`auto_mix` there. Returns {"mix", "layer_bytes", "budget" (bytes per microbatch, the
-    ILP's ``activation_budget``), "fits", "limit"}; where even full recompute does not fit, the mix is
+    ILP's budget per call), "fits", "limit", "inflight"}; where even full recompute does not fit, the mix is
     full's (and its memory is over the limit)."""
     left = activations_left(limit, *fixed, gradients_meet_activations=gradients_meet_activations,
                             reduction_buffer=reduction_buffer)
@@ -1808,12 +1808,15 @@ def stage_auto(limit: float, fixed: tuple, inflight, n_layers: int, extra_act: f
         mix = {"full": 1.0}
     layer_bytes = sum(w * float(acts[m]) for m, w in mix.items())
     return {"mix": mix, "layer_bytes": layer_bytes, "budget": per_mb if fits else None, "fits": fits,
-            "limit": limit}
+            "limit": limit, "inflight": inflight}
 
 
 def _auto_budget(auto: dict) -> float | None:
-    """The activation budget per microbatch that every stage can take (the smallest), or None."""
-    b = [a["budget"] for a in auto.values()]
+    """``Config(activation_budget=)`` every pipeline rank can take, or None: the runtime gives each of a
+    rank's forwards the budget divided by the forwards it holds in flight (runtime/pipeline.py
+    ``stage_activation_budget``, which counts what ``inflight_microbatches`` does), so the budget is
+    the smallest over the ranks of their per-microbatch budget times their in-flight microbatches."""
+    b = [None if a["budget"] is None else a["budget"] * float(a["inflight"]) for a in auto.values()]
     return None if any(x is None for x in b) else min(b)
 
 

@@ -1087,7 +1087,7 @@ class Candidate:
             out["fp8"] = "current"
         if lay.cp > 1:  # the variant priced (Config(cp_attention="auto") picks the same: choose_cp_attention)
             out["cp_attention"] = lay.cp_attention
-        if lay.recompute == Recompute.AUTO:  # the budget every rank can take, per microbatch (passes/remat.py)
+        if lay.recompute == Recompute.AUTO:  # the activation bytes every rank can hold (cost._auto_budget)
             budget = self.estimate.details.get("activation_budget")
             out["activation_budget"] = int(budget) if budget is not None else 0
         if lay.pp > 1:

@@ -56,7 +56,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-__all__ = ["RematSolution", "classify", "node_cost", "solve", "exhaustive", "min_budget", "report"]
+__all__ = ["RematSolution", "BudgetError", "classify", "node_cost", "solve", "exhaustive", "min_budget", "report"]
 
 aten = torch.ops.aten
 
@@ -82,6 +82,16 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, at
 # random ops named explicitly (most also carry Tag.nondeterministic_seeded)
 _RANDOM_NAMES = ("native_dropout", "bernoulli", "rand", "randn", "randint", "randperm", "normal",
                  "uniform", "multinomial", "exponential", "geometric", "cauchy", "log_normal", "poisson", "rrelu")
+
+
+class BudgetError(ValueError):
+    """A budget below the least any saved set needs; ``budget`` and ``minimum`` in bytes, so a caller
+    that derived the budget (a pipeline stage's share) can say how far off it is in its own terms."""
+
+    def __init__(self, budget: int, minimum: int, message: str | None = None):
+        super().__init__(message or f"recompute budget {budget} bytes is infeasible: the minimum feasible budget "
+                         f"is {minimum} bytes")
+        self.budget, self.minimum = budget, minimum
 
 
 @dataclass
@@ -424,8 +434,8 @@ def solve(joint: fx.GraphModule, budget_bytes: int | None, must_save: Collection
     """The saved set of least recompute FLOPs (then least bytes) whose bytes fit ``budget_bytes``.
 
     ``budget_bytes=None``: no limit — save every needed value (except ``must_recompute`` ones, which
-    are recomputed from saved inputs), recompute nothing else. Raises ValueError, naming the minimum
-    feasible budget, when the budget is below it."""
+    are recomputed from saved inputs), recompute nothing else. Raises :class:`BudgetError` (a ValueError),
+    naming the minimum feasible budget, when the budget is below it."""
     m = _model(joint, must_save, must_recompute)
     if budget_bytes is None:
         return _baseline(m)
@@ -433,8 +443,7 @@ def solve(joint: fx.GraphModule, budget_bytes: int | None, must_save: Collection
     flops_cost = {2 * i + 1: m.flops[v] for v, i in p.idx.items()}
     first = p.minimise(flops_cost)
     if first is None:
-        raise ValueError(f"recompute budget {budget_bytes} bytes is infeasible: the minimum feasible budget is "
-                         f"{_min_bytes(m, time_limit)} bytes")
+        raise BudgetError(budget_bytes, _min_bytes(m, time_limit))
     best = _solution(m, first[0], first[1])
     # second phase: least bytes among the least-FLOP saved sets (FLOP counts are integers, so the
     # bound best + 0.5 admits exactly the optima)
@@ -506,8 +515,7 @@ def exhaustive(joint: fx.GraphModule, budget_bytes: int, must_save: Collection[s
         least = min((nbytes for _, nbytes, _ in subsets(math.inf)), default=None)
         if least is None:
             raise ValueError("no saved set is feasible")
-        raise ValueError(f"recompute budget {budget_bytes} bytes is infeasible: the minimum feasible budget is "
-                         f"{least} bytes")
+        raise BudgetError(budget_bytes, least)
     return _solution(m, best[2], True)
 
 

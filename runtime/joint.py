@@ -19,12 +19,50 @@ Weight gradients are returned, not accumulated: the caller adds them into its fp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 
 from mcompile.passes import joint as J
 
-__all__ = ["JointRunner", "JointCtx", "signature"]
+__all__ = ["JointRunner", "JointCtx", "signature", "ActivationBudget", "RecomputeChoice"]
+
+
+@dataclass(frozen=True)
+class ActivationBudget:
+    """What ``recompute="auto"`` may keep for one call's backward (passes/remat.py's budget).
+
+    ``Config(activation_budget=)`` is the saved activations one rank holds at its peak. A program
+    whose forwards run one at a time (no pipeline: microbatches are accumulated one after another)
+    gets all of it per call; a pipeline stage shares it with the other forwards its rank holds at
+    once under the schedule (``in_flight``: stage 0 of 1F1B p microbatches, the last stage 1), so
+    each call gets ``total // in_flight`` and the rank's peak stays within ``total``."""
+
+    total: int  # Config.activation_budget: bytes of saved activations per rank at its peak
+    in_flight: int = 1  # forwards (microbatch, stage) whose saved activations the rank holds at once
+    where: str = ""  # how in_flight was counted, for errors: "pipeline rank 0 under schedule '1f1b'"
+
+    @property
+    def per_call(self) -> int:
+        return self.total // self.in_flight
+
+
+@dataclass(frozen=True)
+class RecomputeChoice:
+    """What ``recompute="auto"`` chose for one program (a rank's, or a pipeline stage's)."""
+
+    name: str  # "rank 0", "stage 1"
+    budget: int  # bytes per call the solver was given (ActivationBudget.per_call)
+    in_flight: int
+    saved_bytes: int  # what the forward keeps for backward (distinct storages)
+    recomputed_ops: int  # forward ops the backward runs again (views, which cost nothing, not counted)
+    recompute_flops: float
+
+    def __str__(self) -> str:
+        return (f"{self.name}: {self.saved_bytes} of {self.budget} bytes saved per microbatch "
+                f"({self.in_flight} in flight), {self.recomputed_ops} ops recomputed "
+                f"({self.recompute_flops:.4g} FLOPs)")
 
 
 def signature(args: list) -> tuple:
@@ -44,7 +82,7 @@ class JointCtx:
 
 class JointRunner:
     def __init__(self, program: fx.GraphModule, config, *, split_inputs: list[int] | None = None, name: str = "",
-                 accumulate=None, grad_buckets=None):
+                 accumulate=None, grad_buckets=None, budget: ActivationBudget | None = None):
         """``split_inputs``: program input positions whose gradients backward_input computes (the
         received activations of a pipeline stage); the other gradients are backward_weight's.
         ``accumulate(args) -> {input position: buffer}``: every input that requires grad (other than
@@ -53,8 +91,11 @@ class JointRunner:
         at a time is live, not a copy of every weight's.
         ``grad_buckets(position) -> bucket index | None``: the dp gradient bucket of an accumulated
         input whose bucket is reduced over dp; with ``Config(overlap=True)`` the backward launches each
-        bucket right after its last gradient is added (passes/overlap.py ``launch_buckets``)."""
+        bucket right after its last gradient is added (passes/overlap.py ``launch_buckets``).
+        ``budget``: ``recompute="auto"``'s share of ``Config(activation_budget=)`` per call (default:
+        all of it, one call in flight)."""
         self.program = program
+        self.budget = budget
         self.config = config
         self.split_inputs = split_inputs
         self.name = name
@@ -76,10 +117,7 @@ class JointRunner:
         cfg = self.config
         jg = J.trace_joint(self.program, args)
         if cfg.recompute == "auto":
-            from mcompile.passes import remat
-
-            sol = remat.solve(jg.gm, cfg.activation_budget, must_save=set())
-            saved = [n.name for n in jg.gm.graph.nodes if n.name in sol.saved]
+            saved = self._solve_auto(jg.gm)
         else:
             saved = J.saved_for_policy(jg, cfg.recompute, cfg.recompute_method, cfg.recompute_num_layers)
         from mcompile.passes import fsdp
@@ -127,6 +165,39 @@ class JointRunner:
                 jp.backward_input = _Compiled(jp.backward_input, codegen)
                 jp.backward_weight = _Compiled(jp.backward_weight, codegen)
         return jp
+
+    def _solve_auto(self, joint: fx.GraphModule) -> list[str]:
+        """The saved set of ``recompute="auto"`` under this runner's budget; an infeasible budget names
+        the program, its share of ``activation_budget`` and how far below the least it can save it is."""
+        from mcompile.passes import remat
+
+        budget = self.budget or ActivationBudget(self.config.activation_budget)
+        try:
+            sol = remat.solve(joint, budget.per_call, must_save=set())
+        except remat.BudgetError as e:
+            short = e.minimum - e.budget
+            share = (f"activation_budget={budget.total} bytes shared by the {budget.in_flight} forwards in flight at "
+                     f"once on {budget.where or 'this rank'}, {budget.per_call} bytes each"
+                     if budget.in_flight > 1 else f"activation_budget={budget.total} bytes")
+            raise remat.BudgetError(e.budget, e.minimum, (
+                f"recompute='auto' on {self.name or 'this program'}: {share}, is {short} bytes below the least it "
+                f"can save for backward ({e.minimum} bytes per microbatch, recomputing all it can); raise "
+                f"activation_budget by {e.minimum * budget.in_flight - budget.total} bytes, to at least "
+                f"{e.minimum * budget.in_flight}")) from None
+        return [n.name for n in joint.graph.nodes if n.name in sol.saved]
+
+    def choice(self) -> RecomputeChoice | None:
+        """What ``recompute="auto"`` chose for the last compiled signature (None before the first call,
+        or under a named policy)."""
+        jp = self.last
+        if jp is None or self.config.recompute != "auto":
+            return None
+        from mcompile.passes.joint import is_alias
+
+        budget = self.budget or ActivationBudget(self.config.activation_budget)
+        nodes = {n.name: n for n in jp.joint.gm.graph.nodes}
+        ops = sum(not is_alias(nodes[r]) for r in jp.recomputed)
+        return RecomputeChoice(self.name, budget.per_call, budget.in_flight, jp.saved_bytes, ops, jp.recompute_flops)
 
     def _launch_buckets(self, jp: J.JointProgram) -> None:
         """The dp bucket launches inside the backward (or W) module: jp.launches, and the input

@@ -770,6 +770,16 @@ class ParallelModule(torch.nn.Module):
         live = {id(b) for s in self._pipe.own for b in self._pipe.stages[s].gm.buffers()}
         return {n: h for n, h in self.fp8.histories.items() if id(h) in live}
 
+    def recompute_choices(self) -> list:
+        """``recompute="auto"``: what passes/remat.py chose for each program this rank runs, once the first
+        step has compiled them (runtime/joint.py ``RecomputeChoice``: the budget per microbatch, the
+        forwards in flight it was divided by, the bytes saved, the ops recomputed); one per pipeline stage
+        of this rank under pp. [] before the first step and under a named policy."""
+        if self._pipe is not None:
+            return self._pipe.recompute_choices()
+        choice = self._runner.choice() if self._runner is not None else None
+        return [choice] if choice is not None else []
+
     def save_checkpoint(self, path, optimizer=None, extra: dict | None = None, async_save: bool = False):
         """Save parameters, persistent buffers, optimizer state (keyed by the model's names, in global
         shapes: loadable under any other layout) and (``fp8="delayed"``) every rank's FP8 amax

@@ -534,6 +534,28 @@ class _RecordCollectives(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
+def stage_activation_budget(config, actions, stage: int):
+    """``recompute="auto"`` under pipeline parallelism: stage ``stage``'s share of
+    ``Config(activation_budget=)`` (a :class:`~mcompile.runtime.joint.ActivationBudget`; None under a
+    named policy). ``actions``: every pipeline rank's schedule (``build_schedule``).
+
+    The rank holding the stage keeps the saved activations of every forward it has run and not yet
+    finished the backward of (until W under zero-bubble); its schedule says how many those are at most
+    (``schedules.peak_activation_bytes`` with one unit per forward: 1F1B's stage 0 holds p
+    microbatches, its last stage 1, GPipe m; interleaved counts the forwards of all the rank's virtual
+    stages together). Each forward gets the same share, so the rank's peak stays within the budget
+    whichever of its forwards are in flight at once."""
+    from mcompile.runtime.joint import ActivationBudget
+    from mcompile.runtime.schedules import peak_activation_bytes
+
+    if config.recompute != "auto":
+        return None
+    r = stage % len(actions)
+    acts = actions[r]
+    in_flight = max(1, int(peak_activation_bytes(acts, {a.stage: 1.0 for a in acts})))
+    return ActivationBudget(config.activation_budget, in_flight, f"pipeline rank {r} under schedule {config.schedule!r}")
+
+
 class Pipeline:
     """Pipeline parallelism inside a :class:`~mcompile.runtime.module.ParallelModule`: the stage
     partition, this rank's stage programs, shape inference and verification, the schedule run."""
@@ -566,21 +588,17 @@ class Pipeline:
             for st in self.stages:
                 insert_gathers(st.gm, {p for p in st.params if cap.params[p] in pm._zero3}, pm.mesh.size("dp"))
         self.own = [s for s in range(self.k) if s % self.pp == self.pp_rank]
-        groups = {st.index: recompute_nodes(st.gm, config.recompute, config.recompute_method,
-                                            config.recompute_num_layers) for st in self.stages}
+        # recompute="auto" chooses each stage's saved set on its joint graph (runtime/joint.py), under its
+        # share of the rank's activation budget (activation_budgets)
+        groups = {st.index: {} if config.recompute == "auto" else
+                  recompute_nodes(st.gm, config.recompute, config.recompute_method, config.recompute_num_layers)
+                  for st in self.stages}
         self._check_delayed_fp8_recompute(groups, config)
         self.runners = None  # joint execution: one runner per own stage (runtime/joint.py)
         if config.execution == "joint":
             from mcompile.runtime.joint import JointRunner
 
-            self.runners = {s: JointRunner(self.stages[s].gm, config, name=f"stage {s}",
-                                           split_inputs=list(range(len(self.stages[s].inputs) -
-                                                                   len(self.stages[s].received),
-                                                                   len(self.stages[s].inputs))),
-                                           accumulate=lambda args: pm._leaves.targets(args),
-                                           grad_buckets=lambda pos, s=s: pm._leaves.bucket_index(
-                                               self._param_at(s, pos)))
-                            for s in self.own}
+            self.runners = {s: self._make_runner(s) for s in self.own}
         else:
             for s in self.own:  # recompute inside each stage program
                 st = self.stages[s]
@@ -835,14 +853,44 @@ class Pipeline:
         return tuple(r for r in range(mesh.size()) if all(
             mesh.coords(r)[a] == pm._coords[a] for a in mesh.axis_names if a not in pm._data_axes))
 
-    def _runner(self, s: int):
-        """Stage ``s``'s joint runner: this rank's own, or one made to derive another rank's ops."""
+    def _make_runner(self, s: int):
+        """Stage ``s``'s joint runner, built as its owner builds it, whichever rank builds it.
+
+        The passes after the partition depend on how the backward hands out its weight gradients:
+        with ``accumulate`` each is added into its main-gradient buffer inside the graph, and ZeRO-3's
+        ``fsdp.prefetch`` moves those additions with the reduce-scatter waits, which decides where the
+        next reduce-scatter starts. A runner built without it (as the probe once built the stages of
+        other ranks) issues the same collectives in another order, and the pipeline group's ranks
+        then derive different programs for one stage. So every rank builds every stage's runner with
+        in-graph accumulation; only the buffers differ: a non-own stage's fake leaves get scratch
+        buffers (``JointRunner.forward``), and its dp bucket launches, which are not collectives of
+        the graph (the leaves launch them at run time and ``step_end_ops`` counts them), are left out
+        since the buckets are the owner's."""
         from mcompile.runtime.joint import JointRunner
 
+        pm, st = self.pm, self.stages[s]
+        own = s in self.own
+        return JointRunner(st.gm, pm.config, name=f"stage {s}", budget=self.activation_budget(s),
+                           split_inputs=list(range(len(st.inputs) - len(st.received), len(st.inputs))),
+                           accumulate=(lambda args: pm._leaves.targets(args)) if own else (lambda args: {}),
+                           grad_buckets=(lambda pos: pm._leaves.bucket_index(self._param_at(s, pos))) if own
+                           else None)
+
+    def activation_budget(self, s: int):
+        """Stage ``s``'s share of ``Config(activation_budget=)`` (:func:`stage_activation_budget`)."""
+        return stage_activation_budget(self.pm.config, self.actions, s)
+
+    def recompute_choices(self) -> list:
+        """``recompute="auto"``: what each of this rank's stages chose (runtime/joint.py
+        ``RecomputeChoice``), once its first step has compiled them; [] under a named policy."""
+        if self.runners is None:
+            return []
+        return [c for c in (self.runners[s].choice() for s in self.own) if c is not None]
+
+    def _runner(self, s: int):
+        """Stage ``s``'s joint runner: this rank's own, or one made to derive another rank's ops."""
         if s not in self.runners:
-            st = self.stages[s]
-            self.runners[s] = JointRunner(st.gm, self.pm.config, name=f"stage {s}",
-                                          split_inputs=list(range(len(st.inputs) - len(st.received), len(st.inputs))))
+            self.runners[s] = self._make_runner(s)
         return self.runners[s]
 
     def _probe_joint(self, st, args: list):

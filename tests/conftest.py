@@ -77,6 +77,16 @@ def build(name: str, seed: int = 0, device=None, batch: int = 2):
                 vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, **extra)
             model = HFLoss(getattr(transformers, f"{kind}ForCausalLM")(cfg))
+        elif name == "hf-llama-gqa-deep":  # 4 layers (block repetition on), 4 heads over 2 kv heads
+            cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2)
+            model = HFLoss(LlamaForCausalLM(cfg))
+        elif name == "hf-neox-deep":  # GPT-NeoX: fused QKV split by chunk, partial rotary, untied head; 4 layers
+            from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+            cfg = GPTNeoXConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                num_attention_heads=4, rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0)
+            model = HFLoss(GPTNeoXForCausalLM(cfg))
         else:  # odd vocabulary: padded under tp, as GPT-2's 50257
             cfg = GPT2Config(vocab_size=129, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

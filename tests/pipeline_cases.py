@@ -80,3 +80,10 @@ def contract_pp(rank, world, name, mesh, path):
         resumed.append(loss.item())
     out["continued"], out["resumed"] = continued, resumed
     return out
+
+
+def recompute_choices(pm):
+    """``runtime_cases.train(inspect=...)``: what recompute="auto" chose for this rank's programs, as dicts."""
+    import dataclasses
+
+    return [dataclasses.asdict(c) for c in pm.recompute_choices()]

@@ -22,15 +22,16 @@ def norm_value(norm) -> float:
     return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
-def train(rank, world, name, mesh, options, steps=3, batch=4, want_grads_at=None):
+def train(rank, world, name, mesh, options, steps=3, batch=4, want_grads_at=None, inspect=None):
     """Three AdamW steps with clipping of the tiny model ``name`` (conftest.build): :func:`train_model`."""
     model, inputs = build(name, batch=batch)
-    return train_model(rank, model, inputs, mesh, options, steps, want_grads_at)
+    return train_model(rank, model, inputs, mesh, options, steps, want_grads_at, inspect)
 
 
-def train_model(rank, model, inputs, mesh, options, steps=3, want_grads_at=None):
+def train_model(rank, model, inputs, mesh, options, steps=3, want_grads_at=None, inspect=None):
     """AdamW steps with clipping. Per-step losses; full gradients at one step, taken *before*
-    clipping (rank 0); this rank's local parameter sizes; the total norm each clipping returned.
+    clipping (rank 0); this rank's local parameter sizes; the total norm each clipping returned
+    (and, given ``inspect``, a module-level function of the ParallelModule, its value after the steps).
     Clipping to norm 1 before comparing would hide a gradient wrong by a constant factor (DESIGN,
     "Learned since"): the unclipped gradients and the returned norms are what parity compares."""
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **options)
@@ -49,6 +50,8 @@ def train_model(rank, model, inputs, mesh, options, steps=3, want_grads_at=None)
         opt.zero_grad()
         losses.append(loss.item())
     local_numels = {k: p.to_local().numel() for k, p in pm.named_parameters()}
+    if inspect is not None:
+        return losses, grads if rank == 0 else None, local_numels, norms, inspect(pm)
     return losses, grads if rank == 0 else None, local_numels, norms
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pipeline_cases import sleep_pipeline
+from pipeline_cases import recompute_choices, sleep_pipeline
 
 from mcompile.annotate import layer_index
 from mcompile.blocks import analyse
@@ -402,3 +402,85 @@ def test_memory_per_rank_counts_the_largest_stage():
     per_rank = [sum(c.plan.params[f].local_numel for f, st in stages.items() if r in st) for r in range(2)]
     assert sum(per_rank) > sum(p.local_numel for p in c.plan.params.values())  # the tied weight twice
     assert memory_per_rank(c.plan).params == 4 * max(per_rank)  # fp32 parameters
+
+
+# ---- recompute="auto" per stage ---------------------------------------------------------------------------------
+# hf-llama-gqa-deep at pp=2, 2 microbatches of 2 x 16 tokens: saving everything backward reads keeps 302 592 bytes per
+# forward on stage 0 and 335 748 on stage 1 (measured: `mcompile show --after partition`). 480 000 bytes per rank
+# leaves each of stage 0's two in-flight forwards 240 000 (it must recompute) and stage 1's one forward all of it
+# (it need not): one budget, two choices, by the schedule's in-flight count alone.
+AUTO_BUDGET = 480_000
+AUTO_CASES = [("pp=2", {"microbatches": 2}), ("pp=2", {"microbatches": 2, "schedule": "zbh1"}),
+              ("pp=2", {"microbatches": 2, "schedule": "gpipe"}),
+              ("pp=2", {"microbatches": 2, "schedule": "interleaved", "virtual_stages": 2}),
+              ("dp=2,pp=2", {"microbatches": 2, "zero": 3})]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mesh,options", tiered(AUTO_CASES, [AUTO_CASES[0]]))
+def test_auto_recompute_per_stage_parity(mesh, options):
+    """recompute="auto" under pp: every stage solves passes/remat.py on its own joint graph under its share of
+    activation_budget (the forwards its rank holds in flight: runtime/pipeline.py stage_activation_budget); the
+    losses, clipping norms and unclipped gradients of three AdamW steps equal one device's (1e-5), and each rank
+    reports what its stages chose, each within its share."""
+    from runtime_cases import grad_errors, reference, train, world_of
+
+    from mcompile.memory_model import inflight_microbatches
+
+    options = {**options, "recompute": "auto", "activation_budget": AUTO_BUDGET}
+    results = pool(world_of(mesh)).run(train, "hf-llama-gqa-deep", mesh, options, 3, 4, None,
+                                       recompute_choices)
+    ref_losses, ref_grads, ref_norms = reference("hf-llama-gqa-deep")
+    for losses, _, _, norms, _ in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=0)
+        assert norms == pytest.approx(ref_norms, rel=1e-5, abs=0)
+    for k, err in grad_errors(results[0][1], ref_grads).items():
+        assert err <= 1e-5, (k, err)
+    schedule, v = options.get("schedule", "1f1b"), options.get("virtual_stages", 1)
+    choices = {c["name"]: c for r in results for c in r[4]}
+    assert sorted(choices) == [f"stage {s}" for s in range(2 * v)], choices
+    for name, c in choices.items():
+        rank = int(name.split()[1]) % 2
+        # the runtime's count equals the memory model's (in whole-rank microbatches: v stages each)
+        mm = inflight_microbatches({"zbh1": "zb-h1"}.get(schedule, schedule), 2, rank, 2, v) * v
+        assert c["in_flight"] == mm and c["budget"] == AUTO_BUDGET // c["in_flight"], c
+        assert c["saved_bytes"] <= c["budget"], c
+    # the same budget: stage 0 (two in flight) recomputes, the last stage not (at dp=1: under ZeRO-3 every stage
+    # re-gathers its parameters in backward, which counts as recomputed, and dp halves the microbatch)
+    if mesh == "pp=2" and schedule == "1f1b":
+        assert choices["stage 0"]["recomputed_ops"] > 0 and choices["stage 1"]["recomputed_ops"] == 0, choices
+
+
+def test_auto_recompute_budget_too_small_names_the_stage_and_the_shortfall():
+    """Dropout's masks must be saved (recomputing a random op draws other numbers): a budget below them is
+    refused with the stage, its share and how far the budget is off; planned on fake tensors, no processes."""
+    import dataclasses
+    import re
+
+    from mcompile import compiler
+    from mcompile.api import compile_plan
+    from mcompile.config import Config
+    from mcompile.mesh import Mesh
+    from mcompile.models import get_preset
+    from mcompile.models.gpt import GPT
+    from mcompile.passes.remat import BudgetError
+
+    cfg = dataclasses.replace(get_preset("gpt2-tiny").config, dropout=0.1)
+    torch.manual_seed(0)
+    model = GPT(cfg).train()
+    tokens = torch.randint(0, cfg.vocab_size, (4, 16))
+    c = compile_plan(model, Mesh.fake(pp=2), (tokens, tokens))
+    config = Config(recompute="auto", activation_budget=1000, microbatches=2)
+    with pytest.raises(BudgetError) as e:
+        compiler.show(c, 0, config, (tokens, tokens), after="partition")
+    msg = str(e.value)
+    assert "stage 0" in msg and "shared by the 2 forwards in flight at once on pipeline rank 0 under schedule " \
+        "'1f1b', 500 bytes each" in msg, msg
+    least = e.value.minimum
+    assert f"is {least - 500} bytes below the least it can save for backward ({least} bytes" in msg, msg
+    assert f"raise activation_budget by {2 * least - 1000} bytes, to at least {2 * least}" in msg, msg
+    # that budget is enough for stage 0
+    out = compiler.show(c, 0, Config(recompute="auto", activation_budget=2 * least, microbatches=2), (tokens, tokens),
+                        after="partition")
+    saved = [int(x) for x in re.findall(r"saved for backward, (\d+) bytes", out)]
+    assert saved and all(b <= 2 * least for b in saved), out
