@@ -260,10 +260,13 @@ class ParallelModule(torch.nn.Module):
 
         return dp_placements(pp.placements, list(self.mesh.axis_names), self._zero3[fqn])
 
-    def _reduces_over_dp(self, fqn: str) -> bool:
-        """Whether ``fqn``'s gradient is summed over dp by the step's bucket reductions (a ZeRO-3
-        parameter's is reduce-scattered inside the backward, by its gather's backward)."""
-        return bool(self._reduce_axes(fqn)) and fqn not in self._zero3
+    def _bucket_axes(self, fqn: str) -> tuple[str, ...]:
+        """The data axes the step's bucket reductions sum ``fqn``'s gradient over: :meth:`_reduce_axes`, but
+        dp for a ZeRO-3 parameter, whose gradient its gather's backward reduce-scatters over dp inside the backward.
+        The other data axes stay: under cp each rank's gradient is a partial sum over its tokens, which the dp
+        reduce-scatter does not add (Megatron's dp x cp gradient group), so its dp piece is all-reduced over cp."""
+        axes = self._reduce_axes(fqn)
+        return tuple(a for a in axes if a != "dp") if fqn in self._zero3 else axes
 
     def _reduce_axes(self, fqn: str) -> tuple[str, ...]:
         """The data-parallel axes (dp, ep) ``fqn``'s gradient is summed over: both for a dense
