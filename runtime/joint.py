@@ -56,7 +56,8 @@ class RecomputeChoice:
     budget: int  # bytes per call the solver was given (ActivationBudget.per_call)
     in_flight: int
     saved_bytes: int  # what the forward keeps for backward (distinct storages)
-    recomputed_ops: int  # forward ops the backward runs again (views, which cost nothing, not counted)
+    recomputed_ops: int  # forward ops the backward runs again (not counted: views, which cost nothing, and
+    #                      ZeRO-3's parameter gathers, repeated in backward whatever the budget)
     recompute_flops: float
 
     def __str__(self) -> str:
@@ -116,13 +117,13 @@ class JointRunner:
     def _build(self, args: list) -> J.JointProgram:
         cfg = self.config
         jg = J.trace_joint(self.program, args)
-        if cfg.recompute == "auto":
-            saved = self._solve_auto(jg.gm)
-        else:
-            saved = J.saved_for_policy(jg, cfg.recompute, cfg.recompute_method, cfg.recompute_num_layers)
         from mcompile.passes import fsdp
 
         gathered = fsdp.gathered_values(jg.gm)  # ZeRO-3: gathered parameters are gathered again, never saved
+        if cfg.recompute == "auto":
+            saved = self._solve_auto(jg.gm, gathered)
+        else:
+            saved = J.saved_for_policy(jg, cfg.recompute, cfg.recompute_method, cfg.recompute_num_layers)
         if gathered:
             saved = [n for n in saved if n not in gathered]
         jp = J.partition(jg, saved)
@@ -166,14 +167,18 @@ class JointRunner:
                 jp.backward_weight = _Compiled(jp.backward_weight, codegen)
         return jp
 
-    def _solve_auto(self, joint: fx.GraphModule) -> list[str]:
+    def _solve_auto(self, joint: fx.GraphModule, gathered: set[str]) -> list[str]:
         """The saved set of ``recompute="auto"`` under this runner's budget; an infeasible budget names
-        the program, its share of ``activation_budget`` and how far below the least it can save it is."""
+        the program, its share of ``activation_budget`` and how far below the least it can save it is.
+        ``gathered``: ZeRO-3's gathered parameters (and values of them alone), which are never saved:
+        the solver is told so (must_recompute), else it would spend budget on values dropped from its
+        saved set afterwards and recompute activations it had room to keep."""
         from mcompile.passes import remat
 
         budget = self.budget or ActivationBudget(self.config.activation_budget)
+        forward, _ = remat.classify(joint)
         try:
-            sol = remat.solve(joint, budget.per_call, must_save=set())
+            sol = remat.solve(joint, budget.per_call, must_save=set(), must_recompute=gathered & forward)
         except remat.BudgetError as e:
             short = e.minimum - e.budget
             share = (f"activation_budget={budget.total} bytes shared by the {budget.in_flight} forwards in flight at "
@@ -192,11 +197,13 @@ class JointRunner:
         jp = self.last
         if jp is None or self.config.recompute != "auto":
             return None
+        from mcompile.passes import fsdp
         from mcompile.passes.joint import is_alias
 
         budget = self.budget or ActivationBudget(self.config.activation_budget)
         nodes = {n.name: n for n in jp.joint.gm.graph.nodes}
-        ops = sum(not is_alias(nodes[r]) for r in jp.recomputed)
+        regathered = fsdp.gathered_values(jp.joint.gm)  # ZeRO-3 gathers again whatever the budget
+        ops = sum(not is_alias(nodes[r]) and r not in regathered for r in jp.recomputed)
         return RecomputeChoice(self.name, budget.per_call, budget.in_flight, jp.saved_bytes, ops, jp.recompute_flops)
 
     def _launch_buckets(self, jp: J.JointProgram) -> None:

@@ -589,7 +589,7 @@ class Pipeline:
                 insert_gathers(st.gm, {p for p in st.params if cap.params[p] in pm._zero3}, pm.mesh.size("dp"))
         self.own = [s for s in range(self.k) if s % self.pp == self.pp_rank]
         # recompute="auto" chooses each stage's saved set on its joint graph (runtime/joint.py), under its
-        # share of the rank's activation budget (activation_budgets)
+        # share of the rank's activation budget (stage_activation_budget)
         groups = {st.index: {} if config.recompute == "auto" else
                   recompute_nodes(st.gm, config.recompute, config.recompute_method, config.recompute_num_layers)
                   for st in self.stages}
