@@ -553,7 +553,8 @@ def stage_activation_budget(config, actions, stage: int):
     r = stage % len(actions)
     acts = actions[r]
     in_flight = max(1, int(peak_activation_bytes(acts, {a.stage: 1.0 for a in acts})))
-    return ActivationBudget(config.activation_budget, in_flight, f"pipeline rank {r} under schedule {config.schedule!r}")
+    return ActivationBudget(config.activation_budget, in_flight,
+                            f"pipeline rank {r} under schedule {config.schedule!r}")
 
 
 class Pipeline:
@@ -596,8 +597,6 @@ class Pipeline:
         self._check_delayed_fp8_recompute(groups, config)
         self.runners = None  # joint execution: one runner per own stage (runtime/joint.py)
         if config.execution == "joint":
-            from mcompile.runtime.joint import JointRunner
-
             self.runners = {s: self._make_runner(s) for s in self.own}
         else:
             for s in self.own:  # recompute inside each stage program
