@@ -410,6 +410,7 @@ def parallelize(
             f"{mesh!r} has {mesh.size()} ranks but the world has {world} processes: make the product of "
             f"the mesh axes equal the number of processes (launch {mesh.size()} processes, or change the mesh)"
         )
+    config.check_mesh(mesh)  # options this mesh cannot run (ZeRO without dp, ZeRO-3 with ep): before planning
     if weights is not None:  # no checkpoint there: the same error on every rank before minutes of planning
         from mcompile.runtime.weights import check_path
 

@@ -161,6 +161,18 @@ class Config:
             raise ValueError(f"dropout_seed={self.dropout_seed!r} must be an integer in [0, 2**32)")
         self._check_fp8()
 
+    def check_mesh(self, mesh) -> None:
+        """Refuse the options this ``mesh`` cannot run, naming both and what to use instead. ``parallelize``
+        calls it before capturing and planning: every rank gets the same error, and no minutes are spent first.
+        The data-parallel ranks a ZeRO stage shards over are dp x cp x ep (runtime/module.py)."""
+        size = lambda ax: mesh.size(ax) if ax in mesh.axis_names else 1  # noqa: E731
+        if self.zero >= 2 and size("dp") * size("cp") * size("ep") == 1:
+            raise ValueError(f"Config(zero={self.zero}) shards over the data-parallel axis, and this mesh has no dp "
+                             f"(or ep) axis > 1 ({mesh!r}): add one (e.g. dp=2) or use zero=0")
+        if self.zero == 3 and size("ep") > 1:
+            raise ValueError(f"Config(zero=3) with ep={size('ep')}: ZeRO-3 (parameters sharded, gathered per layer) "
+                             "over the expert-parallel data ranks is not supported yet; use zero=1 or zero=2")
+
     def _check_fp8(self):
         if self.fp8 not in (None, "current", "delayed"):
             raise ValueError(f"fp8={self.fp8!r}: use None (off), 'current' or 'delayed' (per-tensor scaling recipes)")

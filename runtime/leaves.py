@@ -109,7 +109,7 @@ class Leaves:
         order = list(reversed(self.trainable))  # roughly the order backward finishes them
         by_axes: dict[tuple, list[str]] = {}  # the data-parallel axes a gradient is summed over -> its params
         for f in order:
-            by_axes.setdefault(pm._reduce_axes(f) if pm._reduces_over_dp(f) else (), []).append(f)
+            by_axes.setdefault(pm._bucket_axes(f), []).append(f)
         out = []
         for axes, fqns in sorted(by_axes.items(), key=lambda kv: -len(kv[0])):
             numels = [(f, params[f]._local_tensor.numel()) for f in fqns]

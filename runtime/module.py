@@ -42,10 +42,9 @@ __all__ = ["ParallelModule"]
 
 
 def _check_ep_config(config: Config, mesh) -> None:
-    """What expert parallelism does not combine with yet, refused before anything runs."""
-    if config.zero == 3:
-        raise ValueError(f"Config(zero=3) with ep={mesh.size('ep')}: ZeRO-3 (parameters sharded, gathered per layer) "
-                         "over the expert-parallel data ranks is not supported yet; use zero=1 or zero=2")
+    """What expert parallelism does not combine with yet, refused before anything runs (Config.check_mesh, which
+    parallelize calls before planning)."""
+    config.check_mesh(mesh)
 
 
 def _torch_placement(p):
@@ -96,8 +95,6 @@ class ParallelModule(torch.nn.Module):
                 self._comm.add_group(name, self._comm.groups[axes[0]])
         self._has_moe_ep = self.mesh.size("ep") > 1
         self.moe_dropped = 0  # routed slots dropped by capacity on this rank in the last step (moe_capacity_factor)
-        if self._has_moe_ep:
-            _check_ep_config(config, self.mesh)
         if config.microbatches > 1 and self._rank == 0 and \
                 any(c.purpose == "batch statistic" for c in compiled.plan.collectives):
             warnings.warn(f"the loss uses batch statistics (e.g. a mixture-of-experts load-balancing loss's tokens per "
@@ -117,9 +114,7 @@ class ParallelModule(torch.nn.Module):
         # ZeRO-3 (passes/fsdp.py): which parameters are sharded over dp; their gathers are in the program
         # (rank_programs; under pp: in each stage program, runtime/pipeline.py)
         self._zero3 = {}
-        if config.zero >= 2 and self._data_size == 1:
-            raise ValueError(f"Config(zero={config.zero}) shards over the data-parallel axis, and this mesh has no dp "
-                             f"(or ep) axis > 1 ({self.mesh!r}): add one (e.g. dp=2) or use zero=0")
+        config.check_mesh(self.mesh)  # parallelize checked it before planning: a ParallelModule made otherwise
         if config.zero == 3:
             from mcompile.passes import fsdp
 
@@ -270,10 +265,13 @@ class ParallelModule(torch.nn.Module):
 
         return dp_placements(pp.placements, list(self.mesh.axis_names), self._zero3[fqn])
 
-    def _reduces_over_dp(self, fqn: str) -> bool:
-        """Whether ``fqn``'s gradient is summed over dp by the step's bucket reductions (a ZeRO-3
-        parameter's is reduce-scattered inside the backward, by its gather's backward)."""
-        return bool(self._reduce_axes(fqn)) and fqn not in self._zero3
+    def _bucket_axes(self, fqn: str) -> tuple[str, ...]:
+        """The data axes the step's bucket reductions sum ``fqn``'s gradient over: :meth:`_reduce_axes`, but
+        dp for a ZeRO-3 parameter, whose gradient its gather's backward reduce-scatters over dp inside the backward.
+        The other data axes stay: under cp each rank's gradient is a partial sum over its tokens, which the dp
+        reduce-scatter does not add (Megatron's dp x cp gradient group), so its dp piece is all-reduced over cp."""
+        axes = self._reduce_axes(fqn)
+        return tuple(a for a in axes if a != "dp") if fqn in self._zero3 else axes
 
     def _reduce_axes(self, fqn: str) -> tuple[str, ...]:
         """The data-parallel axes (dp, ep) ``fqn``'s gradient is summed over: both for a dense

@@ -32,9 +32,10 @@ def memory(rank, world, name, mesh, options):
     if pm.config.zero == 3:  # prediction: fp32 pieces, the leaves' aligned buckets, AdamW's two moments and step
         local = {f: p.to_local().numel() for f, p in pm._params.items()}
         order = list(reversed([f for f, p in pm._params.items() if p.requires_grad]))
-        reduced = [f for f in order if pm._reduces_over_dp(f)]
-        rest = [f for f in order if f not in set(reduced)]
-        padded = sum(lay.padded for group in (reduced, rest)
+        groups: dict[tuple, list[str]] = {}  # the leaves' buckets: one run per set of axes reduced over
+        for f in order:
+            groups.setdefault(pm._bucket_axes(f), []).append(f)
+        padded = sum(lay.padded for group in groups.values()
                      for lay in bucket_layouts([(f, local[f]) for f in group], 1, limit))
         predicted = {"parameters": 4 * sum(local.values()), "gradients": 4 * padded,
                      "optimizer": sum(8 * n + 4 for n in local.values())}
