@@ -240,6 +240,10 @@ def compile_plan(
     cap, canon, blocks = _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks, capture_cache,
                                  share, rewrite)
     warn_unless_loss(cap)  # a plan of logits or several outputs is no training plan (forward still serves them)
+    if mesh.size("cp") > 1:
+        from mcompile.cp_plan import check_cp_model
+
+        check_cp_model(cap, mesh)
     if token_weighted_loss:
         canon["mean_loss_to_sum_count"] = int(mean_loss_to_sum_count(cap.gm))
     check_arguments(cap.gm, mesh, microbatches, runtime=for_runtime)

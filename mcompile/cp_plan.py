@@ -37,6 +37,21 @@ def check_cp_mesh(mesh: Mesh) -> None:
                          "yet: use cp with dp, tp and pp (e.g. Mesh(dp=..., pp=..., cp=..., tp=...)), or ep without cp")
 
 
+def check_cp_model(cap: Captured, mesh: Mesh) -> None:
+    """What cp does not compute right yet, refused at plan time on every rank rather than trained wrong: a
+    model with mixture-of-experts layers. The composition matrix (bench/compositions.py, docs/compositions.md)
+    measured the Mixtral preset under cp with every partner (dp, ZeRO 1/2/3, full recompute) at the same
+    wrong router gradients (0.449 relative), so the fault is cp with routed experts and their per-token
+    statistics, not the pair."""
+    from mcompile.moe import moe_layers_of
+
+    moe = moe_layers_of(cap.gm)
+    if moe:
+        raise ValueError(f"context parallelism (cp={mesh.size('cp')}) with mixture-of-experts layers ({len(moe)} "
+                         "MoE layers) is not supported yet: its router gradients are wrong under cp "
+                         "(docs/compositions.md). Split this model's tokens with dp, or use tp, pp and ep")
+
+
 def attention_nodes(cap: Captured) -> list[torch.fx.Node]:
     return [n for n in cap.gm.graph.nodes if n.op == "call_function" and n.target is _SDPA]
 

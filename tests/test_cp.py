@@ -171,6 +171,15 @@ def test_cp_with_ep_is_refused_before_planning():
 
 
 @pytest.mark.timeout(300)
+def test_cp_with_moe_layers_is_refused_at_plan_time():
+    """The composition matrix measured wrong router gradients for an MoE model under cp whatever the partner
+    (docs/compositions.md): refused when planning, on every rank (compile_plan), not trained wrong."""
+    with pytest.raises(ValueError, match=r"cp=2\) with mixture-of-experts layers \(2 MoE layers\) is not supported"):
+        model, inputs = build("mixtral-tiny", batch=2)
+        mc.compile_plan(model, mc.Mesh.fake(dp=2, cp=2), inputs, cp_attention="ring")
+
+
+@pytest.mark.timeout(300)
 def test_cli_plans_llama3_8b_at_128k_tokens_on_cp8_tp8_with_memory_per_rank(capsys):
     """Acceptance 4: a 128K-token plan of Llama-3-8B on a fake cp=8 x tp=8 mesh (the preset's context
     raised with --max-seq), with the sequence split, per-layer attention over cp, and memory per rank. The
