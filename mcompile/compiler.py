@@ -178,6 +178,9 @@ def _example_args(compiled, rank: int, names: list[str], inputs: tuple, microbat
         if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == batch:
             t = t.chunk(dp)[coords.get("dp", 0)].chunk(microbatches)[0]
         user[name] = t
+    from mcompile.dropout import RNG_INPUT, rng_state
+
+    user[RNG_INPUT] = rng_state(0, 0)  # a program with dropout reads (seed, step, batch offset) (mcompile.dropout)
 
     def fake(t, grad: bool):
         if not isinstance(t, torch.Tensor):
