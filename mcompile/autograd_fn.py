@@ -197,7 +197,7 @@ def _probe(cls: type, args: tuple) -> int:
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-    name, where = cls.__qualname__, _source_of(cls.forward)
+    name, where = cls.__qualname__, source_of(cls.forward)
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     versions = [t._version for t in tensors]
     needs = tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
@@ -340,7 +340,8 @@ def ensure(entries: list[dict]) -> None:
 # -- where ------------------------------------------------------------------------------------------------------
 
 
-def _source_of(fn) -> str | None:
+def source_of(fn) -> str | None:
+    """file:line: the ``def`` line of a function (past its decorators)."""
     try:
         fn = inspect.unwrap(fn)
         lines, start = inspect.getsourcelines(fn)

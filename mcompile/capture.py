@@ -545,15 +545,7 @@ def _refuse_custom_functions(out: torch.Tensor) -> None:
         todo.extend(f for f, _ in fn.next_functions)
 
 
-def _source_of(fn) -> str | None:
-    """file:line: the ``def`` line of a function (past its decorators)."""
-    try:
-        fn = inspect.unwrap(fn)
-        lines, start = inspect.getsourcelines(fn)
-    except (OSError, TypeError):
-        return None
-    at = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith(("def ", "async def "))), 0)
-    return f"{inspect.getsourcefile(fn)}:{start + at}: {lines[at].strip()}"
+_source_of = autograd_fn.source_of  # file:line of a function's ``def`` (shared with the Function refusals)
 
 
 # -- side effects: what forward does that a captured program cannot --------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
+from bert_cases import MaskedLMLoss  # HF BertForMaskedLM's loss, positional
 
 import mcompile as mc
 
@@ -89,16 +90,7 @@ def layout(a: str, b: str) -> tuple[str, dict]:
 
 
 # ---- models -----------------------------------------------------------------------------------------------------
-class MaskedLMLoss(torch.nn.Module):
-    """HF ``BertForMaskedLM(...)(input_ids, attention_mask, token_type_ids, labels).loss``, positional."""
 
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids, attention_mask, token_type_ids, labels):
-        return self.m(input_ids=ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                      labels=labels).loss
 
 
 def build(model: str, batch: int = BATCH, seq: int = SEQ):
