@@ -2,7 +2,7 @@
 class the installed ``transformers`` exports, shrunk to a tiny size, through capture, tp=2 planning,
 Megatron's layout and tp=2 training at single-device parity.
 
-    python bench/hf_zoo.py [--write | --out PATH] [--resume] [--only NAME,NAME] [--kind KIND] [--every K]
+    python bench/hf_zoo.py [--write | --out PATH] [--resume] [--only NAME,NAME] [--kind KIND] [--every K] [--jobs N]
     python bench/hf_zoo.py --table [--out PATH]      # the markdown table of a record
 
 **Which classes.** Every ``*ForCausalLM`` (kind ``decoder``) and ``*ForMaskedLM`` (``encoder``) the package
@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import copy
 import dataclasses
 import inspect
@@ -602,6 +603,7 @@ def main() -> None:
     ap.add_argument("--kind", choices=KINDS, default=None)
     ap.add_argument("--every", type=int, default=1, help="run every K-th architecture of each kind (a subset)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per architecture")
+    ap.add_argument("--jobs", type=int, default=1, help="architectures run at once (one process each)")
     ap.add_argument("--table", action="store_true", help="print the record (--out, else the committed one) as markdown")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-kind", help=argparse.SUPPRESS)
@@ -649,17 +651,20 @@ def main() -> None:
     print(f"{len(todo)} architectures to run ({dict(total)} of {'those named' if wanted else 'the zoo'}; "
           f"{len(skipped)} not run, with a reason); "
           f"record: {path}", file=sys.stderr)
-    for i, arch in enumerate(todo):
-        if arch["name"] in archs:
-            continue
-        r = run_child(arch, args.timeout)
-        archs[arch["name"]] = r
-        first = next((f"{s}: {r['stages'][s].get('reason', '')}" for s in STAGES
-                      if r["stages"][s]["outcome"] == "fail"), "all stages pass")
-        print(f"[{i + 1}/{len(todo)}] {arch['name']} ({arch['kind']}, {r['seconds']} s): {first[:150]}",
-              file=sys.stderr)
-        rec["summary"], rec["failures"] = summary(list(archs.values())), failure_groups(list(archs.values()))
-        _write(path, rec)
+    pending = [a for a in todo if a["name"] not in archs]
+    done = len(todo) - len(pending)
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each job waits on its own process
+        futures = {pool.submit(run_child, arch, args.timeout): arch for arch in pending}
+        for fut in concurrent.futures.as_completed(futures):
+            arch, r = futures[fut], fut.result()
+            archs[arch["name"]] = r
+            done += 1
+            first = next((f"{s}: {r['stages'][s].get('reason', '')}" for s in STAGES
+                          if r["stages"][s]["outcome"] == "fail"), "all stages pass")
+            print(f"[{done}/{len(todo)}] {arch['name']} ({arch['kind']}, {r['seconds']} s): {first[:150]}",
+                  file=sys.stderr)
+            rec["summary"], rec["failures"] = summary(list(archs.values())), failure_groups(list(archs.values()))
+            _write(path, rec)
     rec["summary"], rec["failures"] = summary(list(archs.values())), failure_groups(list(archs.values()))
     _write(path, rec)
     for kind, row in rec["summary"].items():
