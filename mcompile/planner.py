@@ -292,15 +292,38 @@ def latent_hints(cap: Captured) -> dict[str, object]:
     broadcast whole to every head (a key shared by the heads: MLA's decoupled RoPE key). A per-head norm
     (Qwen3's q_norm) or GQA's repeat_kv act on a head's slice, not the whole output, and do not count; nor
     does a norm whose output reaches attention before any projection (OLMo-2's k_norm over all of a GQA
-    key's heads: the key itself, split by heads like the query, its norm's statistics all-reduced)."""
+    key's heads: the key itself, split by heads like the query, its norm's statistics all-reduced). A
+    down-projection whose output is cut along its features counts when each part is so used (the KV latent
+    and the rope key of one projection, :func:`_parts`)."""
     hints: dict[str, object] = {}
+    cuts = {x: sizes for x, sizes in _feature_cuts(cap.gm)}
     for node, w, (width, fan_in) in _linears(cap):
         if fan_in <= width or _after_contraction(node.args[0]):
             continue  # not a down-projection, or the second half of a pair (an MLP's down, attention's out)
-        if _reaches(node, lambda u, cur, width=width: _whole_width(u, cur, width) and (
-                u.target is aten.expand.default or _reaches(u, lambda v, _, cap=cap: _reads_weight(v, cap)))):
+        if _used_whole(node, width, cap) or all(_used_whole(node, part, cap) for part in set(_parts(node, cuts))):
             _whole(hints, node, w, cap)
     return hints
+
+
+def _used_whole(node: torch.fx.Node, width: int, cap: Captured) -> bool:
+    """Whether a value of ``width`` features computed from ``node`` (before any other contraction) is
+    normalised over them on its way to a projection, or broadcast whole along a new or size-1 dim."""
+    return _reaches(node, lambda u, cur: _whole_width(u, cur, width) and (
+        u.target is aten.expand.default or _reaches(u, lambda v, _: _reads_weight(v, cap))))
+
+
+def _parts(node: torch.fx.Node, cuts: dict) -> list:
+    """The widths of the parts a linear's output is cut into along its features (through views that keep
+    the last dim): Hugging Face DeepSeek-V3's ``kv_a_proj_with_mqa`` (the KV latent and the rope key in one
+    projection) -> [the latent's rank, the rope key's width]; else [width]. A latent so cut is kept whole
+    when every part is used whole: the latent normalised, the key broadcast to every head."""
+    width, todo = node.meta["val"].shape[-1], [node]
+    while todo:
+        cur = todo.pop()
+        if cur in cuts:
+            return cuts[cur]
+        todo += [u for u in cur.users if u.target in _THROUGH and u.meta["val"].shape[-1] == width]
+    return [width]
 
 
 _LINEAR = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default)
@@ -328,17 +351,19 @@ def _contraction(n: torch.fx.Node) -> bool:
         str(getattr(n.target, "namespace", "aten")) != "aten"
 
 
-def _after_contraction(x) -> bool:
+def _after_contraction(x, latents: frozenset = frozenset()) -> bool:
     """Whether ``x`` is computed from a contraction (a linear, attention, a custom op such as a scan) by ops
     short of a residual sum: the input of an MLP's down-projection or attention's output projection is;
-    the normalised residual stream a latent is projected from is not (an embedding counts as a source)."""
+    the normalised residual stream a latent is projected from is not (an embedding counts as a source, and
+    so does a linear whose weight is one of ``latents``: a latent kept whole, :func:`latent_hints`)."""
     todo, seen = [x], set()
     while todo:
         cur = todo.pop()
         if not isinstance(cur, torch.fx.Node) or cur in seen or cur.op != "call_function":
             continue
         seen.add(cur)
-        if cur.target is aten.embedding.default:
+        if cur.target is aten.embedding.default or (cur.target is aten.linear.default and getattr(
+                cur.args[1], "name", None) in latents):
             continue
         if _contraction(cur):
             return True

@@ -12,7 +12,8 @@ transformer layer:
    statistics over tp-sharded features (OLMo-2's q/k norm over all heads) is the model's, not the
    layout's, and is not counted. The exits are counted from the
    captured model, not the plan: a linear whose input was computed from another contraction
-   (:func:`mcompile.planner._after_contraction`), or an MoE layer (``moe_ffn``: its experts' down
+   (:func:`mcompile.planner._after_contraction`; a low-rank latent kept whole is not one: its up-projection
+   enters a region), or an MoE layer (``moe_ffn``: its experts' down
    projections, summed). A layer whose forward tp
    collectives exceed that count is reported with every collective of the layer and the captured node
    whose value it moves.
@@ -77,9 +78,11 @@ class Finding:
         return f"{where}: {self.text}"
 
 
-def tp_exits(gm: torch.fx.GraphModule) -> dict[int, list[str]]:
+def tp_exits(gm: torch.fx.GraphModule, latents: frozenset = frozenset()) -> dict[int, list[str]]:
     """Per layer, what leaves a tp region in Megatron's layout: a projection whose input is computed from
-    another contraction (attention's output projection, an MLP's down projection), or an MoE layer."""
+    another contraction (attention's output projection, an MLP's down projection), or an MoE layer. A
+    low-rank latent kept whole (``latents``: the weights :func:`mcompile.planner.latent_hints` names) is
+    not a region: its up-projection reads a replicated value and enters one (MLA's q_b / kv_b)."""
     from mcompile.moe import moe_ffn
     from mcompile.planner import _after_contraction
 
@@ -93,7 +96,7 @@ def tp_exits(gm: torch.fx.GraphModule) -> dict[int, list[str]]:
         layer = layer_index(node)
         if layer is None:
             continue
-        if _after_contraction(node.args[0]):
+        if _after_contraction(node.args[0], latents):
             out.setdefault(layer, []).append(node.name)
     return out
 
@@ -115,7 +118,8 @@ def check_quality(compiled) -> list[Finding]:
         return []
     plan, cap = compiled.plan, compiled.captured
     sp = plan.options.sequence_parallel
-    exits = tp_exits(cap.gm)
+    latents, routers = latent_hints(cap), router_hints(cap)
+    exits = tp_exits(cap.gm, frozenset(latents))
     raw: list[tuple[int, str, tuple, str]] = []  # layer, kind, what alike layers share, text
     per_layer: dict[int, list] = {}
     for spec in plan.collectives:
@@ -134,7 +138,6 @@ def check_quality(compiled) -> list[Finding]:
             raw.append((layer, "collectives", kinds, f"{len(specs)} forward tp collectives where Megatron runs {bar} "
                                               f"({len(exits.get(layer, ()))} tp region exits"
                                               f"{', sequence parallel' if sp else ''}): {moved}"))
-    latents, routers = latent_hints(cap), router_hints(cap)
     tp_i = mesh.axis_names.index("tp")
     seen = set()
     for node in cap.gm.graph.nodes:
