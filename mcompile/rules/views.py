@@ -147,6 +147,14 @@ def view(info: OpInfo) -> list[Strategy]:
     return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
 
 
+@rule(aten.reshape_as.default, aten.view_as.default)
+def view_as(info: OpInfo) -> list[Strategy]:
+    """``x.reshape_as(y)`` (RoFormer's interleaved rotary: ``stack([-x[..., 1::2], x[..., ::2]], -1)
+    .reshape_as(x)``): a view of ``x`` to ``y``'s shape, with ``y`` laid out as the output, so each rank's
+    piece of ``y`` has the shape of its piece of the output (the op runs on local pieces unchanged)."""
+    return [Strategy((*s.inputs, s.outputs[0]), s.outputs, name=s.name) for s in view(info)]
+
+
 def _squeezed_dims(info: OpInfo) -> set[int]:
     """The dims a squeeze removes where they have size 1 -- on local pieces too, where a sharded dim
     of global size n has size 1 although the global op keeps it."""
