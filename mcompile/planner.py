@@ -208,7 +208,9 @@ _THROUGH = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 def _feature_cuts(gm: torch.fx.GraphModule):
     """``(value, part sizes)`` for each value cut into two or more parts along its last dim: by a split /
-    chunk / unbind, or by slices that tile the dim (Phi-3's ``qkv[..., :q]``, ``[q:q+kv]``, ``[q+kv:]``)."""
+    chunk / unbind, or by slices that tile the dim (Phi-3's ``qkv[..., :q]``, ``[q:q+kv]``, ``[q+kv:]``).
+    A cut of a transposed value along the dim that was its source's last counts as a cut of the source
+    (LFM2's short conv: ``in_proj(x).transpose(-1, -2).chunk(3, dim=-2)`` into B, C and x)."""
     slices: dict = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.args[0], torch.fx.Node):
@@ -221,23 +223,39 @@ def _feature_cuts(gm: torch.fx.GraphModule):
         if node.target in _SPLITS:
             dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) if node.target is not \
                 aten.unbind.int else (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
-            sizes = [o.shape[-1 if node.target is aten.unbind.int else dim] if node.target is not aten.unbind.int
-                     else 1 for o in node.meta["val"]]
-            if dim % nd == nd - 1 and len(sizes) >= 2:
-                yield x, sizes
+            sizes = [o.shape[dim] if node.target is not aten.unbind.int else 1 for o in node.meta["val"]]
+            src = _last_dim_source(x, dim % nd)
+            if src is not None and len(sizes) >= 2:
+                yield src, sizes
         elif node.target is aten.slice.Tensor:
             dim, start = node.args[1] if len(node.args) > 1 else 0, node.args[2] if len(node.args) > 2 else 0
             end, step = node.args[3] if len(node.args) > 3 else None, node.args[4] if len(node.args) > 4 else 1
-            n = val.shape[-1]
-            if dim % nd == nd - 1 and step == 1 and isinstance(n, int) and isinstance(start, int | None) \
-                    and isinstance(end, int | None):
-                slices.setdefault(x, set()).add((start or 0, n if end is None or end >= n else end))
-    for x, bounds in slices.items():
+            n = val.shape[dim]
+            if step == 1 and isinstance(n, int) and isinstance(start, int | None) and isinstance(end, int | None):
+                slices.setdefault((x, dim % nd), set()).add((start or 0, n if end is None or end >= n else end))
+    for (x, dim), bounds in slices.items():
         cuts = sorted(bounds)
-        n = x.meta["val"].shape[-1]
+        n = x.meta["val"].shape[dim]
         tiled = all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
-        if len(cuts) >= 2 and cuts[0][0] == 0 and cuts[-1][1] == n and tiled:
-            yield x, [b - a for a, b in cuts]
+        src = _last_dim_source(x, dim)
+        if src is not None and len(cuts) >= 2 and cuts[0][0] == 0 and cuts[-1][1] == n and tiled:
+            yield src, [b - a for a, b in cuts]
+
+
+def _last_dim_source(x: torch.fx.Node, dim: int) -> torch.fx.Node | None:
+    """The value whose last dim ``x``'s ``dim`` is: ``x`` itself when ``dim`` is its last, else the source of
+    the transposes / permutes ``x`` was made by, when they moved that source's last dim to ``dim``."""
+    while x.meta["val"].ndim - 1 != dim:
+        if x.op != "call_function" or x.target not in (aten.transpose.int, aten.permute.default):
+            return None
+        nd = x.meta["val"].ndim
+        if x.target is aten.transpose.int:
+            a, b = x.args[1] % nd, x.args[2] % nd
+            dim = b if dim == a else a if dim == b else dim
+        else:
+            dim = x.args[1][dim] % nd
+        x = x.args[0]
+    return x
 
 
 def block_hints(cap: Captured) -> dict[str, object]:
@@ -268,10 +286,12 @@ def block_hints(cap: Captured) -> dict[str, object]:
                     elif isinstance(a, torch.fx.Node):
                         nxt = a
                 cur = nxt
-            elif cur.target in (aten.linear.default, aten.matmul.default):
+            elif cur.target in (aten.linear.default, aten.matmul.default, aten.bmm.default):
                 w = cur.args[1]
                 if getattr(w, "name", None) in cap.params:
-                    hints[w.name] = BlockShard(0 if cur.target is aten.linear.default else 1, blocks.blocks)
+                    # linear: [out, in]; matmul / bmm: [.., in, out] (Llama-4's experts' gate_up_proj [E, H, 2I])
+                    out = 0 if cur.target is aten.linear.default else w.meta["val"].ndim - 1
+                    hints[w.name] = BlockShard(out, blocks.blocks)
                     if len(cur.args) > 2 and getattr(cur.args[2], "name", None) in cap.params:
                         hints[cur.args[2].name] = blocks
                 break
@@ -292,15 +312,38 @@ def latent_hints(cap: Captured) -> dict[str, object]:
     broadcast whole to every head (a key shared by the heads: MLA's decoupled RoPE key). A per-head norm
     (Qwen3's q_norm) or GQA's repeat_kv act on a head's slice, not the whole output, and do not count; nor
     does a norm whose output reaches attention before any projection (OLMo-2's k_norm over all of a GQA
-    key's heads: the key itself, split by heads like the query, its norm's statistics all-reduced)."""
+    key's heads: the key itself, split by heads like the query, its norm's statistics all-reduced). A
+    down-projection whose output is cut along its features counts when each part is so used (the KV latent
+    and the rope key of one projection, :func:`_parts`)."""
     hints: dict[str, object] = {}
+    cuts = {x: sizes for x, sizes in _feature_cuts(cap.gm)}
     for node, w, (width, fan_in) in _linears(cap):
         if fan_in <= width or _after_contraction(node.args[0]):
             continue  # not a down-projection, or the second half of a pair (an MLP's down, attention's out)
-        if _reaches(node, lambda u, cur, width=width: _whole_width(u, cur, width) and (
-                u.target is aten.expand.default or _reaches(u, lambda v, _, cap=cap: _reads_weight(v, cap)))):
+        if _used_whole(node, width, cap) or all(_used_whole(node, part, cap) for part in set(_parts(node, cuts))):
             _whole(hints, node, w, cap)
     return hints
+
+
+def _used_whole(node: torch.fx.Node, width: int, cap: Captured) -> bool:
+    """Whether a value of ``width`` features computed from ``node`` (before any other contraction) is
+    normalised over them on its way to a projection, or broadcast whole along a new or size-1 dim."""
+    return _reaches(node, lambda u, cur: _whole_width(u, cur, width) and (
+        u.target is aten.expand.default or _reaches(u, lambda v, _: _reads_weight(v, cap))))
+
+
+def _parts(node: torch.fx.Node, cuts: dict) -> list:
+    """The widths of the parts a linear's output is cut into along its features (through views that keep
+    the last dim): Hugging Face DeepSeek-V3's ``kv_a_proj_with_mqa`` (the KV latent and the rope key in one
+    projection) -> [the latent's rank, the rope key's width]; else [width]. A latent so cut is kept whole
+    when every part is used whole: the latent normalised, the key broadcast to every head."""
+    width, todo = node.meta["val"].shape[-1], [node]
+    while todo:
+        cur = todo.pop()
+        if cur in cuts:
+            return cuts[cur]
+        todo += [u for u in cur.users if u.target in _THROUGH and u.meta["val"].shape[-1] == width]
+    return [width]
 
 
 _LINEAR = (aten.linear.default, aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default)
@@ -328,17 +371,19 @@ def _contraction(n: torch.fx.Node) -> bool:
         str(getattr(n.target, "namespace", "aten")) != "aten"
 
 
-def _after_contraction(x) -> bool:
+def _after_contraction(x, whole: frozenset = frozenset()) -> bool:
     """Whether ``x`` is computed from a contraction (a linear, attention, a custom op such as a scan) by ops
     short of a residual sum: the input of an MLP's down-projection or attention's output projection is;
-    the normalised residual stream a latent is projected from is not (an embedding counts as a source)."""
+    the normalised residual stream a latent is projected from is not (an embedding counts as a source, and
+    so does a linear whose weight is one of ``whole``, kept whole over tp: a latent, a router)."""
     todo, seen = [x], set()
     while todo:
         cur = todo.pop()
         if not isinstance(cur, torch.fx.Node) or cur in seen or cur.op != "call_function":
             continue
         seen.add(cur)
-        if cur.target is aten.embedding.default:
+        if cur.target is aten.embedding.default or (cur.target is aten.linear.default and getattr(
+                cur.args[1], "name", None) in whole):
             continue
         if _contraction(cur):
             return True

@@ -12,7 +12,8 @@ transformer layer:
    statistics over tp-sharded features (OLMo-2's q/k norm over all heads) is the model's, not the
    layout's, and is not counted. The exits are counted from the
    captured model, not the plan: a linear whose input was computed from another contraction
-   (:func:`mcompile.planner._after_contraction`), or an MoE layer (``moe_ffn``: its experts' down
+   (:func:`mcompile.planner._after_contraction`; a low-rank latent or a router kept whole is not one: what
+   reads it enters a region), or an MoE layer (``moe_ffn``: its experts' down
    projections, summed). A layer whose forward tp
    collectives exceed that count is reported with every collective of the layer and the captured node
    whose value it moves.
@@ -42,7 +43,8 @@ from mcompile.placements import Replicate, is_shard
 __all__ = ["PlanQualityWarning", "Finding", "check_quality", "tp_exits"]
 
 aten = torch.ops.aten
-_WEIGHT_USES = {aten.linear.default: 1, aten.matmul.default: 1, aten.mm.default: 1, aten.addmm.default: 2}
+_WEIGHT_USES = {aten.linear.default: 1, aten.matmul.default: 1, aten.mm.default: 1, aten.addmm.default: 2,
+                aten.bmm.default: 1}  # bmm: experts' weights [E, in, out] (Llama-4's feed_forward.experts)
 # how a weight may reach its contraction (Falcon's ``x @ self.weight.T``: numpy_T, then matmul)
 _STATISTICS = {aten.mean.dim, aten.sum.dim_IntList, aten.var.correction, aten.amax.default}
 _TO_WEIGHT = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default, aten.to.dtype,
@@ -77,9 +79,12 @@ class Finding:
         return f"{where}: {self.text}"
 
 
-def tp_exits(gm: torch.fx.GraphModule) -> dict[int, list[str]]:
+def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[int, list[str]]:
     """Per layer, what leaves a tp region in Megatron's layout: a projection whose input is computed from
-    another contraction (attention's output projection, an MLP's down projection), or an MoE layer."""
+    another contraction (attention's output projection, an MLP's down projection), or an MoE layer. A
+    projection whose weight is kept whole (``whole``: a low-rank latent, :func:`mcompile.planner.latent_hints`;
+    an MoE router, :func:`mcompile.planner.router_hints`) is not a region: what reads its replicated output
+    enters one (MLA's q_b / kv_b; Llama-4's experts, whose input is scaled by the router's scores)."""
     from mcompile.moe import moe_ffn
     from mcompile.planner import _after_contraction
 
@@ -93,7 +98,7 @@ def tp_exits(gm: torch.fx.GraphModule) -> dict[int, list[str]]:
         layer = layer_index(node)
         if layer is None:
             continue
-        if _after_contraction(node.args[0]):
+        if _after_contraction(node.args[0], whole):
             out.setdefault(layer, []).append(node.name)
     return out
 
@@ -115,7 +120,8 @@ def check_quality(compiled) -> list[Finding]:
         return []
     plan, cap = compiled.plan, compiled.captured
     sp = plan.options.sequence_parallel
-    exits = tp_exits(cap.gm)
+    latents, routers = latent_hints(cap), router_hints(cap)
+    exits = tp_exits(cap.gm, frozenset(latents) | frozenset(routers))
     raw: list[tuple[int, str, tuple, str]] = []  # layer, kind, what alike layers share, text
     per_layer: dict[int, list] = {}
     for spec in plan.collectives:
@@ -134,7 +140,6 @@ def check_quality(compiled) -> list[Finding]:
             raw.append((layer, "collectives", kinds, f"{len(specs)} forward tp collectives where Megatron runs {bar} "
                                               f"({len(exits.get(layer, ()))} tp region exits"
                                               f"{', sequence parallel' if sp else ''}): {moved}"))
-    latents, routers = latent_hints(cap), router_hints(cap)
     tp_i = mesh.axis_names.index("tp")
     seen = set()
     for node in cap.gm.graph.nodes:

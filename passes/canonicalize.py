@@ -10,6 +10,12 @@
   may have redistributed (a copy). Writes into inputs, parameters and buffers stay writes (they are the
   program's effects); a write into a view, or into a tensor a view was taken of, stays too (the per-rank
   joint trace rewrites or refuses those: passes/joint.py ``functional_writes``).
+- ``tiled_writes_to_cat``: a fresh tensor (``new_empty`` / ``zeros`` ...) filled by ``copy_`` into slices that
+  tile one of its dims, then read whole (Hugging Face DeepSeek-V3's attention builds its keys so: the
+  per-head ``k_nope`` and the shared rope key expanded to every head, written into the two halves of
+  ``k.new_empty(...)``) -> ``cat`` of the sources along that dim: the same value, in the form the rules lay
+  out by heads like the query's ``cat`` (the planner does not follow writes through views: the written
+  tensor would stay whole, and attention with it).
 - ``transposed_weight_to_linear``: ``matmul(x, W.T)`` (``numpy_T``, ``t``, ``transpose(0, 1)`` of a 2-D
   parameter; Falcon's ``FalconLinear``) -> ``linear(x, W)``: the weight is then a direct argument of the
   contraction, placed by it (column- or row-parallel), not by the transpose that reads it first.
@@ -129,6 +135,72 @@ def functional_inplace(gm: fx.GraphModule) -> int:
         n.replace_all_uses_with(new)
         gm.graph.erase_node(n)
         order[new] = order[n]
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+_FRESH = {aten.new_empty.default, aten.new_zeros.default, aten.empty.memory_format, aten.zeros.default,
+          aten.empty_like.default, aten.zeros_like.default}
+
+
+def _tiling_writes(base: fx.Node, order: dict) -> tuple[int, list[fx.Node]] | None:
+    """``(dim, copies in slice order)`` when every use of the fresh tensor ``base`` before its last write is
+    ``copy_(slice(base, dim, a, b), src)``, the slices tile ``dim`` and each ``src`` has its slice's shape
+    and dtype (nothing to broadcast or cast); None otherwise."""
+    n = base.meta["val"]
+    dims, parts, readers = set(), [], []
+    for u in base.users:
+        if u.op == "call_function" and u.target is aten.slice.Tensor and u.args[0] is base:
+            dim, start, end, step = (list(u.args[1:]) + [0, None, None, 1][len(u.args) - 1:])[:4]
+            users = list(u.users)
+            if step != 1 or len(users) != 1 or users[0].target is not aten.copy_.default or users[0].args[0] is not u \
+                    or users[0].users or not isinstance(start, int) or not isinstance(end, int | None):
+                return None
+            src = users[0].args[1]
+            sv, dv = getattr(src, "meta", {}).get("val"), u.meta["val"]
+            if not isinstance(sv, torch.Tensor) or sv.dtype != dv.dtype or str(tuple(sv.shape)) != str(tuple(dv.shape)):
+                return None
+            dims.add(dim % n.ndim)
+            size = n.shape[dim]
+            parts.append((start, size if end is None or (isinstance(size, int) and end >= size) else end, users[0]))
+        else:
+            readers.append(u)
+    if len(dims) != 1 or len(parts) < 2 or not isinstance(n.shape[next(iter(dims))], int):
+        return None
+    parts.sort(key=lambda p: p[:2])
+    size = n.shape[next(iter(dims))]
+    if parts[0][0] != 0 or parts[-1][1] != size or any(a[1] != b[0] for a, b in zip(parts, parts[1:])):
+        return None
+    last = max(order[c] for *_, c in parts)
+    if any(order[r] < last or getattr(getattr(r.target, "_schema", None), "is_mutable", False) for r in readers):
+        return None
+    return next(iter(dims)), [c for *_, c in parts]
+
+
+def tiled_writes_to_cat(gm: fx.GraphModule) -> int:
+    """A fresh tensor filled by ``copy_`` into slices tiling a dim -> ``cat`` of the sources (module docstring)."""
+    count = 0
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for base in list(gm.graph.nodes):
+        if base.op != "call_function" or base.target not in _FRESH or not isinstance(base.meta.get("val"),
+                                                                                       torch.Tensor):
+            continue
+        found = _tiling_writes(base, order)
+        if found is None:
+            continue
+        dim, copies = found
+        last = max(copies, key=order.__getitem__)
+        with gm.graph.inserting_after(last):
+            cat = _new(gm.graph, aten.cat.default, ([c.args[1] for c in copies], dim), last)
+        base.replace_all_uses_with(cat, delete_user_cb=lambda u: u.target is not aten.slice.Tensor)
+        for c in copies:
+            sl = c.args[0]
+            gm.graph.erase_node(c)
+            gm.graph.erase_node(sl)
+        gm.graph.erase_node(base)
         count += 1
     if count:
         gm.graph.lint()
@@ -294,6 +366,7 @@ def attention_dropout_to_math(gm: fx.GraphModule) -> int:
 
 def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
     return {
+        "tiled_writes_to_cat": tiled_writes_to_cat(gm),
         "functional_inplace": functional_inplace(gm),
         "transposed_weight_to_linear": transposed_weight_to_linear(gm),
         "attention_dropout_to_math": attention_dropout_to_math(gm),

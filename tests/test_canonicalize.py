@@ -100,3 +100,43 @@ def test_falcon_style_layer_plans_megatron_at_tp2():
     forward = [s for s in c.plan.collectives if s.forward != "none"]
     # the two partial sums added before one all-reduce per layer, nothing gathered
     assert sorted(s.forward for s in forward) == ["all_reduce", "all_reduce"], forward
+
+
+class _TiledWrites(torch.nn.Module):
+    """Keys as Hugging Face DeepSeek-V3 builds them (a fresh tensor, ``copy_`` into two slices tiling its last
+    dim, then read whole), and writes the rewrite must leave: a slice left unwritten, a source that would be
+    broadcast, a read of the tensor before its last write."""
+
+    def forward(self, a, b):
+        k = a.new_empty(2, 4, 5, 7)
+        k[..., :3].copy_(a)
+        k[..., 3:].copy_(b.expand(-1, 4, -1, -1))
+        gap = a.new_zeros(2, 4, 5, 8)  # the last feature stays zero
+        gap[..., :3].copy_(a)
+        gap[..., 3:7].copy_(b.expand(-1, 4, -1, -1))
+        wide = a.new_empty(2, 4, 5, 7)
+        wide[..., :3].copy_(a)
+        wide[..., 3:].copy_(b)  # b is broadcast over the heads by the copy
+        early = a.new_zeros(2, 4, 5, 7)
+        early[..., :3].copy_(a)
+        seen = early.sum()
+        early[..., 3:].copy_(b.expand(-1, 4, -1, -1))
+        return k * 2, gap * 2, wide * 2, early * 2, seen
+
+
+@pytest.mark.timeout(60)
+def test_tiled_writes_into_a_fresh_tensor_become_a_cat():
+    """A fresh tensor whose slices tiling one dim are each written once by ``copy_`` of a value of the slice's
+    shape and dtype, then read, is the ``cat`` of those values (the same value; the planner lays a cat out by
+    heads, a write through a view it does not follow). Any other fill stays as written."""
+    from mcompile.passes.canonicalize import tiled_writes_to_cat
+
+    a, b = torch.randn(2, 4, 5, 3), torch.randn(2, 1, 5, 4)
+    gm = torch.export.export(_TiledWrites(), (a, b), strict=False).module()
+    want = gm(a, b)
+    assert _ops(gm).count(aten.copy_.default) == 8
+    assert tiled_writes_to_cat(gm) == 1
+    after = _ops(gm)
+    assert after.count(aten.copy_.default) == 6 and after.count(aten.cat.default) == 1
+    for g, w in zip(gm(a, b), want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

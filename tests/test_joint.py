@@ -312,23 +312,25 @@ def test_a_value_overwritten_in_place_keeps_its_old_value_for_backward(policy):
 
 
 class _CopyIntoFresh(torch.nn.Module):
-    """Keys built as Hugging Face DeepSeek-V3's attention builds them: ``new_empty``, then ``copy_`` of two
-    values that require grad into its slices, one broadcast over the heads; and a whole fresh buffer of
-    another dtype overwritten by ``copy_`` of a broadcast row."""
+    """Keys built nearly as Hugging Face DeepSeek-V3's attention builds them: a fresh tensor, then ``copy_`` of
+    two values that require grad into its slices, one broadcast over the heads; and a whole fresh buffer of
+    another dtype overwritten by ``copy_`` of a broadcast row. The slices leave the last feature unwritten
+    (zero): slices that tile the tensor are a ``cat`` before planning (canonicalize.tiled_writes_to_cat), and
+    these writes must reach the joint trace."""
 
     def __init__(self):
         super().__init__()
         self.nope, self.rot = torch.nn.Linear(8, 4 * 3, bias=False), torch.nn.Linear(8, 2, bias=False)
-        self.row = torch.nn.Parameter(torch.randn(5))
+        self.row = torch.nn.Parameter(torch.randn(6))
 
     def forward(self, x, y):
         b, s, _ = x.shape
         nope = self.nope(x).view(b, s, 4, 3).transpose(1, 2)
         rot = self.rot(x).view(b, 1, s, 2).expand(-1, 4, -1, -1)
-        k = nope.new_empty(b, 4, s, 5)
+        k = nope.new_zeros(b, 4, s, 6)
         k[..., :3].copy_(nope)
-        k[..., 3:].copy_(rot)
-        bias = x.new_zeros(s, 5, dtype=torch.float64)
+        k[..., 3:5].copy_(rot)
+        bias = x.new_zeros(s, 6, dtype=torch.float64)
         bias.copy_(self.row)
         return ((k * k.sum(1, keepdim=True)).sum((1, 3)) * y).mean() + (bias.float() * k).sum()
 

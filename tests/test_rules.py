@@ -798,6 +798,27 @@ def test_view_reshape(op, data):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", [aten.reshape_as.default, aten.view_as.default], ids=str)
+@hyp(25)
+@given(data=st.data())
+def test_reshape_as_view_as(op, data):
+    """``x.reshape_as(y)``: x's placement maps as a view to y's shape, and y is laid out as the output, so
+    each rank's piece of y has the shape of its piece of the output (RoFormer's interleaved rotary)."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    atoms = data.draw(st.lists(st.sampled_from([1, 2, 3, 4, n, 2 * n]), min_size=1, max_size=4), label="atoms")
+    ishape, oshape = _group(data, atoms, "in"), _group(data, atoms, "out")
+    x, y = make(ishape, "f", gen), make(oshape, "f", gen)
+    cur = draw_current(data, x, n)
+    expect = [((R, R), (R,))]
+    if isinstance(cur, Shard):
+        targets = view_shard_targets(ishape, oshape, cur.dim, n)
+        if targets:
+            expect.append(((cur, Shard(targets[0])), (Shard(targets[0]),)))
+    check(op, (x, y), n=n, current=(cur, R), gen=gen, expect=expect)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("which", ["unsqueeze", "squeeze.dim", "squeeze.dims", "squeeze", "flatten", "unflatten"])
 @hyp(25)
 @given(data=st.data())
@@ -1184,13 +1205,17 @@ def test_mm_bmm_outer(which, data):
         outs = {(Shard(0), Shard(0)): Shard(0), (R, Shard(2)): Shard(2), (Shard(1), R): Shard(1),
                 (Shard(2), Shard(1)): P}
         sizes = {(Shard(0), Shard(0)): b, (R, Shard(2)): j, (Shard(1), R): m, (Shard(2), Shard(1)): k}
+        if j % (2 * n) == 0:  # experts' fused gate and up [E, H, 2I] (Llama-4): offered when the weight is so
+            cands.append((R, BlockShard(2, 2)))
+            outs[(R, BlockShard(2, 2))] = BlockShard(2, 2)
     else:
         op, args = aten.outer.default, (make([m], "f", gen), make([j], "f", gen))
         cands = [(Shard(0), R), (R, Shard(0)), (P, R), (R, P)]
         outs = {(Shard(0), R): Shard(0), (R, Shard(0)): Shard(1)}
         sizes = {(Shard(0), R): m, (R, Shard(0)): j}
     current = data.draw(st.sampled_from(cands), label="current")
-    expect = [(ins, (outs.get(ins, P),)) for ins in cands if ins not in sizes or sizes[ins] % n == 0]
+    expect = [(ins, (outs.get(ins, P),)) for ins in cands if (ins not in sizes or sizes[ins] % n == 0)
+              and (not isinstance(ins[1], BlockShard) or ins == current)]
     check(op, args, n=n, current=current, gen=gen, expect=expect)
 
 
@@ -1694,6 +1719,7 @@ TESTED_OPS = (
     | set(REDUCE_KIND) | set(SOFTMAX)
     | {aten.layer_norm.default, aten.rms_norm.default}
     | {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+       aten.reshape_as.default, aten.view_as.default,
        aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints, aten.unflatten.int,
        aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default, aten.expand.default,
        aten.slice.Tensor, aten.repeat_interleave.self_int, aten.select.int, aten.split.Tensor,

@@ -80,7 +80,11 @@ def addmm(info: OpInfo) -> list[Strategy]:
 
 @rule(aten.bmm.default)
 def bmm(info: OpInfo) -> list[Strategy]:
-    return [
+    bcur = info.current[1] if len(info.current) > 1 else R
+    # experts' fused gate and up projections [E, H, 2I], chunked after (Llama-4): each rank its part of both
+    blocks = [Strategy((R, bcur), (BlockShard(2, bcur.blocks),), name="column_blocks")] \
+        if isinstance(bcur, BlockShard) and bcur.dim % 3 == 2 else []
+    return blocks + [
         Strategy((Shard(0), Shard(0)), (Shard(0),), name="batch_S0"),
         Strategy((R, Shard(2)), (Shard(2),), name="column"),
         Strategy((Shard(1), R), (Shard(1),), name="rows"),

@@ -147,6 +147,14 @@ def view(info: OpInfo) -> list[Strategy]:
     return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
 
 
+@rule(aten.reshape_as.default, aten.view_as.default)
+def view_as(info: OpInfo) -> list[Strategy]:
+    """``x.reshape_as(y)`` (RoFormer's interleaved rotary: ``stack([-x[..., 1::2], x[..., ::2]], -1)
+    .reshape_as(x)``): a view of ``x`` to ``y``'s shape, with ``y`` laid out as the output, so each rank's
+    piece of ``y`` has the shape of its piece of the output (the op runs on local pieces unchanged)."""
+    return [Strategy((*s.inputs, s.outputs[0]), s.outputs, name=s.name) for s in view(info)]
+
+
 def _squeezed_dims(info: OpInfo) -> set[int]:
     """The dims a squeeze removes where they have size 1 -- on local pieces too, where a sharded dim
     of global size n has size 1 although the global op keeps it."""
@@ -236,12 +244,37 @@ def expand(info: OpInfo) -> list[Strategy]:
             out.append(Strategy((Shard(d),), (Shard(d + off),), name="expand"))
     out.sort(key=lambda s: s.inputs[0] != _cur(info))
     # a replicated value broadcast along a new or size-1 static dim (a key shared by every head: MLA's
-    # decoupled RoPE key; a mask over heads) can come out sharded on it at no cost: each rank keeps its part
+    # decoupled RoPE key; a mask over heads) can come out sharded on it at no cost: each rank keeps its part.
+    # Only for a value attention reads: a broadcast read whole (an MoE router's group mask over its experts,
+    # on the way to a top-k) would come out split at no cost here and be gathered by its next op.
     bcast = [Strategy((R,), (Shard(d),), name="expand_broadcast") for d in range(o.ndim)
              if (d < off or same(i.shape[d - off], 1)) and isinstance(o.shape[d], int) and o.shape[d] > 1
-             and o.shape[d] % info.n == 0]
+             and o.shape[d] % info.n == 0] if info.node is None or _read_by_attention(info.node) else []
     return out + [Strategy((Partial(),), (Partial(),), name="partial")] + bcast + [
         Strategy((R,), (R,), name="replicate")]
+
+
+_STOP = {aten.linear.default, aten.mm.default, aten.addmm.default, aten.embedding.default, aten.topk.default,
+         aten.sort.default, aten.argmax.default}
+_ATTENTION = {aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention.default,
+              aten._scaled_dot_product_efficient_attention.default}
+
+
+def _read_by_attention(node, depth: int = 12) -> bool:
+    """Whether attention reads ``node``'s value through ops short of a projection (at most ``depth`` of them):
+    an SDPA, or a product of two computed values (``q @ k.transpose(-1, -2)``, ``probs @ v``)."""
+    todo, seen = [(node, 0)], set()
+    while todo:
+        cur, d = todo.pop()
+        for u in cur.users:
+            if u in seen or u.op != "call_function" or d > depth or u.target in _STOP:
+                continue
+            seen.add(u)
+            if u.target in _ATTENTION or (u.target in (aten.matmul.default, aten.bmm.default) and all(
+                    a.op == "call_function" for a in u.all_input_nodes)):
+                return True
+            todo.append((u, d + 1))
+    return False
 
 
 def _keep_other_dims(info: OpInfo, dim: int, out_dim_of=lambda d: d, n_out: int = 1) -> list[Strategy]:
