@@ -13,6 +13,8 @@
 - ``transposed_weight_to_linear``: ``matmul(x, W.T)`` (``numpy_T``, ``t``, ``transpose(0, 1)`` of a 2-D
   parameter; Falcon's ``FalconLinear``) -> ``linear(x, W)``: the weight is then a direct argument of the
   contraction, placed by it (column- or row-parallel), not by the transpose that reads it first.
+- ``unmerge_heads`` (passes/heads.py): attention computed on (batch x heads, ...) values (``bmm`` after
+  ``reshape(b * h, s, d)``) -> the same ops on (b, h, ...) values, so the heads are a dim tp can shard.
 - ``split_linear_bias``: ``linear(x, W, b)`` -> ``add(linear(x, W), b)``. A row-parallel linear's
   output is Partial and its bias must be added after the reduction (DESIGN §11); splitting every
   bias lets the propagator place the add after the collective. (A later fusion pass re-fuses biases
@@ -296,6 +298,7 @@ def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
     return {
         "functional_inplace": functional_inplace(gm),
         "transposed_weight_to_linear": transposed_weight_to_linear(gm),
+        "unmerge_heads": _unmerge_heads(gm),
         "attention_dropout_to_math": attention_dropout_to_math(gm),
         "drop_noop_slices": drop_noop_slices(gm),
         "drop_empty_cats": drop_empty_cats(gm),
@@ -303,6 +306,12 @@ def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
         "split_linear_bias": split_linear_bias(gm),
         "moe_layers": _moe_layers(gm),
     }
+
+
+def _unmerge_heads(gm: fx.GraphModule) -> int:
+    from mcompile.passes.heads import unmerge_heads
+
+    return unmerge_heads(gm)
 
 
 def _moe_layers(gm: fx.GraphModule) -> int:
