@@ -116,7 +116,8 @@ def functional_inplace(gm: fx.GraphModule) -> int:
                 or not schema.arguments[0].alias_info or not schema.arguments[0].alias_info.is_write):
             continue
         # a view of dst taken before the write would see it: leave such a write as it is
-        if any(u is not n and order[u] < order[n] and _aliases(u) for u in dst.users):
+        # (a view of something else that merely reads dst, as expand_as(mask, dst) does, sees no write)
+        if any(u is not n and order[u] < order[n] and _aliases(u) and u.args[0] is dst for u in dst.users):
             continue
         val = _fake_call(functional, n.args, n.kwargs)
         old = n.meta.get("val")

@@ -31,7 +31,10 @@ class _Writes(torch.nn.Module):
         h = x.to(torch.bfloat16)
         h += x  # bf16 += fp32 stays bf16; add would promote to fp32: stays a write
         b.mul_(2)  # an input: the program's effect, stays
-        return y * 5, v * 1, h.float(), z
+        s = x * 4
+        m = (x[:1] > 0).expand_as(s)  # a view of another tensor that reads s's shape (XLM's mask): rewritten
+        s.masked_fill_(m, 0.0)
+        return y * 5, v * 1, h.float(), z, s
 
 
 def _ops(gm) -> list:
@@ -45,9 +48,10 @@ def test_functional_inplace_keeps_the_value_and_the_writes_it_cannot_rewrite():
     want = gm(x, b.clone())
     writes = [t for t in _ops(gm) if t._schema.is_mutable]
     assert writes.count(aten.add_.Tensor) == 3 and aten.mul_.Tensor in writes
-    assert functional_inplace(gm) == 1
+    assert functional_inplace(gm) == 2
     after = _ops(gm)
     assert after.count(aten.add_.Tensor) == 2 and aten.mul_.Tensor in after and aten.add.Tensor in after
+    assert aten.masked_fill_.Scalar not in after and aten.masked_fill.Scalar in after
     got = gm(x, b.clone())
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -3,10 +3,12 @@
 What is isolated: plain PyTorch blocks in the BART/XLM-era form, q/k/v reshaped to (b*h, s, d) and multiplied
 with ``torch.bmm`` (the mask added between a view to (b, h, s, s) and one back, softmax and dropout on the
 merged value), and Bloom's form (``baddbmm`` of an ALiBi bias (b*h, 1, s) with a scale ``alpha``). Each is
-rewritten into 4-D ops so the heads are a dim tp shards: a layer runs Megatron's 2 forward tp collectives
-(the attention's and the MLP's all-reduce), no PlanQualityWarning, and trains at parity (loss and every
-gradient, in-process thread simulator). Without the rewrite the same models gather q, k and v each layer (the
-check below plants it). Models have 4 layers, so block repetition is on.
+rewritten into 4-D ops so the heads are a dim tp shards. XLM's 4-D attention, its mask ``expand_as`` the scores
+and filled in place (``masked_fill_``), plans alike (rule of expand_as, the in-place fill made functional).
+A layer runs Megatron's 2 forward tp collectives (the attention's and the MLP's all-reduce), no
+PlanQualityWarning and no fallback, and trains at parity (loss and every gradient, in-process thread
+simulator). Without the rewrite the same models gather q, k and v each layer (the check below plants it).
+Models have 4 layers, so block repetition is on.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ aten = torch.ops.aten
 
 
 class MergedHeadsBlock(torch.nn.Module):
-    """Post-norm block with XGLM/BART's attention on (b*h, s, d) values; ``alibi``: Bloom's baddbmm instead."""
+    """Post-norm block with XGLM/BART's attention on (b*h, s, d) values; ``form``: "alibi", Bloom's baddbmm
+    instead; "xlm", XLM's 4-D attention."""
 
-    def __init__(self, dim=32, heads=4, ffn=64, alibi=False):
+    def __init__(self, dim=32, heads=4, ffn=64, form="bmm"):
         super().__init__()
-        self.h, self.hd, self.alibi = heads, dim // heads, alibi
+        self.h, self.hd, self.form = heads, dim // heads, form
         # no key bias: q.b_k is the same for every key of a row, the softmax drops it, its gradient is rounding noise
         self.q, self.v = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
         self.k = torch.nn.Linear(dim, dim, bias=False)
@@ -48,7 +51,14 @@ class MergedHeadsBlock(torch.nn.Module):
             return t.view(b, s, h, d).transpose(1, 2).reshape(b * h, s, d)
 
         q, k, v = heads(self.q(x) * d ** -0.5), heads(self.k(x)), heads(self.v(x))
-        if self.alibi:
+        if self.form == "xlm":  # XLM's 4-D attention, its mask expand_as the scores and filled in place
+            q, k, v = (t.view(b, h, s, d) for t in (q, k, v))
+            scores = q @ k.transpose(2, 3)
+            scores.masked_fill_((mask < 0).expand_as(scores), torch.finfo(scores.dtype).min)
+            a = (F.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, s, h * d)
+            x = self.norm1(x + self.out(a))
+            return self.norm2(x + self.fc2(F.gelu(self.fc1(x))))
+        if self.form == "alibi":
             pos = torch.arange(s, device=x.device, dtype=x.dtype)
             bias = (self.slopes[:, None] * pos[None, :]).expand(b, h, s).reshape(b * h, 1, s)
             scores = torch.baddbmm(bias, q, k.transpose(-1, -2), beta=1.0, alpha=0.5)
@@ -62,10 +72,10 @@ class MergedHeadsBlock(torch.nn.Module):
 
 
 class MergedHeadsLM(torch.nn.Module):
-    def __init__(self, vocab=64, dim=32, layers=4, alibi=False):
+    def __init__(self, vocab=64, dim=32, layers=4, form="bmm"):
         super().__init__()
         self.emb = torch.nn.Embedding(vocab, dim)
-        self.layers = torch.nn.ModuleList(MergedHeadsBlock(dim, alibi=alibi) for _ in range(layers))
+        self.layers = torch.nn.ModuleList(MergedHeadsBlock(dim, form=form) for _ in range(layers))
         self.head = torch.nn.Linear(dim, vocab, bias=False)
 
     def forward(self, ids, labels):
@@ -95,12 +105,12 @@ def _forward_tp_per_layer(c) -> dict[int, Counter]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("alibi", [False, True], ids=["bmm", "baddbmm_alibi"])
-def test_merged_heads_attention_plans_megatrons_layout_at_parity(alibi):
+@pytest.mark.parametrize("form", ["bmm", "alibi", "xlm"])
+def test_merged_heads_attention_plans_megatrons_layout_at_parity(form):
     torch.manual_seed(0)
-    model = MergedHeadsLM(alibi=alibi)
+    model = MergedHeadsLM(form=form)
     c, inputs, quality = _plan(model)
-    assert not quality and c.quality == [], [str(w.message) for w in quality]
+    assert not quality and c.quality == [] and c.plan.fallbacks == [], [str(w.message) for w in quality]
     ops = Counter(n.target for n in c.captured.gm.graph.nodes if n.op == "call_function")
     assert ops[aten.bmm.default] == ops[aten.baddbmm.default] == 0 and ops[aten.matmul.default] == 8, ops
     per_layer = _forward_tp_per_layer(c)
@@ -133,7 +143,7 @@ def test_unmerge_heads_keeps_the_value_and_leaves_other_merges():
             return scores.sum(0)  # over the merged dim
 
     torch.manual_seed(0)
-    block = MergedHeadsBlock(alibi=True).eval()
+    block = MergedHeadsBlock(form="alibi").eval()
     x, mask = torch.randn(2, 8, 32), torch.full((8, 8), -1e9).triu(1)[None, None]
     gm = torch.export.export(block, (x, mask)).module()
     assert unmerge_heads(gm) == 2  # q.kᵀ with the mask's view pair; probs.v
