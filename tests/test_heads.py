@@ -23,6 +23,7 @@ from sim_harness import assert_sim_parity
 
 from mcompile.api import compile_plan
 from mcompile.mesh import Mesh
+from mcompile.placements import Replicate, Shard
 from mcompile.quality import PlanQualityWarning
 
 aten = torch.ops.aten
@@ -153,3 +154,59 @@ def test_unmerge_heads_keeps_the_value_and_leaves_other_merges():
     q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16)
     odd = torch.export.export(Odd(), (q, k)).module()
     assert unmerge_heads(odd) == 0 and any(n.target is aten.bmm.default for n in odd.graph.nodes)
+
+
+class MQABlock(torch.nn.Module):
+    """GPTBigCode's multi-query attention: one key/value head in a projection fused with the queries, repeated
+    to the query heads as transformers' repeat_kv does (unsqueeze, expand, reshape)."""
+
+    def __init__(self, dim=32, heads=4, ffn=64):
+        super().__init__()
+        self.h, self.hd = heads, dim // heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, dim + 2 * self.hd)
+        self.out, self.fc1, self.fc2 = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, ffn), torch.nn.Linear(ffn, dim)
+
+    def forward(self, x):
+        b, s, dim = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split([dim, self.hd, self.hd], dim=-1)
+        q = q.view(b, s, self.h, self.hd).transpose(1, 2)
+        k, v = (t.view(b, s, 1, self.hd).transpose(1, 2)[:, :, None].expand(b, 1, self.h, s, self.hd)
+                .reshape(b, self.h, s, self.hd) for t in (k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, dim)
+        x = x + self.out(a)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class MQALM(torch.nn.Module):
+    def __init__(self, vocab=64, dim=32, layers=4):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(MQABlock(dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.timeout(300)
+def test_one_key_value_head_fused_with_the_queries_keeps_megatrons_exits():
+    """1 key/value head at tp=2: the fused q/k/v weight stays whole on every rank (the check accepts it, for that
+    reason), each rank slices its query heads from it and attends them with the whole key/value head: 2 forward
+    all-reduces a layer, at parity. (Before, the weight was split by blocks and the head gathered each layer.)"""
+    from mcompile.planner import kv_hints
+
+    torch.manual_seed(0)
+    model = MQALM()
+    c, inputs, quality = _plan(model)
+    assert not quality and c.quality == [] and c.plan.fallbacks == [], [str(w.message) for w in quality]
+    assert isinstance(c.plan.params["layers.0.qkv.weight"].placements[0], Replicate)
+    assert set(kv_hints(c.captured, 2)) == {n for n, f in c.captured.params.items() if ".qkv." in f}
+    assert c.plan.params["layers.0.out.weight"].placements[0] == Shard(1)
+    per_layer = _forward_tp_per_layer(c)
+    assert sorted(per_layer) == [0, 1, 2, 3] and all(cnt == Counter(all_reduce=2) for cnt in per_layer.values()), \
+        per_layer
+    assert_sim_parity(c, model, inputs)
