@@ -15,6 +15,7 @@
   contraction, placed by it (column- or row-parallel), not by the transpose that reads it first.
 - ``unmerge_heads`` (passes/heads.py): attention computed on (batch x heads, ...) values (``bmm`` after
   ``reshape(b * h, s, d)``) -> the same ops on (b, h, ...) values, so the heads are a dim tp can shard.
+- ``view_as_to_view``: ``x.view_as(other)`` -> ``x.view(sizes of other)``, one rule (view's) for both.
 - ``split_linear_bias``: ``linear(x, W, b)`` -> ``add(linear(x, W), b)``. A row-parallel linear's
   output is Partial and its bias must be added after the reduction (DESIGN §11); splitting every
   bias lets the propagator place the add after the collective. (A later fusion pass re-fuses biases
@@ -172,6 +173,27 @@ def transposed_weight_to_linear(gm: fx.GraphModule) -> int:
     return count
 
 
+def view_as_to_view(gm: fx.GraphModule) -> int:
+    """``x.view_as(other)`` -> ``x.view(other's sizes)`` (a symbolic size read by ``sym_size``): the view rule
+    places it (Beam's attention)."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.view_as.default:
+            continue
+        x, other = node.args
+        with gm.graph.inserting_before(node):
+            sizes = [d if isinstance(d, int) else _new(gm.graph, aten.sym_size.int, (other, i), node)
+                     for i, d in enumerate(other.meta["val"].shape)]
+            view = _new(gm.graph, aten.view.default, (x, sizes), node)
+        node.replace_all_uses_with(view)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
 def split_linear_bias(gm: fx.GraphModule) -> int:
     count = 0
     for node in list(gm.graph.nodes):
@@ -299,6 +321,7 @@ def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
     return {
         "functional_inplace": functional_inplace(gm),
         "transposed_weight_to_linear": transposed_weight_to_linear(gm),
+        "view_as_to_view": view_as_to_view(gm),
         "unmerge_heads": _unmerge_heads(gm),
         "attention_dropout_to_math": attention_dropout_to_math(gm),
         "drop_noop_slices": drop_noop_slices(gm),

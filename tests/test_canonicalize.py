@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from mcompile.passes.canonicalize import functional_inplace
+from mcompile.passes.canonicalize import functional_inplace, view_as_to_view
 from mcompile.placements import Shard
 
 aten = torch.ops.aten
@@ -104,3 +104,21 @@ def test_falcon_style_layer_plans_megatron_at_tp2():
     forward = [s for s in c.plan.collectives if s.forward != "none"]
     # the two partial sums added before one all-reduce per layer, nothing gathered
     assert sorted(s.forward for s in forward) == ["all_reduce", "all_reduce"], forward
+
+
+@pytest.mark.timeout(60)
+def test_view_as_becomes_a_view_of_the_other_tensors_sizes():
+    """``x.view_as(y)`` (Beam's attention) had no rule and ran replicated: it becomes ``view`` with y's sizes,
+    a symbolic one read from y (a dynamic batch), and computes the same value."""
+    class M(torch.nn.Module):
+        def forward(self, x, y):
+            return (x * 2).view_as(y) + y
+
+    x, y = torch.randn(4, 6, 8), torch.randn(4, 48)
+    gm = torch.export.export(M(), (x, y), dynamic_shapes=({0: torch.export.Dim("b")}, {0: torch.export.Dim("b")}),
+                             strict=False).module()
+    assert view_as_to_view(gm) == 1
+    assert aten.view_as.default not in _ops(gm) and aten.view.default in _ops(gm)
+    torch.testing.assert_close(gm(x, y), M()(x, y), rtol=0, atol=0)
+    x3, y3 = torch.randn(3, 6, 8), torch.randn(3, 48)
+    torch.testing.assert_close(gm(x3, y3), M()(x3, y3), rtol=0, atol=0)
