@@ -448,6 +448,68 @@ def position_bias_hints(cap: Captured) -> dict[str, object]:
     return hints
 
 
+def kv_hints(cap: Captured, tp: int) -> dict[str, object]:
+    """Key/value projections of attentions with fewer key/value heads than tp divides (multi-query attention's
+    one head: GPTBigCode, Falcon) stay whole on every tp rank, as Megatron replicates a query group a rank
+    needs: each rank computes the key/value heads and attends its own query heads with them, and the layer
+    keeps Megatron's two exits (split, the head would be gathered before the attention). A projection fused
+    with the queries (one weight for q, k and v) is kept whole with them: a placement cannot shard part of a
+    weight and replicate the rest; each rank then slices its query heads from it (:func:`kv_sliced`)."""
+    hints: dict[str, object] = {}
+    for node in _few_kv_projections(cap, tp):
+        _whole(hints, node, node.args[1], cap)
+        for u in node.users:  # its bias, added after it (canonicalize.split_linear_bias)
+            if u.target is aten.add.Tensor:
+                for a in u.args:
+                    if getattr(a, "name", None) in cap.params and a.meta["val"].ndim == 1:
+                        hints[a.name] = R
+    return hints
+
+
+def kv_sliced(cap: Captured, tp: int) -> frozenset[str]:
+    """The values between a projection :func:`kv_hints` keeps whole and its attention: a rank may take its heads
+    of them by a local slice (the query heads of a fused projection; the propagator otherwise shards heads only
+    by a contraction)."""
+    out, todo = set(), list(_few_kv_projections(cap, tp))
+    while todo:
+        cur = todo.pop()
+        for u in cur.users:
+            if u.op == "call_function" and u.name not in out and not _contraction(u):
+                out.add(u.name)
+                todo.append(u)
+    return frozenset(out)
+
+
+def _few_kv_projections(cap: Captured, tp: int) -> list[torch.fx.Node]:
+    """The linears a key or value with fewer heads than ``tp`` divides is computed from: what reaches
+    ``repeat_kv`` (unsqueeze, expand, reshape) before an attention, through ops short of a contraction."""
+    from mcompile.passes.attention import _unrepeated
+
+    found: list[torch.fx.Node] = []
+    if tp <= 1:
+        return found
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function" or n.target is not aten.scaled_dot_product_attention.default:
+            continue
+        for kv in n.args[1:3]:
+            k0, _ = _unrepeated(kv)
+            heads = k0.meta["val"].shape[1] if k0 is not None else None
+            if not isinstance(heads, int) or heads % tp == 0:
+                continue
+            todo, seen = [k0], set()
+            while todo:
+                cur = todo.pop()
+                if cur in seen or cur.op != "call_function":
+                    continue
+                seen.add(cur)
+                if cur.target is aten.linear.default and getattr(cur.args[1], "name", None) in cap.params:
+                    if cur not in found:
+                        found.append(cur)
+                elif not _contraction(cur):
+                    todo.extend(cur.all_input_nodes)
+    return found
+
+
 def _biases_scores(u: torch.fx.Node, x: torch.fx.Node, heads: int) -> bool:
     """Whether ``u`` uses ``x`` as the mask of an attention of ``heads`` heads or adds it to its scores."""
     if u.target is aten.scaled_dot_product_attention.default:
@@ -555,11 +617,14 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
     if sequence_parallel and mesh.size("tp") == 1:
         sequence_parallel = False
     out = []
-    blocks = {**block_hints(cap), **latent_hints(cap), **router_hints(cap), **position_bias_hints(cap)}
+    tp = mesh.size("tp") if "tp" in mesh.axis_names else 1
+    blocks = {**block_hints(cap), **latent_hints(cap), **router_hints(cap), **position_bias_hints(cap),
+              **kv_hints(cap, tp)}
     experts = check_experts(cap, mesh.size("ep")) if "ep" in mesh.axis_names else None
     for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):
         if pol.shard_contraction_weights:
             pol.param_hints = dict(blocks)
+            pol.sliced_static = kv_sliced(cap, tp)
         out.append(AxisPlanResult(pol, propagate_axis(cap, pol, hints)))
     for op in sorted(set().union(*(ap.result.fallbacks for ap in out))):  # one warning per op
         if op.startswith("mcompile_fn."):  # a user's autograd.Function (mcompile.autograd_fn): no rule to add

@@ -105,6 +105,9 @@ class AxisPolicy:
     param_overrides: dict = field(default_factory=dict)  # FQN -> placement for this axis
     node_overrides: dict = field(default_factory=dict)  # node name -> placement of its output
     param_hints: dict = field(default_factory=dict)  # placeholder name -> placement offered to rules first
+    # values a rank may slice on a static dim (the query heads of a fused projection kept whole for its one
+    # key/value head: planner.kv_sliced); any other static dim is sharded by a contraction only
+    sliced_static: frozenset = frozenset()
     expert_parallel: bool = False  # ep: MoE nodes may take their expert-parallel strategy (lowering moe_ep)
     # cp: every value computed from parameters that has a token dim (seq, or batch*seq flattened) is split on
     # it (load-balanced chunks, mcompile.cp); attention takes its context-parallel lowering; the loss is the
@@ -208,7 +211,8 @@ def propagate_axis(
             return 0.0
         b = _bytes(meta, hints, sizes) * (n - 1) / n
         grad = src.name in rg
-        if isinstance(req, Shard) and not policy.redistribute_to_static_dims and src.name in from_params:
+        if isinstance(req, Shard) and not policy.redistribute_to_static_dims and src.name in from_params \
+                and src.name not in policy.sliced_static:
             size = meta.shape[req.dim % meta.ndim]
             if not isinstance(size, sympy.Expr) or not size.free_symbols:
                 # static dims (features, heads) of activations are sharded by contractions, not by collectives;

@@ -19,8 +19,11 @@ transformer layer:
    whose value it moves.
 2. **Weights.** Every weight matrix a contraction of the layer uses is sharded over tp, unless the plan
    keeps it whole for a reason Megatron shares: a low-rank latent projection (multi-head latent
-   attention's down projections, :func:`mcompile.planner.latent_hints`) or an MoE router (a few outputs,
-   one per expert, :func:`mcompile.planner.router_hints`). Any other whole weight is reported.
+   attention's down projections, :func:`mcompile.planner.latent_hints`), an MoE router (a few outputs,
+   one per expert, :func:`mcompile.planner.router_hints`) or the key/value projection of an attention with
+   fewer key/value heads than tp ranks (multi-query attention, :func:`mcompile.planner.kv_hints`), if each
+   rank then attends only its own query heads (an attention run whole on every rank is reported). Any
+   other whole weight is reported.
 
 Findings of alike layers (block repetition: the same finding in layers 0..L-1) are reported once with
 their layers. ``compile_plan`` warns a :class:`PlanQualityWarning` and keeps them in
@@ -70,7 +73,7 @@ class PlanQualityWarning(UserWarning):
 @dataclass(frozen=True)
 class Finding:
     layers: tuple[int, ...]
-    kind: str  # "collectives" | "whole weight"
+    kind: str  # "collectives" | "whole weight" | "whole attention"
     text: str
 
     def __str__(self) -> str:
@@ -103,7 +106,9 @@ def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[i
     return out
 
 
-def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict) -> str | None:
+def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict) -> str | None:
+    if w.name in kv:
+        return "fewer key/value heads than tp ranks: the key/value projection kept whole on every rank"
     if w.name in latents:
         return "a low-rank latent projection kept whole (as Megatron's multi-head latent attention)"
     if w.name in routers:
@@ -113,7 +118,7 @@ def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict) -> str | None:
 
 def check_quality(compiled) -> list[Finding]:
     """The plan's findings against Megatron's layout (empty: Megatron's layout). Only tp is checked."""
-    from mcompile.planner import latent_hints, router_hints
+    from mcompile.planner import kv_hints, kv_sliced, latent_hints, router_hints
 
     mesh = compiled.mesh
     if "tp" not in mesh.axis_names or mesh.size("tp") <= 1:
@@ -140,7 +145,17 @@ def check_quality(compiled) -> list[Finding]:
             raw.append((layer, "collectives", kinds, f"{len(specs)} forward tp collectives where Megatron runs {bar} "
                                               f"({len(exits.get(layer, ()))} tp region exits"
                                               f"{', sequence parallel' if sp else ''}): {moved}"))
+    kv = kv_hints(cap, mesh.size("tp"))
     tp_i = mesh.axis_names.index("tp")
+    sliced = kv_sliced(cap, mesh.size("tp"))
+    for node in cap.gm.graph.nodes:
+        # a key/value projection kept whole is Megatron's only if each rank then attends its own query heads
+        if node.op == "call_function" and node.target is aten.scaled_dot_product_attention.default and \
+                layer_index(node) is not None and any(a.name in sliced for a in node.all_input_nodes):
+            p = (plan.activations.get(node.name) or (None,) * len(mesh.axis_names))[tp_i]
+            if not is_shard(p):
+                raw.append((layer_index(node), "whole attention", (), f"attention {node.name} runs whole on every "
+                            "tp rank (its key/value projection is kept whole, but its query heads are not split)"))
     seen = set()
     for node in cap.gm.graph.nodes:
         w = _weight_of(node) if node.op == "call_function" else None
@@ -152,7 +167,7 @@ def check_quality(compiled) -> list[Finding]:
             continue
         seen.add(fqn)
         p = plan.params[fqn].placements[tp_i]
-        if is_shard(p) or not isinstance(p, Replicate) or _whole_reason(w, latents, routers):
+        if is_shard(p) or not isinstance(p, Replicate) or _whole_reason(w, latents, routers, kv):
             continue
         short = fqn.split(f".{layer}.", 1)[-1]
         shape = tuple(w.meta["val"].shape)

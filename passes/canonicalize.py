@@ -19,6 +19,9 @@
 - ``transposed_weight_to_linear``: ``matmul(x, W.T)`` (``numpy_T``, ``t``, ``transpose(0, 1)`` of a 2-D
   parameter; Falcon's ``FalconLinear``) -> ``linear(x, W)``: the weight is then a direct argument of the
   contraction, placed by it (column- or row-parallel), not by the transpose that reads it first.
+- ``unmerge_heads`` (passes/heads.py): attention computed on (batch x heads, ...) values (``bmm`` after
+  ``reshape(b * h, s, d)``) -> the same ops on (b, h, ...) values, so the heads are a dim tp can shard.
+- ``view_as_to_view``: ``x.view_as(other)`` -> ``x.view(sizes of other)``, one rule (view's) for both.
 - ``split_linear_bias``: ``linear(x, W, b)`` -> ``add(linear(x, W), b)``. A row-parallel linear's
   output is Partial and its bias must be added after the reduction (DESIGN §11); splitting every
   bias lets the propagator place the add after the collective. (A later fusion pass re-fuses biases
@@ -120,7 +123,8 @@ def functional_inplace(gm: fx.GraphModule) -> int:
                 or not schema.arguments[0].alias_info or not schema.arguments[0].alias_info.is_write):
             continue
         # a view of dst taken before the write would see it: leave such a write as it is
-        if any(u is not n and order[u] < order[n] and _aliases(u) for u in dst.users):
+        # (a view of something else that merely reads dst, as expand_as(mask, dst) does, sees no write)
+        if any(u is not n and order[u] < order[n] and _aliases(u) and u.args[0] is dst for u in dst.users):
             continue
         val = _fake_call(functional, n.args, n.kwargs)
         old = n.meta.get("val")
@@ -234,6 +238,27 @@ def transposed_weight_to_linear(gm: fx.GraphModule) -> int:
         gm.graph.erase_node(node)
         if not wt.users:
             gm.graph.erase_node(wt)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def view_as_to_view(gm: fx.GraphModule) -> int:
+    """``x.view_as(other)`` -> ``x.view(other's sizes)`` (a symbolic size read by ``sym_size``): the view rule
+    places it (Beam's attention)."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.view_as.default:
+            continue
+        x, other = node.args
+        with gm.graph.inserting_before(node):
+            sizes = [d if isinstance(d, int) else _new(gm.graph, aten.sym_size.int, (other, i), node)
+                     for i, d in enumerate(other.meta["val"].shape)]
+            view = _new(gm.graph, aten.view.default, (x, sizes), node)
+        node.replace_all_uses_with(view)
+        gm.graph.erase_node(node)
         count += 1
     if count:
         gm.graph.lint()
@@ -369,6 +394,8 @@ def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
         "tiled_writes_to_cat": tiled_writes_to_cat(gm),
         "functional_inplace": functional_inplace(gm),
         "transposed_weight_to_linear": transposed_weight_to_linear(gm),
+        "view_as_to_view": view_as_to_view(gm),
+        "unmerge_heads": _unmerge_heads(gm),
         "attention_dropout_to_math": attention_dropout_to_math(gm),
         "drop_noop_slices": drop_noop_slices(gm),
         "drop_empty_cats": drop_empty_cats(gm),
@@ -376,6 +403,12 @@ def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
         "split_linear_bias": split_linear_bias(gm),
         "moe_layers": _moe_layers(gm),
     }
+
+
+def _unmerge_heads(gm: fx.GraphModule) -> int:
+    from mcompile.passes.heads import unmerge_heads
+
+    return unmerge_heads(gm)
 
 
 def _moe_layers(gm: fx.GraphModule) -> int:

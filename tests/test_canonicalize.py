@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from mcompile.passes.canonicalize import functional_inplace
+from mcompile.passes.canonicalize import functional_inplace, view_as_to_view
 from mcompile.placements import Shard
 
 aten = torch.ops.aten
@@ -31,7 +31,10 @@ class _Writes(torch.nn.Module):
         h = x.to(torch.bfloat16)
         h += x  # bf16 += fp32 stays bf16; add would promote to fp32: stays a write
         b.mul_(2)  # an input: the program's effect, stays
-        return y * 5, v * 1, h.float(), z
+        s = x * 4
+        m = (x[:1] > 0).expand_as(s)  # a view of another tensor that reads s's shape (XLM's mask): rewritten
+        s.masked_fill_(m, 0.0)
+        return y * 5, v * 1, h.float(), z, s
 
 
 def _ops(gm) -> list:
@@ -45,9 +48,10 @@ def test_functional_inplace_keeps_the_value_and_the_writes_it_cannot_rewrite():
     want = gm(x, b.clone())
     writes = [t for t in _ops(gm) if t._schema.is_mutable]
     assert writes.count(aten.add_.Tensor) == 3 and aten.mul_.Tensor in writes
-    assert functional_inplace(gm) == 1
+    assert functional_inplace(gm) == 2
     after = _ops(gm)
     assert after.count(aten.add_.Tensor) == 2 and aten.mul_.Tensor in after and aten.add.Tensor in after
+    assert aten.masked_fill_.Scalar not in after and aten.masked_fill.Scalar in after
     got = gm(x, b.clone())
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
@@ -140,3 +144,21 @@ def test_tiled_writes_into_a_fresh_tensor_become_a_cat():
     assert after.count(aten.copy_.default) == 6 and after.count(aten.cat.default) == 1
     for g, w in zip(gm(a, b), want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+def test_view_as_becomes_a_view_of_the_other_tensors_sizes():
+    """``x.view_as(y)`` (Beam's attention) had no rule and ran replicated: it becomes ``view`` with y's sizes,
+    a symbolic one read from y (a dynamic batch), and computes the same value."""
+    class M(torch.nn.Module):
+        def forward(self, x, y):
+            return (x * 2).view_as(y) + y
+
+    x, y = torch.randn(4, 6, 8), torch.randn(4, 48)
+    gm = torch.export.export(M(), (x, y), dynamic_shapes=({0: torch.export.Dim("b")}, {0: torch.export.Dim("b")}),
+                             strict=False).module()
+    assert view_as_to_view(gm) == 1
+    assert aten.view_as.default not in _ops(gm) and aten.view.default in _ops(gm)
+    torch.testing.assert_close(gm(x, y), M()(x, y), rtol=0, atol=0)
+    x3, y3 = torch.randn(3, 6, 8), torch.randn(3, 48)
+    torch.testing.assert_close(gm(x3, y3), M()(x3, y3), rtol=0, atol=0)

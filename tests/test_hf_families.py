@@ -186,8 +186,9 @@ def test_megatron_layout_and_parity_tp2(family):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["olmo2", "falcon"])
 def test_parity_tp4(family):
-    """At tp=4 the 2 kv heads (groups) split inside a head: not Megatron's layout (that would replicate kv
-    heads), but the plan must still compute the model."""
+    """At tp=4 the 2 kv heads (groups) cannot split: their projections are kept whole on every rank
+    (planner.kv_hints), yet the attention still runs whole on every rank (the quality check names it): not
+    Megatron's layout, but the plan must still compute the model."""
     model, inputs, c, reported = planned(family, "loss", 4)
     assert not reported and c.plan.fallbacks == []
     _parity(family, "loss", c, model, inputs)

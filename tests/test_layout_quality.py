@@ -23,7 +23,7 @@ from sim_harness import assert_sim_parity
 
 from mcompile.api import compile_plan
 from mcompile.mesh import Mesh
-from mcompile.placements import BlockShard, Shard
+from mcompile.placements import BlockShard, Replicate, Shard
 from mcompile.quality import PlanQualityWarning
 
 
@@ -166,8 +166,13 @@ def test_the_quality_check_warns_when_fused_parts_are_split_as_plain_rows(monkey
 
 
 @pytest.mark.timeout(300)
-def test_the_quality_check_names_key_value_heads_that_tp_cannot_split():
-    """2 key/value heads over tp=4 (Megatron refuses it: its query groups must divide by tp): the plan gathers the
-    keys and values in every layer, and says so."""
-    _, c, _, quality = _phi3_plan(tp=4)
-    assert quality and c.quality[0].kind == "collectives" and c.quality[0].layers == (0, 1, 2, 3)
+def test_the_quality_check_names_an_attention_left_whole_by_key_value_heads_tp_cannot_split():
+    """2 key/value heads over tp=4 (Megatron refuses it: its query groups must divide by tp). The fused qkv_proj
+    is kept whole (planner.kv_hints), but slicing the queries, keys and values by heads would cost more bytes than
+    gathering the attention's output, so the plan runs the attention whole on every rank: 2 collectives a layer,
+    yet not Megatron's layout, and the check says so (before kv_hints it named the keys' and values' gathers)."""
+    model, c, inputs, quality = _phi3_plan(tp=4)
+    assert quality and [f.kind for f in c.quality] == ["whole attention"] and c.quality[0].layers == (0, 1, 2, 3)
+    pl = {k.rsplit("layers.0.", 1)[1]: v.placements[0] for k, v in c.plan.params.items() if "layers.0." in k}
+    assert pl["self_attn.qkv_proj.weight"] == Replicate()
+    _parity(model, c, inputs)

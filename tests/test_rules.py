@@ -913,6 +913,25 @@ def test_expand(data):
 @pytest.mark.timeout(120)
 @hyp(25)
 @given(data=st.data())
+def test_expand_as(data):
+    """``x.expand_as(other)`` (XLM's mask): expand's strategies, ``other`` placed as the output (each rank expands
+    to its own piece's shape); a broadcast dim of a replicated x may come out sharded."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    out_shape = draw_shape(data, n, 1, 4)
+    in_shape = draw_broadcast_shape(data, out_shape)
+    x, other = make(in_shape, "f", gen), make(out_shape, "f", gen)
+    off = len(out_shape) - len(in_shape)
+    cur = draw_current(data, x, n, blocks=False)
+    expect = [((Shard(d), Shard(d + off)), (Shard(d + off),)) for d in divisible_dims(in_shape, n)] + \
+        [((P, R), (P,))] + [((R, Shard(d)), (Shard(d),)) for d in divisible_dims(out_shape, n)
+                           if d < off or in_shape[d - off] == 1]
+    check(aten.expand_as.default, (x, other), n=n, current=(cur, R), gen=gen, expect=expect)
+
+
+@pytest.mark.timeout(120)
+@hyp(25)
+@given(data=st.data())
 def test_slice_select(data):
     n = data.draw(st.sampled_from(NS), label="n")
     gen = new_gen(data)
@@ -1722,6 +1741,7 @@ TESTED_OPS = (
        aten.reshape_as.default, aten.view_as.default,
        aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints, aten.unflatten.int,
        aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default, aten.expand.default,
+       aten.expand_as.default,
        aten.slice.Tensor, aten.repeat_interleave.self_int, aten.select.int, aten.split.Tensor,
        aten.split_with_sizes.default, aten.unbind.int, aten.cat.default,
        aten.pad.default, aten.constant_pad_nd.default}

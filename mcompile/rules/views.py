@@ -277,6 +277,14 @@ def _read_by_attention(node, depth: int = 12) -> bool:
     return False
 
 
+@rule(aten.expand_as.default)
+def expand_as(info: OpInfo) -> list[Strategy]:
+    """``x.expand_as(other)`` (XLM's ``mask.view(b, 1, 1, s).expand_as(scores)``): expand's strategies, with
+    ``other`` placed as the output, so each rank expands to its own piece's shape (a Partial x: other whole)."""
+    return [Strategy((s.inputs[0], R if isinstance(s.outputs[0], Partial) else s.outputs[0]), s.outputs,
+                     name=s.name) for s in expand(info)]
+
+
 def _keep_other_dims(info: OpInfo, dim: int, out_dim_of=lambda d: d, n_out: int = 1) -> list[Strategy]:
     out = []
     for d in range(info.inputs[0].ndim):

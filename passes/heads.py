@@ -1,0 +1,234 @@
+"""Attention whose heads are merged into the batch dim, rewritten to keep the heads a dim of their own.
+
+BART/XLM-era attentions (XGLM, TrOCR, MVP, Bloom, ...) compute on 3-D tensors whose first dim is batch x heads::
+
+    q = q4.reshape(b * h, s, d)                       # q4: (b, h, s, d)
+    scores = torch.bmm(q, k.transpose(1, 2))          # (b*h, s, s)
+    scores = (scores.view(b, h, s, s) + mask).view(b * h, s, s)
+    out = torch.bmm(dropout(softmax(scores, -1)), v).view(b, h, s, d)
+
+Sharding heads over tp would need a shard of the inner factor of the merged dim, a placement no rule offers,
+so plans gathered q, k and v and ran the attention whole on every rank. ``unmerge_heads`` rewrites such a
+region into the same ops on the 4-D values (``bmm`` -> ``matmul`` of (b, h, .., ..), ``baddbmm(c, a, b)`` ->
+``c * beta + matmul(a, b) * alpha``, softmax / dropout / pointwise ops / transposes with their dims moved
+one right), and a view that splits the merged dim back into (b, h) reads the 4-D value itself. The heads
+are then dim 1 everywhere, as in a 4-D attention, and the existing rules shard them (Megatron's layout).
+
+A region starts at a view/reshape merging dims 0 and 1 of a value whose dim 1 is static (heads); it is
+rewritten only if it holds a batched matmul (``bmm`` / ``baddbmm``) of two such values with the same (b, h)
+or a view splitting the merged dim back (XGLM's softmax between two views), and only whole: if any op
+reading a merged value is not one of the above (a reduction over the merged dim, the graph's output, an op
+this pass does not know), the region is left as captured. The 4-D ops compute the same elements (a row-major
+(b*h, ...) tensor and its (b, h, ...) view hold them alike, so a dropout mask drawn from global indices is the
+same too); only fp rounding may differ (baddbmm fuses its alpha).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from mcompile.passes.canonicalize import _new
+
+aten = torch.ops.aten
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_BATCHED = (aten.bmm.default, aten.baddbmm.default)
+_DIM_OPS = (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default)
+# ops of one tensor whose other arguments are not dims: the same op on the 4-D value
+_SAME = {aten.dropout.default, aten.clone.default, aten.contiguous.default, aten.alias.default, aten.to.dtype,
+         aten._to_copy.default, aten.detach.default, aten.type_as.default}
+
+
+def _eq(a, b) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
+
+
+def _shape(n) -> tuple | None:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _same_shape(a, b) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(_eq(x, y) for x, y in zip(a, b))
+
+
+def _merged_lead(node: fx.Node):
+    """(b, h) if ``node`` is a view merging dims 0 and 1 of a value whose dim 1 (the heads) is static, else None."""
+    if node.op != "call_function" or node.target not in _VIEWS or not isinstance(node.args[0], fx.Node):
+        return None
+    x, out = _shape(node.args[0]), _shape(node)
+    if x is None or out is None or len(x) != len(out) + 1 or len(out) < 2 or not isinstance(x[1], int) or x[1] < 2:
+        return None
+    if not _eq(out[0], x[0] * x[1]) or not _same_shape(out[1:], x[2:]):
+        return None
+    return x[0], x[1]
+
+
+class _Region:
+    """Merged values reached from the merge views, joined into regions (a bmm of two joins theirs)."""
+
+    def __init__(self):
+        self.parent: dict[int, int] = {}
+
+    def find(self, i: int) -> int:
+        while self.parent.setdefault(i, i) != i:
+            i = self.parent[i]
+        return i
+
+    def union(self, a: int, b: int) -> int:
+        a, b = self.find(a), self.find(b)
+        self.parent[b] = a
+        return a
+
+
+def unmerge_heads(gm: fx.GraphModule) -> int:
+    """Rewrite each attention region computed on (b*h, ...) values into (b, h, ...) ops (module docstring);
+    returns how many regions were rewritten."""
+    g = gm.graph
+    four: dict[fx.Node, tuple[fx.Node, tuple, int]] = {}  # merged value -> (its 4-D value, (b, h), region)
+    splits: dict[fx.Node, tuple[fx.Node, int]] = {}  # a view splitting a merged value back -> (4-D value, region)
+    made: list[tuple[int, list[fx.Node]]] = []  # the nodes made, per region, in order
+    batched: set[int] = set()
+    regions = _Region()
+    roots = 0
+
+    def counterpart(a, lead, rank):
+        """A tensor argument of an op on merged values, as it is read by the 4-D op (None: cannot)."""
+        if a in four:
+            return four[a][0] if _same_shape(four[a][1], lead) else None
+        s = _shape(a)
+        if s is None or not isinstance(a, fx.Node):
+            return a  # a number
+        if len(s) < rank or (len(s) == rank and _eq(s[0], 1)):
+            return a  # broadcast along the trailing dims (or a size-1 merged dim): the same against (b, h, ...)
+        if len(s) == rank and _eq(s[0], lead[0] * lead[1]):  # a (b*h, ...) value made elsewhere: viewed 4-D
+            v = _from_heads(a, lead)
+            if v is not None:
+                return v
+            sizes = [-1, lead[1]] + [d if isinstance(d, int) else _new(g, aten.sym_size.int, (a, i), a)
+                                     for i, d in enumerate(s[1:], 1)]
+            new.extend(x for x in sizes[2:] if isinstance(x, fx.Node))
+            v = _new(g, aten.view.default, (a, sizes), a)
+            new.append(v)
+            return v
+        return None
+
+    def _from_heads(a, lead):
+        """A (b*h, ...) value made by merging a (b, h, ...) one (Bloom's ALiBi bias, ``(b, h, s)`` reshaped to
+        ``(b*h, 1, s)`` then cast): the same ops from that value, reshaped to (b, h, ...) instead, so its heads
+        stay the dim tp shards. None if it is not so made."""
+        chain, cur = [], a
+        while cur.op == "call_function" and cur.target in _SAME and len(cur.all_input_nodes) == 1:
+            chain.append(cur)
+            cur = cur.args[0]
+        if cur.op != "call_function" or cur.target not in _VIEWS or not isinstance(cur.args[0], fx.Node):
+            return None
+        src, sizes = _shape(cur.args[0]), list(cur.args[1])
+        if src is None or len(src) < 2 or not _same_shape(src[:2], lead) or -1 in sizes[1:]:
+            return None
+        v = _new(g, aten.reshape.default, (cur.args[0], [-1, lead[1], *sizes[1:]]), cur)
+        new.append(v)
+        for op in reversed(chain):
+            v = _new(g, op.target, (v, *op.args[1:]), op, dict(op.kwargs))
+            new.append(v)
+        return v
+
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        lead = _merged_lead(node)
+        if lead is not None and node.args[0] not in four:
+            four[node] = (node.args[0], lead, roots)
+            regions.find(roots)
+            roots += 1
+            continue
+        ins = [a for a in node.all_input_nodes if a in four]
+        if not ins:
+            continue
+        x = ins[0]
+        x4, lead, region = four[x]
+        for a in ins[1:]:
+            if _same_shape(four[a][1], lead):
+                region = regions.union(region, four[a][2])
+        rank = len(_shape(x))
+        out = _shape(node)
+        new: list[fx.Node] = []
+        result = None
+        with g.inserting_before(node):
+            t = node.target
+            if t in _VIEWS and node.args[0] is x:
+                if _same_shape(out, tuple(lead) + _shape(x)[1:]):
+                    splits[node] = (x4, region)  # splits the merged dim back: the 4-D value itself
+                    continue
+            elif t in _BATCHED and len(ins) >= 2:
+                i = 1 if t is aten.baddbmm.default else 0
+                a4, b4 = counterpart(node.args[i], lead, 3), counterpart(node.args[i + 1], lead, 3)
+                if node.args[i] in four and node.args[i + 1] in four and a4 is not None and b4 is not None:
+                    result = _new(g, aten.matmul.default, (a4, b4), node)
+                    new.append(result)
+                    if t is aten.baddbmm.default:
+                        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+                        c4 = counterpart(node.args[0], lead, 3)
+                        if c4 is None or len(node.args) > 3:
+                            result = None
+                        else:
+                            if alpha != 1:
+                                result = _new(g, aten.mul.Tensor, (result, alpha), node)
+                                new.append(result)
+                            if beta != 1:
+                                c4 = _new(g, aten.mul.Tensor, (c4, beta), node)
+                                new.append(c4)
+                            if beta != 0:
+                                result = _new(g, aten.add.Tensor, (c4, result), node)
+                                new.append(result)
+                    if result is not None:
+                        batched.add(region)
+            elif t in (aten.transpose.int,) and node.args[0] is x:
+                i, j = (d % rank for d in node.args[1:3])
+                if i and j:
+                    result = _new(g, t, (x4, i + 1, j + 1), node)
+            elif t is aten.permute.default and node.args[0] is x:
+                dims = [d % rank for d in node.args[1]]
+                if dims[0] == 0:
+                    result = _new(g, t, (x4, [0, 1] + [d + 1 for d in dims[1:]]), node)
+            elif t in _DIM_OPS and node.args[0] is x and node.args[1] % rank:
+                result = _new(g, t, (x4, node.args[1] % rank + 1, *node.args[2:]), node, dict(node.kwargs))
+            elif t in _SAME and node.args[0] is x and len(ins) == 1:
+                result = _new(g, t, (x4, *node.args[1:]), node, dict(node.kwargs))
+            elif torch.Tag.pointwise in getattr(t, "tags", ()) and out is not None and len(out) == rank \
+                    and _eq(out[0], _shape(x)[0]):
+                args = [counterpart(a, lead, rank) if isinstance(a, fx.Node) else a for a in node.args]
+                if all(a is not None for a in args) and not any(
+                        isinstance(v, fx.Node) for v in node.kwargs.values()):
+                    result = _new(g, t, tuple(args), node, dict(node.kwargs))
+            if result is not None and result not in new:
+                new.append(result)
+        if result is None:
+            for n in reversed(new):
+                g.erase_node(n)
+            continue
+        four[node] = (result, lead, region)
+        made.append((region, new))
+
+    # a region is rewritten whole, or not at all: each merged value's readers all rewritten, a bmm among them
+    blocked = {regions.find(r) for n, (_, _, r) in four.items() if any(u not in four and u not in splits
+                                                                       for u in n.users)}
+    done = {regions.find(r) for r in batched | {r for _, r in splits.values()}} - blocked
+    for region, nodes in reversed(made):
+        if regions.find(region) not in done:
+            for n in reversed(nodes):
+                g.erase_node(n)
+    for view, (x4, region) in splits.items():
+        if regions.find(region) in done:
+            view.replace_all_uses_with(x4)
+    for n in reversed(list(four) + list(splits)):
+        if not n.users and regions.find((four.get(n) or splits[n])[-1]) in done:
+            g.erase_node(n)
+    if done:
+        g.eliminate_dead_code()  # what only the rewritten ops read (Bloom's (b*h, 1, s) bias)
+        g.lint()
+        gm.recompile()
+    return len(done)
