@@ -342,6 +342,14 @@ def split(info: OpInfo) -> list[Strategy]:
     return out
 
 
+@rule(aten.tensor_split.indices)
+def tensor_split(info: OpInfo) -> list[Strategy]:
+    """``tensor_split(x, indices, dim)`` cuts ``dim`` at fixed positions (Mamba's scan: the tokens before the
+    cached ones, ``[s]``, and an empty rest): any other dim stays sharded; the positions need no localizing."""
+    dim = norm_dim(info.arg(2, "dim", 0), info.inputs[0].ndim)
+    return _keep_other_dims(info, dim, n_out=len(info.outputs))
+
+
 def _at_block_bounds(p: BlockShard, n, sizes) -> bool:
     """Whether pieces of ``sizes`` (in order) are the blocks of ``p`` in a dim of ``n`` elements."""
     if isinstance(p.blocks, int):
