@@ -510,7 +510,10 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
     if sequence_parallel and mesh.size("tp") == 1:
         sequence_parallel = False
     out = []
-    blocks = {**block_hints(cap), **latent_hints(cap), **router_hints(cap), **position_bias_hints(cap)}
+    from mcompile.mixer_hints import mixer_hints
+
+    blocks = {**block_hints(cap), **mixer_hints(cap), **latent_hints(cap), **router_hints(cap),
+              **position_bias_hints(cap)}
     experts = check_experts(cap, mesh.size("ep")) if "ep" in mesh.axis_names else None
     for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):
         if pol.shard_contraction_weights:
