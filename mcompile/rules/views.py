@@ -252,7 +252,13 @@ def _keep_other_dims(info: OpInfo, dim: int, out_dim_of=lambda d: d, n_out: int 
         od = out_dim_of(d)
         if od is not None:
             out.append(Strategy((Shard(d),), tuple(Shard(od) for _ in range(n_out)), name="other_dim"))
-    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    cur = _cur(info)
+    if isinstance(cur, BlockShard) and cur.dim % info.inputs[0].ndim != dim and \
+            out_dim_of(cur.dim % info.inputs[0].ndim) is not None:
+        # blocks of another dim stay blocks (a causal conv's output cut to the sequence, channels as blocks)
+        od = out_dim_of(cur.dim % info.inputs[0].ndim)
+        out.append(Strategy((cur,), tuple(BlockShard(od, cur.blocks) for _ in range(n_out)), name="other_dim_blocks"))
+    out.sort(key=lambda s: s.inputs[0] != cur)
     P = Partial()
     return out + [Strategy((P,), tuple(P for _ in range(n_out)), name="partial"),
                   Strategy((R,), tuple(R for _ in range(n_out)), name="replicate")]
