@@ -37,10 +37,15 @@ def mixer_hints(cap: Captured) -> dict[str, object]:
     return {**channels_first_blocks(cap), **conv_readers(cap)}
 
 
-def _source_dim(x: torch.fx.Node, dim: int) -> tuple[torch.fx.Node, int] | None:
-    """Follow ``x``'s ``dim`` back through transposes, permutes, casts and views that keep it, to the op that
-    made it: ``(that op, its dim)``, or None where a view regroups it."""
-    cur = x
+_PER_CHANNEL = (aten.silu.default, aten.sigmoid.default, aten.relu.default, aten.gelu.default, aten.tanh.default)
+
+
+def _source_dim(x: torch.fx.Node, dim: int):
+    """Follow ``x``'s ``dim`` back through transposes, permutes, casts, views that keep it, per-channel ops
+    (an activation, a slice of another dim, a depthwise conv1d over it) to the op that made it:
+    ``(that op, its dim, the convs passed, whether the dim moved or passed a conv)``, or None where a view
+    regroups it."""
+    cur, convs, moved = x, [], False
     while isinstance(cur, torch.fx.Node) and cur.op == "call_function":
         src = cur.args[0] if cur.args else None
         if not isinstance(src, torch.fx.Node) or not isinstance(src.meta.get("val"), torch.Tensor):
@@ -48,23 +53,34 @@ def _source_dim(x: torch.fx.Node, dim: int) -> tuple[torch.fx.Node, int] | None:
         if cur.target is aten.transpose.int:
             nd = cur.meta["val"].ndim
             a, b = cur.args[1] % nd, cur.args[2] % nd
-            dim = b if dim == a else a if dim == b else dim
+            dim, moved = (b if dim == a else a if dim == b else dim), moved or dim in (a, b)
         elif cur.target is aten.permute.default:
-            dim = list(cur.args[1])[dim] % src.meta["val"].ndim
+            new = list(cur.args[1])[dim] % src.meta["val"].ndim
+            dim, moved = new, moved or new != dim
         elif cur.target in _KEEP:
             if src.meta["val"].ndim != cur.meta["val"].ndim or str(src.meta["val"].shape[dim]) != str(
                     cur.meta["val"].shape[dim]):
                 return None  # the view regroups the dim: its parts are not blocks of the producer's dim
+        elif cur.target in _PER_CHANNEL:
+            pass
+        elif cur.target is aten.slice.Tensor:
+            if (cur.args[1] if len(cur.args) > 1 else 0) % cur.meta["val"].ndim == dim:
+                break
+        elif _depthwise(cur) is not None and dim == 1:
+            convs.append(cur)
+            moved = True
         else:
             break
         cur = src
-    return (cur, dim) if isinstance(cur, torch.fx.Node) else None
+    return (cur, dim, convs, moved) if isinstance(cur, torch.fx.Node) else None
 
 
 def channels_first_blocks(cap: Captured) -> dict[str, object]:
-    """A linear's output transposed so its features are not the last dim, then cut into parts along them
-    (HF Mamba: ``in_proj(h).transpose(1, 2).chunk(2, dim=1)``, x and z channels first): the weight (and
-    bias) ``BlockShard(0, part sizes)``, so every rank keeps its channels of each part."""
+    """A linear's output cut into parts along its features after a transpose or a depthwise conv over them
+    (HF Mamba: ``in_proj(h).transpose(1, 2).chunk(2, dim=1)``, x and z channels first; a gated delta net:
+    ``conv1d(in_proj_qkv(h).transpose(1, 2)).transpose(1, 2).split([k, k, v], -1)``): the weight (and
+    bias) ``BlockShard(0, part sizes)``, and the conv's weight and bias the same blocks, so every rank
+    keeps its channels of each part through the conv."""
     hints: dict[str, object] = {}
     for node in cap.gm.graph.nodes:
         if node.op != "call_function" or node.target not in _SPLITS or not isinstance(node.args[0], torch.fx.Node):
@@ -73,20 +89,29 @@ def channels_first_blocks(cap: Captured) -> dict[str, object]:
         nd = x.meta["val"].ndim
         dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
         sizes = [o.shape[dim] for o in node.meta["val"]]
-        if dim == nd - 1 or len(sizes) < 2 or not all(isinstance(s, int) for s in sizes):
-            continue  # a cut of the last dim is planner.block_hints'
+        if len(sizes) < 2 or not all(isinstance(s, int) for s in sizes):
+            continue
         found = _source_dim(x, dim)
         if found is None:
             continue
-        lin, d = found
-        if lin.target is not aten.linear.default or d != lin.meta["val"].ndim - 1:
-            continue
-        w = lin.args[1]
-        if getattr(w, "name", None) in cap.params:
-            hints[w.name] = BlockShard(0, tuple(sizes))
-            if len(lin.args) > 2 and getattr(lin.args[2], "name", None) in cap.params:
-                hints[lin.args[2].name] = BlockShard(0, tuple(sizes))
+        lin, d, convs, moved = found
+        if not moved or lin.target is not aten.linear.default or d != lin.meta["val"].ndim - 1:
+            continue  # a cut straight of a linear's features is planner.block_hints'
+        blocks = BlockShard(0, tuple(sizes))
+        for op in (lin, *convs):
+            for a in (op.args[1], op.args[2] if len(op.args) > 2 else None):
+                a = _param_of(a, cap)
+                if a is not None:
+                    hints[a] = blocks
     return hints
+
+
+def _param_of(a, cap: Captured) -> str | None:
+    """The parameter placeholder ``a`` is, through squeezes / unsqueezes (HF's ``conv1d.weight.squeeze(1)``)."""
+    while isinstance(a, torch.fx.Node) and a.op == "call_function" and a.target in (
+            aten.squeeze.dim, aten.unsqueeze.default, *_KEEP):
+        a = a.args[0]
+    return a.name if isinstance(a, torch.fx.Node) and a.name in cap.params else None
 
 
 def _depthwise(n: torch.fx.Node) -> int | None:
