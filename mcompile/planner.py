@@ -617,9 +617,11 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
     if sequence_parallel and mesh.size("tp") == 1:
         sequence_parallel = False
     out = []
+    from mcompile.mixer_hints import mixer_hints
+
     tp = mesh.size("tp") if "tp" in mesh.axis_names else 1
-    blocks = {**block_hints(cap), **latent_hints(cap), **router_hints(cap), **position_bias_hints(cap),
-              **kv_hints(cap, tp)}
+    blocks = {**block_hints(cap), **mixer_hints(cap), **latent_hints(cap), **router_hints(cap),
+              **position_bias_hints(cap), **kv_hints(cap, tp)}
     experts = check_experts(cap, mesh.size("ep")) if "ep" in mesh.axis_names else None
     for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):
         if pol.shard_contraction_weights:

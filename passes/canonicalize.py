@@ -22,6 +22,9 @@
 - ``unmerge_heads`` (passes/heads.py): attention computed on (batch x heads, ...) values (``bmm`` after
   ``reshape(b * h, s, d)``) -> the same ops on (b, h, ...) values, so the heads are a dim tp can shard.
 - ``view_as_to_view``: ``x.view_as(other)`` -> ``x.view(sizes of other)``, one rule (view's) for both.
+- ``unflatten_rowwise``: a norm run on rows flattened from (token, head) pairs and reshaped back (a
+  linear-attention mixer's gated per-head RMSNorm) runs on the unflattened tensor, so the heads stay
+  split over tp through it.
 - ``split_linear_bias``: ``linear(x, W, b)`` -> ``add(linear(x, W), b)``. A row-parallel linear's
   output is Partial and its bias must be added after the reduction (DESIGN §11); splitting every
   bias lets the propagator place the add after the collective. (A later fusion pass re-fuses biases
@@ -326,6 +329,118 @@ def drop_empty_cats(gm: fx.GraphModule) -> int:
     return count
 
 
+_ROWWISE = {aten.to.dtype, aten._to_copy.default, aten.pow.Tensor_Scalar, aten.mul.Tensor, aten.add.Tensor,
+            aten.sub.Tensor, aten.div.Tensor, aten.rsqrt.default, aten.sqrt.default, aten.silu.default,
+            aten.sigmoid.default, aten.neg.default, aten.exp.default, aten.type_as.default, aten.alias.default,
+            aten.clone.default, aten.contiguous.default}
+_ROW_STATS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default}
+_FLATTENS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+
+
+def _flattened(n) -> fx.Node | None:
+    """The tensor ``n`` flattens to rows of its last dim (``x.reshape(-1, d)`` of an x of 3 or more dims)."""
+    if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target in _FLATTENS):
+        return None
+    x, out = n.args[0], n.meta.get("val")
+    xv = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not (isinstance(xv, torch.Tensor) and isinstance(out, torch.Tensor)) or xv.ndim < 3 or out.ndim != 2:
+        return None
+    return x if str(out.shape[-1]) == str(xv.shape[-1]) else None
+
+
+def _rowwise(u: fx.Node) -> bool:
+    """Elementwise, or a statistic of each row (over the last dim of a 2-D value, kept)."""
+    if u.target in _ROW_STATS:
+        dims = u.args[1] if len(u.args) > 1 else u.kwargs.get("dim")
+        dims = [dims] if isinstance(dims, int) else list(dims or [])
+        keep = u.args[2] if len(u.args) > 2 else u.kwargs.get("keepdim", False)
+        return len(dims) == 1 and dims[0] % 2 == 1 and bool(keep) and u.meta["val"].ndim == 2
+    return u.target in _ROWWISE
+
+
+def _small(a: fx.Node, lead: tuple) -> bool:
+    """A scalar tensor or a 1-D one over the rows' last dim (a norm's weight): broadcast over any leading dims."""
+    av = a.meta.get("val")
+    return isinstance(av, torch.Tensor) and (av.ndim == 0 or av.ndim == 1 and str(av.shape[0]) == lead[-1])
+
+
+def _rows_of(a: fx.Node, lead: tuple):
+    """``(flattens, row-wise ops)`` that make ``a`` from flattens of tensors of shape ``lead``, or None."""
+    if _small(a, lead):
+        return set(), []
+    x = _flattened(a)
+    if x is not None:
+        return ({a}, []) if tuple(str(d) for d in x.meta["val"].shape) == lead else None
+    if not (isinstance(a, fx.Node) and a.op == "call_function" and _rowwise(a)):
+        return None
+    flats, ops = set(), []
+    for b in a.all_input_nodes:
+        got = _rows_of(b, lead)
+        if got is None:
+            return None
+        flats |= got[0]
+        ops += got[1]
+    return flats, ops + [a]
+
+
+def unflatten_rowwise(gm: fx.GraphModule) -> int:
+    """``norm(x.reshape(-1, d)).reshape(b, s, -1)`` (Qwen3.5's and OLMo-hybrid's gated RMSNorm over each head
+    of a linear-attention output: rows are (token, head) pairs) -> the same row-wise ops on x itself. The
+    rows flatten the heads into the tokens, which no tp placement of the heads survives (each rank's heads
+    are strided in the rows): the heads would be gathered for the norm and the output projection would
+    read a whole activation. Rewritten when every op between the flatten(s) and the reshape back is
+    row-wise (elementwise with the rows, a 1-D weight, or another flatten of the same shape; a statistic
+    over the last dim kept): those ops broadcast over any leading dims, so they compute the same values."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        x = _flattened(node)
+        if x is None or not node.users:
+            continue
+        lead = tuple(str(d) for d in x.meta["val"].shape)
+        flats, region, exits, todo, ok = {node}, [], [], [node], True
+        while todo and ok:
+            cur = todo.pop()
+            for u in cur.users:
+                if u in region or u in exits or u.target is aten._assert_tensor_metadata.default:
+                    continue  # (a metadata check: the lowering drops it)
+                if u.target in _FLATTENS and u.meta["val"].ndim >= 3:
+                    exits.append(u)  # the reshape back to (b, s, ...)
+                    continue
+                ok = _rowwise(u)
+                for a in u.all_input_nodes:
+                    if not ok or a in flats or a in region:
+                        continue
+                    more = _rows_of(a, lead)  # the gate, flattened the same way and made row-wise
+                    if more is None:
+                        ok = False
+                    else:
+                        flats.update(more[0])
+                        region.extend(n for n in more[1] if n not in region)
+                if not ok:
+                    break
+                region.append(u)
+                todo.append(u)
+        if not ok or not exits or not region:
+            continue
+        for f in flats:
+            f.replace_all_uses_with(f.args[0])
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        for u in sorted(region, key=order.__getitem__):
+            if u.target in _ROW_STATS:
+                u.args = (u.args[0], [-1], *u.args[2:])
+            u.meta["val"] = _fake_call(u.target, u.args, u.kwargs)
+        for e in exits:
+            e.meta["val"] = _fake_call(e.target, e.args, e.kwargs)
+        for f in flats:
+            if not f.users:
+                gm.graph.erase_node(f)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -399,6 +514,7 @@ def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
         "attention_dropout_to_math": attention_dropout_to_math(gm),
         "drop_noop_slices": drop_noop_slices(gm),
         "drop_empty_cats": drop_empty_cats(gm),
+        "unflatten_rowwise": unflatten_rowwise(gm),
         "conv1d_to_matmul": conv1d_to_matmul(gm),
         "split_linear_bias": split_linear_bias(gm),
         "moe_layers": _moe_layers(gm),

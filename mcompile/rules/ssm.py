@@ -14,6 +14,7 @@ The sequence is never split inside the scan (it is a recurrence over it).
 
 ``aten.conv1d`` with ``groups == in_channels == out_channels`` (depthwise, weight (C, 1, k)):
     channels: input S(1), weight S(0), bias S(0) -> S(1), with ``groups`` localized to C / n
+    blocks:   input B(1, b), weight and bias B(0, b) -> B(1, b) (channels of a fused projection's parts)
     batch:    input S(0), weight, bias R        -> S(0)
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from mcompile.placements import Shard
+from mcompile.placements import BlockShard, Shard
 from mcompile.rules import OpInfo, R, Strategy, divisible, localizer, rule, same
 
 __all__ = ["ssd_scan_rule", "conv1d_rule"]
@@ -70,6 +71,11 @@ def conv1d_rule(info: OpInfo) -> list[Strategy]:
     out = []
     if _depthwise(info):
         ch = info.inputs[0].shape[1]
+        cur = info.current[0] if info.current else R
+        if isinstance(cur, BlockShard) and cur.dim % 3 == 1 and isinstance(ch, int) and cur.divides(ch, info.n):
+            # channels held as blocks of a fused projection (x | B | C, q | k | v): per channel, so the same blocks
+            wb = BlockShard(0, cur.blocks)
+            out.append(Strategy((cur, wb) + ((wb,) if has_bias else ()), (cur,), name="channel_blocks"))
         if divisible(ch, info.n):
             out.append(Strategy((Shard(1), Shard(0)) + ((Shard(0),) if has_bias else ()), (Shard(1),),
                                 name="channels"))
@@ -87,7 +93,7 @@ def _conv1d_local(args, kwargs, in_p, out_p, local_shapes, n):
     """A channel-sharded conv (only a depthwise one is: groups == channels) has as many groups as its local
     output channels. The lowering passes the output's placement per mesh axis (not the inputs')."""
     args = list(args)
-    if not any(isinstance(p, Shard) and p.dim == 1 for p in (out_p or ())):
+    if not any(isinstance(p, Shard | BlockShard) and p.dim == 1 for p in (out_p or ())):
         return tuple(args), kwargs
     local = local_shapes[0][1]
     if "groups" in kwargs:

@@ -293,7 +293,13 @@ def _keep_other_dims(info: OpInfo, dim: int, out_dim_of=lambda d: d, n_out: int 
         od = out_dim_of(d)
         if od is not None:
             out.append(Strategy((Shard(d),), tuple(Shard(od) for _ in range(n_out)), name="other_dim"))
-    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    cur = _cur(info)
+    if isinstance(cur, BlockShard) and cur.dim % info.inputs[0].ndim != dim and \
+            out_dim_of(cur.dim % info.inputs[0].ndim) is not None:
+        # blocks of another dim stay blocks (a causal conv's output cut to the sequence, channels as blocks)
+        od = out_dim_of(cur.dim % info.inputs[0].ndim)
+        out.append(Strategy((cur,), tuple(BlockShard(od, cur.blocks) for _ in range(n_out)), name="other_dim_blocks"))
+    out.sort(key=lambda s: s.inputs[0] != cur)
     P = Partial()
     return out + [Strategy((P,), tuple(P for _ in range(n_out)), name="partial"),
                   Strategy((R,), tuple(R for _ in range(n_out)), name="replicate")]
@@ -381,6 +387,14 @@ def split(info: OpInfo) -> list[Strategy]:
             and all(divisible(s, info.n) for s in sizes) and _at_block_bounds(cur, info.inputs[0].shape[dim], sizes)):
         out.insert(0, Strategy((cur,), tuple(Shard(dim) for _ in range(k)), name="split_blocks"))
     return out
+
+
+@rule(aten.tensor_split.indices)
+def tensor_split(info: OpInfo) -> list[Strategy]:
+    """``tensor_split(x, indices, dim)`` cuts ``dim`` at fixed positions (Mamba's scan: the tokens before the
+    cached ones, ``[s]``, and an empty rest): any other dim stays sharded; the positions need no localizing."""
+    dim = norm_dim(info.arg(2, "dim", 0), info.inputs[0].ndim)
+    return _keep_other_dims(info, dim, n_out=len(info.outputs))
 
 
 def _at_block_bounds(p: BlockShard, n, sizes) -> bool:

@@ -1,0 +1,154 @@
+"""Tensor-parallel hints for convolutional state-space mixers (Mamba v1, HF's torch path of Mamba-2 and
+hybrids), found from the graph: Megatron Core's ``MambaMixer`` layout over tp.
+
+A mixer of this family projects the residual stream up (``in_proj``), runs a depthwise causal conv and a scan
+on each channel, and projects back (``out_proj``). Megatron shards every per-channel op by channel:
+
+- ``in_proj`` column-parallel, its fused output (x | z, or z | x | B | C | dt) held as blocks so each rank
+  keeps its channels of every part: :func:`channels_first_blocks` finds the parts cut along a dim the
+  output was transposed to (HF Mamba's ``in_proj(h).transpose(1, 2).chunk(2, dim=1)``, channels first for
+  the conv), which :func:`mcompile.planner.block_hints` (cuts of the last dim) does not see;
+- a projection reading the conv's channels (Mamba v1's ``x_proj`` to dt, B, C; a gated conv mixer's
+  ``out_proj``) row-parallel: :func:`conv_readers`. Mamba v1's B and C are one vector a token shared by all
+  channels (groups = 1), so they cannot be split with the channels: x_proj's output is all-reduced, whole on
+  every rank, one more forward collective a layer than the mixer's exit (the quality check counts x_proj as
+  the tp region exit it is: its input is the conv's output). Held as blocks instead (what a fused projection
+  cut into parts gets), each rank would hold a slice of B and C and gather them for every channel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcompile.capture import Captured
+from mcompile.placements import BlockShard, Shard
+
+__all__ = ["mixer_hints", "channels_first_blocks", "conv_readers"]
+
+aten = torch.ops.aten
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+_KEEP = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.to.dtype, aten._to_copy.default,
+         aten.alias.default, aten.contiguous.default, aten.clone.default)
+_CONVS = (aten.conv1d.default, aten.convolution.default)
+
+
+def mixer_hints(cap: Captured) -> dict[str, object]:
+    """Placements over tp of the mixers' weights (placeholder name -> placement); see the module docstring."""
+    return {**channels_first_blocks(cap), **conv_readers(cap)}
+
+
+_PER_CHANNEL = (aten.silu.default, aten.sigmoid.default, aten.relu.default, aten.gelu.default, aten.tanh.default)
+
+
+def _source_dim(x: torch.fx.Node, dim: int):
+    """Follow ``x``'s ``dim`` back through transposes, permutes, casts, views that keep it, per-channel ops
+    (an activation, a slice of another dim, a depthwise conv1d over it) to the op that made it:
+    ``(that op, its dim, the convs passed, whether the dim moved or passed a conv)``, or None where a view
+    regroups it."""
+    cur, convs, moved = x, [], False
+    while isinstance(cur, torch.fx.Node) and cur.op == "call_function":
+        src = cur.args[0] if cur.args else None
+        if not isinstance(src, torch.fx.Node) or not isinstance(src.meta.get("val"), torch.Tensor):
+            break
+        if cur.target is aten.transpose.int:
+            nd = cur.meta["val"].ndim
+            a, b = cur.args[1] % nd, cur.args[2] % nd
+            dim, moved = (b if dim == a else a if dim == b else dim), moved or dim in (a, b)
+        elif cur.target is aten.permute.default:
+            new = list(cur.args[1])[dim] % src.meta["val"].ndim
+            dim, moved = new, moved or new != dim
+        elif cur.target in _KEEP:
+            if src.meta["val"].ndim != cur.meta["val"].ndim or str(src.meta["val"].shape[dim]) != str(
+                    cur.meta["val"].shape[dim]):
+                return None  # the view regroups the dim: its parts are not blocks of the producer's dim
+        elif cur.target in _PER_CHANNEL:
+            pass
+        elif cur.target is aten.slice.Tensor:
+            if (cur.args[1] if len(cur.args) > 1 else 0) % cur.meta["val"].ndim == dim:
+                break
+        elif _depthwise(cur) is not None and dim == 1:
+            convs.append(cur)
+            moved = True
+        else:
+            break
+        cur = src
+    return (cur, dim, convs, moved) if isinstance(cur, torch.fx.Node) else None
+
+
+def channels_first_blocks(cap: Captured) -> dict[str, object]:
+    """A linear's output cut into parts along its features after a transpose or a depthwise conv over them
+    (HF Mamba: ``in_proj(h).transpose(1, 2).chunk(2, dim=1)``, x and z channels first; a gated delta net:
+    ``conv1d(in_proj_qkv(h).transpose(1, 2)).transpose(1, 2).split([k, k, v], -1)``): the weight (and
+    bias) ``BlockShard(0, part sizes)``, and the conv's weight and bias the same blocks, so every rank
+    keeps its channels of each part through the conv."""
+    hints: dict[str, object] = {}
+    for node in cap.gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _SPLITS or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        x = node.args[0]
+        nd = x.meta["val"].ndim
+        dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
+        sizes = [o.shape[dim] for o in node.meta["val"]]
+        if len(sizes) < 2 or not all(isinstance(s, int) for s in sizes):
+            continue
+        found = _source_dim(x, dim)
+        if found is None:
+            continue
+        lin, d, convs, moved = found
+        if not moved or lin.target is not aten.linear.default or d != lin.meta["val"].ndim - 1:
+            continue  # a cut straight of a linear's features is planner.block_hints'
+        blocks = BlockShard(0, tuple(sizes))
+        for op in (lin, *convs):
+            for a in (op.args[1], op.args[2] if len(op.args) > 2 else None):
+                a = _param_of(a, cap)
+                if a is not None:
+                    hints[a] = blocks
+    return hints
+
+
+def _param_of(a, cap: Captured) -> str | None:
+    """The parameter placeholder ``a`` is, through squeezes / unsqueezes (HF's ``conv1d.weight.squeeze(1)``)."""
+    while isinstance(a, torch.fx.Node) and a.op == "call_function" and a.target in (
+            aten.squeeze.dim, aten.unsqueeze.default, *_KEEP):
+        a = a.args[0]
+    return a.name if isinstance(a, torch.fx.Node) and a.name in cap.params else None
+
+
+def _depthwise(n: torch.fx.Node) -> int | None:
+    """The channels of a depthwise conv1d (groups == in == out channels, input (b, channels, s)), else None."""
+    if n.op != "call_function" or n.target not in _CONVS:
+        return None
+    x, w = n.args[0], n.args[1]
+    groups = n.args[6] if n.target is aten.conv1d.default and len(n.args) > 6 else \
+        n.args[8] if n.target is aten.convolution.default and len(n.args) > 8 else n.kwargs.get("groups", 1)
+    xv, wv = x.meta["val"], w.meta["val"]
+    if xv.ndim != 3 or wv.ndim != 3 or not isinstance(xv.shape[1], int):
+        return None
+    c = int(xv.shape[1])
+    return c if groups == c and int(wv.shape[0]) == c and int(wv.shape[1]) == 1 else None
+
+
+def conv_readers(cap: Captured) -> dict[str, object]:
+    """Linears reading a depthwise conv's channels, before any other contraction, with as many input
+    features as the conv has channels: row-parallel (``Shard(1)``), as every projection reading a
+    tp-sharded activation is in Megatron's layout. Overrides a block layout their cut output would get."""
+    from mcompile.planner import _contraction
+
+    hints: dict[str, object] = {}
+    for conv in cap.gm.graph.nodes:
+        c = _depthwise(conv)
+        if c is None:
+            continue
+        todo, seen = [conv], set()
+        while todo:
+            for u in todo.pop().users:
+                if u in seen or u.op != "call_function":
+                    continue
+                seen.add(u)
+                w = u.args[1] if u.target is aten.linear.default and len(u.args) > 1 else None
+                if getattr(w, "name", None) in cap.params and w.meta["val"].ndim == 2 and \
+                        int(w.meta["val"].shape[1]) == c:
+                    hints[w.name] = Shard(1)
+                elif not _contraction(u):
+                    todo.append(u)
+    return hints

@@ -1,0 +1,120 @@
+"""Convolutional linear-attention mixers at tp=2 (mcompile/mixer_hints.py, passes/canonicalize.py
+``unflatten_rowwise``), on a miniature of a gated delta net (Qwen3.5, OLMo-hybrid): a fused q | k | v
+projection through a depthwise causal conv, split into heads, a per-head mix, a gated RMSNorm over rows
+flattened from (token, head) pairs, the output projection.
+
+What is isolated: the canonicalisation keeps the program's value and drops the flatten; the plan holds the
+projection and the conv as the same q | k | v blocks, out_proj row-parallel, one forward all-reduce a layer
+(the mixer's exit) and no all-gather; and it computes the model (loss and every gradient, thread simulator).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from sim_harness import assert_sim_parity
+
+from mcompile.placements import BlockShard, Shard
+
+aten = torch.ops.aten
+
+
+class GatedNorm(torch.nn.Module):
+    """Qwen3.5's RMSNormGated over each head: rows of ``head_dim``."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, y, z):
+        v = y.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (y * torch.rsqrt(v + 1e-6)) * F.silu(z.float())
+
+
+class Mixer(torch.nn.Module):
+    def __init__(self, dim=16, heads=4, kd=4, vd=8, kernel=4):
+        super().__init__()
+        self.h, self.kd, self.vd = heads, kd, vd
+        self.in_proj_qkv = torch.nn.Linear(dim, heads * (2 * kd + vd), bias=False)
+        self.in_proj_z = torch.nn.Linear(dim, heads * vd, bias=False)
+        ch = heads * (2 * kd + vd)
+        self.conv1d = torch.nn.Conv1d(ch, ch, kernel, groups=ch, padding=kernel - 1, bias=False)
+        self.norm = GatedNorm(vd)
+        self.out_proj = torch.nn.Linear(heads * vd, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.conv1d(self.in_proj_qkv(x).transpose(1, 2))[..., :s]
+        q, k, v = F.silu(qkv).transpose(1, 2).split([self.h * self.kd, self.h * self.kd, self.h * self.vd], -1)
+        q, k = q.reshape(b, s, self.h, self.kd), k.reshape(b, s, self.h, self.kd)
+        y = v.reshape(b, s, self.h, self.vd) * torch.sigmoid((q * k).sum(-1, keepdim=True))  # per head
+        z = self.in_proj_z(x).reshape(b, s, self.h, self.vd)
+        y = self.norm(y.reshape(-1, self.vd), z.reshape(-1, self.vd))
+        return self.out_proj(y.reshape(b, s, -1))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm, self.mixer = torch.nn.RMSNorm(dim), Mixer(dim)
+
+    def forward(self, h):
+        return h + self.mixer(self.norm(h))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, layers=4, dim=16, vocab=32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.timeout(60)
+def test_unflatten_rowwise_keeps_the_value():
+    from mcompile.passes.canonicalize import unflatten_rowwise
+
+    m, x = Mixer().eval(), torch.randn(2, 5, 16)
+    gm = torch.export.export(m, (x,), strict=False).module()
+    want = gm(x)
+    flat = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.reshape.default
+            and n.meta["val"].ndim == 2]
+    assert len(flat) == 2  # y and the gate z, rows of head_dim
+    assert unflatten_rowwise(gm) == 1
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.reshape.default
+                and n.meta["val"].ndim == 2]
+    # the same ops on (b, s, h, d) rather than (b*s*h, d): a row's mean may sum in another order (~1 ulp)
+    torch.testing.assert_close(gm(x), want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+def test_gated_delta_like_mixer_layout_and_parity_tp2():
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+
+    torch.manual_seed(0)
+    model = Net()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = compile_plan(model, Mesh.fake(tp=2), inputs)
+    assert c.plan.fallbacks == [] and not caught, [str(w.message) for w in caught]
+    qkv = BlockShard(0, (16, 16, 32))  # q | k | v rows: 4 heads x (4, 4, 8)
+    for i in range(4):
+        for name, want in {"in_proj_qkv": qkv, "conv1d": qkv, "in_proj_z": Shard(0), "out_proj": Shard(1)}.items():
+            assert c.plan.params[f"layers.{i}.mixer.{name}.weight"].placements == (want,), (i, name)
+    forward = [s for s in c.plan.collectives if s.axis == "tp" and s.forward != "none" and s.layer is not None]
+    for i in range(4):
+        assert [s.forward for s in forward if s.layer == i] == ["all_reduce"], [(s.forward, s.origin) for s in forward]
+    assert c.quality == []
+    assert_sim_parity(c, model, inputs, "gated delta mixer")
