@@ -281,6 +281,10 @@ def propagate_axis(
         else:
             cands = rule(info)
         weight_args = CONTRACTION_WEIGHT_ARGS.get(node.target, ())
+        if outs and outs[0].ndim and outs[0].shape[-1] == 1:
+            # one output feature (Qwen2-MoE's [1, h] shared-expert gate: a scalar gate): nothing to split
+            # column-wise, and a row split would all-reduce its one number; the weight may stay whole
+            weight_args = ()
         token_out = policy.context_parallel and node.name in from_params and any(
             any(shard_allowed(o, Shard(d)) for d in range(o.ndim)) for o in outs)
         best, best_cost = None, INF

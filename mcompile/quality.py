@@ -19,7 +19,8 @@ transformer layer:
 2. **Weights.** Every weight matrix a contraction of the layer uses is sharded over tp, unless the plan
    keeps it whole for a reason Megatron shares: a low-rank latent projection (multi-head latent
    attention's down projections, :func:`mcompile.planner.latent_hints`) or an MoE router (a few outputs,
-   one per expert, :func:`mcompile.planner.router_hints`). Any other whole weight is reported.
+   one per expert, :func:`mcompile.planner.router_hints`), or a projection to a single output (Qwen2-MoE's
+   [1, h] shared-expert gate). Any other whole weight is reported.
 
 Findings of alike layers (block repetition: the same finding in layers 0..L-1) are reported once with
 their layers. ``compile_plan`` warns a :class:`PlanQualityWarning` and keeps them in
@@ -99,6 +100,8 @@ def tp_exits(gm: torch.fx.GraphModule) -> dict[int, list[str]]:
 
 
 def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict) -> str | None:
+    if 1 in tuple(w.meta["val"].shape):
+        return "a projection to one output (a scalar gate): nothing to split over tp"
     if w.name in latents:
         return "a low-rank latent projection kept whole (as Megatron's multi-head latent attention)"
     if w.name in routers:

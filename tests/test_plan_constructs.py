@@ -1,0 +1,94 @@
+"""Constructs of real models that once crashed the tp planner, each as a tiny plain PyTorch model of 4 layers
+(block repetition on), planned on ``Mesh.fake(tp=2)`` and trained at single-device parity in the in-process
+thread simulator (loss and every gradient, fp32: tests/sim_harness.assert_sim_parity).
+
+What is isolated, one construct a test:
+- a projection to one output (Qwen2-MoE's ``shared_expert_gate``, a [1, h] weight: a scalar gate) stays whole,
+  with no divisibility demand and no layout finding.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from sim_harness import assert_sim_parity
+
+from mcompile.api import compile_plan
+from mcompile.mesh import Mesh
+from mcompile.placements import Replicate, Shard
+
+VOCAB, DIM, FFN = 64, 32, 64
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, dim=DIM, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.q, self.k, self.v = (torch.nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.o = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, dim=DIM, ffn=FFN):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(dim, ffn, bias=False), torch.nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class GatedMlpBlock(torch.nn.Module):
+    """Qwen2-MoE's shared expert: an MLP scaled by a sigmoid gate of one output feature."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.RMSNorm(DIM), torch.nn.RMSNorm(DIM)
+        self.attn, self.mlp = Attention(), Mlp()
+        self.gate = torch.nn.Linear(DIM, 1, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        h = self.norm2(x)
+        return x + torch.sigmoid(self.gate(h)) * self.mlp(h)
+
+
+class LM(torch.nn.Module):
+    def __init__(self, block, layers=4):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.layers = torch.nn.ModuleList(block() for _ in range(layers))
+        self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def _plan(model, tp=2):
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, VOCAB, (2, 16), generator=g), torch.randint(0, VOCAB, (2, 16), generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback, no quality warning
+        c = compile_plan(model, Mesh.fake(tp=tp), inputs)
+    return c, inputs
+
+
+@pytest.mark.timeout(120)
+def test_a_projection_to_one_output_stays_whole():
+    torch.manual_seed(0)
+    model = LM(GatedMlpBlock)
+    c, inputs = _plan(model)
+    assert c.plan.params["layers.0.gate.weight"].placements[0] == Replicate()
+    assert c.plan.params["layers.0.mlp.up.weight"].placements[0] == Shard(0)
+    assert c.plan.fallbacks == [] and c.quality == []
+    assert_sim_parity(c, model, inputs)
