@@ -5,6 +5,9 @@ thread simulator (loss and every gradient, fp32: tests/sim_harness.assert_sim_pa
 What is isolated, one construct a test:
 - a projection to one output (Qwen2-MoE's ``shared_expert_gate``, a [1, h] weight: a scalar gate) stays whole,
   with no divisibility demand and no layout finding.
+- a ``with torch.no_grad():`` region inside forward (CPM-Ant's position buckets, M2M-100's sinusoidal
+  positions: export's ``wrap_with_set_grad_enabled``) is inlined, its results detached; ``expand_as`` (HRM)
+  plans as ``expand``.
 """
 
 from __future__ import annotations
@@ -90,5 +93,34 @@ def test_a_projection_to_one_output_stays_whole():
     c, inputs = _plan(model)
     assert c.plan.params["layers.0.gate.weight"].placements[0] == Replicate()
     assert c.plan.params["layers.0.mlp.up.weight"].placements[0] == Shard(0)
+    assert c.plan.fallbacks == [] and c.quality == []
+    assert_sim_parity(c, model, inputs)
+
+
+class NoGradBiasBlock(torch.nn.Module):
+    """CPM-Ant's relative position buckets: an integer table computed under ``torch.no_grad()`` in every layer,
+    here scaling the attention's output per position."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(DIM)
+        self.attn, self.mlp = Attention(), Mlp()
+
+    def forward(self, x):
+        with torch.no_grad():
+            pos = torch.arange(x.shape[1], device=x.device)
+            buckets = (pos.float() + 1).log().clamp(max=7).long()  # (s,)
+            scale = x.detach().abs().mean() + 1  # a value of the activations, not only of the inputs
+        x = x + self.attn(self.norm(x)) * (buckets.float() / 7 + 1)[:, None] / scale
+        return x + self.mlp(self.norm(x).expand_as(x))  # HRM's expand_as (here of a value of x's shape)
+
+
+@pytest.mark.timeout(120)
+def test_a_no_grad_region_inside_forward_is_inlined():
+    torch.manual_seed(0)
+    model = LM(NoGradBiasBlock)
+    c, inputs = _plan(model)
+    assert c.canonical["inline_grad_regions"] >= 1 and c.canonical["expand_as_to_expand"] >= 1
+    assert not any(n.op == "get_attr" for n in c.captured.gm.graph.nodes)
     assert c.plan.fallbacks == [] and c.quality == []
     assert_sim_parity(c, model, inputs)
