@@ -110,6 +110,14 @@ class _Sym:
             out = base
             for _ in range(int(e.exp) - 1):
                 out = self.graph.call_function(operator.mul, (out, base))
+        elif type(e).__name__ in ("Min", "Max"):  # torch.utils._sympy's (a slice clamped to the sequence length)
+            fold = torch.sym_min if type(e).__name__ == "Min" else torch.sym_max
+            args = [self(a) for a in e.args]
+            out = args[0]
+            for a in args[1:]:
+                out = self.graph.call_function(fold, (out, a))
+        elif type(e).__name__ == "FloorDiv":
+            out = self.graph.call_function(operator.floordiv, (self(e.args[0]), self(e.args[1])))
         else:
             raise NotImplementedError(f"cannot rebuild the size {e} in a per-rank program")
         self.cache[e] = out

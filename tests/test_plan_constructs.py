@@ -124,3 +124,33 @@ def test_a_no_grad_region_inside_forward_is_inlined():
     assert not any(n.op == "get_attr" for n in c.captured.gm.graph.nodes)
     assert c.plan.fallbacks == [] and c.quality == []
     assert_sim_parity(c, model, inputs)
+
+
+class ClampedTableBlock(torch.nn.Module):
+    """DeepSeek-V3.2's and MiniMax's tables cut to the sequence (``min(2048, s)``: a size ``Min(128, s)`` here)
+    and MPT's ALiBi bias sliced from ``max(0, bias.size(1) - s)`` (``Max(0, 1 - s)``): Python's min/max of sizes,
+    exported as ``sym_min``/``sym_max``, read as per-rank sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(DIM)
+        self.attn, self.mlp = Attention(), Mlp()
+        self.register_buffer("table", torch.randn(128, DIM))
+        self.register_buffer("bias", torch.rand(1, 128))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        pos = self.table[:min(self.table.size(0), s)]  # (Min(128, s), h)
+        bias = self.bias[max(0, self.bias.size(0) - s):, max(0, self.bias.size(1) - s):]  # MPT's: (1, s)
+        x = x + self.attn(self.norm(x) + pos) * (1 + bias.transpose(0, 1))
+
+        return x + self.mlp(self.norm(x))
+
+
+@pytest.mark.timeout(120)
+def test_sizes_clamped_by_min_and_max_are_rebuilt_per_rank():
+    torch.manual_seed(0)
+    model = LM(ClampedTableBlock)
+    c, inputs = _plan(model)
+    assert c.plan.fallbacks == [] and c.quality == []
+    assert_sim_parity(c, model, inputs)
