@@ -4,7 +4,9 @@
   M2M-100's sinusoidal positions) is exported as ``wrap_with_set_grad_enabled(False, submod, *args)``, a
   higher-order op over a subgraph. Its ops are inlined into the program and each value leaving the region
   is detached (no gradient flows out of a no-grad region, as in eager), so every later pass, the planner and
-  the per-rank programs see plain aten ops.
+  the per-rank programs see plain aten ops (and block repetition one stretch of ops a layer). A
+  ``torch.autocast(..., enabled=False)`` region (``wrap_with_autocast``) is inlined as it is; an enabled one
+  is refused (mcompile runs one dtype of its own).
 - ``expand_as_to_expand``: ``x.expand_as(y)`` (HRM's carried state) -> ``x.expand(y's sizes)``: ``y`` gives
   only its shape (its sizes read with ``sym_size`` where symbolic), and expand's rule serves both spellings.
 - ``conv1d_to_matmul``: Hugging Face GPT-2's ``Conv1D`` flattens, ``addmm``s with a weight stored
@@ -60,13 +62,24 @@ def _new(graph: fx.Graph, target, args, like: fx.Node, kwargs: dict | None = Non
 
 
 def inline_grad_regions(gm: fx.GraphModule) -> int:
-    from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
+    from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
 
     count = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not wrap_with_set_grad_enabled:
+        if node.op != "call_function" or node.target not in (wrap_with_set_grad_enabled, wrap_with_autocast):
             continue
-        enabled, attr, *args = node.args
+        if node.target is wrap_with_autocast:
+            device_type, dtype, autocast, _, attr, *args = node.args
+            if autocast:
+                from mcompile.propagate import PlanError
+
+                where = (node.meta.get("stack_trace") or "").strip().splitlines()
+                raise PlanError(f"torch.autocast({device_type!r}, dtype={dtype}) inside forward: mcompile runs the "
+                                "model in one dtype of its own and does not plan autocast regions; remove the "
+                                f"region (or run it with enabled=False). {where[-2].strip() if len(where) > 1 else ''}")
+            enabled = True  # autocast switched off (HF's rotary embeddings): the ops as they are
+        else:
+            enabled, attr, *args = node.args
         sub = getattr(gm, attr.target)
         env = dict(zip((n for n in sub.graph.nodes if n.op == "placeholder"), args))
         with gm.graph.inserting_before(node):
