@@ -9,6 +9,7 @@ What is isolated, one construct a test:
   positions: export's ``wrap_with_set_grad_enabled``) is inlined, its results detached, and so is a
   ``torch.autocast(enabled=False)`` region; ``expand_as`` (HRM)
   plans as ``expand``;
+- a size ``(s*s)//s`` (XLNet's relative shift, a view with -1) is ``s``: view groups compare its products;
 - a repeated layer whose ops are not one stretch of the program (a node that is not an op among them: export's
   subgraph attribute of a region it keeps) is not repeated: the whole model is captured, with the reason logged.
 """
@@ -179,3 +180,19 @@ def test_a_layer_whose_ops_are_not_one_stretch_is_not_repeated():
         cap.gm.graph.get_attr("stray")
     block, why = find_block(cap, runs[0], 2)
     assert block is None and "stray" in why and "not one stretch" in why, why
+
+
+def test_an_exact_floor_division_of_sizes_is_a_plain_quotient():
+    """XLNet's relative shift views (b, 4, s, 2s) as (b, 4, 2s, (s*s)//s): once the floor division is seen to be
+    exact the view's dims group (they did not: an IndexError in view_groups)."""
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv
+
+    from mcompile.rules import _exact_floordivs
+    from mcompile.rules.views import view_groups
+
+    b, s = sympy.symbols("b s", positive=True, integer=True)
+    assert _exact_floordivs(FloorDiv(s * s, s)) == s
+    assert _exact_floordivs(FloorDiv(2 * s, 4)) == FloorDiv(2 * s, 4)  # not exact: kept
+    assert view_groups((b, 4, s, 2 * s), (b, 4, 2 * s, _exact_floordivs(FloorDiv(s * s, s)))) == \
+        [([0], [0]), ([1], [1]), ([2, 3], [2, 3])]
