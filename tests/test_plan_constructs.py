@@ -196,3 +196,29 @@ def test_an_exact_floor_division_of_sizes_is_a_plain_quotient():
     assert _exact_floordivs(FloorDiv(2 * s, 4)) == FloorDiv(2 * s, 4)  # not exact: kept
     assert view_groups((b, 4, s, 2 * s), (b, 4, 2 * s, _exact_floordivs(FloorDiv(s * s, s)))) == \
         [([0], [0]), ([1], [1]), ([2, 3], [2, 3])]
+
+
+class RoutedBlock(torch.nn.Module):
+    """JetMoe's and DeepSeek-V4's routing: the tokens an expert gets are chosen by value (``nonzero``), so their
+    count is a data-dependent size (an unbacked ``u0``), here also read as a value (a mean over the routed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(DIM)
+        self.attn, self.mlp = Attention(), Mlp()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm(x))
+        flat = self.norm(x).flatten(0, 1)  # (t, h)
+        idx = (flat[:, 0] > 0).nonzero().squeeze(1)  # (u0,)
+        routed = flat.index_select(0, idx)  # (u0, h)
+        return x + self.mlp(self.norm(x)) + routed.sum(0) / (idx.shape[0] + 1)
+
+
+@pytest.mark.timeout(120)
+def test_a_data_dependent_count_of_tokens_plans_and_lowers():
+    torch.manual_seed(0)
+    model = LM(RoutedBlock)
+    c, inputs = _plan(model)
+    assert c.plan.fallbacks == [] and c.quality == []
+    assert_sim_parity(c, model, inputs)
