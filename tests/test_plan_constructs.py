@@ -10,6 +10,9 @@ What is isolated, one construct a test:
   ``torch.autocast(enabled=False)`` region; ``expand_as`` (HRM)
   plans as ``expand``;
 - a size ``(s*s)//s`` (XLNet's relative shift, a view with -1) is ``s``: view groups compare its products;
+- one layer's parameters shared by every layer (ALBERT), the first layer reading a sharded activation and the
+  others a replicated one: each shared weight takes one placement every reader can take (Megatron's);
+- a data-dependent count of tokens (JetMoe's, DeepSeek-V4's routing: an unbacked size) plans and lowers;
 - a repeated layer whose ops are not one stretch of the program (a node that is not an op among them: export's
   subgraph attribute of a region it keeps) is not repeated: the whole model is captured, with the reason logged.
 """
@@ -221,4 +224,45 @@ def test_a_data_dependent_count_of_tokens_plans_and_lowers():
     model = LM(RoutedBlock)
     c, inputs = _plan(model)
     assert c.plan.fallbacks == [] and c.quality == []
+    assert_sim_parity(c, model, inputs)
+
+
+class PostNormBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(DIM), torch.nn.LayerNorm(DIM)
+        self.attn, self.mlp = Attention(), Mlp()
+
+    def forward(self, x):
+        x = self.norm1(x + self.attn(x))
+        return self.norm2(x + self.mlp(x))
+
+
+class SharedLayerLM(torch.nn.Module):
+    """ALBERT: an input projection (column-parallel: its output split on features) into one layer applied 4
+    times, its attention reading the residual stream directly (post-norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.map_in = torch.nn.Linear(DIM, DIM, bias=False)
+        self.layer = PostNormBlock()
+        self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.map_in(self.emb(ids))
+        for _ in range(4):
+            x = self.layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_shared_by_every_layer_takes_one_placement_for_all_readers():
+    torch.manual_seed(0)
+    model = SharedLayerLM()
+    c, inputs = _plan(model)
+    pl = {k: v.placements[0] for k, v in c.plan.params.items()}
+    assert pl["layer.attn.q.weight"] == Shard(0) and pl["layer.attn.o.weight"] == Shard(1), pl
+    assert pl["layer.mlp.up.weight"] == Shard(0) and pl["layer.mlp.down.weight"] == Shard(1), pl
+    assert c.plan.fallbacks == []
     assert_sim_parity(c, model, inputs)
