@@ -78,7 +78,11 @@ class _Sym:
         self.made, self.env, self.place = made or {}, env, place
 
     def _made(self, e):
-        name, dim, ndim = self.made[e]
+        lowered = [m for m in self.made[e] if m[0] in self.env]  # the first of its makers already in the program
+        if not lowered:
+            raise NotImplementedError(f"the data-dependent size {e} is read before any node that makes it "
+                                      f"({', '.join(m[0] for m in self.made[e][:3])}) is in the per-rank program")
+        name, dim, ndim = lowered[0]
         node = self.env[name]
         if dim is None:
             return node
@@ -172,10 +176,10 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
     for node in src.graph.nodes:
         v = node.meta.get("val")
         if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
-            made.setdefault(v.node.expr, (node.name, None, 0))
+            made.setdefault(v.node.expr, []).append((node.name, None, 0))
         for d, size in enumerate(v.shape if isinstance(v, torch.Tensor) else ()):
             if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
-                made.setdefault(size.node.expr, (node.name, d, v.ndim))
+                made.setdefault(size.node.expr, []).append((node.name, d, v.ndim))
     sym = _Sym(g, sources, made, env, place)
     # a symbolic size used as a value, not a shape (a mean written as sum / numel, the tokens-per-expert
     # fraction of a load-balancing loss), is the single-device model's: over the batch of every rank
