@@ -337,6 +337,15 @@ def _hints(cap: Captured, inputs, kwargs, seq, batch) -> dict:
             if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol) \
                     and size.node.expr not in out and size.node.hint is not None:
                 out[size.node.expr] = max(int(size.node.hint), 2)
+    # a data-dependent size (JetMoe's and DeepSeek-V4's count of tokens routed to an expert: an unbacked u0 with
+    # no example value): costed as every token of the batch, the most it can be at top-1
+    tokens = out.get(cap.symbols.get(BATCH), 1) * out.get(cap.symbols.get(SEQ), 1)
+    for n in cap.gm.graph.nodes:
+        v = n.meta.get("val")
+        for size in (v.shape if isinstance(v, torch.Tensor) else [v] if isinstance(v, torch.SymInt) else ()):
+            if isinstance(size, torch.SymInt):
+                for sym in size.node.expr.free_symbols - out.keys():
+                    out[sym] = max(tokens, 2)
     return out
 
 

@@ -88,7 +88,7 @@ def _where(node) -> str:
 def _weights(cap: Captured) -> tuple[list[tuple[str, tuple, tuple]], int | None]:
     """(FQN, shape, the dims tp must divide) of contraction weights, and the hidden size (embedding dim) if
     any. A linear reading the user's input itself (LLaVA's patch embedding: 3 x 14 x 14 = 588 pixel values a
-    patch) is column-parallel: its input dim is never split, so tp need not divide it."""
+    patch) is column-parallel: its input dim is never split, so tp need not divide it. Nor a dim of size 1."""
     ws, hidden, vocab_params = [], None, set()
     dependent = set(cap.params)
     for n in cap.gm.graph.nodes:
@@ -107,7 +107,9 @@ def _weights(cap: Captured) -> tuple[list[tuple[str, tuple, tuple]], int | None]
                 elif w.name not in vocab_params:
                     x = n.args[0]
                     raw = n.target is aten.linear.default and isinstance(x, torch.fx.Node) and x.name not in dependent
-                    ws.append((cap.params[w.name], shape, shape[:-1] if raw else shape))
+                    # a size-1 dim (Qwen2-MoE's [1, h] shared-expert gate: a scalar gate) is never split: the
+                    # weight stays whole on that dim, so tp need not divide it
+                    ws.append((cap.params[w.name], shape, tuple(d for d in (shape[:-1] if raw else shape) if d != 1)))
     return ws, hidden
 
 

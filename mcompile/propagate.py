@@ -24,6 +24,7 @@ and ``Plan.fallbacks``) unless it is free: an input-only value (computed from no
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 from dataclasses import dataclass, field
@@ -51,6 +52,9 @@ CONTRACTION_WEIGHT_ARGS = {
     aten.embedding.default: (0,),
 }
 _NO_GRAD_OPS = {aten.detach.default, aten.detach_.default, aten.sym_size.int}
+
+
+log = logging.getLogger("mcompile.propagate")
 
 
 class PlanError(ValueError):
@@ -168,10 +172,34 @@ def _out_metas(node: fx.Node) -> list[TensorMeta]:
     return [TensorMeta.of(x) for x in vals if isinstance(x, torch.Tensor)]
 
 
+class _Repin(Exception):
+    def __init__(self, pins: dict, message: str):
+        super().__init__(message)
+        self.pins = pins
+
+
 def propagate_axis(
     cap: Captured, policy: AxisPolicy, hints: dict, param_pad_ok=None
 ) -> AxisResult:
-    """Choose placements for every node of ``cap.gm`` on one mesh axis."""
+    """Choose placements for every node of ``cap.gm`` on one mesh axis. A parameter read by several nodes takes
+    one placement all of them can take: when a later reader cannot take the one its first reader chose, that
+    reader's is pinned (``policy.param_hints``: every reader must take it) and the axis planned again."""
+    pinned: dict[str, object] = {}
+    while True:
+        try:
+            return _propagate_axis(cap, policy, hints, param_pad_ok)
+        except _Repin as e:
+            if any(pinned.get(k) is not None for k in e.pins):  # pinned already, and still no fit: give up
+                raise PlanError(str(e)) from None
+            for k, req in e.pins.items():
+                log.info("parameter %s, read by several nodes, placed %r for all of them (%s)", cap.params[k],
+                         req, str(e).split(":", 1)[0])
+                pinned[k] = policy.param_hints[k] = req
+
+
+def _propagate_axis(
+    cap: Captured, policy: AxisPolicy, hints: dict, param_pad_ok=None
+) -> AxisResult:
     gm = cap.gm
     n = policy.size
     sym = cap.symbols
@@ -230,6 +258,54 @@ def propagate_axis(
             return b + (b if grad else 0.0)
         return INF
 
+    def choose(node, cands, ins, current, in_metas, outs, weight_args, token_out):
+        """The cheapest strategy of ``cands`` (None, INF: none fits)."""
+        best, best_cost = None, INF
+        for s in cands:
+            if s.lowering == "moe_ep" and not policy.expert_parallel:
+                continue
+            if s.lowering == "cp_attention" and not policy.context_parallel:
+                continue
+            if s.name == "expand_broadcast" and node.name not in from_params:
+                continue  # an input-only value (a mask, a table) stays whole: its consumers take what they need
+            cost = 0.0
+            for i, (a, req) in enumerate(zip(ins, s.inputs)):
+                if a.name in cap.params:
+                    cur = place[a.name]
+                    if cur is None:
+                        hint = policy.param_hints.get(a.name)
+                        if hint is not None and isinstance(hint, BlockShard | Replicate | Shard) and req != hint:
+                            # a fused projection later split into blocks: only the block layout; a latent
+                            # down-projection (planner.latent_hints): only whole; a per-head score bias
+                            # table (planner.position_bias_hints): only by heads
+                            cost = INF
+                        elif isinstance(req, Partial):
+                            cost = INF
+                        elif policy.params_replicated and not isinstance(req, Replicate):
+                            cost = INF
+                        elif policy.shard_contraction_weights and i in weight_args and isinstance(req, Replicate) \
+                                and not isinstance(hint, Replicate):
+                            cost = INF
+                    elif cur != req:
+                        cost = INF
+                else:
+                    cost += redistribute_cost(a, current[i], req, in_metas[i])
+                if cost == INF:
+                    break
+            if cost < INF:
+                for o, p in zip(outs, s.outputs):
+                    if not shard_allowed(o, p):
+                        cost = INF
+                if (not policy.partial_passthrough and any(isinstance(p, Partial) for p in s.inputs)
+                        and any(isinstance(p, Partial) for p in s.outputs)
+                        and not (policy.shard_contraction_weights and _sums_partials(node, s, in_metas, outs))):
+                    cost = INF
+            if cost < INF and token_out and all(isinstance(p, Replicate) for p in s.outputs):
+                cost += REPLICATED_TOKENS  # cp: a replicated token activation repeats its work on every rank
+            if cost < best_cost:
+                best, best_cost = s, cost
+        return best, best_cost
+
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             v = node.meta.get("val")
@@ -285,52 +361,13 @@ def propagate_axis(
         else:
             cands = rule(info)
         weight_args = CONTRACTION_WEIGHT_ARGS.get(node.target, ())
+        if outs and outs[0].ndim and outs[0].shape[-1] == 1:
+            # one output feature (Qwen2-MoE's [1, h] shared-expert gate: a scalar gate): nothing to split
+            # column-wise, and a row split would all-reduce its one number; the weight may stay whole
+            weight_args = ()
         token_out = policy.context_parallel and node.name in from_params and any(
             any(shard_allowed(o, Shard(d)) for d in range(o.ndim)) for o in outs)
-        best, best_cost = None, INF
-        for s in cands:
-            if s.lowering == "moe_ep" and not policy.expert_parallel:
-                continue
-            if s.lowering == "cp_attention" and not policy.context_parallel:
-                continue
-            if s.name == "expand_broadcast" and node.name not in from_params:
-                continue  # an input-only value (a mask, a table) stays whole: its consumers take what they need
-            cost = 0.0
-            for i, (a, req) in enumerate(zip(ins, s.inputs)):
-                if a.name in cap.params:
-                    cur = place[a.name]
-                    if cur is None:
-                        hint = policy.param_hints.get(a.name)
-                        if hint is not None and isinstance(hint, BlockShard | Replicate | Shard) and req != hint:
-                            # a fused projection later split into blocks: only the block layout; a latent
-                            # down-projection (planner.latent_hints): only whole; a per-head score bias
-                            # table (planner.position_bias_hints): only by heads
-                            cost = INF
-                        elif isinstance(req, Partial):
-                            cost = INF
-                        elif policy.params_replicated and not isinstance(req, Replicate):
-                            cost = INF
-                        elif policy.shard_contraction_weights and i in weight_args and isinstance(req, Replicate) \
-                                and not isinstance(hint, Replicate):
-                            cost = INF
-                    elif cur != req:
-                        cost = INF
-                else:
-                    cost += redistribute_cost(a, current[i], req, in_metas[i])
-                if cost == INF:
-                    break
-            if cost < INF:
-                for o, p in zip(outs, s.outputs):
-                    if not shard_allowed(o, p):
-                        cost = INF
-                if (not policy.partial_passthrough and any(isinstance(p, Partial) for p in s.inputs)
-                        and any(isinstance(p, Partial) for p in s.outputs)
-                        and not (policy.shard_contraction_weights and _sums_partials(node, s, in_metas, outs))):
-                    cost = INF
-            if cost < INF and token_out and all(isinstance(p, Replicate) for p in s.outputs):
-                cost += REPLICATED_TOKENS  # cp: a replicated token activation repeats its work on every rank
-            if cost < best_cost:
-                best, best_cost = s, cost
+        best, best_cost = choose(node, cands, ins, current, in_metas, outs, weight_args, token_out)
         if node.name in policy.node_overrides:
             want = policy.node_overrides[node.name]
             forced = [s for s in cands if s.outputs and s.outputs[0] == want]
@@ -343,6 +380,17 @@ def propagate_axis(
         if info.notes:
             notes[node.name] = list(info.notes)
         if best is None:
+            # a parameter placed by an earlier reader that this one cannot take (ALBERT shares one layer's weights
+            # with every layer: layer 0's query reads a sharded activation, the others a replicated one): the
+            # placement this reader needs is pinned for all readers and the axis planned again
+            shared = {a.name: place[a.name] for a in ins if a.name in cap.params and place[a.name] is not None}
+            for a in shared:
+                place[a] = None
+            alt, _ = choose(node, cands, ins, current, in_metas, outs, weight_args, token_out)
+            place.update(shared)
+            if alt is not None:
+                raise _Repin({a.name: req for a, req in zip(ins, alt.inputs) if a.name in shared},
+                             _no_strategy_message(node, policy, ins, place, info, cap))
             raise PlanError(_no_strategy_message(node, policy, ins, place, info, cap))
         for i, (a, req) in enumerate(zip(ins, best.inputs)):
             if a.name in cap.params and place[a.name] is None:

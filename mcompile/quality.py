@@ -22,8 +22,9 @@ transformer layer:
    attention's down projections, :func:`mcompile.planner.latent_hints`), an MoE router (a few outputs,
    one per expert, :func:`mcompile.planner.router_hints`) or the key/value projection of an attention with
    fewer key/value heads than tp ranks (multi-query attention, :func:`mcompile.planner.kv_hints`), if each
-   rank then attends only its own query heads (an attention run whole on every rank is reported). Any
-   other whole weight is reported.
+   rank then attends only its own query heads (an attention run whole on every rank is reported). A
+   projection to a single output (Qwen2-MoE's [1, h] shared-expert gate) has nothing to split. Any other
+   whole weight is reported.
 
 Findings of alike layers (block repetition: the same finding in layers 0..L-1) are reported once with
 their layers. ``compile_plan`` warns a :class:`PlanQualityWarning` and keeps them in
@@ -109,6 +110,8 @@ def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[i
 def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict) -> str | None:
     if w.name in kv:
         return "fewer key/value heads than tp ranks: the key/value projection kept whole on every rank"
+    if 1 in tuple(w.meta["val"].shape):
+        return "a projection to one output (a scalar gate): nothing to split over tp"
     if w.name in latents:
         return "a low-rank latent projection kept whole (as Megatron's multi-head latent attention)"
     if w.name in routers:

@@ -355,6 +355,11 @@ def find_block(cap, run: Run, keep: int = 2) -> tuple[Block | None, str]:
     if s1 is None or e1 is None:
         return None, "no cut before or after the run's second group that one value crosses"
     members = nodes[s1:e1]
+    order = {n: i for i, n in enumerate(g.nodes)}
+    between = [n for n in list(g.nodes)[order[members[0]]:order[members[-1]]] if n.op != "call_function"]
+    if between:  # repeat_graph copies one contiguous stretch of the program
+        return None, (f"{between[0].name} ({between[0].op} {between[0].target}) lies among the second group's ops: "
+                      "its nodes are not one stretch of the program")
     inside = set(members)
     entry, exit_ = crossing[s1], crossing[e1]
     if exit_ not in inside:

@@ -1,5 +1,14 @@
 """Canonicalise the captured graph before planning, so rules see one form per idea.
 
+- ``inline_grad_regions``: a ``with torch.no_grad():`` inside forward (CPM-Ant's position buckets,
+  M2M-100's sinusoidal positions) is exported as ``wrap_with_set_grad_enabled(False, submod, *args)``, a
+  higher-order op over a subgraph. Its ops are inlined into the program and each value leaving the region
+  is detached (no gradient flows out of a no-grad region, as in eager), so every later pass, the planner and
+  the per-rank programs see plain aten ops (and block repetition one stretch of ops a layer). A
+  ``torch.autocast(..., enabled=False)`` region (``wrap_with_autocast``) is inlined as it is; an enabled one
+  is refused (mcompile runs one dtype of its own).
+- ``expand_as_to_expand``: ``x.expand_as(y)`` (HRM's carried state) -> ``x.expand(y's sizes)``: ``y`` gives
+  only its shape (its sizes read with ``sym_size`` where symbolic), and expand's rule serves both spellings.
 - ``conv1d_to_matmul``: Hugging Face GPT-2's ``Conv1D`` flattens, ``addmm``s with a weight stored
   [in, out] and views back: ``view(addmm(b, view(x, [-1, k]), W), [.., n])``. Rewritten as
   ``add(matmul(x, W), b)`` on the unflattened activation, so the sequence dim survives for
@@ -62,6 +71,88 @@ def _new(graph: fx.Graph, target, args, like: fx.Node, kwargs: dict | None = Non
         if k in like.meta:
             n.meta[k] = like.meta[k]
     return n
+
+
+def inline_grad_regions(gm: fx.GraphModule) -> int:
+    from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
+
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (wrap_with_set_grad_enabled, wrap_with_autocast):
+            continue
+        if node.target is wrap_with_autocast:
+            device_type, dtype, autocast, _, attr, *args = node.args
+            if autocast:
+                from mcompile.propagate import PlanError
+
+                where = (node.meta.get("stack_trace") or "").strip().splitlines()
+                raise PlanError(f"torch.autocast({device_type!r}, dtype={dtype}) inside forward: mcompile runs the "
+                                "model in one dtype of its own and does not plan autocast regions; remove the "
+                                f"region (or run it with enabled=False). {where[-2].strip() if len(where) > 1 else ''}")
+            enabled = True  # autocast switched off (HF's rotary embeddings): the ops as they are
+        else:
+            enabled, attr, *args = node.args
+        sub = getattr(gm, attr.target)
+        env = dict(zip((n for n in sub.graph.nodes if n.op == "placeholder"), args))
+        with gm.graph.inserting_before(node):
+            for n in sub.graph.nodes:
+                if n.op == "placeholder":
+                    continue
+                if n.op == "output":
+                    outs = fx.node.map_arg(n.args[0], env.__getitem__)
+                    break
+                if n.op == "get_attr":  # a region nested in this one: its subgraph moves to the program
+                    name = f"{attr.target}_{n.target}"
+                    gm.add_submodule(name, getattr(sub, n.target))
+                    env[n] = gm.graph.get_attr(name)
+                    env[n].meta.update(n.meta)
+                    continue
+                env[n] = gm.graph.node_copy(n, env.__getitem__)
+        outs = list(outs) if isinstance(outs, list | tuple) else [outs]
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                raise NotImplementedError(f"{node.name}: a no-grad region's result read by {user.target}, "
+                                          "not by index")
+            out = outs[user.args[1]]
+            if not enabled and isinstance(out, fx.Node) and isinstance(out.meta.get("val"), torch.Tensor):
+                with gm.graph.inserting_before(user):
+                    out = _new(gm.graph, aten.detach.default, (out,), user)
+            user.replace_all_uses_with(out)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        if not attr.users:
+            gm.graph.erase_node(attr)
+            delattr(gm, attr.target)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
+def expand_as_to_expand(gm: fx.GraphModule) -> int:
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.expand_as.default:
+            continue
+        x, y = node.args
+        with gm.graph.inserting_before(node):
+            sizes = []
+            for d, size in enumerate(y.meta["val"].shape):
+                if isinstance(size, torch.SymInt):
+                    sizes.append(gm.graph.call_function(aten.sym_size.int, (y, d)))
+                    sizes[-1].meta["val"] = size
+                else:
+                    sizes.append(int(size))
+            new = gm.graph.call_function(aten.expand.default, (x, sizes))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
 
 
 def conv1d_to_matmul(gm: fx.GraphModule) -> int:
@@ -506,8 +597,10 @@ def attention_dropout_to_math(gm: fx.GraphModule) -> int:
 
 def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
     return {
+        "inline_grad_regions": inline_grad_regions(gm),
         "tiled_writes_to_cat": tiled_writes_to_cat(gm),
         "functional_inplace": functional_inplace(gm),
+        "expand_as_to_expand": expand_as_to_expand(gm),
         "transposed_weight_to_linear": transposed_weight_to_linear(gm),
         "view_as_to_view": view_as_to_view(gm),
         "unmerge_heads": _unmerge_heads(gm),

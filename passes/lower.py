@@ -70,8 +70,27 @@ class AxisInfo:
 class _Sym:
     """Turns sympy sizes into fx nodes computed from the program's input sizes."""
 
-    def __init__(self, graph: fx.Graph, sources: dict):
+    def __init__(self, graph: fx.Graph, sources: dict, made: dict | None = None, env: dict | None = None,
+                 place: dict | None = None):
         self.graph, self.sources, self.cache = graph, sources, {}
+        # a data-dependent size (an unbacked symbol: JetMoe's count of tokens routed to an expert) is read from
+        # the captured node that makes it (name, dim; dim None: the node is the size), once it is lowered
+        self.made, self.env, self.place = made or {}, env, place
+
+    def _made(self, e):
+        lowered = [m for m in self.made[e] if m[0] in self.env]  # the first of its makers already in the program
+        if not lowered:
+            raise NotImplementedError(f"the data-dependent size {e} is read before any node that makes it "
+                                      f"({', '.join(m[0] for m in self.made[e][:3])}) is in the per-rank program")
+        name, dim, ndim = lowered[0]
+        node = self.env[name]
+        if dim is None:
+            return node
+        for p in self.place.get(name, ()):
+            if isinstance(p, Shard | BlockShard) and p.dim % ndim == dim:
+                raise NotImplementedError(f"the data-dependent size {e} is dim {dim} of {name}, which is split "
+                                          "over ranks: its local size is not the single-device one")
+        return self.graph.call_function(aten.sym_size.int, (node, dim))
 
     def __call__(self, e):
         if isinstance(e, int):
@@ -81,7 +100,9 @@ class _Sym:
             return int(e)
         if e in self.cache:
             return self.cache[e]
-        if e.is_Symbol:
+        if e.is_Symbol and e not in self.sources and e in self.made:
+            out = self._made(e)
+        elif e.is_Symbol:
             node, dim = self.sources[e]
             out = self.graph.call_function(aten.sym_size.int, (node, dim))
         elif e.is_Mul:
@@ -110,6 +131,14 @@ class _Sym:
             out = base
             for _ in range(int(e.exp) - 1):
                 out = self.graph.call_function(operator.mul, (out, base))
+        elif type(e).__name__ in ("Min", "Max"):  # torch.utils._sympy's (a slice clamped to the sequence length)
+            fold = torch.sym_min if type(e).__name__ == "Min" else torch.sym_max
+            args = [self(a) for a in e.args]
+            out = args[0]
+            for a in args[1:]:
+                out = self.graph.call_function(fold, (out, a))
+        elif type(e).__name__ == "FloorDiv":
+            out = self.graph.call_function(operator.floordiv, (self(e.args[0]), self(e.args[1])))
         else:
             raise NotImplementedError(f"cannot rebuild the size {e} in a per-rank program")
         self.cache[e] = out
@@ -143,7 +172,15 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
     # training-mode dropout draws its masks from (seed, step, batch offset): one small input of the program,
     # the same tensor for every dropout (passes/dropout.py, mcompile/dropout.py)
     rng = _rng_input(g, src) if any(is_training_dropout(n) for n in src.graph.nodes) else None
-    sym = _Sym(g, sources)
+    made = {}
+    for node in src.graph.nodes:
+        v = node.meta.get("val")
+        if isinstance(v, torch.SymInt) and v.node.expr.is_Symbol:
+            made.setdefault(v.node.expr, []).append((node.name, None, 0))
+        for d, size in enumerate(v.shape if isinstance(v, torch.Tensor) else ()):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                made.setdefault(size.node.expr, []).append((node.name, d, v.ndim))
+    sym = _Sym(g, sources, made, env, place)
     # a symbolic size used as a value, not a shape (a mean written as sum / numel, the tokens-per-expert
     # fraction of a load-balancing loss), is the single-device model's: over the batch of every rank
     # the inputs were split over (dp, ep), where the program's batch symbol is this rank's share

@@ -128,7 +128,8 @@ def _match(gm, idx, params, window, before, d_idx, pos) -> bool:
                 region -= {cut} | _reach([cut], region, down=False)
             ext = _absorb(region, idx, params, yv, k)
             tensors = [a for a in ext.values() if isinstance(a.meta.get("val"), torch.Tensor)]
-            xs = [a for a in tensors if a.meta["val"].shape == yv.shape and a.meta["val"].dtype.is_floating_point]
+            xs = [a for a in tensors if _same_shape(a.meta["val"].shape, yv.shape)
+                  and a.meta["val"].dtype.is_floating_point]
             wts = [a for a in tensors if _is_weights(a, k) and a not in xs]
             if len(xs) == 1 and len(wts) == 1 and len(tensors) == 2:
                 break
@@ -149,6 +150,14 @@ def _is_weights(n, k) -> bool:
     return isinstance(v, torch.Tensor) and v.ndim == 2 and v.dtype.is_floating_point and str(v.shape[1]) == str(k)
 
 
+def _same_shape(a, b) -> bool:
+    """Shapes equal as far as known without a guard: a size counted from the routing (JetMoe's ``u0`` tokens
+    routed, data-dependent) is never compared by value (a GuardOnDataDependentSymNode)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
 _LIKE = {aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default, aten.full_like.default,
          aten.new_zeros.default, aten.new_empty.default, aten.new_ones.default, aten.new_full.default}
 _CARRY = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.flatten.using_ints,
@@ -165,7 +174,7 @@ def _absorb(region: set, idx, params, yv, k) -> dict:
 
     def data_shape(a):
         v = a.meta["val"]
-        return v.ndim == 2 and (v.shape == yv.shape or str(v.shape[1]) == str(k))
+        return v.ndim == 2 and (_same_shape(v.shape, yv.shape) or str(v.shape[1]) == str(k))
 
     while True:
         ext = {}

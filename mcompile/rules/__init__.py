@@ -59,8 +59,23 @@ def to_expr(x):
     """SymInt -> sympy expression; int stays int."""
     if isinstance(x, torch.SymInt):
         e = x.node.expr
-        return int(e) if e.is_Integer else e
+        return int(e) if e.is_Integer else _exact_floordivs(e)
     return x
+
+
+def _exact_floordivs(e):
+    """``FloorDiv(a, b)`` where ``b`` divides ``a`` as polynomials (XLNet's relative shift: ``(s*s)//s``) is
+    ``a / b``: products of sizes then compare equal (view groups) and rebuild as plain arithmetic."""
+    from torch.utils._sympy.functions import FloorDiv
+
+    if not e.has(FloorDiv):
+        return e
+
+    def exact(f):
+        q = sympy.cancel(f.args[0] / f.args[1])
+        return q if sympy.fraction(q)[1] == 1 else f
+
+    return e.replace(lambda a: isinstance(a, FloorDiv), exact)
 
 
 def same(a, b) -> bool:

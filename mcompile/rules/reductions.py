@@ -140,3 +140,10 @@ def histc(info: OpInfo) -> list[Strategy]:
         out = [Strategy((Shard(d),), (Partial("sum"),), name="histogram") for d in range(info.inputs[0].ndim)]
         out.sort(key=lambda s: s.inputs[0] != _cur(info))
     return out + [Strategy((R,), (R,), name="replicate")]
+
+
+@rule(aten.nonzero.default)
+def nonzero(info: OpInfo) -> list[Strategy]:
+    """The coordinates of the nonzero entries (how many: a data-dependent size) are the whole tensor's: the input
+    must be whole (a piece's coordinates are local, its count partial)."""
+    return [Strategy((R,), (R,), name="replicate")]

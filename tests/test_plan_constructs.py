@@ -1,0 +1,268 @@
+"""Constructs of real models that once crashed the tp planner, each as a tiny plain PyTorch model of 4 layers
+(block repetition on), planned on ``Mesh.fake(tp=2)`` and trained at single-device parity in the in-process
+thread simulator (loss and every gradient, fp32: tests/sim_harness.assert_sim_parity).
+
+What is isolated, one construct a test:
+- a projection to one output (Qwen2-MoE's ``shared_expert_gate``, a [1, h] weight: a scalar gate) stays whole,
+  with no divisibility demand and no layout finding.
+- a ``with torch.no_grad():`` region inside forward (CPM-Ant's position buckets, M2M-100's sinusoidal
+  positions: export's ``wrap_with_set_grad_enabled``) is inlined, its results detached, and so is a
+  ``torch.autocast(enabled=False)`` region; ``expand_as`` (HRM)
+  plans as ``expand``;
+- a size ``(s*s)//s`` (XLNet's relative shift, a view with -1) is ``s``: view groups compare its products;
+- one layer's parameters shared by every layer (ALBERT), the first layer reading a sharded activation and the
+  others a replicated one: each shared weight takes one placement every reader can take (Megatron's);
+- a data-dependent count of tokens (JetMoe's, DeepSeek-V4's routing: an unbacked size) plans and lowers;
+- a repeated layer whose ops are not one stretch of the program (a node that is not an op among them: export's
+  subgraph attribute of a region it keeps) is not repeated: the whole model is captured, with the reason logged.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from sim_harness import assert_sim_parity
+
+from mcompile.api import compile_plan
+from mcompile.mesh import Mesh
+from mcompile.placements import Replicate, Shard
+
+VOCAB, DIM, FFN = 64, 32, 64
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, dim=DIM, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.q, self.k, self.v = (torch.nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.o = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, self.hd).transpose(1, 2) for p in (self.q, self.k, self.v))
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, dim=DIM, ffn=FFN):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(dim, ffn, bias=False), torch.nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class GatedMlpBlock(torch.nn.Module):
+    """Qwen2-MoE's shared expert: an MLP scaled by a sigmoid gate of one output feature."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.RMSNorm(DIM), torch.nn.RMSNorm(DIM)
+        self.attn, self.mlp = Attention(), Mlp()
+        self.gate = torch.nn.Linear(DIM, 1, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        h = self.norm2(x)
+        return x + torch.sigmoid(self.gate(h)) * self.mlp(h)
+
+
+class LM(torch.nn.Module):
+    def __init__(self, block, layers=4):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.layers = torch.nn.ModuleList(block() for _ in range(layers))
+        self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def _plan(model, tp=2):
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, VOCAB, (2, 16), generator=g), torch.randint(0, VOCAB, (2, 16), generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback, no quality warning
+        c = compile_plan(model, Mesh.fake(tp=tp), inputs)
+    return c, inputs
+
+
+@pytest.mark.timeout(120)
+def test_a_projection_to_one_output_stays_whole():
+    torch.manual_seed(0)
+    model = LM(GatedMlpBlock)
+    c, inputs = _plan(model)
+    assert c.plan.params["layers.0.gate.weight"].placements[0] == Replicate()
+    assert c.plan.params["layers.0.mlp.up.weight"].placements[0] == Shard(0)
+    assert c.plan.fallbacks == [] and c.quality == []
+    assert_sim_parity(c, model, inputs)
+
+
+class NoGradBiasBlock(torch.nn.Module):
+    """CPM-Ant's relative position buckets: an integer table computed under ``torch.no_grad()`` in every layer,
+    here scaling the attention's output per position."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(DIM)
+        self.attn, self.mlp = Attention(), Mlp()
+
+    def forward(self, x):
+        with torch.no_grad():
+            pos = torch.arange(x.shape[1], device=x.device)
+            buckets = (pos.float() + 1).log().clamp(max=7).long()  # (s,)
+            scale = x.detach().abs().mean() + 1  # a value of the activations, not only of the inputs
+        with torch.autocast(x.device.type, enabled=False):  # HF rotary embeddings' region: kept as it is
+            h = self.norm(x).float()
+        x = x + self.attn(h) * (buckets.float() / 7 + 1)[:, None] / scale
+        return x + self.mlp(self.norm(x).expand_as(x))  # HRM's expand_as (here of a value of x's shape)
+
+
+@pytest.mark.timeout(120)
+def test_a_no_grad_region_inside_forward_is_inlined():
+    torch.manual_seed(0)
+    model = LM(NoGradBiasBlock)
+    c, inputs = _plan(model)
+    assert c.canonical["inline_grad_regions"] >= 2 and c.canonical["expand_as_to_expand"] >= 1
+    assert not any(n.op == "get_attr" for n in c.captured.gm.graph.nodes)
+    assert c.plan.fallbacks == [] and c.quality == []
+    assert_sim_parity(c, model, inputs)
+
+
+class ClampedTableBlock(torch.nn.Module):
+    """DeepSeek-V3.2's and MiniMax's tables cut to the sequence (``min(2048, s)``: a size ``Min(128, s)`` here)
+    and MPT's ALiBi bias sliced from ``max(0, bias.size(1) - s)`` (``Max(0, 1 - s)``): Python's min/max of sizes,
+    exported as ``sym_min``/``sym_max``, read as per-rank sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(DIM)
+        self.attn, self.mlp = Attention(), Mlp()
+        self.register_buffer("table", torch.randn(128, DIM))
+        self.register_buffer("bias", torch.rand(1, 128))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        pos = self.table[:min(self.table.size(0), s)]  # (Min(128, s), h)
+        bias = self.bias[max(0, self.bias.size(0) - s):, max(0, self.bias.size(1) - s):]  # MPT's: (1, s)
+        x = x + self.attn(self.norm(x) + pos) * (1 + bias.transpose(0, 1))
+
+        return x + self.mlp(self.norm(x))
+
+
+@pytest.mark.timeout(120)
+def test_sizes_clamped_by_min_and_max_are_rebuilt_per_rank():
+    torch.manual_seed(0)
+    model = LM(ClampedTableBlock)
+    c, inputs = _plan(model)
+    assert c.plan.fallbacks == [] and c.quality == []
+    assert_sim_parity(c, model, inputs)
+
+
+def test_a_layer_whose_ops_are_not_one_stretch_is_not_repeated():
+    """repeat_graph copies one contiguous stretch of the program: find_block must decline (and _capture then
+    captures the whole model) rather than assert later."""
+    from mcompile.capture import capture
+    from mcompile.repeat import find_block, truncate_runs
+
+    torch.manual_seed(0)
+    root, runs = truncate_runs(LM(GatedMlpBlock), keep=2)
+    g = torch.Generator().manual_seed(1)
+    cap = capture(root, (torch.randint(0, VOCAB, (2, 16), generator=g), torch.randint(0, VOCAB, (2, 16), generator=g)))
+    block, why = find_block(cap, runs[0], 2)
+    assert block is not None, why
+    nodes = {n.name: n for n in cap.gm.graph.nodes}
+    cap.gm.stray = torch.zeros(1)
+    with cap.gm.graph.inserting_before(nodes[block.nodes[len(block.nodes) // 2]]):
+        cap.gm.graph.get_attr("stray")
+    block, why = find_block(cap, runs[0], 2)
+    assert block is None and "stray" in why and "not one stretch" in why, why
+
+
+def test_an_exact_floor_division_of_sizes_is_a_plain_quotient():
+    """XLNet's relative shift views (b, 4, s, 2s) as (b, 4, 2s, (s*s)//s): once the floor division is seen to be
+    exact the view's dims group (they did not: an IndexError in view_groups)."""
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv
+
+    from mcompile.rules import _exact_floordivs
+    from mcompile.rules.views import view_groups
+
+    b, s = sympy.symbols("b s", positive=True, integer=True)
+    assert _exact_floordivs(FloorDiv(s * s, s)) == s
+    assert _exact_floordivs(FloorDiv(2 * s, 4)) == FloorDiv(2 * s, 4)  # not exact: kept
+    assert view_groups((b, 4, s, 2 * s), (b, 4, 2 * s, _exact_floordivs(FloorDiv(s * s, s)))) == \
+        [([0], [0]), ([1], [1]), ([2, 3], [2, 3])]
+
+
+class RoutedBlock(torch.nn.Module):
+    """JetMoe's and DeepSeek-V4's routing: the tokens an expert gets are chosen by value (``nonzero``), so their
+    count is a data-dependent size (an unbacked ``u0``), here also read as a value (a mean over the routed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(DIM)
+        self.attn, self.mlp = Attention(), Mlp()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm(x))
+        flat = self.norm(x).flatten(0, 1)  # (t, h)
+        idx = (flat[:, 0] > 0).nonzero().squeeze(1)  # (u0,)
+        routed = flat.index_select(0, idx)  # (u0, h)
+        return x + self.mlp(self.norm(x)) + routed.sum(0) / (idx.shape[0] + 1)
+
+
+@pytest.mark.timeout(120)
+def test_a_data_dependent_count_of_tokens_plans_and_lowers():
+    torch.manual_seed(0)
+    model = LM(RoutedBlock)
+    c, inputs = _plan(model)
+    assert c.plan.fallbacks == [] and c.quality == []
+    assert_sim_parity(c, model, inputs)
+
+
+class PostNormBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(DIM), torch.nn.LayerNorm(DIM)
+        self.attn, self.mlp = Attention(), Mlp()
+
+    def forward(self, x):
+        x = self.norm1(x + self.attn(x))
+        return self.norm2(x + self.mlp(x))
+
+
+class SharedLayerLM(torch.nn.Module):
+    """ALBERT: an input projection (column-parallel: its output split on features) into one layer applied 4
+    times, its attention reading the residual stream directly (post-norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.map_in = torch.nn.Linear(DIM, DIM, bias=False)
+        self.layer = PostNormBlock()
+        self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.map_in(self.emb(ids))
+        for _ in range(4):
+            x = self.layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_shared_by_every_layer_takes_one_placement_for_all_readers():
+    torch.manual_seed(0)
+    model = SharedLayerLM()
+    c, inputs = _plan(model)
+    pl = {k: v.placements[0] for k, v in c.plan.params.items()}
+    assert pl["layer.attn.q.weight"] == Shard(0) and pl["layer.attn.o.weight"] == Shard(1), pl
+    assert pl["layer.mlp.up.weight"] == Shard(0) and pl["layer.mlp.down.weight"] == Shard(1), pl
+    assert c.plan.fallbacks == []
+    assert_sim_parity(c, model, inputs)
