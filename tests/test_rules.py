@@ -82,6 +82,10 @@ def make(shape, kind: str, gen: torch.Generator) -> torch.Tensor:
         return torch.randint(-2, 3, shape, generator=gen).to(F64)
     if kind == "int":
         return torch.randint(-3, 4, shape, generator=gen)
+    if kind == "nzint":  # integer divisors
+        return torch.randint(1, 4, shape, generator=gen) * (torch.randint(0, 2, shape, generator=gen) * 2 - 1)
+    if kind == "c":  # complex (rotary embeddings as complex numbers, an FFT's output)
+        return torch.randn(shape, dtype=torch.complex128, generator=gen)
     if kind == "bool":
         return torch.rand(shape, generator=gen) < 0.5
     raise ValueError(kind)
@@ -91,7 +95,7 @@ def partial_pieces(full: torch.Tensor, reduce_op: str, n: int, gen: torch.Genera
     """n random pieces whose sum / mean / max / min (per ``reduce_op``) is ``full``."""
     if full.dtype == torch.bool:
         raise NotApplicable("a bool tensor is never Partial")
-    floating = full.is_floating_point()
+    floating = full.is_floating_point() or full.is_complex()
 
     def noise():
         if floating:
@@ -473,10 +477,16 @@ UNARY = {
     aten.ge.Scalar: [("small", lambda x: (x, 0))],
     aten.log_sigmoid_forward.default: [("f", lambda x: (x,))],
     aten.rsub.Scalar: [("f", lambda x: (x, 2.0)), ("f", lambda x: (x, 2.0, 0.5))],
+    aten.log_sigmoid.default: [("f", lambda x: (x,))],
+    aten.clamp_max.default: [("f", lambda x: (x, 0.2))],
+    aten.clamp_min.default: [("f", lambda x: (x, -0.3))],
+    # floor_divide has no derivative (torch): integer cases only (expert ids in MoE routing)
+    aten.floor_divide.Scalar: [("int", lambda x: (x, 2)), ("int", lambda x: (x, -3))],
+    aten.real.default: [("c", lambda x: (x,))],
 }
 # Ops linear in their input: a Partial input must be able to stay Partial.
 LINEAR_UNARY = {aten.neg.default, aten.clone.default, aten.mul.Scalar, aten.div.Scalar, aten.to.dtype,
-                aten._to_copy.default, aten.detach.default}
+                aten._to_copy.default, aten.detach.default, aten.real.default}
 VALUES_UNDEFINED = {aten.empty_like.default, aten.empty.memory_format}
 
 
@@ -534,12 +544,17 @@ BINARY = {
     aten.rsub.Tensor: [("f", "f", lambda x, y: (x, y)), ("f", "f", lambda x, y: ((x, y), {"alpha": 0.25}))],
     aten.atan2.default: [("f", "f", lambda x, y: (x, y))],
     aten.type_as.default: [("f", "f32", lambda x, y: (x, y)), ("int", "f", lambda x, y: (x, y))],
+    aten.multiply.Tensor: [("f", "f", lambda x, y: (x, y)), ("f", "scalar", lambda x, y: (x, -2.0))],
+    aten.floor_divide.default: [("int", "nzint", lambda x, y: (x, y))],
+    aten.clamp_max.Tensor: [("f", "f", lambda x, y: (x, y))],
+    aten.clamp_min.Tensor: [("f", "f", lambda x, y: (x, y))],
 }
 # Ops linear in one tensor input: the Partial strategies they must offer (float output, 2 tensors).
 PARTIAL_BINARY = {
     aten.add.Tensor: [((P, P), (P,))],
     aten.sub.Tensor: [((P, P), (P,))],
     aten.mul.Tensor: [((P, R), (P,)), ((R, P), (P,))],
+    aten.multiply.Tensor: [((P, R), (P,)), ((R, P), (P,))],
     aten.div.Tensor: [((P, R), (P,))],
 }
 
@@ -596,7 +611,7 @@ def test_binary_pointwise(op, data):
         if len(tensors) == 2:  # (a bool mask is never Partial)
             expect += [e for e in PARTIAL_BINARY[op]
                        if not any(p == P and t.dtype == torch.bool for p, t in zip(e[0], tensors))]
-        elif op in (aten.mul.Tensor, aten.div.Tensor):  # by a Python scalar (x + 2 is affine, not linear)
+        elif op in (aten.mul.Tensor, aten.multiply.Tensor, aten.div.Tensor):  # by a scalar (x + 2 is affine)
             expect.append(((P,), (P,)))
     check(op, args, kwargs, n=n, current=current, gen=gen, expect=expect)
 
