@@ -1046,6 +1046,84 @@ def test_split_unbind(which, data):
 @pytest.mark.timeout(120)
 @hyp(25)
 @given(data=st.data())
+def test_tensor_split(data):
+    """tensor_split by indices (past the end too, repeated) or into k sections, along any dim: the other
+    dims stay sharded, Partial stays Partial."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 1, 3)
+    nd = len(shape)
+    dim = data.draw(st.integers(-nd, nd - 1), label="dim")
+    x = make(shape, "f", gen)
+    if data.draw(st.booleans(), label="sections"):
+        op, args = aten.tensor_split.sections, (x, data.draw(st.integers(1, 4), label="k"), dim)
+    else:
+        idx = sorted(data.draw(st.lists(st.integers(0, shape[dim] + 1), max_size=3), label="indices"))
+        op, args = aten.tensor_split.indices, (x, idx, dim)
+    k_out = len(op(*args))
+    cur = draw_current(data, x, n, blocks=False)
+    expect = [((Shard(d),), (Shard(d),) * k_out) for d in divisible_dims(shape, n) if d != dim % nd]
+    expect.append(((P,), (P,) * k_out))
+    check(op, args, n=n, current=(cur,), gen=gen, expect=expect, current_first=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", [aten.view_as.default, aten.reshape_as.default], ids=str)
+@hyp(25)
+@given(data=st.data())
+def test_view_as(op, data):
+    """x.view_as(other): the view rule by other's shape; other (only its shape is read) split like the output."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    atoms = data.draw(st.lists(st.sampled_from([1, 2, 3, n, 2 * n]), min_size=1, max_size=4), label="atoms")
+    ishape, oshape = _group(data, atoms, "in"), _group(data, atoms, "out")
+    x, other = make(ishape, "f", gen), make(oshape, "f", gen)
+    cur = draw_current(data, x, n, blocks=False)
+    expect = [((R, R), (R,)), ((P, R), (P,))]
+    if isinstance(cur, Shard):
+        targets = view_shard_targets(ishape, oshape, cur.dim, n)
+        if targets:
+            expect.append(((cur, Shard(targets[0])), (Shard(targets[0]),)))
+    check(op, (x, other), n=n, current=(cur, R), gen=gen, expect=expect, current_first=True)
+
+
+@pytest.mark.timeout(120)
+@hyp(25)
+@given(data=st.data())
+def test_expand_as(data):
+    """x.expand_as(other): the expand rule by other's shape, a broadcast dim sharded from a whole x too."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    out_shape = draw_shape(data, n, 1, 4)
+    in_shape = draw_broadcast_shape(data, out_shape)
+    x, other = make(in_shape, "f", gen), make(out_shape, "f", gen)
+    off = len(out_shape) - len(in_shape)
+    cur = draw_current(data, x, n, blocks=False)
+    expect = [((Shard(d), Shard(d + off)), (Shard(d + off),)) for d in divisible_dims(in_shape, n)]
+    expect += [((P, R), (P,))]
+    expect += [((R, Shard(d)), (Shard(d),)) for d in divisible_dims(out_shape, n)
+               if d < off or in_shape[d - off] == 1]
+    check(aten.expand_as.default, (x, other), n=n, current=(cur, R), gen=gen, expect=expect, current_first=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", [aten.view_as_complex.default, aten.view_as_real.default], ids=str)
+@hyp(25)
+@given(data=st.data())
+def test_view_as_complex_real(op, data):
+    """The (real, imaginary) pair of the last dim: every other dim may stay sharded."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 0, 3)
+    x = make(shape + [2], "f", gen) if op is aten.view_as_complex.default else make(shape, "c", gen)
+    cur = draw_current(data, x, n, partial=False, blocks=False)
+    expect = [((Shard(d),), (Shard(d),)) for d in divisible_dims(shape, n)]
+    check(op, (x,), n=n, current=(cur,), gen=gen, expect=expect, current_first=True)
+
+
+@pytest.mark.timeout(120)
+@hyp(25)
+@given(data=st.data())
 def test_cat(data):
     """cat of 1-3 tensors along any dim, sharded along another, Partial; a legacy empty 1-D input."""
     n = data.draw(st.sampled_from(NS), label="n")
@@ -1067,7 +1145,8 @@ def test_cat(data):
     expect = [(tuple(R if e else Shard(d) for e in empty), (Shard(d),))
               for d in divisible_dims(shape, n) if d != dim % nd]
     expect.append((tuple(P for _ in xs), (P,)))
-    tested = check(aten.cat.default, (xs, dim), n=n, current=current, gen=gen, expect=expect)
+    op = data.draw(st.sampled_from([aten.cat.default, aten.concatenate.default]), label="op")
+    tested = check(op, (xs, dim), n=n, current=current, gen=gen, expect=expect)
     if mode not in ("R", "P") and any(s.inputs == current for s in tested):
         assert get_rule(aten.cat.default)(_info(aten.cat.default, (xs, dim), n, current))[0].inputs == current
 
@@ -1713,7 +1792,9 @@ TESTED_OPS = (
        aten.transpose.int, aten.t.default, aten.numpy_T.default, aten.permute.default, aten.expand.default,
        aten.slice.Tensor, aten.repeat_interleave.self_int, aten.select.int, aten.split.Tensor,
        aten.split_with_sizes.default, aten.unbind.int, aten.cat.default,
-       aten.pad.default, aten.constant_pad_nd.default}
+       aten.pad.default, aten.constant_pad_nd.default, aten.tensor_split.indices, aten.tensor_split.sections,
+       aten.concatenate.default, aten.view_as.default, aten.reshape_as.default, aten.expand_as.default,
+       aten.view_as_complex.default, aten.view_as_real.default}
     | {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
        aten.outer.default, aten.embedding.default, aten.scaled_dot_product_attention.default,
        aten.cross_entropy_loss.default}
