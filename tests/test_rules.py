@@ -710,6 +710,38 @@ def test_mean_over_unequal_shards_is_not_partial_avg():
             assert partial
 
 
+WHOLE_REDUCTIONS = {  # op -> (dims, keepdim) -> (args, kwargs)
+    aten.logsumexp.default: lambda x, d, k, c: ((x, d, k), {}),
+    aten.var.dim: lambda x, d, k, c: ((x, d, c == 1, k), {}),
+    aten.var.correction: lambda x, d, k, c: ((x, d), {"correction": c, "keepdim": k}),
+    aten.std.dim: lambda x, d, k, c: ((x, d, c == 1, k), {}),
+    aten.std.correction: lambda x, d, k, c: ((x, d), {"correction": c, "keepdim": k}),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", list(WHOLE_REDUCTIONS), ids=str)
+@hyp(25)
+@given(data=st.data())
+def test_whole_reductions(op, data):
+    """logsumexp / var / std: only the dims they keep may be sharded (no Partial over a reduced one)."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 1, 4)
+    nd = len(shape)
+    x = make(shape, "f", gen)
+    dims = data.draw(st.lists(st.integers(0, nd - 1), min_size=1, max_size=nd, unique=True), label="dims")
+    keep = data.draw(st.booleans(), label="keepdim")
+    corr = data.draw(st.sampled_from([0, 1]), label="correction")
+    args, kwargs = WHOLE_REDUCTIONS[op](x, [d - nd if data.draw(st.booleans(), label="neg") else d for d in dims],
+                                        keep, corr)
+    cur = draw_current(data, x, n, partial=False, blocks=False)
+    expect = [((Shard(d),), (Shard(d if keep else d - sum(1 for r in dims if r < d)),))
+              for d in divisible_dims(shape, n) if d not in dims]
+    tested = check(op, args, kwargs, n=n, current=(cur,), gen=gen, expect=expect, current_first=True)
+    assert all(s.inputs[0] not in [Shard(d) for d in dims] and not isinstance(s.inputs[0], Partial) for s in tested)
+
+
 SOFTMAX = {
     aten._softmax.default: lambda x, d: (x, d, False),
     aten.softmax.int: lambda x, d: (x, d),
@@ -1785,7 +1817,7 @@ import mcompile.kernels.ssd_scan  # noqa: E402, F401 - registers mcompile::ssd_s
 _SSD_SCAN = torch.ops.mcompile.ssd_scan.default
 TESTED_OPS = (
     set(UNARY) | set(BINARY) | {aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther}
-    | set(REDUCE_KIND) | set(SOFTMAX)
+    | set(REDUCE_KIND) | set(SOFTMAX) | set(WHOLE_REDUCTIONS)
     | {aten.layer_norm.default, aten.rms_norm.default}
     | {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
        aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.flatten.using_ints, aten.unflatten.int,

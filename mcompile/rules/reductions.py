@@ -53,6 +53,28 @@ def reduce(info: OpInfo) -> list[Strategy]:
     return out + [Strategy((R,), (R,), name="replicate")]
 
 
+def _named(info: OpInfo, name: str, default=None):
+    """An argument by its schema name, given positionally or as a keyword."""
+    names = [a.name for a in info.op._schema.arguments]
+    return info.arg(names.index(name), name, default) if name in names else default
+
+
+@rule(aten.logsumexp.default, aten.var.dim, aten.var.correction, aten.std.dim, aten.std.correction)
+def reduce_whole(info: OpInfo) -> list[Strategy]:
+    """Reductions whose value over a split dim is no plain sum / mean / max of the pieces' (``logsumexp``:
+    a log of the sum of exps; ``var`` / ``std``: squares about the whole mean): a dim they reduce stays
+    whole, any other dim may be sharded (Granite's attention sinks, xLSTM's group norm)."""
+    nd = info.inputs[0].ndim
+    dims = _named(info, "dim")
+    dims = set(range(nd)) if dims is None or dims == [] else {norm_dim(d, nd) for d in
+                                                             ([dims] if isinstance(dims, int) else dims)}
+    keep = _named(info, "keepdim", False)
+    out = [Strategy((Shard(d),), (Shard(d if keep else d - sum(1 for r in dims if r < d)),), name="other_dim")
+           for d in range(nd) if d not in dims]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    return out + [Strategy((R,), (R,), name="replicate")]
+
+
 @rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
 def softmax(info: OpInfo) -> list[Strategy]:
     nd = info.inputs[0].ndim
