@@ -1382,6 +1382,54 @@ def test_matmul(data):
 
 
 @pytest.mark.timeout(120)
+@hyp(40)
+@given(data=st.data())
+def test_einsum(data):
+    """Random equations of 1-3 operands: kept letters, summed letters (Partial), letters broadcast at size 1,
+    a leading ``...`` (broadcast too), an implicit output. Every letter of divisible size that no operand
+    repeats or broadcasts must be offered."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    size = {c: data.draw(size_st(n), label=f"size_{c}") for c in "abcde"}
+    k = data.draw(st.integers(1, 3), label="operands")
+    specs = [data.draw(st.lists(st.sampled_from("abcde"), min_size=0 if k > 1 else 1, max_size=3, unique=True),
+                       label="letters") for _ in range(k)]
+    used = list(dict.fromkeys("".join("".join(sp) for sp in specs)))
+    ell = data.draw(st.lists(size_st(n), max_size=2), label="ellipsis") if data.draw(st.booleans(), label="...") \
+        else None
+    shapes, texts = [], []
+    for sp in specs:
+        shp = [size[c] if not data.draw(st.booleans(), label="broadcast") or k == 1 else 1 for c in sp]
+        text = "".join(sp)
+        if ell is not None:
+            e = ell[len(ell) - data.draw(st.integers(0, len(ell)), label="ell dims"):]
+            e = [1 if data.draw(st.booleans(), label="ell broadcast") else z for z in e]
+            shp, text = e + shp, "..." + text
+        shapes.append(shp)
+        texts.append(text)
+    implicit = data.draw(st.booleans(), label="implicit")
+    out = "" if implicit else "".join(data.draw(st.permutations(used), label="out")[
+        :data.draw(st.integers(0, len(used)), label="kept")])
+    eq = ",".join(texts) + ("" if implicit else "->" + ("..." if ell is not None else "") + out)
+    xs = [make(shp, "f", gen) for shp in shapes]
+    cur = tuple(draw_current(data, x, n, blocks=False) for x in xs)
+    from mcompile.rules.matmul import einsum_letters
+    ops, out_letters = einsum_letters(eq, [x.ndim for x in xs])
+    expect = []
+    for c in used:
+        if size[c] == 1 or size[c] % n or any(sp.count(c) > 1 for sp in ops):
+            continue
+        if any(c in sp and shp[sp.index(c)] != size[c] for sp, shp in zip(ops, shapes)):
+            continue  # broadcast in some operand: offered too, but with that operand whole
+        ins = tuple(Shard(sp.index(c)) if c in sp else R for sp in ops)
+        expect.append((ins, (Shard(out_letters.index(c)),) if c in out_letters else (P,)))
+    expect += [(tuple(P if j == i else R for j in range(k)), (P,)) for i in range(k)]
+    # path: the contraction order, pairs of operand positions (no value effect, drawn to run it anyway)
+    kwargs = {"path": [1, 0] + [0, 1] * (k - 2)} if k > 1 and data.draw(st.booleans(), label="path") else {}
+    check(aten.einsum.default, (eq, xs), kwargs, n=n, current=cur, gen=gen, expect=expect)
+
+
+@pytest.mark.timeout(120)
 @hyp(25)
 @given(data=st.data())
 def test_embedding(data):
@@ -1829,7 +1877,7 @@ TESTED_OPS = (
        aten.view_as_complex.default, aten.view_as_real.default}
     | {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
        aten.outer.default, aten.embedding.default, aten.scaled_dot_product_attention.default,
-       aten.cross_entropy_loss.default}
+       aten.cross_entropy_loss.default, aten.einsum.default}
     | {aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.cumsum.default,
        aten.tril.default, aten.triu.default}
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
