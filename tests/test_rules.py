@@ -1857,6 +1857,118 @@ def test_ssd_scan(data):
 
 
 # ---------------------------------------------------------------------------------------------
+# a user's torch.autograd.Function: a pointwise rule where forward and backward are proven pointwise
+# ---------------------------------------------------------------------------------------------
+
+
+class _ClipGradSqrt(torch.autograd.Function):
+    """RecurrentGemma's SqrtBoundDerivative: sqrt, its gradient clipped (backward is no derivative of forward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.sqrt(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g / torch.sqrt(torch.clip(4.0 * x, min=0.3))
+
+
+class _GatedScale(torch.autograd.Function):
+    """Two same-shaped inputs and a scalar; backward scales one gradient by the scalar."""
+
+    @staticmethod
+    def forward(ctx, a, b, s):
+        ctx.save_for_backward(a, b)
+        ctx.s = s
+        return a * torch.sigmoid(b)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        sb = torch.sigmoid(b)
+        return g * sb * ctx.s, g * a * sb * (1 - sb), None
+
+
+class _NormalisedGrad(torch.autograd.Function):
+    """Elementwise forward, but backward normalises by the gradient's norm: every element coupled."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / g.norm()
+
+
+class _RowSoftmax(torch.autograd.Function):
+    """Not pointwise in forward (a softmax over the last dim)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.softmax(x, -1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return y * (g - (g * y).sum(-1, keepdim=True))
+
+
+def _function_op(cls, *args):
+    """The mcompile_fn op a capture makes of ``cls`` for these arguments (mcompile.autograd_fn)."""
+    from mcompile import autograd_fn
+
+    with autograd_fn.wrapping():
+        cls.apply(*args)
+    return next(getattr(torch.ops.mcompile_fn, o.name).default for o in autograd_fn._OPS.values() if o.cls is cls)
+
+
+@pytest.mark.timeout(120)
+@hyp(15)
+@given(data=st.data())
+def test_inferred_function_rule(data):
+    """A Function whose forward and backward trace to pointwise ops gets the pointwise rule; every strategy
+    runs the Function's OWN backward on local pieces (check_backward), so a split that ignored the custom
+    backward would fail here. Inputs of equal shapes (a broadcast input's gradient is summed by autograd:
+    not pointwise, refused below)."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 1, 3)
+    if data.draw(st.booleans(), label="two inputs"):
+        a, b = make(shape, "f", gen), make(shape, "f", gen)
+        args = (a, b, data.draw(st.sampled_from([0.5, 3.0]), label="s"))
+        op, tensors = _function_op(_GatedScale, *args), (a, b)
+    else:
+        x = make(shape, "pos", gen)
+        args, op, tensors = (x,), _function_op(_ClipGradSqrt, x), (x,)
+    cur = tuple(draw_current(data, t, n, partial=False, blocks=False) for t in tensors)
+    expect = [(tuple(Shard(d) for _ in tensors), (Shard(d),)) for d in divisible_dims(shape, n)]
+    tested = check(op, args, n=n, current=cur, gen=gen, expect=expect)
+    assert not any(isinstance(p, Partial) for s in tested for p in s.inputs + s.outputs)
+
+
+@pytest.mark.timeout(60)
+def test_inferred_function_rule_refuses():
+    """No split is inferred (the rule offers nothing: the op runs replicated and is reported) where the
+    forward or the backward is not pointwise, or an input broadcasts (its gradient is a sum), each with why."""
+    x, w = torch.randn(4, 6, dtype=F64), torch.randn(6, dtype=F64)
+    cases = [(_NormalisedGrad, (x,), "not pointwise"), (_RowSoftmax, (x,), "not pointwise"),
+             (_GatedScale, (x, w, 1.0), "not pointwise")]
+    for cls, args, why in cases:
+        op = _function_op(cls, *args)
+        tensors = _tensors(args, {})
+        out = _outputs(op(*args))
+        info = OpInfo(None, op, args, {}, [TensorMeta(tuple(t.shape), t.dtype) for t in tensors],
+                      [TensorMeta(tuple(o.shape), o.dtype) for o in out], 2, (R,) * len(tensors))
+        assert get_rule(op)(info) == [], cls.__name__
+        assert any(why in note for note in info.notes), (cls.__name__, info.notes)
+
+
+# ---------------------------------------------------------------------------------------------
 # every registered op has a test
 # ---------------------------------------------------------------------------------------------
 
