@@ -194,8 +194,8 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, what: str, values: bool =
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
     if not values:
         return
-    if want.is_floating_point():
-        tol = TOL[want.dtype]
+    if want.is_floating_point() or want.is_complex():
+        tol = TOL[want.real.dtype]
         scale = 1.0 + (float(want.abs().nan_to_num(0.0).max()) if want.numel() else 0.0)
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, equal_nan=True,
                                    msg=lambda m: f"{what}: {m}")
@@ -1838,6 +1838,95 @@ def test_depthwise_conv1d(data):
 @pytest.mark.timeout(120)
 @hyp(15)
 @given(data=st.data())
+def test_conv2d(data):
+    """A depthwise conv2d (Nystromformer's per-head conv of the values: kernel (k, 1), groups == heads) shards
+    its channels like the depthwise conv1d; any conv2d its batch. Stride, padding, dilation drawn."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    ch = n * data.draw(st.integers(1, 2), label="ch")
+    depthwise = data.draw(st.booleans(), label="depthwise")
+    kh, kw = data.draw(st.integers(1, 3), label="kh"), data.draw(st.integers(1, 2), label="kw")
+    stride, padding, dilation = (data.draw(st.integers(1, 2), label=lbl) for lbl in ("stride", "pad", "dil"))
+    h, w_ = (data.draw(st.integers(dilation * (k - 1) + 1, 6), label="hw") for k in (kh, kw))
+    x = make([data.draw(st.sampled_from([1, n]), label="b"), ch, h, w_], "f", gen)
+    w = make([ch, 1 if depthwise else ch, kh, kw], "f", gen)
+    bias = make([ch], "f", gen) if data.draw(st.booleans(), label="bias") else None
+    args = (x, w, bias, [stride, 1], [padding - 1, 0], [dilation, 1], ch if depthwise else 1)
+    rest = (R,) * (2 if bias is not None else 1)
+    expect = [((Shard(1), Shard(0)) + ((Shard(0),) if bias is not None else ()), (Shard(1),))] if depthwise else []
+    if x.shape[0] == n:
+        expect.append(((Shard(0),) + rest, (Shard(0),)))
+    check(aten.conv2d.default, args, n=n, current=(R,) * (len(rest) + 1), gen=gen, expect=expect)
+
+
+@pytest.mark.timeout(120)
+@hyp(15)
+@given(data=st.data())
+def test_im2col(data):
+    """im2col (F.unfold) keeps a shard of the batch or of the channels (each channel's kh*kw rows together)."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = [data.draw(st.sampled_from([1, n, 2 * n]), label="dim") for _ in range(2)] + [5, 6]  # >= (k-1)*dil+1
+    x = make(shape, "f", gen)
+    kernel = [data.draw(st.integers(1, 3), label="k") for _ in range(2)]
+    dil, pad, stride = ([data.draw(st.integers(lo, 2), label=lbl) for _ in range(2)]
+                        for lo, lbl in ((1, "dil"), (0, "pad"), (1, "stride")))
+    cur = draw_current(data, x, n, blocks=False)
+    expect = [((Shard(d),), (Shard(d),)) for d in divisible_dims(shape, n) if d < 2] + [((P,), (P,))]
+    check(aten.im2col.default, (x, kernel, dil, pad, stride), n=n, current=(cur,), gen=gen, expect=expect,
+          current_first=True)
+
+
+FFTS = {  # op -> (input kind, dims drawn: "one" an int, "many" a list, with s)
+    aten.fft_fft.default: ("c", "one"), aten.fft_ifft.default: ("c", "one"), aten.fft_rfft.default: ("f", "one"),
+    aten.fft_irfft.default: ("c", "one"), aten.fft_fft2.default: ("f", "two"), aten.fft_ifft2.default: ("c", "two"),
+    aten.fft_fftn.default: ("f", "many"), aten.fft_ifftn.default: ("c", "many"),
+    aten.fft_rfftn.default: ("f", "many"), aten.fft_irfftn.default: ("c", "many"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", list(FFTS), ids=str)
+@hyp(15)
+@given(data=st.data())
+def test_fft(op, data):
+    """Fourier transforms (FNet's fftn over sequence and hidden): only an untransformed dim may be sharded;
+    dims given, defaulted, or implied by ``s``; each norm."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    kind, form = FFTS[op]
+    c2r = op in (aten.fft_irfft.default, aten.fft_irfftn.default)
+    shape = draw_shape(data, n, 2 if form == "two" else 1, 3)
+    nd = len(shape)
+    x = make(shape, kind, gen)
+    kwargs = {"norm": data.draw(st.sampled_from([None, "ortho", "forward"]), label="norm")}
+    if form == "one":
+        dims = [data.draw(st.integers(-nd, nd - 1), label="dim")]
+        kwargs["dim"] = dims[0]
+        if c2r or data.draw(st.booleans(), label="n given"):  # irfft of 1 element would give 0 without n
+            kwargs["n"] = shape[dims[0]] + 1
+    else:
+        k = 2 if form == "two" else data.draw(st.integers(1, nd), label="k")
+        dims = sorted(data.draw(st.lists(st.integers(0, nd - 1), min_size=k, max_size=k, unique=True), label="dims"))
+        hows = ["dim", "s", "both", "none"] if form == "many" else ["dim", "both"]
+        how = data.draw(st.sampled_from([h for h in hows if not c2r or h in ("s", "both")]), label="how")
+        if how == "s":  # s alone: the last len(s) dims
+            dims = list(range(nd - k, nd))
+        if how != "none":
+            if how != "s":
+                kwargs["dim"] = dims
+            if how != "dim":
+                kwargs["s"] = [shape[d] + 1 for d in dims]
+        else:
+            dims = list(range(nd))
+    cur = draw_current(data, x, n, partial=False, blocks=False)
+    expect = [((Shard(d),), (Shard(d),)) for d in divisible_dims(shape, n) if d not in {d % nd for d in dims}]
+    check(op, (x,), kwargs, n=n, current=(cur,), gen=gen, expect=expect, current_first=True)
+
+
+@pytest.mark.timeout(120)
+@hyp(15)
+@given(data=st.data())
 def test_ssd_scan(data):
     """The Mamba-2 scan (kernels/ssd_scan.py's reference on CPU) per head: x, dt by heads, A and D by heads,
     B and C by groups when the groups divide (replicated with one group); or by batch."""
@@ -1994,7 +2083,7 @@ TESTED_OPS = (
        aten.tril.default, aten.triu.default}
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
     | {aten.chunk.default, aten.diff.default}  # tested in tests/test_rules_dtensor.py (test_chunk, test_diff)
-    | {aten.conv1d.default, _SSD_SCAN}
+    | {aten.conv1d.default, aten.conv2d.default, aten.im2col.default, _SSD_SCAN} | set(FFTS)
 )
 # Registered ops deliberately without a test here (with the reason).
 from mcompile.moe import moe_ffn  # noqa: E402

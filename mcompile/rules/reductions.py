@@ -75,6 +75,29 @@ def reduce_whole(info: OpInfo) -> list[Strategy]:
     return out + [Strategy((R,), (R,), name="replicate")]
 
 
+_FFT = [aten.fft_fft.default, aten.fft_ifft.default, aten.fft_rfft.default, aten.fft_irfft.default,
+        aten.fft_fft2.default, aten.fft_ifft2.default, aten.fft_fftn.default, aten.fft_ifftn.default,
+        aten.fft_rfftn.default, aten.fft_irfftn.default]
+
+
+@rule(*_FFT)
+def fft(info: OpInfo) -> list[Strategy]:
+    """A Fourier transform over some dims (FNet's ``fftn`` over sequence and hidden) mixes every element
+    along them: only the dims it does not transform may be sharded. No Partial: a complex partial sum
+    would need complex collectives."""
+    nd = info.inputs[0].ndim
+    names = [a.name for a in info.op._schema.arguments]
+    default = info.op._schema.arguments[names.index("dim")].default_value
+    dims = _named(info, "dim", default)
+    if dims is None:  # fftn: the last len(s) dims, every dim without s
+        s = _named(info, "s")
+        dims = range(nd - len(s), nd) if s is not None else range(nd)
+    dims = {norm_dim(d, nd) for d in ([dims] if isinstance(dims, int) else dims)}
+    out = [Strategy((Shard(d),), (Shard(d),), name="other_dim") for d in range(nd) if d not in dims]
+    out.sort(key=lambda st: st.inputs[0] != _cur(info))
+    return out + [Strategy((R,), (R,), name="replicate")]
+
+
 @rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
 def softmax(info: OpInfo) -> list[Strategy]:
     nd = info.inputs[0].ndim

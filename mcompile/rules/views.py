@@ -1,6 +1,6 @@
 """Views and data movement: view/reshape (and ``view_as`` / ``reshape_as``), unsqueeze/squeeze,
 transpose/permute, expand (``expand_as``), ``view_as_complex`` / ``view_as_real``, slice, select,
-split / chunk / unbind / tensor_split, cat / concatenate, pad.
+split / chunk / unbind / tensor_split, cat / concatenate, pad, im2col.
 
 view/reshape group input and output dims into minimal runs of equal product (the same idea as
 DTensor's view groups, Ansel et al. 2024). A sharded input dim stays sharded when it is the
@@ -439,6 +439,17 @@ def pad(info: OpInfo) -> list[Strategy]:
         out.append(Strategy((Shard(d),), (Shard(d),), name="other_dim"))
     out.sort(key=lambda s: s.inputs[0] != _cur(info))
     return out + [Strategy((R,), (R,), name="replicate")]
+
+
+@rule(aten.im2col.default)
+def im2col(info: OpInfo) -> list[Strategy]:
+    """``im2col(x, kernel, dilation, padding, stride)`` (``F.unfold``; ConvBERT's span-based convolution):
+    ``(N, C, H, W) -> (N, C*kh*kw, L)``. Each channel's patches are a contiguous run of kh*kw rows, so a
+    shard of the channels is the same shard of the rows; the batch stays the batch. Linear: Partial stays."""
+    nd = info.inputs[0].ndim
+    out = [Strategy((Shard(d),), (Shard(d),), name="other_dim") for d in range(nd - 2)]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
 
 
 @rule(aten.index.Tensor)
