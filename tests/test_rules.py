@@ -240,7 +240,7 @@ def run_strategy(op, args, kwargs, s: Strategy, ref: list[torch.Tensor], n: int,
 
 
 # tensor inputs (tensor_input_nodes order) that autograd refuses to differentiate
-_NOT_DIFFERENTIABLE = {aten.cross_entropy_loss.default: {2}}  # the class weight
+_NOT_DIFFERENTIABLE = {aten.cross_entropy_loss.default: {2}, aten.nll_loss_nd.default: {2}}  # the class weight
 
 
 def check_backward(op, args, kwargs, s: Strategy, pieces, n: int, gen, ctx: str):
@@ -1612,9 +1612,10 @@ def _sdpa_case(draw):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", [aten.cross_entropy_loss.default, aten.nll_loss_nd.default], ids=str)
 @hyp(25)
 @given(data=st.data())
-def test_cross_entropy(data):
+def test_cross_entropy(op, data):
     """Batch-sharded cross-entropy: none -> S(0), sum -> P(sum). A mean is never split over the batch:
     the mean of per-rank means is the global mean only when every rank counts the same (weighted)
     number of targets, which a rule cannot know (issue 21; the runtime rewrites a mean loss into a
@@ -1640,12 +1641,14 @@ def test_cross_entropy(data):
     weight = make([classes], "pos", gen) if data.draw(st.booleans(), label="weight") else None
     smoothing = data.draw(st.sampled_from([0.0, 0.1]), label="smoothing")
     args = (x, target, weight, reduction, ignore, smoothing)
+    if op is aten.nll_loss_nd.default:  # of log-probabilities, no smoothing
+        args = (x.log_softmax(1), target, weight, reduction, ignore)
     nin = 2 + (weight is not None)
     current = data.draw(st.sampled_from([(R,) * nin, (Shard(0), Shard(0)) + (R,) * (nin - 2)]), label="current")
     expect = [((R,) * nin, (R,))]
     if reduction != 1:
         expect.append(((Shard(0), Shard(0)) + (R,) * (nin - 2), (Shard(0) if reduction == 0 else Partial("sum"),)))
-    tested = check(aten.cross_entropy_loss.default, args, n=n, current=current, gen=gen, expect=expect)
+    tested = check(op, args, n=n, current=current, gen=gen, expect=expect)
     if reduction == 1:
         assert all(s.name == "replicate" for s in tested), tested
 
@@ -2078,7 +2081,7 @@ TESTED_OPS = (
        aten.view_as_complex.default, aten.view_as_real.default}
     | {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
        aten.outer.default, aten.embedding.default, aten.scaled_dot_product_attention.default,
-       aten.cross_entropy_loss.default, aten.einsum.default}
+       aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.einsum.default}
     | {aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.cumsum.default,
        aten.tril.default, aten.triu.default}
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}

@@ -177,13 +177,26 @@ def cross_entropy(info: OpInfo) -> list[Strategy]:
     cdim = 1 if x.ndim >= 2 else 0
     if not weight:  # the lowering carries ignore_index, reduction and label_smoothing
         s.append(Strategy((Shard(cdim), R), (R,), lowering="vocab_parallel_cross_entropy", name="vocab_parallel"))
-    if x.ndim >= 2 and reduction != 1:
-        # a mean over a batch-sharded target would be the mean of per-rank means, exact only when every
-        # rank counts the same (weighted) number of non-ignored targets: never offered. The runtime
-        # rewrites a mean loss into a sum and a count (passes/loss.py) before planning.
+    return s + _batch_loss(info, reduction)
+
+
+def _batch_loss(info: OpInfo, reduction: int) -> list[Strategy]:
+    """A loss over (N, C, ...) scores and (N, ...) targets split by rows: none -> S(0), sum -> Partial(sum).
+    A mean over a batch-sharded target would be the mean of per-rank means, exact only when every rank
+    counts the same (weighted) number of non-ignored targets: never offered. The runtime rewrites a mean
+    loss into a sum and a count (passes/loss.py) before planning."""
+    s = []
+    if info.inputs[0].ndim >= 2 and reduction != 1:
         out = Shard(0) if reduction == 0 else Partial("sum")
-        s.append(Strategy((Shard(0), Shard(0)) + (R,) * weight, (out,), name="batch"))
+        s.append(Strategy((Shard(0), Shard(0)) + (R,) * (len(info.inputs) - 2), (out,), name="batch"))
     return s + [Strategy((R,) * len(info.inputs), (R,), name="replicate")]
+
+
+@rule(aten.nll_loss_nd.default)
+def nll_loss(info: OpInfo) -> list[Strategy]:
+    """``nll_loss`` of log-probabilities (ProphetNet): split by rows like cross-entropy (no vocab-parallel
+    lowering: the log-softmax before it needs whole rows anyway)."""
+    return _batch_loss(info, info.arg(3, "reduction", 1))
 
 
 def einsum_letters(equation: str, ndims: list[int]) -> tuple[list[str], str]:
