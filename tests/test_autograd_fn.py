@@ -48,9 +48,10 @@ def _worst(got: dict, ref: dict) -> float:
 def test_functions_keep_their_own_backward_on_one_device_dp2_and_tp2():
     """Single device (tp=1), dp=2 and tp=2 in the thread simulator: loss and every gradient equal eager
     PyTorch's, whose gradients differ from the forward-differentiated ones; each Function is one op, split
-    where its forward and backward are pointwise (RoundSTE, ScaleGrad, Shift: mcompile.autograd_fn.pointwise_rule),
-    else replicated and reported (ProductAndMax's amax, Recomputed's gradient of a broadcast gain); at tp=2 the joint path (forward and backward traced into one graph) gives the autograd
-    path's gradients to the bit, with each Function's backward traced as ops, no opaque node left."""
+    where its forward and backward are pointwise (RoundSTE, ScaleGrad, Shift:
+    mcompile.autograd_fn.pointwise_rule), else replicated and reported (ProductAndMax's amax, Recomputed's
+    gradient of a broadcast gain); at tp=2 the joint path (forward and backward traced into one graph) gives
+    the autograd path's gradients to the bit, with each Function's backward traced as ops, no opaque node left."""
     model, inputs, ref_loss, ref = _eager()
     naive = forward_differentiated(model, inputs)
     assert _worst(naive, ref) > 0.1  # the Functions' backwards matter: parity below can fail

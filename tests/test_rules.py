@@ -479,7 +479,6 @@ UNARY = {
     aten.rsub.Scalar: [("f", lambda x: (x, 2.0)), ("f", lambda x: (x, 2.0, 0.5))],
     aten.log_sigmoid.default: [("f", lambda x: (x,))],
     aten.clamp_max.default: [("f", lambda x: (x, 0.2))],
-    aten.clamp_min.default: [("f", lambda x: (x, -0.3))],
     # floor_divide has no derivative (torch): integer cases only (expert ids in MoE routing)
     aten.floor_divide.Scalar: [("int", lambda x: (x, 2)), ("int", lambda x: (x, -3))],
     aten.real.default: [("c", lambda x: (x,))],
@@ -546,8 +545,6 @@ BINARY = {
     aten.type_as.default: [("f", "f32", lambda x, y: (x, y)), ("int", "f", lambda x, y: (x, y))],
     aten.multiply.Tensor: [("f", "f", lambda x, y: (x, y)), ("f", "scalar", lambda x, y: (x, -2.0))],
     aten.floor_divide.default: [("int", "nzint", lambda x, y: (x, y))],
-    aten.clamp_max.Tensor: [("f", "f", lambda x, y: (x, y))],
-    aten.clamp_min.Tensor: [("f", "f", lambda x, y: (x, y))],
 }
 # Ops linear in one tensor input: the Partial strategies they must offer (float output, 2 tensors).
 PARTIAL_BINARY = {
@@ -713,9 +710,7 @@ def test_mean_over_unequal_shards_is_not_partial_avg():
 WHOLE_REDUCTIONS = {  # op -> (dims, keepdim) -> (args, kwargs)
     aten.logsumexp.default: lambda x, d, k, c: ((x, d, k), {}),
     aten.var.dim: lambda x, d, k, c: ((x, d, c == 1, k), {}),
-    aten.var.correction: lambda x, d, k, c: ((x, d), {"correction": c, "keepdim": k}),
     aten.std.dim: lambda x, d, k, c: ((x, d, c == 1, k), {}),
-    aten.std.correction: lambda x, d, k, c: ((x, d), {"correction": c, "keepdim": k}),
 }
 
 

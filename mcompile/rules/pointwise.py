@@ -26,7 +26,7 @@ UNARY = [
     aten.gelu.default, aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar,
     aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar,
     aten.masked_fill.Scalar, aten.log_sigmoid_forward.default if hasattr(aten, "log_sigmoid_forward") else None,
-    aten.log_sigmoid.default, aten.clamp_max.default, aten.clamp_min.default, aten.floor_divide.Scalar,
+    aten.log_sigmoid.default, aten.clamp_max.default, aten.floor_divide.Scalar,
     aten.real.default,
 ]
 BINARY = [
@@ -35,7 +35,7 @@ BINARY = [
     aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor, aten.logical_and.default, aten.logical_or.default,
     aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.where.self, aten.masked_fill.Tensor,
     aten.rsub.Tensor, aten.rsub.Scalar, aten.atan2.default, aten.__and__.Tensor, aten.__or__.Tensor,
-    aten.multiply.Tensor, aten.floor_divide.default, aten.clamp_max.Tensor, aten.clamp_min.Tensor,
+    aten.multiply.Tensor, aten.floor_divide.default,
 ]
 # Ops linear in their (single, or every) tensor input, so a Partial input gives a Partial output.
 _LINEAR_UNARY = {

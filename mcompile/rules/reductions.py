@@ -59,7 +59,7 @@ def _named(info: OpInfo, name: str, default=None):
     return info.arg(names.index(name), name, default) if name in names else default
 
 
-@rule(aten.logsumexp.default, aten.var.dim, aten.var.correction, aten.std.dim, aten.std.correction)
+@rule(aten.logsumexp.default, aten.var.dim, aten.std.dim)  # var / std.correction: DTensor's (the bridge)
 def reduce_whole(info: OpInfo) -> list[Strategy]:
     """Reductions whose value over a split dim is no plain sum / mean / max of the pieces' (``logsumexp``:
     a log of the sum of exps; ``var`` / ``std``: squares about the whole mean): a dim they reduce stays
