@@ -405,7 +405,11 @@ def _shape_of_other(info: OpInfo, rule_fn) -> list[Strategy]:
     for s in strategies:
         q = s.outputs[0]
         other = q if isinstance(q, Shard | BlockShard) else R
-        out.append(Strategy((s.inputs[0], other), s.outputs, s.lowering, s.name))
+        # a whole x broadcast along other's split dim (XLM's mask expanded to the head-split scores): each rank
+        # keeps its part at no cost, where a whole output would need other gathered just for its shape. Not
+        # named expand_broadcast, which the propagator keeps off input-only values (their consumers slice)
+        name = "expand_as_broadcast" if s.name == "expand_broadcast" else s.name
+        out.append(Strategy((s.inputs[0], other), s.outputs, s.lowering, name))
     return out
 
 
