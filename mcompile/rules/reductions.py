@@ -27,13 +27,23 @@ def _cur(info):
     return info.current[0] if info.current else R
 
 
+def _dims(dims, nd: int) -> set[int]:
+    """The dims a ``dim`` argument names (an int or a list; None or [] is every dim), normalised."""
+    if dims is None or dims == []:
+        return set(range(nd))
+    return {norm_dim(d, nd) for d in ([dims] if isinstance(dims, int) else dims)}
+
+
+def _out_dim(d: int, dims: set[int], keep: bool) -> int:
+    """Where input dim d (not reduced) lands in the output of a reduction over ``dims``."""
+    return d if keep else d - sum(1 for r in dims if r < d)
+
+
 @rule(*_KIND)
 def reduce(info: OpInfo) -> list[Strategy]:
     nd = info.inputs[0].ndim
-    dims = info.arg(1, "dim", None)
-    if dims is None or dims == [] or info.op in (aten.sum.default, aten.mean.default):
-        dims = list(range(nd))
-    dims = {norm_dim(d, nd) for d in ([dims] if isinstance(dims, int) else dims)}
+    whole = info.op in (aten.sum.default, aten.mean.default)
+    dims = _dims(None if whole else info.arg(1, "dim", None), nd)
     keep = info.arg(2, "keepdim", False) if info.op not in (aten.sum.default, aten.mean.default) else False
     kind = _KIND[info.op]
     out = []
@@ -45,8 +55,7 @@ def reduce(info: OpInfo) -> list[Strategy]:
                 continue
             out.append(Strategy((Shard(d),), (Partial(kind),), name=f"reduce_{kind}"))
         else:
-            od = d if keep else d - sum(1 for r in dims if r < d)
-            out.append(Strategy((Shard(d),), (Shard(od),), name="other_dim"))
+            out.append(Strategy((Shard(d),), (Shard(_out_dim(d, dims, keep)),), name="other_dim"))
     out.sort(key=lambda s: s.inputs[0] != _cur(info))
     if kind in ("sum", "avg") and info.outputs[0].dtype.is_floating_point:
         out.append(Strategy((Partial(),), (Partial(),), name="partial"))
@@ -65,11 +74,8 @@ def reduce_whole(info: OpInfo) -> list[Strategy]:
     a log of the sum of exps; ``var`` / ``std``: squares about the whole mean): a dim they reduce stays
     whole, any other dim may be sharded (Granite's attention sinks, xLSTM's group norm)."""
     nd = info.inputs[0].ndim
-    dims = _named(info, "dim")
-    dims = set(range(nd)) if dims is None or dims == [] else {norm_dim(d, nd) for d in
-                                                             ([dims] if isinstance(dims, int) else dims)}
-    keep = _named(info, "keepdim", False)
-    out = [Strategy((Shard(d),), (Shard(d if keep else d - sum(1 for r in dims if r < d)),), name="other_dim")
+    dims, keep = _dims(_named(info, "dim"), nd), _named(info, "keepdim", False)
+    out = [Strategy((Shard(d),), (Shard(_out_dim(d, dims, keep)),), name="other_dim")
            for d in range(nd) if d not in dims]
     out.sort(key=lambda s: s.inputs[0] != _cur(info))
     return out + [Strategy((R,), (R,), name="replicate")]
@@ -89,10 +95,9 @@ def fft(info: OpInfo) -> list[Strategy]:
     names = [a.name for a in info.op._schema.arguments]
     default = info.op._schema.arguments[names.index("dim")].default_value
     dims = _named(info, "dim", default)
-    if dims is None:  # fftn: the last len(s) dims, every dim without s
-        s = _named(info, "s")
-        dims = range(nd - len(s), nd) if s is not None else range(nd)
-    dims = {norm_dim(d, nd) for d in ([dims] if isinstance(dims, int) else dims)}
+    if dims is None and _named(info, "s") is not None:  # fftn: the last len(s) dims (every dim without s)
+        dims = list(range(nd - len(_named(info, "s")), nd))
+    dims = _dims(dims, nd)
     out = [Strategy((Shard(d),), (Shard(d),), name="other_dim") for d in range(nd) if d not in dims]
     out.sort(key=lambda st: st.inputs[0] != _cur(info))
     return out + [Strategy((R,), (R,), name="replicate")]
