@@ -352,14 +352,13 @@ def _propagate_axis(
         info = OpInfo(node, node.target, tuple(node.args), dict(node.kwargs), in_metas, outs, n, current,
                       token_symbol=sym.get(SEQ) if policy.context_parallel else None)
         rule = get_rule(node.target)
-        if rule is None:
+        cands = rule(info) if rule is not None else []
+        if not cands:  # no rule, or one that proves no split for these inputs (mcompile.rules)
             # An input-only value (a mask, position ids, a RoPE table) held whole by every rank runs
             # replicated at no cost: nothing to report. Anything else is reported once.
             if node.name in from_params or any(not isinstance(c, Replicate) for c in current):
                 fallbacks.add(str(node.target))
             cands = [replicate_all(info)]
-        else:
-            cands = rule(info)
         weight_args = CONTRACTION_WEIGHT_ARGS.get(node.target, ())
         if outs and outs[0].ndim and outs[0].shape[-1] == 1:
             # one output feature (Qwen2-MoE's [1, h] shared-expert gate: a scalar gate): nothing to split

@@ -1779,7 +1779,7 @@ def block_placements(model, tp: int, *, sequence_parallel: bool = False, hardwar
                         for a in ins)
         info = OpInfo(n, n.target, tuple(n.args), dict(n.kwargs), metas, outs, tp, current)
         rule = get_rule(n.target)
-        options = rule(info) if rule is not None else [replicate_all(info)]
+        options = (rule(info) if rule is not None else []) or [replicate_all(info)]
         weight_args = CONTRACTION_WEIGHT_ARGS.get(n.target, ())
         keep = []
         for s in options:

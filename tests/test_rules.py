@@ -82,6 +82,10 @@ def make(shape, kind: str, gen: torch.Generator) -> torch.Tensor:
         return torch.randint(-2, 3, shape, generator=gen).to(F64)
     if kind == "int":
         return torch.randint(-3, 4, shape, generator=gen)
+    if kind == "nzint":  # integer divisors
+        return torch.randint(1, 4, shape, generator=gen) * (torch.randint(0, 2, shape, generator=gen) * 2 - 1)
+    if kind == "c":  # complex (rotary embeddings as complex numbers, an FFT's output)
+        return torch.randn(shape, dtype=torch.complex128, generator=gen)
     if kind == "bool":
         return torch.rand(shape, generator=gen) < 0.5
     raise ValueError(kind)
@@ -91,7 +95,7 @@ def partial_pieces(full: torch.Tensor, reduce_op: str, n: int, gen: torch.Genera
     """n random pieces whose sum / mean / max / min (per ``reduce_op``) is ``full``."""
     if full.dtype == torch.bool:
         raise NotApplicable("a bool tensor is never Partial")
-    floating = full.is_floating_point()
+    floating = full.is_floating_point() or full.is_complex()
 
     def noise():
         if floating:
@@ -190,8 +194,8 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, what: str, values: bool =
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
     if not values:
         return
-    if want.is_floating_point():
-        tol = TOL[want.dtype]
+    if want.is_floating_point() or want.is_complex():
+        tol = TOL[want.real.dtype]
         scale = 1.0 + (float(want.abs().nan_to_num(0.0).max()) if want.numel() else 0.0)
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, equal_nan=True,
                                    msg=lambda m: f"{what}: {m}")
@@ -236,7 +240,7 @@ def run_strategy(op, args, kwargs, s: Strategy, ref: list[torch.Tensor], n: int,
 
 
 # tensor inputs (tensor_input_nodes order) that autograd refuses to differentiate
-_NOT_DIFFERENTIABLE = {aten.cross_entropy_loss.default: {2}}  # the class weight
+_NOT_DIFFERENTIABLE = {aten.cross_entropy_loss.default: {2}, aten.nll_loss_nd.default: {2}}  # the class weight
 
 
 def check_backward(op, args, kwargs, s: Strategy, pieces, n: int, gen, ctx: str):
@@ -473,10 +477,15 @@ UNARY = {
     aten.ge.Scalar: [("small", lambda x: (x, 0))],
     aten.log_sigmoid_forward.default: [("f", lambda x: (x,))],
     aten.rsub.Scalar: [("f", lambda x: (x, 2.0)), ("f", lambda x: (x, 2.0, 0.5))],
+    aten.log_sigmoid.default: [("f", lambda x: (x,))],
+    aten.clamp_max.default: [("f", lambda x: (x, 0.2))],
+    # floor_divide has no derivative (torch): integer cases only (expert ids in MoE routing)
+    aten.floor_divide.Scalar: [("int", lambda x: (x, 2)), ("int", lambda x: (x, -3))],
+    aten.real.default: [("c", lambda x: (x,))],
 }
 # Ops linear in their input: a Partial input must be able to stay Partial.
 LINEAR_UNARY = {aten.neg.default, aten.clone.default, aten.mul.Scalar, aten.div.Scalar, aten.to.dtype,
-                aten._to_copy.default, aten.detach.default}
+                aten._to_copy.default, aten.detach.default, aten.real.default}
 VALUES_UNDEFINED = {aten.empty_like.default, aten.empty.memory_format}
 
 
@@ -534,12 +543,15 @@ BINARY = {
     aten.rsub.Tensor: [("f", "f", lambda x, y: (x, y)), ("f", "f", lambda x, y: ((x, y), {"alpha": 0.25}))],
     aten.atan2.default: [("f", "f", lambda x, y: (x, y))],
     aten.type_as.default: [("f", "f32", lambda x, y: (x, y)), ("int", "f", lambda x, y: (x, y))],
+    aten.multiply.Tensor: [("f", "f", lambda x, y: (x, y)), ("f", "scalar", lambda x, y: (x, -2.0))],
+    aten.floor_divide.default: [("int", "nzint", lambda x, y: (x, y))],
 }
 # Ops linear in one tensor input: the Partial strategies they must offer (float output, 2 tensors).
 PARTIAL_BINARY = {
     aten.add.Tensor: [((P, P), (P,))],
     aten.sub.Tensor: [((P, P), (P,))],
     aten.mul.Tensor: [((P, R), (P,)), ((R, P), (P,))],
+    aten.multiply.Tensor: [((P, R), (P,)), ((R, P), (P,))],
     aten.div.Tensor: [((P, R), (P,))],
 }
 
@@ -596,7 +608,7 @@ def test_binary_pointwise(op, data):
         if len(tensors) == 2:  # (a bool mask is never Partial)
             expect += [e for e in PARTIAL_BINARY[op]
                        if not any(p == P and t.dtype == torch.bool for p, t in zip(e[0], tensors))]
-        elif op in (aten.mul.Tensor, aten.div.Tensor):  # by a Python scalar (x + 2 is affine, not linear)
+        elif op in (aten.mul.Tensor, aten.multiply.Tensor, aten.div.Tensor):  # by a scalar (x + 2 is affine)
             expect.append(((P,), (P,)))
     check(op, args, kwargs, n=n, current=current, gen=gen, expect=expect)
 
@@ -693,6 +705,36 @@ def test_mean_over_unequal_shards_is_not_partial_avg():
             assert not partial and any("unequal shards" in note for note in info.notes), info.notes
         else:
             assert partial
+
+
+WHOLE_REDUCTIONS = {  # op -> (dims, keepdim) -> (args, kwargs)
+    aten.logsumexp.default: lambda x, d, k, c: ((x, d, k), {}),
+    aten.var.dim: lambda x, d, k, c: ((x, d, c == 1, k), {}),
+    aten.std.dim: lambda x, d, k, c: ((x, d, c == 1, k), {}),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", list(WHOLE_REDUCTIONS), ids=str)
+@hyp(25)
+@given(data=st.data())
+def test_whole_reductions(op, data):
+    """logsumexp / var / std: only the dims they keep may be sharded (no Partial over a reduced one)."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 1, 4)
+    nd = len(shape)
+    x = make(shape, "f", gen)
+    dims = data.draw(st.lists(st.integers(0, nd - 1), min_size=1, max_size=nd, unique=True), label="dims")
+    keep = data.draw(st.booleans(), label="keepdim")
+    corr = data.draw(st.sampled_from([0, 1]), label="correction")
+    args, kwargs = WHOLE_REDUCTIONS[op](x, [d - nd if data.draw(st.booleans(), label="neg") else d for d in dims],
+                                        keep, corr)
+    cur = draw_current(data, x, n, partial=False, blocks=False)
+    expect = [((Shard(d),), (Shard(d if keep else d - sum(1 for r in dims if r < d)),))
+              for d in divisible_dims(shape, n) if d not in dims]
+    tested = check(op, args, kwargs, n=n, current=(cur,), gen=gen, expect=expect, current_first=True)
+    assert all(s.inputs[0] not in [Shard(d) for d in dims] and not isinstance(s.inputs[0], Partial) for s in tested)
 
 
 SOFTMAX = {
@@ -1071,6 +1113,84 @@ def test_split_unbind(which, data):
 @pytest.mark.timeout(120)
 @hyp(25)
 @given(data=st.data())
+def test_tensor_split(data):
+    """tensor_split by indices (past the end too, repeated) or into k sections, along any dim: the other
+    dims stay sharded, Partial stays Partial."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 1, 3)
+    nd = len(shape)
+    dim = data.draw(st.integers(-nd, nd - 1), label="dim")
+    x = make(shape, "f", gen)
+    if data.draw(st.booleans(), label="sections"):
+        op, args = aten.tensor_split.sections, (x, data.draw(st.integers(1, 4), label="k"), dim)
+    else:
+        idx = sorted(data.draw(st.lists(st.integers(0, shape[dim] + 1), max_size=3), label="indices"))
+        op, args = aten.tensor_split.indices, (x, idx, dim)
+    k_out = len(op(*args))
+    cur = draw_current(data, x, n, blocks=False)
+    expect = [((Shard(d),), (Shard(d),) * k_out) for d in divisible_dims(shape, n) if d != dim % nd]
+    expect.append(((P,), (P,) * k_out))
+    check(op, args, n=n, current=(cur,), gen=gen, expect=expect, current_first=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", [aten.view_as.default, aten.reshape_as.default], ids=str)
+@hyp(25)
+@given(data=st.data())
+def test_view_as(op, data):
+    """x.view_as(other): the view rule by other's shape; other (only its shape is read) split like the output."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    atoms = data.draw(st.lists(st.sampled_from([1, 2, 3, n, 2 * n]), min_size=1, max_size=4), label="atoms")
+    ishape, oshape = _group(data, atoms, "in"), _group(data, atoms, "out")
+    x, other = make(ishape, "f", gen), make(oshape, "f", gen)
+    cur = draw_current(data, x, n, blocks=False)
+    expect = [((R, R), (R,)), ((P, R), (P,))]
+    if isinstance(cur, Shard):
+        targets = view_shard_targets(ishape, oshape, cur.dim, n)
+        if targets:
+            expect.append(((cur, Shard(targets[0])), (Shard(targets[0]),)))
+    check(op, (x, other), n=n, current=(cur, R), gen=gen, expect=expect, current_first=True)
+
+
+@pytest.mark.timeout(120)
+@hyp(25)
+@given(data=st.data())
+def test_expand_as(data):
+    """x.expand_as(other): the expand rule by other's shape, a broadcast dim sharded from a whole x too."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    out_shape = draw_shape(data, n, 1, 4)
+    in_shape = draw_broadcast_shape(data, out_shape)
+    x, other = make(in_shape, "f", gen), make(out_shape, "f", gen)
+    off = len(out_shape) - len(in_shape)
+    cur = draw_current(data, x, n, blocks=False)
+    expect = [((Shard(d), Shard(d + off)), (Shard(d + off),)) for d in divisible_dims(in_shape, n)]
+    expect += [((P, R), (P,))]
+    expect += [((R, Shard(d)), (Shard(d),)) for d in divisible_dims(out_shape, n)
+               if d < off or in_shape[d - off] == 1]
+    check(aten.expand_as.default, (x, other), n=n, current=(cur, R), gen=gen, expect=expect, current_first=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", [aten.view_as_complex.default, aten.view_as_real.default], ids=str)
+@hyp(25)
+@given(data=st.data())
+def test_view_as_complex_real(op, data):
+    """The (real, imaginary) pair of the last dim: every other dim may stay sharded."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 0, 3)
+    x = make(shape + [2], "f", gen) if op is aten.view_as_complex.default else make(shape, "c", gen)
+    cur = draw_current(data, x, n, partial=False, blocks=False)
+    expect = [((Shard(d),), (Shard(d),)) for d in divisible_dims(shape, n)]
+    check(op, (x,), n=n, current=(cur,), gen=gen, expect=expect, current_first=True)
+
+
+@pytest.mark.timeout(120)
+@hyp(25)
+@given(data=st.data())
 def test_cat(data):
     """cat of 1-3 tensors along any dim, sharded along another, Partial; a legacy empty 1-D input."""
     n = data.draw(st.sampled_from(NS), label="n")
@@ -1092,7 +1212,8 @@ def test_cat(data):
     expect = [(tuple(R if e else Shard(d) for e in empty), (Shard(d),))
               for d in divisible_dims(shape, n) if d != dim % nd]
     expect.append((tuple(P for _ in xs), (P,)))
-    tested = check(aten.cat.default, (xs, dim), n=n, current=current, gen=gen, expect=expect)
+    op = data.draw(st.sampled_from([aten.cat.default, aten.concatenate.default]), label="op")
+    tested = check(op, (xs, dim), n=n, current=current, gen=gen, expect=expect)
     if mode not in ("R", "P") and any(s.inputs == current for s in tested):
         assert get_rule(aten.cat.default)(_info(aten.cat.default, (xs, dim), n, current))[0].inputs == current
 
@@ -1300,6 +1421,54 @@ def test_matmul(data):
 
 
 @pytest.mark.timeout(120)
+@hyp(40)
+@given(data=st.data())
+def test_einsum(data):
+    """Random equations of 1-3 operands: kept letters, summed letters (Partial), letters broadcast at size 1,
+    a leading ``...`` (broadcast too), an implicit output. Every letter of divisible size that no operand
+    repeats or broadcasts must be offered."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    size = {c: data.draw(size_st(n), label=f"size_{c}") for c in "abcde"}
+    k = data.draw(st.integers(1, 3), label="operands")
+    specs = [data.draw(st.lists(st.sampled_from("abcde"), min_size=0 if k > 1 else 1, max_size=3, unique=True),
+                       label="letters") for _ in range(k)]
+    used = list(dict.fromkeys("".join("".join(sp) for sp in specs)))
+    ell = data.draw(st.lists(size_st(n), max_size=2), label="ellipsis") if data.draw(st.booleans(), label="...") \
+        else None
+    shapes, texts = [], []
+    for sp in specs:
+        shp = [size[c] if not data.draw(st.booleans(), label="broadcast") or k == 1 else 1 for c in sp]
+        text = "".join(sp)
+        if ell is not None:
+            e = ell[len(ell) - data.draw(st.integers(0, len(ell)), label="ell dims"):]
+            e = [1 if data.draw(st.booleans(), label="ell broadcast") else z for z in e]
+            shp, text = e + shp, "..." + text
+        shapes.append(shp)
+        texts.append(text)
+    implicit = data.draw(st.booleans(), label="implicit")
+    out = "" if implicit else "".join(data.draw(st.permutations(used), label="out")[
+        :data.draw(st.integers(0, len(used)), label="kept")])
+    eq = ",".join(texts) + ("" if implicit else "->" + ("..." if ell is not None else "") + out)
+    xs = [make(shp, "f", gen) for shp in shapes]
+    cur = tuple(draw_current(data, x, n, blocks=False) for x in xs)
+    from mcompile.rules.matmul import einsum_letters
+    ops, out_letters = einsum_letters(eq, [x.ndim for x in xs])
+    expect = []
+    for c in used:
+        if size[c] == 1 or size[c] % n or any(sp.count(c) > 1 for sp in ops):
+            continue
+        if any(c in sp and shp[sp.index(c)] != size[c] for sp, shp in zip(ops, shapes)):
+            continue  # broadcast in some operand: offered too, but with that operand whole
+        ins = tuple(Shard(sp.index(c)) if c in sp else R for sp in ops)
+        expect.append((ins, (Shard(out_letters.index(c)),) if c in out_letters else (P,)))
+    expect += [(tuple(P if j == i else R for j in range(k)), (P,)) for i in range(k)]
+    # path: the contraction order, pairs of operand positions (no value effect, drawn to run it anyway)
+    kwargs = {"path": [1, 0] + [0, 1] * (k - 2)} if k > 1 and data.draw(st.booleans(), label="path") else {}
+    check(aten.einsum.default, (eq, xs), kwargs, n=n, current=cur, gen=gen, expect=expect)
+
+
+@pytest.mark.timeout(120)
 @hyp(25)
 @given(data=st.data())
 def test_embedding(data):
@@ -1482,9 +1651,10 @@ def _sdpa_case(draw):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", [aten.cross_entropy_loss.default, aten.nll_loss_nd.default], ids=str)
 @hyp(25)
 @given(data=st.data())
-def test_cross_entropy(data):
+def test_cross_entropy(op, data):
     """Batch-sharded cross-entropy: none -> S(0), sum -> P(sum). A mean is never split over the batch:
     the mean of per-rank means is the global mean only when every rank counts the same (weighted)
     number of targets, which a rule cannot know (issue 21; the runtime rewrites a mean loss into a
@@ -1510,12 +1680,14 @@ def test_cross_entropy(data):
     weight = make([classes], "pos", gen) if data.draw(st.booleans(), label="weight") else None
     smoothing = data.draw(st.sampled_from([0.0, 0.1]), label="smoothing")
     args = (x, target, weight, reduction, ignore, smoothing)
+    if op is aten.nll_loss_nd.default:  # of log-probabilities, no smoothing
+        args = (x.log_softmax(1), target, weight, reduction, ignore)
     nin = 2 + (weight is not None)
     current = data.draw(st.sampled_from([(R,) * nin, (Shard(0), Shard(0)) + (R,) * (nin - 2)]), label="current")
     expect = [((R,) * nin, (R,))]
     if reduction != 1:
         expect.append(((Shard(0), Shard(0)) + (R,) * (nin - 2), (Shard(0) if reduction == 0 else Partial("sum"),)))
-    tested = check(aten.cross_entropy_loss.default, args, n=n, current=current, gen=gen, expect=expect)
+    tested = check(op, args, n=n, current=current, gen=gen, expect=expect)
     if reduction == 1:
         assert all(s.name == "replicate" for s in tested), tested
 
@@ -1706,6 +1878,95 @@ def test_depthwise_conv1d(data):
 
 
 @pytest.mark.timeout(120)
+@hyp(8)  # each example differentiates a conv: kept cheap
+@given(data=st.data())
+def test_conv2d(data):
+    """A depthwise conv2d (Nystromformer's per-head conv of the values: kernel (k, 1), groups == heads) shards
+    its channels like the depthwise conv1d; any conv2d its batch. Stride, padding, dilation drawn."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    ch = n * data.draw(st.integers(1, 2), label="ch")
+    depthwise = data.draw(st.booleans(), label="depthwise")
+    kh, kw = data.draw(st.integers(1, 3), label="kh"), data.draw(st.integers(1, 2), label="kw")
+    stride, padding, dilation = (data.draw(st.integers(1, 2), label=lbl) for lbl in ("stride", "pad", "dil"))
+    h, w_ = (data.draw(st.integers(dilation * (k - 1) + 1, 6), label="hw") for k in (kh, kw))
+    x = make([data.draw(st.sampled_from([1, n]), label="b"), ch, h, w_], "f", gen)
+    w = make([ch, 1 if depthwise else ch, kh, kw], "f", gen)
+    bias = make([ch], "f", gen) if data.draw(st.booleans(), label="bias") else None
+    args = (x, w, bias, [stride, 1], [padding - 1, 0], [dilation, 1], ch if depthwise else 1)
+    rest = (R,) * (2 if bias is not None else 1)
+    expect = [((Shard(1), Shard(0)) + ((Shard(0),) if bias is not None else ()), (Shard(1),))] if depthwise else []
+    if x.shape[0] == n:
+        expect.append(((Shard(0),) + rest, (Shard(0),)))
+    check(aten.conv2d.default, args, n=n, current=(R,) * (len(rest) + 1), gen=gen, expect=expect)
+
+
+@pytest.mark.timeout(120)
+@hyp(8)  # each example differentiates a conv: kept cheap
+@given(data=st.data())
+def test_im2col(data):
+    """im2col (F.unfold) keeps a shard of the batch or of the channels (each channel's kh*kw rows together)."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = [data.draw(st.sampled_from([1, n, 2 * n]), label="dim") for _ in range(2)] + [5, 6]  # >= (k-1)*dil+1
+    x = make(shape, "f", gen)
+    kernel = [data.draw(st.integers(1, 3), label="k") for _ in range(2)]
+    dil, pad, stride = ([data.draw(st.integers(lo, 2), label=lbl) for _ in range(2)]
+                        for lo, lbl in ((1, "dil"), (0, "pad"), (1, "stride")))
+    cur = draw_current(data, x, n, blocks=False)
+    expect = [((Shard(d),), (Shard(d),)) for d in divisible_dims(shape, n) if d < 2] + [((P,), (P,))]
+    check(aten.im2col.default, (x, kernel, dil, pad, stride), n=n, current=(cur,), gen=gen, expect=expect,
+          current_first=True)
+
+
+FFTS = {  # op -> (input kind, dims drawn: "one" an int, "many" a list, with s)
+    aten.fft_fft.default: ("c", "one"), aten.fft_ifft.default: ("c", "one"), aten.fft_rfft.default: ("f", "one"),
+    aten.fft_irfft.default: ("c", "one"), aten.fft_fft2.default: ("f", "two"), aten.fft_ifft2.default: ("c", "two"),
+    aten.fft_fftn.default: ("f", "many"), aten.fft_ifftn.default: ("c", "many"),
+    aten.fft_rfftn.default: ("f", "many"), aten.fft_irfftn.default: ("c", "many"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", list(FFTS), ids=str)
+@hyp(15)
+@given(data=st.data())
+def test_fft(op, data):
+    """Fourier transforms (FNet's fftn over sequence and hidden): only an untransformed dim may be sharded;
+    dims given, defaulted, or implied by ``s``; each norm."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    kind, form = FFTS[op]
+    c2r = op in (aten.fft_irfft.default, aten.fft_irfftn.default)
+    shape = draw_shape(data, n, 2 if form == "two" else 1, 3)
+    nd = len(shape)
+    x = make(shape, kind, gen)
+    kwargs = {"norm": data.draw(st.sampled_from([None, "ortho", "forward"]), label="norm")}
+    if form == "one":
+        dims = [data.draw(st.integers(-nd, nd - 1), label="dim")]
+        kwargs["dim"] = dims[0]
+        if c2r or data.draw(st.booleans(), label="n given"):  # irfft of 1 element would give 0 without n
+            kwargs["n"] = shape[dims[0]] + 1
+    else:
+        k = 2 if form == "two" else data.draw(st.integers(1, nd), label="k")
+        dims = sorted(data.draw(st.lists(st.integers(0, nd - 1), min_size=k, max_size=k, unique=True), label="dims"))
+        hows = ["dim", "s", "both", "none"] if form == "many" else ["dim", "both"]
+        how = data.draw(st.sampled_from([h for h in hows if not c2r or h in ("s", "both")]), label="how")
+        if how == "s":  # s alone: the last len(s) dims
+            dims = list(range(nd - k, nd))
+        if how != "none":
+            if how != "s":
+                kwargs["dim"] = dims
+            if how != "dim":
+                kwargs["s"] = [shape[d] + 1 for d in dims]
+        else:
+            dims = list(range(nd))
+    cur = draw_current(data, x, n, partial=False, blocks=False)
+    expect = [((Shard(d),), (Shard(d),)) for d in divisible_dims(shape, n) if d not in {d % nd for d in dims}]
+    check(op, (x,), kwargs, n=n, current=(cur,), gen=gen, expect=expect, current_first=True)
+
+
+@pytest.mark.timeout(120)
 @hyp(15)
 @given(data=st.data())
 def test_ssd_scan(data):
@@ -1727,6 +1988,118 @@ def test_ssd_scan(data):
 
 
 # ---------------------------------------------------------------------------------------------
+# a user's torch.autograd.Function: a pointwise rule where forward and backward are proven pointwise
+# ---------------------------------------------------------------------------------------------
+
+
+class _ClipGradSqrt(torch.autograd.Function):
+    """RecurrentGemma's SqrtBoundDerivative: sqrt, its gradient clipped (backward is no derivative of forward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.sqrt(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g / torch.sqrt(torch.clip(4.0 * x, min=0.3))
+
+
+class _GatedScale(torch.autograd.Function):
+    """Two same-shaped inputs and a scalar; backward scales one gradient by the scalar."""
+
+    @staticmethod
+    def forward(ctx, a, b, s):
+        ctx.save_for_backward(a, b)
+        ctx.s = s
+        return a * torch.sigmoid(b)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        sb = torch.sigmoid(b)
+        return g * sb * ctx.s, g * a * sb * (1 - sb), None
+
+
+class _NormalisedGrad(torch.autograd.Function):
+    """Elementwise forward, but backward normalises by the gradient's norm: every element coupled."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / g.norm()
+
+
+class _RowSoftmax(torch.autograd.Function):
+    """Not pointwise in forward (a softmax over the last dim)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.softmax(x, -1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return y * (g - (g * y).sum(-1, keepdim=True))
+
+
+def _function_op(cls, *args):
+    """The mcompile_fn op a capture makes of ``cls`` for these arguments (mcompile.autograd_fn)."""
+    from mcompile import autograd_fn
+
+    with autograd_fn.wrapping():
+        cls.apply(*args)
+    return next(getattr(torch.ops.mcompile_fn, o.name).default for o in autograd_fn._OPS.values() if o.cls is cls)
+
+
+@pytest.mark.timeout(120)
+@hyp(15)
+@given(data=st.data())
+def test_inferred_function_rule(data):
+    """A Function whose forward and backward trace to pointwise ops gets the pointwise rule; every strategy
+    runs the Function's OWN backward on local pieces (check_backward), so a split that ignored the custom
+    backward would fail here. Inputs of equal shapes (a broadcast input's gradient is summed by autograd:
+    not pointwise, refused below)."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 1, 3)
+    if data.draw(st.booleans(), label="two inputs"):
+        a, b = make(shape, "f", gen), make(shape, "f", gen)
+        args = (a, b, data.draw(st.sampled_from([0.5, 3.0]), label="s"))
+        op, tensors = _function_op(_GatedScale, *args), (a, b)
+    else:
+        x = make(shape, "pos", gen)
+        args, op, tensors = (x,), _function_op(_ClipGradSqrt, x), (x,)
+    cur = tuple(draw_current(data, t, n, partial=False, blocks=False) for t in tensors)
+    expect = [(tuple(Shard(d) for _ in tensors), (Shard(d),)) for d in divisible_dims(shape, n)]
+    tested = check(op, args, n=n, current=cur, gen=gen, expect=expect)
+    assert not any(isinstance(p, Partial) for s in tested for p in s.inputs + s.outputs)
+
+
+@pytest.mark.timeout(60)
+def test_inferred_function_rule_refuses():
+    """No split is inferred (the rule offers nothing: the op runs replicated and is reported) where the
+    forward or the backward is not pointwise, or an input broadcasts (its gradient is a sum), each with why."""
+    x, w = torch.randn(4, 6, dtype=F64), torch.randn(6, dtype=F64)
+    cases = [(_NormalisedGrad, (x,), "not pointwise"), (_RowSoftmax, (x,), "not pointwise"),
+             (_GatedScale, (x, w, 1.0), "not pointwise")]
+    for cls, args, why in cases:
+        op = _function_op(cls, *args)
+        tensors = _tensors(args, {})
+        out = _outputs(op(*args))
+        info = OpInfo(None, op, args, {}, [TensorMeta(tuple(t.shape), t.dtype) for t in tensors],
+                      [TensorMeta(tuple(o.shape), o.dtype) for o in out], 2, (R,) * len(tensors))
+        assert get_rule(op)(info) == [], cls.__name__
+        assert any(why in note for note in info.notes), (cls.__name__, info.notes)
+
+
+# ---------------------------------------------------------------------------------------------
 # every registered op has a test
 # ---------------------------------------------------------------------------------------------
 
@@ -1735,7 +2108,7 @@ import mcompile.kernels.ssd_scan  # noqa: E402, F401 - registers mcompile::ssd_s
 _SSD_SCAN = torch.ops.mcompile.ssd_scan.default
 TESTED_OPS = (
     set(UNARY) | set(BINARY) | {aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther}
-    | set(REDUCE_KIND) | set(SOFTMAX)
+    | set(REDUCE_KIND) | set(SOFTMAX) | set(WHOLE_REDUCTIONS)
     | {aten.layer_norm.default, aten.rms_norm.default}
     | {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
        aten.reshape_as.default, aten.view_as.default,
@@ -1744,15 +2117,17 @@ TESTED_OPS = (
        aten.expand_as.default,
        aten.slice.Tensor, aten.repeat_interleave.self_int, aten.select.int, aten.split.Tensor,
        aten.split_with_sizes.default, aten.unbind.int, aten.cat.default,
-       aten.pad.default, aten.constant_pad_nd.default}
+       aten.pad.default, aten.constant_pad_nd.default, aten.tensor_split.indices, aten.tensor_split.sections,
+       aten.concatenate.default, aten.view_as.default, aten.reshape_as.default, aten.expand_as.default,
+       aten.view_as_complex.default, aten.view_as_real.default}
     | {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
        aten.outer.default, aten.embedding.default, aten.scaled_dot_product_attention.default,
-       aten.cross_entropy_loss.default}
+       aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.einsum.default}
     | {aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.cumsum.default,
        aten.tril.default, aten.triu.default}
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
     | {aten.chunk.default, aten.diff.default}  # tested in tests/test_rules_dtensor.py (test_chunk, test_diff)
-    | {aten.conv1d.default, _SSD_SCAN}
+    | {aten.conv1d.default, aten.conv2d.default, aten.im2col.default, _SSD_SCAN} | set(FFTS)
 )
 # Registered ops deliberately without a test here (with the reason).
 from mcompile.moe import moe_ffn  # noqa: E402

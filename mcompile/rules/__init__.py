@@ -21,9 +21,13 @@ Adding an op never touches the propagator. Every rule is property-tested against
 execution (tests/test_rules.py, tests/test_rules_dtensor.py), Partial inputs included.
 
 An op none of these modules registers gets DTensor's own strategies through the bridge in
-:mod:`mcompile.rules.dtensor` (hand-written rules keep priority). ``registered_ops()`` lists the
-hand-written rules, ``bridged_ops()`` the ops the bridge covers, ``rule_source(op)`` which one an op
-uses.
+:mod:`mcompile.rules.dtensor` (hand-written rules keep priority); a user's ``torch.autograd.Function``
+(an ``mcompile_fn`` op) gets the rule :func:`mcompile.autograd_fn.pointwise_rule` infers from its code.
+``registered_ops()`` lists the hand-written rules, ``bridged_ops()`` the ops the bridge covers,
+``rule_source(op)`` which one an op uses.
+
+A rule that returns no strategy for an op's inputs (an inferred rule that cannot prove a split) leaves
+the op replicated, reported as if it had no rule.
 """
 
 from __future__ import annotations
@@ -169,9 +173,14 @@ def localizer(*ops):
 
 
 def get_rule(op) -> RuleFn | None:
-    """The hand-written rule of ``op``, else DTensor's strategies through the bridge, else None."""
+    """The hand-written rule of ``op``, else the inferred one of a custom autograd.Function, else DTensor's
+    strategies through the bridge, else None."""
     _load()
     fn = _RULES.get(op)
+    if fn is None and _is_function_op(op):
+        from mcompile.autograd_fn import pointwise_rule
+
+        return pointwise_rule
     if fn is None and isinstance(op, torch._ops.OpOverload):
         from mcompile.rules.dtensor import bridge_rule
 
@@ -198,11 +207,20 @@ def bridged_ops() -> list:
     return sorted((op for op in covered() if op not in _RULES), key=str)
 
 
+def _is_function_op(op) -> bool:
+    from mcompile.autograd_fn import NAMESPACE
+
+    return isinstance(op, torch._ops.OpOverload) and op.namespace == NAMESPACE
+
+
 def rule_source(op) -> str | None:
-    """``"hand-written"``, ``"dtensor"`` (the bridge) or None (the op runs replicated)."""
+    """``"hand-written"``, ``"inferred"`` (a custom autograd.Function's), ``"dtensor"`` (the bridge) or None
+    (the op runs replicated)."""
     _load()
     if op in _RULES:
         return "hand-written"
+    if _is_function_op(op):
+        return "inferred"
     return "dtensor" if get_rule(op) is not None else None
 
 

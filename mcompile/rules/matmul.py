@@ -8,7 +8,9 @@ Megatron's layouts are strategies here (Shoeybi et al. 2019, "Megatron-LM", §3)
   contribute zeros), lowering ``vocab_parallel_embedding``;
 - vocab-parallel cross-entropy: logits S(class dim), target R -> R, lowering
   ``vocab_parallel_cross_entropy`` (the logits are never gathered);
-- attention: heads (dim 1 of q, k, v) or batch sharded.
+- attention: heads (dim 1 of q, k, v) or batch sharded;
+- einsum: by the equation's letters (a letter the output keeps: every operand holding it sharded along it ->
+  the output sharded along it; a letter summed away: -> Partial(sum)).
 """
 
 from __future__ import annotations
@@ -179,13 +181,85 @@ def cross_entropy(info: OpInfo) -> list[Strategy]:
     cdim = 1 if x.ndim >= 2 else 0
     if not weight:  # the lowering carries ignore_index, reduction and label_smoothing
         s.append(Strategy((Shard(cdim), R), (R,), lowering="vocab_parallel_cross_entropy", name="vocab_parallel"))
-    if x.ndim >= 2 and reduction != 1:
-        # a mean over a batch-sharded target would be the mean of per-rank means, exact only when every
-        # rank counts the same (weighted) number of non-ignored targets: never offered. The runtime
-        # rewrites a mean loss into a sum and a count (passes/loss.py) before planning.
+    return s + _batch_loss(info, reduction)
+
+
+def _batch_loss(info: OpInfo, reduction: int) -> list[Strategy]:
+    """A loss over (N, C, ...) scores and (N, ...) targets split by rows: none -> S(0), sum -> Partial(sum).
+    A mean over a batch-sharded target would be the mean of per-rank means, exact only when every rank
+    counts the same (weighted) number of non-ignored targets: never offered. The runtime rewrites a mean
+    loss into a sum and a count (passes/loss.py) before planning."""
+    s = []
+    if info.inputs[0].ndim >= 2 and reduction != 1:
         out = Shard(0) if reduction == 0 else Partial("sum")
-        s.append(Strategy((Shard(0), Shard(0)) + (R,) * weight, (out,), name="batch"))
+        s.append(Strategy((Shard(0), Shard(0)) + (R,) * (len(info.inputs) - 2), (out,), name="batch"))
     return s + [Strategy((R,) * len(info.inputs), (R,), name="replicate")]
+
+
+@rule(aten.nll_loss_nd.default)
+def nll_loss(info: OpInfo) -> list[Strategy]:
+    """``nll_loss`` of log-probabilities (ProphetNet): split by rows like cross-entropy (no vocab-parallel
+    lowering: the log-softmax before it needs whole rows anyway)."""
+    return _batch_loss(info, info.arg(3, "reduction", 1))
+
+
+def einsum_letters(equation: str, ndims: list[int]) -> tuple[list[str], str]:
+    """Each operand's and the output's letters, one per dim: ``...`` expanded right-aligned into uppercase
+    letters (shared across operands, as einsum broadcasts them), an implicit output (no ``->``) the letters
+    that occur once, sorted, after the ellipsis dims (torch's rule)."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    specs = lhs.split(",")
+    if len(specs) != len(ndims):
+        raise ValueError(f"einsum {equation!r}: {len(specs)} operands in the equation, {len(ndims)} given")
+    n_ell = max((nd - len(sp.replace("...", "")) for sp, nd in zip(specs, ndims) if "..." in sp), default=0)
+    ell = [chr(ord("A") + i) for i in range(n_ell)]
+
+    def expand(spec: str, nd: int) -> str:
+        if "..." not in spec:
+            return spec
+        k = nd - len(spec.replace("...", ""))
+        return spec.replace("...", "".join(ell[n_ell - k:]))
+
+    ops = [expand(sp, nd) for sp, nd in zip(specs, ndims)]
+    if arrow:
+        out = rhs.replace("...", "".join(ell))
+    else:
+        counts = "".join(sp.replace("...", "") for sp in specs)
+        out = "".join(ell) + "".join(sorted(c for c in set(counts) if counts.count(c) == 1))
+    return ops, out
+
+
+@rule(aten.einsum.default)
+def einsum(info: OpInfo) -> list[Strategy]:
+    """``einsum(equation, operands)`` (Mamba-2's SSD in Bamba / Falcon-H1 / NemotronH, ProphetNet's and
+    PEGASUS-X's attention). A letter L of size > 1 may be sharded: every operand that holds L at full size
+    is sharded along it, one that broadcasts it (size 1) or lacks it stays whole; the output is sharded along
+    L where it keeps L, else each rank sums its part of L: Partial(sum). A letter repeated in one operand (a
+    diagonal) is not sharded. Multilinear: one Partial operand, the others whole, gives a Partial output."""
+    metas = info.inputs
+    ops, out = einsum_letters(info.arg(0), [m.ndim for m in metas])
+    o = info.outputs[0]
+    s = []
+    for letter in dict.fromkeys("".join(ops)):
+        sizes = [m.shape[sp.index(letter)] for sp, m in zip(ops, metas) if letter in sp]
+        full = next((z for z in sizes if not same(z, 1)), None)
+        if full is None or any(sp.count(letter) > 1 for sp in ops) or not divisible(full, info.n):
+            continue
+        if any(not same(z, 1) and not same(z, full) for z in sizes):
+            continue
+        ins = tuple(Shard(sp.index(letter)) if letter in sp and same(m.shape[sp.index(letter)], full) else R
+                    for sp, m in zip(ops, metas))
+        if letter in out:
+            s.append(Strategy(ins, (Shard(out.index(letter)),), name=f"keep_{letter}"))
+        elif o.dtype.is_floating_point:
+            s.append(Strategy(ins, (P,), name=f"sum_{letter}"))
+    cur = tuple(info.current)
+    s.sort(key=lambda st: sum(a != b for a, b in zip(st.inputs, cur)))
+    if o.dtype.is_floating_point:
+        s += [Strategy(tuple(P if j == i else R for j in range(len(metas))), (P,), name="partial")
+              for i in range(len(metas))]
+    return s + [Strategy((R,) * len(metas), (R,), name="replicate")]
 
 
 @rule(aten.outer.default)

@@ -26,6 +26,8 @@ UNARY = [
     aten.gelu.default, aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar,
     aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar,
     aten.masked_fill.Scalar, aten.log_sigmoid_forward.default if hasattr(aten, "log_sigmoid_forward") else None,
+    aten.log_sigmoid.default, aten.clamp_max.default, aten.floor_divide.Scalar,
+    aten.real.default,
 ]
 BINARY = [
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.pow.Tensor_Tensor,
@@ -33,12 +35,14 @@ BINARY = [
     aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor, aten.logical_and.default, aten.logical_or.default,
     aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.where.self, aten.masked_fill.Tensor,
     aten.rsub.Tensor, aten.rsub.Scalar, aten.atan2.default, aten.__and__.Tensor, aten.__or__.Tensor,
+    aten.multiply.Tensor, aten.floor_divide.default,
 ]
 # Ops linear in their (single, or every) tensor input, so a Partial input gives a Partial output.
 _LINEAR_UNARY = {
     aten.neg.default, aten.clone.default, aten.contiguous.default, aten.detach.default, aten.detach_.default,
     aten.alias.default, aten.lift_fresh_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
     aten._to_copy.default, aten.dropout.default, aten.mul.Scalar, aten.div.Scalar, aten.type_as.default,
+    aten.real.default,  # the real part of a sum is the sum of the real parts
 }
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -85,11 +89,11 @@ def _partial_strategies(info: OpInfo) -> list[Strategy]:
         return [Strategy((P,), (P,), name="partial")]
     if n_in == 2 and op in (aten.add.Tensor, aten.sub.Tensor):
         return [Strategy((P, P), (P,), name="partial")]
-    if n_in == 2 and op is aten.mul.Tensor:
+    if n_in == 2 and op in (aten.mul.Tensor, aten.multiply.Tensor):
         return [Strategy((P, R), (P,), name="partial"), Strategy((R, P), (P,), name="partial")]
     if n_in == 2 and op is aten.div.Tensor:
         return [Strategy((P, R), (P,), name="partial")]
-    if n_in == 1 and op is aten.mul.Tensor:  # tensor * python scalar
+    if n_in == 1 and op in (aten.mul.Tensor, aten.multiply.Tensor):  # tensor * python scalar
         return [Strategy((P,), (P,), name="partial")]
     if n_in == 1 and op is aten.div.Tensor:  # tensor / python scalar
         return [Strategy((P,), (P,), name="partial")]

@@ -27,13 +27,23 @@ def _cur(info):
     return info.current[0] if info.current else R
 
 
+def _dims(dims, nd: int) -> set[int]:
+    """The dims a ``dim`` argument names (an int or a list; None or [] is every dim), normalised."""
+    if dims is None or dims == []:
+        return set(range(nd))
+    return {norm_dim(d, nd) for d in ([dims] if isinstance(dims, int) else dims)}
+
+
+def _out_dim(d: int, dims: set[int], keep: bool) -> int:
+    """Where input dim d (not reduced) lands in the output of a reduction over ``dims``."""
+    return d if keep else d - sum(1 for r in dims if r < d)
+
+
 @rule(*_KIND)
 def reduce(info: OpInfo) -> list[Strategy]:
     nd = info.inputs[0].ndim
-    dims = info.arg(1, "dim", None)
-    if dims is None or dims == [] or info.op in (aten.sum.default, aten.mean.default):
-        dims = list(range(nd))
-    dims = {norm_dim(d, nd) for d in ([dims] if isinstance(dims, int) else dims)}
+    whole = info.op in (aten.sum.default, aten.mean.default)
+    dims = _dims(None if whole else info.arg(1, "dim", None), nd)
     keep = info.arg(2, "keepdim", False) if info.op not in (aten.sum.default, aten.mean.default) else False
     kind = _KIND[info.op]
     out = []
@@ -45,11 +55,51 @@ def reduce(info: OpInfo) -> list[Strategy]:
                 continue
             out.append(Strategy((Shard(d),), (Partial(kind),), name=f"reduce_{kind}"))
         else:
-            od = d if keep else d - sum(1 for r in dims if r < d)
-            out.append(Strategy((Shard(d),), (Shard(od),), name="other_dim"))
+            out.append(Strategy((Shard(d),), (Shard(_out_dim(d, dims, keep)),), name="other_dim"))
     out.sort(key=lambda s: s.inputs[0] != _cur(info))
     if kind in ("sum", "avg") and info.outputs[0].dtype.is_floating_point:
         out.append(Strategy((Partial(),), (Partial(),), name="partial"))
+    return out + [Strategy((R,), (R,), name="replicate")]
+
+
+def _named(info: OpInfo, name: str, default=None):
+    """An argument by its schema name, given positionally or as a keyword."""
+    names = [a.name for a in info.op._schema.arguments]
+    return info.arg(names.index(name), name, default) if name in names else default
+
+
+@rule(aten.logsumexp.default, aten.var.dim, aten.std.dim)  # var / std.correction: DTensor's (the bridge)
+def reduce_whole(info: OpInfo) -> list[Strategy]:
+    """Reductions whose value over a split dim is no plain sum / mean / max of the pieces' (``logsumexp``:
+    a log of the sum of exps; ``var`` / ``std``: squares about the whole mean): a dim they reduce stays
+    whole, any other dim may be sharded (Granite's attention sinks, xLSTM's group norm)."""
+    nd = info.inputs[0].ndim
+    dims, keep = _dims(_named(info, "dim"), nd), _named(info, "keepdim", False)
+    out = [Strategy((Shard(d),), (Shard(_out_dim(d, dims, keep)),), name="other_dim")
+           for d in range(nd) if d not in dims]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    return out + [Strategy((R,), (R,), name="replicate")]
+
+
+_FFT = [aten.fft_fft.default, aten.fft_ifft.default, aten.fft_rfft.default, aten.fft_irfft.default,
+        aten.fft_fft2.default, aten.fft_ifft2.default, aten.fft_fftn.default, aten.fft_ifftn.default,
+        aten.fft_rfftn.default, aten.fft_irfftn.default]
+
+
+@rule(*_FFT)
+def fft(info: OpInfo) -> list[Strategy]:
+    """A Fourier transform over some dims (FNet's ``fftn`` over sequence and hidden) mixes every element
+    along them: only the dims it does not transform may be sharded. No Partial: a complex partial sum
+    would need complex collectives."""
+    nd = info.inputs[0].ndim
+    names = [a.name for a in info.op._schema.arguments]
+    default = info.op._schema.arguments[names.index("dim")].default_value
+    dims = _named(info, "dim", default)
+    if dims is None and _named(info, "s") is not None:  # fftn: the last len(s) dims (every dim without s)
+        dims = list(range(nd - len(_named(info, "s")), nd))
+    dims = _dims(dims, nd)
+    out = [Strategy((Shard(d),), (Shard(d),), name="other_dim") for d in range(nd) if d not in dims]
+    out.sort(key=lambda st: st.inputs[0] != _cur(info))
     return out + [Strategy((R,), (R,), name="replicate")]
 
 

@@ -1,4 +1,5 @@
-"""Sharding rules of the Mamba-2 block's own ops (issue 19): the SSD scan and the depthwise causal conv1d.
+"""Sharding rules of the Mamba-2 block's own ops (issue 19): the SSD scan and the depthwise causal conv1d
+(and the depthwise conv2d, Nystromformer's convolution of the values per head, by the same rule).
 
 Megatron Core's ``MambaMixer`` layout over tp: in_proj column-parallel (z, x, B, C, dt by heads and
 groups), the conv1d per channel and the scan per head on each rank's own channels / heads, the gated
@@ -12,7 +13,8 @@ replicated (every head reads group 0).
     batch:  x, dt, B, C S(0), A, D R                                                      -> y S(0)
 The sequence is never split inside the scan (it is a recurrence over it).
 
-``aten.conv1d`` with ``groups == in_channels == out_channels`` (depthwise, weight (C, 1, k)):
+``aten.conv1d`` / ``aten.conv2d`` with ``groups == in_channels == out_channels`` (depthwise, weight
+(C, 1, k) / (C, 1, kh, kw)):
     channels: input S(1), weight S(0), bias S(0) -> S(1), with ``groups`` localized to C / n
     blocks:   input B(1, b), weight and bias B(0, b) -> B(1, b) (channels of a fused projection's parts)
     batch:    input S(0), weight, bias R        -> S(0)
@@ -60,11 +62,10 @@ def ssd_scan_rule(info: OpInfo) -> list[Strategy]:
 def _depthwise(info: OpInfo) -> bool:
     x, w = info.inputs[0], info.inputs[1]
     groups = info.arg(6, "groups", 1)
-    return x.ndim == 3 and w.ndim == 3 and same(w.shape[1], 1) and same(groups, x.shape[1]) and same(w.shape[0],
-                                                                                                      x.shape[1])
+    return x.ndim == w.ndim and same(w.shape[1], 1) and same(groups, x.shape[1]) and same(w.shape[0], x.shape[1])
 
 
-@rule(aten.conv1d.default)
+@rule(aten.conv1d.default, aten.conv2d.default)
 def conv1d_rule(info: OpInfo) -> list[Strategy]:
     has_bias = len(info.inputs) == 3
     rest = (R,) * (len(info.inputs) - 1)
@@ -80,15 +81,15 @@ def conv1d_rule(info: OpInfo) -> list[Strategy]:
             out.append(Strategy((Shard(1), Shard(0)) + ((Shard(0),) if has_bias else ()), (Shard(1),),
                                 name="channels"))
         else:
-            info.notes.append(f"depthwise conv1d: {ch} channels do not divide by {info.n}")
+            info.notes.append(f"depthwise {info.op}: {ch} channels do not divide by {info.n}")
     else:
-        info.notes.append("conv1d: only a depthwise conv (groups == channels) shards its channels")
-    if info.inputs[0].ndim == 3:
+        info.notes.append(f"{info.op}: only a depthwise conv (groups == channels) shards its channels")
+    if info.inputs[0].ndim == info.inputs[1].ndim:  # batched
         out.append(Strategy((Shard(0),) + rest, (Shard(0),), name="batch"))
     return out + [Strategy((R,) * len(info.inputs), (R,), name="replicate")]
 
 
-@localizer(aten.conv1d.default)
+@localizer(aten.conv1d.default, aten.conv2d.default)
 def _conv1d_local(args, kwargs, in_p, out_p, local_shapes, n):
     """A channel-sharded conv (only a depthwise one is: groups == channels) has as many groups as its local
     output channels. The lowering passes the output's placement per mesh axis (not the inputs')."""

@@ -1,5 +1,6 @@
-"""Views and data movement: view/reshape, unsqueeze/squeeze, transpose/permute, expand, slice,
-select, split / chunk / unbind, cat, pad.
+"""Views and data movement: view/reshape (and ``view_as`` / ``reshape_as``), unsqueeze/squeeze,
+transpose/permute, expand (``expand_as``), ``view_as_complex`` / ``view_as_real``, slice, select,
+split / chunk / unbind / tensor_split, cat / concatenate, pad, im2col.
 
 view/reshape group input and output dims into minimal runs of equal product (the same idea as
 DTensor's view groups, Ansel et al. 2024). A sharded input dim stays sharded when it is the
@@ -8,6 +9,8 @@ split evenly (``tp=3`` does not divide 8 heads: the rule records why and offers 
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import sympy
 import torch
@@ -420,7 +423,16 @@ def _split_sizes_local(args, kwargs, in_p, out_p, local_shapes, n):
     return tuple(args), kwargs
 
 
-@rule(aten.cat.default)
+@rule(aten.tensor_split.indices, aten.tensor_split.sections)
+def tensor_split(info: OpInfo) -> list[Strategy]:
+    """``tensor_split(x, indices_or_sections, dim)`` (HF Mamba's ``[gate | x | B | C | dt]`` cut): like
+    ``split`` any other dim may stay sharded; the cut positions refer to ``dim`` alone, so they need no
+    rewriting on local pieces."""
+    dim = norm_dim(info.arg(2, "dim", 0), info.inputs[0].ndim)
+    return _keep_other_dims(info, dim, n_out=len(info.outputs))
+
+
+@rule(aten.cat.default, aten.concatenate.default)
 def cat(info: OpInfo) -> list[Strategy]:
     o = info.outputs[0]
     dim = norm_dim(info.arg(1, "dim", 0), o.ndim)
@@ -438,6 +450,45 @@ def cat(info: OpInfo) -> list[Strategy]:
                   Strategy(tuple(R for _ in range(k)), (R,), name="replicate")]
 
 
+def _shape_of_other(info: OpInfo, rule_fn) -> list[Strategy]:
+    """``x.view_as(other)`` / ``reshape_as`` / ``expand_as``: the view / expand rule for x with the output
+    shape, which is ``other``'s. ``other`` lends only its shape, read from its local piece, so it must be
+    split like the output (a Shard / BlockShard where the output has one, else whole): its local piece then
+    has the output's local shape and the op needs no rewriting."""
+    strategies = rule_fn(replace(info, inputs=info.inputs[:1], current=tuple(info.current[:1])))
+    out = []
+    for s in strategies:
+        q = s.outputs[0]
+        other = q if isinstance(q, Shard | BlockShard) else R
+        # a whole x broadcast along other's split dim (XLM's mask expanded to the head-split scores): each rank
+        # keeps its part at no cost, where a whole output would need other gathered just for its shape. Not
+        # named expand_broadcast, which the propagator keeps off input-only values (their consumers slice)
+        name = "expand_as_broadcast" if s.name == "expand_broadcast" else s.name
+        out.append(Strategy((s.inputs[0], other), s.outputs, s.lowering, name))
+    return out
+
+
+@rule(aten.view_as.default, aten.reshape_as.default)
+def view_as(info: OpInfo) -> list[Strategy]:
+    return _shape_of_other(info, view)
+
+
+@rule(aten.expand_as.default)
+def expand_as(info: OpInfo) -> list[Strategy]:
+    return _shape_of_other(info, expand)
+
+
+@rule(aten.view_as_complex.default, aten.view_as_real.default)
+def view_as_complex(info: OpInfo) -> list[Strategy]:
+    """``view_as_complex`` reads the last dim (of size 2) as (real, imaginary); ``view_as_real`` makes it
+    (rotary embeddings as complex products: DeepSeek-V2, Llama 4). Every other dim may stay sharded. No
+    Partial: a complex partial sum would need complex collectives."""
+    nd = info.inputs[0].ndim - (1 if info.op is aten.view_as_complex.default else 0)
+    out = [Strategy((Shard(d),), (Shard(d),), name="other_dim") for d in range(nd)]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    return out + [Strategy((R,), (R,), name="replicate")]
+
+
 @rule(aten.pad.default, aten.constant_pad_nd.default)
 def pad(info: OpInfo) -> list[Strategy]:
     nd = info.inputs[0].ndim
@@ -447,6 +498,17 @@ def pad(info: OpInfo) -> list[Strategy]:
         out.append(Strategy((Shard(d),), (Shard(d),), name="other_dim"))
     out.sort(key=lambda s: s.inputs[0] != _cur(info))
     return out + [Strategy((R,), (R,), name="replicate")]
+
+
+@rule(aten.im2col.default)
+def im2col(info: OpInfo) -> list[Strategy]:
+    """``im2col(x, kernel, dilation, padding, stride)`` (``F.unfold``; ConvBERT's span-based convolution):
+    ``(N, C, H, W) -> (N, C*kh*kw, L)``. Each channel's patches are a contiguous run of kh*kw rows, so a
+    shard of the channels is the same shard of the rows; the batch stays the batch. Linear: Partial stays."""
+    nd = info.inputs[0].ndim
+    out = [Strategy((Shard(d),), (Shard(d),), name="other_dim") for d in range(nd - 2)]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
 
 
 @rule(aten.index.Tensor)
