@@ -150,14 +150,6 @@ def view(info: OpInfo) -> list[Strategy]:
     return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
 
 
-@rule(aten.reshape_as.default, aten.view_as.default)
-def view_as(info: OpInfo) -> list[Strategy]:
-    """``x.reshape_as(y)`` (RoFormer's interleaved rotary: ``stack([-x[..., 1::2], x[..., ::2]], -1)
-    .reshape_as(x)``): a view of ``x`` to ``y``'s shape, with ``y`` laid out as the output, so each rank's
-    piece of ``y`` has the shape of its piece of the output (the op runs on local pieces unchanged)."""
-    return [Strategy((*s.inputs, s.outputs[0]), s.outputs, name=s.name) for s in view(info)]
-
-
 def _squeezed_dims(info: OpInfo) -> set[int]:
     """The dims a squeeze removes where they have size 1 -- on local pieces too, where a sharded dim
     of global size n has size 1 although the global op keeps it."""
@@ -280,14 +272,6 @@ def _read_by_attention(node, depth: int = 12) -> bool:
     return False
 
 
-@rule(aten.expand_as.default)
-def expand_as(info: OpInfo) -> list[Strategy]:
-    """``x.expand_as(other)`` (XLM's ``mask.view(b, 1, 1, s).expand_as(scores)``): expand's strategies, with
-    ``other`` placed as the output, so each rank expands to its own piece's shape (a Partial x: other whole)."""
-    return [Strategy((s.inputs[0], R if isinstance(s.outputs[0], Partial) else s.outputs[0]), s.outputs,
-                     name=s.name) for s in expand(info)]
-
-
 def _keep_other_dims(info: OpInfo, dim: int, out_dim_of=lambda d: d, n_out: int = 1) -> list[Strategy]:
     out = []
     for d in range(info.inputs[0].ndim):
@@ -390,14 +374,6 @@ def split(info: OpInfo) -> list[Strategy]:
             and all(divisible(s, info.n) for s in sizes) and _at_block_bounds(cur, info.inputs[0].shape[dim], sizes)):
         out.insert(0, Strategy((cur,), tuple(Shard(dim) for _ in range(k)), name="split_blocks"))
     return out
-
-
-@rule(aten.tensor_split.indices)
-def tensor_split(info: OpInfo) -> list[Strategy]:
-    """``tensor_split(x, indices, dim)`` cuts ``dim`` at fixed positions (Mamba's scan: the tokens before the
-    cached ones, ``[s]``, and an empty rest): any other dim stays sharded; the positions need no localizing."""
-    dim = norm_dim(info.arg(2, "dim", 0), info.inputs[0].ndim)
-    return _keep_other_dims(info, dim, n_out=len(info.outputs))
 
 
 def _at_block_bounds(p: BlockShard, n, sizes) -> bool:
