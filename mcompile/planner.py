@@ -354,12 +354,18 @@ def _after_contraction(x) -> bool:
 _SCORES = (aten.matmul.default, aten.bmm.default)
 
 
+_CASTS = (aten._to_copy.default, aten.to.dtype, aten.alias.default)
+
+
 def _linears(cap: Captured):
-    """``(node, weight placeholder, (out, in))`` of every linear whose weight is a 2-D parameter."""
+    """``(node, weight placeholder, (out, in))`` of every linear whose weight is a 2-D parameter, read as it is
+    or through a cast (DeepSeek-style routers' ``F.linear(x.float(), self.weight.float())``)."""
     for node in cap.gm.graph.nodes:
         if node.op != "call_function" or node.target is not aten.linear.default:
             continue
         w = node.args[1]
+        while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in _CASTS:
+            w = w.args[0]
         if getattr(w, "name", None) in cap.params and w.meta["val"].ndim == 2:
             yield node, w, tuple(int(d) for d in w.meta["val"].shape)
 
@@ -372,14 +378,23 @@ def _whole(hints: dict, node: torch.fx.Node, w: torch.fx.Node, cap: Captured):
 
 
 def router_hints(cap: Captured) -> dict[str, object]:
-    """MoE routers stay replicated over tp, as Megatron keeps them: a linear to a few outputs (one per
-    expert, at most half the input width) whose scores reach a top-k before any contraction. Sharded over
-    its experts it would save nothing worth having and cost an all-gather of the scores per layer."""
+    """MoE routers stay replicated over tp, as Megatron keeps them (its TopKRouter's weight is whole and
+    every tp rank routes its tokens from the full hidden state). A router is a linear whose scores reach,
+    before any contraction, the expert choice and weights of an MoE layer (``moe_ffn``'s ``idx`` and
+    ``weights``: through softmax or sigmoid, a score-correction bias, group-limited top-k's masked_fill),
+    whatever its number of experts; or, where no MoE layer was found, a top-k over the scores of a linear to
+    a few outputs (one per expert, at most half the input width). Sharded over its experts it would save
+    nothing worth having and cost an all-gather of the scores per layer (and of each value of the routing
+    computed from them)."""
     from mcompile.moe import moe_ffn
+
+    def routes(u, cur) -> bool:
+        return u.target is moe_ffn and cur in u.args[1:3]
 
     hints: dict[str, object] = {}
     for node, w, (experts, width) in _linears(cap):
-        if 2 * experts <= width and _reaches(node, lambda u, cur: u.target in (aten.topk.default, moe_ffn), depth=6):
+        if _reaches(node, routes, depth=16) or 2 * experts <= width and _reaches(
+                node, lambda u, cur: u.target is aten.topk.default, depth=6):
             _whole(hints, node, w, cap)
     return hints
 

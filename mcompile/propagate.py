@@ -15,12 +15,14 @@ the placement of its first use). A value computed from parameters alone (Gemma's
 ``w.to(float32)``, a weight cast before its linear) is placed the same way: its op waits, like the
 parameter, until an op reading it meets an activation, and takes the strategy that gives that op what
 it asks for. Placed by its own op first, every placement would tie at no cost and the rule's first
-(a shard) would win: a norm's weight split over features, its output gathered each layer.
-The :class:`AxisPolicy` says what one axis may shard: which
-activation dims (batch for dp; features, heads, vocab — and the sequence under sequence
-parallelism — for tp), whether contraction weights must be sharded, whether Partial values may
-pass through non-contraction ops. The result is only placements; inserting collectives is the
-lowering pass's job.
+(a shard) would win: a norm's weight split over features, its output gathered each layer. A replicated
+value broadcast along a new dim (``expand``: DeepSeek's group mask over its groups' experts) waits too:
+whole or split along that dim, both free, so its reader chooses.
+
+The :class:`AxisPolicy` says what one axis may shard: which activation dims (batch for dp; features,
+heads, vocab — and the sequence under sequence parallelism — for tp), whether contraction weights
+must be sharded, whether Partial values may pass through non-contraction ops. The result is only
+placements; inserting collectives is the lowering pass's job.
 
 An op with no rule runs replicated and is reported (``AxisResult.fallbacks`` -> ``FallbackWarning``
 and ``Plan.fallbacks``) unless it is free: an input-only value (computed from no parameter, see
@@ -71,11 +73,16 @@ _SAME_VALUE = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten
                torch.ops.aten.alias.default, torch.ops.aten.detach.default}
 
 
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
+
+
 def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
     """``s`` adds (or subtracts) two Partials into a Partial no larger than its larger input — one reduction
     of the sum instead of one of each (BERT's word + position + token-type embeddings, each vocab-parallel:
-    Megatron's single all-reduce) — or passes a Partial through a copy that changes neither its dtype nor its
-    shape (HF GPT-2's ``position_embeds.to(device)`` before that add): the reduction waits at no cost. Only
+    Megatron's single all-reduce; an MoE layer's routed experts plus its shared expert, both row-parallel
+    sums, as Megatron's MoE layer reduces them) — or passes a Partial through a copy that changes neither its
+    dtype nor its shape (HF GPT-2's ``position_embeds.to(device)`` before that add) or a view (the routed
+    experts' [tokens, h] output viewed back to [b, s, h]): the reduction waits at no cost. Only
     for Partials read by this node alone: one that something else needs whole is reduced anyway (a residual
     stream read by the next norm and the residual add stays replicated, as Megatron's)."""
     def readers(a: fx.Node) -> list[fx.Node]:
@@ -83,11 +90,14 @@ def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
 
     if any(isinstance(p, Partial) and readers(a) != [node] for a, p in zip(tensor_input_nodes(node), s.inputs)):
         return False
-    if node.target in _SAME_VALUE:  # only on the way to such an add
+    if node.target in _SAME_VALUE or node.target in _VIEWS:  # only on the way to such an add
+        if len(in_metas) != 1 or in_metas[0].dtype != outs[0].dtype or node.target in _SAME_VALUE and \
+                tuple(in_metas[0].shape) != tuple(outs[0].shape):
+            return False
         after = readers(node)
-        return len(in_metas) == 1 and in_metas[0].dtype == outs[0].dtype and \
-            tuple(in_metas[0].shape) == tuple(outs[0].shape) and len(after) == 1 and \
-            after[0].target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
+        while len(after) == 1 and (after[0].target in _SAME_VALUE or after[0].target in _VIEWS):
+            after = readers(after[0])
+        return len(after) == 1 and after[0].target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
     if node.target not in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor) or len(in_metas) != 2 or \
             not all(isinstance(p, Partial) for p in s.inputs):
         return False
@@ -234,6 +244,12 @@ def propagate_axis(
                 return s
         return None
 
+    def kept_whole(a: fx.Node) -> bool:
+        """Whether a planner hint keeps this unplaced weight (or every parameter it is cast from) whole."""
+        if a.name in cap.params:
+            return isinstance(policy.param_hints.get(a.name), Replicate)
+        return all(kept_whole(b) for b in waiting[a.name][0] if unplaced(b))
+
     def settle(a: fx.Node, req) -> None:
         """Place an unplaced parameter, or a waiting value and what it waits on, as ``req``."""
         if a.name in cap.params:
@@ -322,9 +338,13 @@ def propagate_axis(
         info = OpInfo(node, node.target, tuple(node.args), dict(node.kwargs), in_metas, outs, n, current,
                       token_symbol=sym.get(SEQ) if policy.context_parallel else None)
         rule = get_rule(node.target)
-        if rule is not None and ins and len(outs) == 1 and all(unplaced(a) for a in ins) and \
+        # broadcast of a replicated value (DeepSeek's group mask expanded over its groups' experts): whole or
+        # split along the new dim, both free; the op that meets it chooses, as for a value of parameters alone
+        free_broadcast = node.target is aten.expand.default and current == (R,) and node.name in from_params \
+            and not policy.context_parallel
+        if rule is not None and ins and len(outs) == 1 and (free_broadcast or all(unplaced(a) for a in ins)) and \
                 node.target not in CONTRACTION_WEIGHT_ARGS and node.name not in policy.node_overrides:
-            waiting[node.name] = (ins, rule(info))  # parameters alone: placed by the first op that meets an activation
+            waiting[node.name] = (ins, rule(info))  # placed by the first op that meets an activation
             if info.notes:
                 notes[node.name] = list(info.notes)
             place[node.name] = None
@@ -356,7 +376,7 @@ def propagate_axis(
                         if route(a, req) is None:
                             cost = INF
                         elif policy.shard_contraction_weights and i in weight_args and isinstance(req, Replicate) \
-                                and not isinstance(policy.param_hints.get(a.name), Replicate):
+                                and not kept_whole(a):
                             cost = INF
                     elif cur != req:
                         cost = INF

@@ -77,9 +77,50 @@ class Finding:
         return f"{where}: {self.text}"
 
 
+_PASS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.to.dtype, aten._to_copy.default,
+         aten.clone.default, aten.contiguous.default, aten.alias.default}
+_SUM = (aten.add.Tensor, aten.sub.Tensor)
+
+
+def _summed_with(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The add (or sub) that ``node``'s value reaches as its only reader, through views and copies."""
+    while len(node.users) == 1:
+        node = next(iter(node.users))
+        if node.target in _SUM:
+            return node
+        if node.target not in _PASS:
+            return None
+    return None
+
+
+def _from(node) -> torch.fx.Node | None:
+    """What ``node`` is a view or a copy of (through views and copies)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _PASS:
+        node = node.args[0]
+    return node if isinstance(node, torch.fx.Node) else None
+
+
+def _merge_sums(names: list[str], nodes: dict) -> list[str]:
+    """Exits whose values are added together before anything else reads them leave as one: Megatron sums the
+    partial outputs and reduces once (an MoE layer's routed experts plus its shared expert)."""
+    groups = {nodes[k]: k for k in names}
+    merged = True
+    while merged:
+        merged = False
+        for n in list(groups):
+            s = _summed_with(n)
+            other = [_from(a) for a in s.args if _from(a) is not None and _from(a) is not n] if s else []
+            if s is not None and len(other) == 1 and other[0] in groups:
+                groups[s] = f"{groups.pop(n)}+{groups.pop(other[0])}"
+                merged = True
+                break
+    return list(groups.values())
+
+
 def tp_exits(gm: torch.fx.GraphModule) -> dict[int, list[str]]:
     """Per layer, what leaves a tp region in Megatron's layout: a projection whose input is computed from
-    another contraction (attention's output projection, an MLP's down projection), or an MoE layer."""
+    another contraction (attention's output projection, an MLP's down projection), or an MoE layer; exits
+    summed before any other use count once ("a+b": an MoE layer's routed and shared experts)."""
     from mcompile.moe import moe_ffn
     from mcompile.planner import _after_contraction
 
@@ -95,7 +136,8 @@ def tp_exits(gm: torch.fx.GraphModule) -> dict[int, list[str]]:
             continue
         if _after_contraction(node.args[0]):
             out.setdefault(layer, []).append(node.name)
-    return out
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return {layer: _merge_sums(names, nodes) for layer, names in out.items()}
 
 
 def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict) -> str | None:
