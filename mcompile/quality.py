@@ -13,7 +13,9 @@ transformer layer:
    layout's, and is not counted. The exits are counted from the
    captured model, not the plan: a linear whose input was computed from another contraction
    (:func:`mcompile.planner._after_contraction`), or an MoE layer (``moe_ffn``: its experts' down
-   projections, summed). A layer whose forward tp
+   projections, summed). Exits whose values are added together before anything else reads them leave
+   as one (an MoE layer's routed experts plus its shared expert, a parallel-residual block's attention
+   plus MLP): Megatron adds the partial sums and reduces once. A layer whose forward tp
    collectives exceed that count is reported with every collective of the layer and the captured node
    whose value it moves.
 2. **Weights.** Every weight matrix a contraction of the layer uses is sharded over tp, unless the plan
@@ -24,9 +26,6 @@ transformer layer:
 Findings of alike layers (block repetition: the same finding in layers 0..L-1) are reported once with
 their layers. ``compile_plan`` warns a :class:`PlanQualityWarning` and keeps them in
 ``Compiled.quality``; ``mcompile plan`` prints them.
-
-Not covered yet: a parallel-residual block (GPT-J / GPT-NeoX ``use_parallel_residual``) where Megatron
-sums the two exits before one all-reduce is held to two collectives, not one.
 """
 
 from __future__ import annotations
