@@ -206,9 +206,22 @@ _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, at
 _THROUGH = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
+def _viewed_apart(node: torch.fx.Node, val: torch.Tensor) -> bool:
+    """Whether a view splits its input's last dim into (k, m), k >= 2, and every reader picks parts along k
+    (Moshi's ``fc1(x).view(b, s, 2, -1)`` then ``[..., 0, :]`` and ``[..., 1, :]``: a fused gate/up)."""
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor) or out.ndim != val.ndim + 1 or not isinstance(out.shape[-2], int) or \
+            out.shape[-2] < 2 or str(out.shape[-2] * out.shape[-1]) != str(val.shape[-1]) or \
+            [str(d) for d in out.shape[:-2]] != [str(d) for d in val.shape[:-1]]:
+        return False
+    return bool(node.users) and all(u.target in (aten.select.int, aten.unbind.int) and len(u.args) > 1 and
+                                    u.args[1] % out.ndim == out.ndim - 2 for u in node.users)
+
+
 def _feature_cuts(gm: torch.fx.GraphModule):
     """``(value, part sizes)`` for each value cut into two or more parts along its last dim: by a split /
-    chunk / unbind, or by slices that tile the dim (Phi-3's ``qkv[..., :q]``, ``[q:q+kv]``, ``[q+kv:]``)."""
+    chunk / unbind, by slices that tile the dim (Phi-3's ``qkv[..., :q]``, ``[q:q+kv]``, ``[q+kv:]``), or by a view
+    into (k, m) read part by part (Moshi's fused gate/up, :func:`_viewed_apart`)."""
     slices: dict = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.args[0], torch.fx.Node):
@@ -225,6 +238,9 @@ def _feature_cuts(gm: torch.fx.GraphModule):
                      else 1 for o in node.meta["val"]]
             if dim % nd == nd - 1 and len(sizes) >= 2:
                 yield x, sizes
+        elif node.target in _THROUGH and _viewed_apart(node, val):
+            k = int(node.meta["val"].shape[-2])
+            yield x, [val.shape[-1] // k] * k
         elif node.target is aten.slice.Tensor:
             dim, start = node.args[1] if len(node.args) > 1 else 0, node.args[2] if len(node.args) > 2 else 0
             end, step = node.args[3] if len(node.args) > 3 else None, node.args[4] if len(node.args) > 4 else 1
