@@ -208,11 +208,24 @@ _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, at
 _THROUGH = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
+def _viewed_apart(node: torch.fx.Node, val: torch.Tensor) -> bool:
+    """Whether a view splits its input's last dim into (k, m), k >= 2, and every reader picks parts along k
+    (Moshi's ``fc1(x).view(b, s, 2, -1)`` then ``[..., 0, :]`` and ``[..., 1, :]``: a fused gate/up)."""
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor) or out.ndim != val.ndim + 1 or not isinstance(out.shape[-2], int) or \
+            out.shape[-2] < 2 or str(out.shape[-2] * out.shape[-1]) != str(val.shape[-1]) or \
+            [str(d) for d in out.shape[:-2]] != [str(d) for d in val.shape[:-1]]:
+        return False
+    return bool(node.users) and all(u.target in (aten.select.int, aten.unbind.int) and len(u.args) > 1 and
+                                    u.args[1] % out.ndim == out.ndim - 2 for u in node.users)
+
+
 def _feature_cuts(gm: torch.fx.GraphModule):
     """``(value, part sizes)`` for each value cut into two or more parts along its last dim: by a split /
-    chunk / unbind, or by slices that tile the dim (Phi-3's ``qkv[..., :q]``, ``[q:q+kv]``, ``[q+kv:]``).
-    A cut of a transposed value along the dim that was its source's last counts as a cut of the source
-    (LFM2's short conv: ``in_proj(x).transpose(-1, -2).chunk(3, dim=-2)`` into B, C and x)."""
+    chunk / unbind, by slices that tile the dim (Phi-3's ``qkv[..., :q]``, ``[q:q+kv]``, ``[q+kv:]``), or by a view
+    into (k, m) read part by part (Moshi's fused gate/up, :func:`_viewed_apart`). A cut of a transposed value
+    along the dim that was its source's last counts as a cut of the source (LFM2's short conv:
+    ``in_proj(x).transpose(-1, -2).chunk(3, dim=-2)`` into B, C and x)."""
     slices: dict = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.args[0], torch.fx.Node):
@@ -229,6 +242,9 @@ def _feature_cuts(gm: torch.fx.GraphModule):
             src = _last_dim_source(x, dim % nd)
             if src is not None and len(sizes) >= 2:
                 yield src, sizes
+        elif node.target in _THROUGH and _viewed_apart(node, val):
+            k = int(node.meta["val"].shape[-2])
+            yield x, [val.shape[-1] // k] * k
         elif node.target is aten.slice.Tensor:
             dim, start = node.args[1] if len(node.args) > 1 else 0, node.args[2] if len(node.args) > 2 else 0
             end, step = node.args[3] if len(node.args) > 3 else None, node.args[4] if len(node.args) > 4 else 1
@@ -401,12 +417,18 @@ def _after_contraction(x, whole: frozenset = frozenset()) -> bool:
 _SCORES = (aten.matmul.default, aten.bmm.default)
 
 
+_CASTS = (aten._to_copy.default, aten.to.dtype, aten.alias.default)
+
+
 def _linears(cap: Captured):
-    """``(node, weight placeholder, (out, in))`` of every linear whose weight is a 2-D parameter."""
+    """``(node, weight placeholder, (out, in))`` of every linear whose weight is a 2-D parameter, read as it is
+    or through a cast (DeepSeek-style routers' ``F.linear(x.float(), self.weight.float())``)."""
     for node in cap.gm.graph.nodes:
         if node.op != "call_function" or node.target is not aten.linear.default:
             continue
         w = node.args[1]
+        while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in _CASTS:
+            w = w.args[0]
         if getattr(w, "name", None) in cap.params and w.meta["val"].ndim == 2:
             yield node, w, tuple(int(d) for d in w.meta["val"].shape)
 
@@ -419,14 +441,23 @@ def _whole(hints: dict, node: torch.fx.Node, w: torch.fx.Node, cap: Captured):
 
 
 def router_hints(cap: Captured) -> dict[str, object]:
-    """MoE routers stay replicated over tp, as Megatron keeps them: a linear to a few outputs (one per
-    expert, at most half the input width) whose scores reach a top-k before any contraction. Sharded over
-    its experts it would save nothing worth having and cost an all-gather of the scores per layer."""
+    """MoE routers stay replicated over tp, as Megatron keeps them (its TopKRouter's weight is whole and
+    every tp rank routes its tokens from the full hidden state). A router is a linear whose scores reach,
+    before any contraction, the expert choice and weights of an MoE layer (``moe_ffn``'s ``idx`` and
+    ``weights``: through softmax or sigmoid, a score-correction bias, group-limited top-k's masked_fill),
+    whatever its number of experts; or, where no MoE layer was found, a top-k over the scores of a linear to
+    a few outputs (one per expert, at most half the input width). Sharded over its experts it would save
+    nothing worth having and cost an all-gather of the scores per layer (and of each value of the routing
+    computed from them)."""
     from mcompile.moe import moe_ffn
+
+    def routes(u, cur) -> bool:
+        return u.target is moe_ffn and cur in u.args[1:3]
 
     hints: dict[str, object] = {}
     for node, w, (experts, width) in _linears(cap):
-        if 2 * experts <= width and _reaches(node, lambda u, cur: u.target in (aten.topk.default, moe_ffn), depth=6):
+        if _reaches(node, routes, depth=16) or 2 * experts <= width and _reaches(
+                node, lambda u, cur: u.target is aten.topk.default, depth=6):
             _whole(hints, node, w, cap)
     return hints
 

@@ -11,11 +11,18 @@ scores each against where the inputs currently are and takes the cheapest (ties:
     the same value and target costs 0 (it is reused, as Megatron fuses QKV's one all-gather).
 
 Parameters are placed by their first use and never redistributed afterwards (a tied weight keeps
-the placement of its first use). The :class:`AxisPolicy` says what one axis may shard: which
-activation dims (batch for dp; features, heads, vocab — and the sequence under sequence
-parallelism — for tp), whether contraction weights must be sharded, whether Partial values may
-pass through non-contraction ops. The result is only placements; inserting collectives is the
-lowering pass's job.
+the placement of its first use). A value computed from parameters alone (Gemma's ``1 + w``, Cohere's
+``w.to(float32)``, a weight cast before its linear) is placed the same way: its op waits, like the
+parameter, until an op reading it meets an activation, and takes the strategy that gives that op what
+it asks for. Placed by its own op first, every placement would tie at no cost and the rule's first
+(a shard) would win: a norm's weight split over features, its output gathered each layer. A replicated
+value broadcast along a new dim (``expand``: DeepSeek's group mask over its groups' experts) waits too:
+whole or split along that dim, both free, so its reader chooses.
+
+The :class:`AxisPolicy` says what one axis may shard: which activation dims (batch for dp; features,
+heads, vocab — and the sequence under sequence parallelism — for tp), whether contraction weights
+must be sharded, whether Partial values may pass through non-contraction ops. The result is only
+placements; inserting collectives is the lowering pass's job.
 
 An op with no rule runs replicated and is reported (``AxisResult.fallbacks`` -> ``FallbackWarning``
 and ``Plan.fallbacks``) unless it is free: an input-only value (computed from no parameter, see
@@ -70,11 +77,16 @@ _SAME_VALUE = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten
                torch.ops.aten.alias.default, torch.ops.aten.detach.default}
 
 
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
+
+
 def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
     """``s`` adds (or subtracts) two Partials into a Partial no larger than its larger input — one reduction
     of the sum instead of one of each (BERT's word + position + token-type embeddings, each vocab-parallel:
-    Megatron's single all-reduce) — or passes a Partial through a copy that changes neither its dtype nor its
-    shape (HF GPT-2's ``position_embeds.to(device)`` before that add): the reduction waits at no cost. Only
+    Megatron's single all-reduce; an MoE layer's routed experts plus its shared expert, both row-parallel
+    sums, as Megatron's MoE layer reduces them) — or passes a Partial through a copy that changes neither its
+    dtype nor its shape (HF GPT-2's ``position_embeds.to(device)`` before that add) or a view (the routed
+    experts' [tokens, h] output viewed back to [b, s, h]): the reduction waits at no cost. Only
     for Partials read by this node alone: one that something else needs whole is reduced anyway (a residual
     stream read by the next norm and the residual add stays replicated, as Megatron's)."""
     def readers(a: fx.Node) -> list[fx.Node]:
@@ -82,11 +94,14 @@ def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
 
     if any(isinstance(p, Partial) and readers(a) != [node] for a, p in zip(tensor_input_nodes(node), s.inputs)):
         return False
-    if node.target in _SAME_VALUE:  # only on the way to such an add
+    if node.target in _SAME_VALUE or node.target in _VIEWS:  # only on the way to such an add
+        if len(in_metas) != 1 or in_metas[0].dtype != outs[0].dtype or node.target in _SAME_VALUE and \
+                tuple(in_metas[0].shape) != tuple(outs[0].shape):
+            return False
         after = readers(node)
-        return len(in_metas) == 1 and in_metas[0].dtype == outs[0].dtype and \
-            tuple(in_metas[0].shape) == tuple(outs[0].shape) and len(after) == 1 and \
-            after[0].target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
+        while len(after) == 1 and (after[0].target in _SAME_VALUE or after[0].target in _VIEWS):
+            after = readers(after[0])
+        return len(after) == 1 and after[0].target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
     if node.target not in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor) or len(in_metas) != 2 or \
             not all(isinstance(p, Partial) for p in s.inputs):
         return False
@@ -231,6 +246,57 @@ def _propagate_axis(
         return SEQ in policy.allowed_symbols and size == sym.get(SEQ)
 
     sizes: dict = {}  # a symbolic size at the hints (sympy substitution is the planner's hot spot)
+    # values computed from parameters alone, not placed yet: node name -> (its inputs, rule strategies)
+    waiting: dict[str, tuple[list[fx.Node], list[Strategy]]] = {}
+
+    def unplaced(a: fx.Node) -> bool:
+        return place.get(a.name) is None and (a.name in cap.params or a.name in waiting)
+
+    def route(a: fx.Node, req) -> Strategy | None:
+        """For an unplaced parameter, a strategy-less stand-in if it may take ``req``; for a waiting value,
+        the first strategy of its op that yields ``req`` from inputs that may take what it asks."""
+        if a.name in cap.params:
+            hint = policy.param_hints.get(a.name)
+            if hint is not None and isinstance(hint, BlockShard | Replicate | Shard) and req != hint:
+                # a fused projection later split into blocks: only the block layout; a latent
+                # down-projection (planner.latent_hints): only whole; a per-head score bias
+                # table (planner.position_bias_hints): only by heads
+                return None
+            if isinstance(req, Partial) or (policy.params_replicated and not isinstance(req, Replicate)):
+                return None
+            return Strategy((), (req,), name="param")
+        ins_a, cands_a = waiting[a.name]
+        if not shard_allowed(_out_metas(a)[0], req):
+            return None
+        for s in cands_a:
+            if s.outputs and s.outputs[0] == req and all(
+                    route(b, r) is not None if unplaced(b) else place.get(b.name) == r
+                    for b, r in zip(ins_a, s.inputs)):
+                return s
+        return None
+
+    def kept_whole(a: fx.Node) -> bool:
+        """Whether a planner hint keeps this unplaced weight (or every parameter it is cast from) whole."""
+        if a.name in cap.params:
+            return isinstance(policy.param_hints.get(a.name), Replicate)
+        return all(kept_whole(b) for b in waiting[a.name][0] if unplaced(b))
+
+    def settle(a: fx.Node, req) -> None:
+        """Place an unplaced parameter, or a waiting value and what it waits on, as ``req``."""
+        if a.name in cap.params:
+            place[a.name] = params[a.name] = req
+            if isinstance(req, Shard):
+                d = req.dim % a.meta["val"].ndim
+                size = a.meta["val"].shape[d]
+                if isinstance(size, int) and size % n:
+                    padded_params[a.name] = d
+                    padded[a.name] = d
+            return
+        s = route(a, req)
+        strategies[a.name], place[a.name] = s, req
+        for b, r in zip(waiting[a.name][0], s.inputs):
+            if unplaced(b):
+                settle(b, r)
 
     def redistribute_cost(src: fx.Node, cur, req, meta: TensorMeta) -> float:
         if cur == req:
@@ -270,21 +336,13 @@ def _propagate_axis(
                 continue  # an input-only value (a mask, a table) stays whole: its consumers take what they need
             cost = 0.0
             for i, (a, req) in enumerate(zip(ins, s.inputs)):
-                if a.name in cap.params:
+                if a.name in cap.params or unplaced(a):
                     cur = place[a.name]
                     if cur is None:
-                        hint = policy.param_hints.get(a.name)
-                        if hint is not None and isinstance(hint, BlockShard | Replicate | Shard) and req != hint:
-                            # a fused projection later split into blocks: only the block layout; a latent
-                            # down-projection (planner.latent_hints): only whole; a per-head score bias
-                            # table (planner.position_bias_hints): only by heads
-                            cost = INF
-                        elif isinstance(req, Partial):
-                            cost = INF
-                        elif policy.params_replicated and not isinstance(req, Replicate):
+                        if route(a, req) is None:
                             cost = INF
                         elif policy.shard_contraction_weights and i in weight_args and isinstance(req, Replicate) \
-                                and not isinstance(hint, Replicate):
+                                and not kept_whole(a):
                             cost = INF
                     elif cur != req:
                         cost = INF
@@ -353,6 +411,17 @@ def _propagate_axis(
                       token_symbol=sym.get(SEQ) if policy.context_parallel else None)
         rule = get_rule(node.target)
         cands = rule(info) if rule is not None else []
+        # broadcast of a replicated value (DeepSeek's group mask expanded over its groups' experts): whole or
+        # split along the new dim, both free; the op that meets it chooses, as for a value of parameters alone
+        free_broadcast = node.target is aten.expand.default and current == (R,) and node.name in from_params \
+            and not policy.context_parallel
+        if cands and ins and len(outs) == 1 and (free_broadcast or all(unplaced(a) for a in ins)) and \
+                node.target not in CONTRACTION_WEIGHT_ARGS and node.name not in policy.node_overrides:
+            waiting[node.name] = (ins, cands)  # placed by the first op that meets an activation
+            if info.notes:
+                notes[node.name] = list(info.notes)
+            place[node.name] = None
+            continue
         if not cands:  # no rule, or one that proves no split for these inputs (mcompile.rules)
             # An input-only value (a mask, position ids, a RoPE table) held whole by every rank runs
             # replicated at no cost: nothing to report. Anything else is reported once.
@@ -392,14 +461,8 @@ def _propagate_axis(
                              _no_strategy_message(node, policy, ins, place, info, cap))
             raise PlanError(_no_strategy_message(node, policy, ins, place, info, cap))
         for i, (a, req) in enumerate(zip(ins, best.inputs)):
-            if a.name in cap.params and place[a.name] is None:
-                place[a.name] = params[a.name] = req
-                if isinstance(req, Shard):
-                    d = req.dim % a.meta["val"].ndim
-                    size = a.meta["val"].shape[d]
-                    if isinstance(size, int) and size % n:
-                        padded_params[a.name] = d
-                        padded[a.name] = d
+            if unplaced(a):
+                settle(a, req)
             elif a.name not in cap.params and current[i] != req:
                 made.add((a.name, req))
         strategies[node.name] = best
@@ -410,6 +473,11 @@ def _propagate_axis(
                 size = o.shape[p.dim % o.ndim]
                 if isinstance(size, int) and size % n:
                     padded[node.name] = p.dim % o.ndim
+    for node in gm.graph.nodes:  # values of parameters alone that no activation meets: whole, if they can be
+        if node.name in waiting and place[node.name] is None:
+            req = R if route(node, R) is not None else next(
+                s.outputs[0] for s in waiting[node.name][1] if s.outputs and route(node, s.outputs[0]) is not None)
+            settle(node, req)
     for node in gm.graph.nodes:  # parameters nobody reads
         if node.op == "placeholder" and node.name in cap.params and place[node.name] is None:
             place[node.name] = params[node.name] = R

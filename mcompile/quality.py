@@ -14,7 +14,9 @@ transformer layer:
    captured model, not the plan: a linear whose input was computed from another contraction
    (:func:`mcompile.planner._after_contraction`; a low-rank latent or a router kept whole is not one: what
    reads it enters a region), or an MoE layer (``moe_ffn``: its experts' down
-   projections, summed). A layer whose forward tp
+   projections, summed). Exits whose values are added together before anything else reads them leave
+   as one (an MoE layer's routed experts plus its shared expert, a parallel-residual block's attention
+   plus MLP): Megatron adds the partial sums and reduces once. A layer whose forward tp
    collectives exceed that count is reported with every collective of the layer and the captured node
    whose value it moves.
 2. **Weights.** Every weight matrix a contraction of the layer uses is sharded over tp, unless the plan
@@ -29,9 +31,6 @@ transformer layer:
 Findings of alike layers (block repetition: the same finding in layers 0..L-1) are reported once with
 their layers. ``compile_plan`` warns a :class:`PlanQualityWarning` and keeps them in
 ``Compiled.quality``; ``mcompile plan`` prints them.
-
-Not covered yet: a parallel-residual block (GPT-J / GPT-NeoX ``use_parallel_residual``) where Megatron
-sums the two exits before one all-reduce is held to two collectives, not one.
 """
 
 from __future__ import annotations
@@ -83,12 +82,53 @@ class Finding:
         return f"{where}: {self.text}"
 
 
+_PASS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.to.dtype, aten._to_copy.default,
+         aten.clone.default, aten.contiguous.default, aten.alias.default}
+_SUM = (aten.add.Tensor, aten.sub.Tensor)
+
+
+def _summed_with(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The add (or sub) that ``node``'s value reaches as its only reader, through views and copies."""
+    while len(node.users) == 1:
+        node = next(iter(node.users))
+        if node.target in _SUM:
+            return node
+        if node.target not in _PASS:
+            return None
+    return None
+
+
+def _from(node) -> torch.fx.Node | None:
+    """What ``node`` is a view or a copy of (through views and copies)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _PASS:
+        node = node.args[0]
+    return node if isinstance(node, torch.fx.Node) else None
+
+
+def _merge_sums(names: list[str], nodes: dict) -> list[str]:
+    """Exits whose values are added together before anything else reads them leave as one: Megatron sums the
+    partial outputs and reduces once (an MoE layer's routed experts plus its shared expert)."""
+    groups = {nodes[k]: k for k in names}
+    merged = True
+    while merged:
+        merged = False
+        for n in list(groups):
+            s = _summed_with(n)
+            other = [_from(a) for a in s.args if _from(a) is not None and _from(a) is not n] if s else []
+            if s is not None and len(other) == 1 and other[0] in groups:
+                groups[s] = f"{groups.pop(n)}+{groups.pop(other[0])}"
+                merged = True
+                break
+    return list(groups.values())
+
+
 def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[int, list[str]]:
     """Per layer, what leaves a tp region in Megatron's layout: a projection whose input is computed from
     another contraction (attention's output projection, an MLP's down projection), or an MoE layer. A
     projection whose weight is kept whole (``whole``: a low-rank latent, :func:`mcompile.planner.latent_hints`;
     an MoE router, :func:`mcompile.planner.router_hints`) is not a region: what reads its replicated output
-    enters one (MLA's q_b / kv_b; Llama-4's experts, whose input is scaled by the router's scores)."""
+    enters one (MLA's q_b / kv_b; Llama-4's experts, whose input is scaled by the router's scores). Exits
+    summed before any other use count once ("a+b": an MoE layer's routed and shared experts)."""
     from mcompile.moe import moe_ffn
     from mcompile.planner import _after_contraction
 
@@ -104,7 +144,8 @@ def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[i
             continue
         if _after_contraction(node.args[0], whole):
             out.setdefault(layer, []).append(node.name)
-    return out
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return {layer: _merge_sums(names, nodes) for layer, names in out.items()}
 
 
 def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict) -> str | None:

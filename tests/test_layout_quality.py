@@ -176,3 +176,181 @@ def test_the_quality_check_names_an_attention_left_whole_by_key_value_heads_tp_c
     pl = {k.rsplit("layers.0.", 1)[1]: v.placements[0] for k, v in c.plan.params.items() if "layers.0." in k}
     assert pl["self_attn.qkv_proj.weight"] == Replicate()
     _parity(model, c, inputs)
+
+
+# ------------------------------------------------------------------ norm weights read through pointwise ops
+
+
+class _GemmaRMSNorm(torch.nn.Module):
+    """Gemma's RMSNorm: the weight stored as an offset from 1, the scale ``1 + w`` computed in fp32."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim) * 0.1)
+
+    def forward(self, x):
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class _CohereLayerNorm(torch.nn.Module):
+    """Cohere's bias-free LayerNorm: ``self.weight.to(float32) * normalised``, then cast back."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + torch.randn(dim) * 0.1)
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = (h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.var(-1, keepdim=True, correction=0) + 1e-5)
+        return (self.weight.to(torch.float32) * h).to(x.dtype)
+
+
+class _LayerNorm1P(torch.nn.LayerNorm):
+    """Nemotron's layernorm1p: ``F.layer_norm`` with the weight ``w + 1``."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class NormBlock(torch.nn.Module):
+    """A pre-norm block whose norms read their weights through pointwise ops first (no activation yet), and
+    whose fused gate/up projection is viewed to [b, s, 2, ffn] and read part by part (Moshi's MLP)."""
+
+    def __init__(self, dim=32, heads=4, ffn=64):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = _GemmaRMSNorm(dim), _CohereLayerNorm(dim)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.up, self.down = torch.nn.Linear(dim, 2 * ffn, bias=False), torch.nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        gate_up = self.up(self.norm2(x)).view(b, s, 2, -1)  # Moshi's fused gate/up, viewed apart
+        return x + self.down(F.gelu(gate_up[..., 0, :]) * gate_up[..., 1, :])
+
+
+class NormLM(torch.nn.Module):
+    def __init__(self, vocab=64, dim=32, layers=4):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(NormBlock(dim) for _ in range(layers))
+        self.norm = _LayerNorm1P(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.timeout(300)
+def test_norm_weights_read_through_pointwise_ops_stay_whole():
+    """Gemma's ``1 + w``, Cohere's ``w.to(float32) * x`` and Nemotron's ``layer_norm(x, w + 1)``: the op reading
+    the weight first reads no activation, so every placement of it ties at no cost; the weight must still be
+    whole (placed by the op that meets the residual stream), not split over features with the norm's output
+    gathered twice a layer. The gate/up viewed apart is a fused projection: B(0, 2), each rank its half of each."""
+    torch.manual_seed(0)
+    model = NormLM()
+    c, inputs, quality = _plan(model, 64, tp=2)
+    assert not quality and c.quality == []
+    pl = {k: v.placements[0] for k, v in c.plan.params.items()}
+    assert all(pl[f"layers.{i}.norm{j}.weight"] == Replicate() for i in range(4) for j in (1, 2))
+    assert pl["norm.weight"] == Replicate() and pl["norm.bias"] == Replicate()
+    assert pl["layers.0.up.weight"] == BlockShard(0, 2) and pl["layers.0.down.weight"] == Shard(1)
+    assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+    _parity(model, c, inputs)
+
+
+# ------------------------------------------------------------------ MoE: a router in its own class, shared expert
+
+
+class _GroupLimitedRouter(torch.nn.Module):
+    """DeepSeek-style routing in its own module: a bare weight read by ``F.linear`` through casts, sigmoid
+    scores, a correction bias that steers the choice only, group-limited top-k (masked_fill), normalised
+    weights."""
+
+    def __init__(self, dim, experts, top_k=2, groups=4, topk_groups=2):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, dim) / dim ** 0.5)
+        self.register_buffer("e_score_correction_bias", torch.randn(experts) * 0.05)
+        self.top_k, self.groups, self.topk_groups = top_k, groups, topk_groups
+
+    def forward(self, xt):
+        scores = F.linear(xt.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        t, e = choice.shape
+        grouped = choice.view(t, self.groups, e // self.groups)
+        keep = torch.zeros(t, self.groups).scatter(1, grouped.topk(2, -1)[0].sum(-1).topk(self.topk_groups)[1], 1.0)
+        mask = keep.unsqueeze(-1).expand(-1, -1, e // self.groups).reshape(t, e)
+        idx = choice.masked_fill(~mask.bool(), float("-inf")).topk(self.top_k, dim=-1)[1]
+        w = scores.gather(1, idx)
+        return idx, w / w.sum(-1, keepdim=True)
+
+
+class MoEBlock(torch.nn.Module):
+    """Attention, then routed experts (more of them than half the hidden width, so the router is no narrow
+    linear) plus a shared expert, summed after the routed output is viewed back to [b, s, h]."""
+
+    def __init__(self, dim=32, heads=4, experts=32, hidden=16):
+        from mcompile.models.moe import GroupedExperts
+
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.RMSNorm(dim), torch.nn.RMSNorm(dim)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.gate = _GroupLimitedRouter(dim, experts)
+        self.experts = GroupedExperts(experts, dim, hidden)
+        for p in self.experts.parameters():
+            torch.nn.init.normal_(p, std=dim ** -0.5)
+        self.shared_up = torch.nn.Linear(dim, 2 * hidden, bias=False)
+        self.shared_down = torch.nn.Linear(2 * hidden, dim, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        h = self.norm2(x)
+        xt = h.view(-1, d)
+        idx, w = self.gate(xt)
+        routed = self.experts(xt, idx, w).view(b, s, d)
+        return x + (routed + self.shared_down(F.silu(self.shared_up(h))))
+
+
+class MoELM(torch.nn.Module):
+    def __init__(self, vocab=64, dim=32, layers=4):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(MoEBlock(dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.timeout(300)
+def test_a_router_in_its_own_class_stays_whole_and_shared_and_routed_experts_reduce_once():
+    """Megatron's MoE layer: the router weight whole on every tp rank (each routes its tokens from the full
+    hidden state: no gather of scores, group masks or sigmoids), and the routed experts' and the shared
+    expert's row-parallel partial sums added before one all-reduce: 2 forward collectives a layer
+    (attention's exit, the MoE layer's), and the quality check holds the plan to those 2."""
+    from mcompile.quality import tp_exits
+
+    torch.manual_seed(0)
+    model = MoELM()
+    c, inputs, quality = _plan(model, 64, tp=2)
+    assert not quality and c.quality == []
+    assert c.plan.params["layers.0.gate.weight"].placements[0] == Replicate()
+    assert c.plan.params["layers.0.shared_down.weight"].placements[0] == Shard(1)
+    exits = tp_exits(c.captured.gm)  # per layer: attention's, and the MoE layer's (routed + shared, summed)
+    assert all(len(e) == 2 and "moe_ffn" in e[1] and "+" in e[1] for e in exits.values()), exits
+    assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+    _parity(model, c, inputs)

@@ -89,6 +89,11 @@ def map_view_placement(p, ishape, oshape, n: int, notes: list[str] | None = None
         if isinstance(p, BlockShard):
             if len(big_in) == 1 and len(big_out) == 1:
                 return BlockShard(o, p.blocks)
+            # equal blocks viewed apart ([.., 2F] -> [.., 2, F]: Moshi's fused gate/up): every rank holds its
+            # share of each block, a shard of the inner dim
+            if len(big_in) == 1 and len(big_out) == 2 and isinstance(p.blocks, int) and \
+                    same(oshape[o], p.blocks) and divisible(oshape[big_out[1]], n):
+                return Shard(big_out[1])
             return None
         if len(big_out) > 1 and not divisible(oshape[o], n):
             if notes is not None:
