@@ -412,8 +412,11 @@ def _propagate_axis(
         rule = get_rule(node.target)
         cands = rule(info) if rule is not None else []
         # broadcast of a replicated value (DeepSeek's group mask expanded over its groups' experts): whole or
-        # split along the new dim, both free; the op that meets it chooses, as for a value of parameters alone
+        # split along the new dim, both free; the op that meets it chooses, as for a value of parameters alone.
+        # Not a key/value of a projection kept whole for its few heads (planner.kv_sliced): its broadcast over
+        # the query heads takes expand's own heads-split strategy, each rank slicing the heads it attends
         free_broadcast = node.target is aten.expand.default and current == (R,) and node.name in from_params \
+            and node.name not in policy.sliced_static \
             and not policy.context_parallel
         if cands and ins and len(outs) == 1 and (free_broadcast or all(unplaced(a) for a in ins)) and \
                 node.target not in CONTRACTION_WEIGHT_ARGS and node.name not in policy.node_overrides:
