@@ -121,7 +121,8 @@ MAX_PARAMS = 20_000_000  # the tiny config has ~0.3M; a model above this kept a 
 # role -> the names families give it (the config's attribute_map adds its own): each one the config has is set
 ROLES = {
     "hidden": (HIDDEN, ("hidden_size", "n_embd", "n_embed", "d_model", "dim", "embed_dim", "model_dim",
-                        "embedding_size", "word_embed_proj_dim", "d_embed", "hidden_dim", "d_latents")),
+                        "embedding_size", "word_embed_proj_dim", "d_embed", "hidden_dim", "d_latents",
+                        "hidden_size_global")),
     "layers": (LAYERS, ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers",
                         "num_encoder_layers", "encoder_layers", "decoder_layers",
                         "num_self_attends_per_block")),
@@ -157,6 +158,7 @@ OVERRIDES: dict[str, dict] = {
     # its layer pattern as (types, repeats) pairs: 2 x (global, local) for the 4 layers
     "GPTNeoConfig": {"attention_types": [[["global", "local"], LAYERS // 2]]},
     "ZayaConfig": {"num_experts_per_tok": 1},  # its validator: top-1 routing only
+    "Kolibri1_1Config": {"index_num_heads": HEADS // KV_HEADS},  # its validator: <= query heads per key head
     # its validator: hidden * expand == (SSM) heads * head_dim
     "Mamba2Config": {"head_dim": lambda out: HIDDEN * 2 // out["num_heads"], "n_groups": KV_HEADS},
     # the class default leaves the QSA indexer unset, which the modeling always builds: its validator's constraints
@@ -370,6 +372,15 @@ def _shrink(cfg_cls, base, kind: str) -> dict:
         v = _get(base, name)
         if name in out or not isinstance(v, list | tuple):
             continue
+        ints = bool(v) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        at = {j: i for i, j in enumerate(pick)}
+        if ints and name.endswith("_layers") and n_layers and len(v) == n_layers and all(x <= j for j, x in
+                                                                                         enumerate(v)):
+            out[name] = [at.get(v[j], i) for i, j in enumerate(pick)]  # per layer, an earlier layer's index
+            continue  # (Kolibri's kv_source_layers: whose K/V it reads; one not kept: its own)
+        if ints and name.endswith("_layers") and n_layers and len(v) < n_layers and max(v) < n_layers:
+            out[name] = [at[j] for j in v if j in at]  # layer indices (Kolibri's index_layers): the kept ones
+            continue
         role = next((r for r, (_, al) in ROLES.items() if any(a in name for a in al)), None)
         if role and n_layers and len(v) == n_layers and all(isinstance(x, int) for x in v):
             out[name] = [ROLES[role][0]] * LAYERS  # Laguna's num_attention_heads_per_layer: the role's value
@@ -384,13 +395,24 @@ def _shrink(cfg_cls, base, kind: str) -> dict:
     spec = base.__dict__.get("_heterogeneity_spec")
     if spec is not None:  # a heterogeneous config's per-layer overrides (Gemma-4's wider global-attention heads)
         tiny = {**_role_values(set(ROLES["head_dim"][1]), {}, base), **out}  # a per-layer head_dim as the global
-        out["per_layer_config"] = {i: {k: tiny.get(k, v) for k, v in spec.per_layer_overrides[j].items()}
-                                   for i, j in enumerate(pick) if j in spec.per_layer_overrides}
+        out["per_layer_config"] = {}
+        for i, j in enumerate(pick):
+            if j not in spec.per_layer_overrides:
+                continue
+            ov = spec.per_layer_overrides[j]
+            layer = {k: tiny.get(k, v) for k, v in ov.items()}
+            was = {k: ov.get(k, _get(base, k)) for k in ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim")}
+            if None not in was.values() and was["head_dim"] == was["qk_rope_head_dim"] + was["qk_nope_head_dim"]:
+                # Dots-3's sliding layers: head_dim = nope + rope, as in the family's layer
+                layer["head_dim"] = sum(layer.get(k, tiny.get(k)) for k in ("qk_rope_head_dim", "qk_nope_head_dim"))
+            out["per_layer_config"][i] = layer
     subs = getattr(cfg_cls, "sub_configs", None) or getattr(cfg_cls, "sub_configs_defaults", None) or {}
     for name in subs:  # sub-configs (Dbrx's attn_config / ffn_config, a text_config, T5Gemma's encoder / decoder)
         sb = _get(base, name)
         if hasattr(sb, "to_dict") and name not in out:
-            out[name] = {**sb.to_dict(), **_shrink(type(sb), sb, kind)}
+            # its own arguments only: a value its __post_init__ derives (BLT's head_dim) is derived again, tiny
+            own = _names(type(sb), sb) | {"model_type"}
+            out[name] = {**{k: v for k, v in sb.to_dict().items() if k in own}, **_shrink(type(sb), sb, kind)}
     out = {k: v for k, v in out.items() if k in names or k == "per_layer_config"}
     for key, value in OVERRIDES.get(cfg_cls.__name__, {}).items():
         sub, _, attr = key.rpartition(".")
