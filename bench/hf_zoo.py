@@ -19,9 +19,14 @@ under whichever of the family's own names its config has (read from its dataclas
 ``attribute_map``; :data:`ROLES`): hidden 64, 4 layers (an encoder-decoder: 4 + 4), 4 heads, 2 kv heads where the
 config has a kv-head count (GQA; as many as heads under multi-head latent attention), intermediate 128,
 vocabulary 128, head_dim 16 where the config has one, every dropout / layerdrop / router jitter 0; MoE families
-4 experts, top-2, one expert group; multi-head latent attention ranks 32; per-layer lists (``layer_types``) cut
-to 4 layers. Special token ids outside the vocabulary are moved into it. The values the config ended up with
-are recorded.
+4 experts, top-2, one expert group; multi-head latent attention ranks 32; per-layer lists (``layer_types``, any
+list with one entry per layer, a heterogeneous config's per-layer overrides) cut to 4 layers — the first 4, a
+layer type they lack replacing the last ones; other vocabulary-sized attributes (entity, byte-hash vocabularies)
+128; a partial rotary width (``rotary_dim``) at most half the head; sub-configs (Dbrx's attn_config/ffn_config,
+a text_config, T5Gemma's encoder/decoder) shrunk by the same rules. A constraint of one family's own that these
+values break, or a value its class defaults lack, is in the one table :data:`OVERRIDES`; a class that cannot be
+trained on token ids alone (:data:`NOT_TEXT_ONLY`) is listed under ``skipped`` with why. Special token ids
+outside the vocabulary are moved into it. The values the config ended up with are recorded.
 A config still above :data:`MAX_PARAMS` parameters after shrinking (a size attribute under a name not known
 here) is a build failure naming the count, never a long run.
 
@@ -116,19 +121,23 @@ MAX_PARAMS = 20_000_000  # the tiny config has ~0.3M; a model above this kept a 
 # role -> the names families give it (the config's attribute_map adds its own): each one the config has is set
 ROLES = {
     "hidden": (HIDDEN, ("hidden_size", "n_embd", "n_embed", "d_model", "dim", "embed_dim", "model_dim",
-                        "embedding_size", "word_embed_proj_dim", "d_embed", "hidden_dim")),
+                        "embedding_size", "word_embed_proj_dim", "d_embed", "hidden_dim", "d_latents",
+                        "hidden_size_global")),
     "layers": (LAYERS, ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers",
-                        "num_encoder_layers", "encoder_layers", "decoder_layers")),
+                        "num_encoder_layers", "encoder_layers", "decoder_layers",
+                        "num_self_attends_per_block")),
     "heads": (HEADS, ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
                       "decoder_attention_heads", "num_decoder_attention_heads")),
-    "kv_heads": (KV_HEADS, ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "multi_query_group_num")),
-    "ffn": (FFN, ("intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
-                  "ffn_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "kv_heads": (KV_HEADS, ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv", "multi_query_group_num",
+                         "kv_n_heads")),
+    "ffn": (FFN, ("intermediate_size", "n_inner", "d_ff", "dff", "d_inner", "ffn_dim", "encoder_ffn_dim",
+                  "decoder_ffn_dim", "ffn_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                   "expert_intermediate_size", "hidden_dim")),
     "vocab": (VOCAB, ("vocab_size", "decoder_vocab_size", "src_vocab_size", "tgt_vocab_size")),
     "head_dim": (HEAD_DIM, ("head_dim", "d_kv", "kv_channels", "d_head", "attention_head_size")),
     "experts": (4, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")),
-    "top_k": (2, ("num_experts_per_tok", "moe_topk", "num_experts_per_token")),
+    "top_k": (2, ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k")),
+    "shared_experts": (1, ("n_shared_experts", "num_shared_experts")),  # only where the family leaves it None
     "expert_groups": (1, ("n_group", "topk_group")),  # DeepSeek's group-limited routing: one group of the 4
     "latent_rank": (32, ("q_lora_rank", "kv_lora_rank")),
     "rope_dim": (8, ("qk_rope_head_dim",)),
@@ -140,7 +149,52 @@ LM_HEADS = {"GPT2LMHeadModel": "decoder", "OpenAIGPTLMHeadModel": "decoder", "CT
             "XLNetLMHeadModel": "decoder", "ReformerModelWithLMHead": "decoder", "BertLMHeadModel": "decoder",
             "BlipTextLMHeadModel": "decoder", "XLMWithLMHeadModel": "encoder", "FlaubertWithLMHeadModel": "encoder",
             "MarianMTModel": "encoder-decoder"}
+# The one table of per-family values no rule above derives, by config class: a constraint of the family's own
+# (its validator or modeling code) that the tiny sizes break, or a value its class defaults lack that its hub
+# checkpoints carry. "sub.attr" sets an attribute of a sub-config; a callable gets the other values set.
+OVERRIDES: dict[str, dict] = {
+    # the attention reads attn_config.rope_theta, which the class defaults lack (the checkpoints' config has it)
+    "DbrxConfig": {"attn_config.rope_theta": 500000.0, "attn_config.clip_qkv": 8.0},  # clip None: clamp(None, None)
+    # its layer pattern as (types, repeats) pairs: 2 x (global, local) for the 4 layers
+    "GPTNeoConfig": {"attention_types": [[["global", "local"], LAYERS // 2]]},
+    "ZayaConfig": {"num_experts_per_tok": 1},  # its validator: top-1 routing only
+    "Kolibri1_1Config": {"index_num_heads": HEADS // KV_HEADS},  # its validator: <= query heads per key head
+    # its validator: hidden * expand == (SSM) heads * head_dim
+    "Mamba2Config": {"head_dim": lambda out: HIDDEN * 2 // out["num_heads"], "n_groups": KV_HEADS},
+    # the class default leaves the QSA indexer unset, which the modeling always builds: its validator's constraints
+    "Qwen4ExpTextConfig": {"indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM,
+                           "indexer_budget": 8, "indexer_compress_ratio": 4},
+    # its masked-LM decoder emits max_position_embeddings outputs: the inputs are that long
+    "PerceiverConfig": {"max_position_embeddings": SEQ},
+    # the shared attention block is tied across the hybrid layers: at least two of them in the 4
+    "ZambaConfig": {"layers_block_type": ["linear_attention", "hybrid"] * (LAYERS // 2)},
+    # its ids are (batch x codebooks, seq) and its labels (batch, seq, codebooks): one codebook (labels: inputs())
+    "MusicgenDecoderConfig": {"num_codebooks": 1},
+    "MusicgenMelodyDecoderConfig": {"num_codebooks": 1},
+    # the last num_kv_shared_layers reuse the K/V of the earlier layers of their type: both types before them
+    "Gemma3nTextConfig": {"layer_types": ["sliding_attention", "full_attention"] * (LAYERS // 2),
+                          "num_kv_shared_layers": LAYERS // 2},
+    # the class default is all Mamba layers, whose mask creation fails (its checkpoints interleave attention)
+    "GraniteMoeHybridConfig": {"layer_types": ["linear_attention", "full_attention"] * (LAYERS // 2)},
+    # its rotary embedding reads rope_parameters per layer type, which the class default leaves empty
+    "CohereCompassTextConfig": {"rope_parameters": lambda out: {t: {"rope_type": "default", "rope_theta": 10000.0}
+                                                                for t in ("full_attention", "sliding_attention")}},
+}
+# Classes that cannot be trained alone on token ids, by class name, with why (listed under ``skipped``):
+NOT_TEXT_ONLY = {
+    "ViltForMaskedLM": "not text-only: its forward requires pixel_values or image_embeds",
+    "BridgeTowerForMaskedLM": "not text-only: its forward requires pixel_values (the cross-modal layers read them)",
+    "GitForCausalLM": "not text-only: its loss drops the first image_patch_tokens positions, assuming the image's "
+                      "tokens precede the text (a text-only loss is not the model's)",
+    "SeamlessM4TTextToUnitForConditionalGeneration": "not text-only: its encoder takes inputs_embeds (the speech "
+                                                     "model's text hidden states), never input_ids",
+    "Gemma4AssistantForCausalLM": "not standalone: a draft model whose every layer reuses the target model's K/V "
+                                  "(shared_kv_states)",
+    "Gemma4UnifiedAssistantForCausalLM": "not standalone: a draft model whose every layer reuses the target "
+                                         "model's K/V (shared_kv_states)",
+}
 _DROP = re.compile(r"dropout|pdrop|layerdrop|drop_path|jitter")
+_VOCABISH = re.compile(r"vocab")  # a vocabulary-sized attribute beside vocab_size: shrunk to VOCAB too
 _MEDIA = {"pixel_values", "input_features", "input_values", "flattened_patches", "audio_values",
           "pixel_values_videos", "image_embeds", "input_audio_features", "audio_codes"}
 
@@ -170,7 +224,7 @@ def zoo(only: set[str] | None = None) -> tuple[list[dict], list[dict]]:
             skipped.append({"name": name, "kind": kind, "reason": f"an alias of {seen[cls]} (the same class)"})
             continue
         seen[cls] = name
-        why = _not_text_seq2seq(cls) if kind == "encoder-decoder" else None
+        why = NOT_TEXT_ONLY.get(name) or (_not_text_seq2seq(cls) if kind == "encoder-decoder" else None)
         if why:
             skipped.append({"name": name, "kind": kind, "reason": why})
         else:
@@ -205,11 +259,19 @@ def _names(cfg_cls, cfg) -> set[str]:
     return fields | set(inspect.signature(cfg_cls.__init__).parameters) - {"self", "kwargs"}
 
 
-def tiny_config(cfg_cls, kind: str):
-    """The family's config at the tiny size (module docstring), and the values set, by name."""
-    base = cfg_cls()
-    names = _names(cfg_cls, base)
-    amap = dict(getattr(base, "attribute_map", {}) or {})
+def _get(cfg, name: str):
+    """``cfg.name`` (None where absent); a heterogeneous config's per-layer attribute (Gemma-4's head_dim) reads as
+    its global value, which is what a constructor argument of that name sets."""
+    raw = getattr(cfg, "_getattr_without_heterogeneous_validation", None)
+    try:
+        return raw(name) if raw is not None else getattr(cfg, name, None)
+    except AttributeError:
+        return None
+
+
+def _role_values(names: set[str], amap: dict, base) -> dict:
+    """ROLES: each role's value under every one of its names the config has (its own field name first, else where
+    its ``attribute_map`` points: Bailing's field num_local_experts is itself an alias of num_experts)."""
     hidden_name = amap.get("hidden_size", "hidden_size")
     out: dict = {}
     for role, (value, aliases) in ROLES.items():
@@ -218,31 +280,163 @@ def tiny_config(cfg_cls, kind: str):
                 continue  # DistilBERT's hidden_dim is its FFN width (its hidden size is dim)
             if role == "ffn" and alias == "hidden_dim" and hidden_name == "hidden_dim":
                 continue
-            name = amap.get(alias, alias)
+            name = alias if alias in names else amap.get(alias, alias)
             if role == "kv_heads" and "kv_lora_rank" in names:
                 value = HEADS  # multi-head latent attention: as many kv heads as heads (no GQA)
             if name in names and name not in out:
-                if role == "latent_rank" and getattr(base, name, None) is None:
+                if role == "latent_rank" and _get(base, name) is None:
                     continue  # q_lora_rank None: the family's full-rank query projection
+                if role == "shared_experts" and _get(base, name) is not None:
+                    continue  # Dots1's None, which its MoE multiplies by: one shared expert
                 out[name] = value
+    return out
+
+
+def _layer_pick(base, names: set[str], n_layers) -> list[int]:
+    """Which of the family's layers the tiny model keeps: the first 4, except that a layer type (``layer_types``)
+    the first 4 lack replaces the last ones (Gemma's 5 sliding : 1 full keeps a full-attention layer)."""
+    pick = list(range(LAYERS))
+    types = next((v for n in sorted(names) if n.endswith("layer_types")
+                  for v in [_get(base, n)] if isinstance(v, list | tuple) and len(v) >= LAYERS), None)
+    if types is None or not n_layers:
+        return pick
+    first = {}
+    for i, t in enumerate(types):
+        first.setdefault(t if isinstance(t, str) else repr(t), i)
+    missing = [i for t, i in first.items() if i >= LAYERS]
+    for k, i in enumerate(missing[:LAYERS - 1]):
+        pick[LAYERS - 1 - k] = i
+    return sorted(pick)
+
+
+def _modeling_layer_types(cfg_cls) -> list[str] | None:
+    """A default ``layer_types`` for a family whose config leaves it None but whose modeling code indexes it
+    (LFM2-MoE, as its checkpoints' config.json carry it): the layer types the config's validator allows
+    (``ALLOWED_ATTN_LAYER_TYPES``) that the modeling module names, alternating over the 4 layers, full attention
+    last."""
+    import importlib
+
+    from transformers import configuration_utils as cu
+
+    try:
+        src = inspect.getsource(importlib.import_module(cfg_cls.__module__.replace(".configuration_", ".modeling_")))
+    except (ImportError, OSError, TypeError):
+        return None
+    if "config.layer_types[" not in src:
+        return None
+    named = [t for t in cu.ALLOWED_ATTN_LAYER_TYPES if f'"{t}"' in src]
+    if not named:
+        return None
+    named.sort(key=lambda t: t == "full_attention")  # full attention last
+    return [named[i % len(named)] for i in range(LAYERS - len(named))] + named if len(named) <= LAYERS else None
+
+
+def _shrink(cfg_cls, base, kind: str) -> dict:
+    """The constructor arguments that make ``base`` (an instance of ``cfg_cls``) tiny (module docstring)."""
+    names = _names(cfg_cls, base)
+    amap = dict(getattr(base, "attribute_map", {}) or {})
+    out = _role_values(names, amap, base)
+    n_layers = next((_get(base, n) for n in ROLES["layers"][1] if isinstance(_get(base, n), int)), None)
+    rope = _get(base, "qk_rope_head_dim")
+    for name in ROLES["head_dim"][1]:
+        if name in out and rope is not None and _get(base, name) == rope:
+            out[name] = out["qk_rope_head_dim"]  # LongCat's head_dim is its rotary (MLA rope) width
+        if name in out and rope is not None and _get(base, name) == rope + (_get(base, "qk_nope_head_dim") or 0):
+            out[name] = out["qk_rope_head_dim"] + out.get("qk_nope_head_dim", 0)  # Dots-3's: nope + rope
     for name in names:
-        v = getattr(base, name, None)
+        v = _get(base, name)
         if _DROP.search(name) and isinstance(v, float) and not isinstance(v, bool):
             out[name] = 0.0
         if name.endswith("token_id"):
             out[name] = _in_vocab(name, v, kind)
+            if name == "pad_token_id" and out[name] is None and kind == "encoder":
+                out[name] = 0  # ESM's position ids count the non-pad tokens
+        if isinstance(v, int) and not isinstance(v, bool) and v > VOCAB and _VOCABISH.search(name) \
+                and name not in out:
+            out[name] = VOCAB  # entity / byte-group-hash / per-layer-input vocabularies (Luke, BLT, Gemma-3n)
+        if name == "default_language" and v is None and _get(base, "languages"):
+            out[name] = list(_get(base, "languages"))[0]  # X-MOD's adapters run the default language's
+        if name.endswith("axial_pos_embds_dim") and isinstance(v, list | tuple):
+            out[name] = [HIDDEN * d // sum(v) for d in v]  # Reformer's axial factors sum to the hidden size
+        if name.endswith("axial_pos_shape") and isinstance(v, list | tuple) and len(v) == 2:
+            out[name] = [4, SEQ // 4]  # ... and their shape multiplies to the (training) sequence length
+        if re.search(r"_layers$", name) and isinstance(v, int) and not isinstance(v, bool) and v == n_layers \
+                and name not in out:
+            out[name] = LAYERS  # a count that is every layer (Gemma-4 assistant's num_kv_shared_layers)
+        if name == "rotary_dim" and isinstance(v, int):
+            out[name] = min(v, HEAD_DIM // 2)  # CodeGen's / GPT-J's rotated slice of each head: <= head_dim
     if kind == "decoder" and "is_decoder" in names:
         out["is_decoder"] = True  # BERT-like ForCausalLM classes attend causally only as decoders
-    for name in names:  # per-layer lists (layer_types, mlp_layer_types, ...): the first 4, else the default
-        v = getattr(base, name, None)
-        if name.endswith("layer_types") and isinstance(v, list | tuple):
-            out[name] = list(v[:LAYERS]) if len(v) >= LAYERS else None
-    cfg = cfg_cls(**{k: v for k, v in out.items() if k in names})
+    pick = _layer_pick(base, names, n_layers)
+    for name in names:  # per-layer lists (layer_types, Zamba-2's layers_block_type, ...): the picked layers
+        v = _get(base, name)
+        if name in out or not isinstance(v, list | tuple):
+            continue
+        ints = bool(v) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        at = {j: i for i, j in enumerate(pick)}
+        if ints and name.endswith("_layers") and n_layers and len(v) == n_layers and all(x <= j for j, x in
+                                                                                         enumerate(v)):
+            out[name] = [at.get(v[j], i) for i, j in enumerate(pick)]  # per layer, an earlier layer's index
+            continue  # (Kolibri's kv_source_layers: whose K/V it reads; one not kept: its own)
+        if ints and name.endswith("_layers") and n_layers and len(v) < n_layers and max(v) < n_layers:
+            out[name] = [at[j] for j in v if j in at]  # layer indices (Kolibri's index_layers): the kept ones
+            continue
+        role = next((r for r, (_, al) in ROLES.items() if any(a in name for a in al)), None)
+        if role and n_layers and len(v) == n_layers and all(isinstance(x, int) for x in v):
+            out[name] = [ROLES[role][0]] * LAYERS  # Laguna's num_attention_heads_per_layer: the role's value
+        elif name.endswith("layer_types") or (n_layers and n_layers > LAYERS and len(v) == n_layers):
+            out[name] = [v[i] for i in pick] if len(v) > max(pick) else None
+        elif name.endswith("layer_types"):
+            out[name] = None
+    if "layer_types" in names and _get(base, "layer_types") is None and "layer_types" not in out:
+        types = _modeling_layer_types(cfg_cls)
+        if types:
+            out["layer_types"] = types
+    spec = base.__dict__.get("_heterogeneity_spec")
+    if spec is not None:  # a heterogeneous config's per-layer overrides (Gemma-4's wider global-attention heads)
+        tiny = {**_role_values(set(ROLES["head_dim"][1]), {}, base), **out}  # a per-layer head_dim as the global
+        out["per_layer_config"] = {}
+        for i, j in enumerate(pick):
+            if j not in spec.per_layer_overrides:
+                continue
+            ov = spec.per_layer_overrides[j]
+            layer = {k: tiny.get(k, v) for k, v in ov.items()}
+            was = {k: ov.get(k, _get(base, k)) for k in ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim")}
+            if None not in was.values() and was["head_dim"] == was["qk_rope_head_dim"] + was["qk_nope_head_dim"]:
+                # Dots-3's sliding layers: head_dim = nope + rope, as in the family's layer
+                layer["head_dim"] = sum(layer.get(k, tiny.get(k)) for k in ("qk_rope_head_dim", "qk_nope_head_dim"))
+            out["per_layer_config"][i] = layer
+    subs = getattr(cfg_cls, "sub_configs", None) or getattr(cfg_cls, "sub_configs_defaults", None) or {}
+    for name in subs:  # sub-configs (Dbrx's attn_config / ffn_config, a text_config, T5Gemma's encoder / decoder)
+        sb = _get(base, name)
+        if hasattr(sb, "to_dict") and name not in out:
+            # its own arguments only: a value its __post_init__ derives (BLT's head_dim) is derived again, tiny
+            own = _names(type(sb), sb) | {"model_type"}
+            out[name] = {**{k: v for k, v in sb.to_dict().items() if k in own}, **_shrink(type(sb), sb, kind)}
+    out = {k: v for k, v in out.items() if k in names or k == "per_layer_config"}
+    for key, value in OVERRIDES.get(cfg_cls.__name__, {}).items():
+        sub, _, attr = key.rpartition(".")
+        (out.setdefault(sub, {}) if sub else out)[attr] = value(out) if callable(value) else value
+    return out
+
+
+def tiny_config(cfg_cls, kind: str):
+    """The family's config at the tiny size (module docstring), and the values set, by name."""
+    out = _shrink(cfg_cls, cfg_cls(), kind)
+    try:
+        cfg = cfg_cls(**out)
+    except Exception as e:  # noqa: BLE001 - its validator refuses GQA (ESM-C): kv heads as many as heads
+        kv = [k for k in out if k in ROLES["kv_heads"][1] and out[k] == KV_HEADS]
+        if not kv or "key_value" not in str(e.__cause__ or e) + str(e):
+            raise
+        out.update({k: HEADS for k in kv})
+        cfg = cfg_cls(**out)
     if kind == "encoder-decoder" and getattr(cfg, "decoder_start_token_id", None) is None:
         # HF's label shift reads it; a hub checkpoint's config.json carries it (T5's: the pad token), the
         # config class's defaults may not
         cfg.decoder_start_token_id = cfg.pad_token_id if getattr(cfg, "pad_token_id", None) is not None else 0
-    return cfg, {k: v for k, v in out.items() if not (_DROP.search(k) or k.endswith("token_id") or k == "is_decoder")}
+    return cfg, {k: v for k, v in out.items() if not (_DROP.search(k) or k.endswith("token_id") or k == "is_decoder"
+                                                      or isinstance(v, dict))}
 
 
 def _in_vocab(name: str, v, kind: str):
@@ -274,6 +468,8 @@ def inputs(kind: str, cfg, takes_cache: bool) -> dict:
         labels = torch.randint(5, VOCAB, (BATCH, SEQ), generator=g)
     if kind != "encoder":
         labels[0, :3] = -100
+    if getattr(cfg, "num_codebooks", None) == 1 and kind == "decoder":
+        labels = labels[..., None]  # MusicGen's labels carry the codebook axis
     kw["labels"] = labels
     if takes_cache:
         kw["use_cache"] = False

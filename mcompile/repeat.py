@@ -557,7 +557,10 @@ def repeat_captured(cap: Captured, blocks: Sequence[Block], model: torch.nn.Modu
                 constants[ph.name] = cap.constants[src]  # constants): a uniform block's copies are equal
     fields = {f.name: getattr(cap, f.name) for f in dataclasses.fields(cap)}
     fields.update(gm=gm, params=params, buffers=buffers, constants=constants)
-    return RepeatedCapture(**fields, model_state=model.state_dict(keep_vars=True), blocks=tuple(blocks)), copies
+    # a non-persistent buffer (OpenAI-GPT's per-layer causal mask) is not in the state dict, and a copied layer's is
+    # not in the short model's constants either: the model's own buffers, every name
+    state = {**dict(model.named_buffers(remove_duplicate=False)), **model.state_dict(keep_vars=True)}
+    return RepeatedCapture(**fields, model_state=state, blocks=tuple(blocks)), copies
 
 
 @dataclass

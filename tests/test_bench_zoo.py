@@ -42,3 +42,30 @@ def test_zoo_record_of_llama(tmp_path):
     table = subprocess.run([sys.executable, str(ROOT / "bench" / "hf_zoo.py"), "--table", "--out", str(out)],
                            capture_output=True, text=True, timeout=60, cwd=tmp_path).stdout
     assert "| LlamaForCausalLM | decoder | ✓ | ✓ | ✓ | ✓ | ✓ |" in table
+
+
+def test_tiny_config_shrinks_by_introspection():
+    """bench/hf_zoo.tiny_config's rules on families whose size hid under a name or a structure it once missed (they
+    failed at ``builds``): a sub-config, a role's own field that is also an attribute_map alias, a partial rotary
+    width, a per-layer list that is not called layer_types and layer-index lists, a vocabulary-sized attribute."""
+    import importlib.util
+
+    import transformers as hf
+
+    spec = importlib.util.spec_from_file_location("hf_zoo_under_test", ROOT / "bench" / "hf_zoo.py")
+    zoo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo)
+    dbrx, _ = zoo.tiny_config(hf.DbrxConfig, "decoder")  # attn_config / ffn_config
+    ffn, attn = dbrx.ffn_config, dbrx.attn_config
+    assert (ffn.ffn_hidden_size, ffn.moe_num_experts, attn.kv_n_heads) == (128, 4, 2)
+    bailing, _ = zoo.tiny_config(hf.BailingHybridConfig, "decoder")  # field num_local_experts -> num_experts
+    assert bailing.num_local_experts == 4
+    codegen, _ = zoo.tiny_config(hf.CodeGenConfig, "decoder")
+    assert codegen.rotary_dim <= codegen.n_embd // codegen.n_head
+    zamba2, _ = zoo.tiny_config(hf.Zamba2Config, "decoder")  # layers_block_type, one entry per layer
+    assert len(zamba2.layers_block_type) == 4
+    kolibri, _ = zoo.tiny_config(hf.Kolibri1_1Config, "decoder")  # kv_source_layers / index_layers remapped
+    assert len(kolibri.kv_source_layers) == 4 and max(kolibri.index_layers) < 4
+    luke, _ = zoo.tiny_config(hf.LukeConfig, "encoder")
+    assert luke.entity_vocab_size == 128
+    assert "ViltForMaskedLM" in zoo.NOT_TEXT_ONLY

@@ -261,3 +261,35 @@ def test_parallelize_trains_a_deep_model_from_two_captured_blocks(name, mesh, op
         assert norms == pytest.approx(ref_norms, rel=1e-5)
     errs = grad_errors(out[0][1], ref_grads)
     assert {k for k in errs if ".layers.3." in f".{k}"} and max(errs.values()) < 1e-5, errs
+
+
+def test_a_non_persistent_buffer_of_a_repeated_layer_is_the_models():
+    """OpenAI-GPT keeps its causal mask in a non-persistent buffer per layer: neither in the state dict nor, for a
+    copied layer, in the short model's constants (a KeyError on layer 2's mask in state_values); the repeated
+    program reads each layer's own and trains at single-device parity (tp=2)."""
+    from sim_harness import combine_grads, run_sim
+    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = HFLoss(OpenAIGPTLMHeadModel(OpenAIGPTConfig(vocab_size=128, n_embd=64, n_layer=4, n_head=4,
+                                                        n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                        attn_pdrop=0.0))).eval()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 128, (2, 16), generator=g), torch.randint(0, 128, (2, 16), generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rep = compile_plan(model, Mesh.parse("tp=2"), inputs)
+    assert rep.short is not None
+    state = rep.captured.state_values()
+    masks = {fqn for fqn in rep.captured.buffers.values() if fqn.endswith("attn.bias")}
+    assert len(masks) == 4 and all(ph in state for ph, fqn in rep.captured.buffers.items() if fqn in masks)
+    model.zero_grad()
+    ref_loss = model(*inputs)
+    ref_loss.backward()
+    results = run_sim(rep, inputs, backward=True)
+    torch.testing.assert_close(results[0][0], ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    ref = dict(model.named_parameters())
+    for fqn, grad in combine_grads(rep, [g for _, g, _ in results]).items():
+        torch.testing.assert_close(grad, ref[fqn].grad, rtol=1e-5, atol=1e-7, msg=fqn)
