@@ -708,7 +708,6 @@ def test_mean_over_unequal_shards_is_not_partial_avg():
 
 
 WHOLE_REDUCTIONS = {  # op -> (dims, keepdim) -> (args, kwargs)
-    aten.logsumexp.default: lambda x, d, k, c: ((x, d, k), {}),
     aten.var.dim: lambda x, d, k, c: ((x, d, c == 1, k), {}),
     aten.std.dim: lambda x, d, k, c: ((x, d, c == 1, k), {}),
 }
@@ -719,7 +718,7 @@ WHOLE_REDUCTIONS = {  # op -> (dims, keepdim) -> (args, kwargs)
 @hyp(25)
 @given(data=st.data())
 def test_whole_reductions(op, data):
-    """logsumexp / var / std: only the dims they keep may be sharded (no Partial over a reduced one)."""
+    """var / std: only the dims they keep may be sharded (no Partial over a reduced one)."""
     n = data.draw(st.sampled_from(NS), label="n")
     gen = new_gen(data)
     shape = draw_shape(data, n, 1, 4)
@@ -2066,6 +2065,16 @@ def test_inferred_function_rule_refuses():
 import mcompile.kernels.ssd_scan  # noqa: E402, F401 - registers mcompile::ssd_scan
 
 _SSD_SCAN = torch.ops.mcompile.ssd_scan.default
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cur", [Shard(0), Shard(1), R], ids=str)
+def test_nonzero_runs_on_the_whole_tensor(cur):
+    """``nonzero``: the coordinates (and their data-dependent count) are the whole tensor's, so the only strategy
+    is the whole one, verified against single-device execution wherever the input currently is."""
+    x = (torch.randn(4, 6, generator=torch.Generator().manual_seed(0)) > 0).float()
+    got = check(aten.nonzero.default, (x,), n=2, current=(cur,))
+    assert [(s.inputs, s.outputs) for s in got] == [((R,), (R,))]
+
+
 TESTED_OPS = (
     set(UNARY) | set(BINARY) | {aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther}
     | set(REDUCE_KIND) | set(SOFTMAX) | set(WHOLE_REDUCTIONS)
@@ -2080,7 +2089,7 @@ TESTED_OPS = (
        aten.view_as_complex.default, aten.view_as_real.default}
     | {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
        aten.outer.default, aten.embedding.default, aten.scaled_dot_product_attention.default,
-       aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.einsum.default}
+       aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.einsum.default, aten.nonzero.default}
     | {aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.cumsum.default,
        aten.tril.default, aten.triu.default}
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
