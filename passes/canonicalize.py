@@ -131,21 +131,22 @@ def inline_grad_regions(gm: fx.GraphModule) -> int:
 
 
 def expand_as_to_expand(gm: fx.GraphModule) -> int:
+    """``x.expand_as(y)`` (HRM's carried state) -> ``x.expand(y's sizes)``: the expand rule places it."""
+    return _sized_like_other(gm, aten.expand_as.default, aten.expand.default)
+
+
+def _sized_like_other(gm: fx.GraphModule, src_op, dst_op) -> int:
+    """``src_op(x, other)`` -> ``dst_op(x, other's sizes)``, a symbolic size read from ``other`` by
+    ``sym_size`` (a dynamic batch): only other's shape is read, so one rule (the sized op's) places both."""
     count = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.expand_as.default:
+        if node.op != "call_function" or node.target is not src_op:
             continue
-        x, y = node.args
+        x, other = node.args
         with gm.graph.inserting_before(node):
-            sizes = []
-            for d, size in enumerate(y.meta["val"].shape):
-                if isinstance(size, torch.SymInt):
-                    sizes.append(gm.graph.call_function(aten.sym_size.int, (y, d)))
-                    sizes[-1].meta["val"] = size
-                else:
-                    sizes.append(int(size))
-            new = gm.graph.call_function(aten.expand.default, (x, sizes))
-        new.meta.update(node.meta)
+            sizes = [d if isinstance(d, int) else _new(gm.graph, aten.sym_size.int, (other, i), node)
+                     for i, d in enumerate(other.meta["val"].shape)]
+            new = _new(gm.graph, dst_op, (x, sizes), node)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         count += 1
@@ -342,22 +343,7 @@ def transposed_weight_to_linear(gm: fx.GraphModule) -> int:
 def view_as_to_view(gm: fx.GraphModule) -> int:
     """``x.view_as(other)`` -> ``x.view(other's sizes)`` (a symbolic size read by ``sym_size``): the view rule
     places it (Beam's attention)."""
-    count = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.view_as.default:
-            continue
-        x, other = node.args
-        with gm.graph.inserting_before(node):
-            sizes = [d if isinstance(d, int) else _new(gm.graph, aten.sym_size.int, (other, i), node)
-                     for i, d in enumerate(other.meta["val"].shape)]
-            view = _new(gm.graph, aten.view.default, (x, sizes), node)
-        node.replace_all_uses_with(view)
-        gm.graph.erase_node(node)
-        count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _sized_like_other(gm, aten.view_as.default, aten.view.default)
 
 
 def split_linear_bias(gm: fx.GraphModule) -> int:
