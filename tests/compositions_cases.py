@@ -147,7 +147,18 @@ def data_ranks(mesh: str) -> int:
 def attempt(rank, world, model, mesh, options, steps=3):
     """Worker: parallelize ``model`` on ``mesh`` with ``options``, then ``steps`` AdamW steps with clipping.
     Returns {"stage": "plan" | "run" | "done", "error": str | None, "losses", "norms", "grads" (rank 0, unclipped,
-    the last step), "seconds"}: an exception from parallelize is a refusal at plan time, one from a step is not."""
+    the last step), "seconds"}: an exception from parallelize is a refusal at plan time, one from a step is not.
+    Under ``fuse`` the fused ops run their PyTorch references (tests/kernel_paths.py): the composition is under test
+    here, the kernels in their own tests (the Triton interpreter took 54% of the fused cover's time)."""
+    if options.get("fuse"):
+        from kernel_paths import reference_kernels
+
+        with reference_kernels():
+            return _attempt(rank, world, model, mesh, options, steps)
+    return _attempt(rank, world, model, mesh, options, steps)
+
+
+def _attempt(rank, world, model, mesh, options, steps):
     t0 = time.perf_counter()
     m, inputs = build(model)
     out = {"stage": "plan", "error": None, "losses": [], "norms": [], "grads": None}

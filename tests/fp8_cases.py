@@ -9,27 +9,15 @@ around the FP8 linears: pipeline stages, schedules, checkpoints.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
+from kernel_paths import reference_kernels
 from runtime_cases import train_steps
 
 import mcompile as mc
 
 from conftest import build
-
-
-@contextlib.contextmanager
-def _reference_casts():
-    from mcompile.kernels import fp8
-
-    before = fp8._INTERPRETED
-    fp8._INTERPRETED = False
-    try:
-        yield
-    finally:
-        fp8._INTERPRETED = before
 
 
 def _module(mesh, recipe, options, seed=0):
@@ -57,7 +45,7 @@ def fp8_runs(rank, world, mesh, runs, steps=3):
     losses, the histories this rank runs (node -> (3, L)), the stage programs' buffers (pp) and,
     for delayed scaling, the linears whose histories stayed empty."""
     out = []
-    with _reference_casts():
+    with reference_kernels("fp8"):
         for recipe, options in runs:
             pm, opt, inputs = _module(mesh, recipe, options)
             grads = []  # every step's unclipped full gradients (a scale error leaves losses nearly alone)
@@ -81,7 +69,7 @@ def fp8_checkpoint(rank, world, mesh, path, options, steps=4, save_at=2):
 
     path = Path(path)
     out = {}
-    with _reference_casts():
+    with reference_kernels("fp8"):
         pm, opt, inputs = _module(mesh, "delayed", options)
         out["continued"] = train_steps(pm, opt, inputs, save_at)
         pm.save_checkpoint(path / "delayed", opt, extra={"step": save_at})
