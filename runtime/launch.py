@@ -183,9 +183,15 @@ def _worker(rank, world, port, paths, tasks, results):
 class WorkerPool:
     """N live gloo worker processes running one function at a time on all ranks."""
 
-    def __init__(self, nprocs: int):
+    def __init__(self, nprocs: int, start_method: str = "spawn", preload: tuple[str, ...] = ()):
+        """``start_method="forkserver"`` with ``preload`` (module names): the workers fork from one server process
+        that imported those modules once, instead of each importing them (``spawn``); the server is started on the
+        first such pool of this process and serves every later one (Python's multiprocessing forkserver; it runs
+        no torch op before forking, so no thread pool is copied)."""
         self.nprocs = nprocs
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver" and preload:
+            ctx.set_forkserver_preload(list(preload))
         self.tasks = [ctx.Queue() for _ in range(nprocs)]
         self.results = ctx.Queue()
         port = free_port()

@@ -148,6 +148,11 @@ _POOLS: dict = {}  # world size -> live WorkerPool, least recently used first
 # models): pools of 2 and 4 stay up together; an 8-rank pool closes the others first. Under pytest-xdist each of
 # its processes keeps its own pools.
 MAX_LIVE_WORKERS = 8
+# the workers fork from a server process that imported these once (WorkerPool's forkserver): each new worker
+# skips importing torch, transformers and mcompile (~4-8 s of CPU a worker on this machine)
+PRELOAD = ("torch", "torch.distributed", "torch.export", "transformers", "mcompile", "mcompile.api",
+           "mcompile.runtime.module")
+POOL_STARTS: list[int] = []
 
 
 def pool(n: int):
@@ -165,11 +170,20 @@ def pool(n: int):
         saved = sys.path[:]
         sys.path[:] = _importable(sys.path)
         try:
-            p = WorkerPool(n)
+            p = WorkerPool(n, start_method="forkserver", preload=PRELOAD)
         finally:
             sys.path[:] = saved
+        POOL_STARTS.append(n)
     _POOLS[n] = p
     return p
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many worker pools this session started (each start costs its workers' first imports and first
+    compilations): a number that grows when a test closes a pool (a failure on a rank, an 8-rank mesh)."""
+    if POOL_STARTS:
+        sizes = ", ".join(f"{n} x{POOL_STARTS.count(n)}" for n in sorted(set(POOL_STARTS)))
+        terminalreporter.write_line(f"gloo worker pools started: {len(POOL_STARTS)} (ranks x times: {sizes})")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns xdist_group marks into node id suffixes
