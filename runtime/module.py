@@ -194,6 +194,13 @@ class ParallelModule(torch.nn.Module):
         self._buffer_ph = {fqn: ph for ph, fqn in cap.buffers.items()}
         self._state_keys = list(model.state_dict().keys())
         self._build_buckets()
+        # fp16 compute: dynamic loss scaling (runtime/loss_scale.py); bf16 and fp32 need none
+        self.loss_scaler = None
+        if config.dtype == torch.float16:
+            from mcompile.runtime.loss_scale import DynamicLossScaler
+
+            self.loss_scaler = DynamicLossScaler.from_config(config)
+        self.step_skipped = False  # the last train_step's gradients overflowed (fp16): its optimizer step is skipped
 
     # -- parameters -----------------------------------------------------------------------------
     def _init_meta(self, model: torch.nn.Module, cap, skip=frozenset()) -> dict[str, torch.Tensor]:
@@ -392,7 +399,7 @@ class ParallelModule(torch.nn.Module):
         jp = ctx.jp
         self._leaves.before_backward()
         t0 = rec.mark() if rec is not None else None
-        grads = runner.backward(ctx, runner.tangents(ctx, outs))
+        grads = runner.backward(ctx, runner.tangents(ctx, outs, scale=self._loss_scale()))
         self._leaves.add_grads(call, jp.joint.grad_primals, grads, jp.ready_positions)
         if rec is not None:
             rec.compute("B", t0)
@@ -415,6 +422,39 @@ class ParallelModule(torch.nn.Module):
                             "from forward, or pass labels")
         (loss,) = outs
         return loss.float(), torch.ones((), dtype=torch.float32, device=loss.device)
+
+    def _loss_scale(self) -> float:
+        """What the backward starts from: the loss scale under fp16 (runtime/loss_scale.py), else 1."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def _backward_root(self, out) -> torch.Tensor:
+        """The tensor an autograd backward starts from: the loss sum, times the loss scale under fp16."""
+        loss_sum = self._loss_parts(out)[0]
+        return loss_sum * self.loss_scaler.scale if self.loss_scaler is not None else loss_sum
+
+    @torch.no_grad()
+    def _check_overflow(self) -> bool:
+        """fp16: whether any gradient of this step is inf or NaN on ANY rank of the job — the flag reduced
+        with MAX over every rank (dp, tp, pp, ep, cp), so all skip together —; on an overflow every gradient
+        is set to None (any optimizer's step then leaves the parameters and its state as they are). Updates
+        the scale. One host read per step."""
+        zero = self._zero
+        grads = [b.owned_grad for b in zero.buckets if b.valid] if zero is not None else \
+            [b.buf for b in self._leaves.buckets]
+        from mcompile.runtime.loss_scale import nonfinite
+
+        found = nonfinite(grads, self._device)
+        if dist.get_world_size() > 1:
+            with self._comm.timed("all_reduce", "world", found, "overflow"):
+                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        overflow = bool(found.item())
+        if overflow:
+            if zero is not None:
+                zero.zero_grad(set_to_none=True)
+            for p in self._params.values():
+                p.grad = None
+        self.loss_scaler.update(overflow)
+        return overflow
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward + backward of the global batch; gradients accumulate into ``.grad``; returns the
@@ -444,11 +484,12 @@ class ParallelModule(torch.nn.Module):
                     loss_sum, c = self._joint_step(a, k, local, rngs[i])
                 else:
                     t0 = rec.mark() if rec is not None else None
-                    loss_sum, c = self._loss_parts(self._run(a, k, local, rngs[i]))
+                    out = self._run(a, k, local, rngs[i])
+                    loss_sum, c = self._loss_parts(out)
                     if rec is not None:
                         rec.compute("F", t0)
                         t0 = rec.mark()
-                    loss_sum.backward()
+                    self._backward_root(out).backward()
                     if rec is not None:
                         rec.compute("B", t0)
                 total += loss_sum.detach()
@@ -458,7 +499,11 @@ class ParallelModule(torch.nn.Module):
         if self._data_size > 1:
             with self._comm.timed("all_reduce", "dp", stats):
                 dist.all_reduce(stats, group=self._comm.groups["data"])
-        leaves.finish(1.0 / stats[1], self._tp_partial)
+        # the gradients are sums over the tokens, times the loss scale (fp16): both divided out here, before any
+        # clipping
+        leaves.finish(1.0 / (stats[1] * self._loss_scale()), self._tp_partial)
+        if self.loss_scaler is not None:
+            self.step_skipped = self._check_overflow()
         if self._has_moe_ep:
             from mcompile.moe import MoEStats
 
