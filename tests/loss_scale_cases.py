@@ -83,7 +83,7 @@ def overflow_on_one_rank(rank, world, mesh, options, plant_rank, ckpt_dir):
     return out
 
 
-def underflow(rank, world, mesh, loss_factor):
+def underflow(rank, world, mesh, options, loss_factor):
     """A model whose every gradient flushes to zero in a plain fp16 backward (the loss times ``loss_factor``):
     the fp32 reference gradients, the plain fp16 model's (single device, no scaling), and the parallel fp16
     model's with dynamic loss scaling, on rank 0; and whether one SGD step moved every parameter."""
@@ -94,7 +94,7 @@ def underflow(rank, world, mesh, loss_factor):
     half = _model(loss_factor=loss_factor).half()
     half(x).backward()
     half_grads = {f: p.grad.float() for f, p in half.named_parameters()}
-    pm = mc.parallelize(_model(loss_factor=loss_factor), mc.Mesh.parse(mesh), (x,), dtype=torch.float16)
+    pm = mc.parallelize(_model(loss_factor=loss_factor), mc.Mesh.parse(mesh), (x,), dtype=torch.float16, **options)
     opt = torch.optim.SGD(pm.parameters(), lr=1e3)
     before = _local_params(pm)
     pm.train_step(x)

@@ -83,10 +83,15 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(mesh, options, plant,
 
 
 @pytest.mark.timeout(300)
-def test_gradients_that_underflow_in_fp16_train_with_loss_scaling():
+@pytest.mark.parametrize("mesh,options", [
+    ("dp=2", {}),
+    ("dp=2", {"execution": "autograd"}),  # the loss scaled before loss.backward()
+    ("pp=2", {"stage_cuts": ["linear_default_2"]}),  # the last stage's loss gradient is the scale
+], ids=["joint", "autograd", "pp"])
+def test_gradients_that_underflow_in_fp16_train_with_loss_scaling(mesh, options):
     from loss_scale_cases import underflow
 
-    runs = pool(2).run(underflow, "dp=2", 1e-6)
+    runs = pool(2).run(underflow, mesh, options, 1e-6)
     r = runs[0]
     assert all(g.eq(0).all() for g in r["half"].values())  # plain fp16: every gradient flushed to zero
     assert not r["skipped"] and r["scale"] == 2.0**16
