@@ -424,20 +424,33 @@ class ParallelModule(torch.nn.Module):
         return loss.float(), torch.ones((), dtype=torch.float32, device=loss.device)
 
     def _loss_scale(self) -> float:
-        """What the backward starts from: the loss scale under fp16 (runtime/loss_scale.py), else 1."""
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        """The gradient the backward of a piece's loss sum starts from: 1, or under fp16 the loss scale over the
+        tokens per piece (runtime/loss_scale.py: the scale of the mean, as Megatron's), else 1."""
+        return self.loss_scaler.sum_scale() if self.loss_scaler is not None else 1.0
 
     def _backward_root(self, out) -> torch.Tensor:
         """The tensor an autograd backward starts from: the loss sum, times the loss scale under fp16."""
         loss_sum = self._loss_parts(out)[0]
-        return loss_sum * self.loss_scaler.scale if self.loss_scaler is not None else loss_sum
+        return loss_sum * self.loss_scaler.sum_scale() if self.loss_scaler is not None else loss_sum
+
+    def _first_tokens_per_piece(self, args: tuple, kwargs: dict) -> None:
+        """fp16, the first step (no count seen yet): the tokens per piece of a token-weighted loss estimated
+        from the shapes of the global batch, the same on every rank — the largest integer input (token ids,
+        labels) over data ranks x microbatches, ignored targets included; 1 for a mean loss or local inputs."""
+        if not self._token_weighted or self.config.inputs != Inputs.GLOBAL:
+            self.loss_scaler.tokens_per_piece = 1.0
+            return
+        ints = [t.numel() for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)
+                and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool]
+        self.loss_scaler.observe_tokens(max(ints, default=0) / (self._data_size * self.config.microbatches))
 
     @torch.no_grad()
-    def _check_overflow(self) -> bool:
+    def _check_overflow(self, count: torch.Tensor) -> bool:
         """fp16: whether any gradient of this step is inf or NaN on ANY rank of the job — the flag reduced
         with MAX over every rank (dp, tp, pp, ep, cp), so all skip together —; on an overflow every gradient
         is set to None (any optimizer's step then leaves the parameters and its state as they are). Updates
-        the scale. One host read per step."""
+        the scale, and the tokens per piece from this step's global token count ``count`` (the same on every
+        rank). One host read per step."""
         zero = self._zero
         grads = [b.owned_grad for b in zero.buckets if b.valid] if zero is not None else \
             [b.buf for b in self._leaves.buckets]
@@ -447,13 +460,15 @@ class ParallelModule(torch.nn.Module):
         if dist.get_world_size() > 1:
             with self._comm.timed("all_reduce", "world", found, "overflow"):
                 dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        overflow = bool(found.item())
+        flag, tokens = torch.stack([found, count.float()]).tolist()
+        overflow = bool(flag)
         if overflow:
             if zero is not None:
                 zero.zero_grad(set_to_none=True)
             for p in self._params.values():
                 p.grad = None
         self.loss_scaler.update(overflow)
+        self.loss_scaler.observe_tokens(tokens / (self._data_size * self.config.microbatches))
         return overflow
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
@@ -461,6 +476,8 @@ class ParallelModule(torch.nn.Module):
         single-device loss of the global batch (detached 0-d tensor, no host sync)."""
         pieces = self._split(args, kwargs)
         rngs = self._rng_states(pieces)
+        if self.loss_scaler is not None and self.loss_scaler.tokens_per_piece is None:
+            self._first_tokens_per_piece(args, kwargs)
         if self._has_moe_ep:
             from mcompile.moe import clear_stash
 
@@ -503,7 +520,7 @@ class ParallelModule(torch.nn.Module):
         # clipping
         leaves.finish(1.0 / (stats[1] * self._loss_scale()), self._tp_partial)
         if self.loss_scaler is not None:
-            self.step_skipped = self._check_overflow()
+            self.step_skipped = self._check_overflow(stats[1])
         if self._has_moe_ep:
             from mcompile.moe import MoEStats
 

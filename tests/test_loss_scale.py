@@ -46,6 +46,12 @@ def test_scaler_rule_backoff_growth_floor_hysteresis():
     fresh = DynamicLossScaler(8.0, growth_interval=100, hysteresis=2)
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
+    # the backward starts from a piece's token-loss sum: its gradient is the scale of the mean over the tokens per
+    # piece (a power of two), 1 until a count is known
+    t = DynamicLossScaler(2.0**16)
+    assert t.sum_scale() == 2.0**16
+    t.observe_tokens(4096 * 0.9)  # ignored targets: 3686.4 tokens per piece -> 2^12
+    assert (t.tokens_per_piece, t.sum_scale()) == (4096.0, 16.0)
     assert nonfinite([torch.ones(3), torch.tensor([1.0, float("nan")])], "cpu") == 1
     assert nonfinite([torch.ones(3), torch.zeros(0)], "cpu") == 0
 
@@ -79,7 +85,7 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(mesh, options, plant,
         assert r["scale"] == [2.0**15, 2.0**15, 2.0**16, 2.0**16], (rank, r)  # halved; doubled after 2 clean
         assert all(torch.isfinite(torch.tensor(r["loss"]))), (rank, r)
         assert r["loaded_state"] == r["saved_state"] == {"scale": 2.0**16, "clean_steps": 1, "hysteresis_left": 1,
-                                                         "skipped_steps": 1}, (rank, r)
+                                                         "skipped_steps": 1, "tokens_per_piece": 1.0}, (rank, r)
 
 
 @pytest.mark.timeout(300)
