@@ -107,3 +107,33 @@ def test_gradients_that_underflow_in_fp16_train_with_loss_scaling(mesh, options)
         assert err < 1e-2, (f, err)  # fp16 compute's rounding, not lost gradients
     for run in runs:
         assert all(run["moved"].values()), run["moved"]
+
+
+@pytest.mark.slow  # ~70 s on 2 shared cores: three runs of the loop (the scaler's pieces are in CI above)
+@pytest.mark.timeout(600)
+def test_mcompile_train_fp16_scales_and_resumes_exactly(tmp_path):
+    """``train.dtype = "fp16"`` through ``mcompile train``: the tiny Llama takes no skipped step at 2^16 (the scale
+    of the mean: on the sum its first 3 steps overflowed), the scale doubles after ``loss_scale_window`` clean
+    steps and is logged, and a run cut at step 2 resumes with the scaler's state: the losses and weights of the
+    uninterrupted run, exactly."""
+    import json
+
+    from train_cases import run_train
+
+    def tree(name, **train):
+        return {"model": {"preset": "llama3-tiny"}, "data": {"factory": "train_cases:random_samples"},
+                "parallel": {"mesh": "dp=2", "sequence_parallel": False}, "optimizer": {"lr": 3e-3},
+                "train": {"steps": 4, "global_batch": 4, "seq_len": 16, "dtype": "fp16", "loss_scale_window": 2,
+                          **train},
+                "checkpoint": {"dir": str(tmp_path / name / "ckpt"), "final_state_dict": str(tmp_path / name / "f.pt")},
+                "logging": {"interval": 1, "progress": "off", "jsonl": str(tmp_path / name / "m.jsonl")}}
+
+    full = pool(2).run(run_train, tree("full"))[0]
+    rows = [json.loads(line) for line in (tmp_path / "full" / "m.jsonl").read_text().splitlines()]
+    assert [(r["loss_scale"], r["skipped_steps"]) for r in rows] == [(2.0**16, 0), (2.0**17, 0), (2.0**17, 0),
+                                                                       (2.0**18, 0)]
+    pool(2).run(run_train, tree("cut", stop_at=2))
+    second = pool(2).run(run_train, tree("cut"))[0]
+    assert second["start_step"] == 2 and second["losses"] == full["losses"][2:]
+    a, b = torch.load(tmp_path / "cut" / "f.pt"), torch.load(tmp_path / "full" / "f.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
