@@ -1,7 +1,7 @@
 """fp16 compute with dynamic loss scaling (runtime/loss_scale.py; Micikevicius et al. 2018, Megatron-LM's
 DynamicGradScaler rule).
 
-- An inf planted in ONE rank's reduced gradients (dp=2 x tp=2, dp=2 x pp=2, and ZeRO-1) makes every rank
+- An inf planted in ONE rank's reduced gradients (dp=2 x tp=2, dp=2 x pp=2, ZeRO-1 and ZeRO-2) makes every rank
   skip that step (parameters bit-identical after the user's ordinary ``opt.step()``) and halve the scale; the
   next clean steps update the parameters, and after ``loss_scale_window`` of them the scale doubles back; the
   scaler's state survives a checkpoint round trip exactly.
@@ -74,7 +74,8 @@ def test_loss_scale_options_are_checked(options, message):
     ("dp=2,tp=2", {}, 3),
     ("dp=2,pp=2", {"stage_cuts": ["linear_default_2"]}, 3),
     ("dp=2,tp=2", {"zero": 1}, 1),
-], ids=["dp-tp", "dp-pp", "dp-tp-zero1"])
+    ("dp=2,tp=2", {"zero": 2}, 2),
+], ids=["dp-tp", "dp-pp", "dp-tp-zero1", "dp-tp-zero2"])
 def test_overflow_on_one_rank_skips_the_step_on_every_rank(mesh, options, plant, tmp_path):
     from loss_scale_cases import overflow_on_one_rank
 
