@@ -4,7 +4,8 @@
 
 Every rank builds the same plain model (rank 0's weights are broadcast), mcompile plans it and
 each rank trains its shard. Prints the loss of every step and the total gradient norm that clipping
-saw, on rank 0. ``--save-grads PATH`` also saves the full gradients of the first step, before
+saw, on rank 0. bf16 compute by default (``--dtype fp32`` for exact fp32, ``fp16`` with dynamic loss
+scaling). ``--save-grads PATH`` also saves the full gradients of the first step, before
 clipping (rank 0, ``torch.save``), to compare with a single-device run.
 """
 
@@ -27,6 +28,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--sp", action="store_true", help="sequence parallelism")
     ap.add_argument("--save-grads", metavar="PATH", help="save the first step's unclipped full gradients (rank 0)")
+    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                    help="compute dtype (default bf16; master weights and gradients stay fp32; fp16 scales the loss)")
     args = ap.parse_args()
 
     init_distributed()  # reads torchrun's environment
@@ -34,7 +37,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = get_preset("llama3-tiny").build()
     data = batches(args.steps, batch=4, seq=64)
-    pm = mc.parallelize(model, mc.Mesh(tp=world), data[0], sequence_parallel=args.sp)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    pm = mc.parallelize(model, mc.Mesh(tp=world), data[0], sequence_parallel=args.sp, dtype=dtype)
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
     for step, (x, y) in enumerate(data, 1):
         loss = pm.train_step(x, y)

@@ -18,6 +18,14 @@ class Config:
     sequence_parallel: bool = False
     microbatches: int = 1  # gradient accumulation steps inside one train_step
     dtype: torch.dtype = torch.float32  # compute dtype; parameters, gradients and their reduction stay fp32
+    # fp16 compute only (runtime/loss_scale.py): dynamic loss scaling, Megatron's DynamicGradScaler rule. The scale
+    # starts at initial_loss_scale, doubles after loss_scale_window clean steps in a row, and an inf/NaN gradient on
+    # any rank skips the step on every rank and halves it (after loss_scale_hysteresis overflows in a row since the
+    # last growth), never below min_loss_scale. bf16 and fp32 need no scaling and ignore these
+    initial_loss_scale: float = 2.0**16
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    loss_scale_hysteresis: int = 1
     inputs: Inputs = Inputs.GLOBAL
     overrides: dict = field(default_factory=dict)  # placement overrides, see mcompile.planner
     bucket_mb: float = 25.0  # data-parallel gradient buckets (MB of fp32 gradients)
@@ -98,6 +106,9 @@ class Config:
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype={self.dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
         object.__setattr__(self, "inputs", Inputs(self.inputs))
+        from mcompile.runtime.loss_scale import DynamicLossScaler
+
+        DynamicLossScaler.from_config(self)  # the loss-scaling options checked (an error names the bad one)
         if self.recompute not in ("none", "full", "selective", "auto"):
             raise ValueError(f"recompute={self.recompute!r}: use 'none', 'full', 'selective' or 'auto'")
         if self.recompute == "auto" and (self.activation_budget is None or self.activation_budget < 0):

@@ -11,6 +11,13 @@ Conventions
 -----------
 * FLOP/s are dense (no 2:4 sparsity): NVIDIA's datasheets print the sparse figure with an
   asterisk; the dense one is half of it.
+* fp32 matmuls (issue 38 item 2): ``fp32_flops`` is the true-fp32 rate (the datasheet's "FP32", CUDA
+  cores) and ``tf32_flops`` the TF32 tensor-core rate. mcompile never turns TF32 on: torch runs fp32
+  matmuls in true fp32 unless the user calls ``torch.set_float32_matmul_precision("high")`` (or sets
+  ``torch.backends.cuda.matmul.allow_tf32`` / ``fp32_precision = "tf32"``). ``peak_flops("fp32")``
+  prices what that setting makes the runtime do (:func:`fp32_matmul_precision`, read when the cost
+  is asked for), so the cost model, the search and the MFU denominator agree with the kernels that run.
+  Before, fp32 was priced at the TF32 rate while nothing enabled TF32: ~7x optimistic on an H100.
 * Link bandwidths are per GPU and per direction, in bytes/s (NVIDIA quotes NVLink as the
   bidirectional total: 600 GB/s on A100 is 300 GB/s each way). InfiniBand: one NIC per GPU on
   DGX/HGX systems, so a GPU's inter-node bandwidth is its NIC's line rate (HDR 200 Gb/s =
@@ -103,7 +110,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["Hardware", "HARDWARE", "get_hardware", "list_hardware", "calibrate", "measure_collective",
-           "NCCL_PUBLISHED", "NcclFigure", "GPU_OVERLAP_SLOWDOWN"]
+           "NCCL_PUBLISHED", "NcclFigure", "GPU_OVERLAP_SLOWDOWN", "fp32_matmul_precision"]
 
 GB = 1e9
 TB = 1e12
@@ -123,6 +130,8 @@ _SRC = {
     "400 Gb/s for compute, 8 GPUs",
     "b200": "NVIDIA HGX B200 specifications (nvidia.com/en-us/data-center/hgx/, 'Individual Blackwell GPU "
     "Specifications', HGX B200 column)",
+    "b200_fp32": "NVIDIA Blackwell architecture technical brief, HGX B200 at 1,000 W: FP32 80 TFLOPS (as tabulated "
+    "at glennklockwood.com/garden/processors/B200)",
     "dgx_b200": "NVIDIA DGX B200 datasheet (nvidia.com/en-us/data-center/dgx-b200/): 8x ConnectX-7 "
     "400 Gb/s for compute, 8 GPUs",
     "async_launch": "not modelled (0): kernels launch asynchronously, host overhead hides behind device time",
@@ -142,7 +151,9 @@ class Hardware:
     name: str
     bf16_flops: float  # dense peak, FLOP/s
     fp8_flops: float | None  # dense peak, FLOP/s; None: no FP8 tensor cores
-    fp32_flops: float  # FLOP/s of fp32 matmuls (TF32 tensor cores on GPUs)
+    fp32_flops: float  # FLOP/s of true-fp32 matmuls (CUDA cores on GPUs: the datasheet's "FP32")
+    tf32_flops: float | None = None  # TF32 tensor cores, dense; None: none (a CPU). Used for fp32 matmuls only
+    #                                  where torch is set to TF32 (fp32_matmul_precision)
     hbm_bytes: float
     hbm_bandwidth: float  # bytes/s
     intra_node_bandwidth: float  # bytes/s per GPU per direction (NVLink)
@@ -169,11 +180,15 @@ class Hardware:
                              "2 as slow as running compute and communication one after the other")
 
     def peak_flops(self, dtype: str = "bf16") -> float:
-        """Dense peak FLOP/s of matmuls in ``dtype`` ("bf16"/"fp16", "fp8", "fp32")."""
+        """Dense peak FLOP/s of matmuls in ``dtype`` ("bf16"/"fp16", "fp8", "fp32"). fp32: the TF32 rate
+        where this process's torch runs fp32 matmuls in TF32 (:func:`fp32_matmul_precision`) and the
+        profile has one, else the true-fp32 rate."""
         dtype = _DTYPE_ALIASES.get(str(dtype).replace("torch.", ""), str(dtype))
         if dtype == "bf16":
             return self.bf16_flops
         if dtype == "fp32":
+            if self.tf32_flops is not None and fp32_matmul_precision() == "tf32":
+                return self.tf32_flops
             return self.fp32_flops
         if dtype == "fp8":
             if self.fp8_flops is None:
@@ -218,17 +233,34 @@ class Hardware:
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "bf16", "fp16": "bf16", "half": "bf16", "float32": "fp32",
                   "float": "fp32", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "fp8": "fp8", "bf16": "bf16",
                   "fp32": "fp32"}
-_NUMBER_FIELDS = ("bf16_flops", "fp8_flops", "fp32_flops", "hbm_bytes", "hbm_bandwidth", "intra_node_bandwidth",
-                  "intra_node_latency", "inter_node_bandwidth", "inter_node_latency", "gpus_per_node",
-                 "op_overhead_forward", "op_overhead_backward", "collective_call_latency", "overlap_slowdown")
+_NUMBER_FIELDS = ("bf16_flops", "fp8_flops", "fp32_flops", "tf32_flops", "hbm_bytes", "hbm_bandwidth",
+                  "intra_node_bandwidth", "intra_node_latency", "inter_node_bandwidth", "inter_node_latency",
+                  "gpus_per_node", "op_overhead_forward", "op_overhead_backward", "collective_call_latency",
+                  "overlap_slowdown")
 
 
-def _gpu(name, *, bf16, fp8, fp32, hbm, hbm_bw, nvlink_bidir, nic_gbit, chip, node, lat_intra=3e-6,
+def fp32_matmul_precision() -> str:
+    """How this process's torch runs an fp32 matmul on CUDA: "tf32" (TF32 tensor cores) when the user enabled
+    it — ``torch.set_float32_matmul_precision("high"/"medium")``, ``torch.backends.cuda.matmul.allow_tf32 =
+    True`` or ``torch.backends.cuda.matmul.fp32_precision = "tf32"`` —, else "fp32" (torch's default: true
+    fp32). mcompile sets neither (fp32 stays exact: the parity tests' dtype); the cost model prices fp32 by
+    this (:meth:`Hardware.peak_flops`). Reads flags only: no CUDA needed."""
+    import torch
+
+    m = torch.backends.cuda.matmul
+    new = getattr(m, "fp32_precision", None)  # torch >= 2.9's API; "none": not set, the legacy flag decides
+    if new not in (None, "none"):
+        return "tf32" if new == "tf32" else "fp32"
+    return "tf32" if m.allow_tf32 else "fp32"
+
+
+def _gpu(name, *, bf16, fp8, fp32, tf32, hbm, hbm_bw, nvlink_bidir, nic_gbit, chip, node, lat_intra=3e-6,
          lat_inter=6e-6) -> Hardware:
     src = {
         "bf16_flops": _SRC[chip] + " (BF16 Tensor Core, sparse figure / 2)",
         "fp8_flops": (_SRC[chip] + " (FP8 Tensor Core, sparse figure / 2)") if fp8 else _SRC[chip] + " (no FP8)",
-        "fp32_flops": _SRC[chip] + " (TF32 Tensor Core, sparse figure / 2)",
+        "fp32_flops": _SRC["b200_fp32" if chip == "b200" else chip] + " (FP32)",
+        "tf32_flops": _SRC[chip] + " (TF32 Tensor Core, sparse figure / 2)",
         "hbm_bytes": _SRC[chip] + " (GPU memory)",
         "hbm_bandwidth": _SRC[chip] + " (GPU memory bandwidth)",
         "intra_node_bandwidth": _SRC[chip] + f" (NVLink {nvlink_bidir:g} GB/s bidirectional, / 2 per direction)",
@@ -243,7 +275,7 @@ def _gpu(name, *, bf16, fp8, fp32, hbm, hbm_bw, nvlink_bidir, nic_gbit, chip, no
     }
     return Hardware(
         name=name, bf16_flops=bf16 * TB, fp8_flops=fp8 * TB if fp8 else None, fp32_flops=fp32 * TB,
-        hbm_bytes=hbm * GB, hbm_bandwidth=hbm_bw * GB, intra_node_bandwidth=nvlink_bidir / 2 * GB,
+        tf32_flops=tf32 * TB, hbm_bytes=hbm * GB, hbm_bandwidth=hbm_bw * GB, intra_node_bandwidth=nvlink_bidir / 2 * GB,
         intra_node_latency=lat_intra, inter_node_bandwidth=nic_gbit / 8 * GB, inter_node_latency=lat_inter,
         gpus_per_node=8, overlap_slowdown=GPU_OVERLAP_SLOWDOWN, sources=src,
     )
@@ -280,13 +312,13 @@ NCCL_PUBLISHED: tuple[NcclFigure, ...] = (
 
 # Datasheet numbers (dense TFLOP/s; GB; GB/s). Each profile's sources are filled by _gpu().
 _DATASHEETS: dict[str, Hardware] = {
-    "a100-80gb": _gpu("a100-80gb", bf16=312, fp8=None, fp32=156, hbm=80, hbm_bw=2039, nvlink_bidir=600,
+    "a100-80gb": _gpu("a100-80gb", bf16=312, fp8=None, fp32=19.5, tf32=156, hbm=80, hbm_bw=2039, nvlink_bidir=600,
                       nic_gbit=200, chip="a100", node="dgx_a100"),
-    "h100-sxm": _gpu("h100-sxm", bf16=989.5, fp8=1979, fp32=494.5, hbm=80, hbm_bw=3350, nvlink_bidir=900,
+    "h100-sxm": _gpu("h100-sxm", bf16=989.5, fp8=1979, fp32=67, tf32=494.5, hbm=80, hbm_bw=3350, nvlink_bidir=900,
                      nic_gbit=400, chip="h100", node="dgx_h100"),
-    "h200": _gpu("h200", bf16=989.5, fp8=1979, fp32=494.5, hbm=141, hbm_bw=4800, nvlink_bidir=900,
+    "h200": _gpu("h200", bf16=989.5, fp8=1979, fp32=67, tf32=494.5, hbm=141, hbm_bw=4800, nvlink_bidir=900,
                  nic_gbit=400, chip="h200", node="dgx_h200"),
-    "b200": _gpu("b200", bf16=2250, fp8=4500, fp32=1100, hbm=180, hbm_bw=7700, nvlink_bidir=1800,
+    "b200": _gpu("b200", bf16=2250, fp8=4500, fp32=80, tf32=1100, hbm=180, hbm_bw=7700, nvlink_bidir=1800,
                  nic_gbit=400, chip="b200", node="dgx_b200"),
 }
 
@@ -306,6 +338,7 @@ _CPU_GLOO = Hardware(
     sources={f: _CPU_MEASURED for f in _NUMBER_FIELDS}
     | {"hbm_bytes": "physical memory of the machine (os.sysconf)", "gpus_per_node": "CPU cores of the machine",
        "fp8_flops": "no FP8 matmul on CPU",
+       "tf32_flops": "no TF32 on CPU: fp32 matmuls at fp32_flops",
        "inter_node_bandwidth": "one machine: same as intra-node",
        "inter_node_latency": "one machine: same as intra-node",
        "collective_call_latency": "0 in this snapshot (calibrate()'s default: back-to-back all-reduces, best of "
@@ -646,7 +679,7 @@ def calibrate(base: str | Hardware | None = None, *, device: str | None = None, 
     else:
         changes = dict(bf16_flops=_measure_matmul(dev, torch.bfloat16, n, reps),
                        hbm_bandwidth=_measure_copy(dev, nbytes, reps))
-        if not gpu:  # on a GPU the profile's fp32 figure is TF32's, which torch.mm does not use by default
+        if not gpu:  # on a GPU fp32 keeps the datasheet's figures (true fp32 and TF32: fp32_matmul_precision picks)
             changes["fp32_flops"] = _measure_matmul(dev, torch.float32, n, reps)
             changes["op_overhead_forward"], changes["op_overhead_backward"] = _measure_op_overhead(reps)
     src = {k: what for k in changes}

@@ -447,6 +447,8 @@ def save(pm, path: str | Path, optimizer=None, extra: dict | None = None, async_
             "sequence_parallel": pm.plan.options.sequence_parallel, "zero": pm.config.zero,
             "dtype": str(pm.config.dtype), "extra": extra or {}, "dropout_step": pm.dropout_step,
             "optimizer": type(inner).__name__ if inner is not None else None, "fp8": _fp8_meta(pm, histories)}
+    if getattr(pm, "loss_scaler", None) is not None:  # fp16: the dynamic loss scale and its counters (exact)
+        meta["loss_scaler"] = pm.loss_scaler.state_dict()
     if not async_save:
         dcp.save(state, checkpoint_id=str(tmp_path), planner=_SavePlanner())
         _finish(tmp_path, path, meta, None)
@@ -721,6 +723,10 @@ def load(pm, path: str | Path, optimizer=None, fp8_state: bool = True) -> dict:
                     elif not isinstance(v, torch.Tensor) and key in state:
                         inner.state[p][name] = state[key]
     pm.dropout_step = int(meta.get("dropout_step", 0))  # the masks go on where the saved run was
+    if getattr(pm, "loss_scaler", None) is not None and "loss_scaler" in meta:
+        # fp16: the scale goes on where the saved run's was (a checkpoint of a bf16/fp32 run has none: the
+        # scaler starts at Config.initial_loss_scale)
+        pm.loss_scaler.load_state_dict(meta["loss_scaler"])
     return meta.get("extra", {})
 
 

@@ -246,12 +246,13 @@ class JointRunner:
             ctx.acc_w = [buf(i) for i in jp.acc_positions]
         return tuple(res[:n]), ctx
 
-    def tangents(self, ctx: JointCtx, outputs: tuple, grads: list | None = None) -> list:
+    def tangents(self, ctx: JointCtx, outputs: tuple, grads: list | None = None, scale: float = 1.0) -> list:
         """The output gradients in the backward's order: ``grads`` given per differentiable output
-        (None -> zeros), or ones for the first differentiable output (the loss) and zeros else."""
+        (None -> zeros), or ``scale`` (1; fp16: the loss scale, runtime/loss_scale.py) for the first
+        differentiable output (the loss) and zeros else."""
         diff = ctx.jp.joint.diff_outputs
         if grads is None:
-            return [torch.ones_like(outputs[i]) if k == 0 else torch.zeros_like(outputs[i])
+            return [torch.full_like(outputs[i], scale) if k == 0 else torch.zeros_like(outputs[i])
                     for k, i in enumerate(diff)]
         return [g if g is not None else torch.zeros_like(outputs[i]) for g, i in zip(grads, diff)]
 

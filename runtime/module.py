@@ -194,6 +194,13 @@ class ParallelModule(torch.nn.Module):
         self._buffer_ph = {fqn: ph for ph, fqn in cap.buffers.items()}
         self._state_keys = list(model.state_dict().keys())
         self._build_buckets()
+        # fp16 compute: dynamic loss scaling (runtime/loss_scale.py); bf16 and fp32 need none
+        self.loss_scaler = None
+        if config.dtype == torch.float16:
+            from mcompile.runtime.loss_scale import DynamicLossScaler
+
+            self.loss_scaler = DynamicLossScaler.from_config(config)
+        self.step_skipped = False  # the last train_step's gradients overflowed (fp16): its optimizer step is skipped
 
     # -- parameters -----------------------------------------------------------------------------
     def _init_meta(self, model: torch.nn.Module, cap, skip=frozenset()) -> dict[str, torch.Tensor]:
@@ -392,7 +399,7 @@ class ParallelModule(torch.nn.Module):
         jp = ctx.jp
         self._leaves.before_backward()
         t0 = rec.mark() if rec is not None else None
-        grads = runner.backward(ctx, runner.tangents(ctx, outs))
+        grads = runner.backward(ctx, runner.tangents(ctx, outs, scale=self._loss_scale()))
         self._leaves.add_grads(call, jp.joint.grad_primals, grads, jp.ready_positions)
         if rec is not None:
             rec.compute("B", t0)
@@ -416,11 +423,61 @@ class ParallelModule(torch.nn.Module):
         (loss,) = outs
         return loss.float(), torch.ones((), dtype=torch.float32, device=loss.device)
 
+    def _loss_scale(self) -> float:
+        """The gradient the backward of a piece's loss sum starts from: 1, or under fp16 the loss scale over the
+        tokens per piece (runtime/loss_scale.py: the scale of the mean, as Megatron's), else 1."""
+        return self.loss_scaler.sum_scale() if self.loss_scaler is not None else 1.0
+
+    def _backward_root(self, out) -> torch.Tensor:
+        """The tensor an autograd backward starts from: the loss sum, times the loss scale under fp16."""
+        loss_sum = self._loss_parts(out)[0]
+        return loss_sum * self.loss_scaler.sum_scale() if self.loss_scaler is not None else loss_sum
+
+    def _first_tokens_per_piece(self, args: tuple, kwargs: dict) -> None:
+        """fp16, the first step (no count seen yet): the tokens per piece of a token-weighted loss estimated
+        from the shapes of the global batch, the same on every rank — the largest integer input (token ids,
+        labels) over data ranks x microbatches, ignored targets included; 1 for a mean loss or local inputs."""
+        if not self._token_weighted or self.config.inputs != Inputs.GLOBAL:
+            self.loss_scaler.tokens_per_piece = 1.0
+            return
+        ints = [t.numel() for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)
+                and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool]
+        self.loss_scaler.observe_tokens(max(ints, default=0) / (self._data_size * self.config.microbatches))
+
+    @torch.no_grad()
+    def _check_overflow(self, count: torch.Tensor) -> bool:
+        """fp16: whether any gradient of this step is inf or NaN on ANY rank of the job — the flag reduced
+        with MAX over every rank (dp, tp, pp, ep, cp), so all skip together —; on an overflow every gradient
+        is set to None (any optimizer's step then leaves the parameters and its state as they are). Updates
+        the scale, and the tokens per piece from this step's global token count ``count`` (the same on every
+        rank). One host read per step."""
+        zero = self._zero
+        grads = [b.owned_grad for b in zero.buckets if b.valid] if zero is not None else \
+            [b.buf for b in self._leaves.buckets]
+        from mcompile.runtime.loss_scale import nonfinite
+
+        found = nonfinite(grads, self._device)
+        if dist.get_world_size() > 1:
+            with self._comm.timed("all_reduce", "world", found, "overflow"):
+                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        flag, tokens = torch.stack([found, count.float()]).tolist()
+        overflow = bool(flag)
+        if overflow:
+            if zero is not None:
+                zero.zero_grad(set_to_none=True)
+            for p in self._params.values():
+                p.grad = None
+        self.loss_scaler.update(overflow)
+        self.loss_scaler.observe_tokens(tokens / (self._data_size * self.config.microbatches))
+        return overflow
+
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward + backward of the global batch; gradients accumulate into ``.grad``; returns the
         single-device loss of the global batch (detached 0-d tensor, no host sync)."""
         pieces = self._split(args, kwargs)
         rngs = self._rng_states(pieces)
+        if self.loss_scaler is not None and self.loss_scaler.tokens_per_piece is None:
+            self._first_tokens_per_piece(args, kwargs)
         if self._has_moe_ep:
             from mcompile.moe import clear_stash
 
@@ -444,11 +501,12 @@ class ParallelModule(torch.nn.Module):
                     loss_sum, c = self._joint_step(a, k, local, rngs[i])
                 else:
                     t0 = rec.mark() if rec is not None else None
-                    loss_sum, c = self._loss_parts(self._run(a, k, local, rngs[i]))
+                    out = self._run(a, k, local, rngs[i])
+                    loss_sum, c = self._loss_parts(out)
                     if rec is not None:
                         rec.compute("F", t0)
                         t0 = rec.mark()
-                    loss_sum.backward()
+                    self._backward_root(out).backward()
                     if rec is not None:
                         rec.compute("B", t0)
                 total += loss_sum.detach()
@@ -458,7 +516,11 @@ class ParallelModule(torch.nn.Module):
         if self._data_size > 1:
             with self._comm.timed("all_reduce", "dp", stats):
                 dist.all_reduce(stats, group=self._comm.groups["data"])
-        leaves.finish(1.0 / stats[1], self._tp_partial)
+        # the gradients are sums over the tokens, times the loss scale (fp16): both divided out here, before any
+        # clipping
+        leaves.finish(1.0 / (stats[1] * self._loss_scale()), self._tp_partial)
+        if self.loss_scaler is not None:
+            self.step_skipped = self._check_overflow(stats[1])
         if self._has_moe_ep:
             from mcompile.moe import MoEStats
 

@@ -428,9 +428,10 @@ class JointStage:
     Same interface as :class:`FxStage`."""
 
     def __init__(self, program, runner, inputs_fn, loss_fn=None, split_weight: bool = False, leaves=None,
-                 last_mb: dict | None = None):
+                 last_mb: dict | None = None, loss_scale: float = 1.0):
         self.program = program
         self.runner = runner
+        self.loss_scale = loss_scale  # the last stage's loss gradient (fp16: the loss scale, runtime/loss_scale.py)
         self.inputs_fn = inputs_fn
         self.loss_fn = loss_fn
         self.splits_weight = split_weight
@@ -458,7 +459,7 @@ class JointStage:
         runner = self.runner
         outs = _flat(outputs)
         if self.program.is_last:
-            tangents = runner.tangents(ctx, outs)
+            tangents = runner.tangents(ctx, outs, scale=self.loss_scale)
         else:
             expanded = _expand(grads, outs)
             tangents = runner.tangents(ctx, outs, [expanded[i] for i in ctx.jp.joint.diff_outputs])
@@ -1021,10 +1022,11 @@ class Pipeline:
             last_mb = {k: last[(s, k)] for k in "BW" if (s, k) in last}
             if self.runners is not None:
                 stages[s] = JointStage(st, self.runners[s], inputs_fn, loss_fn=lambda out: pm._loss_parts(out)[0],
-                                       split_weight=split, leaves=pm._leaves, last_mb=last_mb)
+                                       split_weight=split, leaves=pm._leaves, last_mb=last_mb,
+                                       loss_scale=pm._loss_scale())
                 continue
             weights = [pm._leaves.compute[self.param_of_ph[p]] for p in st.params]
-            stages[s] = FxStage(st, inputs_fn, loss_fn=lambda out: pm._loss_parts(out)[0], split_weight=split,
+            stages[s] = FxStage(st, inputs_fn, loss_fn=pm._backward_root, split_weight=split,
                                 weights_fn=lambda w=weights: w, leaves=pm._leaves,
                                 last_mb={k: last[(s, k)] for k in "BW" if (s, k) in last})
         ex = PipelineExecutor(rank=pm._rank, pp_rank=self.pp_rank, num_stages=self.k, actions=self.actions,

@@ -503,6 +503,8 @@ class DistributedOptimizer:
     def step(self, closure=None):
         if closure is not None and self._zero is not None:
             raise ValueError("DistributedOptimizer.step takes no closure under zero=1")
+        if getattr(self._pm, "step_skipped", False):  # fp16: the gradients overflowed on some rank, every rank
+            return None  # skips (runtime/loss_scale.py); the masters, hence the parameters, are unchanged
         out = self.optimizer.step(closure)
         if self._zero is not None:
             self._zero.publish()

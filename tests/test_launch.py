@@ -32,7 +32,8 @@ def test_torchrun_example_trains_and_matches_one_device(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "examples" / "train_tiny.py"), "--steps", "4", "--sp", "--save-grads", str(grads_path)],
+         str(ROOT / "examples" / "train_tiny.py"), "--steps", "4", "--sp", "--dtype", "fp32",  # exact: fp32
+         "--save-grads", str(grads_path)],
         capture_output=True, text=True, timeout=280, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

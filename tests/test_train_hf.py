@@ -46,7 +46,8 @@ def _tree(tmp: Path, hf: Path, name: str, **sections) -> dict:
         "parallel": {"mesh": "tp=2"},
         "optimizer": {"lr": 3e-3},
         "schedule": {"kind": "constant"},
-        "train": {"steps": 8, "global_batch": BATCH, "seq_len": SEQ, "seed": 1},
+        # fp32 (set: the default is bf16): the first step's loss is compared with the HF model's at 1e-5
+        "train": {"steps": 8, "global_batch": BATCH, "seq_len": SEQ, "seed": 1, "dtype": "fp32"},
         "eval": {"interval": 8, "batches": 2},
         "checkpoint": {"dir": str(tmp / name / "ckpt"), "export_hf": True},
         "logging": {"interval": 4, "progress": "off", "jsonl": str(tmp / name / "metrics.jsonl")},

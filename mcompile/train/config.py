@@ -104,7 +104,14 @@ class TrainingConfig:
     seq_len: int = 64  # tokens per sample (the data cuts windows of seq_len + 1)
     clip: float = 1.0  # global gradient-norm clipping; 0: off (the norm is still logged)
     seed: int = 0  # model initialisation and data order
-    dtype: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 (master weights, gradients stay fp32)
+    dtype: str = "bf16"  # compute dtype: bf16 (the default) | fp16 | fp32; master weights, gradients and their
+    # reduction stay fp32 (Megatron's --bf16). fp16 turns on dynamic loss scaling (the four keys below). fp32 matmuls
+    # run as torch is set: exact fp32 unless torch.set_float32_matmul_precision("high") enables TF32; the cost model
+    # and the MFU price what is set (mcompile.hardware.fp32_matmul_precision)
+    initial_loss_scale: float = 65536.0  # fp16: the first loss scale (2^16)
+    loss_scale_window: int = 1000  # fp16: clean steps in a row before the scale doubles
+    min_loss_scale: float = 1.0  # fp16: the scale never halves below this
+    loss_scale_hysteresis: int = 1  # fp16: overflows in a row (since the last growth) before the scale halves
     stop_at: int = 0  # end this run after this step (a checkpoint is saved) and resume later; 0: run to `steps`
 
 

@@ -171,6 +171,9 @@ def _options(cfg: TrainConfig) -> dict:
             value = getattr(cfg.parallel, name)
             out[name] = None if name == "fp8" and value == "none" else value
     out.update(dtype=_DTYPES[cfg.train.dtype], init_seed=cfg.train.seed)
+    if cfg.train.dtype == "fp16":  # dynamic loss scaling (mcompile.runtime.loss_scale)
+        out.update({k: getattr(cfg.train, k) for k in ("initial_loss_scale", "loss_scale_window", "min_loss_scale",
+                                                       "loss_scale_hysteresis")})
     if not auto:
         out["pipeline_seq"] = cfg.train.seq_len
     return out
@@ -435,8 +438,11 @@ def _train(cfg: TrainConfig) -> dict:
         inputs = objective.inputs(tokens, targets, consumed)
         consumed += tc.global_batch
         loss = pm.train_step(*inputs)
-        norm = clip(tc.clip if tc.clip > 0 else math.inf)
-        opt.step()
+        if getattr(pm, "step_skipped", False):  # fp16: a gradient overflowed on some rank; every rank skips the
+            norm = torch.zeros(())  # step (its gradients are None) and the loss scale backed off
+        else:
+            norm = clip(tc.clip if tc.clip > 0 else math.inf)
+            opt.step()
         opt.zero_grad()
         losses.append((step, loss, norm.detach() if isinstance(norm, torch.Tensor) else torch.tensor(norm)))
         logged = step % cfg.logging.interval == 0 or step in (tc.steps, tc.stop_at)
@@ -458,6 +464,8 @@ def _train(cfg: TrainConfig) -> dict:
                    "tokens_per_s": n * tc.global_batch * tc.seq_len / dt, "step_time_s": dt / n,
                    "mfu": (flops * n / dt / world / peak) if flops else None, "consumed_samples": consumed,
                    "restart": restart, "mem_gib": round(_peak_memory_gib(), 3)}
+            if getattr(pm, "loss_scaler", None) is not None:  # fp16
+                row.update(loss_scale=pm.loss_scaler.scale, skipped_steps=pm.loss_scaler.skipped_steps)
             if metrics is not None:
                 metrics.record(row)
             last_log, last_time = step, time.perf_counter()
