@@ -150,8 +150,12 @@ _POOLS: dict = {}  # world size -> live WorkerPool, least recently used first
 MAX_LIVE_WORKERS = 8
 # the workers fork from a server process that imported these once (WorkerPool's forkserver): each new worker
 # skips importing torch, transformers and mcompile (~4-8 s of CPU a worker on this machine)
-PRELOAD = ("torch", "torch.distributed", "torch.export", "transformers", "mcompile", "mcompile.api",
-           "mcompile.runtime.module")
+# (and what a first parallelize + train_step imports besides: networkx, dynamo and inductor, the HF model code)
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.export", "torch._dynamo",
+           "torch._inductor.compile_fx", "networkx", "sympy", "transformers",
+           "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2", "mcompile",
+           "mcompile.api", "mcompile.runtime.module", "mcompile.runtime.joint", "mcompile.runtime.pipeline",
+           "mcompile.passes.joint", "mcompile.passes.remat")
 POOL_STARTS: list[int] = []
 
 
