@@ -209,15 +209,18 @@ _THROUGH = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _viewed_apart(node: torch.fx.Node, val: torch.Tensor) -> bool:
-    """Whether a view splits its input's last dim into (k, m), k >= 2, and every reader picks parts along k
-    (Moshi's ``fc1(x).view(b, s, 2, -1)`` then ``[..., 0, :]`` and ``[..., 1, :]``: a fused gate/up)."""
+    """Whether a view splits its input's last dim into (k, m, ...), k >= 2, and every reader picks parts along k
+    (Moshi's ``fc1(x).view(b, s, 2, -1)`` then ``[..., 0, :]`` and ``[..., 1, :]``: a fused gate/up;
+    ModernBERT's ``Wqkv(x).view(b, s, 3, heads, head_dim).unbind(dim=-3)``: a fused q/k/v)."""
     out = node.meta.get("val")
-    if not isinstance(out, torch.Tensor) or out.ndim != val.ndim + 1 or not isinstance(out.shape[-2], int) or \
-            out.shape[-2] < 2 or str(out.shape[-2] * out.shape[-1]) != str(val.shape[-1]) or \
-            [str(d) for d in out.shape[:-2]] != [str(d) for d in val.shape[:-1]]:
+    k = val.ndim - 1  # the new dim that counts the parts
+    if not isinstance(out, torch.Tensor) or out.ndim < val.ndim + 1 or not isinstance(out.shape[k], int) or \
+            out.shape[k] < 2 or not all(isinstance(d, int) for d in out.shape[k + 1:]) or \
+            str(out.shape[k] * math.prod(out.shape[k + 1:])) != str(val.shape[-1]) or \
+            [str(d) for d in out.shape[:k]] != [str(d) for d in val.shape[:-1]]:
         return False
     return bool(node.users) and all(u.target in (aten.select.int, aten.unbind.int) and len(u.args) > 1 and
-                                    u.args[1] % out.ndim == out.ndim - 2 for u in node.users)
+                                    u.args[1] % out.ndim == k for u in node.users)
 
 
 def _feature_cuts(gm: torch.fx.GraphModule):
@@ -243,7 +246,7 @@ def _feature_cuts(gm: torch.fx.GraphModule):
             if src is not None and len(sizes) >= 2:
                 yield src, sizes
         elif node.target in _THROUGH and _viewed_apart(node, val):
-            k = int(node.meta["val"].shape[-2])
+            k = int(node.meta["val"].shape[val.ndim - 1])
             yield x, [val.shape[-1] // k] * k
         elif node.target is aten.slice.Tensor:
             dim, start = node.args[1] if len(node.args) > 1 else 0, node.args[2] if len(node.args) > 2 else 0

@@ -214,20 +214,21 @@ class _LayerNorm1P(torch.nn.LayerNorm):
 
 
 class NormBlock(torch.nn.Module):
-    """A pre-norm block whose norms read their weights through pointwise ops first (no activation yet), and
+    """A pre-norm block whose norms read their weights through pointwise ops first (no activation yet), whose
+    fused q/k/v projection is viewed to [b, s, 3, heads, head_dim] and unbound (ModernBERT's ``Wqkv``), and
     whose fused gate/up projection is viewed to [b, s, 2, ffn] and read part by part (Moshi's MLP)."""
 
     def __init__(self, dim=32, heads=4, ffn=64):
         super().__init__()
         self.heads = heads
         self.norm1, self.norm2 = _GemmaRMSNorm(dim), _CohereLayerNorm(dim)
-        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.qkv, self.o = torch.nn.Linear(dim, 3 * dim, bias=False), torch.nn.Linear(dim, dim, bias=False)
         self.up, self.down = torch.nn.Linear(dim, 2 * ffn, bias=False), torch.nn.Linear(ffn, dim, bias=False)
 
     def forward(self, x):
         b, s, d = x.shape
         h = self.norm1(x)
-        q, k, v = (p(h).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = (p.transpose(1, 2) for p in self.qkv(h).view(b, s, 3, self.heads, -1).unbind(dim=2))
         x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
         gate_up = self.up(self.norm2(x)).view(b, s, 2, -1)  # Moshi's fused gate/up, viewed apart
         return x + self.down(F.gelu(gate_up[..., 0, :]) * gate_up[..., 1, :])
@@ -253,7 +254,8 @@ def test_norm_weights_read_through_pointwise_ops_stay_whole():
     """Gemma's ``1 + w``, Cohere's ``w.to(float32) * x`` and Nemotron's ``layer_norm(x, w + 1)``: the op reading
     the weight first reads no activation, so every placement of it ties at no cost; the weight must still be
     whole (placed by the op that meets the residual stream), not split over features with the norm's output
-    gathered twice a layer. The gate/up viewed apart is a fused projection: B(0, 2), each rank its half of each."""
+    gathered twice a layer. The gate/up and the q/k/v viewed apart are fused projections: B(0, 2) and B(0, 3), each
+    rank its share of each part (a view of the cut dim into (parts, heads, head_dim) included)."""
     torch.manual_seed(0)
     model = NormLM()
     c, inputs, quality = _plan(model, 64, tp=2)
@@ -262,6 +264,7 @@ def test_norm_weights_read_through_pointwise_ops_stay_whole():
     assert all(pl[f"layers.{i}.norm{j}.weight"] == Replicate() for i in range(4) for j in (1, 2))
     assert pl["norm.weight"] == Replicate() and pl["norm.bias"] == Replicate()
     assert pl["layers.0.up.weight"] == BlockShard(0, 2) and pl["layers.0.down.weight"] == Shard(1)
+    assert pl["layers.0.qkv.weight"] == BlockShard(0, 3) and pl["layers.0.o.weight"] == Shard(1)
     assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
     _parity(model, c, inputs)
 
