@@ -516,6 +516,29 @@ def kv_sliced(cap: Captured, tp: int) -> frozenset[str]:
     return frozenset(out)
 
 
+def mask_sliced(cap: Captured) -> frozenset[str]:
+    """Attention masks computed from parameters (Doge's dynamic mask: a projection of the values to one score
+    per key/value head, ``exp(A * softplus(.))``, broadcast to [b, heads, q, k]) and what they are computed
+    from back to the contraction that made them, that included: a rank may take its heads of them (the
+    contraction's partial sum reduce-scattered over the heads, a whole value sliced), as it takes its heads of
+    an input mask, so the attention runs on the rank's heads (the propagator otherwise shards heads only by a
+    contraction, and the whole attention ran on every rank with q, k and v gathered)."""
+    out: set[str] = set()
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function" or n.target is not aten.scaled_dot_product_attention.default:
+            continue
+        mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+        todo = [mask] if isinstance(mask, torch.fx.Node) else []
+        while todo:
+            cur = todo.pop()
+            if cur.op != "call_function" or cur.name in out:
+                continue
+            out.add(cur.name)
+            if not _contraction(cur):
+                todo.extend(cur.all_input_nodes)
+    return frozenset(out)
+
+
 def _few_kv_projections(cap: Captured, tp: int) -> list[torch.fx.Node]:
     """The linears a key or value with fewer heads than ``tp`` divides is computed from: what reaches
     ``repeat_kv`` (unsqueeze, expand, reshape) before an attention, through ops short of a contraction."""
@@ -662,7 +685,7 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
     for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):
         if pol.shard_contraction_weights:
             pol.param_hints = dict(blocks)
-            pol.sliced_static = kv_sliced(cap, tp)
+            pol.sliced_static = kv_sliced(cap, tp) | mask_sliced(cap)
         out.append(AxisPlanResult(pol, propagate_axis(cap, pol, hints)))
     for op in sorted(set().union(*(ap.result.fallbacks for ap in out))):  # one warning per op
         if op.startswith("mcompile_fn."):  # a user's autograd.Function (mcompile.autograd_fn): no rule to add

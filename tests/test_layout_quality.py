@@ -357,3 +357,52 @@ def test_a_router_in_its_own_class_stays_whole_and_shared_and_routed_experts_red
     assert all(len(e) == 2 and "moe_ffn" in e[1] and "+" in e[1] for e in exits.values()), exits
     assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
     _parity(model, c, inputs)
+
+
+# ------------------------------------------------------------------ a dynamic attention mask computed from the values
+
+
+class DynamicMaskBlock(torch.nn.Module):
+    """Doge's attention: a projection of the values to one score per head (``dt_proj``), ``exp(A * softplus(.))``,
+    broadcast over the queries into the attention's additive mask [b, heads, q, k]."""
+
+    def __init__(self, dim=32, heads=4, ffn=64):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.RMSNorm(dim), torch.nn.RMSNorm(dim)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.dt = torch.nn.Linear(dim, heads, bias=False)
+        self.A = torch.nn.Parameter(torch.randn(heads) * 0.1)
+        self.up, self.down = torch.nn.Linear(dim, ffn, bias=False), torch.nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        dt = torch.exp(self.A * F.softplus(self.dt(v.transpose(1, 2).reshape(b, s, d)))).transpose(-1, -2)
+        mask = dt[:, :, None, :].expand(-1, -1, s, -1)  # [b, heads, q, k]: a bias per key and head
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class DynamicMaskLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=4):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(DynamicMaskBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_a_mask_computed_from_the_values_is_split_by_heads():
+    """The mask's projection reads every head's values (row-parallel: its own exit), then its partial sum is
+    reduce-scattered over the heads and the mask stays split with the heads, so the attention runs on each rank's
+    heads: 3 forward tp collectives a layer (Megatron's attention and MLP exits plus the mask projection's), not the
+    whole attention on every rank with q, k, v and the output gathered (6). Parity at tp=2."""
+    torch.manual_seed(0)
+    model = DynamicMaskLM()
+    c, inputs, quality = _plan(model, 64, tp=2)
+    assert not quality and c.quality == [], [str(f) for f in c.quality]
+    pl = {k: v.placements[0] for k, v in c.plan.params.items()}
+    assert pl["layers.0.dt.weight"] == Shard(1) and pl["layers.0.A"] == Shard(0)
+    assert all(sum(cnt.values()) == 3 and "all_gather" not in cnt for cnt in _forward_tp_per_layer(c).values()), \
+        _forward_tp_per_layer(c)
+    _parity(model, c, inputs)
