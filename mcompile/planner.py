@@ -209,15 +209,18 @@ _THROUGH = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _viewed_apart(node: torch.fx.Node, val: torch.Tensor) -> bool:
-    """Whether a view splits its input's last dim into (k, m), k >= 2, and every reader picks parts along k
-    (Moshi's ``fc1(x).view(b, s, 2, -1)`` then ``[..., 0, :]`` and ``[..., 1, :]``: a fused gate/up)."""
+    """Whether a view splits its input's last dim into (k, m, ...), k >= 2, and every reader picks parts along k
+    (Moshi's ``fc1(x).view(b, s, 2, -1)`` then ``[..., 0, :]`` and ``[..., 1, :]``: a fused gate/up;
+    ModernBERT's ``Wqkv(x).view(b, s, 3, heads, head_dim).unbind(dim=-3)``: a fused q/k/v)."""
     out = node.meta.get("val")
-    if not isinstance(out, torch.Tensor) or out.ndim != val.ndim + 1 or not isinstance(out.shape[-2], int) or \
-            out.shape[-2] < 2 or str(out.shape[-2] * out.shape[-1]) != str(val.shape[-1]) or \
-            [str(d) for d in out.shape[:-2]] != [str(d) for d in val.shape[:-1]]:
+    k = val.ndim - 1  # the new dim that counts the parts
+    if not isinstance(out, torch.Tensor) or out.ndim < val.ndim + 1 or not isinstance(out.shape[k], int) or \
+            out.shape[k] < 2 or not all(isinstance(d, int) for d in out.shape[k + 1:]) or \
+            str(out.shape[k] * math.prod(out.shape[k + 1:])) != str(val.shape[-1]) or \
+            [str(d) for d in out.shape[:k]] != [str(d) for d in val.shape[:-1]]:
         return False
     return bool(node.users) and all(u.target in (aten.select.int, aten.unbind.int) and len(u.args) > 1 and
-                                    u.args[1] % out.ndim == out.ndim - 2 for u in node.users)
+                                    u.args[1] % out.ndim == k for u in node.users)
 
 
 def _feature_cuts(gm: torch.fx.GraphModule):
@@ -243,7 +246,7 @@ def _feature_cuts(gm: torch.fx.GraphModule):
             if src is not None and len(sizes) >= 2:
                 yield src, sizes
         elif node.target in _THROUGH and _viewed_apart(node, val):
-            k = int(node.meta["val"].shape[-2])
+            k = int(node.meta["val"].shape[val.ndim - 1])
             yield x, [val.shape[-1] // k] * k
         elif node.target is aten.slice.Tensor:
             dim, start = node.args[1] if len(node.args) > 1 else 0, node.args[2] if len(node.args) > 2 else 0
@@ -513,6 +516,29 @@ def kv_sliced(cap: Captured, tp: int) -> frozenset[str]:
     return frozenset(out)
 
 
+def mask_sliced(cap: Captured) -> frozenset[str]:
+    """Attention masks computed from parameters (Doge's dynamic mask: a projection of the values to one score
+    per key/value head, ``exp(A * softplus(.))``, broadcast to [b, heads, q, k]) and what they are computed
+    from back to the contraction that made them, that included: a rank may take its heads of them (the
+    contraction's partial sum reduce-scattered over the heads, a whole value sliced), as it takes its heads of
+    an input mask, so the attention runs on the rank's heads (the propagator otherwise shards heads only by a
+    contraction, and the whole attention ran on every rank with q, k and v gathered)."""
+    out: set[str] = set()
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function" or n.target is not aten.scaled_dot_product_attention.default:
+            continue
+        mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+        todo = [mask] if isinstance(mask, torch.fx.Node) else []
+        while todo:
+            cur = todo.pop()
+            if cur.op != "call_function" or cur.name in out:
+                continue
+            out.add(cur.name)
+            if not _contraction(cur):
+                todo.extend(cur.all_input_nodes)
+    return frozenset(out)
+
+
 def _few_kv_projections(cap: Captured, tp: int) -> list[torch.fx.Node]:
     """The linears a key or value with fewer heads than ``tp`` divides is computed from: what reaches
     ``repeat_kv`` (unsqueeze, expand, reshape) before an attention, through ops short of a contraction."""
@@ -659,7 +685,7 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
     for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):
         if pol.shard_contraction_weights:
             pol.param_hints = dict(blocks)
-            pol.sliced_static = kv_sliced(cap, tp)
+            pol.sliced_static = kv_sliced(cap, tp) | mask_sliced(cap)
         out.append(AxisPlanResult(pol, propagate_axis(cap, pol, hints)))
     for op in sorted(set().union(*(ap.result.fallbacks for ap in out))):  # one warning per op
         if op.startswith("mcompile_fn."):  # a user's autograd.Function (mcompile.autograd_fn): no rule to add

@@ -193,11 +193,58 @@ def truncate_runs(model: torch.nn.Module, keep: int = 2,
         drop = {i for r in runs if r.list_path == name for i in range(r.start + keep * r.period,
                                                                        r.start + r.reps * r.period)}
         kept = _Kept()
-        for key, block in model.get_submodule(name)._modules.items():
+        blocks = model.get_submodule(name)._modules
+        for key, block in blocks.items():
             if int(key) not in drop:
                 kept._modules[key] = block
         root = _replace(root, name, kept, copied)
+        keep_idx = [i for i in range(len(blocks)) if i not in drop]
+        memo: dict = {}
+        for mod in _on_path(root, name):
+            _cut_per_layer(mod, len(blocks), keep_idx, memo)
     return root, runs
+
+
+def _on_path(root: torch.nn.Module, path: str) -> list[torch.nn.Module]:
+    """``root`` and the modules from it down to (not including) the one at ``path``."""
+    out, cur = [root], root
+    for part in path.split(".")[:-1]:
+        cur = cur._modules[part]
+        out.append(cur)
+    return out
+
+
+def _cut_per_layer(mod, n: int, keep_idx: list[int], memo: dict, depth: int = 0) -> None:
+    """The forward of the module holding a truncated list indexes its per-layer lists by the block's position
+    (Gemma-3's ``for i, layer in enumerate(self.layers)``, then ``config.layer_types[i]`` picks the layer's
+    mask and RoPE table): in the short copy, every list of ``n`` entries (one per block) it reads, directly or
+    in a config object it holds, keeps the kept blocks' entries, so a block after a run still reads its own
+    (a full-attention layer after three sliding ones read the sliding layers' RoPE table and mask). The
+    configs are copied (``memo``: one copy of a shared config); the user's model and its blocks, which read
+    the lists by their own index, keep the original."""
+    for k, v in list(vars(mod).items()):
+        if k.startswith("_") or isinstance(v, torch.nn.Module | torch.Tensor | type):
+            continue
+        if isinstance(v, list | tuple) and len(v) == n:
+            vars(mod)[k] = [v[i] for i in keep_idx] if isinstance(v, list) else tuple(v[i] for i in keep_idx)
+        elif depth < 2 and hasattr(v, "__dict__") and not callable(v) and not isinstance(v, torch.nn.Module) and \
+                _has_per_layer(v, n, depth):
+            if id(v) not in memo:
+                memo[id(v)] = c = copy.copy(v)
+                _cut_per_layer(c, n, keep_idx, memo, depth + 1)
+            vars(mod)[k] = memo[id(v)]
+
+
+def _has_per_layer(obj, n: int, depth: int) -> bool:
+    for k, v in vars(obj).items():
+        if k.startswith("_"):
+            continue
+        if isinstance(v, list | tuple) and len(v) == n:
+            return True
+        if depth < 1 and hasattr(v, "__dict__") and not callable(v) and \
+                not isinstance(v, torch.nn.Module | torch.Tensor | type) and _has_per_layer(v, n, depth + 1):
+            return True
+    return False
 
 
 def truncate(model: torch.nn.Module, keep: int = 2) -> tuple[torch.nn.Module, str, int] | None:

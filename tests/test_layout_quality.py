@@ -214,20 +214,21 @@ class _LayerNorm1P(torch.nn.LayerNorm):
 
 
 class NormBlock(torch.nn.Module):
-    """A pre-norm block whose norms read their weights through pointwise ops first (no activation yet), and
+    """A pre-norm block whose norms read their weights through pointwise ops first (no activation yet), whose
+    fused q/k/v projection is viewed to [b, s, 3, heads, head_dim] and unbound (ModernBERT's ``Wqkv``), and
     whose fused gate/up projection is viewed to [b, s, 2, ffn] and read part by part (Moshi's MLP)."""
 
     def __init__(self, dim=32, heads=4, ffn=64):
         super().__init__()
         self.heads = heads
         self.norm1, self.norm2 = _GemmaRMSNorm(dim), _CohereLayerNorm(dim)
-        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.qkv, self.o = torch.nn.Linear(dim, 3 * dim, bias=False), torch.nn.Linear(dim, dim, bias=False)
         self.up, self.down = torch.nn.Linear(dim, 2 * ffn, bias=False), torch.nn.Linear(ffn, dim, bias=False)
 
     def forward(self, x):
         b, s, d = x.shape
         h = self.norm1(x)
-        q, k, v = (p(h).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = (p.transpose(1, 2) for p in self.qkv(h).view(b, s, 3, self.heads, -1).unbind(dim=2))
         x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
         gate_up = self.up(self.norm2(x)).view(b, s, 2, -1)  # Moshi's fused gate/up, viewed apart
         return x + self.down(F.gelu(gate_up[..., 0, :]) * gate_up[..., 1, :])
@@ -253,7 +254,8 @@ def test_norm_weights_read_through_pointwise_ops_stay_whole():
     """Gemma's ``1 + w``, Cohere's ``w.to(float32) * x`` and Nemotron's ``layer_norm(x, w + 1)``: the op reading
     the weight first reads no activation, so every placement of it ties at no cost; the weight must still be
     whole (placed by the op that meets the residual stream), not split over features with the norm's output
-    gathered twice a layer. The gate/up viewed apart is a fused projection: B(0, 2), each rank its half of each."""
+    gathered twice a layer. The gate/up and the q/k/v viewed apart are fused projections: B(0, 2) and B(0, 3), each
+    rank its share of each part (a view of the cut dim into (parts, heads, head_dim) included)."""
     torch.manual_seed(0)
     model = NormLM()
     c, inputs, quality = _plan(model, 64, tp=2)
@@ -262,6 +264,7 @@ def test_norm_weights_read_through_pointwise_ops_stay_whole():
     assert all(pl[f"layers.{i}.norm{j}.weight"] == Replicate() for i in range(4) for j in (1, 2))
     assert pl["norm.weight"] == Replicate() and pl["norm.bias"] == Replicate()
     assert pl["layers.0.up.weight"] == BlockShard(0, 2) and pl["layers.0.down.weight"] == Shard(1)
+    assert pl["layers.0.qkv.weight"] == BlockShard(0, 3) and pl["layers.0.o.weight"] == Shard(1)
     assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
     _parity(model, c, inputs)
 
@@ -353,4 +356,53 @@ def test_a_router_in_its_own_class_stays_whole_and_shared_and_routed_experts_red
     exits = tp_exits(c.captured.gm)  # per layer: attention's, and the MoE layer's (routed + shared, summed)
     assert all(len(e) == 2 and "moe_ffn" in e[1] and "+" in e[1] for e in exits.values()), exits
     assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+    _parity(model, c, inputs)
+
+
+# ------------------------------------------------------------------ a dynamic attention mask computed from the values
+
+
+class DynamicMaskBlock(torch.nn.Module):
+    """Doge's attention: a projection of the values to one score per head (``dt_proj``), ``exp(A * softplus(.))``,
+    broadcast over the queries into the attention's additive mask [b, heads, q, k]."""
+
+    def __init__(self, dim=32, heads=4, ffn=64):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.RMSNorm(dim), torch.nn.RMSNorm(dim)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.dt = torch.nn.Linear(dim, heads, bias=False)
+        self.A = torch.nn.Parameter(torch.randn(heads) * 0.1)
+        self.up, self.down = torch.nn.Linear(dim, ffn, bias=False), torch.nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        dt = torch.exp(self.A * F.softplus(self.dt(v.transpose(1, 2).reshape(b, s, d)))).transpose(-1, -2)
+        mask = dt[:, :, None, :].expand(-1, -1, s, -1)  # [b, heads, q, k]: a bias per key and head
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class DynamicMaskLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=4):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(DynamicMaskBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_a_mask_computed_from_the_values_is_split_by_heads():
+    """The mask's projection reads every head's values (row-parallel: its own exit), then its partial sum is
+    reduce-scattered over the heads and the mask stays split with the heads, so the attention runs on each rank's
+    heads: 3 forward tp collectives a layer (Megatron's attention and MLP exits plus the mask projection's), not the
+    whole attention on every rank with q, k, v and the output gathered (6). Parity at tp=2."""
+    torch.manual_seed(0)
+    model = DynamicMaskLM()
+    c, inputs, quality = _plan(model, 64, tp=2)
+    assert not quality and c.quality == [], [str(f) for f in c.quality]
+    pl = {k: v.placements[0] for k, v in c.plan.params.items()}
+    assert pl["layers.0.dt.weight"] == Shard(1) and pl["layers.0.A"] == Shard(0)
+    assert all(sum(cnt.values()) == 3 and "all_gather" not in cnt for cnt in _forward_tp_per_layer(c).values()), \
+        _forward_tp_per_layer(c)
     _parity(model, c, inputs)

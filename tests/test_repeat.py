@@ -293,3 +293,60 @@ def test_a_non_persistent_buffer_of_a_repeated_layer_is_the_models():
     ref = dict(model.named_parameters())
     for fqn, grad in combine_grads(rep, [g for _, g, _ in results]).items():
         torch.testing.assert_close(grad, ref[fqn].grad, rtol=1e-5, atol=1e-7, msg=fqn)
+
+
+class _KindConfig:
+    def __init__(self, kinds):
+        self.kinds = kinds  # one entry per layer, read by the model's loop by position
+
+
+class _KindBlock(torch.nn.Module):
+    def __init__(self, dim, kind):
+        super().__init__()
+        self.kind = kind  # differs in the last block: the run is blocks 0..2
+        self.mix, self.up, self.down = (torch.nn.Linear(dim, dim), torch.nn.Linear(dim, 2 * dim),
+                                        torch.nn.Linear(2 * dim, dim))
+
+    def forward(self, x, scale):
+        x = x + self.mix(x)
+        return x + scale * self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _KindStack(torch.nn.Module):
+    """Gemma-3's loop: ``for i, layer in enumerate(self.layers)`` with ``config.layer_types[i]`` choosing what the
+    layer is given (its RoPE table and mask there, a scale here)."""
+
+    def __init__(self, dim=32, kinds=("local", "local", "local", "global")):
+        super().__init__()
+        self.config = _KindConfig(list(kinds))
+        self.emb = torch.nn.Embedding(64, dim)
+        self.layers = torch.nn.ModuleList(_KindBlock(dim, k) for k in kinds)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, {"local": 0.5, "global": 3.0}[self.config.kinds[i]])
+        return x.pow(2).mean()
+
+
+def test_a_per_layer_list_read_by_position_keeps_each_kept_layers_entry():
+    """Three alike layers then a different one (Gemma-3's sliding layers and a full-attention last layer): the short
+    model keeps layers 0, 1 and 3 at positions 0, 1, 2, so a forward indexing ``config.layer_types`` by position gave
+    layer 3 layer 2's entry (its RoPE table and mask: a loss 4e-5 off and q_norm's gradient 0.58 off at tp=2). The
+    short copy's per-layer lists keep the kept layers' entries; the user's config is untouched; parity at tp=2."""
+    from sim_harness import combine_grads, run_sim
+
+    torch.manual_seed(0)
+    model = _KindStack()
+    inputs = (torch.randint(0, 64, (2, 8)),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rep = compile_plan(model, Mesh.parse("tp=2"), inputs)
+    assert rep.short is not None and model.config.kinds == ["local", "local", "local", "global"]
+    ref_loss = model(*inputs)
+    ref_loss.backward()
+    results = run_sim(rep, inputs, backward=True)
+    torch.testing.assert_close(results[0][0], ref_loss.detach(), rtol=1e-5, atol=1e-7)
+    ref = dict(model.named_parameters())
+    for fqn, grad in combine_grads(rep, [g for _, g, _ in results]).items():
+        torch.testing.assert_close(grad, ref[fqn].grad, rtol=1e-5, atol=1e-7, msg=fqn)

@@ -89,9 +89,10 @@ def map_view_placement(p, ishape, oshape, n: int, notes: list[str] | None = None
         if isinstance(p, BlockShard):
             if len(big_in) == 1 and len(big_out) == 1:
                 return BlockShard(o, p.blocks)
-            # equal blocks viewed apart ([.., 2F] -> [.., 2, F]: Moshi's fused gate/up): every rank holds its
-            # share of each block, a shard of the inner dim
-            if len(big_in) == 1 and len(big_out) == 2 and isinstance(p.blocks, int) and \
+            # equal blocks viewed apart ([.., 2F] -> [.., 2, F]: Moshi's fused gate/up; [.., 3F] -> [.., 3, heads,
+            # head_dim]: ModernBERT's fused q/k/v): every rank holds its share of each block, a shard of the
+            # block's outermost inner dim
+            if len(big_in) == 1 and len(big_out) >= 2 and isinstance(p.blocks, int) and \
                     same(oshape[o], p.blocks) and divisible(oshape[big_out[1]], n):
                 return Shard(big_out[1])
             return None
