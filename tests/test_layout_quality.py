@@ -336,6 +336,41 @@ class MoELM(torch.nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
+class _SkipClassRouter(torch.nn.Module):
+    """Zaya's routing: softmax scores over the experts plus one skip class (no compute), so the router has
+    experts + 1 outputs, which tp=2 does not divide; a token routed to the skip class gets weight 0."""
+
+    def __init__(self, dim, experts, top_k=2):
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, experts + 1, bias=False)
+        self.experts, self.top_k = experts, top_k
+
+    def forward(self, xt):
+        scores = self.proj(xt).softmax(-1)
+        w, idx = scores.topk(self.top_k, dim=-1)
+        skip = idx == self.experts
+        return idx.masked_fill(skip, 0), w.masked_fill(skip, 0.0)
+
+
+@pytest.mark.timeout(300)
+def test_a_router_whose_outputs_tp_does_not_divide_is_kept_whole_not_refused():
+    """A router stays whole on every tp rank (router_hints), so tp need not divide its outputs: the divisibility
+    check skips it as it skips a low-rank latent. Before, 4 experts + a skip class refused tp=2 ("tp=2 does not
+    divide the size 5 of ...proj.weight"), as Zaya did in the Hugging Face zoo."""
+    from mcompile.models.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    model = MoELM(layers=2)
+    for layer in model.layers:
+        layer.gate = _SkipClassRouter(32, 4)
+        layer.experts = GroupedExperts(4, 32, 16)
+        for p in layer.experts.parameters():
+            torch.nn.init.normal_(p, std=32 ** -0.5)
+    c, inputs, _ = _plan(model, 64, tp=2)
+    assert c.plan.params["layers.0.gate.proj.weight"].placements[0] == Replicate()
+    _parity(model, c, inputs)
+
+
 @pytest.mark.timeout(300)
 def test_a_router_in_its_own_class_stays_whole_and_shared_and_routed_experts_reduce_once():
     """Megatron's MoE layer: the router weight whole on every tp rank (each routes its tokens from the full
