@@ -336,6 +336,44 @@ class MoELM(torch.nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
+class _RowAdapterLM(torch.nn.Module):
+    """X-MOD's language adapters: after each MLP, the rows of the batch whose language is the adapter's
+    (``h[mask]``: a data-dependent number of rows) go through a bottleneck MLP and are written back."""
+
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.up = torch.nn.ModuleList(torch.nn.Linear(dim, 2 * dim) for _ in range(layers))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(2 * dim, dim) for _ in range(layers))
+        self.a1 = torch.nn.ModuleList(torch.nn.Linear(dim, dim // 2) for _ in range(layers))
+        self.a2 = torch.nn.ModuleList(torch.nn.Linear(dim // 2, dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        mask = ids[:, 0] >= 0  # every row "speaks the language", but the count is the data's
+        for up, down, a1, a2 in zip(self.up, self.down, self.a1, self.a2):
+            x = x + down(F.gelu(up(x)))
+            new = torch.zeros_like(x)
+            new[mask] = a2(F.gelu(a1(x[mask])))
+            x = x + new
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.timeout(300)
+def test_rows_picked_by_a_mask_are_tokens_not_features():
+    """A dim whose size is data-dependent (rows of the batch picked by a boolean mask: X-MOD's adapters) is a token
+    dim, which tp does not split without sequence parallelism: the adapter's row-parallel exit all-reduces once, as
+    Megatron's would. Before, the planner took the row count for a feature dim and left the exit as a reduce-scatter
+    over the rows and an all-gather: 3 forward tp collectives a layer where Megatron runs 2."""
+    torch.manual_seed(0)
+    model = _RowAdapterLM()
+    c, inputs, quality = _plan(model, 64, tp=2)
+    assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+    assert not quality and c.quality == []
+    _parity(model, c, inputs)
+
+
 class _SkipClassRouter(torch.nn.Module):
     """Zaya's routing: softmax scores over the experts plus one skip class (no compute), so the router has
     experts + 1 outputs, which tp=2 does not divide; a token routed to the skip class gets weight 0."""
