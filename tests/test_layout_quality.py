@@ -336,6 +336,53 @@ class MoELM(torch.nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
+class _WideQKNormLM(torch.nn.Module):
+    """ESM-C's attention: LayerNorms over the whole query and key projections (all heads at once), then
+    heads (a bias on the query norm: written out too); a plain MLP."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, layers=2):
+        super().__init__()
+        self.heads = heads
+        self.emb = torch.nn.Embedding(vocab, dim)
+        lin = lambda i, o: torch.nn.ModuleList(torch.nn.Linear(i, o) for _ in range(layers))  # noqa: E731
+        self.q, self.k, self.v, self.o, self.up, self.down = (lin(dim, dim), lin(dim, dim), lin(dim, dim),
+                                                                lin(dim, dim), lin(dim, 2 * dim), lin(2 * dim, dim))
+        self.qn = torch.nn.ModuleList(torch.nn.LayerNorm(dim) for _ in range(layers))
+        self.kn = torch.nn.ModuleList(torch.nn.LayerNorm(dim, bias=False) for _ in range(layers))  # key bias: no grad
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        b, s, d = x.shape
+        for i in range(len(self.q)):
+            q, k = self.qn[i](self.q[i](x)), self.kn[i](self.k[i](x))
+            q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, self.v[i](x)))
+            x = x + self.o[i](F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d))
+            x = x + self.down[i](F.gelu(self.up[i](x)))
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.timeout(300)
+def test_a_layer_norm_over_all_heads_reduces_its_statistics_and_attention_keeps_its_heads():
+    """A LayerNorm over a projection's whole output (ESM-C's q/k norm across heads) is written out as its
+    statistics (passes/canonicalize.projection_norm_statistics), whose mean over the tp-split heads all-reduces
+    a [b, s, 1] (as OLMo-2's RMSNorm over all heads): attention keeps its heads split and the layer leaves tp
+    twice, Megatron's count. Before, the one layer_norm op gathered q and k and ran the attention whole: 5
+    forward tp collectives a layer (ESM-C in the zoo)."""
+    from mcompile.quality import _STATISTICS
+
+    torch.manual_seed(0)
+    model = _WideQKNormLM()
+    c, inputs, quality = _plan(model, 64, tp=2)
+    assert not quality and c.quality == []
+    nodes = {n.name: n for n in c.captured.gm.graph.nodes}
+    for layer in range(2):
+        specs = [sp for sp in c.plan.collectives if sp.axis == "tp" and sp.layer == layer and sp.forward != "none"
+                 and nodes[sp.origin].target not in _STATISTICS]
+        assert [sp.forward for sp in specs] == ["all_reduce"] * 2, specs
+    _parity(model, c, inputs)
+
+
 class _RowAdapterLM(torch.nn.Module):
     """X-MOD's language adapters: after each MLP, the rows of the batch whose language is the adapter's
     (``h[mask]``: a data-dependent number of rows) go through a bottleneck MLP and are written back."""
