@@ -389,6 +389,9 @@ def _shrink(cfg_cls, base, kind: str) -> dict:
             out[name] = min(v, HEAD_DIM // 2)  # CodeGen's / GPT-J's rotated slice of each head: <= head_dim
         if name not in out and isinstance(v, int) and not isinstance(v, bool):
             size = _sized_role(name, v)
+            if size is not None and name.endswith("head_dim") and rope is not None and \
+                    v == rope + (_get(base, "qk_nope_head_dim") or 0):
+                size = out["qk_rope_head_dim"] + out.get("qk_nope_head_dim", 0)  # LongCat's qk_head_dim: nope + rope
             if size is not None:
                 out[name] = size
     if kind == "decoder" and "is_decoder" in names:

@@ -97,3 +97,5 @@ def test_tiny_config_shrinks_sizes_by_the_shape_of_their_name():
     assert granite.shared_intermediate_size == 128
     qwen, _ = zoo.tiny_config(hf.Qwen3NextConfig, "decoder")
     assert (qwen.linear_num_key_heads, qwen.linear_num_value_heads, qwen.linear_key_head_dim) == (2, 4, 16)
+    longcat, _ = zoo.tiny_config(hf.LongcatFlashConfig, "decoder")  # a query/key head width of nope + rope stays so
+    assert longcat.qk_head_dim == longcat.qk_nope_head_dim + longcat.qk_rope_head_dim
