@@ -137,7 +137,8 @@ ROLES = {
                   "expert_intermediate_size", "hidden_dim")),
     "vocab": (VOCAB, ("vocab_size", "decoder_vocab_size", "src_vocab_size", "tgt_vocab_size")),
     "head_dim": (HEAD_DIM, ("head_dim", "d_kv", "kv_channels", "d_head", "attention_head_size")),
-    "experts": (4, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")),
+    "experts": (4, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+                    "zero_expert_num")),  # LongCat's zero (identity) experts: 256 of them beside 4 routed
     "top_k": (2, ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k")),
     "shared_experts": (1, ("n_shared_experts", "num_shared_experts")),  # only where the family leaves it None
     "expert_groups": (1, ("n_group", "topk_group")),  # DeepSeek's group-limited routing: one group of the 4

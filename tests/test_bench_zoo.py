@@ -99,3 +99,4 @@ def test_tiny_config_shrinks_sizes_by_the_shape_of_their_name():
     assert (qwen.linear_num_key_heads, qwen.linear_num_value_heads, qwen.linear_key_head_dim) == (2, 4, 16)
     longcat, _ = zoo.tiny_config(hf.LongcatFlashConfig, "decoder")  # a query/key head width of nope + rope stays so
     assert longcat.qk_head_dim == longcat.qk_nope_head_dim + longcat.qk_rope_head_dim
+    assert longcat.zero_expert_num == 4  # an expert count under its own name
