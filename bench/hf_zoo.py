@@ -19,7 +19,9 @@ under whichever of the family's own names its config has (read from its dataclas
 ``attribute_map``; :data:`ROLES`): hidden 64, 4 layers (an encoder-decoder: 4 + 4), 4 heads, 2 kv heads where the
 config has a kv-head count (GQA; as many as heads under multi-head latent attention), intermediate 128,
 vocabulary 128, head_dim 16 where the config has one, every dropout / layerdrop / router jitter 0; MoE families
-4 experts, top-2, one expert group; multi-head latent attention ranks 32; per-layer lists (``layer_types``, any
+4 experts, top-2, one expert group; multi-head latent attention (and other low-rank) ranks 32; a size no
+name above lists but whose name says its role (``*intermediate_size*``, ``*_head_dim``, a ``*heads*`` count: an
+indexer's, a linear-attention mixer's) the role's value (:func:`_sized_role`); per-layer lists (``layer_types``, any
 list with one entry per layer, a heterogeneous config's per-layer overrides) cut to 4 layers — the first 4, a
 layer type they lack replacing the last ones; other vocabulary-sized attributes (entity, byte-hash vocabularies)
 128; a partial rotary width (``rotary_dim``) at most half the head; sub-configs (Dbrx's attn_config/ffn_config,
@@ -135,11 +137,12 @@ ROLES = {
                   "expert_intermediate_size", "hidden_dim")),
     "vocab": (VOCAB, ("vocab_size", "decoder_vocab_size", "src_vocab_size", "tgt_vocab_size")),
     "head_dim": (HEAD_DIM, ("head_dim", "d_kv", "kv_channels", "d_head", "attention_head_size")),
-    "experts": (4, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")),
+    "experts": (4, ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
+                    "zero_expert_num")),  # LongCat's zero (identity) experts: 256 of them beside 4 routed
     "top_k": (2, ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k")),
     "shared_experts": (1, ("n_shared_experts", "num_shared_experts")),  # only where the family leaves it None
     "expert_groups": (1, ("n_group", "topk_group")),  # DeepSeek's group-limited routing: one group of the 4
-    "latent_rank": (32, ("q_lora_rank", "kv_lora_rank")),
+    "latent_rank": (32, ("q_lora_rank", "kv_lora_rank", "o_lora_rank", "hc_lowrank")),  # low-rank widths
     "rope_dim": (8, ("qk_rope_head_dim",)),
     "nope_dim": (HEAD_DIM, ("qk_nope_head_dim", "v_head_dim")),
 }
@@ -331,6 +334,26 @@ def _modeling_layer_types(cfg_cls) -> list[str] | None:
     return [named[i % len(named)] for i in range(LAYERS - len(named))] + named if len(named) <= LAYERS else None
 
 
+def _sized_role(name: str, v: int) -> int | None:
+    """The tiny value of a size attribute no ROLES name lists, recognised by the shape of its name (None where it
+    is not one, or is already at most the tiny value): a further FFN width (``*intermediate_size*``: Kolibri's
+    mlp_only_intermediate_size, GraniteMoeHybrid's shared_intermediate_size, Dots-3's
+    shared_experts_intermediate_size), a further head width (``*_head_dim``: Kimi's linear_head_dim, an
+    indexer's index_head_dim), a further head count (``*heads*``: a linear-attention mixer's
+    linear_num_key_heads / linear_num_value_heads, an indexer's index_n_heads): a key / key-value head count
+    gets the kv-head count, so a value-per-key ratio stays whole. A Mamba mixer's head count is left alone: its
+    validator ties it to the hidden size and head_dim (Mamba2Config's OVERRIDES), and so is a count per group
+    (Qwen4Exp's heads_per_ngram)."""
+    if "intermediate_size" in name and v > FFN:
+        return FFN
+    if name.endswith("head_dim") and v > HEAD_DIM:
+        return HEAD_DIM
+    if "heads" in name and "mamba" not in name and "per_" not in name:
+        tiny = KV_HEADS if re.search(r"key|kv", name) else HEADS
+        return tiny if v > tiny else None
+    return None
+
+
 def _shrink(cfg_cls, base, kind: str) -> dict:
     """The constructor arguments that make ``base`` (an instance of ``cfg_cls``) tiny (module docstring)."""
     names = _names(cfg_cls, base)
@@ -365,6 +388,13 @@ def _shrink(cfg_cls, base, kind: str) -> dict:
             out[name] = LAYERS  # a count that is every layer (Gemma-4 assistant's num_kv_shared_layers)
         if name == "rotary_dim" and isinstance(v, int):
             out[name] = min(v, HEAD_DIM // 2)  # CodeGen's / GPT-J's rotated slice of each head: <= head_dim
+        if name not in out and isinstance(v, int) and not isinstance(v, bool):
+            size = _sized_role(name, v)
+            if size is not None and name.endswith("head_dim") and rope is not None and \
+                    v == rope + (_get(base, "qk_nope_head_dim") or 0):
+                size = out["qk_rope_head_dim"] + out.get("qk_nope_head_dim", 0)  # LongCat's qk_head_dim: nope + rope
+            if size is not None:
+                out[name] = size
     if kind == "decoder" and "is_decoder" in names:
         out["is_decoder"] = True  # BERT-like ForCausalLM classes attend causally only as decoders
     pick = _layer_pick(base, names, n_layers)

@@ -88,13 +88,16 @@ Layers
   experts, ``...layers.3.mlp.experts.7``) still belongs to layer 3. Nodes outside any numbered
   module go to ``None``. Two numbered lists at the same depth (an encoder's and a decoder's
   ``layers.0``) share index keys; ``AnnotationSummary.layer_paths`` shows the paths behind a key.
+  A numbered embedding table (MusicGen's per-codebook ``embed_tokens.0``) is not a layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import re
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -253,9 +256,20 @@ def layer_path(node: fx.Node) -> str | None:
         return None
     for value in stack.values():  # ordered outermost → innermost
         path = value[0] if isinstance(value, tuple) else value
-        if isinstance(path, str) and path and _layer_of_path(path) is not None:
+        kind = value[1] if isinstance(value, tuple) and len(value) > 1 else None
+        if isinstance(path, str) and path and _layer_of_path(path) is not None and not _is_embedding(kind):
             return path
     return None
+
+
+@functools.cache
+def _is_embedding(kind) -> bool:
+    """Whether an ``nn_module_stack`` module type (a class or its qualified name) is an embedding table: a numbered
+    one (MusicGen's per-codebook ``embed_tokens.0``) is one of a list of inputs, never a transformer layer."""
+    if isinstance(kind, str):
+        mod, _, name = kind.rpartition(".")
+        kind = getattr(sys.modules.get(mod), name, None)
+    return isinstance(kind, type) and issubclass(kind, torch.nn.Embedding | torch.nn.EmbeddingBag)
 
 
 def layer_index(node: fx.Node) -> int | None:

@@ -119,7 +119,9 @@ def check_divisibility(cap: Captured, tp: int) -> None:
         return
     heads = _sdpa_heads(cap)
     weights, hidden = _weights(cap)
-    whole = {cap.params[n] for n in latent_hints(cap)}  # replicated over tp: nothing of theirs to divide
+    # replicated over tp, so nothing of theirs to divide: low-rank latents, and MoE routers (one output per expert
+    # or routing class: Zaya's 4 experts + a skip class score 5, which no tp divides)
+    whole = {cap.params[n] for n in {**latent_hints(cap), **router_hints(cap)}}
     weights = [w for w in weights if w[0] not in whole]
     dims = [d for h, k, _, _ in heads for d in (h, k)] + [d for *_, s in weights for d in s]
     ok = valid_sizes(dims)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 import torch.fx as fx
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from mcompile.capture import BATCH, SEQ, Captured
 from mcompile.placements import BlockShard, Partial, Replicate, Shard
@@ -237,6 +238,11 @@ def _propagate_axis(
         size = meta.shape[p.dim % meta.ndim]
         free = {s for s in (size.free_symbols if isinstance(size, sympy.Expr) else ())}
         names = {k for k, s in sym.items() if s in free}
+        if not names and any(symbol_is_type(s, SymT.UNBACKED_INT) for s in free):
+            # a data-dependent count of rows picked from the tokens (X-MOD's hidden_states[lang_mask]): a token
+            # dim, not a feature dim; split, its row-parallel exit would leave as a reduce-scatter and an
+            # all-gather where Megatron all-reduces once (as mcompile.search costs it)
+            return False
         if not names:
             return policy.allow_static_dims
         if policy.context_parallel:  # the tokens: the sequence, or batch*seq flattened (seq innermost)

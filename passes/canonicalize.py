@@ -34,6 +34,12 @@
 - ``unflatten_rowwise``: a norm run on rows flattened from (token, head) pairs and reshaped back (a
   linear-attention mixer's gated per-head RMSNorm) runs on the unflattened tensor, so the heads stay
   split over tp through it.
+- ``projection_norm_statistics``: a LayerNorm straight after a projection, over its whole output (ESM-C's
+  q/k norm over all heads: ``q_norm(q_proj(x))``) -> the norm written out (mean, centred, mean of squares,
+  rsqrt, weight, bias), as OLMo-2's RMSNorm over all heads is written by the model. tp shards that output by
+  heads, and the norm's statistics then reduce as ``Partial(avg)`` (an all-reduce of [b, s, 1], the
+  model's, which the quality check does not count); the one ``layer_norm`` op has no such rule, so its input
+  was gathered and the attention after it run whole. Computed in fp32, as the fused op does.
 - ``split_linear_bias``: ``linear(x, W, b)`` -> ``add(linear(x, W), b)``. A row-parallel linear's
   output is Partial and its bias must be added after the reduction (DESIGN §11); splitting every
   bias lets the propagator place the add after the collective. (A later fusion pass re-fuses biases
@@ -366,6 +372,53 @@ def split_linear_bias(gm: fx.GraphModule) -> int:
     return count
 
 
+_CASTS = (aten.to.dtype, aten._to_copy.default)
+
+
+def projection_norm_statistics(gm: fx.GraphModule) -> int:
+    """A LayerNorm over the whole output of a projection -> its statistics written out (module docstring)."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.layer_norm.default:
+            continue
+        x, shape = node.args[0], node.args[1]
+        w = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+        b = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
+        eps = node.args[4] if len(node.args) > 4 else node.kwargs.get("eps", 1e-5)
+        src = x
+        while isinstance(src, fx.Node) and src.op == "call_function" and src.target in _CASTS:
+            src = src.args[0]
+        if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is aten.linear.default):
+            continue
+        weight = src.args[1]
+        if not (isinstance(weight, fx.Node) and weight.op == "placeholder" and M.PARAM_FQN in weight.meta):
+            continue
+        val = x.meta["val"]
+        if len(shape) != 1 or not val.dtype.is_floating_point or val.shape[-1] != weight.meta["val"].shape[0]:
+            continue
+        g = gm.graph
+        with g.inserting_before(node):
+            h = x if val.dtype == torch.float32 else _new(g, aten.to.dtype, (x, torch.float32), node)
+            mean = _new(g, aten.mean.dim, (h, [-1], True), node)
+            centred = _new(g, aten.sub.Tensor, (h, mean), node)
+            var = _new(g, aten.mean.dim, (_new(g, aten.mul.Tensor, (centred, centred), node), [-1], True), node)
+            y = _new(g, aten.mul.Tensor, (centred, _new(g, aten.rsqrt.default, (
+                _new(g, aten.add.Tensor, (var, eps), node),), node)), node)
+            if w is not None:
+                y = _new(g, aten.mul.Tensor, (y, w), node)
+            if b is not None:
+                y = _new(g, aten.add.Tensor, (y, b), node)
+            if y.meta["val"].dtype != node.meta["val"].dtype:
+                y = _new(g, aten.to.dtype, (y, node.meta["val"].dtype), node)
+        node.replace_all_uses_with(y)
+        g.erase_node(node)
+        count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
+
 def drop_noop_slices(gm: fx.GraphModule) -> int:
     """``x[:, 0:]`` (HF's ``hidden_states[:, slice(-0, None)]`` before the LM head) is the identity; as
     a slice of the sequence dim it would force an all-gather under sequence parallelism."""
@@ -595,6 +648,7 @@ def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
         "drop_empty_cats": drop_empty_cats(gm),
         "unflatten_rowwise": unflatten_rowwise(gm),
         "conv1d_to_matmul": conv1d_to_matmul(gm),
+        "projection_norm_statistics": projection_norm_statistics(gm),
         "split_linear_bias": split_linear_bias(gm),
         "moe_layers": _moe_layers(gm),
     }

@@ -302,6 +302,35 @@ def test_per_layer_flops_equal(captured: Captured):
     assert not sm.no_flop_formula, sm.no_flop_formula  # every op of these models has a formula
 
 
+class _ScaledEmbedding(nn.Embedding):  # a family's own embedding class (module level, as a model's classes are)
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+def test_numbered_embedding_table_is_not_a_layer():
+    """A list of embedding tables (MusicGen's per-codebook ``embed_tokens.0``, a subclass of nn.Embedding) ends in
+    a number like a layer list but is an input: its lookup (and the vocab-parallel all-reduce after it) belongs to
+    no layer. Before, it was layer 0, whose forward tp collectives then exceeded Megatron's count."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.ModuleList([_ScaledEmbedding(8, 4)])
+            self.layers = nn.ModuleList([nn.Sequential(nn.Linear(4, 4)) for _ in range(2)])
+
+        def forward(self, x):
+            h = self.embed[0](x)
+            for layer in self.layers:
+                h = layer(h)
+            return h.sum()
+
+    gm = export(M(), (torch.zeros(2, 3, dtype=torch.long),)).graph_module
+    by_target = {n.target: n for n in gm.graph.nodes if n.op == "call_function"}
+    assert layer_index(by_target[aten.embedding.default]) is None
+    assert layer_index(by_target[aten.mul.Tensor]) is None  # the subclass's own forward too
+    assert [layer_index(n) for n in gm.graph.nodes if n.target is aten.linear.default] == [0, 1]
+
+
 # --------------------------------------------------------------------------- (c) bytes
 
 

@@ -69,3 +69,34 @@ def test_tiny_config_shrinks_by_introspection():
     luke, _ = zoo.tiny_config(hf.LukeConfig, "encoder")
     assert luke.entity_vocab_size == 128
     assert "ViltForMaskedLM" in zoo.NOT_TEXT_ONLY
+
+
+def test_tiny_config_shrinks_sizes_by_the_shape_of_their_name():
+    """Size attributes under names no ROLES entry lists are shrunk by what their name says (hf_zoo._sized_role):
+    a further FFN width, head width, head count (a key count to the kv-head count, so the value-per-key ratio
+    stays whole), a low-rank width; a Mamba head count, which its validator ties to the hidden size, is not.
+    Before, these kept their full sizes: Kimi-Linear's linear attention built at 6.9M parameters, Kolibri-1.1's
+    dense MLP at 3584 wide."""
+    import importlib.util
+
+    import transformers as hf
+
+    spec = importlib.util.spec_from_file_location("hf_zoo_under_test", ROOT / "bench" / "hf_zoo.py")
+    zoo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo)
+    assert zoo._sized_role("mlp_only_intermediate_size", 3584) == 128
+    assert zoo._sized_role("linear_head_dim", 128) == 16
+    assert zoo._sized_role("linear_num_key_heads", 16) == 2 and zoo._sized_role("linear_num_value_heads", 32) == 4
+    assert zoo._sized_role("mamba_n_heads", 128) is None and zoo._sized_role("heads_per_ngram", 8) is None
+    assert zoo._sized_role("intermediate_size", 64) is None  # already tiny: left as the family has it
+    kolibri, _ = zoo.tiny_config(hf.Kolibri1_1Config, "decoder")
+    assert kolibri.mlp_only_intermediate_size == 128
+    kimi, _ = zoo.tiny_config(hf.KimiLinearConfig, "decoder")
+    assert (kimi.linear_head_dim, kimi.linear_num_heads) == (16, 4)
+    granite, _ = zoo.tiny_config(hf.GraniteMoeHybridConfig, "decoder")
+    assert granite.shared_intermediate_size == 128
+    qwen, _ = zoo.tiny_config(hf.Qwen3NextConfig, "decoder")
+    assert (qwen.linear_num_key_heads, qwen.linear_num_value_heads, qwen.linear_key_head_dim) == (2, 4, 16)
+    longcat, _ = zoo.tiny_config(hf.LongcatFlashConfig, "decoder")  # a query/key head width of nope + rope stays so
+    assert longcat.qk_head_dim == longcat.qk_nope_head_dim + longcat.qk_rope_head_dim
+    assert longcat.zero_expert_num == 4  # an expert count under its own name

@@ -339,6 +339,126 @@ class MoELM(torch.nn.Module):
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
+class _WideQKNormLM(torch.nn.Module):
+    """ESM-C's attention: LayerNorms over the whole query and key projections (all heads at once), then
+    heads (a bias on the query norm: written out too); a plain MLP."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, layers=2):
+        super().__init__()
+        self.heads = heads
+        self.emb = torch.nn.Embedding(vocab, dim)
+        lin = lambda i, o: torch.nn.ModuleList(torch.nn.Linear(i, o) for _ in range(layers))  # noqa: E731
+        self.q, self.k, self.v, self.o, self.up, self.down = (lin(dim, dim), lin(dim, dim), lin(dim, dim),
+                                                                lin(dim, dim), lin(dim, 2 * dim), lin(2 * dim, dim))
+        self.qn = torch.nn.ModuleList(torch.nn.LayerNorm(dim) for _ in range(layers))
+        self.kn = torch.nn.ModuleList(torch.nn.LayerNorm(dim, bias=False) for _ in range(layers))  # key bias: no grad
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        b, s, d = x.shape
+        for i in range(len(self.q)):
+            q, k = self.qn[i](self.q[i](x)), self.kn[i](self.k[i](x))
+            q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, self.v[i](x)))
+            x = x + self.o[i](F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d))
+            x = x + self.down[i](F.gelu(self.up[i](x)))
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.timeout(300)
+def test_a_layer_norm_over_all_heads_reduces_its_statistics_and_attention_keeps_its_heads():
+    """A LayerNorm over a projection's whole output (ESM-C's q/k norm across heads) is written out as its
+    statistics (passes/canonicalize.projection_norm_statistics), whose mean over the tp-split heads all-reduces
+    a [b, s, 1] (as OLMo-2's RMSNorm over all heads): attention keeps its heads split and the layer leaves tp
+    twice, Megatron's count. Before, the one layer_norm op gathered q and k and ran the attention whole: 5
+    forward tp collectives a layer (ESM-C in the zoo)."""
+    from mcompile.quality import _STATISTICS
+
+    torch.manual_seed(0)
+    model = _WideQKNormLM()
+    c, inputs, quality = _plan(model, 64, tp=2)
+    assert not quality and c.quality == []
+    nodes = {n.name: n for n in c.captured.gm.graph.nodes}
+    for layer in range(2):
+        specs = [sp for sp in c.plan.collectives if sp.axis == "tp" and sp.layer == layer and sp.forward != "none"
+                 and nodes[sp.origin].target not in _STATISTICS]
+        assert [sp.forward for sp in specs] == ["all_reduce"] * 2, specs
+    _parity(model, c, inputs)
+
+
+class _RowAdapterLM(torch.nn.Module):
+    """X-MOD's language adapters: after each MLP, the rows of the batch whose language is the adapter's
+    (``h[mask]``: a data-dependent number of rows) go through a bottleneck MLP and are written back."""
+
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.up = torch.nn.ModuleList(torch.nn.Linear(dim, 2 * dim) for _ in range(layers))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(2 * dim, dim) for _ in range(layers))
+        self.a1 = torch.nn.ModuleList(torch.nn.Linear(dim, dim // 2) for _ in range(layers))
+        self.a2 = torch.nn.ModuleList(torch.nn.Linear(dim // 2, dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        mask = ids[:, 0] >= 0  # every row "speaks the language", but the count is the data's
+        for up, down, a1, a2 in zip(self.up, self.down, self.a1, self.a2):
+            x = x + down(F.gelu(up(x)))
+            new = torch.zeros_like(x)
+            new[mask] = a2(F.gelu(a1(x[mask])))
+            x = x + new
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.timeout(300)
+def test_rows_picked_by_a_mask_are_tokens_not_features():
+    """A dim whose size is data-dependent (rows of the batch picked by a boolean mask: X-MOD's adapters) is a token
+    dim, which tp does not split without sequence parallelism: the adapter's row-parallel exit all-reduces once, as
+    Megatron's would. Before, the planner took the row count for a feature dim and left the exit as a reduce-scatter
+    over the rows and an all-gather: 3 forward tp collectives a layer where Megatron runs 2."""
+    torch.manual_seed(0)
+    model = _RowAdapterLM()
+    c, inputs, quality = _plan(model, 64, tp=2)
+    assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+    assert not quality and c.quality == []
+    _parity(model, c, inputs)
+
+
+class _SkipClassRouter(torch.nn.Module):
+    """Zaya's routing: softmax scores over the experts plus one skip class (no compute), so the router has
+    experts + 1 outputs, which tp=2 does not divide; a token routed to the skip class gets weight 0."""
+
+    def __init__(self, dim, experts, top_k=2):
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, experts + 1, bias=False)
+        self.experts, self.top_k = experts, top_k
+
+    def forward(self, xt):
+        scores = self.proj(xt).softmax(-1)
+        w, idx = scores.topk(self.top_k, dim=-1)
+        skip = idx == self.experts
+        return idx.masked_fill(skip, 0), w.masked_fill(skip, 0.0)
+
+
+@pytest.mark.timeout(300)
+def test_a_router_whose_outputs_tp_does_not_divide_is_kept_whole_not_refused():
+    """A router stays whole on every tp rank (router_hints), so tp need not divide its outputs: the divisibility
+    check skips it as it skips a low-rank latent. Before, 4 experts + a skip class refused tp=2 ("tp=2 does not
+    divide the size 5 of ...proj.weight"), as Zaya did in the Hugging Face zoo."""
+    from mcompile.models.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    model = MoELM(layers=2)
+    for layer in model.layers:
+        layer.gate = _SkipClassRouter(32, 4)
+        layer.experts = GroupedExperts(4, 32, 16)
+        for p in layer.experts.parameters():
+            torch.nn.init.normal_(p, std=32 ** -0.5)
+    c, inputs, _ = _plan(model, 64, tp=2)
+    assert c.plan.params["layers.0.gate.proj.weight"].placements[0] == Replicate()
+    _parity(model, c, inputs)
+
+
 @pytest.mark.timeout(300)
 def test_a_router_in_its_own_class_stays_whole_and_shared_and_routed_experts_reduce_once():
     """Megatron's MoE layer: the router weight whole on every tp rank (each routes its tokens from the full
