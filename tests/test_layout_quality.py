@@ -296,7 +296,7 @@ class MoEBlock(torch.nn.Module):
     """Attention, then routed experts (more of them than half the hidden width, so the router is no narrow
     linear) plus a shared expert, summed after the routed output is viewed back to [b, s, h]."""
 
-    def __init__(self, dim=32, heads=4, experts=32, hidden=16):
+    def __init__(self, dim=32, heads=4, experts=32, hidden=16, gated=False):
         from mcompile.models.moe import GroupedExperts
 
         super().__init__()
@@ -309,6 +309,8 @@ class MoEBlock(torch.nn.Module):
             torch.nn.init.normal_(p, std=dim ** -0.5)
         self.shared_up = torch.nn.Linear(dim, 2 * hidden, bias=False)
         self.shared_down = torch.nn.Linear(2 * hidden, dim, bias=False)
+        # Qwen2-MoE's shared-expert gate: a scalar a token, the sigmoid of a [1, dim] linear
+        self.shared_gate = torch.nn.Linear(dim, 1, bias=False) if gated else None
 
     def forward(self, x):
         b, s, d = x.shape
@@ -319,14 +321,17 @@ class MoEBlock(torch.nn.Module):
         xt = h.view(-1, d)
         idx, w = self.gate(xt)
         routed = self.experts(xt, idx, w).view(b, s, d)
-        return x + (routed + self.shared_down(F.silu(self.shared_up(h))))
+        shared = self.shared_down(F.silu(self.shared_up(h)))
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(self.shared_gate(h)) * shared
+        return x + (routed + shared)
 
 
 class MoELM(torch.nn.Module):
-    def __init__(self, vocab=64, dim=32, layers=4):
+    def __init__(self, vocab=64, dim=32, layers=4, gated=False):
         super().__init__()
         self.emb = torch.nn.Embedding(vocab, dim)
-        self.layers = torch.nn.ModuleList(MoEBlock(dim) for _ in range(layers))
+        self.layers = torch.nn.ModuleList(MoEBlock(dim, gated=gated) for _ in range(layers))
         self.head = torch.nn.Linear(dim, vocab, bias=False)
 
     def forward(self, ids, labels):
@@ -352,5 +357,23 @@ def test_a_router_in_its_own_class_stays_whole_and_shared_and_routed_experts_red
     assert c.plan.params["layers.0.shared_down.weight"].placements[0] == Shard(1)
     exits = tp_exits(c.captured.gm)  # per layer: attention's, and the MoE layer's (routed + shared, summed)
     assert all(len(e) == 2 and "moe_ffn" in e[1] and "+" in e[1] for e in exits.values()), exits
+    assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+    _parity(model, c, inputs)
+
+
+@pytest.mark.timeout(300)
+def test_a_gated_shared_expert_is_scaled_while_partial_and_reduced_once_with_the_routed_experts():
+    """Qwen2-MoE's shared expert is scaled by the sigmoid of a [1, h] gate before the routed experts' sum is
+    added. The gate's weight stays whole (its one output row cannot split, and need not: tp need not divide
+    1), and its replicated scale multiplies the shared expert's row-parallel partial sum (linear in it), so
+    routed + gated shared still reduce in one all-reduce: Megatron's 2 forward collectives a layer (the
+    scaled partial was reduced on its own before: 3). The scale's gradient is a partial sum on each rank, so
+    it enters the tp region with Megatron's f (backward all-reduce): parity holds the gate's gradient."""
+    torch.manual_seed(0)
+    model = MoELM(gated=True)
+    c, inputs, quality = _plan(model, 64, tp=2)
+    assert not quality and c.quality == []
+    assert c.plan.params["layers.0.shared_gate.weight"].placements[0] == Replicate()
+    assert c.plan.params["layers.0.shared_down.weight"].placements[0] == Shard(1)
     assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
     _parity(model, c, inputs)
