@@ -367,12 +367,17 @@ def test_a_gated_shared_expert_is_scaled_while_partial_and_reduced_once_with_the
     added. The gate's weight stays whole (its one output row cannot split, and need not: tp need not divide
     1), and its replicated scale multiplies the shared expert's row-parallel partial sum (linear in it), so
     routed + gated shared still reduce in one all-reduce: Megatron's 2 forward collectives a layer (the
-    scaled partial was reduced on its own before: 3). The scale's gradient is a partial sum on each rank, so
-    it enters the tp region with Megatron's f (backward all-reduce): parity holds the gate's gradient."""
+    scaled partial was reduced on its own before: 3, and the quality check, counting 3 exits, let it pass).
+    The scale's gradient is a partial sum on each rank, so it enters the tp region with Megatron's f
+    (backward all-reduce): parity holds the gate's gradient."""
     torch.manual_seed(0)
+    from mcompile.quality import tp_exits
+
     model = MoELM(gated=True)
     c, inputs, quality = _plan(model, 64, tp=2)
     assert not quality and c.quality == []
+    exits = tp_exits(c.captured.gm)  # the quality check's bar: the gated shared expert's exit merges too
+    assert all(len(e) == 2 and "moe_ffn" in e[1] and "+" in e[1] for e in exits.values()), exits
     assert c.plan.params["layers.0.shared_gate.weight"].placements[0] == Replicate()
     assert c.plan.params["layers.0.shared_down.weight"].placements[0] == Shard(1)
     assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
