@@ -54,15 +54,26 @@ _TO_WEIGHT = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.per
               aten._to_copy.default, aten.alias.default, aten.view.default}
 
 
-def _weight_of(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The parameter placeholder a contraction multiplies by (through transposes and casts), or None."""
-    i = _WEIGHT_USES.get(node.target)
-    if i is None or len(node.args) <= i:
-        return None
-    w = node.args[i]
+def _to_weight(w) -> torch.fx.Node | None:
     while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in _TO_WEIGHT:
         w = w.args[0]
     return w if isinstance(w, torch.fx.Node) and w.op == "placeholder" else None
+
+
+def _weight_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The parameter placeholder a contraction multiplies by (through transposes and casts), or None."""
+    if node.target is aten.einsum.default:  # XLNet's "ibnd,hnd->ibh": an activation by a weight
+        ops = node.args[1] if len(node.args) > 1 else ()
+        return _to_weight(ops[1]) if len(ops) == 2 and _to_weight(ops[0]) is None else None
+    i = _WEIGHT_USES.get(node.target)
+    if i is None or len(node.args) <= i:
+        return None
+    return _to_weight(node.args[i])
+
+
+def _activation_of(node: torch.fx.Node):
+    """What a contraction with a weight (:func:`_weight_of`) projects."""
+    return node.args[1][0] if node.target is aten.einsum.default else node.args[0]
 
 
 class PlanQualityWarning(UserWarning):
@@ -150,7 +161,7 @@ def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[i
         layer = layer_index(node)
         if layer is None:
             continue
-        if _after_contraction(node.args[0], whole):
+        if _after_contraction(_activation_of(node), whole):
             out.setdefault(layer, []).append(node.name)
     nodes = {n.name: n for n in gm.graph.nodes}
     return {layer: _merge_sums(names, nodes) for layer, names in out.items()}
