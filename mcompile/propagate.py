@@ -101,12 +101,27 @@ def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
 
     if any(isinstance(p, Partial) and readers(a) != [node] for a, p in zip(tensor_input_nodes(node), s.inputs)):
         return False
-    def to_an_add() -> bool:
-        after = readers(node)
+    def to_an_add(of_partials: bool = False) -> bool:
+        prev, after = node, readers(node)
         while len(after) == 1 and (after[0].target in _SAME_VALUE or after[0].target in _VIEWS or
                                    after[0].target in _SCALES):
-            after = readers(after[0])
-        return len(after) == 1 and after[0].target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
+            prev, after = after[0], readers(after[0])
+        if not (len(after) == 1 and after[0].target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)):
+            return False
+        if not of_partials:
+            return True
+        # a scale waits only for an add whose other term is a contraction's output too (a Partial it can join):
+        # added to the replicated residual stream, the reduction would come at the same cost and the factor's
+        # gradient would need a backward all-reduce (Megatron's f) for nothing
+        from mcompile.moe import moe_ffn
+        from mcompile.planner import _contraction
+
+        other = [a for a in after[0].args if isinstance(a, fx.Node) and a is not prev]
+        while len(other) == 1 and other[0].op == "call_function" and (other[0].target in _SAME_VALUE or
+                                                                       other[0].target in _VIEWS):
+            other = [other[0].args[0]] if isinstance(other[0].args[0], fx.Node) else []
+        return len(other) == 1 and other[0].op == "call_function" and (other[0].target is moe_ffn or
+                                                                       _contraction(other[0]))
 
     if node.target in _SAME_VALUE or node.target in _VIEWS:  # only on the way to such an add
         if len(in_metas) != 1 or in_metas[0].dtype != outs[0].dtype or node.target in _SAME_VALUE and \
@@ -123,7 +138,7 @@ def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
                 in_metas[k[0]].dtype != outs[0].dtype or \
                 _numel(outs[0].shape) > _numel(in_metas[k[0]].shape):
             return False
-        return to_an_add()
+        return to_an_add(of_partials=True)
     if node.target not in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor) or len(in_metas) != 2 or \
             not all(isinstance(p, Partial) for p in s.inputs):
         return False

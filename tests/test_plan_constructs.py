@@ -101,6 +101,10 @@ def test_a_projection_to_one_output_stays_whole():
     assert c.plan.params["layers.0.gate.weight"].placements[0] == Replicate()
     assert c.plan.params["layers.0.mlp.up.weight"].placements[0] == Shard(0)
     assert c.plan.fallbacks == [] and c.quality == []
+    # the gated MLP's output joins the replicated residual stream, not another partial sum: it is reduced
+    # before the scale, so the gate's gradient is whole on every rank (no backward all-reduce, Megatron's f)
+    ops = [(s.op, s.origin) for s in c.plan.collectives if s.layer == 1]
+    assert [o for o, _ in ops] == ["copy_ar_bwd", "all_reduce"] * 2, ops
     assert_sim_parity(c, model, inputs)
 
 
