@@ -93,7 +93,8 @@ def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
     sums, as Megatron's MoE layer reduces them) — or passes a Partial through a copy that changes neither its
     dtype nor its shape (HF GPT-2's ``position_embeds.to(device)`` before that add) or a view (the routed
     experts' [tokens, h] output viewed back to [b, s, h]) or a scale by a replicated factor (Qwen2-MoE's gated
-    shared expert): the reduction waits at no cost. Only
+    shared expert), or adds partial rows into their tokens' places (``index_add``, JetMoE's experts): the
+    reduction waits at no cost. Only
     for Partials read by this node alone: one that something else needs whole is reduced anyway (a residual
     stream read by the next norm and the residual add stays replicated, as Megatron's)."""
     def readers(a: fx.Node) -> list[fx.Node]:
@@ -128,6 +129,10 @@ def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
                 tuple(in_metas[0].shape) != tuple(outs[0].shape):
             return False
         return to_an_add()
+    if node.target is torch.ops.aten.index_add.default:
+        # experts' outputs added back to their tokens (JetMoE: ``zeros.index_add(0, idx, out)``) sum partial sums
+        # into one no larger than the experts' top-k rows: reduced once after, as the routed experts' sum is
+        return len(in_metas) == 3 and _numel(outs[0].shape) <= _numel(in_metas[2].shape)
     if node.target in _SCALES:
         # a Partial scaled by a replicated factor (Qwen2-MoE's shared expert times the sigmoid of its [1, h]
         # gate, before the routed experts' sum is added): linear in the Partial, so the scaled pieces still sum
