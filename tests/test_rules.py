@@ -1171,7 +1171,7 @@ def test_cat(data):
     expect = [(tuple(R if e else Shard(d) for e in empty), (Shard(d),))
               for d in divisible_dims(shape, n) if d != dim % nd]
     expect.append((tuple(P for _ in xs), (P,)))
-    op = data.draw(st.sampled_from([aten.cat.default, aten.concatenate.default]), label="op")
+    op = data.draw(st.sampled_from([aten.cat.default, aten.concatenate.default, aten.concat.default]), label="op")
     tested = check(op, (xs, dim), n=n, current=current, gen=gen, expect=expect)
     if mode not in ("R", "P") and any(s.inputs == current for s in tested):
         assert get_rule(aten.cat.default)(_info(aten.cat.default, (xs, dim), n, current))[0].inputs == current
@@ -2111,7 +2111,8 @@ TESTED_OPS = (
        aten.slice.Tensor, aten.repeat_interleave.self_int, aten.select.int, aten.split.Tensor,
        aten.split_with_sizes.default, aten.unbind.int, aten.cat.default,
        aten.pad.default, aten.constant_pad_nd.default, aten.tensor_split.indices, aten.tensor_split.sections,
-       aten.concatenate.default, aten.view_as.default, aten.reshape_as.default, aten.expand_as.default,
+       aten.concatenate.default, aten.concat.default, aten.view_as.default, aten.reshape_as.default,
+       aten.expand_as.default,
        aten.view_as_complex.default, aten.view_as_real.default}
     | {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
        aten.outer.default, aten.embedding.default, aten.scaled_dot_product_attention.default,
