@@ -388,9 +388,11 @@ def _reads_weight(n: torch.fx.Node, cap: Captured) -> bool:
 
 
 def _contraction(n: torch.fx.Node) -> bool:
-    """A matmul-like op (linear, attention, a convolution) or a custom op (a scan, an MoE layer)."""
+    """A matmul-like op (linear, attention, a convolution, an einsum of two operands: XLNet's projections by
+    [h, heads, d] weights) or a custom op (a scan, an MoE layer)."""
     return n.target in _LATENT_STOP or n.target in (aten.convolution.default, aten.conv1d.default,
                                                     aten.conv2d.default) or \
+        (n.target is aten.einsum.default and len(n.args) > 1 and len(n.args[1]) > 1) or \
         str(getattr(n.target, "namespace", "aten")) != "aten"
 
 

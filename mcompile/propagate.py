@@ -79,6 +79,12 @@ _SAME_VALUE = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten
 
 
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
+_SCALES = {torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor}
+
+
+def _numel(shape) -> int:
+    """A size to compare: a symbolic dim (batch, seq) counts as large, the same for every value."""
+    return math.prod(int(d) if isinstance(d, int) else 1 << 20 for d in shape)
 
 
 def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
@@ -87,7 +93,9 @@ def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
     Megatron's single all-reduce; an MoE layer's routed experts plus its shared expert, both row-parallel
     sums, as Megatron's MoE layer reduces them) — or passes a Partial through a copy that changes neither its
     dtype nor its shape (HF GPT-2's ``position_embeds.to(device)`` before that add) or a view (the routed
-    experts' [tokens, h] output viewed back to [b, s, h]): the reduction waits at no cost. Only
+    experts' [tokens, h] output viewed back to [b, s, h]) or a scale by a replicated factor (Qwen2-MoE's gated
+    shared expert), or adds partial rows into their tokens' places (``index_add``, JetMoE's experts): the
+    reduction waits at no cost. Only
     for Partials read by this node alone: one that something else needs whole is reduced anyway (a residual
     stream read by the next norm and the residual add stays replicated, as Megatron's)."""
     def readers(a: fx.Node) -> list[fx.Node]:
@@ -95,18 +103,52 @@ def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
 
     if any(isinstance(p, Partial) and readers(a) != [node] for a, p in zip(tensor_input_nodes(node), s.inputs)):
         return False
+    def to_an_add(of_partials: bool = False) -> bool:
+        prev, after = node, readers(node)
+        while len(after) == 1 and (after[0].target in _SAME_VALUE or after[0].target in _VIEWS or
+                                   after[0].target in _SCALES):
+            prev, after = after[0], readers(after[0])
+        if not (len(after) == 1 and after[0].target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)):
+            return False
+        if not of_partials:
+            return True
+        # a scale waits only for an add whose other term is a contraction's output too (a Partial it can join):
+        # added to the replicated residual stream, the reduction would come at the same cost and the factor's
+        # gradient would need a backward all-reduce (Megatron's f) for nothing
+        from mcompile.moe import moe_ffn
+        from mcompile.planner import _contraction
+
+        other = [a for a in after[0].args if isinstance(a, fx.Node) and a is not prev]
+        while len(other) == 1 and other[0].op == "call_function" and (other[0].target in _SAME_VALUE or
+                                                                       other[0].target in _VIEWS):
+            other = [other[0].args[0]] if isinstance(other[0].args[0], fx.Node) else []
+        return len(other) == 1 and other[0].op == "call_function" and (other[0].target is moe_ffn or
+                                                                       _contraction(other[0]))
+
     if node.target in _SAME_VALUE or node.target in _VIEWS:  # only on the way to such an add
         if len(in_metas) != 1 or in_metas[0].dtype != outs[0].dtype or node.target in _SAME_VALUE and \
                 tuple(in_metas[0].shape) != tuple(outs[0].shape):
             return False
-        after = readers(node)
-        while len(after) == 1 and (after[0].target in _SAME_VALUE or after[0].target in _VIEWS):
-            after = readers(after[0])
-        return len(after) == 1 and after[0].target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)
+        return to_an_add()
+    if node.target is torch.ops.aten.index_add.default:
+        # experts' outputs added back to their tokens (JetMoE: ``zeros.index_add(0, idx, out)``) sum partial sums
+        # into one no larger than the experts' top-k rows: reduced once after, as the routed experts' sum is
+        return len(in_metas) == 3 and _numel(outs[0].shape) <= _numel(in_metas[2].shape)
+    if node.target in _SCALES:
+        # a Partial scaled by a replicated factor (Qwen2-MoE's shared expert times the sigmoid of its [1, h]
+        # gate, before the routed experts' sum is added): linear in the Partial, so the scaled pieces still sum
+        # to the scaled whole; only on the way to such an add, and only where the scale does not broadcast the
+        # Partial larger (a reduction of the output would then cost more than one of the input)
+        k = [i for i, p in enumerate(s.inputs) if isinstance(p, Partial)]
+        if len(k) != 1 or not all(isinstance(p, Replicate) for i, p in enumerate(s.inputs) if i != k[0]) or \
+                in_metas[k[0]].dtype != outs[0].dtype or \
+                _numel(outs[0].shape) > _numel(in_metas[k[0]].shape):
+            return False
+        return to_an_add(of_partials=True)
     if node.target not in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor) or len(in_metas) != 2 or \
             not all(isinstance(p, Partial) for p in s.inputs):
         return False
-    size = [math.prod(int(d) if isinstance(d, int) else 1 << 20 for d in m.shape) for m in (*in_metas, outs[0])]
+    size = [_numel(m.shape) for m in (*in_metas, outs[0])]
     return size[2] <= max(size[:2])
 
 

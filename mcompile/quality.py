@@ -15,10 +15,10 @@ transformer layer:
    (:func:`mcompile.planner._after_contraction`; a low-rank latent or a router kept whole is not one: what
    reads it enters a region), or an MoE layer (``moe_ffn``: its experts' down
    projections, summed). Exits whose values are added together before anything else reads them leave
-   as one (an MoE layer's routed experts plus its shared expert, a parallel-residual block's attention
-   plus MLP): Megatron adds the partial sums and reduces once. A layer whose forward tp
-   collectives exceed that count is reported with every collective of the layer and the captured node
-   whose value it moves.
+   as one (an MoE layer's routed experts plus its shared expert — scaled or not by a gate, linear in
+   it — a parallel-residual block's attention plus MLP): Megatron adds the partial sums and reduces once.
+   A layer whose forward tp collectives exceed that count is reported with every collective of the layer
+   and the captured node whose value it moves.
 2. **Weights.** Every weight matrix a contraction of the layer uses is sharded over tp, unless the plan
    keeps it whole for a reason Megatron shares: a low-rank latent projection (multi-head latent
    attention's down projections, :func:`mcompile.planner.latent_hints`), an MoE router (a few outputs,
@@ -54,15 +54,26 @@ _TO_WEIGHT = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.per
               aten._to_copy.default, aten.alias.default, aten.view.default}
 
 
-def _weight_of(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The parameter placeholder a contraction multiplies by (through transposes and casts), or None."""
-    i = _WEIGHT_USES.get(node.target)
-    if i is None or len(node.args) <= i:
-        return None
-    w = node.args[i]
+def _to_weight(w) -> torch.fx.Node | None:
     while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in _TO_WEIGHT:
         w = w.args[0]
     return w if isinstance(w, torch.fx.Node) and w.op == "placeholder" else None
+
+
+def _weight_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The parameter placeholder a contraction multiplies by (through transposes and casts), or None."""
+    if node.target is aten.einsum.default:  # XLNet's "ibnd,hnd->ibh": an activation by a weight
+        ops = node.args[1] if len(node.args) > 1 else ()
+        return _to_weight(ops[1]) if len(ops) == 2 and _to_weight(ops[0]) is None else None
+    i = _WEIGHT_USES.get(node.target)
+    if i is None or len(node.args) <= i:
+        return None
+    return _to_weight(node.args[i])
+
+
+def _activation_of(node: torch.fx.Node):
+    """What a contraction with a weight (:func:`_weight_of`) projects."""
+    return node.args[1][0] if node.target is aten.einsum.default else node.args[0]
 
 
 class PlanQualityWarning(UserWarning):
@@ -87,22 +98,26 @@ _PASS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, ate
 _SUM = (aten.add.Tensor, aten.sub.Tensor)
 
 
-def _summed_with(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The add (or sub) that ``node``'s value reaches as its only reader, through views and copies."""
+def _scales(node: torch.fx.Node, prev: torch.fx.Node) -> bool:
+    """``node`` multiplies (or divides) ``prev`` by a factor without broadcasting it larger: linear in ``prev``,
+    so a partial sum stays one (Qwen2-MoE's shared expert times the sigmoid of its [1, h] gate)."""
+    if node.target not in (aten.mul.Tensor, aten.div.Tensor) or (node.target is aten.div.Tensor and
+                                                                  node.args[0] is not prev):
+        return False
+    a, b = (getattr(x, "meta", {}).get("val") for x in (prev, node))
+    return a is not None and b is not None and tuple(a.shape) == tuple(b.shape)
+
+
+def _summed_with(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """The add (or sub) that ``node``'s value reaches as its only reader, through views, copies and scales, and
+    the add's operand on that way."""
     while len(node.users) == 1:
-        node = next(iter(node.users))
+        prev, node = node, next(iter(node.users))
         if node.target in _SUM:
-            return node
-        if node.target not in _PASS:
+            return node, prev
+        if node.target not in _PASS and not _scales(node, prev):
             return None
     return None
-
-
-def _from(node) -> torch.fx.Node | None:
-    """What ``node`` is a view or a copy of (through views and copies)."""
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _PASS:
-        node = node.args[0]
-    return node if isinstance(node, torch.fx.Node) else None
 
 
 def _merge_sums(names: list[str], nodes: dict) -> list[str]:
@@ -112,11 +127,15 @@ def _merge_sums(names: list[str], nodes: dict) -> list[str]:
     merged = True
     while merged:
         merged = False
-        for n in list(groups):
+        by_sum: dict = {}
+        for n in groups:
             s = _summed_with(n)
-            other = [_from(a) for a in s.args if _from(a) is not None and _from(a) is not n] if s else []
-            if s is not None and len(other) == 1 and other[0] in groups:
-                groups[s] = f"{groups.pop(n)}+{groups.pop(other[0])}"
+            if s is not None:
+                by_sum.setdefault(s[0], []).append((n, s[1]))
+        for s, ways in by_sum.items():
+            if len(ways) == 2 and ways[0][1] is not ways[1][1]:  # the add's two operands, one from each
+                (a, _), (b, _) = ways
+                groups[s] = f"{groups.pop(a)}+{groups.pop(b)}"
                 merged = True
                 break
     return list(groups.values())
@@ -142,7 +161,7 @@ def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[i
         layer = layer_index(node)
         if layer is None:
             continue
-        if _after_contraction(node.args[0], whole):
+        if _after_contraction(_activation_of(node), whole):
             out.setdefault(layer, []).append(node.name)
     nodes = {n.name: n for n in gm.graph.nodes}
     return {layer: _merge_sums(names, nodes) for layer, names in out.items()}

@@ -13,6 +13,8 @@ What is isolated, one construct a test:
 - one layer's parameters shared by every layer (ALBERT), the first layer reading a sharded activation and the
   others a replicated one: each shared weight takes one placement every reader can take (Megatron's);
 - a data-dependent count of tokens (JetMoe's, DeepSeek-V4's routing: an unbacked size) plans and lowers;
+- experts' outputs added back to their tokens in a tensor of zeros with ``index_add`` (JetMoE) stay a partial
+  sum: one all-reduce after it;
 - a repeated layer whose ops are not one stretch of the program (a node that is not an op among them: export's
   subgraph attribute of a region it keeps) is not repeated: the whole model is captured, with the reason logged.
 """
@@ -28,7 +30,7 @@ from sim_harness import assert_sim_parity
 
 from mcompile.api import compile_plan
 from mcompile.mesh import Mesh
-from mcompile.placements import Replicate, Shard
+from mcompile.placements import Partial, Replicate, Shard
 
 VOCAB, DIM, FFN = 64, 32, 64
 
@@ -101,6 +103,10 @@ def test_a_projection_to_one_output_stays_whole():
     assert c.plan.params["layers.0.gate.weight"].placements[0] == Replicate()
     assert c.plan.params["layers.0.mlp.up.weight"].placements[0] == Shard(0)
     assert c.plan.fallbacks == [] and c.quality == []
+    # the gated MLP's output joins the replicated residual stream, not another partial sum: it is reduced
+    # before the scale, so the gate's gradient is whole on every rank (no backward all-reduce, Megatron's f)
+    ops = [(s.op, s.origin) for s in c.plan.collectives if s.layer == 1]
+    assert [o for o, _ in ops] == ["copy_ar_bwd", "all_reduce"] * 2, ops
     assert_sim_parity(c, model, inputs)
 
 
@@ -224,6 +230,41 @@ def test_a_data_dependent_count_of_tokens_plans_and_lowers():
     model = LM(RoutedBlock)
     c, inputs = _plan(model)
     assert c.plan.fallbacks == [] and c.quality == []
+    assert_sim_parity(c, model, inputs)
+
+
+class IndexAddExpertsBlock(torch.nn.Module):
+    """JetMoE's experts: the tokens sorted by their expert (a data-dependent order), run through an MLP, and
+    added back to their places in a tensor of zeros with ``index_add`` (its rows by the sorted indices)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.RMSNorm(DIM), torch.nn.RMSNorm(DIM)
+        self.attn, self.mlp = Attention(), Mlp()
+        self.router = torch.nn.Linear(DIM, 4, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        flat = self.norm2(x).flatten(0, 1)  # (t, h)
+        order = self.router(flat).topk(1).indices[:, 0].sort(stable=True).indices  # tokens grouped by expert
+        out = torch.zeros_like(flat).index_add(0, order, self.mlp(flat[order]))
+        return x + out.view_as(x)
+
+
+@pytest.mark.timeout(120)
+def test_experts_outputs_added_into_zeros_by_index_add_reduce_once():
+    """``zeros.index_add(0, idx, source)`` of a row-parallel MLP's partial sums is itself a partial sum (adding
+    the zeros on every rank adds nothing): the MLP's one all-reduce comes after it, a layer runs Megatron's 2
+    forward collectives, and it trains at parity (``index_add`` ran replicated before, reported as a fallback,
+    with the MLP's output gathered)."""
+    torch.manual_seed(0)
+    model = LM(IndexAddExpertsBlock)
+    c, inputs = _plan(model)
+    assert c.plan.fallbacks == [] and c.quality == []
+    assert c.plan.params["layers.0.mlp.down.weight"].placements[0] == Shard(1)
+    fwd = [s.origin for s in c.plan.collectives if s.layer == 1 and s.forward != "none"]
+    adds = [n.name for n in c.captured.gm.graph.nodes if n.target is torch.ops.aten.index_add.default]
+    assert len(fwd) == 2 and adds and all(c.plan.activations[a] == (Partial(),) for a in adds), (fwd, adds)
     assert_sim_parity(c, model, inputs)
 
 

@@ -1171,7 +1171,7 @@ def test_cat(data):
     expect = [(tuple(R if e else Shard(d) for e in empty), (Shard(d),))
               for d in divisible_dims(shape, n) if d != dim % nd]
     expect.append((tuple(P for _ in xs), (P,)))
-    op = data.draw(st.sampled_from([aten.cat.default, aten.concatenate.default]), label="op")
+    op = data.draw(st.sampled_from([aten.cat.default, aten.concatenate.default, aten.concat.default]), label="op")
     tested = check(op, (xs, dim), n=n, current=current, gen=gen, expect=expect)
     if mode not in ("R", "P") and any(s.inputs == current for s in tested):
         assert get_rule(aten.cat.default)(_info(aten.cat.default, (xs, dim), n, current))[0].inputs == current
@@ -1496,6 +1496,32 @@ def test_index_select(data):
     if k % n == 0:
         expect.append(((R, Shard(0)), (Shard(d),)))
     check(aten.index_select.default, (x, dim, index), n=n, current=current, gen=gen, expect=expect)
+
+
+@pytest.mark.timeout(120)
+@hyp(25)
+@given(data=st.data())
+def test_index_add(data):
+    """``self.index_add(dim, index, source)`` (JetMoE's experts' outputs added back to their tokens): split alike
+    on another dim than ``dim``, or both Partial (linear in the two together). Its Partial source into a self
+    of zeros needs the captured node (a zeros factory) and is proven by tests/test_plan_constructs.py."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 1, 3)
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1), label="dim")
+    d = dim % len(shape)
+    k = data.draw(st.sampled_from([n, 2 * n, 3]), label="added")
+    x = make(shape, "f", gen)
+    src = make([k if j == d else s for j, s in enumerate(shape)], "f", gen)
+    index = torch.randint(0, shape[d], (k,), generator=gen)
+    alpha = data.draw(st.sampled_from([1, 0.5]), label="alpha")
+    current = data.draw(st.sampled_from([(R, R, R), (Partial(), R, Partial()),
+                                         *[(p, R, p) for p in shard_choices(shape, n) if p.dim != d]]),
+                        label="current")
+    expect = [((Shard(j), R, Shard(j)), (Shard(j),)) for j in divisible_dims(shape, n) if j != d]
+    expect.append(((Partial(), R, Partial()), (Partial(),)))
+    check(aten.index_add.default, (x, dim, index, src), {"alpha": alpha} if alpha != 1 else {}, n=n,
+          current=current, gen=gen, expect=expect)
 
 
 @pytest.mark.timeout(120)
@@ -2085,12 +2111,14 @@ TESTED_OPS = (
        aten.slice.Tensor, aten.repeat_interleave.self_int, aten.select.int, aten.split.Tensor,
        aten.split_with_sizes.default, aten.unbind.int, aten.cat.default,
        aten.pad.default, aten.constant_pad_nd.default, aten.tensor_split.indices, aten.tensor_split.sections,
-       aten.concatenate.default, aten.view_as.default, aten.reshape_as.default, aten.expand_as.default,
+       aten.concatenate.default, aten.concat.default, aten.view_as.default, aten.reshape_as.default,
+       aten.expand_as.default,
        aten.view_as_complex.default, aten.view_as_real.default}
     | {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
        aten.outer.default, aten.embedding.default, aten.scaled_dot_product_attention.default,
        aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.einsum.default, aten.nonzero.default}
-    | {aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.cumsum.default,
+    | {aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.index_add.default,
+       aten.cumsum.default,
        aten.tril.default, aten.triu.default}
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
     | {aten.chunk.default, aten.diff.default}  # tested in tests/test_rules_dtensor.py (test_chunk, test_diff)

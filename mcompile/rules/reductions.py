@@ -183,6 +183,26 @@ def scatter_add(info: OpInfo) -> list[Strategy]:
     return out + [Strategy((R, R, R), (R,), name="replicate")]
 
 
+@rule(aten.index_add.default)
+def index_add(info: OpInfo) -> list[Strategy]:
+    """``self.index_add(dim, index, source)`` (JetMoE's experts' outputs added back to their tokens): linear in
+    ``self`` and ``source`` together, so two Partial(sum)s give one; a ``self`` of zeros (adding it on every rank
+    adds nothing) takes a Partial ``source`` whole. ``self`` and ``source`` split alike on a dim other than
+    ``dim`` keep that split (the index, 1-D along ``dim``, is whole)."""
+    nd = info.inputs[0].ndim
+    dim = norm_dim(info.arg(1), nd)
+    src = info.inputs[2]
+    out = [Strategy((Shard(d), R, Shard(d)), (Shard(d),), name="other_dim")
+           for d in range(nd) if d != dim and src.ndim == nd and src.shape[d] == info.inputs[0].shape[d]]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    if info.outputs[0].dtype.is_floating_point:
+        self_node = info.node.args[0] if info.node is not None else None
+        if getattr(self_node, "target", None) in _ZEROS:
+            out.append(Strategy((R, R, Partial()), (Partial(),), name="partial_into_zeros"))
+        out.append(Strategy((Partial(), R, Partial()), (Partial(),), name="partial"))
+    return out + [Strategy((R, R, R), (R,), name="replicate")]
+
+
 @rule(aten.histc.default)
 def histc(info: OpInfo) -> list[Strategy]:
     """A histogram with fixed bounds of a split input is the sum of the pieces' histograms (Partial);

@@ -414,7 +414,7 @@ def tensor_split(info: OpInfo) -> list[Strategy]:
     return _keep_other_dims(info, dim, n_out=len(info.outputs))
 
 
-@rule(aten.cat.default, aten.concatenate.default)
+@rule(aten.cat.default, aten.concatenate.default, aten.concat.default)
 def cat(info: OpInfo) -> list[Strategy]:
     o = info.outputs[0]
     dim = norm_dim(info.arg(1, "dim", 0), o.ndim)
