@@ -31,6 +31,7 @@ import inspect
 import io
 import re
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Mapping
@@ -43,7 +44,7 @@ import torch.fx as fx
 from torch.export import Dim
 from torch.export.graph_signature import InputKind
 
-from mcompile import autograd_fn
+from mcompile import autograd_fn, loops
 from mcompile import meta as M
 
 __all__ = ["CaptureError", "CaptureWarning", "Captured", "OutputWarning", "capture", "warn_unless_loss"]
@@ -246,32 +247,28 @@ def capture(
     printed = _Tee(sys.stdout)
     try:
         with _plain_outputs(model, what), _recorded_warnings() as caught, contextlib.redirect_stdout(printed), \
-                autograd_fn.wrapping():
+                autograd_fn.wrapping(), loops.unrolling() as unrolled, _unchanged_casts():
+            export = functools.partial(loops.exporting, unrolled, model, args, kwargs)
             try:
-                ep = torch.export.export(
-                    model, args, kwargs, dynamic_shapes={**shapes_named[0], **_arg_names(model, shapes_named[1])},
-                    strict=False,
-                )
+                ep = export({**shapes_named[0], **_arg_names(model, shapes_named[1])})
             except torch._dynamo.exc.UserError as e:
                 if not dynamic:
                     raise
-                ep = _export_with_suggested_fixes(model, args, kwargs, shapes_named, e)
+                ep = _export_with_suggested_fixes(export, model, shapes_named, e)
             if ep is None:
                 # The model constrains a dim (e.g. a static sequence length): let export infer it.
                 auto = lambda t: None if not isinstance(t, torch.Tensor) or t.ndim == 0 else {  # noqa: E731
                     d: Dim.AUTO for d in range(min(t.ndim, 2))
                 }
-                ep = torch.export.export(
-                    model, args, kwargs,
-                    dynamic_shapes={**{k: auto(v) for k, v in kwargs.items()},
-                                    **_arg_names(model, tuple(auto(a) for a in args))},
-                    strict=False,
-                )
+                ep = export({**{k: auto(v) for k, v in kwargs.items()},
+                             **_arg_names(model, tuple(auto(a) for a in args))})
+            loops.guard(ep, unrolled)  # loops over nonzero indices: each iteration selected by its mask entry
         _refuse_side_effects(model, ep, before, caught)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one clear error
         op, cause, where, fix = _diagnose(e)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        said = "" if isinstance(e, _Refused | autograd_fn.FunctionRefused) else f"  torch says: {first}\n"
+        said = "" if isinstance(e, _Refused | autograd_fn.FunctionRefused | loops.LoopRefused) else \
+            f"  torch says: {first}\n"
         raise CaptureError(
             f"cannot capture {name} with torch.export: {cause}{f' (op {op})' if op else ''}\n"
             f"  at {where or 'an unknown location'}\n"
@@ -569,6 +566,44 @@ class _Tee(io.TextIOBase):
         return "".join(self.parts)
 
 
+_ORIG_APPLY = torch.nn.Module._apply
+_CASTS = threading.local()  # .depth: > 0 while this thread captures
+_CASTS_PATCH = threading.Lock()
+_CASTS_PATCHED = [0]  # captures in progress, all threads
+
+
+def _apply_unless_unchanged(self, fn, recurse=True):
+    """``Module._apply`` (``module.to(dtype)``, ``.float()``, ...) that returns the module as it is when ``fn``
+    changes none of its tensors. A forward that casts a submodule to the dtype it already has (Switch
+    Transformers' and NLLB-MoE's routers: ``self.classifier = self.classifier.to(self.dtype)``) is a no-op in
+    eager mode, but export's fake parameters cannot be swapped in place, so the no-op failed the capture. A cast
+    that changes a tensor still goes through torch (and fails, clearly: forward cannot re-create parameters)."""
+    if getattr(_CASTS, "depth", 0) > 0:
+        mods = self.modules() if recurse else [self]
+        tensors = [t for m in mods for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
+        with torch.no_grad():
+            if all(fn(t) is t for t in tensors):
+                return self
+    return _ORIG_APPLY(self, fn, recurse)
+
+
+@contextlib.contextmanager
+def _unchanged_casts():
+    with _CASTS_PATCH:
+        if _CASTS_PATCHED[0] == 0:
+            torch.nn.Module._apply = _apply_unless_unchanged
+        _CASTS_PATCHED[0] += 1
+    _CASTS.depth = getattr(_CASTS, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _CASTS.depth -= 1
+        with _CASTS_PATCH:
+            _CASTS_PATCHED[0] -= 1
+            if _CASTS_PATCHED[0] == 0:
+                torch.nn.Module._apply = _ORIG_APPLY
+
+
 @contextlib.contextmanager
 def _recorded_warnings():
     """Warnings raised during export, kept aside; the ones that are not ours to judge are re-issued."""
@@ -690,7 +725,8 @@ def _chain(e: BaseException):
 def _diagnose(e: BaseException) -> tuple[str | None, str, str | None, str]:
     """(op, cause, where, fix) of a failed capture, by class of failure."""
     chain = list(_chain(e))
-    ours = next((x for x in chain if isinstance(x, _Refused | autograd_fn.FunctionRefused)), None)
+    ours = next((x for x in chain if isinstance(x, _Refused | autograd_fn.FunctionRefused | loops.LoopRefused)),
+                None)
     if ours is not None:
         return None, ours.cause, ours.where or _user_frame(e), ours.fix
     text = "\n".join(str(x) for x in chain)
@@ -721,7 +757,7 @@ def _diagnose(e: BaseException) -> tuple[str | None, str, str | None, str]:
             "rewrite it with torch ops")
 
 
-def _export_with_suggested_fixes(model, args, kwargs, shapes_named, error) -> torch.export.ExportedProgram | None:
+def _export_with_suggested_fixes(export, model, shapes_named, error) -> torch.export.ExportedProgram | None:
     """Export again with the dims refined as torch suggests (a bound such as ``seq <= 40`` from a
     learned position table), keeping batch and sequence shared by all inputs; None when torch
     suggests nothing usable (the caller then lets export infer every dim on its own)."""
@@ -735,7 +771,7 @@ def _export_with_suggested_fixes(model, args, kwargs, shapes_named, error) -> to
     shapes = {**shapes_named[0], **_arg_names(model, shapes_named[1])}
     try:
         refined = refine_dynamic_shapes_from_suggested_fixes(f"{head}Suggested fixes:\n{fixes}", shapes)
-        return torch.export.export(model, args, kwargs, dynamic_shapes=refined, strict=False)
+        return export(refined)
     except Exception:  # noqa: BLE001 - fall back to export's own inference
         return None
 
