@@ -245,36 +245,27 @@ def capture(
     before = _leaks(model)
     what: list[str] = []  # what the adapted forward returned (set inside the trace)
     printed = _Tee(sys.stdout)
-    try:
-        with _plain_outputs(model, what), _recorded_warnings() as caught, contextlib.redirect_stdout(printed), \
-                autograd_fn.wrapping(), loops.unrolling() as unrolled, _unchanged_casts():
-            export = functools.partial(loops.exporting, unrolled, model, args, kwargs)
-            try:
-                ep = export({**shapes_named[0], **_arg_names(model, shapes_named[1])})
-            except torch._dynamo.exc.UserError as e:
-                if not dynamic:
-                    raise
-                ep = _export_with_suggested_fixes(export, model, shapes_named, e)
-            if ep is None:
-                # The model constrains a dim (e.g. a static sequence length): let export infer it.
-                auto = lambda t: None if not isinstance(t, torch.Tensor) or t.ndim == 0 else {  # noqa: E731
-                    d: Dim.AUTO for d in range(min(t.ndim, 2))
-                }
-                ep = export({**{k: auto(v) for k, v in kwargs.items()},
-                             **_arg_names(model, tuple(auto(a) for a in args))})
-            loops.guard(ep, unrolled)  # loops over nonzero indices: each iteration selected by its mask entry
-        _refuse_side_effects(model, ep, before, caught)
-    except Exception as e:  # noqa: BLE001 - every export failure becomes one clear error
-        op, cause, where, fix = _diagnose(e)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        said = "" if isinstance(e, _Refused | autograd_fn.FunctionRefused | loops.LoopRefused) else \
-            f"  torch says: {first}\n"
-        raise CaptureError(
-            f"cannot capture {name} with torch.export: {cause}{f' (op {op})' if op else ''}\n"
-            f"  at {where or 'an unknown location'}\n"
-            f"{said}"
-            f"  fix: {fix}"
-        ) from e
+    failed: Exception | None = None
+    for default_mask in (False, True):
+        try:
+            ep, caught = _export(model, args, kwargs, shapes_named, dynamic, what, printed, default_mask)
+            _refuse_side_effects(model, ep, before, caught)
+            break
+        except Exception as e:  # noqa: BLE001 - every export failure becomes one clear error
+            if failed is None and _mask_left_none(model, kwargs, e):
+                failed = e  # again with the all-ones mask eager mode builds (:func:`_plain_outputs`)
+                continue
+            e = failed or e
+            op, cause, where, fix = _diagnose(e)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            said = "" if isinstance(e, _Refused | autograd_fn.FunctionRefused | loops.LoopRefused) else \
+                f"  torch says: {first}\n"
+            raise CaptureError(
+                f"cannot capture {name} with torch.export: {cause}{f' (op {op})' if op else ''}\n"
+                f"  at {where or 'an unknown location'}\n"
+                f"{said}"
+                f"  fix: {fix}"
+            ) from e
     prints = "FakeTensor(" in printed.text
     if prints:
         _warn_prints(name)
@@ -294,6 +285,49 @@ def capture(
     cap.output = what[-1] if what else cap.output
     cap.packed = packed
     return cap
+
+
+def _export(model, args, kwargs, shapes_named, dynamic, what, printed, default_mask: bool):
+    """torch.export (non-strict) of the adapted forward, with the capture's adaptations active; (ep, the
+    warnings export raised)."""
+    with _plain_outputs(model, what, default_mask), _recorded_warnings() as caught, \
+            contextlib.redirect_stdout(printed), autograd_fn.wrapping(), loops.unrolling() as unrolled, \
+            _unchanged_casts():
+        export = functools.partial(loops.exporting, unrolled, model, args, kwargs)
+        try:
+            ep = export({**shapes_named[0], **_arg_names(model, shapes_named[1])})
+        except torch._dynamo.exc.UserError as e:
+            if not dynamic:
+                raise
+            ep = _export_with_suggested_fixes(export, model, shapes_named, e)
+        if ep is None:
+            # The model constrains a dim (e.g. a static sequence length): let export infer it.
+            auto = lambda t: None if not isinstance(t, torch.Tensor) or t.ndim == 0 else {  # noqa: E731
+                d: Dim.AUTO for d in range(min(t.ndim, 2))
+            }
+            ep = export({**{k: auto(v) for k, v in kwargs.items()},
+                         **_arg_names(model, tuple(auto(a) for a in args))})
+        loops.guard(ep, unrolled)  # loops over nonzero indices: each iteration selected by its mask entry
+    return ep, caught
+
+
+def _mask_left_none(model: torch.nn.Module, kwargs: dict, e: BaseException) -> bool:
+    """Whether a Hugging Face model failed on a ``None`` it was given for ``attention_mask``.
+
+    Transformers' T5-style stacks (Switch Transformers, LongT5) build their default all-ones mask only when
+    not compiling (``if attention_mask is None and not is_torchdynamo_compiling(): attention_mask = ones``);
+    under torch.export the ``None`` flows on and the first use fails (``'NoneType' object is not
+    subscriptable``). ``attention_mask=None`` means "attend to every token" in every Hugging Face model, so the
+    capture is tried again with that mask built from ``input_ids`` inside the program (its batch and sequence
+    stay symbolic): the program eager mode runs."""
+    if not _hf_model(model) or kwargs.get("attention_mask") is not None or kwargs.get("input_ids") is None:
+        return False
+    try:
+        if "attention_mask" not in inspect.signature(model.forward).parameters:
+            return False
+    except (TypeError, ValueError):
+        return False
+    return any(isinstance(x, TypeError | AttributeError) and "'NoneType' object" in str(x) for x in _chain(e))
 
 
 def _check_functions_importable(name: str, entries: list[dict]) -> None:
@@ -428,11 +462,12 @@ def _def_line(model: torch.nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def _plain_outputs(model: torch.nn.Module, what: list):
+def _plain_outputs(model: torch.nn.Module, what: list, default_mask: bool = False):
     """Temporarily route ``model.forward`` through :func:`_plain_output` (an instance attribute, removed
     on exit: the parameter names stay the model's own). A Hugging Face forward also gets
     ``use_cache=False`` unless the caller set it: the cache would be dropped anyway (a training step
-    never uses it), and building it adds concatenations to the traced graph."""
+    never uses it), and building it adds concatenations to the traced graph. With ``default_mask`` a forward
+    called without ``attention_mask`` gets the all-ones mask of its ``input_ids`` (:func:`_mask_left_none`)."""
     inner = model.forward
     try:
         no_cache = _hf_model(model) and "use_cache" in inspect.signature(inner).parameters
@@ -443,6 +478,8 @@ def _plain_outputs(model: torch.nn.Module, what: list):
     def forward(*args, **kwargs):
         if no_cache:
             kwargs.setdefault("use_cache", False)
+        if default_mask and kwargs.get("attention_mask") is None and kwargs.get("input_ids") is not None:
+            kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
         try:
             out, described = _plain_output(inner(*args, **kwargs))
         except _Refused as r:  # about what forward returns: point at forward
@@ -579,10 +616,16 @@ def _apply_unless_unchanged(self, fn, recurse=True):
     eager mode, but export's fake parameters cannot be swapped in place, so the no-op failed the capture. A cast
     that changes a tensor still goes through torch (and fails, clearly: forward cannot re-create parameters)."""
     if getattr(_CASTS, "depth", 0) > 0:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
         mods = self.modules() if recurse else [self]
         tensors = [t for m in mods for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
-        with torch.no_grad():
-            if all(fn(t) is t for t in tensors):
+        # probed on plain 0-d tensors of each dtype and device, outside the trace (fn on a traced parameter
+        # would record a cast and rebind the parameter to its detached result)
+        with unset_fake_temporarily(), disable_proxy_modes_tracing(), torch.no_grad():
+            probes = [torch.empty((), dtype=t.dtype, device=t.device) for t in tensors]
+            if all(fn(p) is p for p in probes):
                 return self
     return _ORIG_APPLY(self, fn, recurse)
 

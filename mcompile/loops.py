@@ -301,6 +301,8 @@ def guard(ep, loops: list[_Loop]) -> None:
     inline_grad_regions(ep.graph_module)
     graph = ep.graph_module.graph
     masks = {}
+    constants = {s.arg.name: ep.constants.get(s.target) for s in ep.graph_signature.input_specs
+                 if s.kind.name == "CONSTANT_TENSOR"}
     out_node = graph.output_node()
     for n in graph.nodes:
         for lp in n.meta.get(_MASK, ()):
@@ -323,11 +325,58 @@ def guard(ep, loops: list[_Loop]) -> None:
             at = [order[n] for n in nodes if n.meta.get(_TAG) == (id(loop), i) and n.op == "call_function"]
             region = {n for n in nodes[min(at):max(at) + 1] if n.meta.get(_TAG, (id(loop), i)) == (id(loop), i)
                       and n.op == "call_function"} if at else set()
-            _guard_iteration(graph, mask, i, region, out_node, order, loop.where)
+            _guard_iteration(graph, mask, i, region, out_node, order, loop.where, constants)
     ep.graph_module.recompile()
 
 
-def _guard_iteration(graph, mask, i, region, out_node, order, where) -> None:
+_PASS = (aten.detach_.default, aten.detach.default, aten.lift_fresh_copy.default, aten.clone.default)
+
+
+def _constant(n, constants: dict):
+    """The value of a lifted tensor constant (an unrolled index) ``n`` reads, through copies and detaches."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in _PASS:
+        n = n.args[0]
+    return constants.get(n.name) if isinstance(n, fx.Node) and n.op == "placeholder" else None
+
+
+def _out_of_range(region, constants: dict) -> bool:
+    """Whether the iteration indexes a tensor out of its range with a constant (its unrolled index): eager mode
+    could never run it (it would raise IndexError), and the program must not run it either (a gather out of
+    range fails at run time, whatever its result is multiplied by)."""
+    for n in region:
+        if n.target is not aten.index.Tensor:
+            continue
+        base = _val(n.args[0])
+        for d, idx in enumerate(n.args[1]):
+            c = _constant(idx, constants)
+            if c is not None and isinstance(base.shape[d], int) and c.numel() and \
+                    bool(((c >= base.shape[d]) | (c < -base.shape[d])).any()):
+                return True
+    return False
+
+
+def _drop(graph, region, order, where) -> None:
+    """An iteration eager mode can never run (:func:`_out_of_range`): its updates are its "before" values,
+    and its nodes are removed."""
+    for x in [n for n in region if any(u not in region for u in n.users)]:
+        if not isinstance(_val(x), torch.Tensor):
+            continue
+        written = _writes(x)
+        before = [written] if written is not None and written not in region else \
+            [a for a in x.all_input_nodes if a not in region and _same(a, x)]
+        if len(before) != 1:
+            raise LoopRefused(f"an iteration of a Python loop over nonzero indices hands {x.name} to the code after "
+                              "it, which is not an update of one tensor made before the iteration", _FIX, where)
+        for u in [u for u in x.users if u not in region]:
+            u.replace_input_with(x, before[0])
+    for n in sorted(region, key=order.get, reverse=True):
+        graph.erase_node(n)
+
+
+def _guard_iteration(graph, mask, i, region, out_node, order, where, constants) -> None:
+    if _out_of_range(region, constants):
+        _drop(graph, region, order, where)
+        return
     exits = [n for n in region if any(u not in region for u in n.users)]
     if not exits:
         return
