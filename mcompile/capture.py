@@ -16,7 +16,11 @@ Outputs: forward may return a tensor, a tuple/list of tensors, or a dict / datac
 (inference); anything else (a ``DynamicCache``, hidden states) is dropped (:func:`_plain_output`).
 A Hugging Face model's positional example inputs are read as ``(input_ids, labels)``
 (:func:`_bind_inputs`). A custom ``torch.autograd.Function`` is captured as one op that keeps its
-backward (:mod:`mcompile.autograd_fn`, active around the export). Every failure is one
+backward (:mod:`mcompile.autograd_fn`, active around the export). A Python loop over the indices ``nonzero``
+selects from a static 1-D mask (the eager MoE dispatch) runs every index, each iteration's updates selected by
+its mask entry (:mod:`mcompile.loops`); a ``module.to(dtype)`` in forward that changes nothing returns the
+module; a Hugging Face stack that builds its default mask only outside compile and fails on the ``None`` is
+captured with the all-ones mask eager mode builds (:func:`_mask_left_none`). Every failure is one
 :class:`CaptureError` naming its cause, the user's line and the fix for that cause (:func:`_diagnose`):
 a data-dependent branch, an untraceable op, a Python side effect, an output that is not tensors, a
 positional input bound to a mask, a Function that cannot be an op.
