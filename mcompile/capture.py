@@ -16,7 +16,11 @@ Outputs: forward may return a tensor, a tuple/list of tensors, or a dict / datac
 (inference); anything else (a ``DynamicCache``, hidden states) is dropped (:func:`_plain_output`).
 A Hugging Face model's positional example inputs are read as ``(input_ids, labels)``
 (:func:`_bind_inputs`). A custom ``torch.autograd.Function`` is captured as one op that keeps its
-backward (:mod:`mcompile.autograd_fn`, active around the export). Every failure is one
+backward (:mod:`mcompile.autograd_fn`, active around the export). A Python loop over the indices ``nonzero``
+selects from a static 1-D mask (the eager MoE dispatch) runs every index, each iteration's updates selected by
+its mask entry (:mod:`mcompile.loops`); a ``module.to(dtype)`` in forward that changes nothing returns the
+module; a Hugging Face stack that builds its default mask only outside compile and fails on the ``None`` is
+captured with the all-ones mask eager mode builds (:func:`_mask_left_none`). Every failure is one
 :class:`CaptureError` naming its cause, the user's line and the fix for that cause (:func:`_diagnose`):
 a data-dependent branch, an untraceable op, a Python side effect, an output that is not tensors, a
 positional input bound to a mask, a Function that cannot be an op.
@@ -31,6 +35,7 @@ import inspect
 import io
 import re
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Mapping
@@ -43,7 +48,7 @@ import torch.fx as fx
 from torch.export import Dim
 from torch.export.graph_signature import InputKind
 
-from mcompile import autograd_fn
+from mcompile import autograd_fn, loops
 from mcompile import meta as M
 
 __all__ = ["CaptureError", "CaptureWarning", "Captured", "OutputWarning", "capture", "warn_unless_loss"]
@@ -244,40 +249,27 @@ def capture(
     before = _leaks(model)
     what: list[str] = []  # what the adapted forward returned (set inside the trace)
     printed = _Tee(sys.stdout)
-    try:
-        with _plain_outputs(model, what), _recorded_warnings() as caught, contextlib.redirect_stdout(printed), \
-                autograd_fn.wrapping():
-            try:
-                ep = torch.export.export(
-                    model, args, kwargs, dynamic_shapes={**shapes_named[0], **_arg_names(model, shapes_named[1])},
-                    strict=False,
-                )
-            except torch._dynamo.exc.UserError as e:
-                if not dynamic:
-                    raise
-                ep = _export_with_suggested_fixes(model, args, kwargs, shapes_named, e)
-            if ep is None:
-                # The model constrains a dim (e.g. a static sequence length): let export infer it.
-                auto = lambda t: None if not isinstance(t, torch.Tensor) or t.ndim == 0 else {  # noqa: E731
-                    d: Dim.AUTO for d in range(min(t.ndim, 2))
-                }
-                ep = torch.export.export(
-                    model, args, kwargs,
-                    dynamic_shapes={**{k: auto(v) for k, v in kwargs.items()},
-                                    **_arg_names(model, tuple(auto(a) for a in args))},
-                    strict=False,
-                )
-        _refuse_side_effects(model, ep, before, caught)
-    except Exception as e:  # noqa: BLE001 - every export failure becomes one clear error
-        op, cause, where, fix = _diagnose(e)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        said = "" if isinstance(e, _Refused | autograd_fn.FunctionRefused) else f"  torch says: {first}\n"
-        raise CaptureError(
-            f"cannot capture {name} with torch.export: {cause}{f' (op {op})' if op else ''}\n"
-            f"  at {where or 'an unknown location'}\n"
-            f"{said}"
-            f"  fix: {fix}"
-        ) from e
+    failed: Exception | None = None
+    for default_mask in (False, True):
+        try:
+            ep, caught = _export(model, args, kwargs, shapes_named, dynamic, what, printed, default_mask)
+            _refuse_side_effects(model, ep, before, caught)
+            break
+        except Exception as e:  # noqa: BLE001 - every export failure becomes one clear error
+            if failed is None and _mask_left_none(model, kwargs, e):
+                failed = e  # again with the all-ones mask eager mode builds (:func:`_plain_outputs`)
+                continue
+            e = failed or e
+            op, cause, where, fix = _diagnose(e)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            said = "" if isinstance(e, _Refused | autograd_fn.FunctionRefused | loops.LoopRefused) else \
+                f"  torch says: {first}\n"
+            raise CaptureError(
+                f"cannot capture {name} with torch.export: {cause}{f' (op {op})' if op else ''}\n"
+                f"  at {where or 'an unknown location'}\n"
+                f"{said}"
+                f"  fix: {fix}"
+            ) from e
     prints = "FakeTensor(" in printed.text
     if prints:
         _warn_prints(name)
@@ -297,6 +289,49 @@ def capture(
     cap.output = what[-1] if what else cap.output
     cap.packed = packed
     return cap
+
+
+def _export(model, args, kwargs, shapes_named, dynamic, what, printed, default_mask: bool):
+    """torch.export (non-strict) of the adapted forward, with the capture's adaptations active; (ep, the
+    warnings export raised)."""
+    with _plain_outputs(model, what, default_mask), _recorded_warnings() as caught, \
+            contextlib.redirect_stdout(printed), autograd_fn.wrapping(), loops.unrolling() as unrolled, \
+            _unchanged_casts():
+        export = functools.partial(loops.exporting, unrolled, model, args, kwargs)
+        try:
+            ep = export({**shapes_named[0], **_arg_names(model, shapes_named[1])})
+        except torch._dynamo.exc.UserError as e:
+            if not dynamic:
+                raise
+            ep = _export_with_suggested_fixes(export, model, shapes_named, e)
+        if ep is None:
+            # The model constrains a dim (e.g. a static sequence length): let export infer it.
+            auto = lambda t: None if not isinstance(t, torch.Tensor) or t.ndim == 0 else {  # noqa: E731
+                d: Dim.AUTO for d in range(min(t.ndim, 2))
+            }
+            ep = export({**{k: auto(v) for k, v in kwargs.items()},
+                         **_arg_names(model, tuple(auto(a) for a in args))})
+        loops.guard(ep, unrolled)  # loops over nonzero indices: each iteration selected by its mask entry
+    return ep, caught
+
+
+def _mask_left_none(model: torch.nn.Module, kwargs: dict, e: BaseException) -> bool:
+    """Whether a Hugging Face model failed on a ``None`` it was given for ``attention_mask``.
+
+    Transformers' T5-style stacks (Switch Transformers, LongT5) build their default all-ones mask only when
+    not compiling (``if attention_mask is None and not is_torchdynamo_compiling(): attention_mask = ones``);
+    under torch.export the ``None`` flows on and the first use fails (``'NoneType' object is not
+    subscriptable``). ``attention_mask=None`` means "attend to every token" in every Hugging Face model, so the
+    capture is tried again with that mask built from ``input_ids`` inside the program (its batch and sequence
+    stay symbolic): the program eager mode runs."""
+    if not _hf_model(model) or kwargs.get("attention_mask") is not None or kwargs.get("input_ids") is None:
+        return False
+    try:
+        if "attention_mask" not in inspect.signature(model.forward).parameters:
+            return False
+    except (TypeError, ValueError):
+        return False
+    return any(isinstance(x, TypeError | AttributeError) and "'NoneType' object" in str(x) for x in _chain(e))
 
 
 def _check_functions_importable(name: str, entries: list[dict]) -> None:
@@ -431,11 +466,12 @@ def _def_line(model: torch.nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def _plain_outputs(model: torch.nn.Module, what: list):
+def _plain_outputs(model: torch.nn.Module, what: list, default_mask: bool = False):
     """Temporarily route ``model.forward`` through :func:`_plain_output` (an instance attribute, removed
     on exit: the parameter names stay the model's own). A Hugging Face forward also gets
     ``use_cache=False`` unless the caller set it: the cache would be dropped anyway (a training step
-    never uses it), and building it adds concatenations to the traced graph."""
+    never uses it), and building it adds concatenations to the traced graph. With ``default_mask`` a forward
+    called without ``attention_mask`` gets the all-ones mask of its ``input_ids`` (:func:`_mask_left_none`)."""
     inner = model.forward
     try:
         no_cache = _hf_model(model) and "use_cache" in inspect.signature(inner).parameters
@@ -446,6 +482,8 @@ def _plain_outputs(model: torch.nn.Module, what: list):
     def forward(*args, **kwargs):
         if no_cache:
             kwargs.setdefault("use_cache", False)
+        if default_mask and kwargs.get("attention_mask") is None and kwargs.get("input_ids") is not None:
+            kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
         try:
             out, described = _plain_output(inner(*args, **kwargs))
         except _Refused as r:  # about what forward returns: point at forward
@@ -569,6 +607,50 @@ class _Tee(io.TextIOBase):
         return "".join(self.parts)
 
 
+_ORIG_APPLY = torch.nn.Module._apply
+_CASTS = threading.local()  # .depth: > 0 while this thread captures
+_CASTS_PATCH = threading.Lock()
+_CASTS_PATCHED = [0]  # captures in progress, all threads
+
+
+def _apply_unless_unchanged(self, fn, recurse=True):
+    """``Module._apply`` (``module.to(dtype)``, ``.float()``, ...) that returns the module as it is when ``fn``
+    changes none of its tensors. A forward that casts a submodule to the dtype it already has (Switch
+    Transformers' and NLLB-MoE's routers: ``self.classifier = self.classifier.to(self.dtype)``) is a no-op in
+    eager mode, but export's fake parameters cannot be swapped in place, so the no-op failed the capture. A cast
+    that changes a tensor still goes through torch (and fails, clearly: forward cannot re-create parameters)."""
+    if getattr(_CASTS, "depth", 0) > 0:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+        mods = self.modules() if recurse else [self]
+        tensors = [t for m in mods for d in (m._parameters, m._buffers) for t in d.values() if t is not None]
+        # probed on plain 0-d tensors of each dtype and device, outside the trace (fn on a traced parameter
+        # would record a cast and rebind the parameter to its detached result)
+        with unset_fake_temporarily(), disable_proxy_modes_tracing(), torch.no_grad():
+            probes = [torch.empty((), dtype=t.dtype, device=t.device) for t in tensors]
+            if all(fn(p) is p for p in probes):
+                return self
+    return _ORIG_APPLY(self, fn, recurse)
+
+
+@contextlib.contextmanager
+def _unchanged_casts():
+    with _CASTS_PATCH:
+        if _CASTS_PATCHED[0] == 0:
+            torch.nn.Module._apply = _apply_unless_unchanged
+        _CASTS_PATCHED[0] += 1
+    _CASTS.depth = getattr(_CASTS, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _CASTS.depth -= 1
+        with _CASTS_PATCH:
+            _CASTS_PATCHED[0] -= 1
+            if _CASTS_PATCHED[0] == 0:
+                torch.nn.Module._apply = _ORIG_APPLY
+
+
 @contextlib.contextmanager
 def _recorded_warnings():
     """Warnings raised during export, kept aside; the ones that are not ours to judge are re-issued."""
@@ -690,7 +772,8 @@ def _chain(e: BaseException):
 def _diagnose(e: BaseException) -> tuple[str | None, str, str | None, str]:
     """(op, cause, where, fix) of a failed capture, by class of failure."""
     chain = list(_chain(e))
-    ours = next((x for x in chain if isinstance(x, _Refused | autograd_fn.FunctionRefused)), None)
+    ours = next((x for x in chain if isinstance(x, _Refused | autograd_fn.FunctionRefused | loops.LoopRefused)),
+                None)
     if ours is not None:
         return None, ours.cause, ours.where or _user_frame(e), ours.fix
     text = "\n".join(str(x) for x in chain)
@@ -721,7 +804,7 @@ def _diagnose(e: BaseException) -> tuple[str | None, str, str | None, str]:
             "rewrite it with torch ops")
 
 
-def _export_with_suggested_fixes(model, args, kwargs, shapes_named, error) -> torch.export.ExportedProgram | None:
+def _export_with_suggested_fixes(export, model, shapes_named, error) -> torch.export.ExportedProgram | None:
     """Export again with the dims refined as torch suggests (a bound such as ``seq <= 40`` from a
     learned position table), keeping batch and sequence shared by all inputs; None when torch
     suggests nothing usable (the caller then lets export infer every dim on its own)."""
@@ -735,7 +818,7 @@ def _export_with_suggested_fixes(model, args, kwargs, shapes_named, error) -> to
     shapes = {**shapes_named[0], **_arg_names(model, shapes_named[1])}
     try:
         refined = refine_dynamic_shapes_from_suggested_fixes(f"{head}Suggested fixes:\n{fixes}", shapes)
-        return torch.export.export(model, args, kwargs, dynamic_shapes=refined, strict=False)
+        return export(refined)
     except Exception:  # noqa: BLE001 - fall back to export's own inference
         return None
 

@@ -54,6 +54,7 @@ import torch
 import torch.fx as fx
 
 from mcompile import meta as M
+from mcompile.grad_regions import inline_grad_regions  # noqa: F401 - a pass of this module (moved: capture uses it)
 from mcompile.meta import ATTENTION_CORE
 
 aten = torch.ops.aten
@@ -77,63 +78,6 @@ def _new(graph: fx.Graph, target, args, like: fx.Node, kwargs: dict | None = Non
         if k in like.meta:
             n.meta[k] = like.meta[k]
     return n
-
-
-def inline_grad_regions(gm: fx.GraphModule) -> int:
-    from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
-
-    count = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (wrap_with_set_grad_enabled, wrap_with_autocast):
-            continue
-        if node.target is wrap_with_autocast:
-            device_type, dtype, autocast, _, attr, *args = node.args
-            if autocast:
-                from mcompile.propagate import PlanError
-
-                where = (node.meta.get("stack_trace") or "").strip().splitlines()
-                raise PlanError(f"torch.autocast({device_type!r}, dtype={dtype}) inside forward: mcompile runs the "
-                                "model in one dtype of its own and does not plan autocast regions; remove the "
-                                f"region (or run it with enabled=False). {where[-2].strip() if len(where) > 1 else ''}")
-            enabled = True  # autocast switched off (HF's rotary embeddings): the ops as they are
-        else:
-            enabled, attr, *args = node.args
-        sub = getattr(gm, attr.target)
-        env = dict(zip((n for n in sub.graph.nodes if n.op == "placeholder"), args))
-        with gm.graph.inserting_before(node):
-            for n in sub.graph.nodes:
-                if n.op == "placeholder":
-                    continue
-                if n.op == "output":
-                    outs = fx.node.map_arg(n.args[0], env.__getitem__)
-                    break
-                if n.op == "get_attr":  # a region nested in this one: its subgraph moves to the program
-                    name = f"{attr.target}_{n.target}"
-                    gm.add_submodule(name, getattr(sub, n.target))
-                    env[n] = gm.graph.get_attr(name)
-                    env[n].meta.update(n.meta)
-                    continue
-                env[n] = gm.graph.node_copy(n, env.__getitem__)
-        outs = list(outs) if isinstance(outs, list | tuple) else [outs]
-        for user in list(node.users):
-            if user.target is not operator.getitem:
-                raise NotImplementedError(f"{node.name}: a no-grad region's result read by {user.target}, "
-                                          "not by index")
-            out = outs[user.args[1]]
-            if not enabled and isinstance(out, fx.Node) and isinstance(out.meta.get("val"), torch.Tensor):
-                with gm.graph.inserting_before(user):
-                    out = _new(gm.graph, aten.detach.default, (out,), user)
-            user.replace_all_uses_with(out)
-            gm.graph.erase_node(user)
-        gm.graph.erase_node(node)
-        if not attr.users:
-            gm.graph.erase_node(attr)
-            delattr(gm, attr.target)
-        count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
 
 
 def expand_as_to_expand(gm: fx.GraphModule) -> int:
