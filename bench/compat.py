@@ -33,8 +33,22 @@ import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import RESULTS, ROOT, commit, machine  # noqa: E402
+
+def _bench_module(name: str):
+    """bench/<name>.py, loaded from its file: putting bench/ on sys.path would shadow installed packages
+    for the whole process (its kernels.py is also the name of the Hub's `kernels`, which transformers imports
+    once it finds one: tests/conftest.py), and tests/test_compat.py loads this script in-process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"mcompile_bench_{name}", Path(__file__).resolve().parent /
+                                                  f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_results = _bench_module("_results")
+RESULTS, ROOT, commit, machine = _results.RESULTS, _results.ROOT, _results.commit, _results.machine
 
 __all__ = ["TESTS", "import_all", "module_names", "source_modules"]
 
@@ -231,4 +245,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # run as a script, bench/ is first on sys.path: off it, before the walk imports anything (conftest says why)
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     sys.exit(main())
