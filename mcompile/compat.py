@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["MissingDependency", "OPTIONAL", "optimization_hint", "require"]
+__all__ = ["MissingDependency", "OPTIONAL", "optimization_hint", "require", "size_hints"]
 
 # packages the default path (capture, plan, lower, joint execution, the runtime) must import without:
 # module -> the pip requirement that provides it
@@ -61,3 +61,10 @@ except ImportError:  # torch 2.11
 
     def optimization_hint(a: torch.SymInt | int, fallback: int | None = None) -> int:
         return _size_hint(a, fallback)
+
+
+def size_hints(shape_env) -> dict:
+    """{symbol: example value} of a ShapeEnv: ``backed_var_to_val`` where torch has it (``var_to_val`` is
+    deprecated for it), else ``var_to_val``."""
+    hints = getattr(shape_env, "backed_var_to_val", None)
+    return hints if hints is not None else shape_env.var_to_val
