@@ -94,7 +94,8 @@ TESTS = [
         "test_every_module_imports_without_the_optional_packages",
         "test_the_joint_path_solves_its_saved_set_without_highs",
         "test_a_missing_optional_package_names_the_feature_and_the_install_line",
-        "test_optimization_hint_gives_the_hint_of_a_symbolic_size")),
+        "test_optimization_hint_gives_the_hint_of_a_symbolic_size",
+        "test_canonicalize_keeps_batch_and_seq_symbolic", "test_product_values_have_the_ops_sizes")),
 ]
 
 
