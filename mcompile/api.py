@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, field
 
@@ -134,7 +135,8 @@ def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: b
     (mcompile.capture_cache); ``share(produce)``: runs ``produce`` on one rank and returns its result
     on every rank (parallelize: rank 0 captures, every rank plans from the same serialised program).
     ``rewrite(cap) -> counts``: a mesh-dependent rewrite of the canonical graph (the attention
-    canonicalisation under cp), applied to every capture here, before the blocks are located: a
+    canonicalisation: causal masks on every mesh, GQA's repeat_kv under cp), applied to every capture
+    here, before the blocks are located: a
     :class:`~mcompile.repeat.Block` names the nodes of the graph it was found in, so a rewrite after
     :func:`~mcompile.repeat.find_block` that drops or replaces a node of a block (GQA's ``repeat_kv``
     inside each layer) or one feeding it (the causal mask before the run) would leave the block naming
@@ -230,13 +232,15 @@ def compile_plan(
 
     if mesh.size("pp") > 1 and set(mesh.axis_names) == {"pp"}:  # a degenerate dp axis carries the stages' params
         mesh = Mesh.fake(dp=1, pp=mesh.size("pp")) if mesh.fake_mesh else Mesh(dp=1, pp=mesh.size("pp"))
-    rewrite = None
+    from mcompile.passes.attention import canonicalize_attention
+
     if mesh.size("cp") > 1:
         from mcompile.cp_plan import check_cp_mesh
-        from mcompile.passes.attention import canonicalize_attention
 
         check_cp_mesh(mesh)  # before minutes of capture
-        rewrite = canonicalize_attention  # inside _capture: the blocks are located in the rewritten graph
+    # on every mesh: a causal mask built from sizes becomes is_causal=True (a flash kernel, no [b,1,s,s] tensor);
+    # under cp GQA's repeat_kv is undone too. Inside _capture: the blocks are located in the rewritten graph
+    rewrite = functools.partial(canonicalize_attention, gqa=mesh.size("cp") > 1)
     cap, canon, blocks = _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks, capture_cache,
                                  share, rewrite)
     warn_unless_loss(cap)  # a plan of logits or several outputs is no training plan (forward still serves them)

@@ -311,6 +311,8 @@ def _export(model, args, kwargs, shapes_named, dynamic, what, printed, default_m
             }
             ep = export({**{k: auto(v) for k, v in kwargs.items()},
                          **_arg_names(model, tuple(auto(a) for a in args))})
+            if dynamic:
+                _unify_shared_dims(ep)
         loops.guard(ep, unrolled)  # loops over nonzero indices: each iteration selected by its mask entry
     return ep, caught
 
@@ -802,6 +804,38 @@ def _diagnose(e: BaseException) -> tuple[str | None, str, str | None, str]:
             "check that model(*example_inputs, **example_kwargs) runs in eager mode with these inputs (shapes, "
             "dtypes, argument names); if it does, the call at the line above cannot be traced by torch.export: "
             "rewrite it with torch ops")
+
+
+def _unify_shared_dims(ep: torch.export.ExportedProgram) -> None:
+    """After the fallback export (each dim ``Dim.AUTO``): every input's dim 0 is the batch and dim 1 the
+    sequence, as ``capture``'s shared ``batch`` / ``seq`` Dims say and the runtime feeds them (it splits every
+    input's dim 0 alike), so one symbol each. The fallback gives each input symbols of its own (torch 2.11 on
+    the meta device takes it for llama3-tiny: a guard ``min(8*seq, 16*seq) == 8*seq`` its solver cannot prove
+    for the shared Dim): ``tokens`` (s95, s75), ``targets`` (s24, s13), nothing relating them, so sizes
+    mixing two inputs (the loss's) named symbols other than the capture's ``batch`` / ``seq`` (pipeline
+    partitioning could not evaluate them; the compat run, docs/testing.md). Another input's symbol of the same
+    example size is replaced by the first input's in the program's ShapeEnv (kept through the capture
+    cache's bytes: ``capture_cache.pack``'s ``same_sizes``)."""
+    from mcompile.capture_cache import _shape_env_of
+    from mcompile.compat import size_hints
+
+    env = _shape_env_of(ep)
+    if env is None:
+        return
+    users = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+    first: dict[int, sympy.Symbol] = {}
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "placeholder" or node.name not in users or not isinstance(val, torch.Tensor):
+            continue
+        for d in range(min(val.ndim, 2)):
+            size = val.shape[d]
+            if not isinstance(size, torch.SymInt) or not isinstance(size.node.expr, sympy.Symbol):
+                continue
+            sym = size.node.expr
+            want = first.setdefault(d, sym)
+            if sym != want and size_hints(env).get(sym) == size_hints(env).get(want):
+                env._set_replacement(sym, want, "mcompile.capture: the same batch / seq Dim")
 
 
 def _export_with_suggested_fixes(export, model, shapes_named, error) -> torch.export.ExportedProgram | None:

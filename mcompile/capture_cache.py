@@ -34,7 +34,7 @@ import torch
 __all__ = ["key", "load", "store", "pack", "unpack", "cache_dir", "enabled"]
 
 log = logging.getLogger("mcompile.capture_cache")
-_FORMAT = "2"
+_FORMAT = "3"  # 3: the symbols export found equal (same_sizes)
 _SOURCES: dict[type, str] = {}
 _FILES: dict[str | None, str] = {}
 
@@ -117,7 +117,8 @@ def pack(ep: torch.export.ExportedProgram, output: str, prints: bool, aliases: d
     from mcompile import autograd_fn
 
     buf = io.BytesIO()
-    info = {"output": output, "prints": prints, "aliases": aliases, "functions": autograd_fn.manifest(ep)}
+    info = {"output": output, "prints": prints, "aliases": aliases, "functions": autograd_fn.manifest(ep),
+            "same_sizes": _symbol_replacements(ep)}
     torch.export.save(ep, buf, extra_files={"mcompile.json": json.dumps(info)})
     return buf.getvalue()
 
@@ -148,6 +149,32 @@ def _shape_env_state(env) -> tuple:
             tuple(sorted((str(k), str(v)) for k, v in env.var_to_range.items())))
 
 
+def _symbol_replacements(ep: torch.export.ExportedProgram) -> dict[str, str]:
+    """{symbol: symbol} export found equal (two inputs' batch dims, say): the ShapeEnv's replacements of one
+    size symbol by another. torch 2.11's serialisation keeps the replaced symbol in an input's size (a capture
+    on the meta device: ``tokens`` of sizes (s95, s75), ``targets`` (s24, s13)) without the replacement, so the
+    loaded program had two unrelated batch symbols; the batch found on one input was not the one the sizes
+    of the rest use (pipeline partitioning: sizes it could not evaluate)."""
+    env = _shape_env_of(ep)
+    if env is None:
+        return {}
+    return {str(k): str(v) for k, v in env.replacements.items() if k.is_Symbol and v.is_Symbol and k != v}
+
+
+def _restore_replacements(ep: torch.export.ExportedProgram, same: dict[str, str]) -> None:
+    env = _shape_env_of(ep)
+    if env is None or not same:
+        return
+    import sympy
+
+    from mcompile.compat import size_hints
+
+    known = {str(s): s for s in size_hints(env) if isinstance(s, sympy.Symbol)}
+    for a, b in same.items():
+        if a in known and b in known and env.replacements.get(known[a], known[a]) != known[b]:
+            env._set_replacement(known[a], known[b], "mcompile.capture_cache: equal in the exported program")
+
+
 def unpack(data: bytes) -> tuple[torch.export.ExportedProgram, str, bool, dict]:
     import copy
 
@@ -160,6 +187,7 @@ def unpack(data: bytes) -> tuple[torch.export.ExportedProgram, str, bool, dict]:
         extra = {"mcompile.json": ""}
         ep = torch.export.load(io.BytesIO(data), extra_files=extra)
         info = json.loads(extra["mcompile.json"] or "{}")
+        _restore_replacements(ep, info.get("same_sizes", {}))
         kept = (ep, info.get("output", ""), bool(info.get("prints")), info.get("aliases", {}),
                 _shape_env_state(_shape_env_of(ep)))
         _UNPACKED.pop(digest, None)

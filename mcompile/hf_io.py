@@ -162,6 +162,12 @@ def _family(model: nn.Module) -> _Family:
 
 
 # -- configs ----------------------------------------------------------------------------------------
+def _transformers(feature: str):
+    from mcompile.compat import require
+
+    return require("transformers", feature, extra="hf")
+
+
 def hf_config_for(model: nn.Module, **overrides):
     """The ``transformers`` config of a llama3-* (``LlamaConfig``) or gpt2-* (``GPT2Config``) preset model
     (or of a wrapper around one); ``overrides`` are set on it (e.g. ``eos_token_id=``). The token ids are
@@ -171,7 +177,7 @@ def hf_config_for(model: nn.Module, **overrides):
     if fam.kind == "hf":
         cfg = fam.module.config.__class__.from_dict(fam.module.config.to_dict())
     elif fam.kind == "llama":
-        from transformers import LlamaConfig
+        LlamaConfig = _transformers("hf_config_for (a Hugging Face config of a preset model)").LlamaConfig
 
         c = fam.module.config
         cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_hidden,
@@ -182,7 +188,7 @@ def hf_config_for(model: nn.Module, **overrides):
                           tie_word_embeddings=c.tie_embeddings, attention_bias=False, mlp_bias=False,
                           bos_token_id=None, eos_token_id=None, architectures=["LlamaForCausalLM"])
     else:
-        from transformers import GPT2Config
+        GPT2Config = _transformers("hf_config_for (a Hugging Face config of a preset model)").GPT2Config
 
         c = fam.module.config
         if not c.bias:
@@ -201,7 +207,7 @@ def hf_config_for(model: nn.Module, **overrides):
 
 def _read_hf_config(folder_or_config):
     if isinstance(folder_or_config, (str, os.PathLike)):
-        from transformers import AutoConfig
+        AutoConfig = _transformers("reading a Hugging Face config.json (mcompile.hf_io)").AutoConfig
 
         folder = Path(folder_or_config)
         if not (folder / "config.json").is_file():
@@ -409,7 +415,7 @@ def _hf_meta_model(cfg, cls=None):
     """The Hugging Face model ``cfg`` builds, on the meta device (names, shapes and ties; no memory): of class
     ``cls`` (the model being exported: a masked LM or a seq2seq model too), else the config's first
     ``architectures`` entry, else a causal LM."""
-    import transformers
+    transformers = _transformers("the Hugging Face exporter (mcompile.hf_io.export_hf)")
     from transformers.utils import logging as hf_logging
 
     if cls is None:

@@ -1617,12 +1617,15 @@ class BlockSolution:
         return "\n".join(lines)
 
 
-def _quiet_highs():
-    """A HiGHS instance without its banner (printed from C on the first construction)."""
+def _quiet_highs(feature: str = "the exact per-block placement solver (mcompile.search.block_placements)"):
+    """A HiGHS instance without its banner (printed from C on the first construction); ``feature``: what
+    needs it, named by the error when HiGHS is not installed."""
     import os
     import sys
 
-    import highspy
+    from mcompile.compat import require
+
+    highspy = require("highspy", feature)
 
     sys.stdout.flush()
     saved = os.dup(1)
@@ -1875,7 +1878,7 @@ def block_placements(model, tp: int, *, sequence_parallel: bool = False, hardwar
                 rows.append((1, 1, cs, [1.0] * len(cs)))
 
     h = _quiet_highs()
-    import highspy
+    import highspy  # importable: _quiet_highs required it
 
     n_cols = len(cols_cost)
     h.addVars(n_cols, np.zeros(n_cols), np.ones(n_cols))

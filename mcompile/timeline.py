@@ -419,7 +419,9 @@ def overlap_stats(events) -> dict[int, dict]:
 
 def draw(trace: dict, out, title: str | None = None) -> Path:
     """A Gantt chart of the trace: one row per rank, F/B/W coloured, labelled stage.microbatch."""
-    import matplotlib
+    from mcompile.compat import require
+
+    matplotlib = require("matplotlib", "the timeline chart (mcompile timeline's PNG)")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

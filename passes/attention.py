@@ -1,11 +1,14 @@
-"""Attention as context parallelism needs to see it (a canonicalisation, run when the mesh has cp).
+"""Attention as the kernels and context parallelism need to see it (a canonicalisation of every capture).
 
-Two rewrites of ``aten.scaled_dot_product_attention`` nodes, each exact:
+Rewrites of ``aten.scaled_dot_product_attention`` nodes, each exact:
 
-* **A causal mask built from sizes becomes ``is_causal=True``.** Hugging Face models pass an explicit
-  ``[b, 1, s, s]`` mask built from ``arange`` comparisons (transformers' ``sdpa_mask``). Under cp a rank
-  holds a load-balanced piece of the queries and of the keys, so a whole-sequence mask has no meaning
-  on it; causality does (mcompile.cp computes it from the tokens' global positions). A mask is
+* **A causal mask built from sizes becomes ``is_causal=True``** (on every mesh, one rank included).
+  Hugging Face models pass an explicit ``[b, 1, s, s]`` mask built from ``arange`` comparisons
+  (transformers' ``sdpa_mask``). With a mask tensor SDPA cannot take a flash kernel (on CUDA, flash
+  attention takes no ``attn_mask``: PyTorch's SDPA backend selection falls back to the memory-efficient
+  or math kernel, and the ``[b, 1, s, s]`` mask itself is quadratic memory); with ``is_causal=True`` it
+  can. Under cp a rank holds a load-balanced piece of the queries and of the keys, so a whole-sequence
+  mask has no meaning on it; causality does (mcompile.cp computes it from the tokens' global positions). A mask is
   recognised as causal from how it is built, not from its name: it must be computed from no parameter
   and read no input's values (only sizes), and evaluating its subgraph at two sizes must give exactly
   the causal pattern (boolean: keep where key <= query; additive float: 0 there, <= the dtype's
@@ -13,9 +16,11 @@ Two rewrites of ``aten.scaled_dot_product_attention`` nodes, each exact:
   as a mask and takes the path that supports one (cp_attention="allgather").
 * **A cache appended to from empty is the value appended.** ``cat([empty, k], dim)`` (transformers'
   DynamicCache in a training forward) is ``k``: a cat along the split sequence has no rule over cp.
-* **Grouped-query attention keeps its K/V heads.** ``repeat_kv`` (unsqueeze, expand, reshape of
-  ``[b, hkv, s, d]`` to ``[b, hkv*g, s, d]``) before the attention is undone and ``enable_gqa=True``
-  set: the same result, and the K/V that cp moves between ranks are g times smaller.
+* **Grouped-query attention keeps its K/V heads** (``gqa=True``: under cp only). ``repeat_kv``
+  (unsqueeze, expand, reshape of ``[b, hkv, s, d]`` to ``[b, hkv*g, s, d]``) before the attention is
+  undone and ``enable_gqa=True`` set: the same result, and the K/V that cp moves between ranks are g
+  times smaller. Not done on other meshes: tensor parallelism may shard the repeated heads where it
+  cannot shard the K/V heads (tp not dividing the K/V heads), so the planner sees ``repeat_kv`` there.
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ _SDPA = aten.scaled_dot_product_attention.default
 _NOOP_SLICE_END = 2**63 - 1
 
 
-def canonicalize_attention(cap: Captured) -> dict[str, int]:
-    """Rewrite the captured graph in place; returns counts of what changed."""
+def canonicalize_attention(cap: Captured, gqa: bool = True) -> dict[str, int]:
+    """Rewrite the captured graph in place; returns counts of what changed. ``gqa``: undo ``repeat_kv``
+    too (``mcompile.api.compile_plan`` asks for it when the mesh has cp)."""
     # (an empty cache cat before the attention was dropped for every mesh: canonicalize.drop_empty_cats)
-    counts = {"causal_masks": 0, "gqa_unrepeated": 0}
+    counts = {"causal_masks": 0} | ({"gqa_unrepeated": 0} if gqa else {})
     for node in list(cap.gm.graph.nodes):
         if node.op != "call_function" or node.target is not _SDPA:
             continue
@@ -51,8 +57,8 @@ def canonicalize_attention(cap: Captured) -> dict[str, int]:
             a["attn_mask"], a["is_causal"] = None, True
             counts["causal_masks"] += 1
             changed = True
-        k0, gk = _unrepeated(a["key"])
-        v0, gv = _unrepeated(a["value"])
+        k0, gk = _unrepeated(a["key"]) if gqa else (None, 0)
+        v0, gv = _unrepeated(a["value"]) if gqa else (None, 0)
         if k0 is not None and v0 is not None and gk == gv:
             a["key"], a["value"], a["enable_gqa"] = k0, v0, True
             counts["gqa_unrepeated"] += 1

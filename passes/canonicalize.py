@@ -68,7 +68,25 @@ def _fake_call(target, args, kwargs=None, like: fx.Node | None = None):
     mode = next(a.meta["val"].fake_mode for a in nodes + ([like] if like is not None else [])
                 if hasattr(a.meta.get("val"), "fake_mode"))
     with mode:
+        if target in (aten.linear.default, aten.matmul.default) and all(
+                isinstance(v, torch.Tensor) and v.ndim >= 2 for v in vals[:2]):
+            return _product_value(target, vals)
         return target(*vals, **(kwargs or {}))
+
+
+def _product_value(target, vals) -> torch.Tensor:
+    """The value of ``linear(x, W[, b])`` / ``matmul(a, b)`` (both operands at least 2-D) from its sizes
+    alone. Running the op instead is not safe on every torch ``pyproject.toml`` claims: torch 2.11's fake
+    kernels of a bias-free ``linear`` and of ``matmul`` with a >2-D input fold the leading dims through a
+    view that guards on the capture's symbolic sizes and so specialises ``batch`` and ``seq`` to the
+    example's (every later size a constant: programs of one batch size, wrong on any dp or microbatch
+    split; the compat run, docs/testing.md). The result is contiguous, as the op's is."""
+    a, b = vals[0], vals[1]
+    if target is aten.linear.default:
+        shape = [*a.shape[:-1], b.shape[0]]
+    else:
+        shape = [*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1]]
+    return a.new_empty(shape, dtype=torch.promote_types(a.dtype, b.dtype))
 
 
 def _new(graph: fx.Graph, target, args, like: fx.Node, kwargs: dict | None = None) -> fx.Node:

@@ -50,11 +50,11 @@ import operator
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-import highspy
 import numpy as np
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from mcompile.compat import optimization_hint, require
 
 __all__ = ["RematSolution", "BudgetError", "classify", "node_cost", "solve", "exhaustive", "min_budget", "report"]
 
@@ -351,10 +351,18 @@ def _solution(m: _Model, saved: set[str], optimal: bool) -> RematSolution:
 # ---------------------------------------------------------------------------------------------
 # the integer program
 # ---------------------------------------------------------------------------------------------
-def _highs() -> highspy.Highs:
+_NEEDS_HIGHS = "recompute='auto' with an activation_budget (the recompute integer program, passes/remat.py)"
+
+
+def _highspy():
+    """HiGHS, imported when a budget is solved for (an unbudgeted joint program never needs it)."""
+    return require("highspy", _NEEDS_HIGHS)
+
+
+def _highs():
     from mcompile.search import _quiet_highs
 
-    h = _quiet_highs()
+    h = _quiet_highs(_NEEDS_HIGHS)
     h.setOptionValue("mip_rel_gap", 0.0)  # proven optima: HiGHS stops at a 1e-4 relative gap by default
     return h
 
@@ -377,8 +385,9 @@ class _Program:
         h = self.h = _highs()
         h.setOptionValue("time_limit", float(time_limit))
         h.addVars(n, lo, hi)
-        h.changeColsIntegrality(n, np.arange(n, dtype=np.int32), np.array([highspy.HighsVarType.kInteger] * n))
-        inf = highspy.kHighsInf
+        hs = _highspy()
+        h.changeColsIntegrality(n, np.arange(n, dtype=np.int32), np.array([hs.HighsVarType.kInteger] * n))
+        inf = hs.kHighsInf
         for v, i in self.idx.items():
             if v in m.needed:  # s_v + r_v >= 1
                 self.row(1, inf, [2 * i, 2 * i + 1], [1, 1])
@@ -393,7 +402,7 @@ class _Program:
 
     def minimise(self, cost: dict[int, float]) -> tuple[set[str], bool] | None:
         """Minimise Σ cost[col]·x[col]; (saved set, proven optimal), or None when infeasible."""
-        hs = highspy
+        hs = _highspy()
         n = 2 * len(self.m.order)
         if n == 0:  # nothing to decide (HiGHS reports an empty model, not an optimum)
             return None if self.budget is not None and self.budget < 0 else (set(), True)
@@ -447,7 +456,7 @@ def solve(joint: fx.GraphModule, budget_bytes: int | None, must_save: Collection
     best = _solution(m, first[0], first[1])
     # second phase: least bytes among the least-FLOP saved sets (FLOP counts are integers, so the
     # bound best + 0.5 admits exactly the optima)
-    p.row(-highspy.kHighsInf, best.recompute_flops + 0.5, [2 * i + 1 for i in p.idx.values()],
+    p.row(-_highspy().kHighsInf, best.recompute_flops + 0.5, [2 * i + 1 for i in p.idx.values()],
            [m.flops[v] for v in p.idx])
     second = p.minimise(p.bytes_cost())
     if second is not None:

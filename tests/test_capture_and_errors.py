@@ -55,6 +55,10 @@ def test_keyword_inputs():
     c = compile_plan(wrapped, Mesh(tp=2), (ids, tgt), {"attention_mask": mask})
     assert c.captured.input_names == ["input_ids", "labels", "attention_mask"]
     assert c.plan.fallbacks == []
+    # a padding mask reads attention_mask's values: not the causal pattern, kept as a tensor (passes/attention)
+    assert c.canonical["causal_masks"] == 0
+    sdpa = [n for n in c.program(0).graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert sdpa and all(len(n.args) > 3 or n.kwargs.get("attn_mask") is not None for n in sdpa)
     ref = wrapped(ids, tgt, attention_mask=mask)
     state = c.captured.state_values()
     out = run_threads(ThreadedWorld(c.mesh),

@@ -211,10 +211,19 @@ def refusal(op) -> str | None:
         return "random: each rank would draw its own numbers"
     if not schema.returns or any(str(r.type) not in ("Tensor", "Tensor?") for r in schema.returns):
         return "returns a list of tensors or a non-tensor"
-    if op in sp.op_to_shape_and_stride_idx or op in sp.op_to_scalar_shape_adjuster \
-            or op in sp.squeeze_op_to_dims_variant:
+    if op in sp.op_to_shape_and_stride_idx or op in _size_adjusted(sp):
         return "size arguments need rewriting for local pieces (a localizer: write a rule)"
     return None
+
+
+def _size_adjusted(sp) -> set:
+    """Ops whose size or dim arguments DTensor rewrites for the local pieces (``op_to_scalar_shape_adjuster``:
+    group_norm's N, C, HxW; ``squeeze_op_to_dims_variant``: squeeze's dims). Older torch (2.11) has neither
+    table: the same ops are named here, so the bridge offers the same set on every torch pyproject claims."""
+    named = {aten.native_group_norm.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
+             aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims}
+    return (named | set(getattr(sp, "op_to_scalar_shape_adjuster", {}))
+            | set(getattr(sp, "squeeze_op_to_dims_variant", {})))
 
 
 def bridged_ops() -> set:
