@@ -163,8 +163,14 @@ def spawn(fn, nprocs: int, *args) -> list:
         return [results[r] for r in range(nprocs)]
 
 
-def _worker(rank, world, port, paths, tasks, results):
+def _worker(rank, world, port, paths, tasks, results, safepath=None):
     sys.path[:0] = [p for p in paths if p not in sys.path]
+    # the parent's PYTHONSAFEPATH, not the one its forkserver started with (WorkerPool): the processes a task starts
+    # (`python script.py`) get their script's folder on their path as the parent's would
+    if safepath is None:
+        os.environ.pop("PYTHONSAFEPATH", None)
+    else:
+        os.environ["PYTHONSAFEPATH"] = safepath
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=DEFAULT_TIMEOUT)
@@ -196,12 +202,24 @@ class WorkerPool:
         self.results = ctx.Queue()
         port = free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, nprocs, port, list(sys.path), self.tasks[r], self.results),
-                        daemon=True)
+            ctx.Process(target=_worker, args=(r, nprocs, port, list(sys.path), self.tasks[r], self.results,
+                                              os.environ.get("PYTHONSAFEPATH")), daemon=True)
             for r in range(nprocs)
         ]
-        for p in self.procs:
-            p.start()
+        # Python < 3.13's forkserver ignores the parent's sys.path: it starts as `python -c`, the working directory
+        # first on its path, where a folder named like an installed package (this repository's kernels/, the Hub's
+        # `kernels` that transformers imports) shadows it in every preloaded import; PYTHONSAFEPATH leaves it off
+        # (the workers then take the parent's path, :func:`_worker`)
+        saved = os.environ.get("PYTHONSAFEPATH")
+        os.environ["PYTHONSAFEPATH"] = "1"
+        try:
+            for p in self.procs:
+                p.start()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONSAFEPATH"]
+            else:
+                os.environ["PYTHONSAFEPATH"] = saved
 
     def run(self, fn, *args, timeout: float = 300) -> list[Any]:
         """``fn(rank, world, *args)`` on every worker; results in rank order; raises on any failure."""
