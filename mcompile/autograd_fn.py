@@ -41,16 +41,16 @@ the Function's module and qualified name before loading (:func:`ensure`).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
 import inspect
 import re
-import threading
 from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import Function, FunctionCtx, _is_setup_context_defined
+
+from mcompile.patches import Patches, Refused
 
 __all__ = ["NAMESPACE", "FunctionRefused", "wrapping", "is_wrapped", "manifest", "check_importable", "ensure",
            "pointwise_rule"]
@@ -60,12 +60,8 @@ _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # lives as long as the proc
 _ORIG_APPLY = Function.__dict__["apply"].__func__  # the unpatched classmethod's function
 
 
-class FunctionRefused(Exception):  # noqa: N818 - turned into a CaptureError by mcompile.capture
+class FunctionRefused(Refused):
     """A Function that cannot be captured as an op: cause, fix and the user's line."""
-
-    def __init__(self, cause: str, fix: str, where: str | None = None):
-        super().__init__(cause)
-        self.cause, self.fix, self.where = cause, fix, where
 
 
 @dataclass
@@ -78,31 +74,13 @@ class _Op:
 
 _OPS: dict[str, _Op] = {}  # op name -> the Function it runs (the kernels look it up at each call)
 _DEFINED: set[str] = set()
-_STATE = threading.local()  # .depth: > 0 while this thread captures (other threads' applies are untouched)
-_PATCH = threading.Lock()
-_PATCHED = [0]  # captures in progress, all threads: Function.apply is patched while any is, restored after the last
-
-
 # -- capture: Function.apply routed to an op -------------------------------------------------------------------
 
 
-@contextlib.contextmanager
 def wrapping():
     """While capturing (this thread only): ``UserFunction.apply(...)`` calls its ``mcompile_fn`` op.
-    Restores ``Function.apply`` on exit."""
-    with _PATCH:
-        if _PATCHED[0] == 0:
-            Function.apply = classmethod(_apply)
-        _PATCHED[0] += 1
-    _STATE.depth = getattr(_STATE, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _STATE.depth -= 1
-        with _PATCH:
-            _PATCHED[0] -= 1
-            if _PATCHED[0] == 0:
-                Function.apply = classmethod(_ORIG_APPLY)
+    Restores ``Function.apply`` on exit (after the last capture of the process leaves)."""
+    return _PATCHES.held()
 
 
 def is_wrapped(cls: type) -> bool:
@@ -117,7 +95,7 @@ def _own(cls: type) -> bool:
 
 
 def _apply(cls, *args, **kwargs):
-    if getattr(_STATE, "depth", 0) <= 0 or _own(cls) or torch._C._are_functorch_transforms_active():
+    if not _PATCHES.active() or _own(cls) or torch._C._are_functorch_transforms_active():
         return _ORIG_APPLY(cls, *args, **kwargs)
     if kwargs or _is_setup_context_defined(cls.setup_context):
         try:  # as Function.apply binds them: keywords and defaults become positional
@@ -141,6 +119,9 @@ def _apply(cls, *args, **kwargs):
 
 _SCALARS = ((bool, "bool"), (int, "SymInt"), (torch.SymInt, "SymInt"), (float, "float"), (str, "str"),
             (torch.dtype, "ScalarType"), (torch.device, "Device"))
+
+
+_PATCHES = Patches((Function, "apply", classmethod(_apply)))  # Function.apply while any capture runs
 
 
 def _kind(cls: type, i: int, a) -> str:

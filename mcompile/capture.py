@@ -35,7 +35,6 @@ import inspect
 import io
 import re
 import sys
-import threading
 import traceback
 import warnings
 from collections.abc import Mapping
@@ -50,6 +49,7 @@ from torch.export.graph_signature import InputKind
 
 from mcompile import autograd_fn, loops
 from mcompile import meta as M
+from mcompile.patches import Patches, Refused, exception_chain
 
 __all__ = ["CaptureError", "CaptureWarning", "Captured", "OutputWarning", "capture", "warn_unless_loss"]
 
@@ -70,10 +70,8 @@ class OutputWarning(UserWarning):
     """A plan that trains has an output that is not a scalar loss (e.g. logits: no labels were given)."""
 
 
-class _Refused(Exception):  # noqa: N818 - raised inside the trace by our own checks, turned into a CaptureError
-    def __init__(self, cause: str, fix: str, where: str | None = None):
-        super().__init__(cause)
-        self.cause, self.fix, self.where = cause, fix, where
+class _Refused(Refused):  # raised inside the trace by our own checks, turned into a CaptureError
+    pass
 
 
 @dataclass
@@ -262,7 +260,7 @@ def capture(
             e = failed or e
             op, cause, where, fix = _diagnose(e)
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            said = "" if isinstance(e, _Refused | autograd_fn.FunctionRefused | loops.LoopRefused) else \
+            said = "" if isinstance(e, Refused) else \
                 f"  torch says: {first}\n"
             raise CaptureError(
                 f"cannot capture {name} with torch.export: {cause}{f' (op {op})' if op else ''}\n"
@@ -333,7 +331,7 @@ def _mask_left_none(model: torch.nn.Module, kwargs: dict, e: BaseException) -> b
             return False
     except (TypeError, ValueError):
         return False
-    return any(isinstance(x, TypeError | AttributeError) and "'NoneType' object" in str(x) for x in _chain(e))
+    return any(isinstance(x, TypeError | AttributeError) and "'NoneType' object" in str(x) for x in exception_chain(e))
 
 
 def _check_functions_importable(name: str, entries: list[dict]) -> None:
@@ -609,19 +607,13 @@ class _Tee(io.TextIOBase):
         return "".join(self.parts)
 
 
-_ORIG_APPLY = torch.nn.Module._apply
-_CASTS = threading.local()  # .depth: > 0 while this thread captures
-_CASTS_PATCH = threading.Lock()
-_CASTS_PATCHED = [0]  # captures in progress, all threads
-
-
 def _apply_unless_unchanged(self, fn, recurse=True):
     """``Module._apply`` (``module.to(dtype)``, ``.float()``, ...) that returns the module as it is when ``fn``
     changes none of its tensors. A forward that casts a submodule to the dtype it already has (Switch
     Transformers' and NLLB-MoE's routers: ``self.classifier = self.classifier.to(self.dtype)``) is a no-op in
     eager mode, but export's fake parameters cannot be swapped in place, so the no-op failed the capture. A cast
     that changes a tensor still goes through torch (and fails, clearly: forward cannot re-create parameters)."""
-    if getattr(_CASTS, "depth", 0) > 0:
+    if _CASTS.active():
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
@@ -636,21 +628,12 @@ def _apply_unless_unchanged(self, fn, recurse=True):
     return _ORIG_APPLY(self, fn, recurse)
 
 
-@contextlib.contextmanager
+_ORIG_APPLY = torch.nn.Module._apply
+_CASTS = Patches((torch.nn.Module, "_apply", _apply_unless_unchanged))  # Module._apply while any capture runs
+
+
 def _unchanged_casts():
-    with _CASTS_PATCH:
-        if _CASTS_PATCHED[0] == 0:
-            torch.nn.Module._apply = _apply_unless_unchanged
-        _CASTS_PATCHED[0] += 1
-    _CASTS.depth = getattr(_CASTS, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _CASTS.depth -= 1
-        with _CASTS_PATCH:
-            _CASTS_PATCHED[0] -= 1
-            if _CASTS_PATCHED[0] == 0:
-                torch.nn.Module._apply = _ORIG_APPLY
+    return _CASTS.held()
 
 
 @contextlib.contextmanager
@@ -763,18 +746,10 @@ def _node_line(node: fx.Node) -> str | None:
 # -- failures: cause and fix by class --------------------------------------------------------------------------
 
 
-def _chain(e: BaseException):
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
-
-
 def _diagnose(e: BaseException) -> tuple[str | None, str, str | None, str]:
     """(op, cause, where, fix) of a failed capture, by class of failure."""
-    chain = list(_chain(e))
-    ours = next((x for x in chain if isinstance(x, _Refused | autograd_fn.FunctionRefused | loops.LoopRefused)),
+    chain = list(exception_chain(e))
+    ours = next((x for x in chain if isinstance(x, Refused)),
                 None)
     if ours is not None:
         return None, ours.cause, ours.where or _user_frame(e), ours.fix

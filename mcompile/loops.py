@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from mcompile.patches import Patches, Refused, exception_chain
+
 __all__ = ["LoopRefused", "exporting", "guard", "unrolling"]
 
 aten = torch.ops.aten
@@ -41,8 +43,6 @@ MAX_INDICES = 4096  # a mask longer than this is not an index set to unroll (exp
 _TAG = "mc_loop_iteration"  # node.meta: (loop, index) of the unrolled iteration that traced the node
 _MASK = "mc_loop_masks"  # node.meta: the loops over this mask's nonzero indices
 _STATE = threading.local()
-_PATCH = threading.Lock()
-_PATCHED = [0]
 _ORIG = {
     "nonzero": torch.Tensor.nonzero,
     "iter": torch.Tensor.__iter__,
@@ -55,10 +55,8 @@ _FIX = ("write the loop over range(n) and select each iteration's update with th
         "GEMM (a transformers model: experts_implementation='grouped_mm')")
 
 
-class LoopRefused(Exception):  # noqa: N818 - turned into a CaptureError by mcompile.capture
-    def __init__(self, cause: str, fix: str, where: str | None = None):
-        super().__init__(cause)
-        self.cause, self.fix, self.where = cause, fix, where
+class LoopRefused(Refused):
+    """A loop that cannot be unrolled: cause, fix and its ``for`` line."""
 
 
 @dataclass
@@ -169,6 +167,12 @@ def _format(self, spec):
     return _ORIG["format"](self, spec)
 
 
+# Tensor.nonzero / __iter__ / __format__, torch.nonzero / torch.where while any capture runs
+_PATCHES = Patches((torch.Tensor, "nonzero", _nonzero), (torch.Tensor, "__iter__", _iter),
+                   (torch.Tensor, "__format__", _format), (torch, "nonzero", _torch_nonzero),
+                   (torch, "where", _torch_where))
+
+
 def _last(graph: fx.Graph) -> fx.Node:
     return graph._root.prev
 
@@ -177,28 +181,13 @@ def _last(graph: fx.Graph) -> fx.Node:
 def unrolling():
     """While capturing (this thread): Python loops over ``nonzero`` of a static 1-D mask run every index;
     yields the list of the loops traced (:func:`guard` completes them on the exported program)."""
-    with _PATCH:
-        if _PATCHED[0] == 0:
-            torch.Tensor.nonzero = _nonzero
-            torch.Tensor.__iter__ = _iter
-            torch.Tensor.__format__ = _format
-            torch.nonzero = _torch_nonzero
-            torch.where = _torch_where
-        _PATCHED[0] += 1
     saved = getattr(_STATE, "loops", None), getattr(_STATE, "skip", None)
-    _STATE.loops, _STATE.skip = loops, _ = [], set()
-    try:
-        yield loops
-    finally:
-        _STATE.loops, _STATE.skip = saved
-        with _PATCH:
-            _PATCHED[0] -= 1
-            if _PATCHED[0] == 0:
-                torch.Tensor.nonzero = _ORIG["nonzero"]
-                torch.Tensor.__iter__ = _ORIG["iter"]
-                torch.Tensor.__format__ = _ORIG["format"]
-                torch.nonzero = _ORIG["torch_nonzero"]
-                torch.where = _ORIG["torch_where"]
+    with _PATCHES.held():
+        _STATE.loops, _STATE.skip = loops, _ = [], set()
+        try:
+            yield loops
+        finally:
+            _STATE.loops, _STATE.skip = saved
 
 
 def exporting(loops: list[_Loop], model, args, kwargs, dynamic_shapes):
@@ -212,18 +201,10 @@ def exporting(loops: list[_Loop], model, args, kwargs, dynamic_shapes):
             return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as e:
             running = [lp for lp in loops if not lp.ended and lp.current is not None]
-            if not running or not any(isinstance(x, IndexError) for x in _chain(e)):
+            if not running or not any(isinstance(x, IndexError) for x in exception_chain(e)):
                 raise
             _STATE.skip.add((running[-1].where, running[-1].current))
     raise AssertionError("unreachable: every index of every loop skipped")
-
-
-def _chain(e: BaseException):
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        yield e
-        e = e.__cause__ or e.__context__
 
 
 # -- after the export: each iteration's updates selected by the mask --------------------------------------------
