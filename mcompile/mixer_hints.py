@@ -18,6 +18,8 @@ on each channel, and projects back (``out_proj``). Megatron shards every per-cha
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from mcompile.capture import Captured
@@ -46,8 +48,17 @@ def _source_dim(x: torch.fx.Node, dim: int):
     ``(that op, its dim, the convs passed, whether the dim moved or passed a conv)``, or None where a view
     regroups it."""
     cur, convs, moved = x, [], False
+    outer: list[tuple[list, int]] = []
     while isinstance(cur, torch.fx.Node) and cur.op == "call_function":
         src = cur.args[0] if cur.args else None
+        if cur.target is operator.getitem and isinstance(src, torch.fx.Node) and src.target in _SPLITS:
+            # a part of an earlier cut of the same dim (Mamba-2: in_proj's [z | xBC | dt], then xBC's [x | B | C])
+            nd = len(src.meta["val"][0].shape)
+            if _split_dim(src) != dim % nd:
+                break
+            outer.append(([o.shape[dim] for o in src.meta["val"]], cur.args[1]))
+            cur = src.args[0]
+            continue
         if not isinstance(src, torch.fx.Node) or not isinstance(src.meta.get("val"), torch.Tensor):
             break
         if cur.target is aten.transpose.int:
@@ -72,7 +83,22 @@ def _source_dim(x: torch.fx.Node, dim: int):
         else:
             break
         cur = src
-    return (cur, dim, convs, moved) if isinstance(cur, torch.fx.Node) else None
+    return (cur, dim, convs, moved, outer) if isinstance(cur, torch.fx.Node) else None
+
+
+def _split_dim(node: torch.fx.Node) -> int:
+    nd = len(node.args[0].meta["val"].shape)
+    return (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
+
+
+def _nest(sizes: list, outer: list[tuple[list, int]]) -> list | None:
+    """The blocks of the dim a cut into ``sizes`` was taken from through parts of earlier cuts (``outer``,
+    innermost first: (the earlier cut's sizes, which part)): [z, x, B, C, dt] from [x, B, C] in [z, xBC, dt]."""
+    for cut, i in outer:
+        if not all(isinstance(s, int) for s in cut) or sum(sizes) != cut[i]:
+            return None
+        sizes = [*cut[:i], *sizes, *cut[i + 1:]]
+    return sizes
 
 
 def channels_first_blocks(cap: Captured) -> dict[str, object]:
@@ -94,15 +120,18 @@ def channels_first_blocks(cap: Captured) -> dict[str, object]:
         found = _source_dim(x, dim)
         if found is None:
             continue
-        lin, d, convs, moved = found
+        lin, d, convs, moved, outer = found
         if not moved or lin.target is not aten.linear.default or d != lin.meta["val"].ndim - 1:
             continue  # a cut straight of a linear's features is planner.block_hints'
+        nested = _nest(sizes, outer)
+        if nested is None:
+            continue
         blocks = BlockShard(0, tuple(sizes))
-        for op in (lin, *convs):
+        for op, b in ((lin, BlockShard(0, tuple(nested))), *((c, blocks) for c in convs)):
             for a in (op.args[1], op.args[2] if len(op.args) > 2 else None):
                 a = _param_of(a, cap)
                 if a is not None:
-                    hints[a] = blocks
+                    hints[a] = b
     return hints
 
 
