@@ -307,13 +307,21 @@ def repeat_interleave(info: OpInfo) -> list[Strategy]:
         return [Strategy((R,), (R,), name="replicate")]
     out = [Strategy((Shard(d),), (Shard(d),), name="same_dim") for d in range(info.inputs[0].ndim)]
     out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    d = norm_dim(dim, info.inputs[0].ndim)
+    if same(info.inputs[0].shape[d], 1) and divisible(info.arg(1), info.n):
+        # one group repeated for every head (Mamba-2's B and C with n_groups = 1): each rank repeats the whole
+        # group for its own heads, r / n times, as expand splits a broadcast (its gradient: the ranks' sum)
+        out.append(Strategy((R,), (Shard(d),), name="one_group"))
     return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
 
 
 @localizer(aten.repeat_interleave.self_int)
 def _repeat_interleave_local(args, kwargs, in_p, out_p, local_shapes, n):
+    dim = args[2] if len(args) > 2 else kwargs["dim"]
+    for ins, o, size in zip(in_p, out_p, n):
+        if isinstance(o, Shard) and ins is not None and isinstance(ins[0], Replicate):  # one_group: r / n a rank
+            args = (args[0], args[1] // size, *args[2:])
     if kwargs.get("output_size") is not None:  # the result's size along dim, of the local piece
-        dim = args[2] if len(args) > 2 else kwargs["dim"]
         kwargs = dict(kwargs, output_size=local_shapes[0][dim % len(local_shapes[0])])
     return args, kwargs
 
