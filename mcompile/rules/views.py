@@ -317,7 +317,9 @@ def repeat_interleave(info: OpInfo) -> list[Strategy]:
 
 @localizer(aten.repeat_interleave.self_int)
 def _repeat_interleave_local(args, kwargs, in_p, out_p, local_shapes, n):
-    dim = args[2] if len(args) > 2 else kwargs["dim"]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if dim is None:  # flattened first: replicated
+        return args, kwargs
     for ins, o, size in zip(in_p, out_p, n):
         if isinstance(o, Shard) and ins is not None and isinstance(ins[0], Replicate):  # one_group: r / n a rank
             args = (args[0], args[1] // size, *args[2:])
