@@ -79,6 +79,10 @@ def _source_dim(x: torch.fx.Node, dim: int):
     outer: list[tuple[list, int]] = []
     while isinstance(cur, torch.fx.Node) and cur.op == "call_function":
         src = cur.args[0] if cur.args else None
+        scaled = _scaled(cur, dim)
+        if scaled is not None:  # a per-channel scale (Falcon-H1's ``in_proj(h) * mup_vector``)
+            cur = scaled
+            continue
         if cur.target is operator.getitem and isinstance(src, torch.fx.Node) and src.target in _SPLITS:
             # a part of an earlier cut of the same dim (Mamba-2: in_proj's [z | xBC | dt], then xBC's [x | B | C])
             nd = len(src.meta["val"][0].shape)
@@ -112,6 +116,27 @@ def _source_dim(x: torch.fx.Node, dim: int):
             break
         cur = src
     return (cur, dim, convs, moved, outer) if isinstance(cur, torch.fx.Node) else None
+
+
+def _scaled(node: torch.fx.Node, dim: int) -> torch.fx.Node | None:
+    """The value ``node`` multiplies (or divides) by a factor constant along every dim but ``dim`` (a
+    per-channel scale, or a scalar), else None."""
+    if node.target not in (aten.mul.Tensor, aten.div.Tensor) or len(node.args) != 2:
+        return None
+    out = node.meta["val"]
+    for i, (a, b) in enumerate((node.args, node.args[::-1])):
+        if i == 1 and node.target is aten.div.Tensor:
+            break  # factor / x is not a scale of x
+        av = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        if not isinstance(av, torch.Tensor) or tuple(av.shape) != tuple(out.shape):
+            continue
+        bv = b.meta.get("val") if isinstance(b, torch.fx.Node) else b
+        if not isinstance(bv, torch.Tensor):
+            return a if isinstance(bv, int | float) else None
+        k = dim - (out.ndim - bv.ndim)
+        if bv.ndim <= out.ndim and all(s == 1 for j, s in enumerate(bv.shape) if j != k):
+            return a
+    return None
 
 
 def _split_dim(node: torch.fx.Node) -> int:
