@@ -18,12 +18,14 @@ on each channel, and projects back (``out_proj``). Megatron shards every per-cha
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from mcompile.capture import Captured
-from mcompile.placements import BlockShard, Shard
+from mcompile.placements import BlockShard, Replicate, Shard
 
-__all__ = ["mixer_hints", "channels_first_blocks", "conv_readers"]
+__all__ = ["mixer_hints", "channels_first_blocks", "conv_readers", "few_groups"]
 
 aten = torch.ops.aten
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
@@ -32,9 +34,37 @@ _KEEP = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, ate
 _CONVS = (aten.conv1d.default, aten.convolution.default)
 
 
-def mixer_hints(cap: Captured) -> dict[str, object]:
+def mixer_hints(cap: Captured, tp: int = 1) -> dict[str, object]:
     """Placements over tp of the mixers' weights (placeholder name -> placement); see the module docstring."""
-    return {**channels_first_blocks(cap), **conv_readers(cap)}
+    return {**channels_first_blocks(cap, tp), **conv_readers(cap)}
+
+
+def few_groups(cap: Captured, tp: int) -> list[torch.fx.Node]:
+    """The fused projections :func:`channels_first_blocks` keeps whole: a part of their cut output is read
+    by heads through ``repeat_interleave`` over fewer groups than ``tp`` divides (Mamba-2's B and C with
+    ``n_groups = 1``, HF Bamba / Falcon-H1 / Zamba2 / GraniteMoeHybrid)."""
+    return [lin for lin, _, whole in _mixer_cuts(cap, tp) if whole]
+
+
+def _groups(part: torch.fx.Node) -> list[int]:
+    """The sizes of the dims ``part`` is repeated along by ``repeat_interleave`` for the heads (through views
+    and casts): Mamba-2's ``B.view(b, s, groups, n).repeat_interleave(heads // groups, dim=2)``."""
+    out, todo = [], [part]
+    while todo:
+        for u in todo.pop().users:
+            if u.op != "call_function":
+                continue
+            if u.target is aten.repeat_interleave.self_int and len(u.args) > 2 and isinstance(u.args[1], int):
+                size = u.args[0].meta["val"].shape[u.args[2]]
+                if isinstance(size, int):
+                    out.append(int(size))
+            elif u.target in _KEEP or u.target in _PIECES:
+                todo.append(u)
+    return out
+
+
+# pieces of another dim on the way to the heads (HF's scan: ``torch.tensor_split(B, [s], dim=1)``)
+_PIECES = (aten.tensor_split.indices, aten.tensor_split.sections, aten.slice.Tensor, operator.getitem, *_SPLITS)
 
 
 _PER_CHANNEL = (aten.silu.default, aten.sigmoid.default, aten.relu.default, aten.gelu.default, aten.tanh.default)
@@ -46,8 +76,21 @@ def _source_dim(x: torch.fx.Node, dim: int):
     ``(that op, its dim, the convs passed, whether the dim moved or passed a conv)``, or None where a view
     regroups it."""
     cur, convs, moved = x, [], False
+    outer: list[tuple[list, int]] = []
     while isinstance(cur, torch.fx.Node) and cur.op == "call_function":
         src = cur.args[0] if cur.args else None
+        scaled = _scaled(cur, dim)
+        if scaled is not None:  # a per-channel scale (Falcon-H1's ``in_proj(h) * mup_vector``)
+            cur = scaled
+            continue
+        if cur.target is operator.getitem and isinstance(src, torch.fx.Node) and src.target in _SPLITS:
+            # a part of an earlier cut of the same dim (Mamba-2: in_proj's [z | xBC | dt], then xBC's [x | B | C])
+            nd = len(src.meta["val"][0].shape)
+            if _split_dim(src) != dim % nd:
+                break
+            outer.append(([o.shape[dim] for o in src.meta["val"]], cur.args[1]))
+            cur = src.args[0]
+            continue
         if not isinstance(src, torch.fx.Node) or not isinstance(src.meta.get("val"), torch.Tensor):
             break
         if cur.target is aten.transpose.int:
@@ -72,16 +115,69 @@ def _source_dim(x: torch.fx.Node, dim: int):
         else:
             break
         cur = src
-    return (cur, dim, convs, moved) if isinstance(cur, torch.fx.Node) else None
+    return (cur, dim, convs, moved, outer) if isinstance(cur, torch.fx.Node) else None
 
 
-def channels_first_blocks(cap: Captured) -> dict[str, object]:
+def _scaled(node: torch.fx.Node, dim: int) -> torch.fx.Node | None:
+    """The value ``node`` multiplies (or divides) by a factor constant along every dim but ``dim`` (a
+    per-channel scale, or a scalar), else None."""
+    if node.target not in (aten.mul.Tensor, aten.div.Tensor) or len(node.args) != 2:
+        return None
+    out = node.meta["val"]
+    for i, (a, b) in enumerate((node.args, node.args[::-1])):
+        if i == 1 and node.target is aten.div.Tensor:
+            break  # factor / x is not a scale of x
+        av = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+        if not isinstance(av, torch.Tensor) or tuple(av.shape) != tuple(out.shape):
+            continue
+        bv = b.meta.get("val") if isinstance(b, torch.fx.Node) else b
+        if not isinstance(bv, torch.Tensor):
+            return a if isinstance(bv, int | float) else None
+        k = dim - (out.ndim - bv.ndim)
+        if bv.ndim <= out.ndim and all(s == 1 for j, s in enumerate(bv.shape) if j != k):
+            return a
+    return None
+
+
+def _split_dim(node: torch.fx.Node) -> int:
+    nd = len(node.args[0].meta["val"].shape)
+    return (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
+
+
+def _nest(sizes: list, outer: list[tuple[list, int]]) -> list | None:
+    """The blocks of the dim a cut into ``sizes`` was taken from through parts of earlier cuts (``outer``,
+    innermost first: (the earlier cut's sizes, which part)): [z, x, B, C, dt] from [x, B, C] in [z, xBC, dt]."""
+    for cut, i in outer:
+        if not all(isinstance(s, int) for s in cut) or sum(sizes) != cut[i]:
+            return None
+        sizes = [*cut[:i], *sizes, *cut[i + 1:]]
+    return sizes
+
+
+def channels_first_blocks(cap: Captured, tp: int = 1) -> dict[str, object]:
     """A linear's output cut into parts along its features after a transpose or a depthwise conv over them
     (HF Mamba: ``in_proj(h).transpose(1, 2).chunk(2, dim=1)``, x and z channels first; a gated delta net:
     ``conv1d(in_proj_qkv(h).transpose(1, 2)).transpose(1, 2).split([k, k, v], -1)``): the weight (and
     bias) ``BlockShard(0, part sizes)``, and the conv's weight and bias the same blocks, so every rank
     keeps its channels of each part through the conv."""
     hints: dict[str, object] = {}
+    for _, ops, whole in _mixer_cuts(cap, tp):
+        for op, b in ops:
+            for a in (op.args[1], op.args[2] if len(op.args) > 2 else None):
+                a = _param_of(a, cap)
+                if a is not None:
+                    hints[a] = Replicate() if whole else b
+    return hints
+
+
+def _mixer_cuts(cap: Captured, tp: int):
+    """``(linear, [(op, its weight's blocks)], whole)`` for each cut :func:`channels_first_blocks` lays out;
+    ``whole`` where a part is read by heads over fewer groups than ``tp`` divides: B and C must then be whole on
+    every rank (Megatron Core's MambaMixer asserts ``ngroups % tp == 0``; vLLM's MambaMixer2 repeats the groups
+    on every rank instead), and one placement cannot split the rest of the fused weight and keep B and C
+    whole, so the projection and the conv stay whole (as :func:`mcompile.planner.kv_hints` keeps a fused
+    q | k | v with one key/value head) and each rank slices its heads of x, z and dt
+    (:func:`mcompile.planner.kv_sliced`)."""
     for node in cap.gm.graph.nodes:
         if node.op != "call_function" or node.target not in _SPLITS or not isinstance(node.args[0], torch.fx.Node):
             continue
@@ -94,16 +190,16 @@ def channels_first_blocks(cap: Captured) -> dict[str, object]:
         found = _source_dim(x, dim)
         if found is None:
             continue
-        lin, d, convs, moved = found
+        lin, d, convs, moved, outer = found
         if not moved or lin.target is not aten.linear.default or d != lin.meta["val"].ndim - 1:
             continue  # a cut straight of a linear's features is planner.block_hints'
+        nested = _nest(sizes, outer)
+        if nested is None:
+            continue
         blocks = BlockShard(0, tuple(sizes))
-        for op in (lin, *convs):
-            for a in (op.args[1], op.args[2] if len(op.args) > 2 else None):
-                a = _param_of(a, cap)
-                if a is not None:
-                    hints[a] = blocks
-    return hints
+        parts = [u for u in node.users if u.target is operator.getitem]
+        whole = tp > 1 and any(g % tp for p in parts for g in _groups(p))
+        yield lin, [(lin, BlockShard(0, tuple(nested))), *((c, blocks) for c in convs)], whole
 
 
 def _param_of(a, cap: Captured) -> str | None:

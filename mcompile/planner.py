@@ -507,14 +507,17 @@ def kv_hints(cap: Captured, tp: int) -> dict[str, object]:
 
 
 def kv_sliced(cap: Captured, tp: int) -> frozenset[str]:
-    """The values between a projection :func:`kv_hints` keeps whole and its attention: a rank may take its heads
-    of them by a local slice (the query heads of a fused projection; the propagator otherwise shards heads only
-    by a contraction)."""
-    out, todo = set(), list(_few_kv_projections(cap, tp))
+    """The values between a projection :func:`kv_hints` keeps whole and its attention, or between a mixer's
+    fused projection kept whole for its few B/C groups (:func:`mcompile.mixer_hints.few_groups`, through its
+    depthwise conv: per channel) and its scan: a rank may take its heads of them by a local slice (the query
+    heads of a fused projection; the propagator otherwise shards heads only by a contraction)."""
+    from mcompile.mixer_hints import _depthwise, few_groups
+
+    out, todo = set(), [*_few_kv_projections(cap, tp), *few_groups(cap, tp)]
     while todo:
         cur = todo.pop()
         for u in cur.users:
-            if u.op == "call_function" and u.name not in out and not _contraction(u):
+            if u.op == "call_function" and u.name not in out and (not _contraction(u) or _depthwise(u) is not None):
                 out.add(u.name)
                 todo.append(u)
     return frozenset(out)
@@ -683,7 +686,7 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
     from mcompile.mixer_hints import mixer_hints
 
     tp = mesh.size("tp") if "tp" in mesh.axis_names else 1
-    blocks = {**block_hints(cap), **mixer_hints(cap), **latent_hints(cap), **router_hints(cap),
+    blocks = {**block_hints(cap), **mixer_hints(cap, tp), **latent_hints(cap), **router_hints(cap),
               **position_bias_hints(cap), **kv_hints(cap, tp)}
     experts = check_experts(cap, mesh.size("ep")) if "ep" in mesh.axis_names else None
     for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):

@@ -361,6 +361,10 @@ def _propagate_axis(
                 # an input-only value (a mask, a zero position bias over heads) is sliced where it is needed
                 return INF
         if isinstance(cur, Replicate) and isinstance(req, Shard):
+            if src.name in policy.sliced_static and not isinstance(meta.shape[req.dim % meta.ndim], sympy.Expr):
+                # a rank taking its heads of a value kept whole for that (planner.kv_sliced) is the layout's
+                # intent, cheaper than any gather of what those heads computed: its adjoint is not charged
+                return 1e-3
             return 1e-3 + (b if grad and not policy.context_parallel else 0.0)  # cp: the slice's adjoint is local
         if isinstance(cur, Partial) and cur.reduce_op in ("sum", "avg") and isinstance(req, Replicate):
             return 2 * b

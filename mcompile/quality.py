@@ -24,7 +24,10 @@ transformer layer:
    attention's down projections, :func:`mcompile.planner.latent_hints`), an MoE router (a few outputs,
    one per expert, :func:`mcompile.planner.router_hints`) or the key/value projection of an attention with
    fewer key/value heads than tp ranks (multi-query attention, :func:`mcompile.planner.kv_hints`), if each
-   rank then attends only its own query heads (an attention run whole on every rank is reported). A
+   rank then attends only its own query heads (an attention run whole on every rank is reported), or a
+   Mamba-2 mixer's fused in_proj whose B/C groups tp does not divide (:func:`mcompile.mixer_hints.few_groups`:
+   Megatron asserts ``ngroups % tp == 0``; B and C must be whole on every rank, and the rest of the fused
+   weight with them). A
    projection to a single output (Qwen2-MoE's [1, h] shared-expert gate) has nothing to split. Any other
    whole weight is reported.
 
@@ -167,9 +170,12 @@ def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[i
     return {layer: _merge_sums(names, nodes) for layer, names in out.items()}
 
 
-def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict) -> str | None:
+def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict, mixers: frozenset = frozenset()) \
+        -> str | None:
     if w.name in kv:
         return "fewer key/value heads than tp ranks: the key/value projection kept whole on every rank"
+    if w.name in mixers:
+        return "fewer B/C groups than tp ranks: the mixer's fused in_proj kept whole on every rank"
     if 1 in tuple(w.meta["val"].shape):
         return "a projection to one output (a scalar gate): nothing to split over tp"
     if w.name in latents:
@@ -181,6 +187,7 @@ def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict) -> s
 
 def check_quality(compiled) -> list[Finding]:
     """The plan's findings against Megatron's layout (empty: Megatron's layout). Only tp is checked."""
+    from mcompile.mixer_hints import few_groups
     from mcompile.planner import kv_hints, kv_sliced, latent_hints, router_hints
 
     mesh = compiled.mesh
@@ -209,6 +216,7 @@ def check_quality(compiled) -> list[Finding]:
                                               f"({len(exits.get(layer, ()))} tp region exits"
                                               f"{', sequence parallel' if sp else ''}): {moved}"))
     kv = kv_hints(cap, mesh.size("tp"))
+    mixers = frozenset(lin.args[1].name for lin in few_groups(cap, mesh.size("tp")))
     tp_i = mesh.axis_names.index("tp")
     sliced = kv_sliced(cap, mesh.size("tp"))
     for node in cap.gm.graph.nodes:
@@ -230,7 +238,7 @@ def check_quality(compiled) -> list[Finding]:
             continue
         seen.add(fqn)
         p = plan.params[fqn].placements[tp_i]
-        if is_shard(p) or not isinstance(p, Replicate) or _whole_reason(w, latents, routers, kv):
+        if is_shard(p) or not isinstance(p, Replicate) or _whole_reason(w, latents, routers, kv, mixers):
             continue
         short = fqn.split(f".{layer}.", 1)[-1]
         shape = tuple(w.meta["val"].shape)

@@ -402,6 +402,31 @@ def drop_noop_slices(gm: fx.GraphModule) -> int:
     return count
 
 
+def drop_squeeze_unsqueeze(gm: fx.GraphModule) -> int:
+    """``w.squeeze(d).unsqueeze(d)`` of a size-1 dim ``d`` is ``w`` (HF's Mamba-2 / Bamba causal conv:
+    ``conv1d.weight.squeeze(1)`` handed to ``F.conv1d`` as ``weight.unsqueeze(1)``). Left in, a conv weight
+    held as blocks of a fused projection's parts ([x | B | C]) would reach the conv through two views that
+    choose their layout before the conv asks for one."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.unsqueeze.default:
+            continue
+        src = node.args[0]
+        if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target is aten.squeeze.dim):
+            continue
+        w = src.args[0]
+        nd = w.meta["val"].ndim
+        d, e = src.args[1] % nd, node.args[1] % nd
+        if d == e and w.meta["val"].shape[d] == 1:
+            node.replace_all_uses_with(w)
+            gm.graph.erase_node(node)
+            count += 1
+    if count:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return count
+
+
 def drop_empty_cats(gm: fx.GraphModule) -> int:
     """``cat([empty, x])`` is ``x``: a key/value cache created empty and appended to in a training forward
     (transformers' DynamicCache, HF T5's cross-attention cache). Left in, the empty whole tensor would make
@@ -608,6 +633,7 @@ def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
         "attention_dropout_to_math": attention_dropout_to_math(gm),
         "drop_noop_slices": drop_noop_slices(gm),
         "drop_empty_cats": drop_empty_cats(gm),
+        "drop_squeeze_unsqueeze": drop_squeeze_unsqueeze(gm),
         "unflatten_rowwise": unflatten_rowwise(gm),
         "conv1d_to_matmul": conv1d_to_matmul(gm),
         "projection_norm_statistics": projection_norm_statistics(gm),

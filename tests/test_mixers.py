@@ -118,3 +118,44 @@ def test_gated_delta_like_mixer_layout_and_parity_tp2():
         assert [s.forward for s in forward if s.layer == i] == ["all_reduce"], [(s.forward, s.origin) for s in forward]
     assert c.quality == []
     assert_sim_parity(c, model, inputs, "gated delta mixer")
+
+
+class ScaledNested(torch.nn.Module):
+    """Falcon-H1's in_proj: ``(in_proj(h) * mup_vector)`` cut into [z | xBC | dt], xBC through the depthwise conv
+    and cut into [x | B | C] (B and C of ``groups`` groups, each read by its heads through repeat_interleave)."""
+
+    def __init__(self, dim=16, d=32, n=4, heads=4, groups=2):
+        super().__init__()
+        self.d, self.n, self.heads, self.groups = d, n, heads, groups
+        self.in_proj = torch.nn.Linear(dim, 2 * d + 2 * groups * n + heads, bias=False)
+        self.mup = torch.nn.Parameter(torch.rand(2 * d + 2 * groups * n + heads))
+        ch = d + 2 * groups * n
+        self.conv1d = torch.nn.Conv1d(ch, ch, 4, groups=ch, padding=3)
+
+    def forward(self, h):
+        b, s, _ = h.shape
+        z, xbc, dt = (self.in_proj(h) * self.mup).split([self.d, self.d + 2 * self.groups * self.n, self.heads], -1)
+        xbc = self.conv1d(xbc.transpose(1, 2))[..., :s].transpose(1, 2)
+        x, B, C = xbc.split([self.d, self.groups * self.n, self.groups * self.n], -1)
+        B = B.reshape(b, s, self.groups, self.n).repeat_interleave(self.heads // self.groups, dim=2)
+        x = x.reshape(b, s, self.heads, -1) * B.sum(-1, keepdim=True) * dt.unsqueeze(-1)
+        return (x.reshape(b, s, -1) * F.silu(z)).sum() + C.sum()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("groups", [2, 1])
+def test_nested_scaled_cut_blocks_or_whole(groups):
+    """The nested cut is found through the per-channel scale: in_proj as z | x | B | C | dt blocks and the conv as
+    x | B | C where tp divides the groups; both whole (and in mixer_hints.few_groups) where it does not."""
+    from mcompile.capture import capture
+    from mcompile.mixer_hints import few_groups, mixer_hints
+    from mcompile.placements import Replicate
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cap = capture(ScaledNested(groups=groups), (torch.randn(2, 8, 16),))
+    hints = {cap.params[k]: v for k, v in mixer_hints(cap, 2).items() if k in cap.params}
+    bc = 2 * groups * 4 // 2
+    want = (BlockShard(0, (32, 32, bc, bc, 4)), BlockShard(0, (32, bc, bc))) if groups == 2 else (Replicate(),) * 2
+    assert (hints["in_proj.weight"], hints["conv1d.weight"]) == want, hints
+    assert len(few_groups(cap, 2)) == (groups == 1)

@@ -2176,3 +2176,23 @@ def test_every_argument_is_drawn_with_a_non_default_value():
             if a.has_default_value() and a.name not in seen and a.name not in NOT_DRAWN:
                 missing.append(f"{op}: {a.name}")
     assert not missing, f"arguments never drawn with a non-default value: {missing}"
+
+
+@pytest.mark.timeout(60)
+def test_mamba2_scan_rule_cases():
+    """The HF Mamba-2 / Bamba constructs, each verified on values: in_proj's output held as its nested blocks
+    [z | x | B | C | dt] cut into z, x | B | C and dt (split_block_groups: the middle piece keeps the blocks of
+    its parts); a pad of the sequence alone keeps the heads split (its (0, 0) pairs); one B/C group repeated
+    for a rank's heads from a whole value (one_group: r / n a rank)."""
+    gen = torch.Generator().manual_seed(0)
+    x = make([2, 3, 4 + 4 + 8 + 8 + 2], "f", gen)
+    blocks = BlockShard(2, (4, 4, 8, 8, 2))
+    check(aten.split_with_sizes.default, (x, [4, 20, 2], -1), n=2, current=(blocks,), gen=gen,
+          expect=[((blocks,), (Shard(2), BlockShard(2, (4, 8, 8)), Shard(2)))], current_first=True)
+    h = make([2, 5, 4, 2], "f", gen)
+    check(aten.pad.default, (h, [0, 0, 0, 0, 0, 3, 0, 0], "constant", 0.0), n=2, current=(Shard(2),), gen=gen,
+          expect=[((Shard(2),), (Shard(2),)), ((Shard(3),), (Shard(3),))], current_first=True)
+    b = make([2, 5, 1, 3], "f", gen)
+    for kwargs in ({}, {"output_size": 4}):
+        check(aten.repeat_interleave.self_int, (b, 4, 2), kwargs, n=2, current=(R,), gen=gen,
+              expect=[((R,), (Shard(2),))])

@@ -308,13 +308,23 @@ def repeat_interleave(info: OpInfo) -> list[Strategy]:
         return [Strategy((R,), (R,), name="replicate")]
     out = [Strategy((Shard(d),), (Shard(d),), name="same_dim") for d in range(info.inputs[0].ndim)]
     out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    d = norm_dim(dim, info.inputs[0].ndim)
+    if same(info.inputs[0].shape[d], 1) and divisible(info.arg(1), info.n):
+        # one group repeated for every head (Mamba-2's B and C with n_groups = 1): each rank repeats the whole
+        # group for its own heads, r / n times, as expand splits a broadcast (its gradient: the ranks' sum)
+        out.append(Strategy((R,), (Shard(d),), name="one_group"))
     return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
 
 
 @localizer(aten.repeat_interleave.self_int)
 def _repeat_interleave_local(args, kwargs, in_p, out_p, local_shapes, n):
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    if dim is None:  # flattened first: replicated
+        return args, kwargs
+    for ins, o, size in zip(in_p, out_p, n):
+        if isinstance(o, Shard) and ins is not None and isinstance(ins[0], Replicate):  # one_group: r / n a rank
+            args = (args[0], args[1] // size, *args[2:])
     if kwargs.get("output_size") is not None:  # the result's size along dim, of the local piece
-        dim = args[2] if len(args) > 2 else kwargs["dim"]
         kwargs = dict(kwargs, output_size=local_shapes[0][dim % len(local_shapes[0])])
     return args, kwargs
 
@@ -379,7 +389,30 @@ def split(info: OpInfo) -> list[Strategy]:
     if (isinstance(cur, BlockShard) and cur.dim % nd == dim and cur.count == k and not unbind
             and all(divisible(s, info.n) for s in sizes) and _at_block_bounds(cur, info.inputs[0].shape[dim], sizes)):
         out.insert(0, Strategy((cur,), tuple(Shard(dim) for _ in range(k)), name="split_blocks"))
+    elif isinstance(cur, BlockShard) and cur.dim % nd == dim and not unbind and cur.count > k:
+        parts = _block_groups(cur, dim, info.inputs[0].shape[dim], sizes, info.n)
+        if parts is not None:
+            out.insert(0, Strategy((cur,), tuple(parts), name="split_block_groups"))
     return out
+
+
+def _block_groups(p: BlockShard, dim: int, n, sizes, size: int):
+    """The pieces' placements where pieces of ``sizes`` are runs of ``p``'s blocks (Mamba-2's in_proj held as
+    [z | x | B | C | dt] cut into z, x | B | C and dt): a piece of one block a ``Shard``, of several the
+    ``BlockShard`` of those blocks; None where a piece cuts a block or a block does not divide by ``size``."""
+    if not isinstance(n, int) or not all(isinstance(s, int) for s in sizes) or not p.divides(n, size):
+        return None
+    blocks, out, at = p.sizes(n), [], 0
+    for s in sizes:
+        run, total = [], 0
+        while total < s and at < len(blocks):
+            run.append(blocks[at])
+            total += blocks[at]
+            at += 1
+        if total != s or not all(b % size == 0 for b in run):
+            return None
+        out.append(Shard(dim) if len(run) == 1 else BlockShard(dim, tuple(run)))
+    return out if at == len(blocks) else None
 
 
 def _at_block_bounds(p: BlockShard, n, sizes) -> bool:
@@ -473,10 +506,15 @@ def view_as_complex(info: OpInfo) -> list[Strategy]:
 
 @rule(aten.pad.default, aten.constant_pad_nd.default)
 def pad(info: OpInfo) -> list[Strategy]:
+    """A dim the pad leaves alone may stay sharded: one before the last ``len(pad) // 2`` dims, or one of those
+    whose pair is (0, 0) (HF's Mamba-2 scan pads only the sequence of a (b, s, heads, head_dim) value:
+    ``(0, 0, 0, 0, 0, p, 0, 0)``, so its heads stay split)."""
     nd = info.inputs[0].ndim
-    padded = len(info.arg(1)) // 2  # pads the last `padded` dims
+    pads = list(info.arg(1))
+    untouched = [d for d in range(nd) if d < nd - len(pads) // 2 or all(
+        isinstance(v, int) and v == 0 for v in pads[2 * (nd - 1 - d):2 * (nd - 1 - d) + 2])]
     out = []
-    for d in range(nd - padded):
+    for d in untouched:
         out.append(Strategy((Shard(d),), (Shard(d),), name="other_dim"))
     out.sort(key=lambda s: s.inputs[0] != _cur(info))
     return out + [Strategy((R,), (R,), name="replicate")]
