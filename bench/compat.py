@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import pkgutil
 import subprocess
 import sys
@@ -211,20 +210,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     block = [b for b in args.block.split(",") if b]
     result = {"name": "compat", **_versions(), "machine": machine(), "commit": commit(), "blocked": block}
-    if args.out:
-        path = Path(args.out)
-    elif args.write:
-        major, minor = (result["torch"].split("+")[0].split(".") + ["0"])[:2]
-        path = RESULTS / f"compat_torch{major}{minor}.json"
-    else:
-        path = None
+    major, minor = (result["torch"].split("+")[0].split(".") + ["0"])[:2]
+    name = f"compat_torch{major}{minor}"
+    path = _results.destination(name, args.write, args.out)
 
-    def save():
+    def save():  # after each part: a run cut short keeps what it measured
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps(result, indent=1) + "\n")
-            os.replace(tmp, path)
+            _results.save(name, result, write=args.write, out=args.out)
 
     t0 = time.time()
     result["modules"] = import_all(block)

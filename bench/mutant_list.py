@@ -273,7 +273,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="runtime-grads-not-divided-by-token-count",
         file="runtime/module.py",
-        old="        leaves.finish(1.0 / stats[1], self._tp_partial)",
+        old="        leaves.finish(1.0 / (stats[1] * self._loss_scale()), self._tp_partial)",
         new="        leaves.finish(torch.ones_like(stats[1]), self._tp_partial)",
         description="gradients are not divided by the global token count: every gradient ~59x too large "
                     "(the loss stays right)",
@@ -282,7 +282,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="demo-grads-not-divided-by-token-count",
         file="runtime/module.py",
-        old="        leaves.finish(1.0 / stats[1], self._tp_partial)",
+        old="        leaves.finish(1.0 / (stats[1] * self._loss_scale()), self._tp_partial)",
         new="        leaves.finish(torch.ones_like(stats[1]), self._tp_partial)",
         description="the same bug seen by the demo (found blind: its test only read a heading): the "
                     "gradient norm's printed difference is bounded now",
@@ -295,13 +295,16 @@ MUTANTS: list[Mutant] = [
             '        if self._data_size > 1:\n'
             '            with self._comm.timed("all_reduce", "dp", stats):\n'
             '                dist.all_reduce(stats, group=self._comm.groups["data"])\n'
-            '        leaves.finish(1.0 / stats[1], self._tp_partial)',
+            '        # the gradients are sums over the tokens, times the loss scale (fp16): both divided out here, '
+            'before any\n'
+            '        # clipping\n'
+            '        leaves.finish(1.0 / (stats[1] * self._loss_scale()), self._tp_partial)',
         new='        stats = torch.stack([total, count])\n'
             '        local_count = stats[1].clone()\n'
             '        if self._data_size > 1:\n'
             '            with self._comm.timed("all_reduce", "dp", stats):\n'
             '                dist.all_reduce(stats, group=self._comm.groups["data"])\n'
-            '        leaves.finish(1.0 / local_count, self._tp_partial)',
+            '        leaves.finish(1.0 / (local_count * self._loss_scale()), self._tp_partial)',
         description="each dp rank divides the summed gradients by its own token count instead of the "
                     "global one (ranks count 27 and 32 targets)",
         targets=(_RT_DP,),
