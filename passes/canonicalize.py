@@ -60,6 +60,14 @@ from mcompile.meta import ATTENTION_CORE
 aten = torch.ops.aten
 
 
+
+def _recompiled(gm: fx.GraphModule, count: int) -> int:
+    """A rewrite's tail: the graph checked and its code regenerated when ``count`` nodes were rewritten."""
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count
+
 def _fake_call(target, args, kwargs=None, like: fx.Node | None = None):
     """Run ``target`` on the fake values of its node arguments: the new node's ``meta["val"]`` (in the
     fake mode of a tensor argument, or of ``like``'s value for a factory such as ``arange(size)``)."""
@@ -118,10 +126,7 @@ def _sized_like_other(gm: fx.GraphModule, src_op, dst_op) -> int:
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _recompiled(gm, count)
 
 
 def conv1d_to_matmul(gm: fx.GraphModule) -> int:
@@ -203,10 +208,7 @@ def functional_inplace(gm: fx.GraphModule) -> int:
         gm.graph.erase_node(n)
         order[new] = order[n]
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _recompiled(gm, count)
 
 
 _FRESH = {aten.new_empty.default, aten.new_zeros.default, aten.empty.memory_format, aten.zeros.default,
@@ -269,10 +271,7 @@ def tiled_writes_to_cat(gm: fx.GraphModule) -> int:
             gm.graph.erase_node(sl)
         gm.graph.erase_node(base)
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _recompiled(gm, count)
 
 
 _TRANSPOSES = {aten.numpy_T.default, aten.t.default, aten.transpose.int, aten.permute.default}
@@ -302,10 +301,7 @@ def transposed_weight_to_linear(gm: fx.GraphModule) -> int:
         if not wt.users:
             gm.graph.erase_node(wt)
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _recompiled(gm, count)
 
 
 def view_as_to_view(gm: fx.GraphModule) -> int:
@@ -375,10 +371,7 @@ def projection_norm_statistics(gm: fx.GraphModule) -> int:
         node.replace_all_uses_with(y)
         g.erase_node(node)
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _recompiled(gm, count)
 
 
 def drop_noop_slices(gm: fx.GraphModule) -> int:
@@ -552,10 +545,7 @@ def unflatten_rowwise(gm: fx.GraphModule) -> int:
             if not f.users:
                 gm.graph.erase_node(f)
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _recompiled(gm, count)
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -615,10 +605,7 @@ def attention_dropout_to_math(gm: fx.GraphModule) -> int:
         node.replace_all_uses_with(out)
         g.erase_node(node)
         count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _recompiled(gm, count)
 
 
 def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
