@@ -163,6 +163,11 @@ def pool(n: int):
     """A live pool of n gloo worker processes, kept for the whole session (started on first use)."""
     from mcompile.runtime.launch import WorkerPool
 
+    group = _CURRENT[-1].get_closest_marker("xdist_group") if _CURRENT else None
+    if _CURRENT and (group is None or group.args[0] != "processes"):
+        raise RuntimeError(f"{_CURRENT[-1].nodeid} starts a worker pool, but conftest's reading of its source did "
+                           "not find it (_STARTS_PROCESSES): it would run beside another multi-process test under "
+                           "xdist. Call pool() where the test (or a tests/ function it calls by name) shows it.")
     p = _POOLS.pop(n, None)
     if p is None or not p.alive:
         if p is not None:
@@ -190,21 +195,111 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"gloo worker pools started: {len(POOL_STARTS)} (ranks x times: {sizes})")
 
 
+# the names by which a test starts processes: a worker pool, a CLI run, a spawned world
+_STARTS_PROCESSES = frozenset({"pool", "subprocess", "WorkerPool", "spawn", "_run_cli"})
+_FUNCS: dict[str, dict] = {}
+
+
+def _module_functions(path: str) -> dict:
+    """name -> (ast.FunctionDef, path) of ``path``'s module-level functions, plus the functions it imports by name
+    from the other modules of tests/ (``from runtime_cases import check``), resolved in their own file."""
+    if path not in _FUNCS:
+        import ast
+
+        _FUNCS[path] = {}
+        try:
+            tree = ast.parse(open(path).read())
+        except (OSError, SyntaxError):
+            return _FUNCS[path]
+        here = os.path.dirname(path)
+        found = {n.name: (n, path) for n in tree.body if isinstance(n, ast.FunctionDef)}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+                other = os.path.join(here, n.module + ".py")
+                if os.path.exists(other) and other != path:
+                    for a in n.names:
+                        found.setdefault(a.asname or a.name, ("import", other, a.name))
+        _FUNCS[path] = found
+    return _FUNCS[path]
+
+
+def _starts_processes(path: str, name: str, seen: set) -> bool:
+    """Whether function ``name`` of ``path`` (or a function of tests/ it calls, transitively) names a way to start
+    processes (:data:`_STARTS_PROCESSES`): read from the source, never run."""
+    import ast
+
+    entry = _module_functions(path).get(name)
+    if entry is None or (path, name) in seen:
+        return False
+    seen.add((path, name))
+    if entry[0] == "import":
+        return _starts_processes(entry[1], entry[2], seen)
+    node = entry[0]
+    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    names |= {a.asname or a.name for n in ast.walk(node) if isinstance(n, ast.ImportFrom) for a in n.names}
+    return bool(names & _STARTS_PROCESSES) or any(_starts_processes(path, n, seen) for n in names)
+
+
+def _uses_processes(item) -> bool:
+    path, func = str(item.path), getattr(item, "originalname", item.name)
+    seen: set = set()
+    if _starts_processes(path, func, seen):
+        return True
+    for fixture in getattr(item, "fixturenames", ()):  # a fixture of the file or of this conftest
+        if _starts_processes(path, fixture, seen) or _starts_processes(__file__, fixture, seen):
+            return True
+    return False
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns xdist_group marks into node id suffixes
 def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n N --dist loadgroup`` (pytest-xdist; docs/testing.md), a test that uses a module- or
-    class-scoped fixture runs in the same process as the rest of its file, so the fixture (a training run, a set of
-    plans) is built once; every other test is scheduled on its own."""
+    """Under ``pytest -n 2 --dist loadgroup`` (pytest-xdist; the README's command, docs/testing.md): every test that
+    starts processes (a gloo worker pool, a CLI run) is in one group, run serially by one xdist process, while the
+    other runs the in-process tests: two multi-process tests never share the two cores (each world of 2-4 ranks
+    spins on its collectives; two at once ran every test 1.7x slower). A file with a module- or class-scoped fixture
+    runs whole in one process (the fixture is built once): in the processes' group if any of its tests starts
+    processes, in a group of its own otherwise."""
+    by_file: dict = {}
     for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        defs = info.name2fixturedefs.values() if info is not None else ()
-        if any(d[-1].scope in ("module", "class", "package") for d in defs if d):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        by_file.setdefault(str(item.path), []).append(item)
+    for file_items in by_file.values():
+        procs = [_uses_processes(item) for item in file_items]
+        shared = any(_shares_a_fixture(item) for item in file_items)
+        for item, p in zip(file_items, procs):
+            if p or (shared and any(procs)):
+                item.add_marker(pytest.mark.xdist_group("processes"))
+            elif shared and _shares_a_fixture(item):
+                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _shares_a_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d[-1].scope in ("module", "class", "package") for d in defs if d)
+
+
+_CURRENT: list = []  # the test running now (pool() checks that it was scheduled with the multi-process tests)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _CURRENT.append(item)
+    try:
+        yield
+    finally:
+        _CURRENT.pop()
 
 
 def pytest_sessionfinish(session, exitstatus):
     for p in _POOLS.values():
         p.close()
+    if hasattr(session.config, "workeroutput"):  # an xdist process: its pool starts go to the controller's summary
+        session.config.workeroutput["pool_starts"] = list(POOL_STARTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    POOL_STARTS.extend(getattr(node, "workeroutput", {}).get("pool_starts", ()))
 
 
 def tiered(cases, ci) -> list:
