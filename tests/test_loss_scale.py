@@ -20,6 +20,24 @@ from mcompile.runtime.loss_scale import DynamicLossScaler, nonfinite
 from conftest import pool
 
 
+def test_a_skipped_step_does_not_advance_the_learning_rate_schedule():
+    """mcompile train's step s runs at lr_at(s - skipped): an overflowed (skipped) step applies no update and, as
+    Megatron's scheduler (advanced only after a successful update), leaves the schedule where it was; the count
+    is the scaler's, which a checkpoint saves, so a resumed run is at the same position."""
+    from types import SimpleNamespace
+
+    from mcompile.train.loop import applied_updates
+
+    pm = SimpleNamespace(loss_scaler=DynamicLossScaler(2.0**16))
+    assert [applied_updates(s, pm) for s in (1, 2)] == [1, 2]
+    pm.loss_scaler.update(True)  # step 2 overflowed: skipped
+    assert applied_updates(3, pm) == 2  # step 3 takes the update step 2 would have
+    resumed = SimpleNamespace(loss_scaler=DynamicLossScaler(2.0**16))
+    resumed.loss_scaler.load_state_dict(pm.loss_scaler.state_dict())
+    assert applied_updates(3, resumed) == 2
+    assert applied_updates(3, SimpleNamespace()) == 3  # bf16 / fp32: no scaler, no skipped step
+
+
 def test_scaler_rule_backoff_growth_floor_hysteresis():
     s = DynamicLossScaler(2.0**16, growth_interval=3, min_scale=2.0**15)
     s.update(True)

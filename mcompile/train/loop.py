@@ -161,6 +161,15 @@ _PARALLEL_OPTIONS = ("sequence_parallel", "zero", "microbatches", "schedule", "v
                      "fuse")
 
 
+def applied_updates(step: int, pm) -> int:
+    """The learning-rate schedule's position at ``step``: the steps whose update was applied before it, plus one.
+    Under fp16 an overflowed step is skipped (no update) and, as in Megatron (its scheduler advances only on a
+    successful update), does not advance the schedule: after k skipped steps, step s runs at lr_at(s - k). The
+    count is the loss scaler's, which checkpoints save, so a resumed run continues at the same position."""
+    scaler = getattr(pm, "loss_scaler", None)
+    return step - (scaler.skipped_steps if scaler is not None else 0)
+
+
 def _options(cfg: TrainConfig) -> dict:
     """parallelize's options (mcompile.Config fields) from [parallel] and [train]; under plan "auto" only
     what the user set (the search keeps given options fixed and chooses the rest)."""
@@ -428,7 +437,7 @@ def _train(cfg: TrainConfig) -> dict:
         if cfg.debug.kill_step == step and cfg.debug.kill_rank == rank and restart == 0:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): the elastic agent restarts all
-        lr = lr_at(step, cfg)
+        lr = lr_at(applied_updates(step, pm), cfg)
         for group in opt.param_groups:
             group["lr"] = lr
         tokens, targets = data.batch(consumed, tc.global_batch)
