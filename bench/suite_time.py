@@ -4,11 +4,13 @@
     python bench/suite_time.py --compare BEFORE.json AFTER.json     # per-file table, markdown
 
 
-Runs ``python -m pytest -q --junitxml=...`` (the CI tier unless pytest arguments after
-``--`` say otherwise, e.g. ``-- -m slow``), then reads the JUnit XML pytest wrote: each test's time
-there is its setup + call + teardown, so a session fixture's cost lands on the first test that uses it
-(a worker pool's start, a shared capture). ``--from-xml`` reads an XML a previous run wrote instead of
-running anything (a CI log's). Writes ``bench/results/suite_time.json`` with ``--write``.
+Runs ``python -m pytest -q -n 2 --dist loadgroup --junitxml=...`` (the README's CI tier, on two pytest-xdist
+processes; pytest arguments after ``--`` replace ``-n 2 --dist loadgroup``, e.g. ``-- -m slow``), then reads the
+JUnit XML pytest wrote: each test's time there is its setup + call + teardown, so a session fixture's cost lands
+on the first test that uses it (a worker pool's start, a shared capture); under xdist the per-test times add up
+to more than the wall time, and a test's node id loses the ``@group`` suffix xdist gives it. ``--from-xml``
+reads an XML a previous run wrote instead of running anything (a CI log's). Writes
+``bench/results/suite_time.json`` with ``--write``.
 
 The figures are wall-clock seconds on whatever machine ran it: compare files within one run, and runs
 only on the same machine, quiet (the record says how many cores and the load average at the start).
@@ -48,6 +50,8 @@ def parse(xml_path: Path) -> dict:
             elif child.tag == "skipped":
                 outcome = "xfailed" if "xfail" in (child.get("type", "") + child.get("message", "")) else "skipped"
         outcomes[outcome] += 1
+        if "@" in name and name.rfind("@") > name.rfind("]"):  # xdist's --dist loadgroup suffix: test@group
+            name = name[:name.rfind("@")]
         node = path + "::" + ".".join(parts[module + 1:] + [name])
         tests.append({"test": node, "seconds": round(seconds, 3), "outcome": outcome})
         files[path]["seconds"] += seconds
@@ -97,7 +101,8 @@ def main() -> int:
         rc = None
     else:
         xml_path = Path(tempfile.mkdtemp(prefix="mcompile-suite-")) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={xml_path}", *args.pytest_args]
+        cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={xml_path}",
+               *(args.pytest_args or ["-n", "2", "--dist", "loadgroup"])]
         t0 = time.perf_counter()
         rc = subprocess.run(cmd, cwd=_results.ROOT).returncode
         wall = round(time.perf_counter() - t0, 1)
