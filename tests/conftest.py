@@ -219,6 +219,11 @@ def _module_functions(path: str) -> dict:
                 if os.path.exists(other) and other != path:
                     for a in n.names:
                         found.setdefault(a.asname or a.name, ("import", other, a.name))
+            elif isinstance(n, ast.Import):  # import compositions_cases as C: C.run_layout is that file's function
+                for a in n.names:
+                    other = os.path.join(here, a.name + ".py")
+                    if os.path.exists(other) and other != path:
+                        found.setdefault(a.asname or a.name, ("module", other))
         _FUNCS[path] = found
     return _FUNCS[path]
 
@@ -234,10 +239,17 @@ def _starts_processes(path: str, name: str, seen: set) -> bool:
     seen.add((path, name))
     if entry[0] == "import":
         return _starts_processes(entry[1], entry[2], seen)
+    if entry[0] == "module":
+        return False
     node = entry[0]
     names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
     names |= {a.asname or a.name for n in ast.walk(node) if isinstance(n, ast.ImportFrom) for a in n.names}
-    return bool(names & _STARTS_PROCESSES) or any(_starts_processes(path, n, seen) for n in names)
+    functions = _module_functions(path)
+    attributes = [(functions[n.value.id][1], n.attr) for n in ast.walk(node)
+                  if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                  and functions.get(n.value.id, ("",))[0] == "module"]
+    return bool(names & _STARTS_PROCESSES) or any(_starts_processes(path, n, seen) for n in names) \
+        or any(_starts_processes(other, attr, seen) for other, attr in attributes)
 
 
 def _uses_processes(item) -> bool:
