@@ -1,7 +1,7 @@
 """The first GPU user's check: a Llama-3-8B-shaped model trained through ``mcompile.parallelize`` on one GPU.
 
     python bench/gpu_step.py           # CUDA, one GPU, 1-rank NCCL mesh -> $OUT/gpu_step.json (--out PATH)
-    python bench/gpu_step.py --smoke   # CPU, tiny shapes, 1-rank gloo mesh: the same code path, ~20 s
+    python bench/gpu_step.py --smoke   # CPU, tiny shapes, 1-rank gloo mesh: the same code path, ~20 s of CPU
     OUT=... BENCH=gpu_step BUDGET=400 HARD_LIMIT=450 bash bench/gpu_run.sh   # the prepared command (docs)
     options: --items a,b (a subset, in the order below) --layers N --seq S --steps K --warmup W --budget S
 
@@ -28,9 +28,11 @@ then are listed under ``skipped``.
   ``--items`` names it: Inductor's C++ compile of the CPU programs takes minutes).
 - bench/kernels.py's items (its functions, imported): the device's copy bandwidth, each fused kernel
   against the PyTorch code it replaces at the model's width, the FP8-vs-bf16 GEMM, the FP8 linears
-  at Llama-3 8B's shapes and its MLP block. Under ``--smoke`` the kernels run where bench/kernels.py
-  --smoke runs them: Triton's interpreter when TRITON_INTERPRET=1 is set, else the PyTorch reference
-  (each row's ``triton`` says which).
+  at Llama-3 8B's shapes and its MLP block; then the MoE experts' grouped GEMM (``grouped_mm``,
+  Mixtral 8x7B's expert shapes): the op the MoE runtime runs on CUDA (Triton) against
+  ``torch._grouped_mm``. Under ``--smoke`` the kernels run where bench/kernels.py --smoke runs them:
+  Triton's interpreter when TRITON_INTERPRET=1 is set, else the PyTorch reference (each row's
+  ``triton`` says which).
 - ``mcompile_fp32`` (``dtype=torch.float32``: the TF32 switches recorded, the step against the cost
   model's fp32 price), ``mcompile_fp16`` (``dtype=torch.float16``: the dynamic loss scale and the
   skipped steps).
@@ -521,6 +523,26 @@ def run(args, out: Path) -> dict:
     return result
 
 
+def bench_grouped_mm(rows: int, groups: int, a: int, b: int, device, timer) -> dict:
+    """The MoE experts' grouped GEMM (x (rows, a) by w (groups, a, b), equal contiguous row groups, bf16),
+    forward and forward + backward, as the MoE runtime calls it (``kernels.grouped_gemm``): its PyTorch
+    path (``torch._grouped_mm``; the row's "bf16" figures, the reference) against the op the runtime
+    takes on CUDA (``triton``: the Triton kernels there; elsewhere the same PyTorch path)."""
+    from mcompile.kernels import grouped_gemm as gg
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(rows, a, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(groups, a, b, generator=g) * a ** -0.5).to(device, torch.bfloat16)
+    dy = torch.randn(rows, b, generator=g).to(device, torch.bfloat16)
+    offs = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * (rows // groups)
+    impls = {"bf16": lambda x, w: gg._ExpertsMM.apply(x, w, offs, False),
+             "triton": lambda x, w: gg._ExpertsMM.apply(x, w, offs, True)}
+    row = {"layer": "grouped_mm", "rows": rows, "groups": groups, "in_features": a, "out_features": b,
+           "dtype": "bfloat16", "triton_kernels": bool(gg.uses_triton(device)),
+           "bf16_is": "torch._grouped_mm (kernels.grouped_gemm's PyTorch path)"}
+    return kb._bench_layer(row, impls, [x, w], ["dx", "dw"], dy, 2 * rows * a * b, device, timer)
+
+
 def kernel_items(result: dict, device, smoke: bool, seq: int) -> list:
     """bench/kernels.py's items at this run's shapes, into result["kernels"], ["gemm"], ["layers"]."""
     dtype = torch.bfloat16
@@ -529,10 +551,13 @@ def kernel_items(result: dict, device, smoke: bool, seq: int) -> list:
     gemms = [64] if smoke else [4096, 8192]
     layers = [(64, 64)] if smoke else kb._shapes(kb.LAYER_SHAPES)
     mlp = [(64, 128)] if smoke else kb._shapes(kb.MLP_SHAPE)
+    # Mixtral 8x7B's experts: 8 of them, top-2 of 8192 tokens, hidden 4096 -> 14336
+    grouped = (64, 4, 64, 128) if smoke else (2 * 8192, 8, 4096, 14336)
     timer = kb.Timer(device, 1, 3) if smoke else kb.Timer(device, 10, 30)
     layer_timer = kb.Timer(device, 0, 1) if smoke else timer
     result["kernel_settings"] = {"tokens": tokens, "width": width, "ops": list(KERNEL_OPS), "gemm": gemms,
                                  "layer_shapes_kxn": [list(s) for s in layers], "mlp_hxf": [list(s) for s in mlp],
+                                 "grouped_mm_rows_groups_a_b": list(grouped),
                                  "warmup_repeats": [timer.warmup, timer.repeats], "torch_compile": "not run here "
                                  "(bench/kernels.py measures the torch.compile baselines)"}
 
@@ -550,6 +575,8 @@ def kernel_items(result: dict, device, smoke: bool, seq: int) -> list:
     items += [(f"gemm n={n}", lambda n=n: result["gemm"].append(kb.bench_gemm(n, device, timer))) for n in gemms]
     items += [(f"linear {k}x{n}", lambda k=k, n=n: layer(kb.bench_linear, k, n)) for k, n in layers]
     items += [(f"llama_mlp {h}x{f}", lambda h=h, f=f: layer(kb.bench_mlp, h, f)) for h, f in mlp]
+    items.append((f"grouped_mm {'x'.join(map(str, grouped))}",
+                  lambda: result["layers"].append(bench_grouped_mm(*grouped, device, layer_timer))))
     return items
 
 

@@ -2,11 +2,12 @@
 
 One subprocess runs the script's every item at tiny shapes on a 1-rank gloo mesh (the GPU run's code
 path on a 1-rank NCCL mesh): the plain PyTorch reference, mcompile's default, fuse=True, fp8="current",
-fp32 and fp16 (the Inductor item is left out by --smoke, and says why), and bench/kernels.py's kernel /
-GEMM / FP8-layer items. Checked: every item is there and ran, with its figures; parity — each mcompile
-setup's losses over every step against the reference's (the same weights, batch and steps); the
-fused flash SDPA ran in every program; the memory model's prediction sits next to the measured peak;
-the GPU-only measurements are recorded as skipped with the reason. Not checked: any timing (DESIGN §8).
+fp32 and fp16 (the Inductor item is left out by --smoke, and says why), bench/kernels.py's kernel /
+GEMM / FP8-layer items and the MoE experts' grouped GEMM. Checked: every item is there and ran, with
+its figures; parity — each mcompile setup's losses over every step against the reference's (the same
+weights, batch and steps); the fused flash SDPA ran in every program; the memory model's prediction
+sits next to the measured peak; the GPU-only measurements are recorded as skipped with the reason.
+Not checked: any timing (DESIGN §8).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def test_gpu_step_smoke_runs_every_item_with_parity(tmp_path):
     items = [t["item"] for t in d["timeline"]]
     assert items == (["torch", "mcompile", "mcompile_fuse", "mcompile_fp8", "copy bandwidth"]
                      + [f"kernel {op} w=64" for op in KERNEL_OPS]
-                     + ["gemm n=64", "linear 64x64", "llama_mlp 64x128", "mcompile_fp32", "mcompile_fp16"])
+                     + ["gemm n=64", "linear 64x64", "llama_mlp 64x128", "grouped_mm 64x4x64x128", "mcompile_fp32",
+                        "mcompile_fp16"])
     assert all(t["outcome"] == "ok" for t in d["timeline"])
     assert set(d["items"]) == {"torch"} | MCOMPILE_ITEMS
 
@@ -89,6 +91,9 @@ def test_gpu_step_smoke_runs_every_item_with_parity(tmp_path):
         assert k["max_abs_diff_vs_eager"] < 0.1 and k["fwd"]["fused_s"] > 0 and k["fwd_bwd"]["eager_s"] > 0, k["op"]
     (gemm,) = d["gemm"]
     assert gemm["bf16_tflops"] > 0 and ("fp8_tflops" in gemm or "fp8_skipped" in gemm)
-    assert [r["layer"] for r in d["layers"]] == ["linear", "llama_mlp"]
-    for r in d["layers"]:
+    assert [r["layer"] for r in d["layers"]] == ["linear", "llama_mlp", "grouped_mm"]
+    for r in d["layers"][:2]:  # E4M3 operands, E5M2 gradients: a few percent; a wrong op is off by O(1)
         assert all(0 < e < 0.3 for e in r["fp8_rel_err"].values()), r
+    grouped = d["layers"][2]  # the MoE experts' GEMM: the runtime's op against torch._grouped_mm
+    assert grouped["fwd_bwd"]["triton_s"] > 0 and set(grouped["triton_rel_err"]) == {"y", "dx", "dw"}
+    assert all(e < 1e-2 for e in grouped["triton_rel_err"].values()), grouped
