@@ -361,6 +361,7 @@ def measure(name: str, options: dict | None, ctx: dict, row: dict, write) -> Non
     device, steps, warmup = ctx["device"], ctx["steps"], ctx["warmup"]
     row.update(kind="torch" if options is None else "mcompile", options=options or {},
                tf32_before=_tf32())
+    gc.collect()  # a failed item's setup (held by its traceback until now) goes before this one is built
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
