@@ -68,9 +68,10 @@ def test_gpu_step_smoke_runs_every_item_with_parity(tmp_path):
     for name in MCOMPILE_ITEMS:
         r = d["items"][name]
         assert r["plan_collectives"] == 0  # one rank: nothing to communicate
-        # parity: the same weights, batch and AdamW steps as the reference, bf16 compute in both (fp32 / fp16:
-        # mcompile's own dtype) — a bf16 rounding apart at most (2^-8 relative); FP8's E4M3 operands more
-        tol = 2e-2 if name == "mcompile_fp8" else 4e-3
+        # parity: the same weights, batch and AdamW steps as the reference (bf16 compute under autocast; mcompile
+        # in bf16, or its fp32 / fp16): measured within 1e-4 relative, FP8's E4M3 operands 2.3e-4; one AdamW step
+        # moves the loss by ~5e-3 relative here, so a lost or doubled update, or wrong gradients, fail
+        tol = 3e-3 if name == "mcompile_fp8" else 1e-3
         assert r["losses_max_rel_diff_vs_torch"] < tol, (name, r["losses"], ref["losses"])
         assert r["loss0_rel_diff_vs_torch"] <= r["losses_max_rel_diff_vs_torch"]
         pred = r["predicted"]
