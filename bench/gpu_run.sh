@@ -2,19 +2,22 @@
 # The one prepared command for a lent GPU machine, run from the repository root:
 #
 #     MCOMPILE_COMMIT=<sha>[+dirty] bash bench/gpu_run.sh [extra bench/kernels.py options]
+#     MCOMPILE_COMMIT=<sha>[+dirty] BENCH=gpu_step BUDGET=400 HARD_LIMIT=450 bash bench/gpu_run.sh
 #
 # Installs nothing. It prints nvidia-smi and the versions, makes the project importable through a
 # folder of symbolic links laid out as pyproject.toml's package-dir maps it (mcompile/ holds the
 # files of mcompile/, mcompile/kernels -> kernels/, ...; plain PYTHONPATH=. cannot find
-# mcompile.kernels, whose source is ./kernels), then runs `python bench/kernels.py` under the time
-# budget. The JSON and the console log are written straight into $OUT when it is set (else
-# bench/results/): bench/kernels.py rewrites its JSON after every item, so a run stopped by the
-# command's time limit still leaves everything measured until then, marked incomplete.
+# mcompile.kernels, whose source is ./kernels), then runs `python bench/$BENCH.py` under the time
+# budget. The JSON and the console log ($BENCH.json, $BENCH.log) are written straight into $OUT when
+# it is set (else bench/results/): bench/kernels.py and bench/gpu_step.py rewrite their JSON after
+# every item, so a run stopped by the command's time limit still leaves everything measured until
+# then, marked incomplete.
 #
-# Environment: PYTHON (python3), BUDGET (480 s, counted from the script's start, compilation
-# included: items not started by then are skipped and listed), HARD_LIMIT (540 s: a `timeout` around
-# the benchmark; with the ~30 s of versions and imports before it, the whole command stays under a
-# 600 s limit), MCOMPILE_COMMIT (the commit to record where the copied tree has no .git).
+# Environment: BENCH (kernels: bench/kernels.py, the default; gpu_step: bench/gpu_step.py), PYTHON
+# (python3), BUDGET (480 s, counted from the script's start, compilation included: items not started
+# by then are skipped and listed), HARD_LIMIT (540 s: a `timeout` around the benchmark; with the ~30 s
+# of versions and imports before it, the whole command stays under a 600 s limit; gpu_step's 8-minute
+# run: BUDGET=400 HARD_LIMIT=450), MCOMPILE_COMMIT (the commit to record where the copied tree has no .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,7 +26,9 @@ budget="${BUDGET:-480}"
 hard_limit="${HARD_LIMIT:-540}"
 dest="${OUT:-bench/results}"
 mkdir -p "$dest"
-log="$dest/kernels.log"
+bench="${BENCH:-kernels}"
+case "$bench" in kernels|gpu_step) ;; *) echo "BENCH=$bench: use kernels or gpu_step" >&2; exit 2 ;; esac
+log="$dest/$bench.log"
 unset TRITON_INTERPRET  # the real kernels, not the interpreter
 export PYTHONUNBUFFERED=1
 
@@ -69,9 +74,9 @@ then
 fi
 
 timeout --signal=TERM --kill-after=20 "$hard_limit" \
-  "$py" bench/kernels.py --budget "$budget" --out "$dest/kernels.json" "$@" 2>&1 | tee -a "$log"
+  "$py" "bench/$bench.py" --budget "$budget" --out "$dest/$bench.json" "$@" 2>&1 | tee -a "$log"
 rc=${PIPESTATUS[0]}
-echo "== bench/kernels.py exited $rc$( [ "$rc" = 124 ] && echo ' (stopped by HARD_LIMIT)'); $(date -u +%H:%M:%SZ)" \
+echo "== bench/$bench.py exited $rc$( [ "$rc" = 124 ] && echo ' (stopped by HARD_LIMIT)'); $(date -u +%H:%M:%SZ)" \
   | tee -a "$log"
 ls -l "$dest" || true
 exit "$rc"

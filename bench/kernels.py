@@ -570,11 +570,12 @@ class Run:
     """The ordered work of one run, its JSON rewritten after every item (atomically: a kill leaves a
     whole file), and the time budget."""
 
-    def __init__(self, result: dict, out: Path, budget: float | None):
+    def __init__(self, result: dict, out: Path, budget: float | None, t_start: float | None = None):
         self.result, self.out, self.budget = result, out, budget
+        self.t_start = T_START if t_start is None else t_start  # the budget and "seconds" count from here
 
     def write(self) -> None:
-        self.result["seconds"] = time.perf_counter() - T_START
+        self.result["seconds"] = time.perf_counter() - self.t_start
         self.out.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.out.with_name(self.out.name + ".tmp")
         tmp.write_text(json.dumps(self.result, indent=1) + "\n")
@@ -585,7 +586,7 @@ class Run:
         current = None
         try:
             for i, (name, fn) in enumerate(items):
-                elapsed = time.perf_counter() - T_START
+                elapsed = time.perf_counter() - self.t_start
                 if self.budget and elapsed >= self.budget:
                     r["skipped"] = [{"item": n, "reason": f"--budget {self.budget:.0f} s spent ({elapsed:.0f} s "
                                                           "elapsed)"} for n, _ in items[i:]]
@@ -603,7 +604,7 @@ class Run:
                     r["errors"].append(f"{name}: {_err(exc, 800)}")
                     print(f"error: {name}: {_err(exc, 300)}", flush=True)
                     outcome = "error"
-                r["timeline"].append({"item": name, "start_s": round(t0 - T_START, 2),
+                r["timeline"].append({"item": name, "start_s": round(t0 - self.t_start, 2),
                                       "seconds": round(time.perf_counter() - t0, 2), "outcome": outcome})
                 current = None
             r["complete"] = not r["skipped"]
