@@ -25,7 +25,7 @@ import warnings
 import pytest
 import torch
 import torch.fx as fx
-from sim_harness import rank_args
+from sim_harness import combine_grads, rank_args
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -35,7 +35,7 @@ from mcompile.passes import collective_matmul as CM
 from mcompile.passes.overlap import OverlapError, check_waits, is_start, is_wait
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
-from conftest import compiled
+from conftest import build, compiled
 
 aten = torch.ops.aten
 MM = (aten.mm.default, aten.addmm.default)
@@ -166,12 +166,32 @@ def test_check_waits_rejects_a_wait_after_a_reader():
         check_waits(gm)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,k", [(2, 2), (4, 4)])
+def test_batch_one_chunks_each_ranks_sequence_shard_and_equals_unrewritten(n, k):
+    # at batch 1 the only dim to chunk is the gathered / scattered sequence: rank-strided chunks (the j-th block
+    # of every rank's shard); a chunk from the wrong rank or block, or a wrong interleave, changes the result
+    shapes = _shapes(1, 2 * n * k, 8, 12)
+    ref, new = _trace(n, shapes), _trace(n, shapes)
+    dec = CM.rewrite(new, tp_overlap=k)
+    assert [(d.pattern, d.chunks) for d in dec] == [(CM.AG_MM, k), (CM.MM_RS, k)], [str(d) for d in dec]
+    assert new.code.count("mcompile.start_all_gather.default(") == k
+    assert new.code.count("mcompile.start_reduce_scatter.default(") == k
+    # the permutes around the sequence gather only move the batch dim of size 1: no contiguous copy of a chunk
+    assert not any(nd.target is aten.clone.default and nd.args[0].target is aten.permute.default
+                   for nd in new.graph.nodes)
+    check_waits(new)
+    for want, got in _run(n, [ref, new], shapes):
+        for w, g in zip(want, got):
+            _close(g, w)
+
+
 @pytest.mark.timeout(60)
-def test_batch_one_and_unmatched_ops_are_skipped_with_the_reason():
-    gm = _trace(2, _shapes(1, 4, 8, 12))
+def test_unchunkable_op_is_skipped_with_the_reason():
+    gm = _trace(2, _shapes(1, 1, 8, 12))  # batch 1, one sequence row per rank: nothing to split
     dec = CM.rewrite(gm, tp_overlap=2)
     assert [d.chunks for d in dec] == [1, 1], dec
-    assert all("no dim to chunk (batch 1?)" in d.reason for d in dec), dec
+    assert all("no k >= 2 divides each rank's share" in d.reason for d in dec), [str(d) for d in dec]
     assert "start_" not in gm.code
 
 
@@ -179,11 +199,28 @@ def test_batch_one_and_unmatched_ops_are_skipped_with_the_reason():
 _TRACE = threading.Lock()
 
 
+# (sequence_parallel, batch) -> tp collectives rewritten in the forward, in the backward; skipped (reading no matmul)
+_LLAMA_CASES = {
+    # per layer (2) attention and MLP each gather in and reduce-scatter out, plus the LM head's gather: 9 rewritten;
+    # the embedding's reduce-scatter (forward), its gradient's gather (backward) and the vocab-parallel loss's two
+    # all-reduces (forward) touch no matmul. At batch 1 the same 9: the sequence, not the batch, is chunked
+    # (rank-strided)
+    (True, 2): (9, 9, 4),
+    (True, 1): (9, 9, 4),
+    # without SP: per layer attention and MLP each all-reduce their row-parallel output (4), and in backward the
+    # input gradient of each block and of the LM head (5); the vocab-parallel embedding's and loss's all-reduces
+    # (forward) read no matmul
+    (False, 1): (4, 5, 3),
+}
+
+
 @pytest.mark.timeout(300)
-def test_llama3_tiny_tp2_sp_forward_and_backward_equal_unrewritten():
+@pytest.mark.parametrize("sp,batch", list(_LLAMA_CASES))
+def test_llama3_tiny_tp2_forward_and_backward_equal_unrewritten_and_single_device(sp, batch):
     from mcompile.passes.joint import partition, saved_for_policy, trace_joint
 
-    _, inputs, c, _ = compiled("llama3-tiny", "tp=2", True)
+    _, _, c, _ = compiled("llama3-tiny", "tp=2", sp)  # the plan is symbolic in the batch: traced at this batch
+    model, inputs = build("llama3-tiny", batch=batch)
     state = c.captured.state_values()
     per_rank = []
     for r in range(2):
@@ -194,20 +231,21 @@ def test_llama3_tiny_tp2_sp_forward_and_backward_equal_unrewritten():
         ref, new = partition(jg, saved), partition(jg, saved)
         dec = CM.rewrite(new.forward, tp_overlap=2, where="forward") + \
             CM.rewrite(new.backward, tp_overlap=2, where="backward")
-        per_rank.append((args, jg, ref, new, dec))
+        names = [n.name for n in prog.graph.nodes if n.op == "placeholder"]
+        per_rank.append((args, jg, ref, new, dec, names))
     dec = per_rank[0][4]
-    for where in ("forward", "backward"):
-        done = [d for d in dec if d.where == where and d.chunks == 2]
-        skipped = [d for d in dec if d.where == where and d.chunks == 1]
-        # per layer (2) attention and MLP each gather in and reduce-scatter out, plus the LM head's gather:
-        # 9 rewritten; the embedding's reduce-scatter (forward) and its gradient's gather (backward) touch
-        # no matmul
-        assert len(done) == 9 and len(skipped) == 1, [str(d) for d in dec]
-        assert "matmul" in skipped[0].reason
-    assert "start_all_gather" in per_rank[0][3].backward.code and "start_reduce_scatter" in per_rank[0][3].forward.code
+    n_fwd, n_bwd, n_skipped = _LLAMA_CASES[sp, batch]
+    done = {w: [d for d in dec if d.where == w and d.chunks == 2] for w in ("forward", "backward")}
+    skipped = [d for d in dec if d.chunks == 1]
+    assert (len(done["forward"]), len(done["backward"])) == (n_fwd, n_bwd), [str(d) for d in dec]
+    assert len(skipped) == n_skipped and all("matmul" in d.reason for d in skipped), \
+        [str(d) for d in skipped]
+    assert {d.pattern for d in done["forward"] + done["backward"]} == ({CM.AG_MM, CM.MM_RS} if sp else {CM.MM_AR})
+    code = per_rank[0][3].forward.code + per_rank[0][3].backward.code
+    assert ("start_all_gather" in code and "start_reduce_scatter" in code) if sp else "start_all_reduce" in code
 
     def rank(r):
-        args, jg, ref, new, _ = per_rank[r]
+        args, jg, ref, new, _, _ = per_rank[r]
         a = [x.detach() for x in args] + jg.constants
         with torch.no_grad():
             f_ref, f_new = ref.forward(*a), new.forward(*a)
@@ -219,7 +257,8 @@ def test_llama3_tiny_tp2_sp_forward_and_backward_equal_unrewritten():
             g_new = new.backward(*f_new[n:], *[a[i] for i in new.bwd_primals], *tangents)
         return f_ref, f_new, g_ref, g_new
 
-    for f_ref, f_new, g_ref, g_new in run_threads(ThreadedWorld(c.mesh), rank):
+    results = run_threads(ThreadedWorld(c.mesh), rank)
+    for f_ref, f_new, g_ref, g_new in results:
         assert len(f_ref) == len(f_new) and len(g_ref) == len(g_new)
         for want, got in zip(f_ref, f_new):  # the loss and every saved tensor
             _close(got, want)
@@ -228,6 +267,17 @@ def test_llama3_tiny_tp2_sp_forward_and_backward_equal_unrewritten():
             assert (want is None) == (got is None)
             if want is not None:
                 _close(got, want)
+    # and the single-device model's loss and gradients (tests/sim_harness.py's tolerance: fp32, another order)
+    model.zero_grad()
+    ref_loss = model(*inputs)
+    ref_loss.backward()
+    for _, f_new, _, _ in results:
+        torch.testing.assert_close(f_new[0], ref_loss.detach(), rtol=1e-5, atol=0)
+    grads = [{per_rank[r][5][i]: g for i, g in zip(per_rank[r][1].grad_primals, results[r][3])} for r in range(2)]
+    full = combine_grads(c, grads)
+    for fqn, p in model.named_parameters():
+        want = p.grad
+        torch.testing.assert_close(full[fqn], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 # ---- the cost model and the fallbacks -----------------------------------------------------------------------
