@@ -319,3 +319,94 @@ def test_symm_mem_unavailable_warns_and_names_the_fallback():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         CM.rewrite(_trace(2, _shapes(4, 4, 8, 12)), tp_overlap=2)  # no warning when nothing is asked of symm_mem
+
+
+# ---- the runtime's copies: all-reduce in place where nothing else reads the input; gathers off dim 0 ----------
+def _two_all_reduces(n: int):
+    def f(a, b, w):
+        y1 = ops.OPS["all_reduce"](torch.mm(a, w).view(-1), "tp", n)  # the product is read by the all-reduce alone
+        z = torch.mm(b, w)
+        y2 = ops.OPS["all_reduce"](z, "tp", n)  # z is read again below: the all-reduce must not overwrite it
+        return y1, y2 + z
+
+    return f
+
+
+@pytest.mark.timeout(60)
+def test_all_reduce_in_place_only_where_nothing_else_reads_its_input():
+    from mcompile.passes.overlap import inplace_all_reduces
+
+    shapes = [(4, 6), (4, 6), (6, 8)]
+    with FakeTensorMode() as mode:
+        args = [torch.empty(s) for s in shapes]
+        with mode:
+            ref, new = (make_fx(_two_all_reduces(2), tracing_mode="real")(*args) for _ in range(2))
+    assert inplace_all_reduces(new) == 1
+    inplace = [nd for nd in new.graph.nodes if nd.target is ops.ALL_REDUCE_INPLACE]
+    assert len(inplace) == 1 and inplace[0].args[0].target is aten.view.default  # y1's, through its view
+    assert sum(nd.target is ops.OPS["all_reduce"] for nd in new.graph.nodes) == 1  # y2's stays functional
+
+    def rank(r):
+        g = torch.Generator().manual_seed(r)
+        xs = [torch.randn(s, generator=g) for s in shapes]
+        return ref(*xs), new(*xs)
+
+    for want, got in run_threads(ThreadedWorld(Mesh.parse("tp=2")), rank):
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def _fake_comm(monkeypatch, n: int = 2):
+    """A DistCommunicator over a fake tp group of n ranks, rank 0: rank j holds this rank's input + 100 j
+    (all-gather), or this rank's input times j + 1 (reduce-scatter, all-reduce). Records what each collective
+    was handed."""
+    from mcompile.runtime import comm as C
+
+    seen = []
+
+    def all_gather(out, x, group=None, async_op=False):
+        seen.append(x)
+        out.copy_(torch.cat([x + 100 * j for j in range(n)]))
+
+    def reduce_scatter(out, x, group=None, async_op=False):
+        seen.append(x)
+        out.copy_((x * sum(range(1, n + 1))).chunk(n)[0])
+
+    def all_reduce(x, op=None, group=None, async_op=False):
+        seen.append(x)
+        x.mul_(sum(range(1, n + 1)))
+
+    monkeypatch.setattr(C, "_ALL_GATHER", all_gather)
+    monkeypatch.setattr(C, "_REDUCE_SCATTER", reduce_scatter)
+    monkeypatch.setattr(C.dist, "all_reduce", all_reduce)
+    comm = object.__new__(C.DistCommunicator)
+    comm.groups, comm.sizes, comm.ranks, comm.recorder = {"tp": None}, {"tp": n}, {"tp": 0}, None
+    return comm, seen
+
+
+@pytest.mark.timeout(60)
+def test_dist_all_reduce_copies_only_when_not_in_place(monkeypatch):
+    comm, seen = _fake_comm(monkeypatch)
+    x = torch.randn(4, 8)
+    x0 = x.clone()
+    out = comm.all_reduce(x, "tp", "sum")
+    assert seen[-1] is not x and torch.equal(x, x0) and torch.equal(out, 3 * x0)  # the input untouched
+    out = comm.all_reduce(x, "tp", "sum", inplace=True)
+    assert seen[-1] is x and out is x and torch.equal(x, 3 * x0)  # reduced where it lies: no copy
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shape,dim", [((1, 8, 4), 1), ((3, 8, 4), 1), ((3, 4, 8), 2), ((8, 4), 0)])
+def test_dist_gathers_off_dim_0_copy_at_most_once(monkeypatch, shape, dim):
+    comm, seen = _fake_comm(monkeypatch)
+    x = torch.randn(shape)
+    lead_ones = all(s == 1 for s in shape[:dim])
+    got = comm.all_gather(x, dim, "tp")
+    torch.testing.assert_close(got, torch.cat([x, x + 100], dim), rtol=0, atol=0)
+    assert seen[-1] is x  # the input is gathered as it lies (it was two transposing copies, in and out)
+    assert got.is_contiguous() and (got._base is not None) == (dim != 0 and lead_ones)  # batch 1: a view, no copy
+    got = comm.reduce_scatter(x, dim, "tp")
+    torch.testing.assert_close(got, 3 * x.chunk(2, dim)[0], rtol=0, atol=0)
+    assert got.is_contiguous() and got.shape == x.chunk(2, dim)[0].shape
+    # each rank's block moved to the front: one copy of the input, none when every dim before it has size 1
+    assert (seen[-1].data_ptr() == x.data_ptr()) == lead_ones
