@@ -289,6 +289,10 @@ def test_auto_chunks_a_large_op_on_h100_and_skips_a_tiny_one():
     assert [d.chunks for d in dec] in ([2, 2], [4, 4], [2, 4], [4, 2]), [str(d) for d in dec]
     assert all(d.saved_s > 0 and "cost model on h100-sxm" in d.reason for d in dec)
     assert "start_all_gather" in big.code
+    # the same block at microbatch 1 (b=1, s=4096): rank-strided sequence chunks pay as well
+    one = _trace(8, _shapes(1, 512, 8192, 3584), torch.bfloat16)
+    dec = CM.rewrite(one, tp_overlap="auto", hardware="h100")
+    assert all(d.chunks in (2, 4) and d.saved_s > 0 for d in dec), [str(d) for d in dec]
     tiny = _trace(2, _shapes(2, 4, 8, 12))
     dec = CM.rewrite(tiny, tp_overlap="auto")  # default profile: H100
     assert [d.chunks for d in dec] == [1, 1]
