@@ -81,8 +81,8 @@ class Loopback:
     def rank(self, axis):
         return 0
 
-    def all_reduce(self, x, axis, op):
-        return x.clone()
+    def all_reduce(self, x, axis, op, inplace=False):
+        return x if inplace else x.clone()
 
     def all_gather(self, x, dim, axis):
         return torch.cat([x] * self.n, dim=dim)

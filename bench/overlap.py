@@ -28,6 +28,15 @@ comm intervals), the part under compute (compute = forward and backward module c
 time blocked in synchronous collectives and waits) and their ratio; the JSON keeps the median over
 steps of each rank's figures, and their mean over ranks.
 
+``--counts``: no processes and no timing — what collective matmul (``passes/collective_matmul.py``)
+rewrites: per model, at tp=2 with and without sequence parallelism, at batch 1 and at the model's batch,
+rank 0's partitioned forward and backward modules (``recompute="none"``) are rewritten with
+``tp_overlap=2`` (every eligible op, as the cost model would on a machine where chunking pays), and the
+JSON's ``tp_overlap_counts`` keeps per phase the tp collectives, how many were chunked (overlapped)
+and per layer (those of the transformer blocks / ``n_layers``; the LM head's and the loss's apart),
+with the reasons of the skipped ones. With ``--write`` it updates that key of the committed record,
+keeping the timed figures of the last full run.
+
 On a 2-core machine four ranks already share two cores, and gloo runs each collective on its own
 threads, which compete with the compute for those cores: time "hidden" under compute is not free
 there, and overlap may not make a step faster. The JSON records the CPU count and the load average.
@@ -38,6 +47,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -147,6 +157,96 @@ def worker(rank, world, model_name, steps, warmup, recorded, layouts, lr=1e-4):
             "recorded_wall_s": {k: statistics.median(v) for k, v in rec_wall.items()}, "losses": losses}
 
 
+def _layers(gm, names: dict) -> dict:
+    """Per tp collective of a partitioned module, the transformer block its GEMMs belong to (None: the LM
+    head, the embedding, the loss): the block of a weight the matched matmuls read (``names``: placeholder
+    -> block, for parameters and saved activations), else the collective's own ``mc_layer``."""
+    from mcompile.passes import collective_matmul as CM
+
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in CM._PATTERN:
+            continue
+        layer = (n.meta.get("custom") or {}).get("mc_layer")
+        m = CM._match_gather(n) if n.target is CM._AG else CM._match_scatter(n)
+        for mm in ([] if isinstance(m, str) else m.mms):
+            for a in mm.all_input_nodes:
+                while a.op != "placeholder" and len(a.all_input_nodes) == 1:  # t, view, permute, cast
+                    a = a.all_input_nodes[0]
+                if a.op == "placeholder" and names.get(a.name) is not None:
+                    layer = names[a.name]
+        out[n.name] = layer
+    return out
+
+
+def tp_counts(name: str, sp: bool, batch: int, tp_overlap=2) -> dict:
+    """Collective matmul's decisions on rank 0's forward and backward modules of ``name`` at tp=2 (module
+    docstring, ``--counts``)."""
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+    from mcompile.passes.collective_matmul import rewrite
+    from mcompile.passes.joint import partition, saved_for_policy, trace_joint
+
+    spec = dict(MODELS[name], batch=batch)
+    model, inputs = _model(spec)
+    c = compile_plan(model, Mesh.parse("tp=2"), inputs, sequence_parallel=sp)
+    prog, state = c.program(0), c.captured.state_values()
+    local = {k: v.detach().clone().requires_grad_(k in c.captured.params) for k, v in c.local_state(0, state).items()}
+    by = dict(zip(c.captured.user_inputs, inputs))
+    args = [local[n.name] if n.name in local else by[n.name] for n in prog.graph.nodes if n.op == "placeholder"]
+    jg = trace_joint(prog, args)
+    jp = partition(jg, saved_for_policy(jg, "none"))
+    fqn = [c.captured.params.get(n.name, "") for n in prog.graph.nodes if n.op == "placeholder"]
+    names = {p: int(m.group(1)) for p, f in zip(jg.primal_names, fqn) if (m := re.search(r"layers\.(\d+)\.", f))}
+    for n in jp.forward.graph.nodes:  # saved activations: the backward's placeholders of the same names
+        names.setdefault(n.name, (n.meta.get("custom") or {}).get("mc_layer"))
+    n_layers = (spec.get("config") or {}).get("n_layers") or model.config.n_layers
+    out = {"sequence_parallel": sp, "batch": batch, "seq": spec["seq"], "tp": 2, "tp_overlap": tp_overlap,
+           "n_layers": n_layers}
+    for where, gm in (("forward", jp.forward), ("backward", jp.backward)):
+        layer = _layers(gm, names)
+        decisions = rewrite(gm, tp_overlap=tp_overlap, where=where)
+        done = [d for d in decisions if d.chunks > 1]
+        in_layers = [d for d in done if layer.get(d.op) is not None]
+        out[where] = {
+            "tp_collectives": len(decisions), "overlapped": len(done),
+            "overlapped_per_layer": len(in_layers) / n_layers,
+            "overlapped_outside_layers": len(done) - len(in_layers),
+            "by_pattern": {p: sum(d.pattern == p for d in done) for p in sorted({d.pattern for d in decisions})},
+            "skipped": [str(d) for d in decisions if d.chunks == 1]}
+    return out
+
+
+def counts_main(args) -> None:
+    import json
+
+    rows = []
+    for name in args.models.split(","):
+        for sp in (True, False):
+            for batch in (1, MODELS[name]["batch"]):
+                t = time.perf_counter()
+                rows.append({"model": name, **tp_counts(name, sp, batch)})
+                r = rows[-1]
+                print(f"{name:12s} sp={sp!s:5s} batch={batch}: overlapped per layer forward "
+                      f"{r['forward']['overlapped_per_layer']:g} backward {r['backward']['overlapped_per_layer']:g} "
+                      f"(of {r['forward']['tp_collectives']} / {r['backward']['tp_collectives']} tp collectives; "
+                      f"{time.perf_counter() - t:.0f} s)", flush=True)
+    counts = {"commit": _results.commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "method": "python bench/overlap.py --counts: rank 0's partitioned forward / backward modules at tp=2 "
+                        "(recompute none) rewritten by passes/collective_matmul.py with tp_overlap=2; overlapped = "
+                        "tp collectives split into chunks whose communication runs under other chunks' GEMMs; "
+                        "per layer: those inside the transformer blocks / n_layers",
+              "rows": rows}
+    path = _results.destination("overlap", args.write, args.out)
+    if path is None:
+        print(json.dumps(counts, indent=1))
+        return
+    record = json.loads(path.read_text()) if path.exists() else {"benchmark": "overlap"}
+    record["tp_overlap_counts"] = counts
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print("->", path)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
@@ -156,7 +256,13 @@ def main():
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     _results.add_arguments(ap, "overlap")
     ap.add_argument("--commit", default=None, help="the commit measured, for a tree outside git")
+    ap.add_argument("--counts", action="store_true",
+                    help="only the tp collectives collective matmul overlaps, per layer, at batch 1 and > 1 "
+                         "(no processes, no timing); --write updates that key of the record")
     args = ap.parse_args()
+    if args.counts:
+        counts_main(args)
+        return
     import torch
 
     from mcompile.runtime.launch import WorkerPool
@@ -233,6 +339,11 @@ def main():
         "per_round_rank0_s": {n: res[0]["wall_s_all"] for n, res in results.items()},
         "wall_s": time.perf_counter() - t0,
     }
+    dest = _results.destination("overlap", args.write, args.out)
+    if dest is not None and dest.exists():  # the --counts figures stay (a separate, untimed run)
+        import json
+
+        out.setdefault("tp_overlap_counts", json.loads(dest.read_text()).get("tp_overlap_counts"))
     path = _results.save("overlap", out, args.write, args.out)
     for row in figures:
         print(f"{row['model']:12s} {row['layout']:22s} on {row['on']['step_s'] * 1e3:8.1f} ms  off "

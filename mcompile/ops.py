@@ -23,7 +23,9 @@ backward modules *after* the joint graph is partitioned, so they need no backwar
 dim 0 and return its output buffer at once (on NCCL: the collective is queued on the
 communicator's stream; on gloo: running on gloo's thread; in the simulator: already done);
 ``wait(buf)`` is where the program may first read the buffer (on NCCL it orders the compute stream
-after the collective and does not block the host). A pass places each start as early as its input
+after the collective and does not block the host); ``all_reduce_inplace(x)`` (mutates ``x``) is
+:func:`all_reduce` without its copy, where nothing else reads ``x`` (``passes/overlap.py
+inplace_all_reduces``). A pass places each start as early as its input
 allows and each wait just before the first reader; :func:`mcompile.passes.overlap.check_waits`
 proves every started buffer is waited once, before any other use.
 
@@ -41,14 +43,14 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["Communicator", "bind", "current", "OPS", "STARTS", "WAIT", "Pending"]
+__all__ = ["Communicator", "bind", "current", "OPS", "STARTS", "WAIT", "ALL_REDUCE_INPLACE", "Pending"]
 
 
 class Communicator(Protocol):
     """What one rank's program needs from the outside: collectives over named mesh axes."""
 
     def rank(self, axis: str) -> int: ...
-    def all_reduce(self, x: torch.Tensor, axis: str, op: str) -> torch.Tensor: ...
+    def all_reduce(self, x: torch.Tensor, axis: str, op: str, inplace: bool = False) -> torch.Tensor: ...
     def all_gather(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor: ...
     def reduce_scatter(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor: ...
     def all_to_all(self, x: torch.Tensor, out_rows: list[int], in_rows: list[int], axis: str) -> torch.Tensor: ...
@@ -112,6 +114,18 @@ def _(x, axis, n):
 torch.library.register_autograd(
     "mcompile::all_reduce", lambda ctx, g: (g, None, None), setup_context=lambda ctx, inputs, output: None
 )
+
+
+@torch.library.custom_op("mcompile::all_reduce_inplace", mutates_args=("x",))
+def all_reduce_inplace(x: torch.Tensor, axis: str, n: int) -> None:
+    """:func:`all_reduce` into ``x`` itself (no copy): put by ``passes/overlap.py inplace_all_reduces`` in a
+    partitioned module where ``x`` is read by nothing else, so it needs no backward."""
+    current().all_reduce(x, axis, "sum", inplace=True)
+
+
+@all_reduce_inplace.register_fake
+def _(x, axis, n):
+    return None
 
 
 # ---- copy_ar_bwd (f) ------------------------------------------------------------------------
@@ -272,6 +286,7 @@ STARTS = {"all_gather": torch.ops.mcompile.start_all_gather.default,
           "reduce_scatter": torch.ops.mcompile.start_reduce_scatter.default,
           "all_reduce": torch.ops.mcompile.start_all_reduce.default}
 WAIT = torch.ops.mcompile.wait.default
+ALL_REDUCE_INPLACE = torch.ops.mcompile.all_reduce_inplace.default
 
 
 class Pending:

@@ -12,14 +12,27 @@ pass rewrites a partitioned forward or backward module (passes/joint.py) in plac
   the input-gradient GEMMs): per chunk of rows: the GEMMs (and the adds of their partial products),
   shape ops, start the chunk's reduce-scatter; all waits just before the first reader. Chunk j's
   reduce-scatter runs under the GEMMs of chunks > j.
+- **matmul -> all-reduce** (without SP: a row-parallel linear's *g*; in backward, the input gradient of
+  a column-parallel block, the backward of *f*): as matmul -> reduce-scatter, each chunk's GEMMs then
+  the start of its all-reduce, all waits before the first reader. An all-reduce touches no dim, so the
+  chunks are contiguous row blocks at any batch (the sequence at batch 1).
 
-**Which dim.** A chunk must be a contiguous block of the matmul's rows, so the pass chunks the first
-dim of size > 1 (every dim before it has size 1: chunk j of that dim is the j-th contiguous block of
-the flattened tensor in *every* row view of it, [b, s, h] or [b*s, h]). It must not be the gathered /
-scattered dim, nor the matmul's contraction dim: under SP that is the batch dim; at batch 1 the op is
-skipped (with that reason). Every value is computed with the same reductions as before: a row block
-of a GEMM is the GEMM of the row block, an add of row blocks is the row block of the add, and a
-collective over a chunk of a non-collective dim is the chunk of the collective.
+**Which dim.** A chunk must be a set of the matmul's rows that is the same in every row view of
+the tensor ([b, s, h] or [b*s, h]), so the pass chunks the first dim of size > 1 (every dim before it
+has size 1), never the matmul's contraction dim. Under SP with batch > 1 that is the batch dim, not
+the gathered / scattered one: chunk j is the j-th contiguous block of rows, and a collective over a
+chunk of a non-collective dim is the chunk of the collective. At batch 1 (Megatron's usual micro-
+batch) the first dim of size > 1 is the gathered / scattered sequence itself; then chunk j is
+*rank-strided*: the j-th of k blocks of every rank's sequence shard (rows ``r * s/n + j * s/(n k) +
+i``, i < s/(n k), for every rank r). All-gathering the j-th block of each rank's local shard yields
+exactly those rows, rank-major (the GEMM outputs of the k chunks are interleaved back: view
+``[n, s/(n k), ..]``, concatenate on the second dim); for a reduce-scatter, the chunk's rows of the
+matmul input are copied out (one copy of the input in all), and the reduce-scatter of chunk j hands
+rank r its rows ``r * s/n + j * s/(n k) + i`` — its own shard's j-th block, concatenated in order.
+The layout is that of TransformerEngine's / Megatron's userbuffers overlap under sequence parallelism,
+where each rank's shard is the unit (Wang et al. decompose the same way). Every value is computed with
+the same reductions as before: a row block of a GEMM is the GEMM of the row block, an add of row
+blocks is the row block of the add, and each chunk's collective moves or sums the same rows.
 
 **When** (``tp_overlap``): ``"off"``, an int k >= 2 (every eligible op, k clamped down to a divisor
 of every chunked size), or ``"auto"``: per op, with comm from :func:`mcompile.cost.collective_time`
@@ -50,13 +63,18 @@ import torch.fx as fx
 from mcompile import ops
 from mcompile.passes.overlap import _perm_from_front, _perm_to_front, check_waits, is_start, is_wait
 
-__all__ = ["Decision", "rewrite", "symm_mem_available", "AG_MM", "MM_RS"]
+__all__ = ["Decision", "rewrite", "symm_mem_available", "AG_MM", "MM_RS", "MM_AR"]
 
 aten = torch.ops.aten
-_AG, _RS = ops.OPS["all_gather"], ops.OPS["reduce_scatter"]
+_AG, _RS, _AR = ops.OPS["all_gather"], ops.OPS["reduce_scatter"], ops.OPS["all_reduce"]
 _ROW_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _MM = {aten.mm.default: 0, aten.addmm.default: 1}  # matmul -> position of its row operand
-AG_MM, MM_RS = "all_gather->matmul", "matmul->reduce_scatter"
+AG_MM, MM_RS, MM_AR = "all_gather->matmul", "matmul->reduce_scatter", "matmul->all_reduce"
+_PATTERN = {_AG: AG_MM, _RS: MM_RS, _AR: MM_AR}
+
+
+def _axis(node: fx.Node) -> str:
+    return node.args[1] if node.target is _AR else node.args[2]  # all_reduce(x, axis, n); the others (x, dim, axis, n)
 
 
 @dataclass(frozen=True)
@@ -89,7 +107,8 @@ def symm_mem_available() -> tuple[bool, str]:
 def rewrite(gm: fx.GraphModule, *, tp_overlap="auto", hardware=None, where: str = "forward",
             axes: tuple[str, ...] = ("tp",)) -> list[Decision]:
     """Chunk every eligible tp all-gather -> matmul and matmul -> reduce-scatter of ``gm`` in place
-    (module docstring); returns one :class:`Decision` per tp all-gather / reduce-scatter (none when
+    and matmul -> all-reduce (module docstring); returns one :class:`Decision` per tp all-gather / reduce-scatter /
+    all-reduce (none when
     ``tp_overlap="off"``). ``hardware``: a profile or its name (default H100) for ``"auto"``."""
     if tp_overlap == "off":
         return []
@@ -107,16 +126,18 @@ def rewrite(gm: fx.GraphModule, *, tp_overlap="auto", hardware=None, where: str 
     hw = get_hardware(hardware if hardware is not None else "h100")
     decisions = []
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (_AG, _RS) or node.args[2] not in axes:
+        if node.op != "call_function" or node.target not in _PATTERN or _axis(node) not in axes:
             continue
         match = _match_gather(node) if node.target is _AG else _match_scatter(node)
-        pattern = AG_MM if node.target is _AG else MM_RS
+        pattern = _PATTERN[node.target]
         if isinstance(match, str):
             decisions.append(Decision(node.name, pattern, 1, None, match, where))
             continue
-        valid = [k for k in range(2, min(match.rows, 64) + 1) if all(s % k == 0 for s in match.sizes)]
+        st = match.stride
+        valid = [k for k in range(2, min(match.rows // st, 64) + 1) if all(s % (k * st) == 0 for s in match.sizes)]
         if not valid:
-            decisions.append(Decision(node.name, pattern, 1, None, f"no k >= 2 divides the chunked sizes "
+            what = "the chunked sizes" if st == 1 else f"each rank's share (1/{st}, batch 1: rank-strided) of the sizes"
+            decisions.append(Decision(node.name, pattern, 1, None, f"no k >= 2 divides {what} "
                                       f"{sorted(set(match.sizes))}", where))
             continue
         if tp_overlap == "auto":
@@ -144,7 +165,7 @@ def rewrite(gm: fx.GraphModule, *, tp_overlap="auto", hardware=None, where: str 
         if err:
             decisions.append(Decision(node.name, pattern, 1, saved, err, where))
             continue
-        (_rewrite_gather if node.target is _AG else _rewrite_scatter)(gm, match, k)
+        (_rewrite_gather if node.target is _AG else _rewrite_scatter)(gm, match, k)  # (reduce-scatter or all-reduce)
         decisions.append(Decision(node.name, pattern, k, saved, reason, where))
     check_waits(gm, where)
     gm.graph.lint()
@@ -161,6 +182,7 @@ class _Match:
     mms: list[fx.Node]  # the row-wise matmuls
     sizes: list[int]  # every chunked size: k must divide each
     rows: int  # size of the chunked dim
+    stride: int = 1  # 1: contiguous row blocks; n (batch 1, the chunked dim is the collective's): rank-strided
     late: list[fx.Node] = field(default_factory=list)  # operands of the matmuls to move up (all-gather)
 
 
@@ -189,9 +211,9 @@ def _match_gather(ag: fx.Node) -> _Match | str:
         return "no shape metadata"
     g %= y.ndim
     cd = _chunk_dim(y.shape)
-    if cd is None or cd >= g:
-        return (f"no dim to chunk (batch 1?): every dim before the gathered dim {g} has size 1, so no chunk is a "
-                "block of matmul rows")
+    if cd is None:
+        return "no dim to chunk: the gathered tensor has one row"
+    stride = ag.args[3] if cd == g else 1  # batch 1: rank-strided chunks of the gathered dim (module docstring)
     tree, mms, sizes, todo = [], [], [y.shape[cd]], [ag]
     while todo:
         v = todo.pop()
@@ -207,25 +229,29 @@ def _match_gather(ag: fx.Node) -> _Match | str:
     if not mms:
         return "no matmul reads the gathered rows (users: " + ", ".join(u.name for u in ag.users) + ")"
     order = {n: i for i, n in enumerate(ag.graph.nodes)}
-    return _Match(ag, cd, sorted(tree, key=order.__getitem__), sorted(mms, key=order.__getitem__), sizes, y.shape[cd])
+    return _Match(ag, cd, sorted(tree, key=order.__getitem__), sorted(mms, key=order.__getitem__), sizes, y.shape[cd],
+                  stride)
 
 
 def _match_scatter(rs: fx.Node) -> _Match | str:
-    z, g = _val(rs.args[0]), rs.args[1]
+    """matmul -> reduce-scatter, or matmul -> all-reduce (no collective dim: contiguous row blocks)."""
+    z = _val(rs.args[0])
     if z is None:
         return "no shape metadata"
-    g %= z.ndim
+    g = None if rs.target is _AR else rs.args[1] % z.ndim
     cd = _chunk_dim(z.shape)
-    if cd is None or cd == g:
-        return (f"no dim to chunk (batch 1?): the first dim of size > 1 is the scattered dim {g}, so no chunk is a "
-                "block of matmul rows")
+    if cd is None:
+        return f"no dim to chunk: the {'all-reduced' if g is None else 'reduce-scattered'} tensor has one row"
+    stride = rs.args[3] if cd == g else 1  # batch 1: rank-strided chunks of the scattered dim (module docstring)
     tree, mms, sizes, todo = [], [], [z.shape[cd]], [rs.args[0]]
     while todo:
         v = todo.pop()
         val = _val(v)
         if not isinstance(v, fx.Node) or val is None:
-            return "the reduce-scatter's input is not computed by matmuls"
+            return "the collective's input is not computed by matmuls"
         if v.target in _MM and _rowwise_mm(v, v.args[_MM[v.target]]):
+            if stride > 1 and not _val(v.args[_MM[v.target]]).is_contiguous():
+                return f"batch 1: the rows of {v.name}'s input are not contiguous, so its chunks cannot be viewed out"
             mms.append(v)
             sizes.append(val.shape[0])
         elif v.target in _ROW_VIEWS and _chunk_dim(val.shape) is not None:
@@ -238,10 +264,10 @@ def _match_scatter(rs: fx.Node) -> _Match | str:
             sizes.append(val.shape[_chunk_dim(val.shape)] if _chunk_dim(val.shape) is not None else 1)
             todo.extend(v.args)
         else:
-            return f"the reduce-scatter's input is not computed by matmuls ({v.name}: {v.target})"
+            return f"the collective's input is not computed by matmuls ({v.name}: {v.target})"
     order = {n: i for i, n in enumerate(rs.graph.nodes)}
     return _Match(rs, cd, sorted(set(tree), key=order.__getitem__), sorted(set(mms), key=order.__getitem__), sizes,
-                  z.shape[cd])
+                  z.shape[cd], stride)
 
 
 def _late_operands(m: _Match) -> str:
@@ -270,7 +296,7 @@ def _early_readers(m: _Match) -> str:
     order = {n: i for i, n in enumerate(m.coll.graph.nodes)}
     inside = set(m.tree) | set(m.mms) | {m.coll}
     early = [u.name for n in m.tree + m.mms for u in n.users if u not in inside and order[u] < order[m.coll]]
-    return f"a partial product is read before the reduce-scatter ({', '.join(early)})" if early else ""
+    return f"a partial product is read before the collective ({', '.join(early)})" if early else ""
 
 
 def _descendants(root: fx.Node) -> set[fx.Node]:
@@ -293,10 +319,10 @@ def _time(m: _Match, k: int, hw, where: str) -> float:
     coll = m.coll
     full = _val(coll) if coll.target is _AG else _val(coll.args[0])
     size = full.element_size()
-    n = coll.args[3]
+    n = coll.args[2] if coll.target is _AR else coll.args[3]
     beta, alpha = ((hw.intra_node_bandwidth * eff.intra_node, hw.intra_node_latency) if n <= hw.gpus_per_node
                    else (hw.inter_node_bandwidth * eff.inter_node, hw.inter_node_latency))
-    kind = "all_gather" if coll.target is _AG else "reduce_scatter"
+    kind = {_AG: "all_gather", _RS: "reduce_scatter", _AR: "all_reduce"}[coll.target]
     comm = float(collective_time(kind, full.numel() * size / k, n, beta, alpha, hw.collective_call_latency))
     hbm = hw.hbm_bandwidth * eff.memory
     gemm = 0.0
@@ -311,6 +337,8 @@ def _time(m: _Match, k: int, hw, where: str) -> float:
         return comm + gemm
     # concatenations the rewrite adds (read + write): the matmuls' outputs, or the reduce-scatter's
     copies = 2 * size * (sum(_val(mm).numel() for mm in m.mms) if coll.target is _AG else _val(coll).numel()) / hbm
+    if m.stride > 1 and coll.target is _RS:  # batch 1: each chunk's rows of the matmul inputs are copied out
+        copies += 2 * size * sum(_val(a).numel() for a in {mm.args[_MM[mm.target]] for mm in m.mms}) / hbm
     nodes = k * (len(m.tree) + len(m.mms) + 3) * (hw.op_overhead_forward if where == "forward"
                                                   else hw.op_overhead_backward)
     if not hw.comm_overlaps_compute:
@@ -349,6 +377,20 @@ def _chunk_shape(shape, k: int) -> list[int]:
     return [s // k if i == cd else s for i, s in enumerate(shape)]
 
 
+def _cat(g: fx.Graph, parts: list[fx.Node], dim: int, stride: int, like: fx.Node) -> fx.Node:
+    """The whole tensor from its k chunks along ``dim``: concatenated (``stride`` 1), or, rank-strided chunks
+    (``stride`` n: each chunk holds n rank-major blocks), interleaved back — each chunk viewed
+    ``[.., n, rows/n, ..]``, concatenated on the dim after ``dim``, viewed whole."""
+    if stride == 1:
+        return _call(g, aten.cat.default, (parts, dim), like=like)
+    shape = list(_val(parts[0]).shape)
+    split = shape[:dim] + [stride, shape[dim] // stride] + shape[dim + 1:]
+    views = [_call(g, aten.view.default, (p, split), like=like) for p in parts]
+    cat = _call(g, aten.cat.default, (views, dim + 1), like=like)
+    whole = shape[:dim] + [shape[dim] * len(parts)] + shape[dim + 1:]
+    return _call(g, aten.view.default, (cat, whole), like=like)
+
+
 def _erase_dead(g: fx.Graph, nodes) -> None:
     for n in sorted(nodes, key={m: i for i, m in enumerate(g.nodes)}.__getitem__, reverse=True):
         if not n.users:
@@ -358,7 +400,7 @@ def _erase_dead(g: fx.Graph, nodes) -> None:
 def _rewrite_gather(gm: fx.GraphModule, m: _Match, k: int) -> None:
     g, ag = gm.graph, m.coll
     x, gdim, axis, n = ag.args[0], ag.args[1] % _val(ag).ndim, ag.args[2], ag.args[3]
-    ndim, step = _val(ag).ndim, _val(ag).shape[m.cdim] // k
+    ndim, step = _val(ag).ndim, _val(ag).shape[m.cdim] // (k * m.stride)  # rows of the local input per chunk
     order = {nd: i for i, nd in enumerate(g.nodes)}
     first = min(ag.users, key=order.__getitem__)
     for a in m.late:  # the weights' t() etc. move up before the first chunk's GEMM
@@ -382,8 +424,9 @@ def _rewrite_gather(gm: fx.GraphModule, m: _Match, k: int) -> None:
             _call(g, ops.WAIT, (s,), like=ag)
             yj = s
             if gdim != 0:
-                back = _call(g, aten.permute.default, (s, _perm_from_front(ndim, gdim)), like=ag)
-                yj = _call(g, aten.clone.default, (back,), {"memory_format": torch.contiguous_format}, like=ag)
+                yj = _call(g, aten.permute.default, (s, _perm_from_front(ndim, gdim)), like=ag)
+                if not _val(yj).is_contiguous():  # at batch 1 the permutes only move a dim of size 1: no copy
+                    yj = _call(g, aten.clone.default, (yj,), {"memory_format": torch.contiguous_format}, like=ag)
             chunks.append(yj)
             env = {ag: yj}
             for v in m.tree:
@@ -391,8 +434,8 @@ def _rewrite_gather(gm: fx.GraphModule, m: _Match, k: int) -> None:
             for mm in m.mms:
                 args = [env.get(a, a) if i == _MM[mm.target] else a for i, a in enumerate(mm.args)]
                 outs[mm].append(_call(g, mm.target, args, mm.kwargs, like=mm))
-        cats = {mm: _call(g, aten.cat.default, (outs[mm], 0), like=mm) for mm in m.mms}
-        whole = _call(g, aten.cat.default, (chunks, m.cdim), like=ag)
+        cats = {mm: _cat(g, outs[mm], 0, m.stride, mm) for mm in m.mms}
+        whole = _cat(g, chunks, m.cdim, m.stride, ag)
     for mm in m.mms:
         mm.replace_all_uses_with(cats[mm])
         g.erase_node(mm)
@@ -404,19 +447,31 @@ def _rewrite_gather(gm: fx.GraphModule, m: _Match, k: int) -> None:
 
 def _rewrite_scatter(gm: fx.GraphModule, m: _Match, k: int) -> None:
     g, rs = gm.graph, m.coll
-    z = rs.args[0]
-    sdim, axis, n, ndim = rs.args[1] % _val(z).ndim, rs.args[2], rs.args[3], _val(z).ndim
+    z, ndim = rs.args[0], _val(rs.args[0]).ndim
+    if rs.target is _AR:  # no collective dim: started as it is (dim 0 of the chunk is as good as any)
+        sdim, (axis, n), kind = 0, rs.args[1:3], "all_reduce"
+    else:
+        sdim, axis, n, kind = rs.args[1] % ndim, rs.args[2], rs.args[3], "reduce_scatter"
     order = {nd: i for i, nd in enumerate(g.nodes)}
-    envs, starts = [], []
+    envs, starts, st = [], [], m.stride
     with g.inserting_before(rs):
         for j in range(k):  # chunk j: its GEMMs, shape ops, start its reduce-scatter (under chunk j+1's GEMMs)
-            env = {}
+            env, rows = {}, {}
             for v in sorted(m.mms + m.tree, key=order.__getitem__):
                 if v in m.mms:
                     pos = _MM[v.target]
                     a = v.args[pos]
-                    step = _val(a).shape[0] // k
-                    aj = _call(g, aten.slice.Tensor, (a, 0, j * step, (j + 1) * step), like=v)
+                    step = _val(a).shape[0] // (k * st)
+                    if st == 1:
+                        aj = _call(g, aten.slice.Tensor, (a, 0, j * step, (j + 1) * step), like=v)
+                    elif a in rows:  # another matmul of the same rows: one copy
+                        aj = rows[a]
+                    else:  # rank-strided: block j of each rank's rows, copied out once
+                        rest = list(_val(a).shape[1:])
+                        av = _call(g, aten.view.default, (a, [st, step * k, *rest]), like=v)
+                        sl = _call(g, aten.slice.Tensor, (av, 1, j * step, (j + 1) * step), like=v)
+                        cp = _call(g, aten.clone.default, (sl,), {"memory_format": torch.contiguous_format}, like=v)
+                        aj = rows[a] = _call(g, aten.view.default, (cp, [st * step, *rest]), like=v)
                     env[v] = _call(g, v.target, [aj if i == pos else x for i, x in enumerate(v.args)], v.kwargs,
                                    like=v)
                 elif v.target is aten.add.Tensor:
@@ -426,12 +481,12 @@ def _rewrite_scatter(gm: fx.GraphModule, m: _Match, k: int) -> None:
             src = env[z]
             if sdim != 0:
                 src = _call(g, aten.permute.default, (src, _perm_to_front(ndim, sdim)), like=rs)
-            starts.append(_call(g, ops.STARTS["reduce_scatter"], (src, axis, n), like=rs))
+            starts.append(_call(g, ops.STARTS[kind], (src, axis, n), like=rs))
             envs.append(env)
         for v in m.mms + m.tree:  # a partial product read elsewhere (after the reduce-scatter): whole
             if any(u not in m.tree and u is not rs for u in v.users):
                 cd = _chunk_dim(_val(v).shape)
-                whole = _call(g, aten.cat.default, ([e[v] for e in envs], cd), like=v)
+                whole = _cat(g, [e[v] for e in envs], cd, st, v)
                 v.replace_all_uses_with(whole, delete_user_cb=lambda u: u not in m.tree and u is not rs)
     first = min(rs.users, key=order.__getitem__) if rs.users else next(nd for nd in g.nodes if nd.op == "output")
     with g.inserting_before(first):  # every wait just before the first reader

@@ -24,7 +24,7 @@ from mcompile import ops
 from mcompile.passes.joint import ACC_OUTPUT
 
 __all__ = ["check_waits", "make_async", "OverlapError", "is_start", "is_wait",
-           "launch_buckets", "grad_sink", "BucketLaunch"]
+           "launch_buckets", "grad_sink", "BucketLaunch", "inplace_all_reduces"]
 
 _SYNC = {ops.OPS["all_gather"]: "all_gather", ops.OPS["reduce_scatter"]: "reduce_scatter",
          ops.OPS["all_reduce"]: "all_reduce"}
@@ -62,6 +62,47 @@ def check_waits(gm: fx.GraphModule, where: str = "") -> None:
     for n in gm.graph.nodes:
         if is_wait(n) and not is_start(n.args[0]):
             raise OverlapError(f"{n.name}{at}: waits on {n.args[0]}, which no collective was started into")
+
+
+def _fresh_and_dead(x, reader: fx.Node) -> bool:
+    """``x`` is a tensor an aten op of this module made (not an input, not a view of one, not a buffer a
+    custom op may hold on to), read by ``reader`` alone — through views that ``reader`` alone reads —
+    so ``reader`` may overwrite it."""
+    while True:
+        if not isinstance(x, fx.Node) or x.op != "call_function" or list(x.users) != [reader]:
+            return False
+        t = x.target
+        if not isinstance(t, torch._ops.OpOverload) or t.namespace != "aten" or t._schema.is_mutable or \
+                torch._C._dispatch_has_kernel_for_dispatch_key(t.name(), "CompositeImplicitAutograd"):
+            return False  # (a composite: reshape, contiguous, to ... may return its input or a view of it)
+        if not t.is_view and t is not torch.ops.aten._unsafe_view.default:  # (a view without alias annotation)
+            return not any(r.alias_info is not None for r in t._schema.returns)
+        reader, x = x, x.args[0]  # a view: its base must be as fresh and read by this view alone
+
+
+def inplace_all_reduces(gm: fx.GraphModule) -> int:
+    """Each synchronous ``all_reduce`` whose input is fresh and read by nothing else
+    (:func:`_fresh_and_dead`) becomes ``all_reduce_inplace`` on that input (no copy of it: the runtime's
+    all-reduce otherwise clones its input, which the program may still read); its readers read the input.
+    Returns how many. For eager modules only: inductor decides its own buffer reuse."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not ops.OPS["all_reduce"]:
+            continue
+        x = node.args[0]
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or not val.is_contiguous() or not _fresh_and_dead(x, node):
+            continue
+        with gm.graph.inserting_before(node):
+            red = gm.graph.call_function(ops.ALL_REDUCE_INPLACE, (x, *node.args[1:]))
+        red.meta.update({k: node.meta[k] for k in ("custom", "stack_trace", "nn_module_stack") if k in node.meta})
+        node.replace_all_uses_with(x, delete_user_cb=lambda u, red=red: u is not red)
+        gm.graph.erase_node(node)
+        done += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
 
 
 def _perm_to_front(ndim: int, dim: int) -> list[int]:

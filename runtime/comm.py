@@ -46,8 +46,11 @@ class DistCommunicator:
         self.ranks[name] = dist.get_rank(group)
         self.sizes[name] = dist.get_world_size(group)
 
-    def all_reduce(self, x: torch.Tensor, axis: str, op: str) -> torch.Tensor:
-        out = x.clone()
+    def all_reduce(self, x: torch.Tensor, axis: str, op: str, inplace: bool = False) -> torch.Tensor:
+        """``x`` summed (or max) over ``axis``: a new tensor, or ``x`` itself reduced in place when ``inplace``
+        (``mcompile::all_reduce_`` — the caller's program reads ``x`` nowhere else: ``passes/overlap.py
+        inplace_all_reduces``), which saves the copy."""
+        out = x if inplace else x.clone()
         rec = self.recorder
         t0 = rec.mark() if rec is not None else None
         dist.all_reduce(out, op=_OPS[op], group=self.groups[axis])
@@ -56,26 +59,35 @@ class DistCommunicator:
         return out
 
     def all_gather(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
-        n = self.sizes[axis]
-        src = x.movedim(dim, 0).contiguous()
-        out = src.new_empty((n * src.shape[0], *src.shape[1:]))
+        """The dim-0 gather of ``x`` as it is (each rank's piece whole: ``[n, *x.shape]``), then its pieces
+        moved to ``dim`` by one copy — none when every dim before ``dim`` has size 1 (batch 1 under SP)."""
+        n, src = self.sizes[axis], x.contiguous()
+        dim %= max(src.ndim, 1)
+        buf = src.new_empty((n * src.shape[0], *src.shape[1:]))
         rec = self.recorder
         t0 = rec.mark() if rec is not None else None
-        _ALL_GATHER(out, src, group=self.groups[axis])
+        _ALL_GATHER(buf, src, group=self.groups[axis])
         if rec is not None:
-            rec.collective("all_gather", axis, out.nbytes, t0)
-        return out.movedim(0, dim).contiguous()
+            rec.collective("all_gather", axis, buf.nbytes, t0)
+        if dim == 0:
+            return buf
+        full = (*src.shape[:dim], n * src.shape[dim], *src.shape[dim + 1:])
+        # a view when every dim before dim has size 1, else the one copy
+        return buf.view(n, *src.shape).movedim(0, dim).reshape(full)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+        """Each rank's block of ``dim`` moved to the front by one copy (none when every dim before ``dim``
+        has size 1), reduce-scattered straight into this rank's block, which needs no copy back."""
         n = self.sizes[axis]
-        src = x.movedim(dim, 0).contiguous()
-        out = src.new_empty((src.shape[0] // n, *src.shape[1:]))
+        dim %= max(x.ndim, 1)
+        blocks = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()  # [n, .., s/n, ..]
+        out = blocks.new_empty(blocks.shape[1:])
         rec = self.recorder
         t0 = rec.mark() if rec is not None else None
-        _REDUCE_SCATTER(out, src, group=self.groups[axis])
+        _REDUCE_SCATTER(out, blocks.flatten(0, 1), group=self.groups[axis])
         if rec is not None:
-            rec.collective("reduce_scatter", axis, src.nbytes, t0)
-        return out.movedim(0, dim).contiguous()
+            rec.collective("reduce_scatter", axis, blocks.nbytes, t0)
+        return out
 
     def all_to_all(self, x: torch.Tensor, out_rows: list[int], in_rows: list[int], axis: str) -> torch.Tensor:
         """Rows ``in_rows[j]`` of ``x`` (in order) to rank j of ``axis``; ``out_rows[j]`` rows from each

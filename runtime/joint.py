@@ -159,6 +159,12 @@ class JointRunner:
                     jp.tp_overlap += rewrite(gm, tp_overlap=tp_overlap, hardware=hw,
                                              where="forward" if part == "forward" else "backward")
         codegen = getattr(cfg, "codegen", "eager")
+        if codegen == "eager":  # all-reduces of values read nowhere else: in place, without the runtime's copy
+            from mcompile.passes.overlap import inplace_all_reduces
+
+            for part in ("forward", "backward", "backward_input", "backward_weight"):
+                if getattr(jp, part) is not None:
+                    inplace_all_reduces(getattr(jp, part))
         if codegen != "eager":
             jp.forward = _Compiled(jp.forward, codegen)
             jp.backward = _Compiled(jp.backward, codegen)

@@ -64,13 +64,13 @@ class ThreadedCommunicator:
     def rank(self, axis: str) -> int:
         return self.world.group_of[(axis, self.global_rank)][1]
 
-    def all_reduce(self, x, axis, op):
+    def all_reduce(self, x, axis, op, inplace=False):
         self.log.append((f"all_reduce_{op}", axis, tuple(x.shape)))
-        parts = self._ex(axis, x)
+        parts = self._ex(axis, x)  # copies: every rank has read them before anyone writes into its input
         out = parts[0].clone()
         for p in parts[1:]:
             out = torch.maximum(out, p) if op == "max" else out + p
-        return out
+        return x.copy_(out) if inplace else out
 
     def all_gather(self, x, dim, axis):
         self.log.append(("all_gather", axis, tuple(x.shape)))

@@ -25,7 +25,7 @@ import warnings
 import pytest
 import torch
 import torch.fx as fx
-from sim_harness import rank_args
+from sim_harness import combine_grads, rank_args
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -35,7 +35,7 @@ from mcompile.passes import collective_matmul as CM
 from mcompile.passes.overlap import OverlapError, check_waits, is_start, is_wait
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
-from conftest import compiled
+from conftest import build, compiled
 
 aten = torch.ops.aten
 MM = (aten.mm.default, aten.addmm.default)
@@ -166,12 +166,32 @@ def test_check_waits_rejects_a_wait_after_a_reader():
         check_waits(gm)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,k", [(2, 2), (4, 4)])
+def test_batch_one_chunks_each_ranks_sequence_shard_and_equals_unrewritten(n, k):
+    # at batch 1 the only dim to chunk is the gathered / scattered sequence: rank-strided chunks (the j-th block
+    # of every rank's shard); a chunk from the wrong rank or block, or a wrong interleave, changes the result
+    shapes = _shapes(1, 2 * n * k, 8, 12)
+    ref, new = _trace(n, shapes), _trace(n, shapes)
+    dec = CM.rewrite(new, tp_overlap=k)
+    assert [(d.pattern, d.chunks) for d in dec] == [(CM.AG_MM, k), (CM.MM_RS, k)], [str(d) for d in dec]
+    assert new.code.count("mcompile.start_all_gather.default(") == k
+    assert new.code.count("mcompile.start_reduce_scatter.default(") == k
+    # the permutes around the sequence gather only move the batch dim of size 1: no contiguous copy of a chunk
+    assert not any(nd.target is aten.clone.default and nd.args[0].target is aten.permute.default
+                   for nd in new.graph.nodes)
+    check_waits(new)
+    for want, got in _run(n, [ref, new], shapes):
+        for w, g in zip(want, got):
+            _close(g, w)
+
+
 @pytest.mark.timeout(60)
-def test_batch_one_and_unmatched_ops_are_skipped_with_the_reason():
-    gm = _trace(2, _shapes(1, 4, 8, 12))
+def test_unchunkable_op_is_skipped_with_the_reason():
+    gm = _trace(2, _shapes(1, 1, 8, 12))  # batch 1, one sequence row per rank: nothing to split
     dec = CM.rewrite(gm, tp_overlap=2)
     assert [d.chunks for d in dec] == [1, 1], dec
-    assert all("no dim to chunk (batch 1?)" in d.reason for d in dec), dec
+    assert all("no k >= 2 divides each rank's share" in d.reason for d in dec), [str(d) for d in dec]
     assert "start_" not in gm.code
 
 
@@ -179,11 +199,28 @@ def test_batch_one_and_unmatched_ops_are_skipped_with_the_reason():
 _TRACE = threading.Lock()
 
 
+# (sequence_parallel, batch) -> tp collectives rewritten in the forward, in the backward; skipped (reading no matmul)
+_LLAMA_CASES = {
+    # per layer (2) attention and MLP each gather in and reduce-scatter out, plus the LM head's gather: 9 rewritten;
+    # the embedding's reduce-scatter (forward), its gradient's gather (backward) and the vocab-parallel loss's two
+    # all-reduces (forward) touch no matmul. At batch 1 the same 9: the sequence, not the batch, is chunked
+    # (rank-strided)
+    (True, 2): (9, 9, 4),
+    (True, 1): (9, 9, 4),
+    # without SP: per layer attention and MLP each all-reduce their row-parallel output (4), and in backward the
+    # input gradient of each block and of the LM head (5); the vocab-parallel embedding's and loss's all-reduces
+    # (forward) read no matmul
+    (False, 1): (4, 5, 3),
+}
+
+
 @pytest.mark.timeout(300)
-def test_llama3_tiny_tp2_sp_forward_and_backward_equal_unrewritten():
+@pytest.mark.parametrize("sp,batch", list(_LLAMA_CASES))
+def test_llama3_tiny_tp2_forward_and_backward_equal_unrewritten_and_single_device(sp, batch):
     from mcompile.passes.joint import partition, saved_for_policy, trace_joint
 
-    _, inputs, c, _ = compiled("llama3-tiny", "tp=2", True)
+    _, _, c, _ = compiled("llama3-tiny", "tp=2", sp)  # the plan is symbolic in the batch: traced at this batch
+    model, inputs = build("llama3-tiny", batch=batch)
     state = c.captured.state_values()
     per_rank = []
     for r in range(2):
@@ -194,20 +231,21 @@ def test_llama3_tiny_tp2_sp_forward_and_backward_equal_unrewritten():
         ref, new = partition(jg, saved), partition(jg, saved)
         dec = CM.rewrite(new.forward, tp_overlap=2, where="forward") + \
             CM.rewrite(new.backward, tp_overlap=2, where="backward")
-        per_rank.append((args, jg, ref, new, dec))
+        names = [n.name for n in prog.graph.nodes if n.op == "placeholder"]
+        per_rank.append((args, jg, ref, new, dec, names))
     dec = per_rank[0][4]
-    for where in ("forward", "backward"):
-        done = [d for d in dec if d.where == where and d.chunks == 2]
-        skipped = [d for d in dec if d.where == where and d.chunks == 1]
-        # per layer (2) attention and MLP each gather in and reduce-scatter out, plus the LM head's gather:
-        # 9 rewritten; the embedding's reduce-scatter (forward) and its gradient's gather (backward) touch
-        # no matmul
-        assert len(done) == 9 and len(skipped) == 1, [str(d) for d in dec]
-        assert "matmul" in skipped[0].reason
-    assert "start_all_gather" in per_rank[0][3].backward.code and "start_reduce_scatter" in per_rank[0][3].forward.code
+    n_fwd, n_bwd, n_skipped = _LLAMA_CASES[sp, batch]
+    done = {w: [d for d in dec if d.where == w and d.chunks == 2] for w in ("forward", "backward")}
+    skipped = [d for d in dec if d.chunks == 1]
+    assert (len(done["forward"]), len(done["backward"])) == (n_fwd, n_bwd), [str(d) for d in dec]
+    assert len(skipped) == n_skipped and all("matmul" in d.reason for d in skipped), \
+        [str(d) for d in skipped]
+    assert {d.pattern for d in done["forward"] + done["backward"]} == ({CM.AG_MM, CM.MM_RS} if sp else {CM.MM_AR})
+    code = per_rank[0][3].forward.code + per_rank[0][3].backward.code
+    assert ("start_all_gather" in code and "start_reduce_scatter" in code) if sp else "start_all_reduce" in code
 
     def rank(r):
-        args, jg, ref, new, _ = per_rank[r]
+        args, jg, ref, new, _, _ = per_rank[r]
         a = [x.detach() for x in args] + jg.constants
         with torch.no_grad():
             f_ref, f_new = ref.forward(*a), new.forward(*a)
@@ -219,7 +257,8 @@ def test_llama3_tiny_tp2_sp_forward_and_backward_equal_unrewritten():
             g_new = new.backward(*f_new[n:], *[a[i] for i in new.bwd_primals], *tangents)
         return f_ref, f_new, g_ref, g_new
 
-    for f_ref, f_new, g_ref, g_new in run_threads(ThreadedWorld(c.mesh), rank):
+    results = run_threads(ThreadedWorld(c.mesh), rank)
+    for f_ref, f_new, g_ref, g_new in results:
         assert len(f_ref) == len(f_new) and len(g_ref) == len(g_new)
         for want, got in zip(f_ref, f_new):  # the loss and every saved tensor
             _close(got, want)
@@ -228,6 +267,17 @@ def test_llama3_tiny_tp2_sp_forward_and_backward_equal_unrewritten():
             assert (want is None) == (got is None)
             if want is not None:
                 _close(got, want)
+    # and the single-device model's loss and gradients (tests/sim_harness.py's tolerance: fp32, another order)
+    model.zero_grad()
+    ref_loss = model(*inputs)
+    ref_loss.backward()
+    for _, f_new, _, _ in results:
+        torch.testing.assert_close(f_new[0], ref_loss.detach(), rtol=1e-5, atol=0)
+    grads = [{per_rank[r][5][i]: g for i, g in zip(per_rank[r][1].grad_primals, results[r][3])} for r in range(2)]
+    full = combine_grads(c, grads)
+    for fqn, p in model.named_parameters():
+        want = p.grad
+        torch.testing.assert_close(full[fqn], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 # ---- the cost model and the fallbacks -----------------------------------------------------------------------
@@ -239,6 +289,10 @@ def test_auto_chunks_a_large_op_on_h100_and_skips_a_tiny_one():
     assert [d.chunks for d in dec] in ([2, 2], [4, 4], [2, 4], [4, 2]), [str(d) for d in dec]
     assert all(d.saved_s > 0 and "cost model on h100-sxm" in d.reason for d in dec)
     assert "start_all_gather" in big.code
+    # the same block at microbatch 1 (b=1, s=4096): rank-strided sequence chunks pay as well
+    one = _trace(8, _shapes(1, 512, 8192, 3584), torch.bfloat16)
+    dec = CM.rewrite(one, tp_overlap="auto", hardware="h100")
+    assert all(d.chunks in (2, 4) and d.saved_s > 0 for d in dec), [str(d) for d in dec]
     tiny = _trace(2, _shapes(2, 4, 8, 12))
     dec = CM.rewrite(tiny, tp_overlap="auto")  # default profile: H100
     assert [d.chunks for d in dec] == [1, 1]
@@ -269,3 +323,94 @@ def test_symm_mem_unavailable_warns_and_names_the_fallback():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         CM.rewrite(_trace(2, _shapes(4, 4, 8, 12)), tp_overlap=2)  # no warning when nothing is asked of symm_mem
+
+
+# ---- the runtime's copies: all-reduce in place where nothing else reads the input; gathers off dim 0 ----------
+def _two_all_reduces(n: int):
+    def f(a, b, w):
+        y1 = ops.OPS["all_reduce"](torch.mm(a, w).view(-1), "tp", n)  # the product is read by the all-reduce alone
+        z = torch.mm(b, w)
+        y2 = ops.OPS["all_reduce"](z, "tp", n)  # z is read again below: the all-reduce must not overwrite it
+        return y1, y2 + z
+
+    return f
+
+
+@pytest.mark.timeout(60)
+def test_all_reduce_in_place_only_where_nothing_else_reads_its_input():
+    from mcompile.passes.overlap import inplace_all_reduces
+
+    shapes = [(4, 6), (4, 6), (6, 8)]
+    with FakeTensorMode() as mode:
+        args = [torch.empty(s) for s in shapes]
+        with mode:
+            ref, new = (make_fx(_two_all_reduces(2), tracing_mode="real")(*args) for _ in range(2))
+    assert inplace_all_reduces(new) == 1
+    inplace = [nd for nd in new.graph.nodes if nd.target is ops.ALL_REDUCE_INPLACE]
+    assert len(inplace) == 1 and inplace[0].args[0].target is aten.view.default  # y1's, through its view
+    assert sum(nd.target is ops.OPS["all_reduce"] for nd in new.graph.nodes) == 1  # y2's stays functional
+
+    def rank(r):
+        g = torch.Generator().manual_seed(r)
+        xs = [torch.randn(s, generator=g) for s in shapes]
+        return ref(*xs), new(*xs)
+
+    for want, got in run_threads(ThreadedWorld(Mesh.parse("tp=2")), rank):
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def _fake_comm(monkeypatch, n: int = 2):
+    """A DistCommunicator over a fake tp group of n ranks, rank 0: rank j holds this rank's input + 100 j
+    (all-gather), or this rank's input times j + 1 (reduce-scatter, all-reduce). Records what each collective
+    was handed."""
+    from mcompile.runtime import comm as C
+
+    seen = []
+
+    def all_gather(out, x, group=None, async_op=False):
+        seen.append(x)
+        out.copy_(torch.cat([x + 100 * j for j in range(n)]))
+
+    def reduce_scatter(out, x, group=None, async_op=False):
+        seen.append(x)
+        out.copy_((x * sum(range(1, n + 1))).chunk(n)[0])
+
+    def all_reduce(x, op=None, group=None, async_op=False):
+        seen.append(x)
+        x.mul_(sum(range(1, n + 1)))
+
+    monkeypatch.setattr(C, "_ALL_GATHER", all_gather)
+    monkeypatch.setattr(C, "_REDUCE_SCATTER", reduce_scatter)
+    monkeypatch.setattr(C.dist, "all_reduce", all_reduce)
+    comm = object.__new__(C.DistCommunicator)
+    comm.groups, comm.sizes, comm.ranks, comm.recorder = {"tp": None}, {"tp": n}, {"tp": 0}, None
+    return comm, seen
+
+
+@pytest.mark.timeout(60)
+def test_dist_all_reduce_copies_only_when_not_in_place(monkeypatch):
+    comm, seen = _fake_comm(monkeypatch)
+    x = torch.randn(4, 8)
+    x0 = x.clone()
+    out = comm.all_reduce(x, "tp", "sum")
+    assert seen[-1] is not x and torch.equal(x, x0) and torch.equal(out, 3 * x0)  # the input untouched
+    out = comm.all_reduce(x, "tp", "sum", inplace=True)
+    assert seen[-1] is x and out is x and torch.equal(x, 3 * x0)  # reduced where it lies: no copy
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shape,dim", [((1, 8, 4), 1), ((3, 8, 4), 1), ((3, 4, 8), 2), ((8, 4), 0)])
+def test_dist_gathers_off_dim_0_copy_at_most_once(monkeypatch, shape, dim):
+    comm, seen = _fake_comm(monkeypatch)
+    x = torch.randn(shape)
+    lead_ones = all(s == 1 for s in shape[:dim])
+    got = comm.all_gather(x, dim, "tp")
+    torch.testing.assert_close(got, torch.cat([x, x + 100], dim), rtol=0, atol=0)
+    assert seen[-1] is x  # the input is gathered as it lies (it was two transposing copies, in and out)
+    assert got.is_contiguous() and (got._base is not None) == (dim != 0 and lead_ones)  # batch 1: a view, no copy
+    got = comm.reduce_scatter(x, dim, "tp")
+    torch.testing.assert_close(got, 3 * x.chunk(2, dim)[0], rtol=0, atol=0)
+    assert got.is_contiguous() and got.shape == x.chunk(2, dim)[0].shape
+    # each rank's block moved to the front: one copy of the input, none when every dim before it has size 1
+    assert (seen[-1].data_ptr() == x.data_ptr()) == lead_ones
