@@ -383,10 +383,9 @@ def _row_major(t: Tensor, pad: int = 0) -> Tensor:
     if not pad and t.is_contiguous():
         return t
     out = torch.empty(t.shape[0], t.shape[1] + pad, dtype=t.dtype, device=t.device)
-    bits = out.view(torch.uint8)  # FP8's zero is the all-zero code in both formats
-    bits[:, :t.shape[1]].copy_(t.view(torch.uint8))
-    if pad:
-        bits[:, t.shape[1]:].zero_()
+    out[:, :t.shape[1]].copy_(t)
+    if pad:  # FP8's zero is the all-zero code in both formats
+        out[:, t.shape[1]:].view(torch.uint8).zero_()
     return out
 
 
