@@ -12,7 +12,8 @@ that its largest magnitude lands near the format's largest finite value; ``t ≈
 
     s = fp8_max / amax / 2^margin          (s = 1 where amax is 0 or not finite, or s overflows)
 
-- *current* scaling takes amax of the tensor being cast (one extra read of it);
+- *current* scaling takes amax of the tensor being cast (one extra read of it: the scale must be known
+  before the cast starts, so an amax pass, then a cast pass that computes no amax again);
 - *delayed* scaling (Transformer Engine's ``DelayedScaling`` recipe idea) takes the largest amax
   seen over the last ``history_len`` steps, and records the amax of this step as a by-product of
   the cast: the fused cast+amax kernel below reads the tensor once for both. A value larger than
@@ -73,9 +74,24 @@ backward (measured). Recording everything in backward also makes the update exac
   (a zero-bubble pipeline's weight step re-runs it for dW), the second call reuses the history the
   first one saw and pushes nothing;
 - an empty history (the first step) falls back to current scaling. That fallback is chosen without
-  a host sync (``torch.where``), so delayed scaling also reads each tensor once for its current
-  amax; the single-pass cast it is meant for needs a host-known step count, which the runtime's
-  compiled joint graphs (DESIGN §5) will provide.
+  a host sync: the Triton path launches an amax kernel gated on the history's max, whose loads are
+  all masked off once the history has a value (the launch reads nothing of the tensor), and the
+  reference decides on the host where that is free (CPU tensors). So past the first step delayed
+  scaling reads each tensor once, in the cast that also yields its amax.
+
+Work per FP8 linear (issue 38 item 7; counted by bench/fp8_ops.py, pinned by tests/test_fp8.py):
+
+- the weight's cast is cached per optimizer step (:func:`step_cache`, which ``ParallelModule.train_step``
+  opens around its microbatches, Transformer Engine's ``is_first_microbatch`` idea): the later
+  microbatches of a step reuse the first one's w8 and scale; the weight's version counter (an in-place
+  write) and the next step invalidate it. Under delayed scaling the cached cast keeps the scale of the
+  step's first microbatch (see :func:`_weight_cast`);
+- each operand's amax is read once (above);
+- ``torch._scaled_mm`` on CUDA takes only K-major operands (row-major a, column-major b; cuBLASLt's FP8
+  GEMM is "TN"). The forward's x8 (M, K) and w8ᵀ (w8 row-major (N, K)) already are: no copy. The dgrad
+  g8 @ w8 needs w8 column-major: one copy, cached with the weight's cast, so once per step. The wgrad
+  g8ᵀ @ x8 contracts over the tokens, the outer dim of both as cast: both copied (the token count padded
+  to a multiple of 16 in the same copy). CPU's ``_scaled_mm`` takes any strides: no copies there.
 
 Dispatch: the Triton kernel runs on CUDA tensors, and on CPU tensors when this module was imported
 under ``TRITON_INTERPRET=1`` (correctness only, DESIGN §8); elsewhere the PyTorch reference. The
@@ -87,6 +103,7 @@ the integer form is exact round-to-nearest-even on every backend, bit-identical 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import weakref
@@ -313,12 +330,23 @@ class _Cached:
 
     __slots__ = ("ref", "version", "key", "w8", "inv", "amax", "w8_kmajor")
 
-    def __init__(self, weight, key, w8, inv, a):
-        self.ref, self.version, self.key = weakref.ref(weight), weight._version, key
+    def __init__(self, weight, key, w8, inv, a, cache: dict):
+        # the weight freed (a ZeRO-3 weight gathered per microbatch), its entry goes: the cache never holds
+        # the FP8 copy of a weight nobody holds
+        self.ref = weakref.ref(weight, functools.partial(_drop, cache, id(weight)))
+        self.version, self.key = weight._version, key
         self.w8, self.inv, self.amax, self.w8_kmajor = w8, inv, a, None
 
     def valid(self, weight, key) -> bool:
         return self.ref() is weight and self.version == weight._version and self.key == key
+
+
+def _drop(cache: dict, k: int, ref) -> None:
+    """Weakref callback: the cached cast of a weight that was freed leaves the step's cache."""
+    e = cache.get(k)
+    if e is not None and e.ref is ref:
+        del cache[k]
+        _BY_W8.pop(e.w8.data_ptr(), None)
 
 
 _STEP = threading.local()  # .cache: the active step's {id(weight): _Cached}, per thread (a simulated rank)
@@ -363,7 +391,7 @@ def _weight_cast(weight: Tensor, margin: int, row: Tensor | None = None) -> tupl
         old = cache.get(id(weight))
         if old is not None:
             _BY_W8.pop(old.w8.data_ptr(), None)
-        cache[id(weight)] = e = _Cached(weight, key, w8, inv, a)
+        cache[id(weight)] = e = _Cached(weight, key, w8, inv, a, cache)
         _BY_W8[w8.data_ptr()] = e
     return w8, inv, a
 

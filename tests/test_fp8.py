@@ -310,6 +310,11 @@ def test_weight_cast_cached_per_step(recipe):
                 w.mul_(2)  # written within the step: the cached cast is stale
             y2, _ = _microbatch(recipe, x, w, dy, hist)
             assert casts() == n + 2 and not torch.equal(y1, y2)
+            gathered = w0.clone().requires_grad_()  # a weight made per microbatch (ZeRO-3's gather), then freed:
+            _microbatch(recipe, x, gathered, dy, fp8.new_amax_history(4))
+            assert len(fp8._BY_W8) == 2
+            del gathered
+            assert len(fp8._BY_W8) == 1  # its cast is not kept for the rest of the step
 
 
 def test_delayed_cached_weight_keeps_the_first_microbatchs_scale():
