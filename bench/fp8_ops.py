@@ -148,11 +148,17 @@ def counts(fp8, namespace: str = "mcompile") -> dict:
     return {r: {lay: measure(fp8, r, lay, namespace) for lay in LAYOUTS} for r in RECIPES}
 
 
+def _bench_module(name: str):
+    """bench/<name>.py loaded from its file (bench/ on sys.path would shadow packages: bench/compat.py)."""
+    spec = importlib.util.spec_from_file_location(f"mcompile_bench_{name}", Path(__file__).resolve().parent /
+                                                  f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main(argv=None) -> int:
-    spec = importlib.util.spec_from_file_location("mcompile_bench__results", Path(__file__).resolve().parent /
-                                                  "_results.py")
-    results = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(results)
+    results = _bench_module("_results")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", default=None, help="also count kernels/fp8.py as of this git revision")
     results.add_arguments(ap, "fp8_ops")

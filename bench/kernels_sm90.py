@@ -192,7 +192,7 @@ def _merged(result: dict, only: str) -> dict:
     as compiled at the record's commit, which the record now names beside this one)."""
     import json
 
-    record = json.loads((ROOT / "bench" / "results" / "kernels_sm90.json").read_text())
+    record = json.loads((_results.RESULTS / "kernels_sm90.json").read_text())
     names = {r["kernel"] for r in result["launches"]} | {
         n for n, v in vars(getattr(sys.modules[__name__], only)).items() if isinstance(v, JITFunction)}
     rows = [r for r in record["launches"] if r["kernel"] not in names] + result["launches"]
