@@ -307,7 +307,7 @@ def _cast_delayed(t: Tensor, row: Tensor, dtype: torch.dtype, margin: int) -> tu
     step: current scaling) is t read once more, before the cast, for its scale. The Triton path decides
     that on the device (a gated amax launch that reads nothing once the history has a value); the
     reference decides on the host where that is free (CPU) and otherwise computes both and picks."""
-    past = row.amax()
+    past = row.amax()  # the largest amax of the previous steps
     if uses_triton(t.device):
         cur = _triton_amax(t, gate=past)  # 0 without reading t once the history has a value
         s = torch.where(past > 0, compute_scale(past, dtype, margin), compute_scale(cur, dtype, margin))
