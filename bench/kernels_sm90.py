@@ -3,6 +3,8 @@ report what each compiled kernel costs in registers, spills and shared memory.
 
     python bench/kernels_sm90.py            # -> bench/results/kernels_sm90.json
     options: --widths 4096,8192 --arch 90 --out PATH
+    --only fp8 --widths 4096,8192,16384 --write: compile one module's launches, and replace only its rows
+    of the committed record (the whole run takes longer than 15 minutes on a 2-core machine)
 
 Why. The tests run the kernels in Triton's interpreter, which executes their Python and never
 compiles them: a kernel that the real compiler rejects (a type that differs between the branches of
@@ -14,12 +16,13 @@ need no GPU, so both are checked here, on the exact launches the kernel benchmar
 How. The launches are recorded, not run: each ``kernel[grid](...)`` global of the kernel modules is
 swapped for a recorder, the modules are told to take their Triton path for CPU tensors, and
 ``bench/kernels.py``'s cases (every op, forward and backward, at each width, bf16), its FP8
-linear and a grouped GEMM (MoE experts) run on CPU tensors of the benchmark's widths (fewer rows:
-the row count is a runtime argument, not part of the compiled code). Each distinct launch is then compiled the way
-``JITFunction.run`` compiles it — the same argument specialization (16-byte alignment and
-divisibility of pointers and integers), constexprs and options (``num_warps``) — for
-``GPUTarget("cuda", arch, 32)``, and ``cuobjdump --dump-resource-usage`` reads the cubin: registers
-per thread, stack and local memory (spills) per thread, shared memory per program.
+linear (current and delayed scaling) and a grouped GEMM (MoE experts) run on CPU tensors of the
+benchmark's widths (fewer rows: the row count is a runtime argument, not part of the compiled
+code). Each distinct launch is then compiled the way ``JITFunction.run`` compiles it — the same
+argument specialization (16-byte alignment and divisibility of pointers and integers), constexprs
+and options (``num_warps``) — for ``GPUTarget("cuda", arch, 32)``, and ``cuobjdump
+--dump-resource-usage`` reads the cubin: registers per thread, stack and local memory (spills) per
+thread, shared memory per program.
 
 It uses Triton internals (``create_function_from_signature``, ``JITFunction._pack_args``) of the
 installed version (3.9 here; the GPU machine has 3.6, whose code generation differs in detail): a
@@ -104,6 +107,11 @@ def record_launches(widths: list[int]) -> list[tuple[str, str, JITFunction, tupl
             launches.clear()
             torch.autograd.grad(fp8.fp8_linear(x, w), (x, w), torch.zeros(ROWS, width, dtype=torch.bfloat16))
             out += [(f"fp8_linear {width}x{width}", "fwd_bwd", *launch) for launch in launches]
+            launches.clear()  # delayed scaling: the casts that also return the amax, the gated amax
+            hist = fp8.new_amax_history(4)
+            torch.autograd.grad(fp8.fp8_linear_delayed(x, w, hist), (x, w), torch.zeros(ROWS, width,
+                                                                                          dtype=torch.bfloat16))
+            out += [(f"fp8_linear_delayed {width}x{width}", "fwd_bwd", *launch) for launch in launches]
             # 4 experts, one of them empty; forward with w as a transposed view (models/moe.py passes
             # w1.transpose(1, 2)), dx with w's own layout: both stride specializations get compiled
             w = torch.zeros(4, EXPERT_COLUMNS, width, dtype=torch.bfloat16).requires_grad_()
@@ -148,10 +156,13 @@ def compile_launch(fn: JITFunction, args: tuple, kwargs: dict, target: GPUTarget
     return res
 
 
-def run(widths: list[int], arch: int) -> dict:
+def run(widths: list[int], arch: int, only: str | None = None) -> dict:
     target = GPUTarget("cuda", arch, 32)
     t0 = time.perf_counter()
     launches = record_launches(widths)
+    if only:
+        mine = {n for n, v in vars(getattr(sys.modules[__name__], only)).items() if isinstance(v, JITFunction)}
+        launches = [launch for launch in launches if launch[2].__name__ in mine]
     compiled: dict = {}
     rows = []
     for case, phase, fn, args, kwargs in launches:
@@ -176,6 +187,24 @@ def run(widths: list[int], arch: int) -> dict:
     }
 
 
+def _merged(result: dict, only: str) -> dict:
+    """The committed record with ``only``'s rows replaced by ``result``'s (kept: every other module's rows,
+    as compiled at the record's commit, which the record now names beside this one)."""
+    import json
+
+    record = json.loads((_results.RESULTS / "kernels_sm90.json").read_text())
+    names = {r["kernel"] for r in result["launches"]} | {
+        n for n, v in vars(getattr(sys.modules[__name__], only)).items() if isinstance(v, JITFunction)}
+    rows = [r for r in record["launches"] if r["kernel"] not in names] + result["launches"]
+    return {**record, "launches": rows, "commit": result["commit"],
+            "rows_by_commit": {**record.get("rows_by_commit", {"*": record["commit"]}), only: result["commit"]},
+            "distinct_kernels": record["distinct_kernels"] - sum(r.get("first_of_its_kind", False) for r in
+                                                                   record["launches"] if r["kernel"] in names)
+            + result["distinct_kernels"],
+            "spilling": sorted({f"{r['kernel']} ({r['case']})" for r in rows if r.get("local") or r.get("stack")}),
+            "errors": [e for e in record["errors"] if e.split(" ", 1)[0] not in names] + result["errors"]}
+
+
 def _commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -190,8 +219,12 @@ def main(argv=None) -> int:
     p.add_argument("--widths", default="4096,8192", help="comma-separated row widths (default 4096,8192)")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (default 90: H100/H200)")
     _results.add_arguments(p, "kernels_sm90")
+    p.add_argument("--only", default=None, choices=[m.__name__.rsplit(".", 1)[1] for m in MODULES],
+                   help="compile this kernel module's launches only; merged into the record's other rows")
     args = p.parse_args(argv)
-    result = run([int(w) for w in args.widths.split(",")], args.arch)
+    result = run([int(w) for w in args.widths.split(",")], args.arch, args.only)
+    if args.only:
+        result = _merged(result, args.only)
     for r in result["launches"]:
         if r.get("first_of_its_kind") or "error" in r:
             what = r.get("error") or (f"{r['reg']:3d} regs, stack {r['stack']}, local {r['local']}, shared "

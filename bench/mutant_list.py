@@ -528,8 +528,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="fp8-delayed-scale-from-newest-amax",
         file="kernels/fp8.py",
-        old="    past = row.amax()",
-        new="    past = row[0]",
+        old="    past = row.amax()  # the largest amax of the previous steps",
+        new="    past = row[0]  # the largest amax of the previous steps",
         description="delayed scaling takes the newest amax of the history instead of the largest",
         targets=("tests/test_fp8.py::test_delayed_scaling_history",),
     ),

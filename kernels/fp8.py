@@ -12,7 +12,8 @@ that its largest magnitude lands near the format's largest finite value; ``t ≈
 
     s = fp8_max / amax / 2^margin          (s = 1 where amax is 0 or not finite, or s overflows)
 
-- *current* scaling takes amax of the tensor being cast (one extra read of it);
+- *current* scaling takes amax of the tensor being cast (one extra read of it: the scale must be known
+  before the cast starts, so an amax pass, then a cast pass that computes no amax again);
 - *delayed* scaling (Transformer Engine's ``DelayedScaling`` recipe idea) takes the largest amax
   seen over the last ``history_len`` steps, and records the amax of this step as a by-product of
   the cast: the fused cast+amax kernel below reads the tensor once for both. A value larger than
@@ -73,9 +74,24 @@ backward (measured). Recording everything in backward also makes the update exac
   (a zero-bubble pipeline's weight step re-runs it for dW), the second call reuses the history the
   first one saw and pushes nothing;
 - an empty history (the first step) falls back to current scaling. That fallback is chosen without
-  a host sync (``torch.where``), so delayed scaling also reads each tensor once for its current
-  amax; the single-pass cast it is meant for needs a host-known step count, which the runtime's
-  compiled joint graphs (DESIGN §5) will provide.
+  a host sync: the Triton path launches an amax kernel gated on the history's max, whose loads are
+  all masked off once the history has a value (the launch reads nothing of the tensor), and the
+  reference decides on the host where that is free (CPU tensors). So past the first step delayed
+  scaling reads each tensor once, in the cast that also yields its amax.
+
+Work per FP8 linear (issue 38 item 7; counted by bench/fp8_ops.py, pinned by tests/test_fp8.py):
+
+- the weight's cast is cached per optimizer step (:func:`step_cache`, which ``ParallelModule.train_step``
+  opens around its microbatches, Transformer Engine's ``is_first_microbatch`` idea): the later
+  microbatches of a step reuse the first one's w8 and scale; the weight's version counter (an in-place
+  write) and the next step invalidate it. Under delayed scaling the cached cast keeps the scale of the
+  step's first microbatch (see :func:`_weight_cast`);
+- each operand's amax is read once (above);
+- ``torch._scaled_mm`` on CUDA takes only K-major operands (row-major a, column-major b; cuBLASLt's FP8
+  GEMM is "TN"). The forward's x8 (M, K) and w8ᵀ (w8 row-major (N, K)) already are: no copy. The dgrad
+  g8 @ w8 needs w8 column-major: one copy, cached with the weight's cast, so once per step. The wgrad
+  g8ᵀ @ x8 contracts over the tokens, the outer dim of both as cast: both copied (the token count padded
+  to a multiple of 16 in the same copy). CPU's ``_scaled_mm`` takes any strides: no copies there.
 
 Dispatch: the Triton kernel runs on CUDA tensors, and on CPU tensors when this module was imported
 under ``TRITON_INTERPRET=1`` (correctness only, DESIGN §8); elsewhere the PyTorch reference. The
@@ -86,7 +102,11 @@ the integer form is exact round-to-nearest-even on every backend, bit-identical 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import threading
+import weakref
 
 import torch
 from torch import Tensor
@@ -98,7 +118,7 @@ __all__ = [
     "E4M3", "E5M2", "fp8_max", "uses_triton",
     "cast_to_fp8", "cast_to_fp8_reference", "amax", "compute_scale",
     "new_amax_history", "history_scale", "scaled_mm",
-    "fp8_linear", "fp8_linear_delayed", "fp8_linear_reference",
+    "fp8_linear", "fp8_linear_delayed", "fp8_linear_reference", "step_cache", "stats",
 ]
 
 E4M3 = torch.float8_e4m3fn
@@ -111,6 +131,11 @@ _NAN_CODE = {dt: int(torch.tensor(float("nan")).to(dt).view(torch.uint8)) for dt
 _BLOCK = 1024  # elements per program of the cast kernel
 _MM_MULTIPLE = 16  # torch._scaled_mm on CUDA: contraction and output dims multiples of 16
 X, W, G = 0, 1, 2  # rows of a delayed-scaling amax history
+# devices whose torch._scaled_mm takes only cuBLASLt's FP8 layout, both operands K-major: a row-major
+# (M, K), b column-major (K, N). CPU's takes any strides. (A module set: bench/fp8_ops.py counts the CUDA
+# layout's copies on CPU by adding "cpu".)
+KMAJOR_DEVICES = {"cuda"}
+stats = {"weight_casts": 0}  # FP8 casts of weights since import (the per-step cache's test reads it)
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -184,19 +209,36 @@ def _fp8_code(v, MBITS: tl.constexpr, EMIN: tl.constexpr, NAN_CODE: tl.constexpr
 
 @_jit
 def _cast_amax_kernel(X, Y, SCALE, AMAX_PART, n, FMAX: tl.constexpr, MBITS: tl.constexpr,
-                      EMIN: tl.constexpr, NAN_CODE: tl.constexpr, BLOCK: tl.constexpr):
-    """Program p: y = fp8(clamp(x·scale, ±FMAX)) (as uint8 bits) for its block, and max |x| of the
-    block into AMAX_PART[p] (NaN if the block holds one; the host takes the max over programs)."""
+                      EMIN: tl.constexpr, NAN_CODE: tl.constexpr, BLOCK: tl.constexpr, AMAX: tl.constexpr):
+    """Program p: y = fp8(clamp(x·scale, ±FMAX)) (as uint8 bits) for its block, and (``AMAX``) max |x|
+    of the block into AMAX_PART[p] (NaN if the block holds one; the host takes the max over programs)."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    a = tl.max(tl.abs(x), axis=0)
-    nans = tl.sum((x != x).to(tl.int32), axis=0)
-    tl.store(AMAX_PART + pid, tl.where(nans > 0, float("nan"), a))
+    if AMAX:
+        a = tl.max(tl.abs(x), axis=0)
+        nans = tl.sum((x != x).to(tl.int32), axis=0)
+        tl.store(AMAX_PART + pid, tl.where(nans > 0, float("nan"), a))
     v = x * tl.load(SCALE)
     v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -FMAX), FMAX))  # saturate, keep NaN
     tl.store(Y + offs, _fp8_code(v, MBITS, EMIN, NAN_CODE).to(tl.uint8), mask=mask)
+
+
+@_jit
+def _amax_kernel(X, AMAX_PART, GATE, n, BLOCK: tl.constexpr, GATED: tl.constexpr):
+    """Program p: max |x| of its block into AMAX_PART[p] (NaN if the block holds one). ``GATED``: only
+    while GATE[0] ≤ 0 (a delayed-scaling history still empty); else every load is masked off, so the
+    launch reads nothing of x — the choice is made on the device, with no host sync."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    end = n
+    if GATED:
+        end = tl.where(tl.load(GATE) <= 0, n, 0)
+    x = tl.load(X + offs, mask=offs < end, other=0.0).to(tl.float32)
+    a = tl.max(tl.abs(x), axis=0)
+    nans = tl.sum((x != x).to(tl.int32), axis=0)
+    tl.store(AMAX_PART + pid, tl.where(nans > 0, float("nan"), a))
 
 
 _INTERPRETED = type(_cast_amax_kernel).__name__ == "InterpretedFunction"
@@ -204,22 +246,37 @@ _INTERPRETED = type(_cast_amax_kernel).__name__ == "InterpretedFunction"
 
 def cast_to_fp8_reference(x: Tensor, scale: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(fp8(clamp(x·scale, ±fp8_max)), max |x|) in PyTorch: the kernel's specification."""
+    return _cast_reference(x, scale, dtype), amax(x)
+
+
+def _cast_reference(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     fmax = fp8_max(dtype)
-    x8 = (x.float() * scale.float()).clamp(-fmax, fmax).to(dtype)
-    return x8, amax(x)
+    return (x.float() * scale.float()).clamp(-fmax, fmax).to(dtype)
 
 
-def _triton_cast(x: Tensor, scale: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _triton_cast(x: Tensor, scale: Tensor, dtype: torch.dtype, with_amax: bool = True):
     fmax, mbits, emin = _format(dtype)
     flat = x.contiguous().view(-1)
     n = flat.numel()
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
     grid = max(1, triton.cdiv(n, _BLOCK))
-    part = torch.zeros(grid, dtype=torch.float32, device=x.device)
+    part = torch.zeros(grid if with_amax else 1, dtype=torch.float32, device=x.device)
     if n:
         _cast_amax_kernel[(grid,)](flat, y.view(torch.uint8), scale.float().reshape(1).contiguous(), part, n,
-                                   FMAX=fmax, MBITS=mbits, EMIN=emin, NAN_CODE=_NAN_CODE[dtype], BLOCK=_BLOCK)
-    return y, part.amax()
+                                   FMAX=fmax, MBITS=mbits, EMIN=emin, NAN_CODE=_NAN_CODE[dtype], BLOCK=_BLOCK,
+                                   AMAX=with_amax)
+    return y, (part.amax() if with_amax else None)
+
+
+def _triton_amax(x: Tensor, gate: Tensor | None = None) -> Tensor:
+    flat = x.contiguous().view(-1)
+    n = flat.numel()
+    grid = max(1, triton.cdiv(n, _BLOCK))
+    part = torch.zeros(grid, dtype=torch.float32, device=x.device)
+    if n:
+        g = part if gate is None else gate.float().reshape(1).contiguous()
+        _amax_kernel[(grid,)](flat, part, g, n, BLOCK=_BLOCK, GATED=gate is not None)
+    return part.amax()
 
 
 def cast_to_fp8(x: Tensor, scale: Tensor, dtype: torch.dtype = E4M3) -> tuple[Tensor, Tensor]:
@@ -231,14 +288,112 @@ def cast_to_fp8(x: Tensor, scale: Tensor, dtype: torch.dtype = E4M3) -> tuple[Te
     return cast_to_fp8_reference(x, scale, dtype)
 
 
-def _quantize(t: Tensor, dtype: torch.dtype, scale: Tensor, known_amax: Tensor | None = None):
-    """(t8, scale⁻¹, amax). Given the amax already (current scaling), the reference path does not
-    compute it again; the kernel produces it with the cast either way."""
-    if known_amax is not None and not uses_triton(t.device):
-        fmax = fp8_max(dtype)
-        return (t.float() * scale).clamp(-fmax, fmax).to(dtype), scale.reciprocal(), known_amax
-    t8, a = cast_to_fp8(t, scale, dtype)
-    return t8, scale.reciprocal(), a
+# ---- the casts of a linear's operands: each tensor's amax taken once ------------------------------
+def _cast_current(t: Tensor, dtype: torch.dtype, margin: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(t8, scale⁻¹, amax) under current scaling: the scale needs the amax before the cast can start, so
+    one amax pass, then a cast pass that computes no amax again."""
+    if uses_triton(t.device):
+        a = _triton_amax(t)
+        s = compute_scale(a, dtype, margin)
+        return _triton_cast(t, s, dtype, with_amax=False)[0], s.reciprocal(), a
+    a = amax(t)
+    s = compute_scale(a, dtype, margin)
+    return _cast_reference(t, s, dtype), s.reciprocal(), a
+
+
+def _cast_delayed(t: Tensor, row: Tensor, dtype: torch.dtype, margin: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(t8, scale⁻¹, amax) under delayed scaling: the scale comes from the history ``row`` and the amax this
+    step records is a by-product of the cast — one read of t. Only while the history is empty (the first
+    step: current scaling) is t read once more, before the cast, for its scale. The Triton path decides
+    that on the device (a gated amax launch that reads nothing once the history has a value); the
+    reference decides on the host where that is free (CPU) and otherwise computes both and picks."""
+    past = row.amax()  # the largest amax of the previous steps
+    if uses_triton(t.device):
+        cur = _triton_amax(t, gate=past)  # 0 without reading t once the history has a value
+        s = torch.where(past > 0, compute_scale(past, dtype, margin), compute_scale(cur, dtype, margin))
+        t8, a = _triton_cast(t, s, dtype)
+        return t8, s.reciprocal(), a
+    if t.device.type == "cpu":
+        if not bool(past > 0):  # empty history (host read of a CPU tensor: no device sync)
+            return _cast_current(t, dtype, margin)
+        s = compute_scale(past, dtype, margin)
+    else:
+        s = history_scale(t, row, dtype, margin)
+    t8, a = cast_to_fp8_reference(t, s, dtype)
+    return t8, s.reciprocal(), a
+
+
+# ---- the weight's cast, cached per optimizer step ---------------------------------------------------
+class _Cached:
+    """One weight's FP8 cast within a step: valid while the weight is the same tensor object at the same
+    version (an in-place write bumps it) and the scaling (recipe, margin, history) is the same."""
+
+    __slots__ = ("ref", "version", "key", "w8", "inv", "amax", "w8_kmajor")
+
+    def __init__(self, weight, key, w8, inv, a, cache: dict):
+        # the weight freed (a ZeRO-3 weight gathered per microbatch), its entry goes: the cache never holds
+        # the FP8 copy of a weight nobody holds
+        self.ref = weakref.ref(weight, functools.partial(_drop, cache, id(weight)))
+        self.version, self.key = weight._version, key
+        self.w8, self.inv, self.amax, self.w8_kmajor = w8, inv, a, None
+
+    def valid(self, weight, key) -> bool:
+        return self.ref() is weight and self.version == weight._version and self.key == key
+
+
+def _drop(cache: dict, k: int, ref) -> None:
+    """Weakref callback: the cached cast of a weight that was freed leaves the step's cache."""
+    e = cache.get(k)
+    if e is not None and e.ref is ref:
+        del cache[k]
+        _BY_W8.pop(e.w8.data_ptr(), None)
+
+
+_STEP = threading.local()  # .cache: the active step's {id(weight): _Cached}, per thread (a simulated rank)
+_BY_W8: dict[int, _Cached] = {}  # data_ptr of a cached w8 -> its entry: backward (any thread) finds w8ᵀ
+
+
+@contextlib.contextmanager
+def step_cache():
+    """Within the block — one optimizer step: every microbatch's forward and backward, no weight update in
+    between — each weight is cast to FP8 once and the cast reused by the later microbatches, as Transformer
+    Engine's ``is_first_microbatch`` does (its Linear documentation); so is the dgrad's K-major copy of
+    it on CUDA. The cast is redone within the block if the weight is written in place (its version
+    counter moves) and at the next block (the next step): ParallelModule.train_step opens one per step.
+    Outside any block every call casts. Nested blocks share the outer one."""
+    if getattr(_STEP, "cache", None) is not None:
+        yield
+        return
+    cache: dict[int, _Cached] = {}
+    _STEP.cache = cache
+    try:
+        yield
+    finally:
+        _STEP.cache = None
+        for e in cache.values():
+            _BY_W8.pop(e.w8.data_ptr(), None)
+
+
+def _weight_cast(weight: Tensor, margin: int, row: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(w8, scale⁻¹, amax) of a weight, from the step's cache where valid. ``row``: the delayed-scaling
+    history row of W (None: current scaling). Under delayed scaling a cached cast keeps the scale of the
+    step's first microbatch (with its own scale⁻¹, so the product stays exact), as Transformer Engine's
+    cached weights do; the weight's amax, recorded by every backward, is the same all step."""
+    cache = getattr(_STEP, "cache", None)
+    key = (margin, None if row is None else row.data_ptr())
+    if cache is not None:
+        e = cache.get(id(weight))
+        if e is not None and e.valid(weight, key):
+            return e.w8, e.inv, e.amax
+    w8, inv, a = _cast_current(weight, E4M3, margin) if row is None else _cast_delayed(weight, row, E4M3, margin)
+    stats["weight_casts"] += 1
+    if cache is not None:
+        old = cache.get(id(weight))
+        if old is not None:
+            _BY_W8.pop(old.w8.data_ptr(), None)
+        cache[id(weight)] = e = _Cached(weight, key, w8, inv, a, cache)
+        _BY_W8[w8.data_ptr()] = e
+    return w8, inv, a
 
 
 # ---- FP8 matmul --------------------------------------------------------------------------------
@@ -250,24 +405,51 @@ def _scaled_mm_runs(a: Tensor, b: Tensor) -> bool:
     return b.shape[1] % _MM_MULTIPLE == 0
 
 
+def _row_major(t: Tensor, pad: int = 0) -> Tensor:
+    """``t`` (R, C) as a row-major (R, C + pad) tensor, zeros in the pad: ``t`` itself where it already is
+    one and no pad is asked, else one copy (the transpose and the pad in the same write)."""
+    if not pad and t.is_contiguous():
+        return t
+    out = torch.empty(t.shape[0], t.shape[1] + pad, dtype=t.dtype, device=t.device)
+    out[:, :t.shape[1]].copy_(t)
+    if pad:  # FP8's zero is the all-zero code in both formats
+        out[:, t.shape[1]:].view(torch.uint8).zero_()
+    return out
+
+
+def _col_major(t: Tensor, pad_rows: int = 0) -> Tensor:
+    """``t`` (R, C) as a column-major (R + pad_rows, C) tensor (its transpose row-major), zeros in the pad."""
+    return _row_major(t.t(), pad_rows).t()
+
+
 def scaled_mm(a8: Tensor, b8: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
     """(a8·a_scale_inv) @ (b8·b_scale_inv) for FP8 a (M, K) and b (K, N), fp32 accumulation, in
-    ``out_dtype``: ``torch._scaled_mm`` (row-major a, column-major b), or — where it cannot run — the
-    same products as a dequantized fp32 matmul. On CUDA a contraction dim off a multiple of 16 (the
-    token count, in the weight gradient) is zero-padded: zeros add nothing to the sums."""
+    ``out_dtype``: ``torch._scaled_mm``, or — where it cannot run — the same products as a dequantized fp32
+    matmul. On a :data:`KMAJOR_DEVICES` device (CUDA: cuBLASLt's FP8 GEMM is "TN" only) ``a`` must be
+    row-major and ``b`` column-major — K the contiguous dim of both — and K a multiple of 16: an operand
+    laid out otherwise is copied once, a K off the multiple (the token count, in the weight gradient)
+    zero-padded in the same copy (zeros add nothing to the sums). Operands already K-major are not copied."""
     if not _scaled_mm_runs(a8, b8):
         out = (a8.float() @ b8.float()) * (a_scale_inv * b_scale_inv)
         return out.to(out_dtype)
-    if a8.device.type == "cuda":  # cuBLASLt's layout: row-major a, column-major b, K a multiple of 16
-        k = a8.shape[1]
-        if k % _MM_MULTIPLE:
-            pad = _MM_MULTIPLE - k % _MM_MULTIPLE
-            a8 = torch.cat([a8, a8.new_zeros(a8.shape[0], pad)], 1)
-            b8 = torch.cat([b8, b8.new_zeros(pad, b8.shape[1])], 0)
-        a8 = a8.contiguous()
-        b8 = b8.t().contiguous().t()
+    if a8.device.type in KMAJOR_DEVICES:
+        pad = -a8.shape[1] % _MM_MULTIPLE
+        a8, b8 = _row_major(a8, pad), _col_major(b8, pad)
     return torch._scaled_mm(a8, b8, a_scale_inv.float().reshape(()), b_scale_inv.float().reshape(()),
                             out_dtype=out_dtype)
+
+
+def _weight_kmajor(w8: Tensor) -> Tensor:
+    """The dgrad's b operand, w8 (N, K) as ``scaled_mm`` will take it: on a K-major device a column-major
+    copy — made once per step for a cached weight cast (:func:`step_cache`), else per call — elsewhere w8."""
+    if w8.device.type not in KMAJOR_DEVICES or w8.t().is_contiguous():
+        return w8
+    e = _BY_W8.get(w8.data_ptr())
+    if e is None or e.w8.shape != w8.shape:
+        return _col_major(w8)
+    if e.w8_kmajor is None:
+        e.w8_kmajor = _col_major(e.w8)
+    return e.w8_kmajor
 
 
 def _check(x: Tensor, weight: Tensor) -> None:
@@ -276,20 +458,31 @@ def _check(x: Tensor, weight: Tensor) -> None:
                          "(x: (..., K), weight: (N, K))")
 
 
-def _forward(x: Tensor, weight: Tensor, x_scale: Tensor, w_scale: Tensor, amaxes=(None, None)):
-    """(y, x8, x_scale_inv, w8, w_scale_inv, amax_x, amax_w)."""
-    x8, x_inv, ax = _quantize(x.reshape(-1, x.shape[-1]), E4M3, x_scale, amaxes[0])
-    w8, w_inv, aw = _quantize(weight, E4M3, w_scale, amaxes[1])
+def _forward(x: Tensor, weight: Tensor, margin: int, history: Tensor | None = None):
+    """(y, x8, x_scale_inv, w8, w_scale_inv, amax_x, amax_w); ``history``: delayed scaling's, else current.
+    The GEMM's operands are K-major as cast: x8 row-major, w8ᵀ column-major (w8 is row-major (N, K))."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if history is None:
+        x8, x_inv, ax = _cast_current(x2, E4M3, margin)
+        w8, w_inv, aw = _weight_cast(weight, margin)
+    else:
+        x8, x_inv, ax = _cast_delayed(x2, history[X], E4M3, margin)
+        w8, w_inv, aw = _weight_cast(weight, margin, history[W])
     y = scaled_mm(x8, w8.t(), x_inv, w_inv, x.dtype)
     return y.view(*x.shape[:-1], weight.shape[0]), x8.view(x.shape), x_inv, w8, w_inv, ax, aw
 
 
-def _backward(dy: Tensor, x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, g_scale: Tensor,
-              w_dtype: torch.dtype, g_amax: Tensor | None = None, need_dx: bool = True, need_dw: bool = True):
-    """(dx, dw, amax_dy); a gradient not needed is not computed (an empty tensor stands in)."""
-    g8, g_inv, ag = _quantize(dy.reshape(-1, dy.shape[-1]), E5M2, g_scale, g_amax)
+def _backward(dy: Tensor, x8: Tensor, x_inv: Tensor, w8: Tensor, w_inv: Tensor, margin: int,
+              w_dtype: torch.dtype, history: Tensor | None = None, need_dx: bool = True, need_dw: bool = True):
+    """(dx, dw, amax_dy); a gradient not needed is not computed (an empty tensor stands in). On a K-major
+    device the dgrad's w8 is taken column-major (once per step, :func:`_weight_kmajor`), and the wgrad
+    copies both operands transposed: its contraction runs over the tokens, the outer dim of both g8 and x8
+    as cast — those two copies are what cuBLASLt's layout requires."""
+    d2 = dy.reshape(-1, dy.shape[-1])
+    g8, g_inv, ag = _cast_current(d2, E5M2, margin) if history is None else \
+        _cast_delayed(d2, history[G], E5M2, margin)
     x2 = x8.view(-1, x8.shape[-1])
-    dx = scaled_mm(g8, w8, g_inv, w_inv, dy.dtype).view(*dy.shape[:-1], w8.shape[1]) if need_dx \
+    dx = scaled_mm(g8, _weight_kmajor(w8), g_inv, w_inv, dy.dtype).view(*dy.shape[:-1], w8.shape[1]) if need_dx \
         else dy.new_empty(0)  # (M, N)(N, K)
     dw = scaled_mm(g8.t(), x2, g_inv, x_inv, w_dtype) if need_dw else dy.new_empty(0, dtype=w_dtype)  # (N, M)(M, K)
     return dx, dw, ag
@@ -341,8 +534,7 @@ def _setup(ctx, inputs, output):
 @torch.library.custom_op("mcompile::fp8_linear", mutates_args=())
 def _fp8_linear(x: Tensor, weight: Tensor, margin: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check(x, weight)
-    ax, aw = amax(x), amax(weight)
-    return _forward(x, weight, compute_scale(ax, E4M3, margin), compute_scale(aw, E4M3, margin), (ax, aw))[:5]
+    return _forward(x, weight, margin)[:5]
 
 
 @_fp8_linear.register_fake
@@ -354,9 +546,7 @@ def _(x, weight, margin):
 def _fp8_linear_backward(dy: Tensor, x8: Tensor, x_scale_inv: Tensor, w8: Tensor, w_scale_inv: Tensor,
                          margin: int, w_dtype: torch.dtype, need_dx: bool = True,
                          need_dw: bool = True) -> tuple[Tensor, Tensor]:
-    ag = amax(dy)
-    dx, dw, _ = _backward(dy, x8, x_scale_inv, w8, w_scale_inv, compute_scale(ag, E5M2, margin), w_dtype, ag,
-                          need_dx, need_dw)
+    dx, dw, _ = _backward(dy, x8, x_scale_inv, w8, w_scale_inv, margin, w_dtype, None, need_dx, need_dw)
     return dx, dw
 
 
@@ -381,9 +571,7 @@ torch.library.register_autograd("mcompile::fp8_linear", _current_backward, setup
 def _fp8_linear_delayed(x: Tensor, weight: Tensor, history: Tensor,
                         margin: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check(x, weight)
-    xs = history_scale(x, history[X], E4M3, margin)
-    ws = history_scale(weight, history[W], E4M3, margin)
-    y, x8, x_inv, w8, w_inv, ax, aw = _forward(x, weight, xs, ws)
+    y, x8, x_inv, w8, w_inv, ax, aw = _forward(x, weight, margin, history)
     return y, x8, x_inv, w8, w_inv, torch.stack([ax, aw])
 
 
@@ -396,8 +584,7 @@ def _(x, weight, history, margin):
 def _fp8_linear_delayed_backward(dy: Tensor, x8: Tensor, x_scale_inv: Tensor, w8: Tensor, w_scale_inv: Tensor,
                                  history: Tensor, margin: int, w_dtype: torch.dtype, need_dx: bool = True,
                                  need_dw: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    gs = history_scale(dy, history[G], E5M2, margin)
-    return _backward(dy, x8, x_scale_inv, w8, w_scale_inv, gs, w_dtype, None, need_dx, need_dw)
+    return _backward(dy, x8, x_scale_inv, w8, w_scale_inv, margin, w_dtype, history, need_dx, need_dw)
 
 
 @_fp8_linear_delayed_backward.register_fake

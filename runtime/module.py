@@ -23,6 +23,7 @@ One ``train_step``:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -489,7 +490,8 @@ class ParallelModule(torch.nn.Module):
             rec.begin_step()
         total = torch.zeros((), dtype=torch.float32, device=self._device)
         count = torch.zeros((), dtype=torch.float32, device=self._device)
-        with ops.bind(self._comm, process_wide=True), grad_sink(leaves):  # backward: collectives, bucket launches
+        # backward: collectives, bucket launches; FP8 weights cast once for all microbatches of the step
+        with ops.bind(self._comm, process_wide=True), grad_sink(leaves), self._fp8_step():
             if self._pipe is not None:  # the schedule's microbatches through this rank's stages
                 pipe_stats = self._pipe.reduce_results(self._pipe.run(pieces, rngs=rngs))
                 self._pipe.push_grads()  # weights tied across stages: summed, then their buckets reduce
@@ -526,6 +528,14 @@ class ParallelModule(torch.nn.Module):
 
             self.moe_dropped = MoEStats.of(self._comm)  # routed slots this rank's capacity dropped in this step
         return (stats[0] / stats[1]).detach()
+
+    def _fp8_step(self):
+        """FP8 linears: each weight's cast cached over this step's microbatches (kernels/fp8.py step_cache)."""
+        if self.fp8 is None or not self.fp8.converted:
+            return contextlib.nullcontext()
+        from mcompile.kernels.fp8 import step_cache
+
+        return step_cache()
 
     @torch.no_grad()
     def forward(self, *args, **kwargs):

@@ -16,6 +16,7 @@ from kernel_paths import reference_kernels
 from runtime_cases import train_steps
 
 import mcompile as mc
+from mcompile.kernels import fp8
 
 from conftest import build
 
@@ -40,6 +41,13 @@ def _stage_buffers(pm) -> dict:
     return out
 
 
+def _fp8_nodes(pm) -> int:
+    """The FP8 linears in the programs this rank runs (its stages' under pp)."""
+    ops = (torch.ops.mcompile.fp8_linear.default, torch.ops.mcompile.fp8_linear_delayed.default)
+    gms = [pm._pipe.stages[s].gm for s in pm._pipe.own] if pm._pipe is not None else [pm._program]
+    return sum(n.op == "call_function" and n.target in ops for gm in gms for n in gm.graph.nodes)
+
+
 def fp8_runs(rank, world, mesh, runs, steps=3):
     """For each (recipe, options): a fresh llama3-tiny ParallelModule, ``steps`` AdamW steps; its
     losses, the histories this rank runs (node -> (3, L)), the stage programs' buffers (pp) and,
@@ -49,14 +57,17 @@ def fp8_runs(rank, world, mesh, runs, steps=3):
         for recipe, options in runs:
             pm, opt, inputs = _module(mesh, recipe, options)
             grads = []  # every step's unclipped full gradients (a scale error leaves losses nearly alone)
+            casts = fp8.stats["weight_casts"]
             losses = train_steps(pm, opt, inputs, steps, lambda pm=pm, grads=grads: grads.append(pm.full_grads()))
+            casts = fp8.stats["weight_casts"] - casts
             mine = pm.fp8_histories()
             out.append({"losses": losses, "histories": {n: h.clone() for n, h in mine.items()},
                         "grads": grads if rank == 0 else None,
                         "stages": _stage_buffers(pm),
                         "idle": sorted(n for n, h in (pm.fp8.histories.items() if pm.fp8 else ()) if n not in mine
                                        and h.any()),
-                        "converted": len(pm.fp8.converted) if pm.fp8 else 0})
+                        "converted": len(pm.fp8.converted) if pm.fp8 else 0,
+                        "weight_casts": casts, "fp8_nodes": _fp8_nodes(pm)})
     return out
 
 

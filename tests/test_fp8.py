@@ -47,6 +47,7 @@ import torch  # noqa: E402
 from fp8_cases import fp8_checkpoint, fp8_runs  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from kernel_paths import reference_kernels  # noqa: E402
 from runtime_cases import train_steps  # noqa: E402
 
 from mcompile import ops  # noqa: E402
@@ -265,6 +266,126 @@ def test_delayed_backward_run_twice_pushes_once():
     (dw,) = torch.autograd.grad(y, ws, dy)
     assert torch.equal(hist, ref) and hist[:, :2].all() and not hist[:, 2:].any()
     assert torch.equal(dw, wr.grad) and torch.isfinite(dx).all()
+
+
+# ---- the weight cast per step, one amax per cast, the layout copies (issue 38 item 7) ---------------
+def _microbatch(recipe, x, w, dy, hist):
+    xr = x.clone().requires_grad_()
+    y = fp8.fp8_linear(xr, w) if recipe == "current" else fp8.fp8_linear_delayed(xr, w, hist)
+    y.backward(dy)
+    return y.detach(), xr.grad
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_weight_cast_cached_per_step(recipe):
+    """Within step_cache (train_step opens one per step) the weight is cast once: the second microbatch
+    reuses the cast (and gives what casting again gives), an in-place write of the weight within the step
+    (its version counter) and the next step cast it again; outside a step every call casts."""
+    x, w0, dy = _linear_inputs()
+    casts = lambda: fp8.stats["weight_casts"]  # noqa: E731
+    hist, ref_hist = fp8.new_amax_history(4), fp8.new_amax_history(4)
+    w, ref_w = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    with reference_kernels("fp8"):  # the cache is the same on both paths; the kernels' tests are above
+        for _ in range(2):
+            n = casts()
+            with fp8.step_cache():
+                outs = [_microbatch(recipe, x * k, w, dy, hist) for k in (1.0, 0.5)]
+                assert casts() == n + 1  # the second microbatch did not cast the weight again
+                assert len(fp8._BY_W8) == 1
+            assert not fp8._BY_W8  # the step's casts are released with it
+            n = casts()
+            refs = [_microbatch(recipe, x * k, ref_w, dy, ref_hist) for k in (1.0, 0.5)]  # no step: casts each call
+            assert casts() == n + 2
+            for (y, dx), (ry, rdx) in zip(outs, refs):
+                assert torch.equal(y, ry) and torch.equal(dx, rdx)
+            assert torch.equal(w.grad, ref_w.grad) and torch.equal(hist, ref_hist)
+            with torch.no_grad():  # the optimizer step (in place): the next step casts the new weight
+                for p in (w, ref_w):  # shrinking it keeps the delayed scale (the history's max) the same with or
+                    p.mul_(0.9)  # without the cache; a weight outgrowing its history: the next test
+                    p.grad = None
+        n = casts()
+        with fp8.step_cache():
+            y1, _ = _microbatch(recipe, x, w, dy, hist)
+            with torch.no_grad():
+                w.mul_(2)  # written within the step: the cached cast is stale
+            y2, _ = _microbatch(recipe, x, w, dy, hist)
+            assert casts() == n + 2 and not torch.equal(y1, y2)
+            gathered = w0.clone().requires_grad_()  # a weight made per microbatch (ZeRO-3's gather), then freed:
+            _microbatch(recipe, x, gathered, dy, fp8.new_amax_history(4))
+            assert len(fp8._BY_W8) == 2
+            del gathered
+            assert len(fp8._BY_W8) == 1  # its cast is not kept for the rest of the step
+
+
+def test_delayed_cached_weight_keeps_the_first_microbatchs_scale():
+    """Delayed scaling: a weight that outgrew its history saturates in the step's first microbatch; the cached
+    cast keeps that scale for the step (Transformer Engine's cached FP8 weights likewise), with its own
+    scale⁻¹, and every microbatch still records the weight's true amax, so the next step's scale covers it."""
+    x, w, _ = _linear_inputs()
+    hist = fp8.new_amax_history(4)
+    hist[:, 0] = torch.tensor([fp8.amax(x).item(), fp8.amax(w).item() / 4, 1.0])  # W's history: a quarter of it
+    op = torch.ops.mcompile.fp8_linear_delayed
+    with fp8.step_cache():
+        first = op(x, w, hist, 0)
+        hist[1, 0] = fp8.amax(w)  # what the first microbatch's backward pushed
+        second = op(x, w, hist, 0)
+    assert first[3].float().abs().max() == 448 and first[4] == second[4] and first[3] is second[3]
+    assert first[5][1] == second[5][1] == fp8.amax(w)
+    fresh = op(x, w, hist, 0)  # the next step: the scale from the history that now holds the true amax
+    assert fresh[4] == pytest.approx(fp8.amax(w).item() / 448, rel=1e-6)
+
+
+def test_kmajor_layout_gives_the_same_results(monkeypatch):
+    """CUDA's layout rule (row-major a, column-major b, K a multiple of 16), applied on CPU: the copies it
+    makes — the dgrad's weight once per step, the wgrad's two transposes with the token dim zero-padded
+    from 24 to 32 in the same copy — change no bit of y, dx or dW."""
+    g = torch.Generator().manual_seed(5)
+    x, w, dy = torch.randn(2, 12, 32, generator=g), torch.randn(48, 32, generator=g) * 0.1, \
+        torch.randn(2, 12, 48, generator=g)
+    results = []
+    for layout in ("any", "kmajor"):
+        if layout == "kmajor":
+            monkeypatch.setattr(fp8, "KMAJOR_DEVICES", {"cuda", "cpu"})
+        wr = w.clone().requires_grad_()
+        with fp8.step_cache():
+            results.append([_microbatch("current", x * k, wr, dy, None) for k in (1.0, 0.5)] + [wr.grad])
+            if layout == "kmajor":
+                (entry,) = fp8._BY_W8.values()
+                assert entry.w8_kmajor is not None and entry.w8_kmajor.t().is_contiguous()
+    (a1, a2, agw), (b1, b2, bgw) = results
+    assert all(torch.equal(p, q) for p, q in zip((*a1, *a2, agw), (*b1, *b2, bgw)))
+
+
+# after-counts per FP8 linear, from bench/fp8_ops.py (its docstring: the second of two steps, the reference
+# path, layouts "cpu" and "cuda"); per category (fp8_casts, amax, copies, gemms, history_max, other_copies)
+# forward | backward. Before (24f43cb, bench/results/fp8_ops.json): current F 2 2 0 1 0 0 every microbatch,
+# B 1 1 3 2 0 0 on the CUDA layout; delayed F 2 4 0 1 2 0, B 1 2 3 2 1 4 on the CUDA layout.
+FP8_OPS_AFTER = {  # (recipe, layout, microbatch): (forward, backward)
+    ("current", "cpu", 1): ((2, 2, 0, 1, 0, 0), (1, 1, 0, 2, 0, 0)),
+    ("current", "cpu", 2): ((1, 1, 0, 1, 0, 0), (1, 1, 0, 2, 0, 0)),  # the weight's cast reused
+    ("current", "cuda", 1): ((2, 2, 0, 1, 0, 0), (1, 1, 3, 2, 0, 0)),
+    ("current", "cuda", 2): ((1, 1, 0, 1, 0, 0), (1, 1, 2, 2, 0, 0)),  # and the dgrad's K-major weight
+    ("delayed", "cpu", 1): ((2, 2, 0, 1, 2, 0), (1, 1, 0, 2, 1, 4)),
+    ("delayed", "cpu", 2): ((1, 1, 0, 1, 1, 0), (1, 1, 0, 2, 1, 4)),
+    ("delayed", "cuda", 1): ((2, 2, 0, 1, 2, 0), (1, 1, 3, 2, 1, 4)),
+    ("delayed", "cuda", 2): ((1, 1, 0, 1, 1, 0), (1, 1, 2, 2, 1, 4)),
+}
+
+
+def test_fp8_op_counts_per_linear():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "fp8_ops.py"
+    spec = importlib.util.spec_from_file_location("mcompile_bench_fp8_ops", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with reference_kernels("fp8"):
+        got = bench.counts(fp8)
+    cats = bench.CATEGORIES[:-1]  # not the total of every op (the scale arithmetic's small ops)
+    for (recipe, layout, mb), want in FP8_OPS_AFTER.items():
+        m = got[recipe][layout][f"microbatch {mb}"]
+        assert tuple(tuple(m[p][c] for c in cats) for p in ("forward", "backward")) == want, (recipe, layout, mb)
 
 
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
@@ -536,6 +657,9 @@ def test_fp8_under_pipeline_parallelism():
         assert all(h[:, :2 * steps].all() and not h[:, 2 * steps:].any() for h in delayed["histories"].values())
         assert zbh1["losses"] == delayed["losses"]
         assert all(torch.equal(zbh1["histories"][n], h) for n, h in delayed["histories"].items())
+    # each weight cast to FP8 once per step, not once per microbatch (kernels/fp8.py step_cache), on every rank
+    for r in [ref, *res]:
+        assert [x["weight_casts"] for x in r] == [steps * x["fp8_nodes"] for x in r] and r[0]["fp8_nodes"] >= 7
     mine = [set(r[2]["histories"]) for r in res]
     assert len(mine[0]) == len(mine[1]) == 7 and not mine[0] & mine[1] and res[0][2]["converted"] == 14
     # recomputing a delayed FP8 linear whose history an earlier microbatch's backward advanced: refused
