@@ -124,3 +124,31 @@ def test_moe_dispatch_over_ep_reads_the_host_once_per_layer(kind):
                 assert fwd[0] == 1 and bwd[0] == 0, (dispatcher, capacity, r, fwd, bwd)
                 if capacity == 0:
                     torch.testing.assert_close(y, ref[r * 8:(r + 1) * 8], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", ["mixtral", "hf-mixtral"])
+def test_a_compiled_moe_model_reads_the_host_once_per_moe_layer_over_ep(kind):
+    """The whole compiled program, forward and backward, per rank (threads): no host read at ep=1, one per MoE
+    layer (2) at ep=2 — nothing else in the program reads the host either."""
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+    from mcompile.runtime.sim import ThreadedWorld, run_threads
+
+    for mesh, want in (("ep=1", 0), ("ep=2", 2)):
+        model, inputs = moe_cases.moe_model(kind)
+        c = compile_plan(model, Mesh.parse(mesh), inputs)
+        state, n = c.captured.state_values(), c.mesh.size("ep")
+
+        def rank_fn(r, c=c, state=state, n=n, inputs=inputs):
+            local = {k: v.detach().clone().requires_grad_(k in c.captured.params)
+                     for k, v in c.local_state(r, state).items()}
+            mine = tuple(t.chunk(n)[r] for t in inputs)
+            c.program(r)  # lowered outside the count
+            with count_host_reads() as reads:
+                c.run_local(r, local, mine)[0].backward()
+            return reads.total, reads.sites()
+
+        for total, sites in run_threads(ThreadedWorld(c.mesh), rank_fn):
+            assert total == want, (mesh, sites)
