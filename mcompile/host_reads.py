@@ -19,7 +19,7 @@ Two modes see the reads:
   ``repeat_interleave`` without ``output_size``, ...): a dispatch mode is off while it handles an op,
   and such a body runs then. It stays on through ``backward()`` and custom ops, the only places where
   Python runs inside a torch call. Not seen: C++ autograd formulas run inside a custom op's body
-  (``torch.func.vjp`` there) — none of those in mcompile reads the host.
+  (``torch.func.vjp`` there) — those of the MoE dispatch (its experts' pointwise ops, views) read nothing.
 
 Op-level counting follows PyTorch's own sync points (``torch.cuda.set_sync_debug_mode``); the custom-op
 body runs with the caller's dispatch keys (functorch's included), as it would without the mode.
