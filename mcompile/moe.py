@@ -201,6 +201,14 @@ def _rank_key():
         return None
 
 
+def _handle_key(handle: torch.Tensor) -> tuple:
+    """The stash key of an ``moe_ep`` handle: where its one element lives, not its value — reading a device
+    tensor's value would stall the host on a GPU. Distinct among live handles (each holds its own
+    allocation from its forward to its backward, which saves it); a dead handle's address reused by a
+    new forward replaces the stale entry (a forward without backward), as :meth:`_Stash.put` does."""
+    return handle.device.type, handle.device.index, handle.data_ptr()
+
+
 class _Stash:
     """What an ``moe_ep`` forward keeps for its backward, behind the int64 handle it returns: the
     routing permutations and split sizes (data-dependent sizes, which a traced program cannot
@@ -208,17 +216,14 @@ class _Stash:
     :func:`clear_stash` drops the rest of a rank's (a forward without backward: evaluation)."""
 
     def __init__(self) -> None:
-        self.items: dict[int, dict] = {}
-        self.owner: dict[int, object] = {}
-        self.next = 0
+        self.items: dict[tuple, dict] = {}
+        self.owner: dict[tuple, object] = {}
         self.lock = threading.Lock()
 
-    def put(self, item: dict) -> int:
+    def put(self, key: tuple, item: dict) -> None:
         with self.lock:
-            self.next += 1
-            self.items[self.next] = item
-            self.owner[self.next] = _rank_key()
-            return self.next
+            self.items[key] = item
+            self.owner[key] = _rank_key()
 
     def clear(self, owner) -> None:
         with self.lock:
@@ -226,7 +231,7 @@ class _Stash:
                 self.items.pop(h, None)
                 self.owner.pop(h, None)
 
-    def pop(self, handle: int) -> dict:
+    def pop(self, handle: tuple) -> dict:
         try:
             with self.lock:
                 self.owner.pop(handle, None)
@@ -272,8 +277,8 @@ def capacity_keep(idx: torch.Tensor, n_experts: int, factor: float) -> torch.Ten
     cap = math.ceil(factor * T * k / n_experts)
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)
-    starts = torch.cumsum(counts, 0) - counts
+    counts = torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    starts = torch.cumsum(counts, 0) - counts  # (bincount would read its size back from the device)
     place = torch.empty_like(flat)
     place[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
     return (place < cap).view(T, k)
@@ -314,28 +319,60 @@ class MoEStats:
                 cls._by_rank.pop(comm, None)
 
 
+def _routed(idx: torch.Tensor, n_experts: int, capacity: float, lo: int = 0, n_local: int | None = None):
+    """The routed slots sorted for dispatch, on the device: ``order`` (every slot, the kept ones of experts
+    ``[lo, lo + n_local)`` first, by expert, in token order within one), ``counts`` (kept slots per expert of
+    that range) and ``dropped`` (slots the capacity drops, a 0-d tensor; None when dropless). Sorting on a
+    key (the sentinel ``n_local`` after every expert for a slot not kept) gives fixed-size outputs: no
+    boolean mask, no data-dependent size (a device sync each on a GPU)."""
+    n_local = n_experts if n_local is None else n_local
+    flat = idx.reshape(-1)
+    key = flat - lo
+    mine = (key >= 0) & (key < n_local)  # (a slot dropped before the gather is routed to -1)
+    dropped = None
+    if capacity > 0:
+        keep = capacity_keep(idx, n_experts, capacity).reshape(-1)
+        dropped = (~keep).sum()
+        mine = mine & keep
+    key = torch.where(mine, key, n_local)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(n_local + 1, dtype=torch.long, device=flat.device).scatter_add_(0, key, torch.ones_like(key))
+    return order, counts[:n_local], dropped
+
+
 def _alltoall_forward(x, idx, weights, ws, form, n_experts, axis, n, capacity):
     """Megatron's all-to-all token dispatcher (Megatron Core ``MoEAlltoAllTokenDispatcher``, our
     code): each rank holds experts ``[r E/n, (r+1) E/n)``. The (token, choice) slots are sorted by
     expert (so by destination rank); the counts per expert are exchanged first (one all-to-all of
     E integers), then the tokens (all-to-all with variable splits), grouped by local expert on
     arrival, run through the local experts as grouped GEMMs, sent back (the second all-to-all),
-    weighted and added to their tokens."""
+    weighted and added to their tokens.
+
+    Host reads of device values: exactly one per call (a layer's forward, per microbatch), none in its
+    backward. ``all_to_all_single`` takes its split sizes as host integers, so the rows sent to and
+    received from each rank (2n integers, with the dropped count under a capacity) come back in one
+    device-to-host transfer; everything else is sized from shapes or from those integers (the
+    receive-side ``repeat_interleave`` gets its ``output_size``). At ``n == 1`` and dropless, the one
+    split is every slot (T k, a shape): no read at all."""
     from mcompile import ops
 
     comm = ops.current()
     E_l, k = n_experts // n, idx.shape[1]
-    keep = capacity_keep(idx, n_experts, capacity).reshape(-1)
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    order = order[keep[order]]  # dropped slots are not sent
-    MoEStats.add(int(keep.numel() - order.numel()))
-    token = torch.div(order, k, rounding_mode="floor")
-    counts = torch.bincount(flat[order], minlength=n_experts).to(torch.long)
+    order, counts, dropped = _routed(idx, n_experts, capacity)
     recv = comm.all_to_all(counts.view(n, E_l).contiguous(), [1] * n, [1] * n, axis)  # (n, E_l): from s to my e
-    send_rows, recv_rows = counts.view(n, E_l).sum(1).tolist(), recv.sum(1).tolist()
+    if n == 1 and dropped is None:
+        send_rows = recv_rows = [order.numel()]
+    else:
+        sizes = [counts.view(n, E_l).sum(1), recv.sum(1)] + ([dropped.view(1)] if dropped is not None else [])
+        sizes = torch.cat(sizes).tolist()  # the one host read (see the docstring)
+        send_rows, recv_rows = sizes[:n], sizes[n:2 * n]
+        if dropped is not None:
+            MoEStats.add(sizes[2 * n])
+            order = order[:sum(send_rows)]  # the kept slots sort first: dropped slots are not sent
+    token = torch.div(order, k, rounding_mode="floor")
     xr = _a2a(x[token], recv_rows, send_rows, axis)
-    expert_of_row = torch.repeat_interleave(torch.arange(E_l, device=x.device).repeat(n), recv.reshape(-1))
+    expert_of_row = torch.repeat_interleave(torch.arange(E_l, device=x.device).repeat(n), recv.reshape(-1),
+                                            output_size=sum(recv_rows))
     perm = torch.argsort(expert_of_row, stable=True)
     yl, vjp = torch.func.vjp(_local_experts(form, torch.cumsum(recv.sum(0), 0)), xr[perm], *ws)
     yr = torch.empty_like(yl)
@@ -367,21 +404,28 @@ def _allgather_forward(x, idx, weights, ws, form, n_experts, axis, n, capacity):
     """Megatron's all-gather token dispatcher (``MoEAllGatherTokenDispatcher``), for small ep: every
     rank gathers all ranks' tokens, routings and weights, runs its own experts on the slots routed to
     them, and the outputs are reduce-scattered back (each slot is computed on exactly one rank). No
-    data-dependent split sizes, more bytes: ``n`` times the tokens instead of the routed slots."""
+    data-dependent split sizes, more bytes: ``n`` times the tokens instead of the routed slots.
+
+    Host reads: one per call, none in backward: the number of gathered slots routed to this rank's
+    experts (with the dropped count under a capacity, in the same transfer), which sizes the rows the
+    local experts run on."""
     from mcompile import ops
 
     comm = ops.current()
     E_l, k = n_experts // n, idx.shape[1]
     keep = capacity_keep(idx, n_experts, capacity)
-    MoEStats.add(int((~keep).sum()))
     x_all = comm.all_gather(x.contiguous(), 0, axis)
-    idx_all = comm.all_gather(torch.where(keep, idx, -1).contiguous(), 0, axis).reshape(-1)
+    idx_all = comm.all_gather(torch.where(keep, idx, -1).contiguous(), 0, axis)
     w_all = comm.all_gather(weights.contiguous(), 0, axis).reshape(-1)
     lo = comm.rank(axis) * E_l
-    mine = ((idx_all >= lo) & (idx_all < lo + E_l)).nonzero().squeeze(1)
-    order = mine[torch.argsort(idx_all[mine], stable=True)]
+    order, counts, _ = _routed(idx_all, n_experts, 0.0, lo, E_l)  # a dropped slot's -1 is no expert of mine
+    sizes = [counts.sum().view(1)] + ([(~keep).sum().view(1)] if capacity > 0 else [])
+    sizes = torch.cat(sizes).tolist()  # the one host read (see the docstring)
+    if capacity > 0:
+        MoEStats.add(sizes[1])
+    order = order[:sizes[0]]  # this rank's slots sort first
     token = torch.div(order, k, rounding_mode="floor")
-    offs = torch.cumsum(torch.bincount(idx_all[order] - lo, minlength=E_l), 0)
+    offs = torch.cumsum(counts, 0)
     yl, vjp = torch.func.vjp(_local_experts(form, offs), x_all[token], *ws)
     wsorted = w_all[order]
     out_all = torch.zeros_like(x_all).index_add(0, token, (yl * wsorted.unsqueeze(-1).to(yl.dtype)).to(x.dtype))
@@ -413,7 +457,9 @@ def moe_ep(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, ws: list[t
            n_experts: int, axis: str, n: int, dispatcher: str, capacity: float) -> tuple[torch.Tensor, torch.Tensor]:
     forward, _ = _DISPATCHERS[dispatcher]
     out, state = forward(x, idx, weights, ws, ExpertForm.parse(form), n_experts, axis, n, capacity)
-    return out, torch.tensor([STASH.put(state)], dtype=torch.int64)
+    handle = x.new_empty((1,), dtype=torch.int64)  # on x's device, as the fake says; its value is never read
+    STASH.put(_handle_key(handle), state)
+    return out, handle
 
 
 @moe_ep.register_fake
@@ -424,7 +470,7 @@ def _(x, idx, weights, ws, form, n_experts, axis, n, dispatcher, capacity):
 @torch.library.custom_op("mcompile::moe_ep_backward", mutates_args=())
 def moe_ep_backward(g: torch.Tensor, handle: torch.Tensor, weights: torch.Tensor, ws: list[torch.Tensor],
                     axis: str) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    state = STASH.pop(int(handle.item()))
+    state = STASH.pop(_handle_key(handle))
     return _DISPATCHERS[state["kind"]][1](g, state, axis)
 
 
