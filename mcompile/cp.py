@@ -43,8 +43,22 @@ cp_attention           attention of the local queries over the        ``cp_atten
   heads over the whole sequence, an all-to-all back. Needs ``hq % n == 0``; kv heads are split too
   when ``hkv % n == 0``, else repeated to ``hq`` first.
 
-Every variant computes in fp32 block by block (chunk x chunk scores, never ``s x s``), merging the
-blocks of a query chunk by log-sum-exp, and casts ``out`` back to ``q.dtype``; ``lse`` is fp32.
+**Kernels.** Every variant computes block by block (a query chunk against a span of key chunks: adjacent
+fully visible chunks in one call, a diagonal chunk alone, causal inside it by ``is_causal``; a2a: the whole
+sequence in one causal call) through torch's fused flash kernel that returns the block's log-sum-exp —
+``aten._scaled_dot_product_flash_attention_for_cpu`` on CPU (any float dtype; the allgather mask as an
+additive mask in q's dtype), ``aten._scaled_dot_product_flash_attention`` on CUDA (fp16 / bf16, no mask,
+head dim <= 256; both present with these signatures in torch 2.11 and 2.13) — in the input dtype, with
+the kv heads as they are (GQA in the kernel, no repeated K / V), so no score block is materialised: memory
+is linear in the chunk (``bench/cp_memory.py``). Blocks of a query chunk are merged by their log-sum-exp in
+fp32 (the online softmax of Ring Attention, Liu et al. 2023, and FlashAttention-2, Dao 2023), ``out`` cast
+back to ``q.dtype``; ``lse`` is fp32. The backward calls the fused backward kernel per block with the
+*final* ``out`` and ``lse`` of the query rows (so each block's probabilities are its part of the global
+softmax and ``D = rowsum(dout * out)`` the global one), dq / dk / dv summed in fp32; the gradient of
+``lse`` itself (``D -= dlse``) and a2a's ``D`` computed before its all-to-all enter through extra head
+columns (``out`` gets ``-dlse`` / ``D``, ``dout`` ones, ``v`` zeros: the kernels compute ``D`` from the
+``out`` they are given); v of another head dim than q / k is zero-padded. Where no fused kernel takes a
+block (CUDA fp32, a mask on CUDA, other devices) that block runs in fp32 by hand, scores materialised.
 :class:`CPStats` counts the (query, key) pairs each rank computed, the measure of the causal load
 balance.
 """
