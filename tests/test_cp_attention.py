@@ -160,6 +160,25 @@ def test_attention_bf16(variant):
         assert (gk.float() - ref[3][:, :, pos]).abs().max() < 5e-2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel path (no GPU here)")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("variant", cp.VARIANTS)
+def test_attention_bf16_through_the_cuda_flash_kernel(variant):
+    """On a GPU: bf16 blocks through aten._scaled_dot_product_flash_attention and its backward (GQA unrepeated,
+    head dim 64, the lse gradient through the extra columns), against fp32 attention on the CPU; errors
+    relative to each tensor's largest entry, a few bf16 roundings (2^-8 = 3.9e-3 each)."""
+    q, k, v, do, dlse = _globals(1, 4, 2, 256, 64, seed=3, dtype=torch.bfloat16)
+    ref = _reference(q.float(), k.float(), v.float(), do.float(), True, 0.125, dlse=dlse)
+    results = _cp_run(2, variant, True, q.cuda(), k.cuda(), v.cuda(), do.cuda(), 0.125, dlse=dlse.cuda())
+    for pos, o, ls, gq, gk, gv, _ in results:
+        assert o.is_cuda and o.dtype == torch.bfloat16 and ls.dtype == torch.float32
+        for name, got, want in (("out", o, ref[0]), ("lse", ls, ref[1]), ("dq", gq, ref[2]), ("dk", gk, ref[3]),
+                                ("dv", gv, ref[4])):
+            want = want[:, :, pos]
+            err = (got.float().cpu() - want).abs().max() / want.abs().max().clamp(min=1.0)
+            assert err < 3e-2, (name, float(err))
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["bool", "bool+causal", "additive", "key_padding"])
 @pytest.mark.parametrize("n", [2, 4])
