@@ -43,8 +43,22 @@ cp_attention           attention of the local queries over the        ``cp_atten
   heads over the whole sequence, an all-to-all back. Needs ``hq % n == 0``; kv heads are split too
   when ``hkv % n == 0``, else repeated to ``hq`` first.
 
-Every variant computes in fp32 block by block (chunk x chunk scores, never ``s x s``), merging the
-blocks of a query chunk by log-sum-exp, and casts ``out`` back to ``q.dtype``; ``lse`` is fp32.
+**Kernels.** Every variant computes block by block (a query chunk against a span of key chunks: adjacent
+fully visible chunks in one call, a diagonal chunk alone, causal inside it by ``is_causal``; a2a: the whole
+sequence in one causal call) through torch's fused flash kernel that returns the block's log-sum-exp —
+``aten._scaled_dot_product_flash_attention_for_cpu`` on CPU (any float dtype; the allgather mask as an
+additive mask in q's dtype), ``aten._scaled_dot_product_flash_attention`` on CUDA (fp16 / bf16, no mask,
+head dim <= 256; both present with these signatures in torch 2.11 and 2.13) — in the input dtype, with
+the kv heads as they are (GQA in the kernel, no repeated K / V), so no score block is materialised: memory
+is linear in the chunk (``bench/cp_memory.py``). Blocks of a query chunk are merged by their log-sum-exp in
+fp32 (the online softmax of Ring Attention, Liu et al. 2023, and FlashAttention-2, Dao 2023), ``out`` cast
+back to ``q.dtype``; ``lse`` is fp32. The backward calls the fused backward kernel per block with the
+*final* ``out`` and ``lse`` of the query rows (so each block's probabilities are its part of the global
+softmax and ``D = rowsum(dout * out)`` the global one), dq / dk / dv summed in fp32; the gradient of
+``lse`` itself (``D -= dlse``) and a2a's ``D`` computed before its all-to-all enter through extra head
+columns (``out`` gets ``-dlse`` / ``D``, ``dout`` ones, ``v`` zeros: the kernels compute ``D`` from the
+``out`` they are given); v of another head dim than q / k is zero-padded. Where no fused kernel takes a
+block (CUDA fp32, a mask on CUDA, other devices) that block runs in fp32 by hand, scores materialised.
 :class:`CPStats` counts the (query, key) pairs each rank computed, the measure of the causal load
 balance.
 """
@@ -292,7 +306,12 @@ torch.library.register_autograd(
     setup_context=_layout_setup)
 
 
-# --------------------------------------------------------------------------- blockwise attention (fp32)
+# --------------------------------------------------------------------------- blockwise attention
+
+_CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_LOW = (torch.float16, torch.bfloat16)
+
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
     """``lse`` with -inf (a row that sees no key) as 0, so ``exp(score - lse)`` is 0 there, not nan."""
@@ -310,16 +329,6 @@ def _pairs(kind: str, c: int) -> int:
     return c * c if kind == FULL else c * (c + 1) // 2
 
 
-def _scores(q, k, scale, kind, mask):
-    s = (q @ k.transpose(-1, -2)) * scale
-    if kind == DIAG:
-        c = s.shape[-1]
-        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-    return s
-
-
 class _Blocks:
     """Query rows and key rows cut into chunks of ``c`` tokens with global chunk ids ``q_ids`` /
     ``k_ids`` (in the tensors' order); ``mask`` (or None) is indexed by the tensors' positions."""
@@ -328,13 +337,26 @@ class _Blocks:
         self.q_ids, self.k_ids, self.c, self.causal, self.mask = q_ids, k_ids, c, causal, mask
 
     def visible(self):
-        """(query chunk index, kind, query slice, key slice) of every pair to compute."""
+        """(query chunk index, kind, query slice, key slice, pairs) of every kernel call: per query chunk,
+        fully visible key chunks that lie next to each other in the tensor as one slice, a diagonal chunk
+        (causal inside a square block) alone."""
         c = self.c
         for i, qc in enumerate(self.q_ids):
+            qs, run = slice(i * c, (i + 1) * c), None  # run: [first, end) of adjacent fully visible key chunks
             for j, kc in enumerate(self.k_ids):
                 kind = _kind(qc, kc, self.causal)
-                if kind is not None:
-                    yield i, kind, slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+                if kind == FULL and run is not None and run[1] == j:
+                    run[1] = j + 1
+                    continue
+                if run is not None:
+                    yield i, FULL, qs, slice(run[0] * c, run[1] * c), (run[1] - run[0]) * c * c
+                    run = None
+                if kind == FULL:
+                    run = [j, j + 1]
+                elif kind == DIAG:
+                    yield i, DIAG, qs, slice(j * c, (j + 1) * c), _pairs(DIAG, c)
+            if run is not None:
+                yield i, FULL, qs, slice(run[0] * c, run[1] * c), (run[1] - run[0]) * c * c
 
     def mask_of(self, qs: slice, ks: slice):
         return None if self.mask is None else self.mask[..., qs, ks]
@@ -350,45 +372,178 @@ def _sum_heads(x: torch.Tensor, g: int) -> torch.Tensor:
     return x if g == 1 else x.unflatten(1, (-1, g)).sum(2)
 
 
-class _Softmax:
-    """The running output and log-sum-exp of every query chunk (online softmax over key blocks)."""
+# One block (query rows x key rows, causal inside it or not) through torch's fused flash kernel, which
+# returns the block's log-sum-exp: aten._scaled_dot_product_flash_attention_for_cpu (any float dtype, an
+# additive mask) on CPU, aten._scaled_dot_product_flash_attention (fp16 / bf16, no mask, head dim <= 256) on
+# CUDA; both take grouped kv heads (GQA without repeating k / v) and is_causal for a square diagonal block.
+# Where neither applies (CUDA fp32 or a mask, other devices) the block runs in fp32 by hand (_math_*).
 
-    def __init__(self, q: torch.Tensor, n_chunks: int, c: int, dv: int):
-        b, h = q.shape[:2]
-        self.out = [q.new_zeros((b, h, c, dv)) for _ in range(n_chunks)]
-        self.lse = [q.new_full((b, h, c), float("-inf")) for _ in range(n_chunks)]
+def _width(q: torch.Tensor, v: torch.Tensor, mask, extra: int) -> int | None:
+    """The head dim the fused kernel runs this block at (q / k / v zero-padded to it: the kernels need one
+    head dim for q, k and v; ``extra`` more columns carry the backward's D term), or None where no fused
+    kernel takes the block."""
+    width = max(q.shape[-1], v.shape[-1] + extra)
+    if q.device.type == "cpu":
+        return width
+    if q.device.type == "cuda" and mask is None and q.dtype in _LOW:
+        width = -(-width // 8) * 8
+        return width if width <= 256 else None
+    return None
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` zero-padded in its last dim to ``width`` (zero q / k columns leave the scores as they are, the
+    scale being explicit; zero v columns give zero output columns)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def _additive(mask, dtype):
+    """The mask as the CPU kernel takes it: additive, in the queries' dtype."""
+    if mask is None or mask.dtype == dtype:
+        return mask
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def _sees(mask: torch.Tensor) -> torch.Tensor:
+    """Per query row: does the mask leave it any key?"""
+    return mask.any(-1) if mask.dtype == torch.bool else (mask != float("-inf")).any(-1)
+
+
+def _attend(q, k, v, causal: bool, scale: float, mask):
+    """One block: (out [b, hq, L, dv], q's dtype on the fused kernel; lse [b, hq, L], fp32); a row that
+    sees no key has lse -inf and out 0."""
+    dv = v.shape[-1]
+    width = _width(q, v, mask, 0)
+    if width is None:
+        return _math_attend(q, k, v, causal, scale, mask)
+    qp, kp, vp = (_pad(t, width) for t in (q, k, v))
+    if q.device.type == "cpu":
+        out, lse = _CPU_FWD(qp, kp, vp, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale)
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention.default(qp, kp, vp, 0.0, causal, False,
+                                                                               scale=scale)[:2]
+    if mask is not None:  # the kernel gives a row with no visible key lse 0 (and out 0): the merge needs -inf
+        lse = lse.masked_fill(~_sees(mask), float("-inf"))
+    return out[..., :dv], lse
+
+
+def _split(x: torch.Tensor, dtype, cols: int) -> list[torch.Tensor]:
+    """fp32 ``x`` as ``cols`` values of ``dtype`` whose sum is ``x`` (two for fp16 / bf16: high and low part)."""
+    hi = x.to(dtype)
+    return [hi] if cols == 1 else [hi, (x - hi.float()).to(dtype)]
+
+
+def _attend_backward(do, q, k, v, out, lse, corr, causal: bool, scale: float, mask):
+    """(dq, dk, dv) of one block (dk / dv with k's heads; the kernel's dtype, fp32 by hand): FlashAttention-2's
+    backward given the *final* lse of these query rows (so p = exp(s - lse) is the block's part of the global
+    softmax) and ``D = rowsum(do * out) + corr`` (``out`` None: D = corr). The kernels compute D from the
+    ``out`` they are given, so ``corr`` travels in extra columns: out gets columns ``corr`` (split in two
+    for fp16 / bf16), do columns of ones, v zero columns (scores and do @ v^T unchanged)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    extra = 0 if corr is None and out is not None else (2 if q.dtype in _LOW else 1)
+    width = _width(q, v, mask, extra)
+    if width is None:
+        return _math_attend_backward(do, q, k, v, out, lse, corr, causal, scale, mask)
+    qp, kp, vp = (_pad(t, width) for t in (q, k, v))
+    if extra:
+        o = out if out is not None else do.new_zeros(do.shape)
+        parts = _split(corr if corr is not None else torch.zeros_like(lse), q.dtype, extra)
+        o = torch.cat([o, *(p.unsqueeze(-1) for p in parts)], -1)
+        do = torch.cat([do, do.new_ones(do.shape[:-1] + (extra,))], -1)
+        out = o
+    dop, op = _pad(do, width), _pad(out, width)
+    lse = _finite(lse).contiguous()
+    if q.device.type == "cpu":
+        dq, dk, dvv = _CPU_BWD(dop, qp, kp, vp, op, lse, 0.0, causal, attn_mask=_additive(mask, q.dtype), scale=scale)
+    else:  # no dropout: the rng state is not read; cum_seq_* undefined (not variable-length)
+        seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        dq, dk, dvv = torch.ops.aten._scaled_dot_product_flash_attention_backward.default(
+            dop, qp, kp, vp, op, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
+    return dq[..., :d], dk[..., :d], dvv[..., :dv]
+
+
+def _scores(q, k, scale, causal, mask):
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        c = s.shape[-1]
+        s = s.masked_fill(torch.ones(c, c, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return s
+
+
+def _math_attend(q, k, v, causal, scale, mask):
+    """:func:`_attend` in fp32 by hand (the block's scores materialised): where no fused kernel applies."""
+    g = q.shape[1] // k.shape[1]
+    s = _scores(q.float(), _expand_heads(k.float(), g), scale, causal, mask)
+    lse = torch.logsumexp(s, -1)
+    return torch.exp(s - _finite(lse).unsqueeze(-1)) @ _expand_heads(v.float(), g), lse
+
+
+def _math_attend_backward(do, q, k, v, out, lse, corr, causal, scale, mask):
+    """:func:`_attend_backward` in fp32 by hand."""
+    g = q.shape[1] // k.shape[1]
+    qf, kf, vf, dof = q.float(), _expand_heads(k.float(), g), _expand_heads(v.float(), g), do.float()
+    D = (dof * out.float()).sum(-1) if out is not None else torch.zeros_like(lse)
+    if corr is not None:
+        D = D + corr
+    p = torch.exp(_scores(qf, kf, scale, causal, mask) - _finite(lse).unsqueeze(-1))
+    ds = p * (dof @ vf.transpose(-1, -2) - D.unsqueeze(-1))
+    dq = (ds @ kf) * scale
+    return dq, _sum_heads((ds.transpose(-1, -2) @ qf) * scale, g), _sum_heads(p.transpose(-1, -2) @ dof, g)
+
+
+class _Softmax:
+    """The running output (fp32) and log-sum-exp of every query chunk, blocks merged by their log-sum-exp
+    (the online softmax of Ring Attention, Liu et al. 2023, and FlashAttention-2, Dao 2023)."""
+
+    def __init__(self, n_chunks: int):
+        self.out: list = [None] * n_chunks
+        self.lse: list = [None] * n_chunks
         self.pairs = 0
 
     def add(self, blocks: _Blocks, q, k, v, scale) -> None:
-        """Fold the visible pairs of ``blocks`` (q, k, v: fp32, same heads) in."""
-        for i, kind, qs, ks in blocks.visible():
-            s = _scores(q[:, :, qs], k[:, :, ks], scale, kind, blocks.mask_of(qs, ks))
-            lse_b = torch.logsumexp(s, -1)
-            out_b = torch.exp(s - _finite(lse_b).unsqueeze(-1)) @ v[:, :, ks]
+        """Fold the visible pairs of ``blocks`` in (q, k, v in their dtype, k / v with their kv heads)."""
+        for i, kind, qs, ks, pairs in blocks.visible():
+            out_b, lse_b = _attend(q[:, :, qs], k[:, :, ks], v[:, :, ks], kind == DIAG, scale,
+                                   blocks.mask_of(qs, ks))
+            self.pairs += pairs
+            if self.out[i] is None:
+                self.out[i], self.lse[i] = out_b.float(), lse_b
+                continue
             lse = torch.logaddexp(self.lse[i], lse_b)
             new = _finite(lse).unsqueeze(-1)
-            self.out[i] = self.out[i] * torch.exp(self.lse[i].unsqueeze(-1) - new) + out_b * torch.exp(
-                lse_b.unsqueeze(-1) - new)
+            self.out[i].mul_(torch.exp(self.lse[i].unsqueeze(-1) - new)).add_(
+                out_b.float() * torch.exp(lse_b.unsqueeze(-1) - new))
             self.lse[i] = lse
-            self.pairs += _pairs(kind, blocks.c)
 
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.cat(self.out, 2), torch.cat(self.lse, 2)
+    def result(self, q, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b, h, L = q.shape[:3]
+        c = L // len(self.out)
+        out = [o if o is not None else q.new_zeros((b, h, c, dv), dtype=torch.float32) for o in self.out]
+        lse = [x if x is not None else q.new_full((b, h, c), float("-inf"), dtype=torch.float32) for x in self.lse]
+        if len(out) == 1:
+            return out[0], lse[0]
+        return torch.cat(out, 2), torch.cat(lse, 2)
 
 
-def _blocks_backward(blocks: _Blocks, q, k, v, do, lse, D, scale):
-    """FlashAttention-2's backward over the visible pairs: (dq, dk, dv) for these q and k rows (fp32,
-    k / v with the query heads); ``lse`` is the final one of the query rows, ``D = rowsum(do * out)``
-    (less the lse's own gradient)."""
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for _, kind, qs, ks in blocks.visible():
-        qb, kb, vb, dob = q[:, :, qs], k[:, :, ks], v[:, :, ks], do[:, :, qs]
-        s = _scores(qb, kb, scale, kind, blocks.mask_of(qs, ks))
-        p = torch.exp(s - _finite(lse[:, :, qs]).unsqueeze(-1))
-        dv[:, :, ks] += p.transpose(-1, -2) @ dob
-        ds = p * (dob @ vb.transpose(-1, -2) - D[:, :, qs].unsqueeze(-1))
-        dq[:, :, qs] += (ds @ kb) * scale
-        dk[:, :, ks] += (ds.transpose(-1, -2) @ qb) * scale
+def _blocks_backward(blocks: _Blocks, q, k, v, do, out, lse, corr, scale):
+    """The backward over the visible blocks: (dq, dk, dv) for these q and k rows, fp32, dk / dv with k's
+    heads; ``out`` / ``lse`` are the final ones of the query rows, ``D = rowsum(do * out) + corr``
+    (:func:`_attend_backward`)."""
+    f32 = torch.float32
+    dq, dk, dv = q.new_zeros(q.shape, dtype=f32), k.new_zeros(k.shape, dtype=f32), v.new_zeros(v.shape, dtype=f32)
+    for _, kind, qs, ks, _ in blocks.visible():
+        dq_b, dk_b, dv_b = _attend_backward(do[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks],
+                                            None if out is None else out[:, :, qs], lse[:, :, qs],
+                                            None if corr is None else corr[:, :, qs], kind == DIAG, scale,
+                                            blocks.mask_of(qs, ks))
+        dq[:, :, qs] += dq_b
+        dk[:, :, ks] += dk_b
+        dv[:, :, ks] += dv_b
     return dq, dk, dv
 
 
@@ -448,40 +603,37 @@ class _Ready:
         return self.tensors
 
 
-def _ring_setup(q, k, axis, n, balanced):
-    """What both ring passes start from: the communicator, this rank, the GQA group size, the rank's chunk
-    ids and chunk length, and the fp32 queries."""
+def _ring_setup(q, axis, n, balanced):
+    """What both ring passes start from: the communicator, this rank, the rank's chunk ids and chunk length."""
     comm = _comm()
     r = comm.rank(axis)
     ids = _chunks_of(n, r, balanced)
-    return comm, r, q.shape[1] // k.shape[1], ids, q.shape[2] // len(ids), q.float()
+    return comm, r, ids, q.shape[2] // len(ids)
 
 
 def _ring_forward(q, k, v, axis, n, causal, scale, balanced):
-    comm, r, g, ids, c, qf = _ring_setup(q, k, axis, n, balanced)
-    acc = _Softmax(qf, len(ids), c, v.shape[-1])
+    comm, r, ids, c = _ring_setup(q, axis, n, balanced)
+    acc = _Softmax(len(ids))
     kv = [k, v]
     for t in range(n):
         nxt = _ring_start(comm, kv, axis) if t < n - 1 else None  # the next block is in flight during this one
-        blocks = _Blocks(ids, _chunks_of(n, (r - t) % n, balanced), c, causal)
-        acc.add(blocks, qf, _expand_heads(kv[0].float(), g), _expand_heads(kv[1].float(), g), scale)
+        acc.add(_Blocks(ids, _chunks_of(n, (r - t) % n, balanced), c, causal), q, kv[0], kv[1], scale)
         if nxt is not None:
             kv = nxt.wait()
-    out, lse = acc.result()
+    out, lse = acc.result(q, v.shape[-1])
     return out, lse, acc.pairs
 
 
-def _ring_backward(do, D, q, k, v, lse, axis, n, causal, scale, balanced):
-    comm, r, g, ids, c, qf = _ring_setup(q, k, axis, n, balanced)
-    dq = torch.zeros_like(qf)
+def _ring_backward(do, out, corr, q, k, v, lse, axis, n, causal, scale, balanced):
+    comm, r, ids, c = _ring_setup(q, axis, n, balanced)
+    dq = None
     kv, dkv_in = [k, v], None
     for t in range(n):
         nxt = _ring_start(comm, kv, axis) if t < n - 1 else None
         blocks = _Blocks(ids, _chunks_of(n, (r - t) % n, balanced), c, causal)
-        dq_b, dk_b, dv_b = _blocks_backward(blocks, qf, _expand_heads(kv[0].float(), g),
-                                            _expand_heads(kv[1].float(), g), do, lse, D, scale)
-        dq = dq + dq_b
-        dkv = [_sum_heads(dk_b, g), _sum_heads(dv_b, g)]
+        dq_b, dk_b, dv_b = _blocks_backward(blocks, q, kv[0], kv[1], do, out, lse, corr, scale)
+        dq = dq_b if dq is None else dq.add_(dq_b)
+        dkv = [dk_b, dv_b]
         if dkv_in is not None:  # the block's dk / dv so far, from the ranks before this one
             dk_in, dv_in = dkv_in.wait()
             dkv = [dk_in + dkv[0], dv_in + dkv[1]]
@@ -509,29 +661,23 @@ def _allgather_blocks(q, n, axis, causal, balanced, mask):
 
 
 def _allgather_forward(q, k, v, mask, axis, n, causal, scale, balanced):
-    g = q.shape[1] // k.shape[1]
     blocks = _allgather_blocks(q, n, axis, causal, balanced, mask)
-    k_all = _expand_heads(_gather_kv(k, axis, n, balanced).float(), g)
-    v_all = _expand_heads(_gather_kv(v, axis, n, balanced).float(), g)
-    qf = q.float()
-    acc = _Softmax(qf, len(blocks.q_ids), blocks.c, v.shape[-1])
-    acc.add(blocks, qf, k_all, v_all, scale)
-    out, lse = acc.result()
+    acc = _Softmax(len(blocks.q_ids))
+    acc.add(blocks, q, _gather_kv(k, axis, n, balanced), _gather_kv(v, axis, n, balanced), scale)
+    out, lse = acc.result(q, v.shape[-1])
     return out, lse, acc.pairs
 
 
-def _allgather_backward(do, D, q, k, v, lse, mask, axis, n, causal, scale, balanced):
+def _allgather_backward(do, out, corr, q, k, v, lse, mask, axis, n, causal, scale, balanced):
     """K / V gathered again (not kept from the forward), dK / dV permuted to rank order and
     reduce-scattered to their owners."""
     comm = _comm()
-    g = q.shape[1] // k.shape[1]
     blocks = _allgather_blocks(q, n, axis, causal, balanced, mask)
-    k_all = _expand_heads(_gather_kv(k, axis, n, balanced).float(), g)
-    v_all = _expand_heads(_gather_kv(v, axis, n, balanced).float(), g)
-    dq, dk, dv = _blocks_backward(blocks, q.float(), k_all, v_all, do, lse, D, scale)
+    k_all, v_all = _gather_kv(k, axis, n, balanced), _gather_kv(v, axis, n, balanced)
+    dq, dk, dv = _blocks_backward(blocks, q, k_all, v_all, do, out, lse, corr, scale)
     s = k_all.shape[2]
-    dk = comm.reduce_scatter(_to_concat(_sum_heads(dk, g), 2, s, n, balanced).contiguous(), 2, axis)
-    dv = comm.reduce_scatter(_to_concat(_sum_heads(dv, g), 2, s, n, balanced).contiguous(), 2, axis)
+    dk = comm.reduce_scatter(_to_concat(dk, 2, s, n, balanced).contiguous(), 2, axis)
+    dv = comm.reduce_scatter(_to_concat(dv, 2, s, n, balanced).contiguous(), 2, axis)
     return dq, dk, dv
 
 
@@ -558,42 +704,43 @@ def _seq_to_heads(x, axis, n, balanced):
 
 
 def _a2a_kv(x, hq, n):
-    """kv heads as the all-to-all needs them: split over cp if they divide, else repeated to hq."""
-    g = hq // x.shape[1]
-    return (x, g) if x.shape[1] % n == 0 else (_expand_heads(x, g), 1)
+    """kv heads as the all-to-all needs them: split over cp if they divide, else repeated to hq (each rank
+    then receives only its query heads' share)."""
+    return x if x.shape[1] % n == 0 else _expand_heads(x, hq // x.shape[1])
 
 
-def _a2a_blocks(s, n, causal, balanced):
-    ids = list(range(_n_chunks(n, balanced)))
-    return _Blocks(ids, ids, s // len(ids), causal)
+def _a2a_blocks(s, causal):
+    """Every token in natural order on both sides: one block, causal as a whole."""
+    return _Blocks([0], [0], s, causal)
 
 
 def _a2a_forward(q, k, v, axis, n, causal, scale, balanced):
     hq = q.shape[1]
-    (k, g), (v, _) = _a2a_kv(k, hq, n), _a2a_kv(v, hq, n)
-    qh = _heads_to_seq(q, axis, n, balanced).float()
-    kh = _expand_heads(_heads_to_seq(k, axis, n, balanced).float(), g)
-    vh = _expand_heads(_heads_to_seq(v, axis, n, balanced).float(), g)
-    blocks = _a2a_blocks(qh.shape[2], n, causal, balanced)
-    acc = _Softmax(qh, len(blocks.q_ids), blocks.c, v.shape[-1])
-    acc.add(blocks, qh, kh, vh, scale)
-    out, lse = acc.result()
+    qh = _heads_to_seq(q, axis, n, balanced)
+    kh = _heads_to_seq(_a2a_kv(k, hq, n), axis, n, balanced)
+    vh = _heads_to_seq(_a2a_kv(v, hq, n), axis, n, balanced)
+    acc = _Softmax(1)
+    acc.add(_a2a_blocks(qh.shape[2], causal), qh, kh, vh, scale)
+    out, lse = acc.result(qh, v.shape[-1])
     return _seq_to_heads(out, axis, n, balanced), _seq_to_heads(lse, axis, n, balanced), acc.pairs
 
 
-def _a2a_backward(do, D, q, k, v, lse, axis, n, causal, scale, balanced):
+def _a2a_backward(do, out, corr, q, k, v, lse, axis, n, causal, scale, balanced):
+    """D = rowsum(do * out) + corr is computed on the rank's tokens and travels with lse (not out itself)."""
     hq, hkv = q.shape[1], k.shape[1]
-    (k, g), (v, _) = _a2a_kv(k, hq, n), _a2a_kv(v, hq, n)
-    qh = _heads_to_seq(q, axis, n, balanced).float()
-    kh = _expand_heads(_heads_to_seq(k, axis, n, balanced).float(), g)
-    vh = _expand_heads(_heads_to_seq(v, axis, n, balanced).float(), g)
+    D = (do.float() * out.float()).sum(-1)
+    if corr is not None:
+        D = D + corr
+    qh = _heads_to_seq(q, axis, n, balanced)
+    kh = _heads_to_seq(_a2a_kv(k, hq, n), axis, n, balanced)
+    vh = _heads_to_seq(_a2a_kv(v, hq, n), axis, n, balanced)
     doh = _heads_to_seq(do, axis, n, balanced)
     stats = _heads_to_seq(torch.stack([lse, D], -1), axis, n, balanced)
-    blocks = _a2a_blocks(qh.shape[2], n, causal, balanced)
-    dq, dk, dv = _blocks_backward(blocks, qh, kh, vh, doh, stats[..., 0], stats[..., 1], scale)
+    dq, dk, dv = _blocks_backward(_a2a_blocks(qh.shape[2], causal), qh, kh, vh, doh, None, stats[..., 0],
+                                  stats[..., 1], scale)
     dq = _seq_to_heads(dq, axis, n, balanced)
-    dk = _seq_to_heads(_sum_heads(dk, g), axis, n, balanced)
-    dv = _seq_to_heads(_sum_heads(dv, g), axis, n, balanced)
+    dk = _seq_to_heads(dk, axis, n, balanced)
+    dv = _seq_to_heads(dv, axis, n, balanced)
     if dk.shape[1] != hkv:  # repeated to hq before the all-to-all
         dk, dv = _sum_heads(dk, hq // hkv), _sum_heads(dv, hq // hkv)
     return dq, dk, dv
@@ -639,16 +786,15 @@ def cp_attention_backward(dout: torch.Tensor, dlse: torch.Tensor | None, q: torc
                           balanced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this rank's q, k, v: every rank's queries' contributions to dk / dv summed at
     the keys' owner."""
-    do = dout.float()
-    D = (do * out.float()).sum(-1)
-    if dlse is not None:  # lse's own gradient: d lse / d score = p, so it enters as -dlse in D
-        D = D - dlse.float()
+    do = dout.to(q.dtype)
+    # lse's own gradient: d lse / d score = p, so it enters D = rowsum(do * out) as -dlse
+    corr = None if dlse is None else -dlse.float()
     if variant == "ring":
-        dq, dk, dv = _ring_backward(do, D, q, k, v, lse, axis, n, causal, scale, balanced)
+        dq, dk, dv = _ring_backward(do, out, corr, q, k, v, lse, axis, n, causal, scale, balanced)
     elif variant == "allgather":
-        dq, dk, dv = _allgather_backward(do, D, q, k, v, lse, mask, axis, n, causal, scale, balanced)
+        dq, dk, dv = _allgather_backward(do, out, corr, q, k, v, lse, mask, axis, n, causal, scale, balanced)
     else:
-        dq, dk, dv = _a2a_backward(do, D, q, k, v, lse, axis, n, causal, scale, balanced)
+        dq, dk, dv = _a2a_backward(do, out, corr, q, k, v, lse, axis, n, causal, scale, balanced)
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
 
@@ -659,6 +805,9 @@ def _(dout, dlse, q, k, v, mask, out, lse, axis, n, variant, causal, scale, bala
 
 def _attn_setup(ctx, inputs, output):
     q, k, v, mask = inputs[:4]
+    # an output nobody used gets None, not zeros: an unused lse then costs the backward nothing (a zero
+    # dlse would still send D through the kernels' extra columns)
+    ctx.set_materialize_grads(False)
     ctx.args = tuple(inputs[4:])
     ctx.save_for_backward(q, k, v, mask, *output)
 

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["MemoryTracker", "CATEGORIES"]
+__all__ = ["MemoryTracker", "OpenOpsTracker", "CATEGORIES"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 
@@ -108,6 +108,29 @@ class MemoryTracker(TorchDispatchMode):
     # -- the mode -------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+
+class OpenOpsTracker(MemoryTracker):
+    """A :class:`MemoryTracker` that also counts what mcompile's own custom ops (``torch.library.custom_op``
+    in the ``mcompile`` namespace: ``cp_attention``, its backward, ...) allocate inside themselves: a
+    dispatch mode sees such an op as one call and only its outputs, so here the op's Python body runs under
+    the mode instead (the same computation; its temporaries, score blocks and received buffers counted).
+    Scratch an aten kernel allocates inside itself stays unseen. For measuring an op's peak memory
+    (``bench/cp_memory.py``); the plain tracker stays what the memory model is compared with."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._library.custom_ops import OPDEFS
+
+        name = func.name() if hasattr(func, "name") else ""
+        opdef = OPDEFS.get(name.split(".")[0]) if name.startswith("mcompile::") else None
+        if opdef is None:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        with self:  # the body's ops come back through this mode
+            out = opdef._init_fn(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.track(t)
