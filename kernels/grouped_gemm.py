@@ -30,12 +30,26 @@ block-sparse expert GEMMs and CUTLASS's grouped GEMM map tiles to problems — G
 * ``_grouped_mm_dw_kernel`` — dw[g] = x_g^T @ grad_g: one program per (a tile, b tile, group), reducing
   over the group's rows in steps of BLOCK_R (an empty group stores its zero accumulator).
 
-Dispatch: Triton on CUDA tensors, and on CPU tensors when this module was imported under Triton's
-interpreter switch ``TRITON_INTERPRET=1`` (correctness only, DESIGN §8); otherwise
-:func:`grouped_mm_reference`, loop-free over the groups: ``torch._grouped_mm`` where it runs (CPU: fp32,
-bf16, fp16; CUDA: bf16 on sm90+), with a and b zero-padded to its 16-byte stride alignment (zeros add
-nothing to a product), else one padded ``torch.bmm`` over (G, capacity, ·) groups (capacity = the largest
-group: one device sync; a fallback for fp64 or a GPU without either).
+Dispatch (:func:`grouped_mm_path` says which, for a device, dtype and shape):
+
+* ``"torch._grouped_mm"`` — PyTorch's CUTLASS grouped GEMM, on CUDA where it is a tuned kernel: bf16
+  (inputs and output), compute capability 9.x or 10.x, fewer than 1024 groups, a and b multiples of 8
+  (16 bytes) and every operand laid out on 16-byte aligned strides. That is the fast path of
+  ``_grouped_mm_cuda`` (aten/src/ATen/native/cuda/GroupedBlas.cpp: ``_scaled_mm_allowed_device(sm90_only,
+  sm100_only)`` and bf16; the kernel refuses 1024 groups or more, and its TMA loads need the 16-byte
+  strides ``_grouped_mm`` checks). Elsewhere torch's ``_grouped_mm`` falls back to a loop over the groups
+  that reads ``offs`` on the host (a device sync per call), and padding unaligned widths would copy every
+  expert's weight on each call: the Triton kernels take those. torch 2.11 and 2.13 both have
+  ``torch._grouped_mm`` (and ``torch.nn.functional.grouped_mm``) with this signature, ``(mat_a, mat_b,
+  offs=None, bias=None, out_dtype=None)``, offs int32 group ends. Forward (2-d x 3-d), dx (against w
+  transposed: a view) and dw (2-d x 2-d, the groups along the reduction) are each one call.
+* ``"triton"`` — the kernels above: CUDA tensors otherwise (fp32, bf16, fp16), and CPU tensors when this
+  module was imported under Triton's interpreter switch ``TRITON_INTERPRET=1`` (correctness only,
+  DESIGN §8).
+* ``"reference"`` — :func:`grouped_mm_reference`, loop-free over the groups: ``torch._grouped_mm`` where
+  it runs (CPU: fp32, bf16, fp16; CUDA: as above), with a and b zero-padded to its 16-byte stride alignment
+  (zeros add nothing to a product), else one padded ``torch.bmm`` over (G, capacity, ·) groups (capacity =
+  the largest group: one device sync; a fallback for fp64, or a GPU without Triton).
 """
 
 from __future__ import annotations
@@ -46,7 +60,8 @@ import torch.nn.functional as F
 from mcompile.kernels._triton import jit as _jit
 from mcompile.kernels._triton import runs_triton, tl, triton
 
-__all__ = ["uses_triton", "grouped_mm", "grouped_mm_reference", "grouped_mm_torch", "experts_mm"]
+__all__ = ["uses_triton", "grouped_mm_path", "grouped_mm", "grouped_mm_reference", "grouped_mm_torch",
+           "experts_mm"]
 
 # Tiles of the forward/dx kernel (rows x output columns x reduction) and of the dw kernel (a x b x rows).
 # 64 rows: MoE groups are often a few hundred tokens, so taller tiles waste more of a group's last tile.
@@ -59,8 +74,47 @@ _KERNEL_DTYPES = _NATIVE_DTYPES  # what the kernels' tl.dot takes
 
 
 def uses_triton(device: torch.device | str) -> bool:
-    """Whether the ops run their Triton kernels for tensors on ``device`` (else the reference)."""
+    """Whether the ops can run their Triton kernels for tensors on ``device`` (:func:`grouped_mm_path` says
+    which path a call takes)."""
     return runs_triton(device, _INTERPRETED)
+
+
+_CUTLASS_GROUPS = 1024  # torch's bf16 grouped kernel: "Can't process more than 1024 groups" (GroupMM.cu)
+
+
+def _cuda_grouped_mm(dtype: torch.dtype, capability: tuple[int, int], groups: int) -> bool:
+    """torch._grouped_mm runs its CUTLASS kernel (not its host-syncing loop) for ``dtype`` on a CUDA device
+    of ``capability`` (module docstring)."""
+    return (hasattr(torch, "_grouped_mm") and torch.version.hip is None and dtype == torch.bfloat16
+            and capability[0] in (9, 10) and groups < _CUTLASS_GROUPS)
+
+
+def grouped_mm_path(device: torch.device | str, dtype: torch.dtype, a: int, b: int, groups: int, *,
+                    capability: tuple[int, int] | None = None, aligned: bool = True) -> str:
+    """Which implementation :func:`grouped_mm` runs for x (N, a), w (groups, a, b) of ``dtype`` on
+    ``device``: ``"torch._grouped_mm"``, ``"triton"`` or ``"reference"`` (module docstring).
+    ``capability``: the CUDA device's (read from the device when None); ``aligned``: the operands' start
+    and strides are 16-byte aligned (what :func:`_path` reads off real tensors)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        cap = capability if capability is not None else torch.cuda.get_device_capability(device)
+        align = 16 // dtype.itemsize
+        if _cuda_grouped_mm(dtype, cap, groups) and aligned and a % align == 0 and b % align == 0:
+            return "torch._grouped_mm"
+    if runs_triton(device, _INTERPRETED) and dtype in _KERNEL_DTYPES:
+        return "triton"
+    return "reference"
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """``t``'s matrices sit on 16-byte aligned strides, as torch._grouped_mm's kernel reads them."""
+    align = 16 // t.element_size()
+    return _strides_ok(t) and all(s % align == 0 for s in t.stride()[:-2])
+
+
+def _path(x: torch.Tensor, w: torch.Tensor) -> str:
+    return grouped_mm_path(x.device, x.dtype, w.shape[1], w.shape[2], w.shape[0],
+                           aligned=x.device.type != "cuda" or (_aligned(x) and _aligned(w)))
 
 
 # ---- checks -----------------------------------------------------------------------------------
@@ -88,12 +142,13 @@ def _empty(x, w) -> bool:
 
 
 # ---- PyTorch path -----------------------------------------------------------------------------
-def _native_ok(t: torch.Tensor) -> bool:
-    """torch._grouped_mm runs for tensors like ``t`` (its dtype on its device)."""
+def _native_ok(t: torch.Tensor, groups: int) -> bool:
+    """torch._grouped_mm runs for tensors like ``t`` (its dtype on its device), over ``groups`` groups,
+    without a device sync (CUDA: its CUTLASS kernel, module docstring)."""
     if not hasattr(torch, "_grouped_mm") or t.dtype not in _NATIVE_DTYPES:
         return False
     if t.device.type == "cuda":
-        return t.dtype == torch.bfloat16 and torch.cuda.get_device_capability(t.device) >= (9, 0)
+        return _cuda_grouped_mm(t.dtype, torch.cuda.get_device_capability(t.device), groups)
     return t.device.type == "cpu"
 
 
@@ -142,14 +197,28 @@ def _scatter_rows(t, group, pos, n_groups, capacity):
     return out  # (G, capacity, ·), zero rows past each group's end
 
 
+def _native_mm(x, w, offs):
+    """torch._grouped_mm, a and b padded where they are not aligned (a no-op where they are)."""
+    xp, wp, _ = _native_operands(x, w)
+    return torch._grouped_mm(xp, wp, offs=offs.to(torch.int32))[:, :w.shape[2]].contiguous()
+
+
+def _native_mm_backward(grad, x, w, offs):
+    a, b = w.shape[1:]
+    offs32 = offs.to(torch.int32)
+    xp, wp, gp = _native_operands(x, w, grad.to(x.dtype))
+    dx = torch._grouped_mm(gp, wp.transpose(1, 2), offs=offs32)[:, :a]
+    dw = torch._grouped_mm(xp.t(), gp, offs=offs32)[:, :a, :b]  # 2-d x 2-d: groups along the reduction
+    return dx.contiguous(), dw.contiguous()
+
+
 def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The PyTorch path of :func:`grouped_mm`: ``torch._grouped_mm`` where it runs, else one padded bmm."""
     n, b = x.shape[0], w.shape[2]
     if _empty(x, w):
         return x.new_zeros(n, b)
-    if _native_ok(x):
-        xp, wp, _ = _native_operands(x, w)
-        return torch._grouped_mm(xp, wp, offs=offs.to(torch.int32))[:, :b].contiguous()
+    if _native_ok(x, w.shape[0]):
+        return _native_mm(x, w, offs)
     acc = torch.promote_types(x.dtype, torch.float32)  # fp32 accumulation, fp64 kept
     group, pos, capacity = _bmm_layout(offs, n)
     xs = _scatter_rows(x.to(acc), group, pos, w.shape[0], capacity)
@@ -160,12 +229,8 @@ def _grouped_mm_backward_reference(grad, x, w, offs):
     a, b = w.shape[1:]
     if _empty(x, w):
         return x.new_zeros(x.shape), w.new_zeros(w.shape)
-    if _native_ok(x):
-        offs32 = offs.to(torch.int32)
-        xp, wp, gp = _native_operands(x, w, grad.to(x.dtype))
-        dx = torch._grouped_mm(gp, wp.transpose(1, 2), offs=offs32)[:, :a]
-        dw = torch._grouped_mm(xp.t(), gp, offs=offs32)[:, :a, :b]  # 2-d x 2-d: groups along the reduction
-        return dx.contiguous(), dw.contiguous()
+    if _native_ok(x, w.shape[0]):
+        return _native_mm_backward(grad, x, w, offs)
     acc = torch.promote_types(x.dtype, torch.float32)
     group, pos, capacity = _bmm_layout(offs, x.shape[0])
     xs = _scatter_rows(x.to(acc), group, pos, w.shape[0], capacity)  # (G, capacity, a)
@@ -285,7 +350,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     """out[r] = x[r] @ w[g] for the rows r of group g (rows offs[g-1]:offs[g]); x (N, a), w (G, a, b),
     offs (G,) cumulative group ends -> (N, b) in x's dtype. See the module docstring."""
     _check(x, w, offs)
-    if not uses_triton(x.device) or _empty(x, w) or x.dtype not in _KERNEL_DTYPES:
+    path = "reference" if _empty(x, w) else _path(x, w)
+    if path == "torch._grouped_mm":
+        return _native_mm(x, w, offs)
+    if path == "reference":
         return grouped_mm_reference(x, w, offs)
     out = torch.empty((x.shape[0], w.shape[2]), dtype=x.dtype, device=x.device)
     return _launch_mm(x, w, offs.to(torch.int32).contiguous(), out)
@@ -303,7 +371,10 @@ def grouped_mm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw) of grouped_mm for the output gradient ``grad`` (N, b): dx = grad @ w[g]^T per group,
     dw[g] = x_g^T @ grad_g (zeros for an empty group)."""
-    if not uses_triton(x.device) or _empty(x, w) or x.dtype not in _KERNEL_DTYPES:
+    path = "reference" if _empty(x, w) else _path(x, w)
+    if path == "torch._grouped_mm":
+        return _native_mm_backward(grad, x, w, offs)
+    if path == "reference":
         return _grouped_mm_backward_reference(grad, x, w, offs)
     offs32 = offs.to(torch.int32).contiguous()
     grad = grad.to(x.dtype).contiguous()
@@ -383,6 +454,6 @@ class _ExpertsMM(torch.autograd.Function):
 
 def experts_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """The grouped GEMM the MoE runtime runs its local experts with, differentiable (also under
-    ``torch.func``): the Triton kernels on CUDA (:func:`grouped_mm`), the PyTorch path elsewhere
-    (:func:`grouped_mm_torch`)."""
+    ``torch.func``): on CUDA :func:`grouped_mm` (``torch._grouped_mm`` where its CUTLASS kernel runs, the
+    Triton kernels otherwise: :func:`grouped_mm_path`), the PyTorch path elsewhere (:func:`grouped_mm_torch`)."""
     return _ExpertsMM.apply(x, w, offs, x.device.type == "cuda")

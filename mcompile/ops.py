@@ -22,12 +22,21 @@ backward modules *after* the joint graph is partitioned, so they need no backwar
 ``start_all_gather`` / ``start_reduce_scatter`` / ``start_all_reduce`` launch the collective on
 dim 0 and return its output buffer at once (on NCCL: the collective is queued on the
 communicator's stream; on gloo: running on gloo's thread; in the simulator: already done);
-``wait(buf)`` is where the program may first read the buffer (on NCCL it orders the compute stream
+``wait(buf, src)`` is where the program may first read the buffer (on NCCL it orders the compute stream
 after the collective and does not block the host); ``all_reduce_inplace(x)`` (mutates ``x``) is
 :func:`all_reduce` without its copy, where nothing else reads ``x`` (``passes/overlap.py
 inplace_all_reduces``). A pass places each start as early as its input
 allows and each wait just before the first reader; :func:`mcompile.passes.overlap.check_waits`
 proves every started buffer is waited once, before any other use.
+
+The start's input ``src`` is an argument of the wait, which does nothing with it: the backend reads
+``src`` until the collective completes, and a functional start (``mutates_args=()``) would tell a
+compiler that ``src`` is dead right after the start. Inductor reuses a dead buffer's memory for the
+next kernel's output (``buf24 = buf21; del buf21  # reuse`` in its generated code: the next chunk's
+GEMM of a collective matmul written over the partial sums a reduce-scatter is still sending). Read by
+the wait, ``src`` stays live, unwritten, until then; the communicator also holds a reference
+(:class:`Pending`), which covers Python's and the caching allocator's frees but not a compiler's
+reuse of memory it owns.
 
 The ops name a mesh axis; the process group behind it comes from the :class:`Communicator`
 bound with :func:`bind` around the program's execution (torch.distributed groups in the runtime,
@@ -273,12 +282,15 @@ def _(x, axis, n):
 
 
 @torch.library.custom_op("mcompile::wait", mutates_args=("buf",))
-def wait(buf: torch.Tensor) -> None:
+def wait(buf: torch.Tensor, src: torch.Tensor) -> None:
+    """``buf`` (a start's output) holds the collective's result from here on. ``src`` is the start's
+    input, passed only so that it is read here: a compiler (Inductor's buffer reuse, its in-place
+    kernels) then keeps its memory unwritten until the wait, while the backend still reads it."""
     current().wait(buf)
 
 
 @wait.register_fake
-def _(buf):
+def _(buf, src):
     return None
 
 

@@ -33,6 +33,16 @@ calls and keeps their order (no compute/communication reordering is enabled), so
 the same collectives in the same order as the fx graph does. ``CompiledGraph.source_code`` holds
 the generated wrapper for inspection.
 
+Started collectives (the overlap passes' ``mcompile.start_*`` / ``wait``, passes/overlap.py): the
+start's input is an argument of its wait (mcompile.ops), so Inductor's memory planning keeps it live
+and unwritten until the wait — before, it counted the input dead after the start and reused its memory
+for the next kernel's output (a collective matmul's next chunk GEMM written over the partial sums the
+reduce-scatter was still sending). A graph holding started collectives is compiled with Inductor's
+``reorder_for_peak_memory`` off: that pass re-sorts the nodes topologically to lower the estimated
+peak, and it moves each wait up to where it frees the start's input — right after its start, before
+the compute it was placed to overlap with. The graph's order is mcompile's schedule (the saved set and
+the overlap passes decided it), so it stands; graphs without started collectives keep the pass.
+
 The compiled code checks its inputs' sizes and strides against the example inputs (Inductor's
 ``assert_size_stride``): a callable serves one input layout.
 
@@ -49,6 +59,7 @@ runs the same graph without compiling.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -204,9 +215,27 @@ def _inductor(gm: fx.GraphModule, example_inputs: list, label: str) -> CompiledG
         traced = make_fx(flat, decomposition_table=select_decomp_table(), tracing_mode="fake",
                          _allow_non_fake_inputs=False)(*inputs)
     is_backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
-    compiled = compile_fx_inner(traced, inputs, is_backward=is_backward)
+    with _keep_schedule(traced):
+        compiled = compile_fx_inner(traced, inputs, is_backward=is_backward)
     return CompiledGraph(compiled, label, None if plain else in_spec, None if plain else tensor_pos, spec[-1],
                          _source_code(compiled), time.perf_counter() - t0)
+
+
+def has_started_collectives(gm: fx.GraphModule) -> bool:
+    import mcompile.ops as ops
+
+    starts = set(ops.STARTS.values())
+    return any(n.op == "call_function" and n.target in starts for n in gm.graph.nodes)
+
+
+def _keep_schedule(gm: fx.GraphModule):
+    """Inductor's config for ``gm``: the peak-memory reordering off where the graph holds started
+    collectives (module docstring), so every wait stays where the overlap pass placed it."""
+    if not has_started_collectives(gm):
+        return contextlib.nullcontext()
+    from torch._inductor import config as inductor_config
+
+    return inductor_config.patch(reorder_for_peak_memory=False)
 
 
 def _source_code(compiled) -> str | None:

@@ -421,7 +421,7 @@ def _rewrite_gather(gm: fx.GraphModule, m: _Match, k: int) -> None:
     chunks = []
     with g.inserting_before(first):
         for s in starts:  # chunk j: wait, shape ops, its GEMMs (under chunk j+1's gather)
-            _call(g, ops.WAIT, (s,), like=ag)
+            _call(g, ops.WAIT, (s, s.args[0]), like=ag)  # the start's input live until its wait (mcompile.ops)
             yj = s
             if gdim != 0:
                 yj = _call(g, aten.permute.default, (s, _perm_from_front(ndim, gdim)), like=ag)
@@ -492,7 +492,7 @@ def _rewrite_scatter(gm: fx.GraphModule, m: _Match, k: int) -> None:
     with g.inserting_before(first):  # every wait just before the first reader
         parts = []
         for s in starts:
-            _call(g, ops.WAIT, (s,), like=rs)
+            _call(g, ops.WAIT, (s, s.args[0]), like=rs)
             parts.append(_call(g, aten.permute.default, (s, _perm_from_front(ndim, sdim)), like=rs) if sdim else s)
         rs.replace_all_uses_with(_call(g, aten.cat.default, (parts, m.cdim), like=rs))
     g.erase_node(rs)

@@ -43,8 +43,10 @@ def is_wait(n: fx.Node) -> bool:
 
 
 def check_waits(gm: fx.GraphModule, where: str = "") -> None:
-    """Every ``start_*`` node has exactly one ``wait`` on it, placed after it; every other user of
-    the started buffer comes after that wait. Raises :class:`OverlapError` naming the node."""
+    """Every ``start_*`` node has exactly one ``wait`` on it, placed after it, which also takes the
+    start's input (so a compiler keeps that input's memory unwritten until the wait: mcompile.ops);
+    every other user of the started buffer comes after that wait. Raises :class:`OverlapError`
+    naming the node."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     at = f" in {where}" if where else ""
     for n in gm.graph.nodes:
@@ -56,6 +58,10 @@ def check_waits(gm: fx.GraphModule, where: str = "") -> None:
         w = waits[0]
         if order[w] < order[n]:
             raise OverlapError(f"{n.name}{at}: waited at {w.name} before it starts")
+        if len(w.args) < 2 or w.args[1] is not n.args[0]:
+            raise OverlapError(
+                f"{n.name}{at}: its wait {w.name} does not take the start's input {n.args[0]} "
+                f"(write wait({n.name}, {n.args[0]}): the input must stay live until the collective is waited)")
         early = [u.name for u in n.users if u is not w and order[u] < order[w]]
         if early:
             raise OverlapError(f"{n.name}{at}: read by {', '.join(early)} before its wait {w.name}")
@@ -151,7 +157,7 @@ def make_async(gm: fx.GraphModule, node: fx.Node, *, start_after: fx.Node | None
     if src is not x:
         start.prepend(src)  # permute right before its start
     with g.inserting_before(wait_before):
-        w = g.call_function(ops.WAIT, (start,))
+        w = g.call_function(ops.WAIT, (start, src))  # src read at the wait: live until then (mcompile.ops)
         res = start
         if dim != 0:
             back = g.call_function(torch.ops.aten.permute.default, (start, _perm_from_front(ndim, dim)))

@@ -175,6 +175,69 @@ def test_failure_names_graph_cause_and_fallback():
     assert compile_graph(gm, [x], "eager")(x)[0].equal((x + 1) * 2)
 
 
+def _overlapped_program(n: int, k: int, b: int, s: int, h: int, f: int):
+    """A column-parallel linear whose output is all-reduced asynchronously (passes/overlap.make_async: started
+    at once, waited at the end) while a pointwise function of it feeds a row-parallel linear into a
+    sequence-parallel reduce-scatter, rewritten by collective matmul (``tp_overlap=k``: k chunk GEMMs, each
+    chunk's reduce-scatter started under the next chunk's GEMM)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mcompile.passes import collective_matmul as CM
+    from mcompile.passes.overlap import check_waits, make_async
+
+    def prog(a, w1, w2):
+        z = torch.mm(a, w1.t())
+        g = torch.relu(z) * 2  # after the start: where Inductor wrote g over z in place
+        r = ops.OPS["all_reduce"](z, "tp", n)
+        y = torch.mm(g, w2).view(b, s, h)
+        return ops.OPS["reduce_scatter"](y, 1, "tp", n), r, g
+
+    with FakeTensorMode():
+        gm = make_fx(prog)(torch.empty(b * s, f), torch.empty(h, f), torch.empty(h, h))
+    assert [(d.pattern, d.chunks) for d in CM.rewrite(gm, tp_overlap=k)] == [(CM.MM_RS, k)]
+    ar = next(x for x in gm.graph.nodes if x.target is ops.OPS["all_reduce"])
+    make_async(gm, ar, wait_before=next(x for x in gm.graph.nodes if x.op == "output"))
+    gm.recompile()
+    check_waits(gm)
+    return gm
+
+
+@pytest.mark.timeout(240)
+def test_started_collectives_under_inductor_send_the_eager_bytes_and_stay_overlapped():
+    """Issue 38 item 8. A started collective reads its input until its wait, but Inductor was told the
+    start is functional: it computed the next kernel's output in place over the input of an in-flight
+    all-reduce (``buf3 = buf0; del buf0  # reuse``) and, with its peak-memory reordering, moved every wait
+    up to just after its start (no overlap left). The wait now takes the start's input, and a graph with
+    started collectives keeps its order (passes/codegen.py). The simulator runs a started collective at its
+    wait (the latest read a backend may make) and records what it sent: the compiled program sends what
+    the eager one does, collective by collective, and returns its outputs; its generated code keeps each
+    GEMM between the starts and the waits the overlap passes put around it."""
+    n, k, (b, s, h, f) = 2, 2, (2, 8, 8, 16)
+    gm = _overlapped_program(n, k, b, s, h, f)
+    inputs = [[torch.randn(b * s, f, generator=torch.Generator().manual_seed(r)),
+               torch.randn(h, f, generator=torch.Generator().manual_seed(9)),
+               torch.randn(h, h, generator=torch.Generator().manual_seed(8))] for r in range(n)]
+    fn = compile_graph(gm, inputs[0], "inductor", name="overlapped program")
+    code = fn.source_code[fn.source_code.index("def call"):]
+    calls = re.findall(r"(extern_kernels\.mm|torch\.ops\.mcompile\.(?:start_\w+|wait)\.default)\(", code)
+    calls = [c.split(".")[-2] if "mcompile" in c else "mm" for c in calls]
+    assert calls == ["mm", "start_all_reduce"] + ["mm", "start_reduce_scatter"] * k + ["wait"] * (k + 1), calls
+
+    def rank(r):
+        comm = ops.current()
+        eager = gm(*_clone(inputs[r]))
+        n0 = len(comm.log)
+        out = fn(*_clone(inputs[r]))
+        return comm.log[:n0], comm.log[n0:], comm.sent[:n0], comm.sent[n0:], eager, out
+
+    for log_e, log_c, sent_e, sent_c, eager, out in run_threads(ThreadedWorld(Mesh.parse(f"tp={n}"), record_sent=True),
+                                                                 rank):
+        assert log_c == log_e and len(log_e) == k + 1
+        for i, (se, sc) in enumerate(zip(sent_e, sent_c)):
+            torch.testing.assert_close(sc, se, rtol=0, atol=1e-6, msg=lambda m, i=i: f"collective {i}: {m}")
+        compare(eager, out)
+
+
 # ---- llama3-tiny ------------------------------------------------------------------------------------------
 
 

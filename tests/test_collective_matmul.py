@@ -187,6 +187,38 @@ def test_batch_one_chunks_each_ranks_sequence_shard_and_equals_unrewritten(n, k)
 
 
 @pytest.mark.timeout(60)
+def test_check_waits_rejects_a_wait_without_the_start_input():
+    """The wait takes the start's input (mcompile.ops): read there, it stays live and unwritten while the
+    backend sends it; a wait without it lets a compiler reuse the memory (tests/test_codegen.py)."""
+    gm = _trace(2, _shapes(4, 4, 8, 12))
+    CM.rewrite(gm, tp_overlap=2)
+    start, wait, _ = _chunk_nodes(gm, "reduce_scatter")[0]
+    assert wait.args == (start, start.args[0])
+    wait.args = (start, next(n for n in gm.graph.nodes if n.op == "placeholder"))
+    with pytest.raises(OverlapError, match=f"its wait {wait.name} does not take the start's input"):
+        check_waits(gm)
+
+
+@pytest.mark.timeout(60)
+def test_simulator_reads_a_started_input_at_its_wait():
+    """runtime/sim.py runs a started collective at its wait, as NCCL may read the input until then: an
+    input written over in flight is what gets sent (and recorded in ``sent``); the buffer is unwritten
+    before the wait."""
+
+    def rank(r):
+        comm = ops.current()
+        x = torch.full((4, 2), float(r + 1))
+        buf = ops.STARTS["all_reduce"](x, "tp", 2)
+        assert comm.log == [("all_reduce_sum", "tp", (4, 2))] and comm.sent == [None]  # issued, not yet read
+        x.fill_(10.0 * (r + 1))  # what a reused buffer does
+        ops.WAIT(buf, x)
+        return buf, comm.sent[0]
+
+    for r, (buf, sent) in enumerate(run_threads(ThreadedWorld(Mesh.parse("tp=2"), record_sent=True), rank)):
+        assert torch.equal(buf, torch.full((4, 2), 30.0)) and torch.equal(sent, torch.full((4, 2), 10.0 * (r + 1)))
+
+
+@pytest.mark.timeout(60)
 def test_unchunkable_op_is_skipped_with_the_reason():
     gm = _trace(2, _shapes(1, 1, 8, 12))  # batch 1, one sequence row per rank: nothing to split
     dec = CM.rewrite(gm, tp_overlap=2)

@@ -174,14 +174,16 @@ def _overlaps(code: str) -> dict[str, list]:
     out: dict[str, list] = {}
     for part in re.split(r"^# ---- ", code, flags=re.M)[1:]:
         title, lines = part.splitlines()[0], part.splitlines()[1:]
-        starts, waits, mm_at = {}, {}, []
+        starts, waits, mm_at, inputs = {}, {}, [], {}
         for i, line in enumerate(lines):
             m = re.match(r"\s+(\w+) = torch\.ops\.mcompile\.start_(\w+)\.default\((\w+), '(\w+)'", line)
             if m:
                 starts[m.group(1)] = (i, m.group(2), m.group(4))
-            w = re.search(r"torch\.ops\.mcompile\.wait\.default\((\w+)\)", line)
+                inputs[m.group(1)] = m.group(3)
+            w = re.search(r"torch\.ops\.mcompile\.wait\.default\((\w+), (\w+)\)", line)
             if w:
                 assert w.group(1) not in waits, f"{w.group(1)} waited twice"
+                assert w.group(2) == inputs[w.group(1)], (title, line, "the wait must take the start's input")
                 waits[w.group(1)] = i
             if _MATMUL.search(line):
                 mm_at.append(i)

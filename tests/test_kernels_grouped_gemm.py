@@ -183,7 +183,7 @@ def test_kernels_take_strided_operands(triton_path):
 @given(sizes=GROUPS, a=WIDTHS, b=WIDTHS, dtype=DTYPES, native=st.booleans(), seed=st.integers(0, 2**16))
 def test_torch_path_matches_the_loop(sizes, a, b, dtype, native, seed):
     """torch._grouped_mm (a, b padded to 16 bytes when they are not) and the padded-bmm fallback."""
-    patch = contextlib.nullcontext() if native else mock.patch.object(grouped_gemm, "_native_ok", lambda t: False)
+    patch = contextlib.nullcontext() if native else mock.patch.object(grouped_gemm, "_native_ok", lambda *a: False)
     with torch_path(), patch:
         run_and_check(*inputs(sizes, a, b, dtype, seed, device="cpu"), dtype)
 
@@ -205,6 +205,75 @@ def test_torch_path_takes_grouped_mm_where_it_can():
         out = grouped_mm(x, w, offs)
         assert len(calls) == 2
     torch.testing.assert_close(out, loop_oracle(x, w, offs), rtol=1e-12, atol=1e-12)
+
+
+# ---- dispatch: torch._grouped_mm / Triton / reference (issue 38 item 9) -------------------------
+H100, H200, B200, A100, RTX5090 = (9, 0), (9, 0), (10, 0), (8, 0), (12, 0)
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize("device,dtype,a,b,groups,cap,aligned,want", [
+    ("cuda", BF16, 4096, 1408, 8, H100, True, "torch._grouped_mm"),  # DeepSeek-V2-Lite-like experts
+    ("cuda", BF16, 4096, 14336, 8, H200, True, "torch._grouped_mm"),
+    ("cuda", BF16, 2048, 768, 256, B200, True, "torch._grouped_mm"),
+    ("cuda", BF16, 4096, 1408, 8, A100, True, "triton"),  # torch's fallback there syncs on offs
+    ("cuda", BF16, 4096, 1408, 8, RTX5090, True, "triton"),
+    ("cuda", FP32, 4096, 1408, 8, H100, True, "triton"),  # the CUTLASS kernel is bf16 only
+    ("cuda", torch.float16, 4096, 1408, 8, H100, True, "triton"),
+    ("cuda", BF16, 4100, 1408, 8, H100, True, "triton"),  # a not a multiple of 8: padding would copy w
+    ("cuda", BF16, 4096, 1404, 8, H100, True, "triton"),
+    ("cuda", BF16, 4096, 1408, 8, H100, False, "triton"),  # an operand off its 16-byte alignment
+    ("cuda", BF16, 512, 256, 1024, H100, True, "triton"),  # the kernel takes fewer than 1024 groups
+    ("cuda", torch.float64, 64, 64, 4, H100, True, "reference"),  # neither kernel takes fp64
+])
+def test_dispatch_decision(device, dtype, a, b, groups, cap, aligned, want):
+    """Which path a device / dtype / shape takes; decided without a GPU (the capability is given)."""
+    assert grouped_gemm.grouped_mm_path(device, dtype, a, b, groups, capability=cap, aligned=aligned) == want
+
+
+def test_dispatch_without_triton_rocm_or_grouped_mm(monkeypatch):
+    """CPU: the reference (the Triton kernels only under the interpreter); CUDA without Triton: the reference
+    (bf16 on sm90 still torch._grouped_mm); ROCm, or a torch without ``_grouped_mm``: Triton."""
+    path = grouped_gemm.grouped_mm_path
+    with torch_path():
+        assert path("cpu", BF16, 64, 64, 4) == path("cpu", FP32, 64, 64, 4) == "reference"
+    assert path("cpu", BF16, 64, 64, 4) == ("triton" if INTERPRET and not NO_TRITON else "reference")
+    with mock.patch.object(grouped_gemm, "runs_triton", lambda *a: False):
+        assert path("cuda", FP32, 64, 64, 4, capability=H100) == "reference"
+        assert path("cuda", BF16, 64, 64, 4, capability=H100) == "torch._grouped_mm"
+    with mock.patch.object(torch.version, "hip", "6.3"):
+        assert path("cuda", BF16, 64, 64, 4, capability=H100) == "triton"
+    monkeypatch.delattr(torch, "_grouped_mm")
+    assert path("cuda", BF16, 64, 64, 4, capability=H100) == "triton"
+
+
+def test_alignment_is_read_off_the_operands():
+    """The 16-byte rule on real tensors: contiguous, transposed-contiguous and row-offset operands pass; a
+    start moved off 16 bytes, or a row stride that is not a multiple of 16 bytes, does not."""
+    x = torch.zeros(10, 32, dtype=BF16)
+    w_linear = torch.zeros(3, 24, 16, dtype=BF16)  # (G, b, a) as nn.Linear stores it
+    assert grouped_gemm._aligned(x) and grouped_gemm._aligned(w_linear.transpose(1, 2))
+    assert grouped_gemm._aligned(x[3:, :16])  # 3 rows of 64 bytes in, row stride 64 bytes
+    assert not grouped_gemm._aligned(x[:, 4:])  # starts 8 bytes in
+    assert not grouped_gemm._aligned(torch.zeros(10, 12, dtype=BF16))  # rows of 24 bytes
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_op_on_the_grouped_mm_path_matches_the_loop(dtype):
+    """The op's ``torch._grouped_mm`` path (forced here: on CPU it is the CUDA decision's stand-in) runs
+    forward, dx and dw as one ``torch._grouped_mm`` call each, on the operands as they are (aligned: no
+    padding), and matches the loop oracle; torch._grouped_mm runs on CPU tensors in this torch."""
+    calls = []
+    native = torch._grouped_mm
+
+    def spy(*args, **kwargs):
+        calls.append(tuple(args[0].shape))
+        return native(*args, **kwargs)
+
+    with mock.patch.object(grouped_gemm, "_path", lambda x, w: "torch._grouped_mm"), \
+            mock.patch.object(torch, "_grouped_mm", spy):
+        run_and_check(*inputs([5, 0, 19, 8], 16, 24, dtype, seed=1, device="cpu"), dtype)
+    assert calls == [(32, 16), (32, 24), (16, 32)], calls  # x, grad (dx), x^T (dw): never padded
 
 
 # ---- the op -----------------------------------------------------------------------------------
