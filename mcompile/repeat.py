@@ -516,7 +516,8 @@ def _twin(prev: list[fx.Node], members: list[fx.Node], entry: fx.Node, exit_: fx
     for p, m in zip(prev, members):
         if p.target != m.target or not same(p.args, m.args) or not same(p.kwargs, m.kwargs) or _shape(p) != _shape(m):
             return (f"{m.name} ({m.target}) of the second group is not the twin of {p.name} ({p.target}) the same "
-                    "place before it: the groups' boundary is not where the dataflow put it")
+                    "place before it: the groups compute different things (an argument that differs per layer: its "
+                    "index) or their boundary is not where the dataflow put it")
     return ""
 
 

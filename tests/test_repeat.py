@@ -426,3 +426,57 @@ def test_a_run_starting_at_the_input_is_repeated_from_its_real_boundary(start, a
         rep = compile_plan(model, Mesh.parse("tp=2"), inputs)
     assert rep.short is not None and [(b.depth, b.keep) for b in rep.captured.blocks] == [(4, 2)]
     assert_sim_parity(rep, model, inputs, f"{start}")
+
+
+class _TwoStreamLayer(_ResidualLayer):
+    """A second residual stream ``h`` carried layer to layer beside ``x``."""
+
+    def __init__(self, dim):
+        super().__init__(dim)
+        self.mix = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, h):
+        h = h + self.mix(x)
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x + h)))), h
+
+
+class _DeclinedStack(torch.nn.Module):
+    """``two-streams``: layers carrying two residual streams; ``index``: a layer scaling its MLP by its index + 1
+    (alike modules, different programs)."""
+
+    def __init__(self, kind, dim=64):
+        super().__init__()
+        self.kind = kind
+        self.layers = torch.nn.ModuleList((_TwoStreamLayer(dim) if kind == "two-streams" else _ResidualLayer(dim, True))
+                                          for _ in range(4))
+
+    def forward(self, x):
+        if self.kind == "two-streams":
+            h = torch.zeros_like(x)
+            for layer in self.layers:
+                x, h = layer(x, h)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = x + (i + 1) * (layer(x) - x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("kind,why", [
+    ("two-streams", "no cut before or after the run's second group that one value crosses"),
+    ("index", "is not the twin of"),  # was repeated with layer 1's factor for layers 2 and 3: a silent wrong loss
+])
+def test_a_run_whose_boundary_is_not_safe_is_captured_whole_with_the_reason(kind, why):
+    """Block repetition never makes a wrong program: a run that cannot be cut into groups one value enters and leaves,
+    or whose second group is not the first's twin op for op, is captured whole, the reason recorded in
+    ``Compiled.repeat_declined`` (and logged), and the model trains at single-device parity (tp=2)."""
+    from sim_harness import assert_sim_parity
+
+    torch.manual_seed(0)
+    model = _DeclinedStack(kind)
+    inputs = (torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(1)),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = compile_plan(model, Mesh.parse("tp=2"), inputs)
+    assert c.short is None and list(c.repeat_declined) == ["layers[0:4]"], c.repeat_declined
+    assert why in c.repeat_declined["layers[0:4]"]
+    assert_sim_parity(c, model, inputs, kind)
