@@ -461,26 +461,33 @@ def _group_between(s1: int, e1: int, *, g, nodes, pos, f0, tables, second, run, 
         for u in n.users:
             if u not in inside and (n in u.args or n in u.kwargs.values()):
                 return None, f"{u.name} reads {n.name}, a value of the second group alone, after the run"
-    why = _twin(nodes[s1 - len(members):s1] if s1 >= len(members) else [], members, entry, exit_, run, constants)
+    why = _twin(nodes[:s1], members, entry, exit_, run, constants)
     if why:
         return None, why
     return Block(run.list_path, keep, run.reps, tuple(n.name for n in members), entry.name, exit_.name,
                  run.start, run.period), ""
 
 
-def _twin(prev: list[fx.Node], members: list[fx.Node], entry: fx.Node, exit_: fx.Node, run: Run,
+def _twin(before: list[fx.Node], members: list[fx.Node], entry: fx.Node, exit_: fx.Node, run: Run,
           constants: dict) -> str:
-    """'' when ``prev`` (the stretch of the program before the group) computes from its input what the group
-    ``members`` computes from ``entry``, op for op — so that ``entry`` is ``prev``'s output, and a copy of the group
-    reading the previous copy's output is the next group; else why not. Node for node, the ops and their
-    non-tensor arguments are equal, and a tensor argument is the twin of the group's: ``prev``'s node in the same
-    place for a node of the group, the one value ``prev`` reads where the group reads ``entry``, the block
-    ``period`` earlier's parameter or buffer for the group's own, a lifted constant of the same shape for a
-    constant, the same node for a value both read (a mask, a RoPE table). Repetition is exact only then: a wrong
-    boundary (issue 37) gives a stretch that is not the group's twin, and the run is captured whole."""
+    """'' when the stretch of the program ``before`` the group ends with one that computes from its input what the
+    group ``members`` computes from ``entry``, op for op — so that ``entry`` is that stretch's output, and a copy of
+    the group reading the previous copy's output is the next group; else why not. Tensor ops are compared (sizes
+    and asserts aside: torch.export computes a symbolic size once, in the first layer that needs it, and asserts a
+    no-op cast's metadata where it pleases), node for node: the ops and their non-tensor arguments are equal, and
+    a tensor argument is the twin of the group's: the stretch's node in the same place for a node of the group, the
+    one value the stretch reads where the group reads ``entry``, the block ``period`` earlier's parameter or buffer
+    for the group's own, a lifted constant of the same shape for a constant, the same node for a value both read (a
+    mask, a RoPE table); a size argument has the same value. Repetition is exact only then: a wrong boundary (issue
+    37) or a layer whose program differs (given its index) gives a stretch that is not the group's twin, and the
+    run is captured whole."""
+    members = [m for m in members if _tensor_valued(m)]
+    prev = [n for n in before if _tensor_valued(n)][-len(members):]
     if len(prev) != len(members):
         return "the program before the second group is shorter than the group: no first group to compare it with"
     index = {m: i for i, m in enumerate(members)}
+    if exit_ not in index:
+        return f"the value leaving the second group ({exit_.name}) is not a tensor"
     if prev[index[exit_]] is not entry:
         return (f"the value entering the second group ({entry.name}) is not the first group's counterpart of its "
                 f"output ({exit_.name})")
@@ -498,6 +505,8 @@ def _twin(prev: list[fx.Node], members: list[fx.Node], entry: fx.Node, exit_: fx
         if isinstance(b, fx.Node):
             if not isinstance(a, fx.Node):
                 return False
+            if not _tensor_valued(b):  # a size: the same value
+                return a is b or (not _tensor_valued(a) and _size_key(a) == _size_key(b))
             if b in index:
                 return a is prev[index[b]]
             if b is entry or b.name in constants:
@@ -519,6 +528,16 @@ def _twin(prev: list[fx.Node], members: list[fx.Node], entry: fx.Node, exit_: fx
                     "place before it: the groups compute different things (an argument that differs per layer: its "
                     "index) or their boundary is not where the dataflow put it")
     return ""
+
+
+def _tensor_valued(n: fx.Node) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) or (isinstance(v, list | tuple) and any(isinstance(x, torch.Tensor) for x in v))
+
+
+def _size_key(n: fx.Node):
+    v = n.meta.get("val")
+    return (type(v).__name__, str(v)) if v is not None else (n.op, str(n.target))
 
 
 def _shape(n: fx.Node):
