@@ -17,8 +17,10 @@ what layer 1 sees. So:
    planned and repeated) and plan the short model. :func:`find_block` locates each run's second group
    in the captured graph from the dataflow — the cuts before and after it that one value of the run
    crosses (besides values made before the run: encoder memory, masks, position bias, RoPE tables,
-   shared by every layer) — and checks it against the module structure (its parameters are the group's,
-   every node the module stack files under the group lies inside it).
+   shared by every layer; the value the run carries into its first group, the user's input itself, counts) —
+   and checks it against the module structure (its parameters are the group's, every node the module stack
+   files under the group lies inside it) and against the stretch of program before it, which must be its twin
+   op for op (:func:`_twin`); else that run is captured whole (issue 37).
 3. :func:`repeat_graph` copies the group's nodes ``reps - 2`` times after it: the group's input (the
    first group's output) becomes the previous copy's output, its parameters become the next group's
    placeholders (named as torch.export names them), values it reads from outside stay shared, what came
