@@ -36,6 +36,8 @@ class Compiled:
     annotation: AnnotationSummary | None = None  # FLOPs / bytes of the captured graph (mcompile.annotate)
     partition: object = None  # mcompile.partition.StagePartition when the mesh has pp > 1
     short: Captured | None = None  # the short model's capture when the layers were repeated (mcompile.repeat)
+    # run of alike blocks captured whole rather than repeated ("layers[0:4]") -> why (find_block's reason)
+    repeat_declined: dict = field(default_factory=dict)
     quality: list = field(default_factory=list)  # mcompile.quality.Finding: where the plan is not Megatron's layout
     _programs: dict = field(default_factory=dict)
 
@@ -129,10 +131,10 @@ def _lower(compiled: Compiled, rank: int, device=None):
 
 def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: bool, cache: bool = False,
              share=None, rewrite=None):
-    """(capture, canonicalize's counts, blocks), canonicalised: the short model's capture and the
+    """(capture, canonicalize's counts, blocks, declined), canonicalised: the short model's capture and the
     repeated group of each run of alike blocks (mcompile.repeat), else the whole model's capture and
-    None. ``cache``: through the on-disk capture cache
-    (mcompile.capture_cache); ``share(produce)``: runs ``produce`` on one rank and returns its result
+    None; ``declined``: each run captured whole rather than repeated -> why. ``cache``: through the on-disk
+    capture cache (mcompile.capture_cache); ``share(produce)``: runs ``produce`` on one rank and returns its result
     on every rank (parallelize: rank 0 captures, every rank plans from the same serialised program).
     ``rewrite(cap) -> counts``: a mesh-dependent rewrite of the canonical graph (the attention
     canonicalisation: causal masks on every mesh, GQA's repeat_kv under cp), applied to every capture
@@ -158,29 +160,36 @@ def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: b
         return from_packed(data, mod)
 
     log = logging.getLogger("mcompile.repeat")
+    declined: dict[str, str] = {}
+
+    def label(run) -> str:
+        return f"{run.list_path}[{run.start}:{run.start + run.reps * run.period}]"
+
     short = truncate_runs(model, keep=2) if repeat_blocks else None
     while short is not None:
         root, runs = short
         try:
             cap = captured(root)
         except CaptureError as e:  # a forward that depends on the depth (a buffer per layer, layers[i])
-            log.info("capturing every block: the model with two groups of each run does not capture (%s)",
-                     str(e).splitlines()[0])
+            why = f"the model with two groups of each run does not capture ({str(e).splitlines()[0]})"
+            log.info("capturing every block: %s", why)
+            declined.update({label(r): why for r in runs})
             break
         canon = canonicalize(cap.gm)
         canon.update(rewrite(cap) if rewrite is not None else {})
         found = [find_block(cap, run, 2) for run in runs]
         if all(b is not None for b, _ in found):
-            return cap, canon, tuple(b for b, _ in found)
+            return cap, canon, tuple(b for b, _ in found), declined
         for run, (b, why) in zip(runs, found):
-            if b is None:
+            if b is None:  # never a wrong program: the run is captured whole
                 log.info("capturing all %d blocks of %s from %d: %s", run.reps * run.period, run.list_path,
                          run.start, why)
+                declined[label(run)] = why
         short = truncate_runs(model, keep=2, runs=[r for r, (b, _) in zip(runs, found) if b is not None])
     cap = captured(model)
     canon = canonicalize(cap.gm)
     canon.update(rewrite(cap) if rewrite is not None else {})
-    return cap, canon, None
+    return cap, canon, None, declined
 
 
 def _flat_inputs(cap: Captured, inputs: tuple, kwargs: dict) -> list:
@@ -241,8 +250,8 @@ def compile_plan(
     # on every mesh: a causal mask built from sizes becomes is_causal=True (a flash kernel, no [b,1,s,s] tensor);
     # under cp GQA's repeat_kv is undone too. Inside _capture: the blocks are located in the rewritten graph
     rewrite = functools.partial(canonicalize_attention, gqa=mesh.size("cp") > 1)
-    cap, canon, blocks = _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks, capture_cache,
-                                 share, rewrite)
+    cap, canon, blocks, declined = _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks,
+                                           capture_cache, share, rewrite)
     warn_unless_loss(cap)  # a plan of logits or several outputs is no training plan (forward still serves them)
     if mesh.size("cp") > 1:
         from mcompile.cp_plan import check_cp_model
@@ -271,7 +280,7 @@ def compile_plan(
         options.cp_attention = resolve_cp_attention(cp_attention, cap, mesh, hints)
     plan = assemble_plan(cap, mesh, axes, options, overrides)
     plan.inputs = input_specs(cap.input_names, example_inputs, example_kwargs)  # what estimate(plan, model) needs
-    compiled = Compiled(cap, plan, mesh, axes, canon, annotation, short=short)
+    compiled = Compiled(cap, plan, mesh, axes, canon, annotation, short=short, repeat_declined=declined)
     gm, specs = _lower(compiled, 0)
     compiled._programs[(0, None)] = (gm, specs)
     plan.collectives = list(specs)

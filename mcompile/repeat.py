@@ -17,8 +17,10 @@ what layer 1 sees. So:
    planned and repeated) and plan the short model. :func:`find_block` locates each run's second group
    in the captured graph from the dataflow — the cuts before and after it that one value of the run
    crosses (besides values made before the run: encoder memory, masks, position bias, RoPE tables,
-   shared by every layer) — and checks it against the module structure (its parameters are the group's,
-   every node the module stack files under the group lies inside it).
+   shared by every layer; the value the run carries into its first group, the user's input itself, counts) —
+   and checks it against the module structure (its parameters are the group's, every node the module stack
+   files under the group lies inside it) and against the stretch of program before it, which must be its twin
+   op for op (:func:`_twin`); else that run is captured whole (issue 37).
 3. :func:`repeat_graph` copies the group's nodes ``reps - 2`` times after it: the group's input (the
    first group's output) becomes the previous copy's output, its parameters become the next group's
    placeholders (named as torch.export names them), values it reads from outside stay shared, what came
@@ -372,12 +374,28 @@ def find_block(cap, run: Run, keep: int = 2) -> tuple[Block | None, str]:
     l0, f1, l1 = max(u0), min(u1), max(u1)
     if f1 <= l0:
         return None, "the run's groups interleave in the program"
-    dependent = set(cap.params)
+    # The value the run carries into its first group (issue 37): made before the run (a user input, a view of it,
+    # an embedding, a norm), read by the first group and not by the second — unlike the values every group reads
+    # (masks, RoPE tables, encoder memory). It depends on no parameter when it is the user's input, and it was
+    # made before the run: counted as neither, the first group's last residual add was no longer live across the
+    # cut after its last parameter use, which then looked like the boundary (one value crossing), and the repeated
+    # group added the raw input to the previous group's MLP output: a silent wrong loss.
+    second_span = set(nodes[f1:l1 + 1]) | {n for n, b in attributed.items() if b in run.group(keep - 1)}
+    before = [n for n in g.nodes if n.op == "placeholder" and n.name in cap.user_inputs] + nodes[:f0]
+    carried: dict[fx.Node, int] = {}  # the run's input -> its last read in the first group
+    for v in before:
+        reads = [pos[u] for u in v.users if u in pos and f0 <= pos[u] < f1]
+        if reads and not any(u in second_span for u in v.users):
+            carried[v] = max(reads)
+    dependent = set(cap.params) | {v.name for v in carried}
     for n in nodes:
         if any(a.name in dependent for a in n.all_input_nodes):
             dependent.add(n.name)
     starts = [[] for _ in range(end + 2)]
     stops = [[] for _ in range(end + 2)]
+    for v, last in carried.items():
+        starts[f0].append(v)
+        stops[last + 1].append(v)
     for n in nodes[f0:]:
         if n.name in dependent and n.users:
             last = max(pos.get(u, end) for u in n.users)
@@ -397,10 +415,26 @@ def find_block(cap, run: Run, keep: int = 2) -> tuple[Block | None, str]:
             if len(live) == 1 or (live[main] > 1 and SIDE_FRACTION * rest <= live[main] and
                                   all(_side(n, main) for n in live if n is not main)):
                 crossing[c] = main
-    s1 = min((c for c in crossing if l0 < c <= f1), default=None)  # as blocks.analyse cuts between layers
-    e1 = min((c for c in crossing if c > l1), default=None)
-    if s1 is None or e1 is None:
+    befores = [c for c in sorted(crossing) if l0 < c <= f1]  # as blocks.analyse cuts between layers
+    afters = [c for c in sorted(crossing) if c > l1]
+    if not befores or not afters:
         return None, "no cut before or after the run's second group that one value crosses"
+    ctx = dict(g=g, nodes=nodes, pos=pos, f0=f0, tables=tables, second=second, run=run, keep=keep,
+               attributed=attributed, dependent=dependent, carried=carried, crossing=crossing, constants=cap.constants)
+    first_why = None
+    for s1 in befores:  # the first pair of cuts whose group is the first group's twin (normally the first pair)
+        for e1 in afters:
+            block, why = _group_between(s1, e1, **ctx)
+            if block is not None:
+                return block, ""
+            first_why = first_why or why
+    return None, first_why
+
+
+def _group_between(s1: int, e1: int, *, g, nodes, pos, f0, tables, second, run, keep, attributed, dependent,
+                   carried, crossing, constants) -> tuple[Block | None, str]:
+    """The group between cuts ``s1`` and ``e1`` of the call_function ``nodes`` (find_block), or None and why it
+    may not be repeated."""
     members = nodes[s1:e1]
     order = {n: i for i, n in enumerate(g.nodes)}
     between = [n for n in list(g.nodes)[order[members[0]]:order[members[-1]]] if n.op != "call_function"]
@@ -418,7 +452,7 @@ def find_block(cap, run: Run, keep: int = 2) -> tuple[Block | None, str]:
     for n in members:  # the cuts may move no-ops (a dtype cast, an assert) across a block boundary, never more
         b = attributed[n]
         if b is not None and b not in run.group(keep - 1) and any(
-                a in pos and a.name in dependent and pos[a] < f0 for a in n.all_input_nodes):
+                a in carried or (a in pos and a.name in dependent and pos[a] < f0) for a in n.all_input_nodes):
             return None, f"{n.name} of block {b} lies inside the dataflow's group and reads a value from before the run"
     for n in members:
         for a in n.all_input_nodes:
@@ -429,8 +463,88 @@ def find_block(cap, run: Run, keep: int = 2) -> tuple[Block | None, str]:
         for u in n.users:
             if u not in inside and (n in u.args or n in u.kwargs.values()):
                 return None, f"{u.name} reads {n.name}, a value of the second group alone, after the run"
+    why = _twin(nodes[:s1], members, entry, exit_, run, constants)
+    if why:
+        return None, why
     return Block(run.list_path, keep, run.reps, tuple(n.name for n in members), entry.name, exit_.name,
                  run.start, run.period), ""
+
+
+def _twin(before: list[fx.Node], members: list[fx.Node], entry: fx.Node, exit_: fx.Node, run: Run,
+          constants: dict) -> str:
+    """'' when the stretch of the program ``before`` the group ends with one that computes from its input what the
+    group ``members`` computes from ``entry``, op for op — so that ``entry`` is that stretch's output, and a copy of
+    the group reading the previous copy's output is the next group; else why not. Tensor ops are compared (sizes
+    and asserts aside: torch.export computes a symbolic size once, in the first layer that needs it, and asserts a
+    no-op cast's metadata where it pleases), node for node: the ops and their non-tensor arguments are equal, and
+    a tensor argument is the twin of the group's: the stretch's node in the same place for a node of the group, the
+    one value the stretch reads where the group reads ``entry``, the block ``period`` earlier's parameter or buffer
+    for the group's own, a lifted constant of the same shape for a constant, the same node for a value both read (a
+    mask, a RoPE table); a size argument has the same value. Repetition is exact only then: a wrong boundary (issue
+    37) or a layer whose program differs (given its index) gives a stretch that is not the group's twin, and the
+    run is captured whole."""
+    members = [m for m in members if _tensor_valued(m)]
+    prev = [n for n in before if _tensor_valued(n)][-len(members):]
+    if len(prev) != len(members):
+        return "the program before the second group is shorter than the group: no first group to compare it with"
+    index = {m: i for i, m in enumerate(members)}
+    if exit_ not in index:
+        return f"the value leaving the second group ({exit_.name}) is not a tensor"
+    if prev[index[exit_]] is not entry:
+        return (f"the value entering the second group ({entry.name}) is not the first group's counterpart of its "
+                f"output ({exit_.name})")
+    head = run.list_path + "."
+    inputs: dict = {}  # the group's entry and constants -> the first group's
+    mine = set(prev)
+
+    def shifted(fqn) -> str | None:
+        if not isinstance(fqn, str) or not fqn.startswith(head):
+            return None
+        idx, _, rest = fqn[len(head):].partition(".")
+        return f"{head}{int(idx) + run.period}.{rest}" if idx.isdigit() and rest else None
+
+    def same(a, b) -> bool:  # a: prev's argument, b: the group's
+        if isinstance(b, fx.Node):
+            if not isinstance(a, fx.Node):
+                return False
+            if not _tensor_valued(b):  # a size: the same value
+                return a is b or (not _tensor_valued(a) and _size_key(a) == _size_key(b))
+            if b in index:
+                return a is prev[index[b]]
+            if b is entry or b.name in constants:
+                return inputs.setdefault(b, a) is a and (a not in mine if b is entry else (
+                    a.name in constants and _shape(a) == _shape(b)))
+            if a is b:
+                return True
+            fb = b.meta.get(M.PARAM_FQN) if b.op == "placeholder" else None
+            return fb is not None and a.op == "placeholder" and shifted(a.meta.get(M.PARAM_FQN)) == fb
+        if isinstance(b, list | tuple):
+            return isinstance(a, list | tuple) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(b, dict):
+            return isinstance(a, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in b)
+        return type(a) is type(b) and a == b
+
+    for p, m in zip(prev, members):
+        if p.target != m.target or not same(p.args, m.args) or not same(p.kwargs, m.kwargs) or _shape(p) != _shape(m):
+            return (f"{m.name} ({m.target}) of the second group is not the twin of {p.name} ({p.target}) the same "
+                    "place before it: the groups compute different things (an argument that differs per layer: its "
+                    "index) or their boundary is not where the dataflow put it")
+    return ""
+
+
+def _tensor_valued(n: fx.Node) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) or (isinstance(v, list | tuple) and any(isinstance(x, torch.Tensor) for x in v))
+
+
+def _size_key(n: fx.Node):
+    v = n.meta.get("val")
+    return (type(v).__name__, str(v)) if v is not None else (n.op, str(n.target))
+
+
+def _shape(n: fx.Node):
+    v = n.meta.get("val")
+    return (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
 
 
 def _expand(a, seq: dict[fx.Node, list[fx.Node]]):
