@@ -543,8 +543,13 @@ def _size_key(n: fx.Node):
 
 
 def _shape(n: fx.Node):
+    """A node's shape and dtype as a key compared without guards: a data-dependent size (an unbacked symbol, a
+    count of routed tokens) is a fresh symbol in each layer (u0 in one, u1 in its twin), so every such symbol
+    reads the same; comparing the SymInts themselves would guard on the data (u0 == u1)."""
     v = n.meta.get("val")
-    return (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None
+    if not isinstance(v, torch.Tensor):
+        return None
+    return tuple(d if isinstance(d, int) else re.sub(r"\bu\d+\b", "u", str(d)) for d in v.shape), v.dtype
 
 
 def _expand(a, seq: dict[fx.Node, list[fx.Node]]):
