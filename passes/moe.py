@@ -87,10 +87,11 @@ def find_moe_layers(gm: fx.GraphModule) -> int:
     used: set = set()
     for i, t in enumerate(topks):
         idx = next((u for u in t.users if u.target is operator.getitem and u.args[1] == 1), None)
-        if idx is None or any(u.target is moe_ffn for u in idx.users):  # none, or rewritten already
+        if idx is None or any(u.target is moe_ffn or any(v.target is moe_ffn for v in u.users)
+                              for u in idx.users):  # none, or rewritten already
             continue
-        E = t.args[0].meta["val"].shape[-1]
-        if not isinstance(E, int):
+        classes = t.args[0].meta["val"].shape[-1]
+        if not isinstance(classes, int):
             continue
         end = pos[topks[i + 1]] if i + 1 < len(topks) else len(nodes)
 
@@ -100,12 +101,16 @@ def find_moe_layers(gm: fx.GraphModule) -> int:
         window = {n for n in nodes[pos[idx] + 1:end]}
         d_idx = _reach([idx], window)
         # this layer's experts: weights of E experts whose values meet the indices' before the next routing
-        params = [p for p in three_d if p not in used and p.meta["val"].shape[0] == E
+        # (a router may score more classes than there are experts: ZAYA's "skip" class, LongCat-Flash's zero
+        # (identity) experts; a slot routed to a class >= E gets nothing from the experts)
+        params = [p for p in three_d if p not in used and p.meta["val"].shape[0] <= classes
                   and _reach([p], before, stop=d_idx) & d_idx]
+        E = max((p.meta["val"].shape[0] for p in params), default=0)
+        params = [p for p in params if p.meta["val"].shape[0] == E]
         biases = [p for p in two_d if p not in used and p.meta["val"].shape[0] == E
                   and _reach([p], before, stop=d_idx) & d_idx]
         if 1 < len(params) <= 3 and len(biases) <= len(params) and _match(gm, idx, params + biases, window, before,
-                                                                           d_idx, pos):
+                                                                           d_idx, pos, classes):
             params = params + biases
             used.update(params)
             done += 1
@@ -115,7 +120,7 @@ def find_moe_layers(gm: fx.GraphModule) -> int:
     return done
 
 
-def _match(gm, idx, params, window, before, d_idx, pos) -> bool:
+def _match(gm, idx, params, window, before, d_idx, pos, classes: int) -> bool:
     """Find the region's output among the nodes every expert weight and the indices reach, cut the
     region, identify its form and replace it; False when no candidate works."""
     d_each = [_reach([p], before) for p in params]
@@ -146,11 +151,11 @@ def _match(gm, idx, params, window, before, d_idx, pos) -> bool:
             continue
         x, w = xs[0], wts[0]
         others = [a for a in ext.values() if a not in (x, w)]  # SymInts (sizes) only
-        form, order = _identify(gm, region, y, x, idx, w, params, others)
+        form, order = _identify(gm, region, y, x, idx, w, params, others, classes)
         if form is None:
             continue
         down_bias = params[order[-1]] if len(order) > form.n_weights else None
-        _replace(gm, region, y, x, idx, w, [params[j] for j in order[:form.n_weights]], form, down_bias)
+        _replace(gm, region, y, x, idx, w, [params[j] for j in order[:form.n_weights]], form, down_bias, classes)
         return True
     return False
 
@@ -252,7 +257,7 @@ def _region_fn(gm, region, y, inputs, others, dtypes: dict | None = None):
     return fx.GraphModule(torch.nn.Module(), g)
 
 
-def _identify(gm, region, y, x, idx, w, params, others):
+def _identify(gm, region, y, x, idx, w, params, others, classes: int):
     env = _sym_env([x, idx, w, *others])
     T, d = _concrete(x.meta["val"].shape, env)
     k = int(idx.meta["val"].shape[1])
@@ -271,7 +276,7 @@ def _identify(gm, region, y, x, idx, w, params, others):
     for probe in _probe_shapes(shapes, d, E):
         for dt, dtypes in tries:
             fn = fns.setdefault(dt, _region_fn(gm, region, y, [x, idx, w, *params], others, dtypes))
-            form, perm = _identify_at(fn, gen.get_state(), T, d, k, E, dt, idx, w, params, probe, sizes, region,
+            form, perm = _identify_at(fn, gen.get_state(), T, d, k, classes, dt, idx, w, params, probe, sizes, region,
                                       dtypes)
             if form is not None and _shapes_fit(form, [shapes[j] for j in perm[:form.n_matrices]], d):
                 return form, perm
@@ -298,9 +303,10 @@ def _probe_shapes(shapes, d: int, E: int):
         yield shapes
 
 
-def _identify_at(fn, state, T, d, k, E, dtype, idx, w, params, shapes, sizes, region, dtypes):
+def _identify_at(fn, state, T, d, k, classes, dtype, idx, w, params, shapes, sizes, region, dtypes):
     """_identify on weights of the given shapes (E experts each) in ``dtype`` (``dtypes``: the float
-    dtypes mapped to it)."""
+    dtypes mapped to it), routed over ``classes`` >= E classes (the oracle gives a class >= E nothing)."""
+    E = int(params[0].meta["val"].shape[0])
     gen = torch.Generator()
     gen.set_state(state)
 
@@ -308,7 +314,7 @@ def _identify_at(fn, state, T, d, k, E, dtype, idx, w, params, shapes, sizes, re
         return t.to(dtypes.get(like, like))
 
     xv = cast(torch.randn(T, d, generator=gen, dtype=torch.float32), dtype)
-    iv = torch.rand(T, E, generator=gen).argsort(1)[:, :k].to(idx.meta["val"].dtype)
+    iv = torch.rand(T, classes, generator=gen).argsort(1)[:, :k].to(idx.meta["val"].dtype)
     iv[0] = iv[1]  # two tokens with the same experts
     wv = cast(torch.rand(T, k, generator=gen, dtype=torch.float32), w.meta["val"].dtype)
     # weights scaled by 1/sqrt(fan-in): every value stays O(1) at any width
@@ -416,7 +422,7 @@ def _shapes_fit(form: ExpertForm, shapes, d: int) -> bool:
     return ai == d and ao % 2 == 0 and ao // 2 == di and do == d
 
 
-def _replace(gm, region, y, x, idx, w, params, form: ExpertForm, down_bias=None) -> None:
+def _replace(gm, region, y, x, idx, w, params, form: ExpertForm, down_bias=None, classes: int = 0) -> None:
     from mcompile.passes.canonicalize import _fake_call
 
     g = gm.graph
@@ -430,6 +436,11 @@ def _replace(gm, region, y, x, idx, w, params, form: ExpertForm, down_bias=None)
         return n
 
     with g.inserting_before(y):
+        E = int(params[0].meta["val"].shape[0])
+        if classes > E:  # a slot of a class >= E: weight 0 on (any) expert E - 1, which moe_ffn's dispatch can run
+            keep = call(aten.lt.Scalar, (idx, E))
+            w = call(aten.mul.Tensor, (w, call(aten._to_copy.default, (keep,), {"dtype": w.meta["val"].dtype})))
+            idx = call(aten.clamp.default, (idx, 0, E - 1))
         new = call(moe_ffn, (x, idx, w, *params), {"form": form.text()})
         if down_bias is not None:  # + sum_j w[t, j] * b[idx[t, j]]: a gather of [E, d] rows, outside the node
             rows = call(aten.index.Tensor, (down_bias, [idx]))
