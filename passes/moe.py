@@ -127,7 +127,7 @@ def _match(gm, idx, params, window, before, d_idx, pos, classes: int) -> bool:
     d_params = set().union(*d_each)
     candidates = sorted((c for c in set.intersection(*d_each) & d_idx if isinstance(c.meta.get("val"), torch.Tensor)
                          and c.meta["val"].ndim == 2 and c.meta["val"].dtype.is_floating_point), key=pos.__getitem__)
-    k = idx.meta["val"].shape[1]
+    k = idx.meta["val"].shape[-1]
     for y in candidates[:8]:
         yv = y.meta["val"]
         anc = _reach([y], window | d_params | {idx}, down=False)
@@ -162,7 +162,8 @@ def _match(gm, idx, params, window, before, d_idx, pos, classes: int) -> bool:
 
 def _is_weights(n, k) -> bool:
     v = n.meta.get("val")
-    return isinstance(v, torch.Tensor) and v.ndim == 2 and v.dtype.is_floating_point and str(v.shape[1]) == str(k)
+    # (T, k), or (batch, seq, k) from a router that keeps the batch dims (ZAYA's)
+    return isinstance(v, torch.Tensor) and v.ndim >= 2 and v.dtype.is_floating_point and str(v.shape[-1]) == str(k)
 
 
 def _same_shape(a, b) -> bool:
@@ -189,7 +190,7 @@ def _absorb(region: set, idx, params, yv, k) -> dict:
 
     def data_shape(a):
         v = a.meta["val"]
-        return v.ndim == 2 and (_same_shape(v.shape, yv.shape) or str(v.shape[1]) == str(k))
+        return (v.ndim == 2 and _same_shape(v.shape, yv.shape)) or (v.ndim >= 2 and str(v.shape[-1]) == str(k))
 
     while True:
         ext = {}
@@ -260,7 +261,8 @@ def _region_fn(gm, region, y, inputs, others, dtypes: dict | None = None):
 def _identify(gm, region, y, x, idx, w, params, others, classes: int):
     env = _sym_env([x, idx, w, *others])
     T, d = _concrete(x.meta["val"].shape, env)
-    k = int(idx.meta["val"].shape[1])
+    k = int(idx.meta["val"].shape[-1])
+    routed = (_concrete(idx.meta["val"].shape, env), _concrete(w.meta["val"].shape, env))  # (T, k) or (b, s, k)
     E = int(params[0].meta["val"].shape[0])
     dtype = x.meta["val"].dtype
     sizes = [int(sympy.sympify(a.meta["val"].node.expr).subs(env)) if isinstance(a.meta.get("val"), torch.SymInt)
@@ -277,7 +279,7 @@ def _identify(gm, region, y, x, idx, w, params, others, classes: int):
         for dt, dtypes in tries:
             fn = fns.setdefault(dt, _region_fn(gm, region, y, [x, idx, w, *params], others, dtypes))
             form, perm = _identify_at(fn, gen.get_state(), T, d, k, classes, dt, idx, w, params, probe, sizes, region,
-                                      dtypes)
+                                      dtypes, routed)
             if form is not None and _shapes_fit(form, [shapes[j] for j in perm[:form.n_matrices]], d):
                 return form, perm
     return None, None
@@ -303,7 +305,7 @@ def _probe_shapes(shapes, d: int, E: int):
         yield shapes
 
 
-def _identify_at(fn, state, T, d, k, classes, dtype, idx, w, params, shapes, sizes, region, dtypes):
+def _identify_at(fn, state, T, d, k, classes, dtype, idx, w, params, shapes, sizes, region, dtypes, routed):
     """_identify on weights of the given shapes (E experts each) in ``dtype`` (``dtypes``: the float
     dtypes mapped to it), routed over ``classes`` >= E classes (the oracle gives a class >= E nothing)."""
     E = int(params[0].meta["val"].shape[0])
@@ -316,13 +318,14 @@ def _identify_at(fn, state, T, d, k, classes, dtype, idx, w, params, shapes, siz
     xv = cast(torch.randn(T, d, generator=gen, dtype=torch.float32), dtype)
     iv = torch.rand(T, classes, generator=gen).argsort(1)[:, :k].to(idx.meta["val"].dtype)
     iv[0] = iv[1]  # two tokens with the same experts
-    wv = cast(torch.rand(T, k, generator=gen, dtype=torch.float32), w.meta["val"].dtype)
+    wv = cast(torch.rand(T, k, generator=gen, dtype=torch.float32), w.meta["val"].dtype).reshape(routed[1])
+    iv_region = iv.reshape(routed[0])
     # weights scaled by 1/sqrt(fan-in): every value stays O(1) at any width
     pv = [cast(torch.randn(E, *s, generator=gen) * (0.5 / min(s) ** 0.5 + 0.5 / max(s) ** 0.5), p.meta["val"].dtype)
           for p, s in zip(params, shapes)]
     leaves = [t.requires_grad_(True) for t in (xv, wv, *pv)]
     try:
-        out = fn(leaves[0], iv, leaves[1], *leaves[2:], *sizes)
+        out = fn(leaves[0], iv_region, leaves[1], *leaves[2:], *sizes)
     except Exception:  # noqa: BLE001 - a region that does not run alone is not ours to replace
         return None, None
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, d):
@@ -361,7 +364,7 @@ def _identify_at(fn, state, T, d, k, classes, dtype, idx, w, params, shapes, siz
             continue
         ws = [leaves[2 + j] for j in list(mats) + in_b]
         try:
-            ref = moe_reference(leaves[0], iv, leaves[1], ws, form,
+            ref = moe_reference(leaves[0], iv, leaves[1].reshape(T, k), ws, form,
                                 down_bias=None if down is None else leaves[2 + down])
         except RuntimeError:
             continue
@@ -436,7 +439,9 @@ def _replace(gm, region, y, x, idx, w, params, form: ExpertForm, down_bias=None,
         return n
 
     with g.inserting_before(y):
-        E = int(params[0].meta["val"].shape[0])
+        E, k = int(params[0].meta["val"].shape[0]), idx.meta["val"].shape[-1]
+        if idx.meta["val"].ndim > 2:  # (batch, seq, k) routing: the tokens' rows, as x flattens them
+            idx, w = call(aten.reshape.default, (idx, [-1, k])), call(aten.reshape.default, (w, [-1, k]))
         if classes > E:  # a slot of a class >= E: weight 0 on (any) expert E - 1, which moe_ffn's dispatch can run
             keep = call(aten.lt.Scalar, (idx, E))
             w = call(aten.mul.Tensor, (w, call(aten._to_copy.default, (keep,), {"dtype": w.meta["val"].dtype})))
