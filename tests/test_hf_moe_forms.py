@@ -183,3 +183,59 @@ def test_squared_relu_experts_parity(mesh):
     for fqn, p in model.named_parameters():
         torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-5 * float(p.grad.abs().max()),
                                    msg=lambda m, fqn=fqn: f"{fqn}: {m}")
+
+
+class SkipClassMoE(torch.nn.Module):
+    """ZAYA's routing (transformers' ``ZayaRouter``, our code): a router over E + 1 classes on (batch, seq, d),
+    top-k kept as (batch, seq, k), the extra "skip" class's slots given weight 0 on expert 0; then ZAYA's experts
+    (SwiGLU, [gate; up] fused, (E, out, in)) run by transformers' grouped-mm implementation."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from transformers.models.zaya.modeling_zaya import ZayaExperts
+
+        super().__init__()
+        cfg = SimpleNamespace(num_experts=4, hidden_size=64, moe_intermediate_size=32, hidden_act="silu",
+                              _experts_implementation="grouped_mm")
+        self.emb = torch.nn.Embedding(128, 64)
+        self.router = torch.nn.Linear(64, 5, bias=False)
+        self.register_buffer("balance", torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1]))  # the skip class is chosen often
+        self.experts = ZayaExperts(cfg)
+        with torch.no_grad():
+            for p in (self.experts.gate_up_proj, self.experts.down_proj):
+                p.normal_(0, 0.2)
+        self.head = torch.nn.Linear(64, 128)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        probs = self.router(h).softmax(-1)
+        _, idx = torch.topk(probs.detach() + self.balance, 2, dim=-1)
+        w = torch.gather(probs, 2, idx)
+        skip = idx == 4
+        w, idx = w.masked_fill(skip, 0).reshape(-1, 2), idx.masked_fill(skip, 0).reshape(-1, 2)
+        x = h.reshape(-1, 64)
+        y = x + self.experts(x, idx, w)
+        return torch.nn.functional.cross_entropy(self.head(y), labels.reshape(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("mesh", ["tp", "ep"])
+def test_router_over_more_classes_than_experts_parity(mesh):
+    """A router scoring a class no expert computes (ZAYA's skip class; LongCat-Flash's zero experts likewise),
+    its top-k kept with the batch dims: one moe_ffn, parity at tp=2 and ep=2."""
+    torch.manual_seed(0)
+    model, inputs = SkipClassMoE(), _inputs()
+    assert (model.router(model.emb(inputs[0])) + model.balance).topk(2).indices.eq(4).any()  # some slots skip
+    c = _plan(model, inputs, **{mesh: 2})
+    assert [n.kwargs["form"] for n in moe_layers_of(c.captured.gm)] == ["silu/fused_gu/oi"]
+    if mesh == "tp":
+        assert_sim_parity(c, model, inputs, "skip class tp=2")
+        return
+    model.zero_grad()
+    ref = model(*inputs)
+    ref.backward()
+    loss, grads = run_sim_token_weighted(c, inputs)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=0)
+    for fqn, p in model.named_parameters():
+        torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-5 * float(p.grad.abs().max()),
+                                   msg=lambda m, fqn=fqn: f"{fqn}: {m}")
