@@ -102,6 +102,7 @@ def _plan(model, inputs, **mesh):
         return compile_plan(model, Mesh.fake(**mesh), inputs, token_weighted_loss="ep" in mesh)
 
 
+@pytest.mark.slow
 def test_gpt_oss_experts_at_tp2_megatron_layout_and_parity():
     """Every MoE layer is one moe_ffn of the clamped-SwiGLU form; at tp=2 the experts are expert-TP (gate/up
     and their bias by hidden units, interleaved pairs kept together; down by its input; the down bias's per-slot
@@ -119,6 +120,7 @@ def test_gpt_oss_experts_at_tp2_megatron_layout_and_parity():
     assert_sim_parity(c, model, inputs, "gpt-oss tp=2")
 
 
+@pytest.mark.slow
 def test_gpt_oss_experts_at_ep2_parity():
     """ep=2: each rank holds 2 of the 4 experts (their weights and input biases), tokens dispatched by
     all-to-all; the loss and every gradient equal the single-device model's."""
@@ -230,6 +232,60 @@ def test_router_over_more_classes_than_experts_parity(mesh):
     assert [n.kwargs["form"] for n in moe_layers_of(c.captured.gm)] == ["silu/fused_gu/oi"]
     if mesh == "tp":
         assert_sim_parity(c, model, inputs, "skip class tp=2")
+        return
+    model.zero_grad()
+    ref = model(*inputs)
+    ref.backward()
+    loss, grads = run_sim_token_weighted(c, inputs)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=0)
+    for fqn, p in model.named_parameters():
+        torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-5 * float(p.grad.abs().max()),
+                                   msg=lambda m, fqn=fqn: f"{fqn}: {m}")
+
+
+class GptOssExpertsMoE(torch.nn.Module):
+    """Embedding, gpt-oss's router (linear with bias, top-k, softmax over the chosen) and gpt-oss's experts
+    (transformers' ``GptOssExperts``: interleaved gate/up, biases, clamped SwiGLU) in their grouped-mm
+    form, a head and the mean cross-entropy: the CI-sized cover of the whole model's tests above."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        super().__init__()
+        cfg = SimpleNamespace(intermediate_size=32, num_local_experts=4, hidden_size=64, swiglu_alpha=1.702,
+                              swiglu_limit=7.0, _experts_implementation="grouped_mm")
+        self.emb = torch.nn.Embedding(128, 64)
+        self.router = torch.nn.Linear(64, 4)
+        self.experts = GptOssExperts(cfg)
+        with torch.no_grad():
+            for name, p in self.experts.named_parameters():
+                p.normal_(0, 0.5 if "bias" in name else 0.2)
+        self.head = torch.nn.Linear(64, 128)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids).reshape(-1, 64)
+        top, idx = self.router(x).topk(2, dim=-1)
+        y = x + self.experts(x, idx, top.softmax(-1))
+        return torch.nn.functional.cross_entropy(self.head(y), labels.reshape(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("mesh", ["tp", "ep"])
+def test_gpt_oss_experts_parity(mesh):
+    """gpt-oss's experts: one moe_ffn of the clamped-SwiGLU form; tp=2 expert-TP (gate/up and its bias by hidden
+    units, interleaved pairs together; down by its input), ep=2 (2 experts a rank, their input biases with
+    them); the down bias's per-slot sum beside the node; single-device parity."""
+    torch.manual_seed(0)
+    model, inputs = GptOssExpertsMoE(), _inputs()
+    c = _plan(model, inputs, **{mesh: 2})
+    assert [n.kwargs["form"] for n in moe_layers_of(c.captured.gm)] == [OAI]
+    want = {"tp": {"gate_up_proj": Shard(2), "gate_up_proj_bias": Shard(1), "down_proj": Shard(1)},
+            "ep": {"gate_up_proj": Shard(0), "gate_up_proj_bias": Shard(0), "down_proj": Shard(0)}}[mesh]
+    for name, pl in want.items():
+        assert c.plan.params["experts." + name].placements == (pl,), name
+    if mesh == "tp":
+        assert_sim_parity(c, model, inputs, "gpt-oss experts tp=2")
         return
     model.zero_grad()
     ref = model(*inputs)
