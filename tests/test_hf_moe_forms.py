@@ -284,6 +284,10 @@ def test_gpt_oss_experts_parity(mesh):
             "ep": {"gate_up_proj": Shard(0), "gate_up_proj_bias": Shard(0), "down_proj": Shard(0)}}[mesh]
     for name, pl in want.items():
         assert c.plan.params["experts." + name].placements == (pl,), name
+    from mcompile.report import moe_summary
+
+    facts = moe_summary(c)  # the expert width is read from the down projection, not from a bias after it
+    assert (facts["expert_hidden"], facts["expert_hidden_per_rank"]) == ((32, 16) if mesh == "tp" else (32, 32))
     if mesh == "tp":
         assert_sim_parity(c, model, inputs, "gpt-oss experts tp=2")
         return
