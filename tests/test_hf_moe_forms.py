@@ -21,7 +21,7 @@ from sim_harness import assert_sim_parity, run_sim_token_weighted
 
 from mcompile.models.hf import CausalLMLoss
 from mcompile.moe import ExpertForm, moe_layers_of, moe_local, moe_reference
-from mcompile.placements import Shard
+from mcompile.placements import Replicate, Shard
 
 OAI = "oai:1.702:7.0/fused_il/io+b"
 
@@ -289,6 +289,10 @@ def test_gpt_oss_experts_parity(mesh):
     facts = moe_summary(c)  # the expert width is read from the down projection, not from a bias after it
     assert (facts["expert_hidden"], facts["expert_hidden_per_rank"]) == ((32, 16) if mesh == "tp" else (32, 32))
     if mesh == "tp":
+        # the down bias whole: its per-slot sum joins the experts' output after their one all-reduce (sharded
+        # over d it would be all-gathered: a second token-sized collective per layer)
+        assert c.plan.params["experts.down_proj_bias"].placements == (Replicate(),)
+        assert not [s for s in c.plan.collectives if s.forward == "all_gather"], c.plan.collectives
         assert_sim_parity(c, model, inputs, "gpt-oss experts tp=2")
         return
     model.zero_grad()
