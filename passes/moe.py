@@ -101,8 +101,8 @@ def find_moe_layers(gm: fx.GraphModule) -> int:
         window = {n for n in nodes[pos[idx] + 1:end]}
         d_idx = _reach([idx], window)
         # this layer's experts: weights of E experts whose values meet the indices' before the next routing
-        # (a router may score more classes than there are experts: ZAYA's "skip" class, LongCat-Flash's zero
-        # (identity) experts; a slot routed to a class >= E gets nothing from the experts)
+        # (a router may score more classes than there are experts: ZAYA's "skip" class; a slot routed to a
+        # class >= E gets nothing from the experts, which the evaluation below checks)
         params = [p for p in three_d if p not in used and p.meta["val"].shape[0] <= classes
                   and _reach([p], before, stop=d_idx) & d_idx]
         E = max((p.meta["val"].shape[0] for p in params), default=0)

@@ -223,7 +223,7 @@ class SkipClassMoE(torch.nn.Module):
 
 @pytest.mark.parametrize("mesh", ["tp", "ep"])
 def test_router_over_more_classes_than_experts_parity(mesh):
-    """A router scoring a class no expert computes (ZAYA's skip class; LongCat-Flash's zero experts likewise),
+    """A router scoring a class no expert computes (ZAYA's skip class),
     its top-k kept with the batch dims: one moe_ffn, parity at tp=2 and ep=2."""
     torch.manual_seed(0)
     model, inputs = SkipClassMoE(), _inputs()
