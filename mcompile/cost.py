@@ -721,7 +721,7 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
         wv = [w.meta["val"] for w in ws]
         form = ExpertForm.parse(n.kwargs["form"])
         E, k, d = int(wv[0].shape[0]), int(iv.shape[1]), int(xv.shape[1])
-        f = int(wv[-1].shape[form.hidden_dims()[-1]])
+        f = int(wv[form.n_matrices - 1].shape[form.hidden_dims()[form.n_matrices - 1]])  # the down projection's
         slot = 2 * sum(math.prod(int(s) for s in v.shape[1:]) for v in wv)
         T = sympy.sympify(to_sympy(xv.shape[0])).subs(sub)
         fqns = [cap.params.get(w.name) for w in ws]

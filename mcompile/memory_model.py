@@ -461,7 +461,7 @@ def moe_saved_bytes(node: fx.Node, hidden_share=1) -> sympy.Expr:
     x, idx, weights, *ws = node.args
     xv, iv, wv = x.meta["val"], idx.meta["val"], weights.meta["val"]
     form = ExpertForm.parse(node.kwargs["form"])
-    f = int(ws[-1].meta["val"].shape[form.hidden_dims()[-1]])
+    f = int(ws[form.n_matrices - 1].meta["val"].shape[form.hidden_dims()[form.n_matrices - 1]])  # down's input
     d = int(xv.shape[-1])
     slots = numel(iv)
     hidden = (3 if form.kind != "plain" else 2) * f * sympy.sympify(hidden_share)

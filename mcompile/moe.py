@@ -25,59 +25,105 @@ _ACTS = {
     "gelu": F.gelu,
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda t: F.relu(t).square(),  # squared ReLU (So et al. 2021, Primer; NemotronH's and Ergo's experts)
 }
 _ACT_OPS = {aten.silu.default: "silu", aten.gelu.default: "gelu", aten.relu.default: "relu"}
+
+
+def _oai(text: str):
+    """``oai:ALPHA:LIMIT``, gpt-oss's clamped SwiGLU: gate clamped above at LIMIT, up to [-LIMIT, LIMIT],
+    ``(up + 1) * gate * sigmoid(ALPHA * gate)`` (OpenAI's gpt-oss model card, 2025); None for another act."""
+    if not text.startswith("oai:"):
+        return None
+    _, alpha, limit = text.split(":")
+    return float(alpha), float(limit)
 
 
 @dataclass(frozen=True)
 class ExpertForm:
     """How one expert's FFN reads its weights. ``kind``: ``sep`` (gate, up, down), ``fused_gu`` /
-    ``fused_ug`` (one [gate; up] or [up; gate] weight, then down), ``plain`` (up, down: no gate).
-    ``transposed``: weights stored (E, in, out) (``x @ w``) rather than (E, out, in) (``x @ w.T``)."""
+    ``fused_ug`` (one [gate; up] or [up; gate] weight, then down), ``fused_il`` (one weight whose output
+    features interleave gate and up: gate = ``h[..., 0::2]``, up = ``h[..., 1::2]``; gpt-oss), ``plain``
+    (up, down: no gate). ``transposed``: weights stored (E, in, out) (``x @ w``) rather than (E, out, in)
+    (``x @ w.T``). ``bias``: the input projections (gate and up, or the fused one, or plain's up) add a
+    per-expert bias ``[E, out]``, given after the weight matrices (a down projection's bias is no part of
+    the node: passes/moe.py adds ``sum_j w[t, j] * b[idx[t, j]]`` beside it, an ordinary gather the planner
+    places like any other, so an expert-TP output stays a plain partial sum). ``act``: a name of
+    ``_ACTS``, or ``oai:ALPHA:LIMIT`` (:func:`_oai`, gated kinds only)."""
 
     act: str
     kind: str
     transposed: bool
+    bias: bool = False
 
     def text(self) -> str:
-        return f"{self.act}/{self.kind}/{'io' if self.transposed else 'oi'}"
+        return f"{self.act}/{self.kind}/{'io' if self.transposed else 'oi'}{'+b' if self.bias else ''}"
 
     @classmethod
     def parse(cls, text: str) -> ExpertForm:
         act, kind, layout = text.split("/")
-        return cls(act, kind, layout == "io")
+        layout, plus, _ = layout.partition("+b")
+        return cls(act, kind, layout == "io", bool(plus))
+
+    @property
+    def n_matrices(self) -> int:
+        return 3 if self.kind == "sep" else 2
 
     @property
     def n_weights(self) -> int:
-        return 3 if self.kind == "sep" else 2
+        """The node's expert tensors: the weight matrices, then the input projections' biases."""
+        return self.n_matrices + (self.n_matrices - 1 if self.bias else 0)
 
     def hidden_dims(self) -> tuple[int, ...]:
-        """Per weight, the dim that holds the expert's hidden units (what expert-TP shards)."""
+        """Per expert tensor, the dim that holds the expert's hidden units (what expert-TP shards)."""
         inner, outer = (2, 1) if self.transposed else (1, 2)
-        return (inner, inner, outer) if self.kind == "sep" else (inner, outer)
+        mats = (inner, inner, outer) if self.kind == "sep" else (inner, outer)
+        return mats + (1,) * (self.n_weights - len(mats))
+
+    def gated(self, h: torch.Tensor) -> torch.Tensor:
+        """A fused input projection's output -> the expert's hidden activation."""
+        if self.kind == "fused_il":
+            gate, up = h[..., 0::2], h[..., 1::2]
+        else:
+            a, b = h.chunk(2, dim=-1)
+            gate, up = (a, b) if self.kind == "fused_gu" else (b, a)
+        return self.glu(gate, up)
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        oai = _oai(self.act)
+        if oai is not None:
+            alpha, limit = oai
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        return _ACTS[self.act](gate) * up
 
 
 def expert_ffn(xs: torch.Tensor, ws: list[torch.Tensor], form: ExpertForm, offs: torch.Tensor,
                grouped=None) -> torch.Tensor:
     """The experts on rows ``xs`` grouped by expert (group ends ``offs``): (N, d) -> (N, d)."""
-    act = _ACTS[form.act]
     if grouped is None:
         # one grouped GEMM per projection (kernels/grouped_gemm.py): its Triton kernels on CUDA, torch._grouped_mm
         # (padded to its alignment) on the CPU
         from mcompile.kernels.grouped_gemm import experts_mm as grouped
+    nm = form.n_matrices
+    mats, biases = ws[:nm], ws[nm:]
+    eid = None
+    if biases:  # each row's expert, from the group ends: row r belongs to the first group ending after r
+        rows = torch.arange(xs.shape[0], device=xs.device, dtype=offs.dtype)
+        eid = torch.searchsorted(offs, rows, right=True).clamp_max(mats[0].shape[0] - 1)
 
-    def lin(x, w):
-        return grouped(x, w if form.transposed else w.transpose(1, 2), offs)
+    def lin(x, j):
+        w = mats[j]
+        out = grouped(x, w if form.transposed else w.transpose(1, 2), offs)
+        return out + biases[j][eid].to(out.dtype) if j < len(biases) else out
 
     if form.kind == "sep":
-        h = act(lin(xs, ws[0])) * lin(xs, ws[1])
-    elif form.kind in ("fused_gu", "fused_ug"):
-        a, b = lin(xs, ws[0]).chunk(2, dim=-1)
-        gate, up = (a, b) if form.kind == "fused_gu" else (b, a)
-        h = act(gate) * up
+        h = form.glu(lin(xs, 0), lin(xs, 1))
+    elif form.kind.startswith("fused"):
+        h = form.gated(lin(xs, 0))
     else:
-        h = act(lin(xs, ws[0]))
-    return lin(h, ws[-1])
+        h = _ACTS[form.act](lin(xs, 0))
+    return lin(h, nm - 1)
 
 
 def moe_local(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, ws: list[torch.Tensor],
@@ -106,26 +152,30 @@ def moe_layers_of(gm) -> list:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is moe_ffn]
 
 
-def moe_reference(x, idx, weights, ws, form: ExpertForm) -> torch.Tensor:
-    """An independent oracle: a Python loop over the experts with masks (tests and verification)."""
+def moe_reference(x, idx, weights, ws, form: ExpertForm, down_bias=None) -> torch.Tensor:
+    """An independent oracle: a Python loop over the experts with masks (tests and verification);
+    ``down_bias`` ([E, d]): the down projection's bias, added per routed slot."""
     E = ws[0].shape[0]
+    nm = form.n_matrices
+    mats, biases = ws[:nm], ws[nm:]
     out = torch.zeros_like(x)
-    act = _ACTS[form.act]
     for e in range(E):
         hit = idx == e
         rows = hit.any(1).nonzero().squeeze(1)
         if rows.numel() == 0:
             continue
-        w_e = [w[e] if form.transposed else w[e].t() for w in ws]  # (in, out)
+        w_e = [w[e] if form.transposed else w[e].t() for w in mats]  # (in, out)
+        b_e = [b[e] for b in biases] + [0] * (nm - len(biases))
         xe = x[rows]
         if form.kind == "sep":
-            h = act(xe @ w_e[0]) * (xe @ w_e[1])
-        elif form.kind in ("fused_gu", "fused_ug"):
-            a, b = (xe @ w_e[0]).chunk(2, dim=-1)
-            h = act(a) * b if form.kind == "fused_gu" else act(b) * a
+            h = form.glu(xe @ w_e[0] + b_e[0], xe @ w_e[1] + b_e[1])
+        elif form.kind.startswith("fused"):
+            h = form.gated(xe @ w_e[0] + b_e[0])
         else:
-            h = act(xe @ w_e[0])
+            h = _ACTS[form.act](xe @ w_e[0] + b_e[0])
         ye = h @ w_e[-1]
+        if down_bias is not None:
+            ye = ye + down_bias[e]
         scale = (weights * hit).sum(1)[rows].unsqueeze(1).to(ye.dtype)
         out = out.index_add(0, rows, (ye * scale).to(x.dtype))
     return out
@@ -154,9 +204,11 @@ def _rule(info):
     if form is not None:
         hid = form.hidden_dims()
         sizes = [info.inputs[3 + i].shape[hid[i]] for i in range(n_w)]
-        if all(isinstance(s, int) and s % (info.n * (2 if form.kind.startswith("fused") and i == 0 else 1)) == 0
-               for i, s in enumerate(sizes)):
-            ws = tuple(BlockShard(hid[i], 2) if form.kind.startswith("fused") and i == 0 else Shard(hid[i])
+        # a fused gate/up projection (and its bias): 2 hidden units per unit of down's input; [gate; up] split
+        # block-wise (each rank its part of gate and of up), interleaved pairs contiguously
+        fused = [form.kind.startswith("fused") and (i == 0 or i == form.n_matrices) for i in range(n_w)]
+        if all(isinstance(s, int) and s % (info.n * (2 if fused[i] else 1)) == 0 for i, s in enumerate(sizes)):
+            ws = tuple(BlockShard(hid[i], 2) if fused[i] and form.kind != "fused_il" else Shard(hid[i])
                        for i in range(n_w))
             out.append(Strategy((R, R, R) + ws, (Partial("sum"),), name="expert-tp"))
         else:

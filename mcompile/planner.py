@@ -466,7 +466,44 @@ def router_hints(cap: Captured) -> dict[str, object]:
         if _reaches(node, routes, depth=16) or 2 * experts <= width and _reaches(
                 node, lambda u, cur: u.target is aten.topk.default, depth=6):
             _whole(hints, node, w, cap)
+    # an expert down projection's bias [E, d], read per routed slot beside moe_ffn (passes/moe.py): whole, so its
+    # per-slot sum is added to the experts' output as the layer's one all-reduce leaves it (sharded over d it
+    # would cost an all-gather of a token-sized value per layer)
+    for node in moe_nodes(cap):
+        for bias in _down_biases(node):
+            if bias.name in cap.params:
+                hints[bias.name] = R
     return hints
+
+
+def moe_nodes(cap: Captured) -> list:
+    from mcompile.moe import moe_layers_of
+
+    return moe_layers_of(cap.gm)
+
+
+def _down_biases(moe: torch.fx.Node) -> list:
+    """The [E, d] parameters passes/moe.py reads per routed slot beside ``moe``, ``moe + sum_j w[t, j] *
+    b[idx[t, j]]`` (a down projection's bias): the rows gathered with the node's own routing."""
+    idx, w = moe.args[1], moe.args[2]
+    out = []
+    for add in moe.users:
+        if add.target is not aten.add.Tensor:
+            continue
+        for other in add.args:
+            n = other
+            while isinstance(n, torch.fx.Node) and n.target in (aten._to_copy.default, aten.sum.dim_IntList,
+                                                                 aten.mul.Tensor):
+                if n.target is aten.mul.Tensor:
+                    if not any(isinstance(a, torch.fx.Node) and w in a.all_input_nodes + [a] for a in n.args):
+                        break
+                    n = next((a for a in n.args if isinstance(a, torch.fx.Node)
+                              and a.target is aten.index.Tensor), None)
+                    break
+                n = n.args[0]
+            if isinstance(n, torch.fx.Node) and n.target is aten.index.Tensor and n.args[1] == [idx]:
+                out.append(n.args[0])
+    return out
 
 
 def position_bias_hints(cap: Captured) -> dict[str, object]:

@@ -96,13 +96,14 @@ def moe_summary(compiled, sizes: dict[str, int] | None = None, dtype: str | None
     x, idx, _w, *ws = n.args
     form = ExpertForm.parse(n.kwargs["form"])
     E, k, d = int(ws[0].meta["val"].shape[0]), int(idx.meta["val"].shape[1]), int(x.meta["val"].shape[1])
-    f = int(ws[-1].meta["val"].shape[form.hidden_dims()[-1]])
+    dn = form.n_matrices - 1  # the down projection (input-projection biases follow the matrices)
+    f = int(ws[dn].meta["val"].shape[form.hidden_dims()[dn]])
     ep, tp = plan.mesh.get("ep", 1), plan.mesh.get("tp", 1)
     expert_fqns = {cap.params[w.name] for m in nodes for w in m.args[3:] if w.name in cap.params}
-    down = cap.params.get(ws[-1].name)
+    down = cap.params.get(ws[dn].name)
     local_f = f
     if down in plan.params:  # each expert's hidden units on one rank (expert tensor parallelism shards them)
-        local_f = int(plan.params[down].local_shape[form.hidden_dims()[-1]])
+        local_f = int(plan.params[down].local_shape[form.hidden_dims()[dn]])
     b, s, ks = sympy.Symbol("batch", positive=True), sympy.Symbol("seq", positive=True), sympy.Symbol("k")
     at = {"batch": (sizes or {}).get("batch", 1), "seq": (sizes or {}).get("seq", 1)}
     rec = [c for c in plan.collectives if c.axis == "ep" and c.purpose.startswith("moe")]

@@ -76,16 +76,22 @@ def find_moe_layers(gm: fx.GraphModule) -> int:
     three_d = [n for n in nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
                and n.meta["val"].ndim == 3 and _static(n.meta["val"].shape)
                and n.meta["val"].dtype.is_floating_point]
+    # per-expert biases [E, out]: 2-D parameters read by rows (``b[expert_ids]``), never by a contraction (a
+    # router's [E, d] weight is a linear's)
+    two_d = [n for n in nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+             and n.meta["val"].ndim == 2 and _static(n.meta["val"].shape) and n.meta["val"].dtype.is_floating_point
+             and n.users and all(u.target is aten.index.Tensor and u.args[0] is n for u in n.users)]
     if not topks or not three_d:
         return 0
     done = 0
     used: set = set()
     for i, t in enumerate(topks):
         idx = next((u for u in t.users if u.target is operator.getitem and u.args[1] == 1), None)
-        if idx is None or any(u.target is moe_ffn for u in idx.users):  # none, or rewritten already
+        if idx is None or any(u.target is moe_ffn or any(v.target is moe_ffn for v in u.users)
+                              for u in idx.users):  # none, or rewritten already
             continue
-        E = t.args[0].meta["val"].shape[-1]
-        if not isinstance(E, int):
+        classes = t.args[0].meta["val"].shape[-1]
+        if not isinstance(classes, int):
             continue
         end = pos[topks[i + 1]] if i + 1 < len(topks) else len(nodes)
 
@@ -95,9 +101,17 @@ def find_moe_layers(gm: fx.GraphModule) -> int:
         window = {n for n in nodes[pos[idx] + 1:end]}
         d_idx = _reach([idx], window)
         # this layer's experts: weights of E experts whose values meet the indices' before the next routing
-        params = [p for p in three_d if p not in used and p.meta["val"].shape[0] == E
+        # (a router may score more classes than there are experts: ZAYA's "skip" class; a slot routed to a
+        # class >= E gets nothing from the experts, which the evaluation below checks)
+        params = [p for p in three_d if p not in used and p.meta["val"].shape[0] <= classes
                   and _reach([p], before, stop=d_idx) & d_idx]
-        if 1 < len(params) <= 3 and _match(gm, idx, params, window, before, d_idx, pos):
+        E = max((p.meta["val"].shape[0] for p in params), default=0)
+        params = [p for p in params if p.meta["val"].shape[0] == E]
+        biases = [p for p in two_d if p not in used and p.meta["val"].shape[0] == E
+                  and _reach([p], before, stop=d_idx) & d_idx]
+        if 1 < len(params) <= 3 and len(biases) <= len(params) and _match(gm, idx, params + biases, window, before,
+                                                                           d_idx, pos, classes):
+            params = params + biases
             used.update(params)
             done += 1
     if done:
@@ -106,14 +120,14 @@ def find_moe_layers(gm: fx.GraphModule) -> int:
     return done
 
 
-def _match(gm, idx, params, window, before, d_idx, pos) -> bool:
+def _match(gm, idx, params, window, before, d_idx, pos, classes: int) -> bool:
     """Find the region's output among the nodes every expert weight and the indices reach, cut the
     region, identify its form and replace it; False when no candidate works."""
     d_each = [_reach([p], before) for p in params]
     d_params = set().union(*d_each)
     candidates = sorted((c for c in set.intersection(*d_each) & d_idx if isinstance(c.meta.get("val"), torch.Tensor)
                          and c.meta["val"].ndim == 2 and c.meta["val"].dtype.is_floating_point), key=pos.__getitem__)
-    k = idx.meta["val"].shape[1]
+    k = idx.meta["val"].shape[-1]
     for y in candidates[:8]:
         yv = y.meta["val"]
         anc = _reach([y], window | d_params | {idx}, down=False)
@@ -137,17 +151,19 @@ def _match(gm, idx, params, window, before, d_idx, pos) -> bool:
             continue
         x, w = xs[0], wts[0]
         others = [a for a in ext.values() if a not in (x, w)]  # SymInts (sizes) only
-        form, order = _identify(gm, region, y, x, idx, w, params, others)
+        form, order = _identify(gm, region, y, x, idx, w, params, others, classes)
         if form is None:
             continue
-        _replace(gm, region, y, x, idx, w, [params[j] for j in order], form)
+        down_bias = params[order[-1]] if len(order) > form.n_weights else None
+        _replace(gm, region, y, x, idx, w, [params[j] for j in order[:form.n_weights]], form, down_bias, classes)
         return True
     return False
 
 
 def _is_weights(n, k) -> bool:
     v = n.meta.get("val")
-    return isinstance(v, torch.Tensor) and v.ndim == 2 and v.dtype.is_floating_point and str(v.shape[1]) == str(k)
+    # (T, k), or (batch, seq, k) from a router that keeps the batch dims (ZAYA's)
+    return isinstance(v, torch.Tensor) and v.ndim >= 2 and v.dtype.is_floating_point and str(v.shape[-1]) == str(k)
 
 
 def _same_shape(a, b) -> bool:
@@ -174,7 +190,7 @@ def _absorb(region: set, idx, params, yv, k) -> dict:
 
     def data_shape(a):
         v = a.meta["val"]
-        return v.ndim == 2 and (_same_shape(v.shape, yv.shape) or str(v.shape[1]) == str(k))
+        return (v.ndim == 2 and _same_shape(v.shape, yv.shape)) or (v.ndim >= 2 and str(v.shape[-1]) == str(k))
 
     while True:
         ext = {}
@@ -186,7 +202,9 @@ def _absorb(region: set, idx, params, yv, k) -> dict:
         for a in ext.values():
             if not is_tensor(a) or a.op != "call_function":
                 continue
-            tensor_ins = [b for b in a.all_input_nodes if is_tensor(b)]
+            # (a getitem of top-k's (values, indices) reads tensors too: the routing weights straight from top-k
+            # are an input of the region, not a factory of it)
+            tensor_ins = [b for b in a.all_input_nodes if is_tensor(b) or isinstance(b.meta.get("val"), tuple | list)]
             if not tensor_ins or a.target in _LIKE or (a.target in _CARRY and len(tensor_ins) == 1
                                                        and not data_shape(a)):
                 grow.append(a)
@@ -240,16 +258,17 @@ def _region_fn(gm, region, y, inputs, others, dtypes: dict | None = None):
     return fx.GraphModule(torch.nn.Module(), g)
 
 
-def _identify(gm, region, y, x, idx, w, params, others):
+def _identify(gm, region, y, x, idx, w, params, others, classes: int):
     env = _sym_env([x, idx, w, *others])
     T, d = _concrete(x.meta["val"].shape, env)
-    k = int(idx.meta["val"].shape[1])
+    k = int(idx.meta["val"].shape[-1])
+    routed = (_concrete(idx.meta["val"].shape, env), _concrete(w.meta["val"].shape, env))  # (T, k) or (b, s, k)
     E = int(params[0].meta["val"].shape[0])
     dtype = x.meta["val"].dtype
     sizes = [int(sympy.sympify(a.meta["val"].node.expr).subs(env)) if isinstance(a.meta.get("val"), torch.SymInt)
              else float(sympy.sympify(a.meta["val"].node.expr).subs(env)) for a in others]
     gen = torch.Generator().manual_seed(0)
-    shapes = [tuple(p.meta["val"].shape[1:]) for p in params]
+    shapes = [tuple(p.meta["val"].shape[1:]) for p in params]  # the matrices' (2 dims), then the biases' (1)
     # evaluated in float64 first (the forms then differ by far more than rounding, at any width), the
     # capture's dtype arguments mapped; then in the capture's dtype, for a region that needs it
     # (torch._grouped_mm takes no float64: float32 next)
@@ -259,9 +278,9 @@ def _identify(gm, region, y, x, idx, w, params, others):
     for probe in _probe_shapes(shapes, d, E):
         for dt, dtypes in tries:
             fn = fns.setdefault(dt, _region_fn(gm, region, y, [x, idx, w, *params], others, dtypes))
-            form, perm = _identify_at(fn, gen.get_state(), T, d, k, E, dt, idx, w, params, probe, sizes, region,
-                                      dtypes)
-            if form is not None and _shapes_fit(form, [shapes[j] for j in perm], d):
+            form, perm = _identify_at(fn, gen.get_state(), T, d, k, classes, dt, idx, w, params, probe, sizes, region,
+                                      dtypes, routed)
+            if form is not None and _shapes_fit(form, [shapes[j] for j in perm[:form.n_matrices]], d):
                 return form, perm
     return None, None
 
@@ -279,16 +298,17 @@ def _probe_shapes(shapes, d: int, E: int):
     on the widths). Then, if that found nothing (a region that names its widths as constants) and the
     real weights are small enough, the real shapes."""
     hidden = [v for s in shapes for v in s if v != d]
-    f = min(hidden, default=0)
+    f = min((v for s in shapes if len(s) == 2 for v in s if v != d), default=0)
     if f > _PROBE_WIDTH and all(v % f == 0 for v in hidden):
         yield [tuple(v if v == d else v // f * _PROBE_WIDTH for v in s) for s in shapes]
     if sum(math.prod(s) for s in shapes) * E <= _FULL_PROBE_ELEMENTS:
         yield shapes
 
 
-def _identify_at(fn, state, T, d, k, E, dtype, idx, w, params, shapes, sizes, region, dtypes):
+def _identify_at(fn, state, T, d, k, classes, dtype, idx, w, params, shapes, sizes, region, dtypes, routed):
     """_identify on weights of the given shapes (E experts each) in ``dtype`` (``dtypes``: the float
-    dtypes mapped to it)."""
+    dtypes mapped to it), routed over ``classes`` >= E classes (the oracle gives a class >= E nothing)."""
+    E = int(params[0].meta["val"].shape[0])
     gen = torch.Generator()
     gen.set_state(state)
 
@@ -296,15 +316,16 @@ def _identify_at(fn, state, T, d, k, E, dtype, idx, w, params, shapes, sizes, re
         return t.to(dtypes.get(like, like))
 
     xv = cast(torch.randn(T, d, generator=gen, dtype=torch.float32), dtype)
-    iv = torch.rand(T, E, generator=gen).argsort(1)[:, :k].to(idx.meta["val"].dtype)
+    iv = torch.rand(T, classes, generator=gen).argsort(1)[:, :k].to(idx.meta["val"].dtype)
     iv[0] = iv[1]  # two tokens with the same experts
-    wv = cast(torch.rand(T, k, generator=gen, dtype=torch.float32), w.meta["val"].dtype)
+    wv = cast(torch.rand(T, k, generator=gen, dtype=torch.float32), w.meta["val"].dtype).reshape(routed[1])
+    iv_region = iv.reshape(routed[0])
     # weights scaled by 1/sqrt(fan-in): every value stays O(1) at any width
     pv = [cast(torch.randn(E, *s, generator=gen) * (0.5 / min(s) ** 0.5 + 0.5 / max(s) ** 0.5), p.meta["val"].dtype)
           for p, s in zip(params, shapes)]
     leaves = [t.requires_grad_(True) for t in (xv, wv, *pv)]
     try:
-        out = fn(leaves[0], iv, leaves[1], *leaves[2:], *sizes)
+        out = fn(leaves[0], iv_region, leaves[1], *leaves[2:], *sizes)
     except Exception:  # noqa: BLE001 - a region that does not run alone is not ours to replace
         return None, None
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (T, d):
@@ -321,25 +342,67 @@ def _identify_at(fn, state, T, d, k, E, dtype, idx, w, params, shapes, sizes, re
     if any(n.target is aten.gelu.default and (n.kwargs.get("approximate") == "tanh" or
                                               (len(n.args) > 1 and n.args[1] == "tanh")) for n in region):
         acts = ["gelu_tanh"] + acts
-    acts = list(dict.fromkeys(acts + list(_ACTS)))
-    kinds = ["sep"] if len(params) == 3 else ["fused_gu", "fused_ug", "plain"]
-    perms = list(itertools.permutations(range(len(params))))
-    for kind, transposed, perm, act in itertools.product(kinds, (False, True), perms, acts):
-        form = ExpertForm(act, kind, transposed)
-        ws_shapes = [shapes[j] for j in perm]
-        if not _shapes_fit(form, ws_shapes, d):
+    acts = list(dict.fromkeys(_oai_acts(region) + acts + list(_ACTS)))
+    n_mat = sum(len(s) == 2 for s in shapes)
+    n_bias = len(shapes) - n_mat
+    kinds = ["sep"] if n_mat == 3 else ["fused_gu", "fused_ug", "fused_il", "plain"]
+    for kind, transposed, act, perm in itertools.product(kinds, (False, True), acts, _orders(n_mat, n_bias)):
+        mats = perm[:n_mat]
+        form = ExpertForm(act, kind, transposed, bias=n_bias > 0 and perm[n_mat] is not None)
+        if kind not in ("sep",) and not kind.startswith("fused") and act.startswith("oai:"):
+            continue  # a clamped SwiGLU needs a gate
+        if not _shapes_fit(form, [shapes[j] for j in mats], d):
             continue
-        ws = [leaves[2 + j] for j in perm]
+        # the biases: one per input projection (form.bias), then the down projection's (or none)
+        in_b = [j for j in perm[n_mat:n_mat + n_mat - 1] if j is not None]
+        down = perm[-1] if n_bias and len(perm) == 2 * n_mat else None
+        if len(in_b) not in (0, n_mat - 1) or not _biases_fit(form, [shapes[j] for j in mats],
+                                                               [shapes[j] for j in in_b], None if down is None
+                                                               else shapes[down]):
+            continue
+        if len(in_b) + (down is not None) != n_bias:
+            continue
+        ws = [leaves[2 + j] for j in list(mats) + in_b]
         try:
-            ref = moe_reference(leaves[0], iv, leaves[1], ws, form)
+            ref = moe_reference(leaves[0], iv, leaves[1].reshape(T, k), ws, form,
+                                down_bias=None if down is None else leaves[2 + down])
         except RuntimeError:
             continue
         if not torch.allclose(ref.float(), out.float(), rtol=tol, atol=tol * max(1.0, out.abs().max().item())):
             continue
         g_can = torch.autograd.grad(ref, leaves, gy, allow_unused=True)
         if all(_close(a, b, tol) for a, b in zip(g_ref, g_can)):
-            return form, list(perm)
+            return form, list(mats) + in_b + ([] if down is None else [down])
     return None, None
+
+
+def _orders(n_mat: int, n_bias: int):
+    """The roles the expert tensors may take: the matrices in each order, then (with biases) a bias index or
+    None per projection (input projections first, the down projection last)."""
+    for mats in itertools.permutations(range(n_mat)):
+        if not n_bias:
+            yield mats
+            continue
+        slots = [None] + list(range(n_mat, n_mat + n_bias))
+        for bs in itertools.product(slots, repeat=n_mat):
+            used = [b for b in bs if b is not None]
+            if len(used) == n_bias and len(set(used)) == n_bias:
+                yield mats + bs
+
+
+def _biases_fit(form: ExpertForm, mat_shapes, in_shapes, down_shape) -> bool:
+    outs = [s[1] if form.transposed else s[0] for s in mat_shapes]  # each projection's output features
+    return all(b == (o,) for b, o in zip(in_shapes, outs)) and (down_shape is None or down_shape == (outs[-1],))
+
+
+def _oai_acts(region) -> list[str]:
+    """gpt-oss's clamped SwiGLU, its constants read from the region: the upper clamp of the gate (LIMIT) and
+    the scale inside the sigmoid (ALPHA). Evaluated like every candidate, so a wrong reading matches nothing."""
+    limits = {float(n.args[2]) for n in region if n.target is aten.clamp.default and len(n.args) > 2
+              and isinstance(n.args[2], int | float)}
+    alphas = {float(n.args[1]) for n in region if n.target is aten.mul.Tensor and isinstance(n.args[1], float)
+              and any(u.target is aten.sigmoid.default for u in n.users)}
+    return [f"oai:{a!r}:{lim!r}" for a in sorted(alphas) for lim in sorted(limits)]
 
 
 def _close(a, b, tol) -> bool:
@@ -350,6 +413,7 @@ def _close(a, b, tol) -> bool:
 
 
 def _shapes_fit(form: ExpertForm, shapes, d: int) -> bool:
+    shapes = shapes[:form.n_matrices]
     io = (lambda s: (s[0], s[1])) if form.transposed else (lambda s: (s[1], s[0]))  # (in, out)
     ins_outs = [io(s) for s in shapes]
     if form.kind == "sep":
@@ -361,17 +425,35 @@ def _shapes_fit(form: ExpertForm, shapes, d: int) -> bool:
     return ai == d and ao % 2 == 0 and ao // 2 == di and do == d
 
 
-def _replace(gm, region, y, x, idx, w, params, form: ExpertForm) -> None:
+def _replace(gm, region, y, x, idx, w, params, form: ExpertForm, down_bias=None, classes: int = 0) -> None:
     from mcompile.passes.canonicalize import _fake_call
 
     g = gm.graph
-    with g.inserting_before(y):
-        args = (x, idx, w, *params)
-        new = g.call_function(moe_ffn, args, {"form": form.text()})
-        new.meta["val"] = _fake_call(moe_ffn, args, {"form": form.text()})
+
+    def call(target, args, kwargs=None):
+        n = g.call_function(target, args, kwargs or {})
+        n.meta["val"] = _fake_call(target, args, kwargs)
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
             if key in y.meta:
-                new.meta[key] = y.meta[key]
+                n.meta[key] = y.meta[key]
+        return n
+
+    with g.inserting_before(y):
+        E, k = int(params[0].meta["val"].shape[0]), idx.meta["val"].shape[-1]
+        if idx.meta["val"].ndim > 2:  # (batch, seq, k) routing: the tokens' rows, as x flattens them
+            idx, w = call(aten.reshape.default, (idx, [-1, k])), call(aten.reshape.default, (w, [-1, k]))
+        if classes > E:  # a slot of a class >= E: weight 0 on (any) expert E - 1, which moe_ffn's dispatch can run
+            keep = call(aten.lt.Scalar, (idx, E))
+            w = call(aten.mul.Tensor, (w, call(aten._to_copy.default, (keep,), {"dtype": w.meta["val"].dtype})))
+            idx = call(aten.clamp.default, (idx, 0, E - 1))
+        new = call(moe_ffn, (x, idx, w, *params), {"form": form.text()})
+        if down_bias is not None:  # + sum_j w[t, j] * b[idx[t, j]]: a gather of [E, d] rows, outside the node
+            rows = call(aten.index.Tensor, (down_bias, [idx]))
+            scaled = call(aten.mul.Tensor, (rows, call(aten.unsqueeze.default, (w, -1))))
+            total = call(aten.sum.dim_IntList, (scaled, [1]))
+            if total.meta["val"].dtype != new.meta["val"].dtype:
+                total = call(aten._to_copy.default, (total,), {"dtype": new.meta["val"].dtype})
+            new = call(aten.add.Tensor, (new, total))
     y.replace_all_uses_with(new)
     region = set(region)
     for n in g.nodes:  # checks of a region value (_assert_tensor_metadata) go with it

@@ -69,19 +69,27 @@ def run_sim(c, inputs, backward: bool):
 def run_sim_token_weighted(c, inputs):
     """One training step of a plan compiled with ``token_weighted_loss=True`` (as ``parallelize`` does), with
     the runtime's loss convention (``ParallelModule.train_step``): each rank's program returns the loss sum and
-    the target count of its own tokens (its dp slice of the batch, its cp share of the sequence), backward runs
-    on that sum, and the global mean divides by the count summed over the data axes (dp, cp). A plan the
-    plain :func:`run_sim` cannot check: under cp no rank's output is a mean of its own batch.
+    the target count of its own tokens (its slice of the batch over dp x ep, as the runtime splits it: the batch
+    axes flattened in mesh order; its cp share of the sequence), backward runs on that sum, and the global mean
+    divides by the count summed over the data axes (dp, ep, cp). A plan the plain :func:`run_sim` cannot check:
+    under cp (and ep, whose experts see every rank's tokens) no rank's output is a mean of its own batch.
     (global mean loss, full gradients by FQN)."""
     mesh = c.mesh
     world = ThreadedWorld(mesh)
     state = c.captured.state_values()
-    dp = mesh.size("dp")
+    batch_axes = [a for a in mesh.axis_names if a in ("dp", "ep")]
+
+    def batch_slice(r):  # runtime/module.py's batch coordinate
+        n, i = 1, 0
+        for a in batch_axes:
+            n, i = n * mesh.size(a), i * mesh.size(a) + mesh.coords(r)[a]
+        return n, i
 
     def rank_fn(r):
         local = {k: v.detach().clone().requires_grad_(k in c.captured.params) for k, v in
                  c.local_state(r, state).items()}
-        mine = tuple(t.chunk(dp)[mesh.coords(r).get("dp", 0)] for t in inputs)
+        n, i = batch_slice(r)
+        mine = tuple(t.chunk(n)[i] for t in inputs)
         total, count = c.run_local(r, local, mine)
         total.backward()
         return total.detach(), count.detach(), {k: v.grad for k, v in local.items() if k in c.captured.params}
@@ -89,7 +97,7 @@ def run_sim_token_weighted(c, inputs):
     results = run_threads(world, rank_fn)
     # one rank per piece of the data: the others (tp) hold the same sum and count
     data = [r for r in range(mesh.size())
-            if all(v == 0 for ax, v in mesh.coords(r).items() if ax not in ("dp", "cp"))]
+            if all(v == 0 for ax, v in mesh.coords(r).items() if ax not in ("dp", "ep", "cp"))]
     total = sum(results[r][0] for r in data)
     count = sum(results[r][1] for r in data)
     grads = combine_grads(c, [g for _, _, g in results], dp_mean=False)
