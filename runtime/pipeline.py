@@ -512,6 +512,7 @@ def _expand(grads, outputs):
 # ------------------------------------------------------------------------------------------------
 _COMM_OPS = {"all_reduce": 1, "all_reduce_max": 1, "reduce_scatter": 2, "all_gather": 2,  # op -> axis arg
              "start_all_reduce": 1, "start_reduce_scatter": 1, "start_all_gather": 1,  # (recorded as the collective)
+             "all_reduce_inplace": 1,  # (recorded as all_reduce: passes/overlap.inplace_all_reduces)
              # ops that communicate inside (mcompile.cp, mcompile.moe): each a sequence of exchanges that every
              # rank of the group runs the same way, recorded as one step of that group
              "cp_gather": 2, "cp_gather_backward": 2, "cp_attention": 4, "cp_attention_backward": 8,
@@ -531,8 +532,8 @@ class _RecordCollectives(torch.utils._python_dispatch.TorchDispatchMode):
             name = func._opname
             if name in _COMM_OPS:
                 x = args[0]
-                self.ops.append((name.removeprefix("start_"), args[_COMM_OPS[name]], tuple(int(s) for s in x.shape),
-                                 str(x.dtype)))
+                kind = name.removeprefix("start_").removesuffix("_inplace")
+                self.ops.append((kind, args[_COMM_OPS[name]], tuple(int(s) for s in x.shape), str(x.dtype)))
         return out
 
 

@@ -91,6 +91,8 @@ def _kind(n):
     name = n.target._opname
     if name.startswith("start_"):
         return name.removeprefix("start_"), n.args[1], True
+    if name == "all_reduce_inplace":  # passes/overlap.inplace_all_reduces: the same collective without its copy
+        return "all_reduce", n.args[1], False
     axis_arg = {"all_reduce": 1, "all_reduce_max": 1, "all_gather": 2, "reduce_scatter": 2}.get(name)
     if axis_arg is None:
         return None
