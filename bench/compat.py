@@ -91,9 +91,9 @@ TESTS = [
     # cp attention through the fused flash kernel (its log-sum-exp; memory linear in the chunk)
     "tests/test_cp_attention.py::test_attention_bf16",
     "tests/test_cp_attention.py::test_attention_memory_is_linear_in_the_chunk",
-    # the grouped GEMM through torch._grouped_mm; MoE dispatch without host reads; FP8 op counts per linear
+    # the grouped GEMM through torch._grouped_mm; FP8 op counts per linear (tests/test_host_reads.py is skipped
+    # before torch 2.12: its counter needs torch.overrides.redispatch_function, and says so)
     "tests/test_kernels_grouped_gemm.py::test_op_on_the_grouped_mm_path_matches_the_loop",
-    "tests/test_host_reads.py",
     "tests/test_fp8.py::test_fp8_op_counts_per_linear",
     # the first GPU user's script, its CPU smoke mode
     "tests/test_gpu_step.py",

@@ -43,6 +43,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# skips one level of __torch_function__ dispatch, so the mode stays on inside a Python-bodied function
+# (torch >= 2.12; torch 2.11, the floor pyproject.toml claims, has no way to do it)
+_REDISPATCH = getattr(torch.overrides, "redispatch_function", None)
+
 aten = torch.ops.aten
 __all__ = ["HostReads", "count_host_reads"]
 
@@ -213,7 +217,7 @@ class _Function(TorchFunctionMode):
             self.depth.n = getattr(self.depth, "n", 0) + ours
             try:
                 with self:  # stays on inside
-                    return torch.overrides.redispatch_function(func, types, args, kwargs)
+                    return _REDISPATCH(func, types, args, kwargs)
             finally:
                 self.depth.n -= ours
         return func(*args, **kwargs)
@@ -224,6 +228,11 @@ class count_host_reads:  # noqa: N801  (a context manager, used like a function)
     the ``with`` block, forward and backward (see the module docstring)."""
 
     def __init__(self) -> None:
+        if _REDISPATCH is None:
+            raise RuntimeError(
+                f"count_host_reads needs torch.overrides.redispatch_function (torch >= 2.12; this is torch "
+                f"{torch.__version__}) to keep counting inside a custom op's Python body: without it the reads there "
+                "would go uncounted. On a GPU, torch.cuda.set_sync_debug_mode('warn') reports the same points.")
         self.reads = HostReads()
         self._modes = (_Function(self.reads), _Dispatch(self.reads))
 
