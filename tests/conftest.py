@@ -201,8 +201,10 @@ _FUNCS: dict[str, dict] = {}
 
 
 def _module_functions(path: str) -> dict:
-    """name -> (ast.FunctionDef, path) of ``path``'s module-level functions, plus the functions it imports by name
-    from the other modules of tests/ (``from runtime_cases import check``), resolved in their own file."""
+    """What a name of ``path``'s module refers to, for :func:`_starts_processes`: a module-level function
+    (``(ast.FunctionDef, path)``), a function imported by name from another module of tests/
+    (``("import", file, name)``: ``from runtime_cases import check``), or such a module itself
+    (``("module", file)``: ``import compositions_cases as C``)."""
     if path not in _FUNCS:
         import ast
 
@@ -219,7 +221,7 @@ def _module_functions(path: str) -> dict:
                 if os.path.exists(other) and other != path:
                     for a in n.names:
                         found.setdefault(a.asname or a.name, ("import", other, a.name))
-            elif isinstance(n, ast.Import):  # import compositions_cases as C: C.run_layout is that file's function
+            elif isinstance(n, ast.Import):
                 for a in n.names:
                     other = os.path.join(here, a.name + ".py")
                     if os.path.exists(other) and other != path:
@@ -229,27 +231,29 @@ def _module_functions(path: str) -> dict:
 
 
 def _starts_processes(path: str, name: str, seen: set) -> bool:
-    """Whether function ``name`` of ``path`` (or a function of tests/ it calls, transitively) names a way to start
-    processes (:data:`_STARTS_PROCESSES`): read from the source, never run."""
+    """Whether function ``name`` of ``path`` (or a function of tests/ it calls, transitively: by its name, or as
+    an attribute of a tests/ module) names a way to start processes (:data:`_STARTS_PROCESSES`): read from the
+    source, never run."""
     import ast
 
-    entry = _module_functions(path).get(name)
-    if entry is None or (path, name) in seen:
+    functions = _module_functions(path)
+    entry = functions.get(name)
+    if entry is None or entry[0] == "module" or (path, name) in seen:
         return False
     seen.add((path, name))
     if entry[0] == "import":
         return _starts_processes(entry[1], entry[2], seen)
-    if entry[0] == "module":
-        return False
-    node = entry[0]
-    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-    names |= {a.asname or a.name for n in ast.walk(node) if isinstance(n, ast.ImportFrom) for a in n.names}
-    functions = _module_functions(path)
-    attributes = [(functions[n.value.id][1], n.attr) for n in ast.walk(node)
-                  if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-                  and functions.get(n.value.id, ("",))[0] == "module"]
-    return bool(names & _STARTS_PROCESSES) or any(_starts_processes(path, n, seen) for n in names) \
-        or any(_starts_processes(other, attr, seen) for other, attr in attributes)
+    called: list[tuple[str, str]] = []  # (file, function name) this function refers to
+    for n in ast.walk(entry[0]):
+        if isinstance(n, ast.Name):
+            called.append((path, n.id))
+        elif isinstance(n, ast.ImportFrom):
+            called += [(path, a.asname or a.name) for a in n.names]
+        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) \
+                and functions.get(n.value.id, ("",))[0] == "module":
+            called.append((functions[n.value.id][1], n.attr))
+    return any(name in _STARTS_PROCESSES for _, name in called) or \
+        any(_starts_processes(file, name, seen) for file, name in called)
 
 
 def _uses_processes(item) -> bool:
@@ -276,11 +280,11 @@ def pytest_collection_modifyitems(config, items):
         by_file.setdefault(str(item.path), []).append(item)
     for file_items in by_file.values():
         procs = [_uses_processes(item) for item in file_items]
-        shared = any(_shares_a_fixture(item) for item in file_items)
-        for item, p in zip(file_items, procs):
-            if p or (shared and any(procs)):
+        shares = [_shares_a_fixture(item) for item in file_items]
+        for item, p, sh in zip(file_items, procs, shares):
+            if p or (any(shares) and any(procs)):
                 item.add_marker(pytest.mark.xdist_group("processes"))
-            elif shared and _shares_a_fixture(item):
+            elif sh:
                 item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
