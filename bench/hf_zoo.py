@@ -82,9 +82,10 @@ timeout (``--timeout``, 180 s: the machine this ran on was shared, at load avera
 child writes its progress after every stage, so a timeout or crash records
 the stage it was in. The record is rewritten after every architecture: ``--write`` rewrites
 ``bench/results/hf_zoo.json``, ``--out PATH`` another file, neither a temporary file (bench/_results.py); an
-interrupted run goes on with ``--resume`` (architectures already recorded are kept). ``--every K`` runs a
-deterministic subset (every K-th architecture of the sorted list, per kind; the total is recorded). The summary,
-per kind, is the fraction of the architectures run that pass each stage and all of them.
+interrupted run goes on with ``--resume`` (architectures already recorded are kept); ``--resume --only A,B --redo``
+runs A and B again at the current commit and replaces their records (``runs`` lists each run's commit and names).
+``--every K`` runs a deterministic subset (every K-th architecture of the sorted list, per kind; the total is
+recorded). The summary, per kind, is the fraction of the architectures run that pass each stage and all of them.
 """
 
 from __future__ import annotations
@@ -825,6 +826,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     _results.add_arguments(ap, NAME)
     ap.add_argument("--resume", action="store_true", help="keep the architectures the record already has")
+    ap.add_argument("--redo", action="store_true",
+                    help="with --resume and --only: run the named architectures again, replacing their records "
+                         "(the record's runs list says which commit ran which names)")
     ap.add_argument("--only", default=None, help="comma-separated class names")
     ap.add_argument("--kind", choices=KINDS, default=None)
     ap.add_argument("--every", type=int, default=1, help="run every K-th architecture of each kind (a subset)")
@@ -877,7 +881,9 @@ def main() -> None:
     print(f"{len(todo)} architectures to run ({dict(total)} of {'those named' if wanted else 'the zoo'}; "
           f"{len(skipped)} not run, with a reason); "
           f"record: {path}", file=sys.stderr)
-    pending = [a for a in todo if a["name"] not in archs]
+    if args.redo and not (args.resume and wanted):
+        sys.exit("--redo replaces named architectures in an existing record: give it with --resume and --only")
+    pending = [a for a in todo if args.redo or a["name"] not in archs]
     done = len(todo) - len(pending)
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each job waits on its own process
         futures = {pool.submit(run_child, arch, args.timeout): arch for arch in pending}

@@ -118,12 +118,21 @@ def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
         from mcompile.moe import moe_ffn
         from mcompile.planner import _contraction
 
+        def contraction_term(n: fx.Node, depth: int = 0) -> bool:
+            # seen through copies and views, and through scales: two parallel branches each scaled by its own
+            # multiplier before they are summed (Falcon-H1's attention and Mamba mixer, ``out * 1.0``) join
+            if n.op != "call_function" or depth > 8:
+                return False
+            if n.target is moe_ffn or _contraction(n):
+                return True
+            if n.target in _SAME_VALUE or n.target in _VIEWS:
+                return isinstance(n.args[0], fx.Node) and contraction_term(n.args[0], depth + 1)
+            if n.target in _SCALES:  # the scaled term is the one a contraction wrote, the factor the other
+                return sum(contraction_term(a, depth + 1) for a in n.args if isinstance(a, fx.Node)) == 1
+            return False
+
         other = [a for a in after[0].args if isinstance(a, fx.Node) and a is not prev]
-        while len(other) == 1 and other[0].op == "call_function" and (other[0].target in _SAME_VALUE or
-                                                                       other[0].target in _VIEWS):
-            other = [other[0].args[0]] if isinstance(other[0].args[0], fx.Node) else []
-        return len(other) == 1 and other[0].op == "call_function" and (other[0].target is moe_ffn or
-                                                                       _contraction(other[0]))
+        return len(other) == 1 and contraction_term(other[0])
 
     if node.target in _SAME_VALUE or node.target in _VIEWS:  # only on the way to such an add
         if len(in_metas) != 1 or in_metas[0].dtype != outs[0].dtype or node.target in _SAME_VALUE and \
