@@ -47,7 +47,7 @@ import torch.fx as fx
 from torch.export import Dim
 from torch.export.graph_signature import InputKind
 
-from mcompile import autograd_fn, loops
+from mcompile import autograd_fn, checks, loops
 from mcompile import meta as M
 from mcompile.patches import Patches, Refused, exception_chain
 
@@ -294,7 +294,7 @@ def _export(model, args, kwargs, shapes_named, dynamic, what, printed, default_m
     warnings export raised)."""
     with _plain_outputs(model, what, default_mask), _recorded_warnings() as caught, \
             contextlib.redirect_stdout(printed), autograd_fn.wrapping(), loops.unrolling() as unrolled, \
-            _unchanged_casts():
+            _unchanged_casts(), checks.asserting() as asserted:
         export = functools.partial(loops.exporting, unrolled, model, args, kwargs)
         try:
             ep = export({**shapes_named[0], **_arg_names(model, shapes_named[1])})
@@ -312,6 +312,8 @@ def _export(model, args, kwargs, shapes_named, dynamic, what, printed, default_m
             if dynamic:
                 _unify_shared_dims(ep)
         loops.guard(ep, unrolled)  # loops over nonzero indices: each iteration selected by its mask entry
+        if asserted:  # value checks that only raise: tensor assertions naming their line
+            checks.tensor_asserts(ep.graph_module, asserted)
     return ep, caught
 
 

@@ -1,0 +1,81 @@
+"""Value checks in forward (``assert t.all()``, ``if t.any(): raise``) captured as runtime assertions of the
+program (mcompile/checks.py); a branch on values whose both sides run on is still refused, naming its line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from checks_cases import Checked, D, V
+
+from mcompile.capture import CaptureError, capture
+
+aten = torch.ops.aten
+
+
+def _grads(loss, params):
+    return torch.autograd.grad(loss, params)
+
+
+def test_value_checks_become_runtime_assertions_naming_their_line():
+    torch.manual_seed(0)
+    m = Checked()
+    ids = torch.randint(0, V, (2, 6))
+    cap = capture(m, (ids,), pack=True)
+    checks = [n for n in cap.gm.graph.nodes if n.target is aten._assert_async.msg]
+    assert len(checks) == 4, cap.gm.graph  # ids >= 0, ids < V, no NaN, no inf
+    assert not [n for n in cap.gm.graph.nodes if n.target in (aten.item.default, aten._assert_scalar.default)]
+    prog = cap.ep.module()
+    x = torch.randint(0, V, (3, 5))  # another batch, another size: the checks pass, the program is eager's
+    names = [n for n, _ in m.named_parameters()]
+    ref, got = m(x), prog(x)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    for n, a, b in zip(names, _grads(ref, [m.get_parameter(n) for n in names]),
+                       _grads(got, [prog.get_parameter(n) for n in names])):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=n)
+    # a batch eager mode refuses is refused by the program, naming the check's line, not silently run
+    with pytest.raises(RuntimeError, match=r"value check of forward failed.*checks_cases.py:\d+: if \(ids >= V"):
+        prog(torch.full((2, 6), V))
+    with pytest.raises(RuntimeError, match=r"checks_cases.py:\d+: assert torch.all\(ids >= 0\)"):
+        prog(torch.full((2, 6), -1))
+    # the serialised capture (what parallelize sends to the other ranks) keeps them
+    from mcompile.capture import from_packed
+
+    again = from_packed(cap.packed, m)
+    assert len([n for n in again.gm.graph.nodes if n.target is aten._assert_async.msg]) == 4
+
+
+def test_value_checks_run_at_tp2_at_parity():
+    """Planned at tp=2 (the check reads the whole tensor: replicated) and run in the thread simulator: loss and
+    every gradient equal the single-device model's."""
+    from sim_harness import assert_sim_parity
+
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+
+    torch.manual_seed(0)
+    m = Checked()
+    ids = torch.randint(0, V, (2, 8))
+    c = compile_plan(m, Mesh.fake(tp=2), (ids,))
+    assert c.plan.fallbacks == []
+    assert_sim_parity(c, m, (ids,), "checked")
+
+
+def test_branch_on_values_is_refused_not_specialised():
+    """Both sides of ``if mask.any():`` run on (FSMT's ``if not padding_mask.any(): padding_mask = None``): the
+    branch depends on the batch, so it is refused, naming the line, never fixed to the example's side."""
+
+    class Branches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, D)
+
+        def forward(self, ids):
+            mask = ids.eq(1)
+            if not mask.any():
+                mask = None
+            h = self.emb(ids)
+            return (h if mask is None else h.masked_fill(mask[..., None], 0)).sum()
+
+    with pytest.raises(CaptureError, match=r"(?s)bool/int/float.*test_capture_checks.py:\d+: if not mask.any\(\):"):
+        capture(Branches(), (torch.randint(0, V, (2, 6)),))
