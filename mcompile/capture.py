@@ -47,7 +47,7 @@ import torch.fx as fx
 from torch.export import Dim
 from torch.export.graph_signature import InputKind
 
-from mcompile import autograd_fn, checks, loops
+from mcompile import autograd_fn, checks, loops, values
 from mcompile import meta as M
 from mcompile.patches import Patches, Refused, exception_chain
 
@@ -131,7 +131,8 @@ def _user_frame(exc: BaseException) -> str | None:
         for f in frames
         if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_OWN_DIR) and "<" not in f.filename
     ]
-    msg_frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s+(.+)', str(exc))
+    msg_frames = [f for f in re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s+(.+)', str(exc))
+                  if not f[0].startswith(_OWN_DIR)]  # a call made by mcompile's capture (mcompile.values): the user's
     if msg_frames:  # torch.export prints the user call that raised ("The following call raised ...")
         f, line, code = msg_frames[-1]
         return f"{f}:{line}: {code.strip()}"
@@ -487,7 +488,9 @@ def _plain_outputs(model: torch.nn.Module, what: list, default_mask: bool = Fals
         if default_mask and kwargs.get("attention_mask") is None and kwargs.get("input_ids") is not None:
             kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
         try:
-            out, described = _plain_output(inner(*args, **kwargs))
+            with values.tracking():  # values made from shapes and constants alone are known (mcompile.values)
+                result = inner(*args, **kwargs)
+            out, described = _plain_output(result)
         except _Refused as r:  # about what forward returns: point at forward
             r.where = r.where or _def_line(model)
             raise

@@ -79,3 +79,46 @@ def test_branch_on_values_is_refused_not_specialised():
 
     with pytest.raises(CaptureError, match=r"(?s)bool/int/float.*test_capture_checks.py:\d+: if not mask.any\(\):"):
         capture(Branches(), (torch.randint(0, V, (2, 6)),))
+
+
+def test_values_of_shapes_and_constants_are_captured_exactly():
+    """A size computed as a 0-d tensor and a branch on a mask forward builds from constants (mcompile/values.py):
+    captured without an item node, the size symbolic (the program runs at another sequence length), equal to eager
+    mode; the same branch on a mask given as an input is refused, never fixed to the example's side."""
+    from checks_cases import WindowedMask
+
+    torch.manual_seed(0)
+    m = WindowedMask()
+    cap = capture(m, (torch.randint(0, V, (2, 8)),))
+    assert not [n for n in cap.gm.graph.nodes if n.target in (aten.item.default, aten._local_scalar_dense.default)]
+    prog = cap.ep.module()
+    for seq in (8, 12):
+        x = torch.randint(0, V, (3, seq))
+        torch.testing.assert_close(prog(x), m(x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(CaptureError, match=r"(?s)bool/int/float.*checks_cases.py:\d+: if is_global:"):
+        capture(m, (), {"ids": torch.randint(0, V, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)})
+
+
+def test_values_not_followed_stay_unknown():
+    """What the tracking cannot follow is unknown, so the read is refused (a wrong value would be silent): a mask
+    written in place through indexing, and two pieces of one tensor (a chunk's halves are not element by element
+    the same tensor)."""
+
+    class Written(nn.Module):
+        def forward(self, x):
+            m = torch.ones(x.shape[0], x.shape[1])
+            m[:, 0] = 0  # an untracked write: m no longer all ones
+            if (m == 0).any():
+                return x.sum() * 2
+            return x.sum()
+
+    class Pieces(nn.Module):
+        def forward(self, x):
+            p, q = torch.cat([torch.ones(2), torch.zeros(2)]).chunk(2)
+            if (p != q).any():
+                return x.sum() * 2
+            return x.sum()
+
+    for model in (Written(), Pieces()):
+        with pytest.raises(CaptureError, match=r"(?s)bool/int/float.*test_capture_checks.py:\d+: if \("):
+            capture(model, (torch.randn(2, 4),))
