@@ -52,3 +52,29 @@ class WindowedMask(nn.Module):
         if is_global:  # global attention tokens: a path the default mask never takes
             out = out * 0
         return out.pow(2).mean()
+
+
+class ConfigScale(torch.autograd.Function):
+    """A Function applied with a configuration dict (YOSO's ``YosoCumulation.apply(..., config)``): forward scales
+    by ``config["fwd"]``, backward by ``config["bwd"]`` (not the forward's derivative)."""
+
+    @staticmethod
+    def forward(ctx, x, config):
+        ctx.config = config
+        return x * config["fwd"]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.config["bwd"], None
+
+
+class Configured(nn.Module):
+    def __init__(self, configs):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.configs = configs
+
+    def forward(self, x):
+        for cfg in self.configs:
+            x = ConfigScale.apply(self.lin(x), cfg)
+        return x.pow(2).mean()

@@ -122,3 +122,27 @@ def test_values_not_followed_stay_unknown():
     for model in (Written(), Pieces()):
         with pytest.raises(CaptureError, match=r"(?s)bool/int/float.*test_capture_checks.py:\d+: if \("):
             capture(model, (torch.randn(2, 4),))
+
+
+def test_function_with_a_config_dict_keeps_its_backward():
+    """A custom autograd.Function applied with a dict of JSON values (YOSO's config): the dict is part of the op
+    (one op per value), the Function's own backward runs, and the serialised capture carries it."""
+    from checks_cases import Configured
+
+    from mcompile.capture import from_packed
+
+    torch.manual_seed(0)
+    m = Configured([{"fwd": 2.0, "bwd": 0.5, "name": "a"}, {"fwd": 1.5, "bwd": -1.0, "name": "b"}])
+    x = torch.randn(2, 3, D)
+    cap = capture(m, (x,), pack=True)
+    ops = {n.target for n in cap.gm.graph.nodes if getattr(n.target, "namespace", None) == "mcompile_fn"}
+    assert len(ops) == 2
+    for prog in (cap.ep.module(), from_packed(cap.packed, m).ep.module()):
+        names = [n for n, _ in m.named_parameters()]
+        ref, got = m(x), prog(x)
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        for n, a, b in zip(names, _grads(ref, [m.get_parameter(n) for n in names]),
+                           _grads(got, [prog.get_parameter(n) for n in names])):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=n)
+    with pytest.raises(CaptureError, match=r"argument #2 of type builtins.dict.*dicts of JSON values"):
+        capture(Configured([{"fwd": 2.0, "bwd": torch.ones(())}]), (x,))
