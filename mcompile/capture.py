@@ -246,12 +246,14 @@ def capture(
             except Exception as e:  # noqa: BLE001 - an unreadable entry is captured again and replaced
                 capture_cache.log.info("capture cache entry %s unreadable (%s): capturing", key, e)
     before = _leaks(model)
+    attrs = {(id(m), k) for m in model.modules() for k in vars(m)}  # what exists before forward runs
     what: list[str] = []  # what the adapted forward returned (set inside the trace)
     printed = _Tee(sys.stdout)
     failed: Exception | None = None
     for default_mask in (False, True):
         try:
             ep, caught = _export(model, args, kwargs, shapes_named, dynamic, what, printed, default_mask)
+            _drop_scratch(model, attrs)
             _refuse_side_effects(model, ep, before, caught)
             break
         except Exception as e:  # noqa: BLE001 - every export failure becomes one clear error
@@ -696,6 +698,18 @@ _NO_VALUE_WRITES = {torch.ops.aten.detach_.default, torch.ops.aten.requires_grad
 
 def _empty(t) -> bool:
     return isinstance(t, torch.Tensor) and t.numel() == 0
+
+
+def _drop_scratch(model: torch.nn.Module, attrs: set) -> None:
+    """A module attribute forward *created* to hold a traced value (Funnel's ``self.seq_len = x.size(1)``) is
+    scratch state of the call: the captured program reads no Python attribute, and nothing read it before forward
+    made it (it did not exist), so it is removed again, the module as it was before the capture. Code that reads it
+    after a step gets an AttributeError, never a placeholder. An attribute that existed before (a counter, a
+    cache a later call reads) is still refused by :func:`_refuse_side_effects`."""
+    for mod in model.modules():
+        for k, v in list(vars(mod).items()):
+            if (id(mod), k) not in attrs and _is_traced(v):
+                delattr(mod, k)
 
 
 def _refuse_side_effects(model: torch.nn.Module, ep, before: set[str], caught) -> None:

@@ -146,3 +146,25 @@ def test_function_with_a_config_dict_keeps_its_backward():
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=n)
     with pytest.raises(CaptureError, match=r"argument #2 of type builtins.dict.*dicts of JSON values"):
         capture(Configured([{"fwd": 2.0, "bwd": torch.ones(())}]), (x,))
+
+
+def test_scratch_attribute_forward_creates_is_dropped_not_refused():
+    """Funnel's ``self.seq_len = x.size(1)``: an attribute forward creates for a traced value is scratch state
+    of the call, removed after the capture (the module as before: torch.export itself puts back the attributes
+    that existed); a traced value added to a container that existed (``self.seen.append(h)``) is still refused
+    (tests/test_capture_newuser.py)."""
+
+    class Scratch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+
+        def forward(self, x):
+            self.seq_len = x.size(1)
+            return self.lin(x).sum() * self.seq_len
+
+    m = Scratch()
+    cap = capture(m, (torch.randn(2, 4, D),))
+    assert not hasattr(m, "seq_len")
+    x = torch.randn(3, 6, D)
+    torch.testing.assert_close(cap.ep.module()(x), m(x))
