@@ -168,3 +168,18 @@ def test_scratch_attribute_forward_creates_is_dropped_not_refused():
     assert not hasattr(m, "seq_len")
     x = torch.randn(3, 6, D)
     torch.testing.assert_close(cap.ep.module()(x), m(x))
+
+
+def test_view_of_sizes_that_depend_on_values_offers_no_shard():
+    """A view between sizes whose products cannot be matched (BLT's patch count, an unbacked size) offers no
+    sharded strategy, saying why, instead of failing the planner with an IndexError."""
+    import sympy
+
+    from mcompile.placements import Shard
+    from mcompile.rules.views import map_view_placement
+
+    u0, u1, u2 = sympy.symbols("u0 u1 u2", integer=True, positive=True)
+    notes: list[str] = []
+    assert map_view_placement(Shard(0), (u0,), (u1, u2), 2, notes) is None
+    assert "no grouping of dims with equal products" in notes[0]
+    assert map_view_placement(Shard(0), (u0 * 4, 6), (u0, 24), 2) == Shard(0)
