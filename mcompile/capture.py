@@ -777,7 +777,10 @@ def _diagnose(e: BaseException) -> tuple[str | None, str, str | None, str]:
     where = _user_frame(e)
     if "GuardOnDataDependentSymNode" in names or "data-dependent" in text:
         return ("aten._local_scalar_dense", "a tensor's value is used as a Python bool/int/float "
-                "(data-dependent control flow, .item(), .tolist()): the captured program holds no values", where,
+                "(data-dependent control flow, .item(), .tolist()): the captured program holds no values, and this "
+                "value depends on the inputs' (or parameters') values, so fixing it to the example batch's would be "
+                "silently wrong for the next batch (a check that only raises becomes a runtime assertion, and a "
+                "value made from shapes and constants alone is known: mcompile.checks, mcompile.values)", where,
                 "remove data-dependent Python control flow / .item() / .tolist() from forward: compute both "
                 "branches and select with torch.where (or use torch.cond), and keep values as tensors")
     if ".numpy()" in text or "__array__" in text or "Cannot access data pointer" in text:
