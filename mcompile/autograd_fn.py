@@ -44,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import json
 import re
 from dataclasses import dataclass
 
@@ -113,7 +114,7 @@ def _apply(cls, *args, **kwargs):
     kinds = tuple(_kind(cls, i, a) for i, a in enumerate(args))
     outs = _probe(cls, args)
     op = _define(cls, kinds, outs)
-    out = getattr(getattr(torch.ops, NAMESPACE), op.name)(*_flatten(args))
+    out = getattr(getattr(torch.ops, NAMESPACE), op.name)(*_flatten(args, kinds))
     return out if outs == -1 else tuple(out)
 
 
@@ -137,21 +138,40 @@ def _kind(cls: type, i: int, a) -> str:
         inner = {_kind(cls, i, x) for x in a} or {"SymInt"}
         if len(inner) == 1 and (k := inner.pop()) in ("Tensor", "SymInt", "float", "bool"):
             return f"{k}[]" + (":tuple" if isinstance(a, tuple) else "")
+    if isinstance(a, dict) and (text := _constant(a)) is not None:
+        return _CONST + text
     raise FunctionRefused(
         f"the custom torch.autograd.Function {cls.__qualname__} is applied with argument #{i + 1} of type "
         f"{type(a).__module__}.{type(a).__qualname__}: mcompile captures a Function as a torch.library op (to keep "
-        "its backward), whose arguments are tensors, numbers, strings, dtypes, devices, None and lists of one of "
-        "these",
+        "its backward), whose arguments are tensors, numbers, strings, dtypes, devices, None, lists of one of "
+        "these, and dicts of JSON values (a configuration: part of the op, one op per value)",
         f"pass that value another way (as a constant inside {cls.__qualname__}, or as one of those types)",
         _call_site())
 
 
-def _flatten(args) -> list:
-    return [list(a) if isinstance(a, tuple) else a for a in args]
+_CONST = "const:"  # an argument kind: a constant (a dict of JSON values, its JSON text after the prefix)
+
+
+def _constant(a: dict) -> str | None:
+    """The JSON text of a configuration dict that JSON gives back as it is (string keys, numbers, strings, bools,
+    None, lists and dicts of these); None otherwise. Such a value is part of the op (its name hashes it), not an
+    argument: a schema has no dict type, and a manifest entry carries it to other processes as text."""
+    try:
+        text = json.dumps(a, sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+    return text if json.loads(text) == a else None
+
+
+def _flatten(args, kinds) -> list:
+    return [list(a) if isinstance(a, tuple) else a for a, k in zip(args, kinds) if not k.startswith(_CONST)]
 
 
 def _rebuild(op: _Op, flat) -> tuple:
-    return tuple(tuple(a) if k.endswith(":tuple") else a for k, a in zip(op.args, flat))
+    it = iter(flat)
+    return tuple(json.loads(k[len(_CONST):]) if k.startswith(_CONST) else
+                 (tuple(a) if k.endswith(":tuple") else a) for k in op.args for a in
+                 ([None] if k.startswith(_CONST) else [next(it)]))
 
 
 def _run_forward(cls: type, args: tuple, needs: tuple[bool, ...]):
@@ -250,7 +270,7 @@ def _define(cls: type, kinds: tuple[str, ...], outs: int) -> _Op:
     op = _OPS[name] = _Op(cls, kinds, outs, name)  # a class defined again (a re-run cell) replaces the old one
     if name in _DEFINED:
         return op
-    params = ", ".join(f"{k.split(':')[0]} a{i}" for i, k in enumerate(kinds))
+    params = ", ".join(f"{k.split(':')[0]} a{i}" for i, k in enumerate(kinds) if not k.startswith(_CONST))
     ret = "Tensor" if outs == -1 else "(" + ", ".join(["Tensor"] * outs) + ")"
     _LIB.define(f"{name}({params}) -> {ret}")
 

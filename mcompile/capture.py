@@ -47,7 +47,7 @@ import torch.fx as fx
 from torch.export import Dim
 from torch.export.graph_signature import InputKind
 
-from mcompile import autograd_fn, loops
+from mcompile import autograd_fn, checks, loops, values
 from mcompile import meta as M
 from mcompile.patches import Patches, Refused, exception_chain
 
@@ -131,7 +131,8 @@ def _user_frame(exc: BaseException) -> str | None:
         for f in frames
         if not f.filename.startswith(_TORCH_DIR) and not f.filename.startswith(_OWN_DIR) and "<" not in f.filename
     ]
-    msg_frames = re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s+(.+)', str(exc))
+    msg_frames = [f for f in re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s+(.+)', str(exc))
+                  if not f[0].startswith(_OWN_DIR)]  # a call made by mcompile's capture (mcompile.values): the user's
     if msg_frames:  # torch.export prints the user call that raised ("The following call raised ...")
         f, line, code = msg_frames[-1]
         return f"{f}:{line}: {code.strip()}"
@@ -245,12 +246,14 @@ def capture(
             except Exception as e:  # noqa: BLE001 - an unreadable entry is captured again and replaced
                 capture_cache.log.info("capture cache entry %s unreadable (%s): capturing", key, e)
     before = _leaks(model)
+    attrs = {(id(m), k) for m in model.modules() for k in vars(m)}  # what exists before forward runs
     what: list[str] = []  # what the adapted forward returned (set inside the trace)
     printed = _Tee(sys.stdout)
     failed: Exception | None = None
     for default_mask in (False, True):
         try:
             ep, caught = _export(model, args, kwargs, shapes_named, dynamic, what, printed, default_mask)
+            _drop_scratch(model, attrs)
             _refuse_side_effects(model, ep, before, caught)
             break
         except Exception as e:  # noqa: BLE001 - every export failure becomes one clear error
@@ -294,7 +297,7 @@ def _export(model, args, kwargs, shapes_named, dynamic, what, printed, default_m
     warnings export raised)."""
     with _plain_outputs(model, what, default_mask), _recorded_warnings() as caught, \
             contextlib.redirect_stdout(printed), autograd_fn.wrapping(), loops.unrolling() as unrolled, \
-            _unchanged_casts():
+            _unchanged_casts(), checks.asserting() as asserted:
         export = functools.partial(loops.exporting, unrolled, model, args, kwargs)
         try:
             ep = export({**shapes_named[0], **_arg_names(model, shapes_named[1])})
@@ -312,6 +315,8 @@ def _export(model, args, kwargs, shapes_named, dynamic, what, printed, default_m
             if dynamic:
                 _unify_shared_dims(ep)
         loops.guard(ep, unrolled)  # loops over nonzero indices: each iteration selected by its mask entry
+        if asserted:  # value checks that only raise: tensor assertions naming their line
+            checks.tensor_asserts(ep.graph_module, asserted)
     return ep, caught
 
 
@@ -485,7 +490,9 @@ def _plain_outputs(model: torch.nn.Module, what: list, default_mask: bool = Fals
         if default_mask and kwargs.get("attention_mask") is None and kwargs.get("input_ids") is not None:
             kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
         try:
-            out, described = _plain_output(inner(*args, **kwargs))
+            with values.tracking():  # values made from shapes and constants alone are known (mcompile.values)
+                result = inner(*args, **kwargs)
+            out, described = _plain_output(result)
         except _Refused as r:  # about what forward returns: point at forward
             r.where = r.where or _def_line(model)
             raise
@@ -693,6 +700,18 @@ def _empty(t) -> bool:
     return isinstance(t, torch.Tensor) and t.numel() == 0
 
 
+def _drop_scratch(model: torch.nn.Module, attrs: set) -> None:
+    """A module attribute forward *created* to hold a traced value (Funnel's ``self.seq_len = x.size(1)``) is
+    scratch state of the call: the captured program reads no Python attribute, and nothing read it before forward
+    made it (it did not exist), so it is removed again, the module as it was before the capture. Code that reads it
+    after a step gets an AttributeError, never a placeholder. An attribute that existed before (a counter, a
+    cache a later call reads) is still refused by :func:`_refuse_side_effects`."""
+    for mod in model.modules():
+        for k, v in list(vars(mod).items()):
+            if (id(mod), k) not in attrs and _is_traced(v):
+                delattr(mod, k)
+
+
 def _refuse_side_effects(model: torch.nn.Module, ep, before: set[str], caught) -> None:
     """Python state forward changes (a list on self, a global, a tensor attribute) changes once, at
     capture, with placeholder values; the captured program never does it again."""
@@ -758,7 +777,10 @@ def _diagnose(e: BaseException) -> tuple[str | None, str, str | None, str]:
     where = _user_frame(e)
     if "GuardOnDataDependentSymNode" in names or "data-dependent" in text:
         return ("aten._local_scalar_dense", "a tensor's value is used as a Python bool/int/float "
-                "(data-dependent control flow, .item(), .tolist()): the captured program holds no values", where,
+                "(data-dependent control flow, .item(), .tolist()): the captured program holds no values, and this "
+                "value depends on the inputs' (or parameters') values, so fixing it to the example batch's would be "
+                "silently wrong for the next batch (a check that only raises becomes a runtime assertion, and a "
+                "value made from shapes and constants alone is known: mcompile.checks, mcompile.values)", where,
                 "remove data-dependent Python control flow / .item() / .tolist() from forward: compute both "
                 "branches and select with torch.where (or use torch.cond), and keep values as tensors")
     if ".numpy()" in text or "__array__" in text or "Cannot access data pointer" in text:

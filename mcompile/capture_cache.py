@@ -92,7 +92,7 @@ def key(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | No
     except ImportError:
         pass
     h.update(repr(versions).encode())
-    for code in ("capture.py", "autograd_fn.py"):  # the capture's code
+    for code in ("capture.py", "autograd_fn.py", "loops.py", "checks.py", "values.py"):  # the capture's code
         h.update(hashlib.sha256((Path(__file__).parent / code).read_bytes()).digest())
     for name, mod in model.named_modules(remove_duplicate=False):
         attrs = sorted((k, repr(v)) for k, v in vars(mod).items()

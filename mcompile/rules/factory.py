@@ -27,3 +27,10 @@ def factory(info: OpInfo) -> list[Strategy]:
 def new_factory(info: OpInfo) -> list[Strategy]:
     """``x.new_ones(size)``: ``x`` lends only dtype and device, so it is accepted wherever it is."""
     return [Strategy(tuple(info.current) or tuple(R for _ in info.inputs), (R,), name="replicate")]
+
+
+@rule(aten._assert_async.msg, aten._assert_async.default)
+def assert_async(info: OpInfo) -> list[Strategy]:
+    """A runtime check of a bool tensor (``mcompile.checks``: a value check of forward): it reads the whole
+    value, so the input is replicated (a Partial or a shard would check a piece)."""
+    return [Strategy(tuple(R for _ in info.inputs), (), name="assert")]

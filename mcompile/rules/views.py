@@ -59,6 +59,9 @@ def view_groups(ishape, oshape) -> list[tuple[list[int], list[int]]]:
             c = _bigger(po, pi)
             if c == 0:
                 break
+            if (i if c > 0 else j) >= (len(ishape) if c > 0 else len(oshape)):
+                # sizes whose products cannot be matched (a size that depends on values: BLT's patch count)
+                raise ValueError(f"view from {ishape} to {oshape}: no grouping of dims with equal products")
             if c > 0:
                 pi = pi * ishape[i]
                 ins.append(i)
@@ -76,7 +79,13 @@ def map_view_placement(p, ishape, oshape, n: int, notes: list[str] | None = None
     if isinstance(p, Replicate | Partial):
         return p
     d = p.dim % len(ishape)
-    for ins, outs in view_groups(ishape, oshape):
+    try:
+        groups = view_groups(ishape, oshape)
+    except ValueError as e:  # no dim of the output is known to hold the sharded one: not offered
+        if notes is not None:
+            notes.append(str(e))
+        return None
+    for ins, outs in groups:
         if d not in ins:
             continue
         big_in = [k for k in ins if not same(ishape[k], 1)]
@@ -117,7 +126,11 @@ def map_token_view(p: Shard, ishape, oshape, tok):
     def has_tok(size) -> bool:
         return isinstance(size, sympy.Expr) and tok in size.free_symbols
 
-    for ins, outs in view_groups(ishape, oshape):
+    try:
+        groups = view_groups(ishape, oshape)
+    except ValueError:
+        return None
+    for ins, outs in groups:
         if d not in ins:
             continue
         big_in = [k for k in ins if not same(ishape[k], 1)]
