@@ -602,3 +602,48 @@ def test_an_einsum_output_projection_is_a_tp_region_exit():
     assert not quality and c.quality == []
     assert c.plan.params["layers.0.o"].placements[0] == Shard(1)  # by heads, as q, k and v
     assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+
+
+class TwoPartAttentionBlock(torch.nn.Module):
+    """An attention whose output is the sum of two probability-times-value products (PegasusX's block-local
+    attention: the scores against a few global tokens and against the rest, one softmax, each part times its
+    own values), then out_proj and a pre-norm MLP."""
+
+    def __init__(self, dim=32, heads=4, n_global=4):
+        super().__init__()
+        self.heads, self.g = heads, n_global
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.up, self.down = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        kg, kl, vg, vl = k[:, :, :self.g], k[:, :, self.g:], v[:, :, :self.g], v[:, :, self.g:]
+        p = torch.cat([q @ kg.transpose(-1, -2), q @ kl.transpose(-1, -2)], -1).softmax(-1)
+        a = p[..., :self.g] @ vg + p[..., self.g:] @ vl
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class TwoPartAttentionLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(TwoPartAttentionBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_an_attention_summed_from_two_products_is_one_tp_region_exit():
+    """An attention output added from two probability-times-value products is the attention's output, not a
+    residual sum: its out_proj is an exit (2 a layer with the MLP's), and Megatron's layout (2 all-reduces a
+    layer) passes the check (it counted 1 exit and warned before)."""
+    from mcompile.quality import tp_exits
+
+    torch.manual_seed(0)
+    model = TwoPartAttentionLM()
+    c, inputs, quality = _plan(model, 64, tp=2)
+    exits = tp_exits(c.captured.gm)
+    assert sorted(exits) == [0, 1] and all(len(e) == 2 for e in exits.values()), exits
+    assert not quality and c.quality == []
+    assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
