@@ -647,3 +647,45 @@ def test_an_attention_summed_from_two_products_is_one_tp_region_exit():
     assert sorted(exits) == [0, 1] and all(len(e) == 2 for e in exits.values()), exits
     assert not quality and c.quality == []
     assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+
+
+class GatedExitBlock(torch.nn.Module):
+    """RWKV's channel mix after a plain attention: ``sigmoid(receptance(x)) * value(relu(key(x)) ** 2)``, the
+    gate applied to the MLP's output after its row-parallel projection."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.o = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.key, self.value = torch.nn.Linear(dim, 2 * dim, bias=False), torch.nn.Linear(2 * dim, dim, bias=False)
+        self.receptance = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(self.norm1(x)).chunk(3, -1))
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        h = self.norm2(x)
+        return x + torch.sigmoid(self.receptance(h)) * self.value(torch.relu(self.key(h)).square())
+
+
+class GatedExitLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(GatedExitBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_a_gate_projected_from_the_stream_onto_an_exit_is_one_more_exit():
+    """A projection of the stream gating an MLP's output elementwise (RWKV's receptance) is a tp region of its
+    own, sharded like every weight: it leaves at the product (all-gathered), so the check counts 3 exits a layer
+    and every weight is sharded (it counted 2 and warned before)."""
+    from mcompile.quality import tp_exits
+
+    torch.manual_seed(0)
+    c, inputs, quality = _plan(GatedExitLM(), 64, tp=2)
+    exits = tp_exits(c.captured.gm)
+    assert sorted(exits) == [0, 1] and all(len(e) == 3 for e in exits.values()), exits
+    assert not quality and c.quality == []
+    assert c.plan.params["layers.0.receptance.weight"].placements[0] == Shard(0)
+    assert all(sum(cnt.values()) == 3 for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
