@@ -689,3 +689,47 @@ def test_a_gate_projected_from_the_stream_onto_an_exit_is_one_more_exit():
     assert not quality and c.quality == []
     assert c.plan.params["layers.0.receptance.weight"].placements[0] == Shard(0)
     assert all(sum(cnt.values()) == 3 for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+
+
+class ConcatConvBlock(torch.nn.Module):
+    """Separate q, k, v projections concatenated along their features for one depthwise causal conv over the
+    channels, cut apart after it (BailingHybrid's linear attention), then attention, out_proj and an MLP."""
+
+    def __init__(self, dim=32, heads=4, kernel=3):
+        super().__init__()
+        self.heads, self.kernel = heads, kernel
+        self.q, self.k, self.v = (torch.nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.conv = torch.nn.Conv1d(3 * dim, 3 * dim, kernel, groups=3 * dim, padding=kernel - 1, bias=False)
+        self.o = torch.nn.Linear(dim, dim, bias=False)
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.up, self.down = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.norm1(x)
+        qkv = torch.cat([self.q(h), self.k(h), self.v(h)], -1)
+        qkv = F.silu(self.conv(qkv.transpose(1, 2))[..., :s]).transpose(1, 2)
+        q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2) for t in qkv.split([d, d, d], -1))
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class ConcatConvLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(ConcatConvBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_projections_concatenated_for_a_depthwise_conv_stay_split_by_parts():
+    """The cat of separately projected, column-parallel parts along their features is each rank's share of
+    every part (the blocks of a fused projection): the depthwise conv takes the same blocks and the split after
+    it hands each rank its heads of q, k and v. Megatron's 2 all-reduces a layer at parity (the cat was
+    gathered whole before: 5 more all-gathers a layer, attention run whole on every rank)."""
+    torch.manual_seed(0)
+    model = ConcatConvLM()
+    c, inputs, quality = _plan(model, 64, tp=2)
+    assert not quality and c.quality == []
+    assert c.plan.params["layers.0.conv.weight"].placements[0] == BlockShard(0, 3)
+    assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+    _parity(model, c, inputs)
