@@ -733,3 +733,34 @@ def test_projections_concatenated_for_a_depthwise_conv_stay_split_by_parts():
     assert c.plan.params["layers.0.conv.weight"].placements[0] == BlockShard(0, 3)
     assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
     _parity(model, c, inputs)
+
+
+class ConcatReadBlock(torch.nn.Module):
+    """Two column-parallel projections concatenated and read whole by a linear (AXK2's gate over a cat): no
+    cut follows, so the cat must not be held as blocks (no rule gathers blocks for the linear)."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(dim, dim, bias=False), torch.nn.Linear(dim, dim, bias=False)
+        self.g = torch.nn.Linear(2 * dim, dim, bias=False)
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.g(torch.cat([torch.relu(self.a(h)), self.b(h)], -1))
+
+
+class ConcatReadLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(ConcatReadBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_a_concatenation_read_whole_by_a_linear_is_not_held_as_blocks():
+    """Without a cut into the same parts after it, a cat of column-parallel parts is no block layout: the plan
+    exists (a PlanError on the linear before: its input held as blocks nothing could gather) and is at parity."""
+    torch.manual_seed(0)
+    model = ConcatReadLM()
+    c, inputs, _ = _plan(model, 64, tp=2)
+    _parity(model, c, inputs)
