@@ -25,7 +25,7 @@ import torch
 from mcompile.capture import Captured
 from mcompile.placements import BlockShard, Replicate, Shard
 
-__all__ = ["mixer_hints", "channels_first_blocks", "conv_readers", "few_groups"]
+__all__ = ["mixer_hints", "channels_first_blocks", "conv_readers", "few_groups", "cut_apart"]
 
 aten = torch.ops.aten
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
@@ -200,6 +200,43 @@ def _mixer_cuts(cap: Captured, tp: int):
         parts = [u for u in node.users if u.target is operator.getitem]
         whole = tp > 1 and any(g % tp for p in parts for g in _groups(p))
         yield lin, [(lin, BlockShard(0, tuple(nested))), *((c, blocks) for c in convs)], whole
+
+
+def cut_apart(node: torch.fx.Node, dim: int, sizes: list) -> bool:
+    """Whether ``node``'s value reaches, as the only reader at each step, a cut of ``dim`` into exactly ``sizes``
+    (a split, split_with_sizes or chunk) through ops that keep each channel of ``dim`` apart: transposes,
+    permutes, casts and copies, per-channel activations, slices of another dim, a depthwise conv1d over it.
+    BailingHybrid's ``cat([q, k, v], -1).transpose(1, 2)`` -> conv1d -> silu -> ``transpose(1, 2).split(...)``:
+    the cat of column-parallel parts may then be held as their blocks (``mcompile.rules.views.cat``), which
+    every op on the way keeps and the cut turns back into each part's plain shard."""
+    cur = node
+    while True:
+        users = [u for u in cur.users if u.target is not aten._assert_tensor_metadata.default]  # checks: no value
+        if len(users) != 1:
+            return False
+        u = users[0]
+        if u.op != "call_function" or u.args[0] is not cur:
+            return False
+        nd = cur.meta["val"].ndim
+        if u.target in _SPLITS:
+            if _split_dim(u) != dim % nd or not isinstance(u.meta.get("val"), list | tuple):
+                return False
+            return [o.shape[dim % nd] for o in u.meta["val"]] == list(sizes)
+        if u.target is aten.transpose.int:
+            a, b = u.args[1] % nd, u.args[2] % nd
+            dim = b if dim % nd == a else a if dim % nd == b else dim
+        elif u.target is aten.permute.default:
+            dim = [d % nd for d in u.args[1]].index(dim % nd)
+        elif u.target is aten.slice.Tensor:
+            if (u.args[1] if len(u.args) > 1 else 0) % nd == dim % nd:
+                return False
+        elif _depthwise(u) is not None:
+            if dim % nd != 1:
+                return False
+        elif u.target not in (*_PER_CHANNEL, aten.to.dtype, aten._to_copy.default, aten.alias.default,
+                              aten.contiguous.default, aten.clone.default):
+            return False
+        cur = u
 
 
 def _param_of(a, cap: Captured) -> str | None:

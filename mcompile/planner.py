@@ -396,11 +396,37 @@ def _contraction(n: torch.fx.Node) -> bool:
         str(getattr(n.target, "namespace", "aten")) != "aten"
 
 
+_SHAPE_ONLY = (*_THROUGH, aten.transpose.int, aten.permute.default, aten.contiguous.default, aten.clone.default,
+               aten.slice.Tensor, aten.unsqueeze.default, aten.squeeze.dim, aten.dropout.default)
+
+
+def _attention_product(x: torch.fx.Node) -> bool:
+    """Whether ``x`` is, short of views, a product of two activations (attention's probabilities times values:
+    a matmul, bmm or einsum with no parameter operand, or fused attention). A sum of two such products is one
+    attention's output in parts (PegasusX's block-local attention: the scores against the global tokens and
+    against the block's own, each times its values, added), not a residual sum."""
+    while x.op == "call_function" and x.target in _SHAPE_ONLY:
+        x = x.args[0]
+    if x.op != "call_function":
+        return False
+    if x.target is aten.scaled_dot_product_attention.default:
+        return True
+    if x.target not in _SCORES and not (x.target is aten.einsum.default and len(x.args[1]) == 2):
+        return False
+    for a in x.all_input_nodes:
+        while a.op == "call_function" and a.target in _TO_WEIGHT:
+            a = a.args[0]
+        if a.op == "placeholder":
+            return False  # a projection by a parameter (or of an input) is no attention product
+    return True
+
+
 def _after_contraction(x, whole: frozenset = frozenset()) -> bool:
     """Whether ``x`` is computed from a contraction (a linear, attention, a custom op such as a scan) by ops
     short of a residual sum: the input of an MLP's down-projection or attention's output projection is;
     the normalised residual stream a latent is projected from is not (an embedding counts as a source, and
-    so does a linear whose weight is one of ``whole``, kept whole over tp: a latent, a router)."""
+    so does a linear whose weight is one of ``whole``, kept whole over tp: a latent, a router). An add of two
+    attention products (:func:`_attention_product`) is one attention's output, not a residual sum."""
     todo, seen = [x], set()
     while todo:
         cur = todo.pop()
@@ -415,7 +441,8 @@ def _after_contraction(x, whole: frozenset = frozenset()) -> bool:
         # a multi-output node's value is a list (chunk -> getitem: Phi-3's gate_up_proj halves)
         tensors = [a for a in cur.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor | list | tuple)]
         if cur.target is aten.add.Tensor and len(tensors) == 2 and not any(
-                a.op == "placeholder" and a.meta["val"].ndim == 1 for a in tensors):
+                a.op == "placeholder" and a.meta["val"].ndim == 1 for a in tensors) and \
+                not all(_attention_product(a) for a in tensors):
             continue  # a residual sum: the stream, not a projection's output (a 1-D parameter added is a bias)
         todo.extend(tensors)
     return False

@@ -17,6 +17,9 @@ transformer layer:
    projections, summed). Exits whose values are added together before anything else reads them leave
    as one (an MoE layer's routed experts plus its shared expert — scaled or not by a gate, linear in
    it — a parallel-residual block's attention plus MLP): Megatron adds the partial sums and reduces once.
+   An exit whose output is multiplied elementwise by a gate projected from the stream (RWKV's channel mix,
+   ``sigmoid(receptance(x)) * value(k)``) has that gate's region leave at the product too: one more exit
+   (Megatron has no such construct; the gate's weight, sharded, must be gathered or its product must).
    A layer whose forward tp collectives exceed that count is reported with every collective of the layer
    and the captured node whose value it moves.
 2. **Weights.** Every weight matrix a contraction of the layer uses is sharded over tp, unless the plan
@@ -144,13 +147,56 @@ def _merge_sums(names: list[str], nodes: dict) -> list[str]:
     return list(groups.values())
 
 
+_GATE_OPS = {aten.sigmoid.default, aten.silu.default, aten.gelu.default, aten.tanh.default, aten.relu.default,
+             aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default, aten.dropout.default,
+             aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _gate_projection(mul: torch.fx.Node, exit_value: torch.fx.Node, whole: frozenset) -> torch.fx.Node | None:
+    """The projection of the residual stream that gates an exit's output elementwise (RWKV's channel mix:
+    ``sigmoid(receptance(x)) * value(k)``): ``mul``'s other operand, a same-shape gate computed by pointwise
+    ops from a linear whose input comes from no other contraction. Megatron has no such construct: the gate's
+    projection, sharded as every weight is, is a tp region of its own that leaves at the product (one more
+    exit; kept whole it would save that collective by computing the whole projection on every rank)."""
+    from mcompile.planner import _after_contraction
+
+    if mul.target not in (aten.mul.Tensor, aten.multiply.Tensor) or len(mul.args) != 2:
+        return None
+    gate = mul.args[1] if mul.args[0] is exit_value else mul.args[0]
+    out = mul.meta.get("val")
+    if not isinstance(gate, torch.fx.Node) or out is None or \
+            tuple(getattr(gate.meta.get("val"), "shape", ())) != tuple(out.shape):
+        return None
+    while gate.op == "call_function" and gate.target in _GATE_OPS:
+        gate = gate.args[0]
+    w = _weight_of(gate) if gate.op == "call_function" else None
+    if w is None or w.name in whole or _after_contraction(_activation_of(gate), whole):
+        return None
+    return gate
+
+
+def _gated(node: torch.fx.Node, whole: frozenset) -> torch.fx.Node | None:
+    """The gate projection (:func:`_gate_projection`) that multiplies an exit's output on its way (through views,
+    copies and its bias) to the residual sum, or None."""
+    while len(node.users) == 1:
+        prev, node = node, next(iter(node.users))
+        if node.target in (aten.mul.Tensor, aten.multiply.Tensor):
+            return _gate_projection(node, prev, whole)
+        if node.target not in _PASS and not (node.target is aten.add.Tensor and any(
+                isinstance(a, torch.fx.Node) and a.op == "placeholder" and a.meta["val"].ndim == 1
+                for a in node.args)):
+            return None
+    return None
+
+
 def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[int, list[str]]:
     """Per layer, what leaves a tp region in Megatron's layout: a projection whose input is computed from
     another contraction (attention's output projection, an MLP's down projection), or an MoE layer. A
     projection whose weight is kept whole (``whole``: a low-rank latent, :func:`mcompile.planner.latent_hints`;
     an MoE router, :func:`mcompile.planner.router_hints`) is not a region: what reads its replicated output
     enters one (MLA's q_b / kv_b; Llama-4's experts, whose input is scaled by the router's scores). Exits
-    summed before any other use count once ("a+b": an MoE layer's routed and shared experts)."""
+    summed before any other use count once ("a+b": an MoE layer's routed and shared experts). A projection of
+    the stream gating an exit's output elementwise is one more exit (:func:`_gate_projection`)."""
     from mcompile.moe import moe_ffn
     from mcompile.planner import _after_contraction
 
@@ -166,6 +212,9 @@ def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[i
             continue
         if _after_contraction(_activation_of(node), whole):
             out.setdefault(layer, []).append(node.name)
+            gate = _gated(node, whole)
+            if gate is not None:  # the gate's own region leaves at the product
+                out[layer].append(gate.name)
     nodes = {n.name: n for n in gm.graph.nodes}
     return {layer: _merge_sums(names, nodes) for layer, names in out.items()}
 

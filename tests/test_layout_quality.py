@@ -604,6 +604,168 @@ def test_an_einsum_output_projection_is_a_tp_region_exit():
     assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
 
 
+class TwoPartAttentionBlock(torch.nn.Module):
+    """An attention whose output is the sum of two probability-times-value products (PegasusX's block-local
+    attention: the scores against a few global tokens and against the rest, one softmax, each part times its
+    own values), then out_proj and a pre-norm MLP."""
+
+    def __init__(self, dim=32, heads=4, n_global=4):
+        super().__init__()
+        self.heads, self.g = heads, n_global
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.up, self.down = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        kg, kl, vg, vl = k[:, :, :self.g], k[:, :, self.g:], v[:, :, :self.g], v[:, :, self.g:]
+        p = torch.cat([q @ kg.transpose(-1, -2), q @ kl.transpose(-1, -2)], -1).softmax(-1)
+        a = p[..., :self.g] @ vg + p[..., self.g:] @ vl
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class TwoPartAttentionLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(TwoPartAttentionBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_an_attention_summed_from_two_products_is_one_tp_region_exit():
+    """An attention output added from two probability-times-value products is the attention's output, not a
+    residual sum: its out_proj is an exit (2 a layer with the MLP's), and Megatron's layout (2 all-reduces a
+    layer) passes the check (it counted 1 exit and warned before)."""
+    from mcompile.quality import tp_exits
+
+    torch.manual_seed(0)
+    model = TwoPartAttentionLM()
+    c, inputs, quality = _plan(model, 64, tp=2)
+    exits = tp_exits(c.captured.gm)
+    assert sorted(exits) == [0, 1] and all(len(e) == 2 for e in exits.values()), exits
+    assert not quality and c.quality == []
+    assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+
+
+class GatedExitBlock(torch.nn.Module):
+    """RWKV's channel mix after a plain attention: ``sigmoid(receptance(x)) * value(relu(key(x)) ** 2)``, the
+    gate applied to the MLP's output after its row-parallel projection."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.o = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.key, self.value = torch.nn.Linear(dim, 2 * dim, bias=False), torch.nn.Linear(2 * dim, dim, bias=False)
+        self.receptance = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(self.norm1(x)).chunk(3, -1))
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        h = self.norm2(x)
+        return x + torch.sigmoid(self.receptance(h)) * self.value(torch.relu(self.key(h)).square())
+
+
+class GatedExitLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(GatedExitBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_a_gate_projected_from_the_stream_onto_an_exit_is_one_more_exit():
+    """A projection of the stream gating an MLP's output elementwise (RWKV's receptance) is a tp region of its
+    own, sharded like every weight: it leaves at the product (all-gathered), so the check counts 3 exits a layer
+    and every weight is sharded (it counted 2 and warned before)."""
+    from mcompile.quality import tp_exits
+
+    torch.manual_seed(0)
+    c, inputs, quality = _plan(GatedExitLM(), 64, tp=2)
+    exits = tp_exits(c.captured.gm)
+    assert sorted(exits) == [0, 1] and all(len(e) == 3 for e in exits.values()), exits
+    assert not quality and c.quality == []
+    assert c.plan.params["layers.0.receptance.weight"].placements[0] == Shard(0)
+    assert all(sum(cnt.values()) == 3 for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+
+
+class ConcatConvBlock(torch.nn.Module):
+    """Separate q, k, v projections concatenated along their features for one depthwise causal conv over the
+    channels, cut apart after it (BailingHybrid's linear attention), then attention, out_proj and an MLP."""
+
+    def __init__(self, dim=32, heads=4, kernel=3):
+        super().__init__()
+        self.heads, self.kernel = heads, kernel
+        self.q, self.k, self.v = (torch.nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.conv = torch.nn.Conv1d(3 * dim, 3 * dim, kernel, groups=3 * dim, padding=kernel - 1, bias=False)
+        self.o = torch.nn.Linear(dim, dim, bias=False)
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.up, self.down = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.norm1(x)
+        qkv = torch.cat([self.q(h), self.k(h), self.v(h)], -1)
+        qkv = F.silu(self.conv(qkv.transpose(1, 2))[..., :s]).transpose(1, 2)
+        q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2) for t in qkv.split([d, d, d], -1))
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class ConcatConvLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(ConcatConvBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_projections_concatenated_for_a_depthwise_conv_stay_split_by_parts():
+    """The cat of separately projected, column-parallel parts along their features is each rank's share of
+    every part (the blocks of a fused projection): the depthwise conv takes the same blocks and the split after
+    it hands each rank its heads of q, k and v. Megatron's 2 all-reduces a layer at parity (the cat was
+    gathered whole before: 5 more all-gathers a layer, attention run whole on every rank)."""
+    torch.manual_seed(0)
+    model = ConcatConvLM()
+    c, inputs, quality = _plan(model, 64, tp=2)
+    assert not quality and c.quality == []
+    assert c.plan.params["layers.0.conv.weight"].placements[0] == BlockShard(0, 3)
+    assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+    _parity(model, c, inputs)
+
+
+class ConcatReadBlock(torch.nn.Module):
+    """Two column-parallel projections concatenated and read whole by a linear (AXK2's gate over a cat): no
+    cut follows, so the cat must not be held as blocks (no rule gathers blocks for the linear)."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(dim, dim, bias=False), torch.nn.Linear(dim, dim, bias=False)
+        self.g = torch.nn.Linear(2 * dim, dim, bias=False)
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.g(torch.cat([torch.relu(self.a(h)), self.b(h)], -1))
+
+
+class ConcatReadLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(ConcatReadBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_a_concatenation_read_whole_by_a_linear_is_not_held_as_blocks():
+    """Without a cut into the same parts after it, a cat of column-parallel parts is no block layout: the plan
+    exists (a PlanError on the linear before: its input held as blocks nothing could gather) and is at parity."""
+    torch.manual_seed(0)
+    model = ConcatReadLM()
+    c, inputs, _ = _plan(model, 64, tp=2)
+    _parity(model, c, inputs)
+
+
 class ScaledParallelBlock(torch.nn.Module):
     """Falcon-H1's block: attention and a second mixer read the same normed input in parallel, each output scaled
     by its own multiplier (``attn_out * attention_out_multiplier + mixer_out * ssm_out_multiplier``) before

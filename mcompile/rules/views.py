@@ -471,6 +471,21 @@ def cat(info: OpInfo) -> list[Strategy]:
     for d in range(o.ndim):
         if d != dim:
             out.append(Strategy(tuple(R if e else Shard(d) for e in empty), (Shard(d),), name="other_dim"))
+    # parts projected apart, each split over the axis on the cat dim, joined along it and cut apart into the same
+    # parts later (BailingHybrid's separate q, k, v projections concatenated for one depthwise conv): each rank's
+    # pieces joined are its share of every part, the blocks of a fused projection's output (BlockShard, part
+    # sizes), which the ops on the way keep and the cut makes plain shards again (mixer_hints.cut_apart; a
+    # block layout read by anything else, a linear, could only be gathered whole, and nothing gathers blocks)
+    sizes = [] if any(empty) else [t.shape[dim] for t in info.inputs]
+    if k >= 2 and sizes and all(isinstance(s, int) and s > 0 for s in sizes) and info.node is not None:
+        from mcompile.mixer_hints import cut_apart
+
+        if not cut_apart(info.node, dim, sizes):
+            sizes = []
+    if k >= 2 and sizes and all(isinstance(s, int) and s > 0 for s in sizes):
+        blocks = BlockShard(dim, tuple(sizes))
+        if blocks.divides(sum(sizes), info.n):
+            out.append(Strategy(tuple(Shard(dim) for _ in range(k)), (blocks,), name="blocks"))
     cur = info.current
     out.sort(key=lambda s: tuple(s.inputs) != tuple(cur))
     P = Partial()
