@@ -43,7 +43,9 @@ class Indexer(torch.nn.Module):
         q = self.wq(x).view(b, s, IDX_HEADS, IDX_DIM)
         k = self.k_norm(self.wk(x))
         scores = F.relu(torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)))  # [b, s, heads, t]
-        w = self.weights_proj(x) * IDX_HEADS ** -0.5
+        # HF's cast to the weights' dtype: a no-op that returns x itself, which eager's caller keeps reading
+        # with its gradient (grad_regions: not detached when the region is inlined)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)) * IDX_HEADS ** -0.5
         index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)  # the heads summed: [b, s, t]
         index = index.masked_fill(~causal, float("-inf"))
         return index.topk(TOPK, dim=-1).indices
@@ -57,6 +59,7 @@ class Layer(torch.nn.Module):
         self.o = torch.nn.Linear(D, D, bias=False)
         self.up, self.down = torch.nn.Linear(D, 2 * D, bias=False), torch.nn.Linear(2 * D, D, bias=False)
         self.indexer = None if per_head_topk else Indexer()
+        self.g = torch.nn.Linear(D, HEADS, bias=False)  # Dots3Note's per-head output gate, read after the indexer
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -72,6 +75,7 @@ class Layer(torch.nn.Module):
             top = scores.masked_fill(~causal, float("-inf")).topk(TOPK, dim=-1).indices
             keep = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, top, True) & causal
         att = scores.masked_fill(~keep, float("-inf")).softmax(-1) @ v
+        att = att * self.g(h).transpose(1, 2).unsqueeze(-1).sigmoid()
         x = x + self.o(att.transpose(1, 2).reshape(b, s, D))
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
@@ -97,7 +101,9 @@ def _inputs():
 
 def test_the_indexers_projections_stay_whole_and_each_layer_keeps_megatrons_two_exits():
     """The indexer's wq, wk and weights_proj whole over tp (the reason recorded: no finding), the attention's
-    and MLP's weights Megatron's, 2 forward all-reduces a layer, and the single-device loss and gradients."""
+    and MLP's weights Megatron's, 2 forward all-reduces a layer, and the single-device loss and gradients (the
+    gate reads the normalised input after the no-grad indexer's no-op cast of it: before grad_regions kept
+    that tensor the caller's, its gradient through the gate was cut, 1e-1 off as Dots3Note in the zoo)."""
     torch.manual_seed(0)
     model = SparseLM()
     inputs = _inputs()
