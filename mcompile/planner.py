@@ -481,46 +481,69 @@ def selector_hints(cap: Captured) -> dict[str, object]:
     the heads (DeepSeek sparse attention's lightning indexer, Liu et al. 2025 "DeepSeek-V3.2": its own
     small query heads, one shared key and a per-head weight score every key per query, ``sum_h w[s, h] *
     relu(q[s, h] . k[t])``, and keep the top-k keys for the main attention). Found from the graph: a top-k
-    whose input is computed, through ops short of a projection, from an activation-by-activation matmul
-    (per-head scores) with more dims than the top-k reads (the heads summed away); every linear those ops
-    start from is kept whole. DeepSeek's own tensor-parallel inference keeps the indexer's ``wq_b``, ``wk``
-    and ``weights_proj`` whole on every rank (and asserts the ranks' indices agree): the inputs are already
-    whole there (the residual stream, the query latent :func:`latent_hints` keeps whole), so the selection
-    costs no collective and picks exactly the single-device keys. Split by heads it would cost an
-    all-reduce of the summed scores per layer (``batch * seq * keys`` fp32, 64 MiB per 4096-token sequence
-    and layer at DeepSeek-V3.2's size), and a rounding difference in that sum may flip a near-tie of the
-    top-k. Left to the propagator (no hint), the shared key's features were split and gathered back:
-    three more forward collectives a layer."""
+    whose input is computed, through ops of the top-k's module short of a projection, from an
+    activation-by-activation matmul (per-head scores) with more dims than the top-k reads (the heads summed
+    away); every linear those ops start from whose output goes nowhere else (:func:`_only_into`) is kept
+    whole. DeepSeek's own
+    tensor-parallel inference keeps the indexer's ``wq_b``, ``wk`` and ``weights_proj`` whole on every rank
+    (and asserts the ranks' indices agree): the inputs are already whole there (the residual stream, the
+    query latent :func:`latent_hints` keeps whole), so the selection costs no collective and picks exactly
+    the single-device keys. Split by heads it would cost an all-reduce of the summed scores per layer
+    (``batch * seq * keys`` fp32: 64 MiB per 4096-token sequence and layer at DeepSeek-V3.2's size), and a
+    rounding difference in that sum may flip a near-tie of the top-k. Left to the propagator (no hint), the
+    shared key's features were split and gathered back: three more forward collectives a layer."""
     hints: dict[str, object] = {}
     for node in cap.gm.graph.nodes:
         if node.op != "call_function" or node.target is not aten.topk.default:
             continue
-        x = node.args[0]
+        x, where = node.args[0], _module_path(node)
+        if not where:
+            continue  # the selector's module unknown: nothing to bound it by
         ndim = x.meta["val"].ndim if isinstance(x.meta.get("val"), torch.Tensor) else None
         linears, per_head, todo, seen = [], False, [x], set()
         while todo:
             cur = todo.pop()
             if cur in seen or not isinstance(cur, torch.fx.Node) or cur.op != "call_function":
                 continue
+            path = _module_path(cur)
+            if path != where and not path.startswith(where + "."):
+                continue  # computed outside the selector's module (its inputs): a source
             seen.add(cur)
             if _reads_weight(cur, cap):
                 linears.append(cur)
                 continue
             if _contraction(cur) and cur.target not in _SCORES:
-                break  # attention, a scan, a custom op: not a selector's scores
+                continue  # attention, a scan, an embedding: a source, as a placeholder is
             val = cur.meta.get("val")
             if cur.target in _SCORES and isinstance(val, torch.Tensor) and ndim is not None and val.ndim > ndim:
                 per_head = True
             todo.extend(cur.all_input_nodes)
-        else:
-            if per_head:
-                for lin in linears:
-                    w = lin.args[1]
-                    while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in _CASTS:
-                        w = w.args[0]
-                    if lin.target is aten.linear.default and getattr(w, "name", None) in cap.params:
-                        _whole(hints, lin, w, cap)
+        if per_head:
+            for lin in linears:
+                w = lin.args[1]
+                while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in _CASTS:
+                    w = w.args[0]
+                if lin.target is aten.linear.default and getattr(w, "name", None) in cap.params and \
+                        _only_into(lin, seen, node):
+                    _whole(hints, lin, w, cap)
     return hints
+
+
+def _only_into(lin: torch.fx.Node, region: set, topk: torch.fx.Node) -> bool:
+    """Whether everything computed from ``lin`` stays in ``region`` (the selector's ops) up to ``topk``: its
+    own projections do, and a projection whose output also goes on elsewhere (an earlier layer's output
+    projection, reached back through the residual stream) is no selector's."""
+    todo, seen = [lin], set()
+    while todo:
+        for u in todo.pop().users:
+            if u is topk or u in seen or not isinstance(u.meta.get("val"), torch.Tensor | list | tuple) and \
+                    not u.users:
+                continue  # the selection itself; export's metadata asserts
+            if u not in region:
+                return False
+            seen.add(u)
+            todo.append(u)
+    return True
 
 
 def moe_nodes(cap: Captured) -> list:

@@ -30,8 +30,9 @@ class Indexer(torch.nn.Module):
     """Per query, the top-k keys by ``sum_h w[s, h] * relu(q[s, h] . k[t])`` (causal): small query heads, one
     shared normalised key, a per-head weight projection, as Hugging Face's DeepseekV32Indexer."""
 
-    def __init__(self):
+    def __init__(self, own_key: bool = True):
         super().__init__()
+        self.own_key = own_key
         self.wq = torch.nn.Linear(D, IDX_HEADS * IDX_DIM, bias=False)
         self.wk = torch.nn.Linear(D, IDX_DIM, bias=False)
         self.k_norm = torch.nn.LayerNorm(IDX_DIM)
@@ -41,7 +42,7 @@ class Indexer(torch.nn.Module):
     def forward(self, x, causal):
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, IDX_HEADS, IDX_DIM)
-        k = self.k_norm(self.wk(x))
+        k = self.k_norm(self.wk(x) if self.own_key else x[..., :IDX_DIM])  # else: the residual stream's features
         scores = F.relu(torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)))  # [b, s, heads, t]
         # HF's cast to the weights' dtype: a no-op that returns x itself, which eager's caller keeps reading
         # with its gradient (grad_regions: not detached when the region is inlined)
@@ -52,13 +53,13 @@ class Indexer(torch.nn.Module):
 
 
 class Layer(torch.nn.Module):
-    def __init__(self, per_head_topk: bool = False):
+    def __init__(self, per_head_topk: bool = False, own_key: bool = True):
         super().__init__()
         self.norm1, self.norm2 = torch.nn.RMSNorm(D), torch.nn.RMSNorm(D)
         self.q, self.k, self.v = (torch.nn.Linear(D, D, bias=False) for _ in range(3))
         self.o = torch.nn.Linear(D, D, bias=False)
         self.up, self.down = torch.nn.Linear(D, 2 * D, bias=False), torch.nn.Linear(2 * D, D, bias=False)
-        self.indexer = None if per_head_topk else Indexer()
+        self.indexer = None if per_head_topk else Indexer(own_key)
         self.g = torch.nn.Linear(D, HEADS, bias=False)  # Dots3Note's per-head output gate, read after the indexer
 
     def forward(self, x):
@@ -81,10 +82,10 @@ class Layer(torch.nn.Module):
 
 
 class SparseLM(torch.nn.Module):
-    def __init__(self, layers: int = 2, per_head_topk: bool = False):
+    def __init__(self, layers: int = 2, per_head_topk: bool = False, own_key: bool = True):
         super().__init__()
         self.emb = torch.nn.Embedding(VOCAB, D)
-        self.layers = torch.nn.ModuleList(Layer(per_head_topk) for _ in range(layers))
+        self.layers = torch.nn.ModuleList(Layer(per_head_topk, own_key) for _ in range(layers))
         self.head = torch.nn.Linear(D, VOCAB, bias=False)
 
     def forward(self, ids, labels):
@@ -126,7 +127,9 @@ def test_the_indexers_projections_stay_whole_and_each_layer_keeps_megatrons_two_
 
 def test_a_top_k_over_each_heads_own_scores_is_no_selector():
     """Only a top-k over scores summed over heads marks a selector: a top-k of each head's own q.k scores (the
-    main attention's projections, split by heads with no communication) keeps its projections free to shard."""
+    main attention's projections, split by heads with no communication) keeps its projections free to shard.
+    Nor is a projection whose output goes on elsewhere a selector's: a key read from the residual stream
+    reaches the previous layer's output projections, which stay Megatron's row-parallel exits."""
     def captured(model):
         cap = capture(model, _inputs())
         canonicalize(cap.gm)  # as compile_plan: the indexer's no-grad region inlined
@@ -137,3 +140,6 @@ def test_a_top_k_over_each_heads_own_scores_is_no_selector():
     cap = captured(SparseLM(layers=1))
     assert sorted(cap.params[n] for n in selector_hints(cap)) == [
         "layers.0.indexer.weights_proj.weight", "layers.0.indexer.wk.weight", "layers.0.indexer.wq.weight"]
+    cap = captured(SparseLM(layers=2, own_key=False))
+    assert sorted(cap.params[n] for n in selector_hints(cap)) == [
+        f"layers.{i}.indexer.{w}.weight" for i in (0, 1) for w in ("weights_proj", "wq")]
