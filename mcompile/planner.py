@@ -121,7 +121,7 @@ def check_divisibility(cap: Captured, tp: int) -> None:
     weights, hidden = _weights(cap)
     # replicated over tp, so nothing of theirs to divide: low-rank latents, and MoE routers (one output per expert
     # or routing class: Zaya's 4 experts + a skip class score 5, which no tp divides)
-    whole = {cap.params[n] for n in {**latent_hints(cap), **router_hints(cap)}}
+    whole = {cap.params[n] for n in {**latent_hints(cap), **router_hints(cap), **selector_hints(cap)}}
     weights = [w for w in weights if w[0] not in whole]
     dims = [d for h, k, _, _ in heads for d in (h, k)] + [d for *_, s in weights for d in s]
     ok = valid_sizes(dims)
@@ -503,6 +503,76 @@ def router_hints(cap: Captured) -> dict[str, object]:
     return hints
 
 
+def selector_hints(cap: Captured) -> dict[str, object]:
+    """Token selectors stay replicated over tp: the projections of a top-k over per-head scores summed over
+    the heads (DeepSeek sparse attention's lightning indexer, Liu et al. 2025 "DeepSeek-V3.2": its own
+    small query heads, one shared key and a per-head weight score every key per query, ``sum_h w[s, h] *
+    relu(q[s, h] . k[t])``, and keep the top-k keys for the main attention). Found from the graph: a top-k
+    whose input is computed, through ops of the top-k's module short of a projection, from an
+    activation-by-activation matmul (per-head scores) with more dims than the top-k reads (the heads summed
+    away); every linear those ops start from whose output goes nowhere else (:func:`_only_into`) is kept
+    whole. DeepSeek's own
+    tensor-parallel inference keeps the indexer's ``wq_b``, ``wk`` and ``weights_proj`` whole on every rank
+    (and asserts the ranks' indices agree): the inputs are already whole there (the residual stream, the
+    query latent :func:`latent_hints` keeps whole), so the selection costs no collective and picks exactly
+    the single-device keys. Split by heads it would cost an all-reduce of the summed scores per layer
+    (``batch * seq * keys`` fp32: 64 MiB per 4096-token sequence and layer at DeepSeek-V3.2's size), and a
+    rounding difference in that sum may flip a near-tie of the top-k. Left to the propagator (no hint), the
+    shared key's features were split and gathered back: three more forward collectives a layer."""
+    hints: dict[str, object] = {}
+    for node in cap.gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.topk.default:
+            continue
+        x, where = node.args[0], _module_path(node)
+        if not where:
+            continue  # the selector's module unknown: nothing to bound it by
+        ndim = x.meta["val"].ndim if isinstance(x.meta.get("val"), torch.Tensor) else None
+        linears, per_head, todo, seen = [], False, [x], set()
+        while todo:
+            cur = todo.pop()
+            if cur in seen or not isinstance(cur, torch.fx.Node) or cur.op != "call_function":
+                continue
+            path = _module_path(cur)
+            if path != where and not path.startswith(where + "."):
+                continue  # computed outside the selector's module (its inputs): a source
+            seen.add(cur)
+            if _reads_weight(cur, cap):
+                linears.append(cur)
+                continue
+            if _contraction(cur) and cur.target not in _SCORES:
+                continue  # attention, a scan, an embedding: a source, as a placeholder is
+            val = cur.meta.get("val")
+            if cur.target in _SCORES and isinstance(val, torch.Tensor) and ndim is not None and val.ndim > ndim:
+                per_head = True
+            todo.extend(cur.all_input_nodes)
+        if per_head:
+            for lin in linears:
+                w = lin.args[1]
+                while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in _CASTS:
+                    w = w.args[0]
+                if lin.target is aten.linear.default and getattr(w, "name", None) in cap.params and \
+                        _only_into(lin, seen, node):
+                    _whole(hints, lin, w, cap)
+    return hints
+
+
+def _only_into(lin: torch.fx.Node, region: set, topk: torch.fx.Node) -> bool:
+    """Whether everything computed from ``lin`` stays in ``region`` (the selector's ops) up to ``topk``: its
+    own projections do, and a projection whose output also goes on elsewhere (an earlier layer's output
+    projection, reached back through the residual stream) is no selector's."""
+    todo, seen = [lin], set()
+    while todo:
+        for u in todo.pop().users:
+            if u is topk or u in seen or not isinstance(u.meta.get("val"), torch.Tensor | list | tuple) and \
+                    not u.users:
+                continue  # the selection itself; export's metadata asserts
+            if u not in region:
+                return False
+            seen.add(u)
+            todo.append(u)
+    return True
+
+
 def moe_nodes(cap: Captured) -> list:
     from mcompile.moe import moe_layers_of
 
@@ -751,7 +821,7 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
 
     tp = mesh.size("tp") if "tp" in mesh.axis_names else 1
     blocks = {**block_hints(cap), **mixer_hints(cap, tp), **latent_hints(cap), **router_hints(cap),
-              **position_bias_hints(cap), **kv_hints(cap, tp)}
+              **selector_hints(cap), **position_bias_hints(cap), **kv_hints(cap, tp)}
     experts = check_experts(cap, mesh.size("ep")) if "ep" in mesh.axis_names else None
     for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):
         if pol.shard_contraction_weights:

@@ -30,7 +30,8 @@ transformer layer:
    rank then attends only its own query heads (an attention run whole on every rank is reported), or a
    Mamba-2 mixer's fused in_proj whose B/C groups tp does not divide (:func:`mcompile.mixer_hints.few_groups`:
    Megatron asserts ``ngroups % tp == 0``; B and C must be whole on every rank, and the rest of the fused
-   weight with them). A
+   weight with them), or a token selector's projection (a top-k over per-head scores summed over the heads:
+   DeepSeek sparse attention's lightning indexer, :func:`mcompile.planner.selector_hints`). A
    projection to a single output (Qwen2-MoE's [1, h] shared-expert gate) has nothing to split. Any other
    whole weight is reported.
 
@@ -219,8 +220,8 @@ def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[i
     return {layer: _merge_sums(names, nodes) for layer, names in out.items()}
 
 
-def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict, mixers: frozenset = frozenset()) \
-        -> str | None:
+def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict, mixers: frozenset = frozenset(),
+                  selectors: frozenset = frozenset()) -> str | None:
     if w.name in kv:
         return "fewer key/value heads than tp ranks: the key/value projection kept whole on every rank"
     if w.name in mixers:
@@ -231,21 +232,24 @@ def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict, mixe
         return "a low-rank latent projection kept whole (as Megatron's multi-head latent attention)"
     if w.name in routers:
         return "an MoE router (one output per expert: kept whole, as Megatron does)"
+    if w.name in selectors:
+        return ("a token selector's projection (a top-k over per-head scores summed over the heads: DeepSeek sparse "
+                "attention's indexer) kept whole, as DeepSeek's tensor-parallel inference does")
     return None
 
 
 def check_quality(compiled) -> list[Finding]:
     """The plan's findings against Megatron's layout (empty: Megatron's layout). Only tp is checked."""
     from mcompile.mixer_hints import few_groups
-    from mcompile.planner import kv_hints, kv_sliced, latent_hints, router_hints
+    from mcompile.planner import kv_hints, kv_sliced, latent_hints, router_hints, selector_hints
 
     mesh = compiled.mesh
     if "tp" not in mesh.axis_names or mesh.size("tp") <= 1:
         return []
     plan, cap = compiled.plan, compiled.captured
     sp = plan.options.sequence_parallel
-    latents, routers = latent_hints(cap), router_hints(cap)
-    exits = tp_exits(cap.gm, frozenset(latents) | frozenset(routers))
+    latents, routers, selectors = latent_hints(cap), router_hints(cap), frozenset(selector_hints(cap))
+    exits = tp_exits(cap.gm, frozenset(latents) | frozenset(routers) | selectors)
     raw: list[tuple[int, str, tuple, str]] = []  # layer, kind, what alike layers share, text
     per_layer: dict[int, list] = {}
     for spec in plan.collectives:
@@ -287,7 +291,7 @@ def check_quality(compiled) -> list[Finding]:
             continue
         seen.add(fqn)
         p = plan.params[fqn].placements[tp_i]
-        if is_shard(p) or not isinstance(p, Replicate) or _whole_reason(w, latents, routers, kv, mixers):
+        if is_shard(p) or not isinstance(p, Replicate) or _whole_reason(w, latents, routers, kv, mixers, selectors):
             continue
         short = fqn.split(f".{layer}.", 1)[-1]
         shape = tuple(w.meta["val"].shape)
