@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mcompile.capture import BATCH, SEQ, Captured
 from mcompile.mesh import Mesh
@@ -652,7 +653,8 @@ def _whole_width(u: torch.fx.Node, x: torch.fx.Node, width: int) -> bool:
     """Whether ``u`` normalises its input ``x`` over a last dim of ``width`` features, or broadcasts such
     an ``x`` along a new or size-1 dim (expand)."""
     val = x.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.ndim == 0 or val.shape[-1] != width:
+    # a size counted from the routing (tokens an expert got, data-dependent) is never compared by value
+    if not isinstance(val, torch.Tensor) or val.ndim == 0 or not statically_known_true(val.shape[-1] == width):
         return False
     if u.target in (aten.rms_norm.default, aten.layer_norm.default, aten.native_layer_norm.default):
         return True

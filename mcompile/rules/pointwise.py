@@ -27,7 +27,8 @@ UNARY = [
     aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar,
     aten.masked_fill.Scalar, aten.log_sigmoid_forward.default if hasattr(aten, "log_sigmoid_forward") else None,
     aten.log_sigmoid.default, aten.clamp_max.default, aten.floor_divide.Scalar,
-    aten.real.default,
+    aten.real.default, aten.greater.Scalar, aten.greater_equal.Scalar, aten.less.Scalar, aten.less_equal.Scalar,
+    aten.not_equal.Scalar,  # torch.greater & co.: aliases of gt & co.
 ]
 BINARY = [
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.pow.Tensor_Tensor,
@@ -35,7 +36,8 @@ BINARY = [
     aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor, aten.logical_and.default, aten.logical_or.default,
     aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.where.self, aten.masked_fill.Tensor,
     aten.rsub.Tensor, aten.rsub.Scalar, aten.atan2.default, aten.__and__.Tensor, aten.__or__.Tensor,
-    aten.multiply.Tensor, aten.floor_divide.default,
+    aten.multiply.Tensor, aten.floor_divide.default, aten.greater.Tensor, aten.greater_equal.Tensor,
+    aten.less.Tensor, aten.less_equal.Tensor, aten.not_equal.Tensor,
 ]
 # Ops linear in their (single, or every) tensor input, so a Partial input gives a Partial output.
 _LINEAR_UNARY = {
