@@ -99,6 +99,10 @@ def _partial_strategies(info: OpInfo) -> list[Strategy]:
         return [Strategy((P,), (P,), name="partial")]
     if n_in == 1 and op is aten.div.Tensor:  # tensor / python scalar
         return [Strategy((P,), (P,), name="partial")]
+    if n_in == 3 and op is aten.where.self:
+        # where(c, a1 + a2, b1 + b2) = where(c, a1, b1) + where(c, a2, b2): a whole condition selects between two
+        # partial sums term by term (an unrolled expert loop's update kept or not, mcompile/loops.py)
+        return [Strategy((R, P, P), (P,), name="partial")]
     return []
 
 
@@ -121,7 +125,13 @@ def pointwise(info: OpInfo) -> list[Strategy]:
 
 @rule(aten.where.ScalarSelf, aten.where.ScalarOther)
 def where_scalar(info) -> list[Strategy]:
-    return pointwise_shard_strategies(info) + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]
+    out = pointwise_shard_strategies(info)
+    if info.op is aten.where.ScalarOther and info.arg(2) == 0 and len(info.inputs) == 2 and \
+            info.outputs[0].dtype in _FLOAT:
+        # where(c, x, 0) keeps or zeroes each entry of x: linear in x, so a Partial x gives a Partial output (an
+        # unrolled expert loop's rows kept or not, mcompile/loops.py); a nonzero scalar would not sum
+        out.append(Strategy((R, Partial()), (Partial(),), name="partial"))
+    return out + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]
 
 
 @rule(aten.copy_.default)
