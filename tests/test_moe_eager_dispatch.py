@@ -140,3 +140,47 @@ def test_stacked_2d_expert_weights_tp2_megatron_layout_and_parity():
     for name in ("w1", "v1", "w2"):
         assert c.plan.params[f"moes.0.{name}"].placements == (BlockShard(0, E),), name
     assert_sim_parity(c, model, inputs, "stacked 2-D experts tp=2")
+
+
+class ZeroExpertMoE(nn.Module):
+    """LongCat-Flash's zero experts: the router scores E real and Z identity experts; a slot routed to an identity
+    expert gets weight 0 and a dummy index in [0, E) (the experts see derived indices, not top-k's), and the
+    identity experts' weight times the input is added after the experts. 3-D expert weights gathered per slot
+    (transformers' batched-mm experts)."""
+
+    Z, F = 4, 16
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, E + self.Z, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(E, 2 * self.F, D) * D ** -0.5)
+        self.down = nn.Parameter(torch.randn(E, D, self.F) * self.F ** -0.5)
+
+    def forward(self, h):
+        b, s, _ = h.shape
+        h = h.reshape(-1, D)
+        scores = self.router(h).softmax(-1)
+        idx = scores.topk(2, dim=-1)[1].detach()
+        w = scores.gather(1, idx)
+        zero = idx >= E
+        identity = w.masked_fill(~zero, 0.0).sum(-1, keepdim=True)
+        idx = torch.where(zero, (idx - E) * E // self.Z, idx)
+        w = w.masked_fill(zero, 0.0)
+        gate, up = torch.einsum("td,tkfd->tkf", h, self.gate_up[idx]).chunk(2, dim=-1)
+        y = torch.einsum("tkf,tkdf->tkd", F.silu(gate) * up, self.down[idx])
+        out = (y * w.unsqueeze(-1)).sum(1)
+        return (out + h * identity).reshape(b, s, D)
+
+
+def test_zero_experts_dispatched_on_derived_indices_tp2_parity():
+    """The experts' region reads indices derived from top-k's (identity slots remapped): it is still found as one
+    ``moe_ffn`` (on the derived indices), expert-TP at tp=2 (gate/up by blocks, down by its input), the identity
+    term beside it, one forward tp collective for the layer, single-device parity."""
+    from mcompile.moe import moe_layers_of
+
+    torch.manual_seed(0)
+    model = Tiny(layers=1, moe=ZeroExpertMoE)
+    c, inputs = _plan(model)
+    assert [n.kwargs["form"] for n in moe_layers_of(c.captured.gm)] == ["silu/fused_gu/oi"]
+    assert c.plan.params["moes.0.down"].placements == (Shard(2),)
+    assert_sim_parity(c, model, inputs, "zero experts tp=2")
