@@ -141,38 +141,53 @@ def _match(gm, idx, params, window, before, d_idx, pos, classes: int) -> bool:
         # they are a (T, k) float node inside, cut out with what only they need
         cuts = [None] + sorted((n for n in base if n not in d_params and n is not y and _is_weights(n, k)),
                                key=lambda n: -pos[n])
-        for cut in cuts:
-            region = set(base)
-            if cut is not None:
-                # what y needs other than through the weights: a node the weights share with the dispatch (the
-                # indices detached once, then gathered into weights and dispatched: LongCat-Flash's router) stays
-                region = _reach([y], lambda n, cut=cut, base=base: n in base and n is not cut, down=False) | {y}
-            ext = _absorb(region, idx, params, yv, k)
-            tensors = [a for a in ext.values() if isinstance(a.meta.get("val"), torch.Tensor)]
-            xs = [a for a in tensors if _same_shape(a.meta["val"].shape, yv.shape)
-                  and a.meta["val"].dtype.is_floating_point]
-            wts = [a for a in tensors if _is_weights(a, k) and a not in xs]
-            if len(xs) == 1 and len(wts) == 1 and len(tensors) == 2:
-                break
-        else:
-            continue
-        x, w = xs[0], wts[0]
-        others = [a for a in ext.values() if a not in (x, w)]  # SymInts (sizes) only
-        # experts dispatched on indices derived from top-k's (every way from the indices to y passes one node):
-        # identified on those first, else on top-k's own, else on any derived
-        form, order, at, sub = _remapped(gm, region, y, x, idx, w, params, others, pos, exclusive=True)
-        if form is None:
-            form, order = _identify(gm, region, y, x, idx, w, params, others, classes)
-            at, sub = idx, region
-        if form is None:
-            form, order, at, sub = _remapped(gm, region, y, x, idx, w, params, others, pos)
-        if form is None:
-            continue
-        down_bias = params[order[-1]] if len(order) > form.n_weights else None
-        # (derived indices were identified on [0, E): a value >= E at run time gets weight 0, as a class >= E does)
-        _replace(gm, sub, y, x, at, w, [params[j] for j in order[:form.n_weights]], form, down_bias, classes)
-        return True
+        tried = []
+        # the weights cut with what only they need (as DeepSeek-V3's gathered scores), else keeping what the dispatch
+        # needs too (the indices detached once, then gathered into weights and dispatched: LongCat-Flash's router)
+        for shared in (False, True):
+            found = _cut_region(base, cuts, y, yv, idx, params, k, shared)
+            if found is None or found[0] in tried:
+                continue
+            region, x, w, others = found
+            tried.append(region)
+            # experts dispatched on indices derived from top-k's (every way from the indices to y passes one node:
+            # tried first on the second cut), else on top-k's own, else on any derived
+            form = None
+            if shared:
+                form, order, at, sub = _remapped(gm, region, y, x, idx, w, params, others, pos, exclusive=True)
+            if form is None:
+                form, order = _identify(gm, region, y, x, idx, w, params, others, classes)
+                at, sub = idx, region
+            if form is None:
+                form, order, at, sub = _remapped(gm, region, y, x, idx, w, params, others, pos)
+            if form is None:
+                continue
+            down_bias = params[order[-1]] if len(order) > form.n_weights else None
+            # (derived indices were identified on [0, E): a value >= E at run time gets weight 0, as a class >= E)
+            _replace(gm, sub, y, x, at, w, [params[j] for j in order[:form.n_weights]], form, down_bias, classes)
+            return True
     return False
+
+
+def _cut_region(base, cuts, y, yv, idx, params, k, shared: bool):
+    """The first cut that leaves the region exactly two tensor inputs, the tokens and the weights: (region, x, w,
+    the sizes it reads) or None. ``shared``: the cut keeps the nodes the weights share with what y needs."""
+    for cut in cuts:
+        if cut is None and shared:
+            continue
+        region = set(base)
+        if cut is not None and shared:
+            region = _reach([y], lambda n, cut=cut, base=base: n in base and n is not cut, down=False) | {y}
+        elif cut is not None:
+            region -= {cut} | _reach([cut], region, down=False)
+        ext = _absorb(region, idx, params, yv, k)
+        tensors = [a for a in ext.values() if isinstance(a.meta.get("val"), torch.Tensor)]
+        xs = [a for a in tensors if _same_shape(a.meta["val"].shape, yv.shape)
+              and a.meta["val"].dtype.is_floating_point]
+        wts = [a for a in tensors if _is_weights(a, k) and a not in xs]
+        if len(xs) == 1 and len(wts) == 1 and len(tensors) == 2:
+            return region, xs[0], wts[0], [a for a in ext.values() if a not in (xs[0], wts[0])]
+    return None
 
 
 def _remapped(gm, region, y, x, idx, w, params, others, pos, exclusive: bool = False):
