@@ -420,11 +420,7 @@ def _after_contraction(x, whole: frozenset = frozenset()) -> bool:
         if _contraction(cur):
             return True
         # a multi-output node's value is a list (chunk -> getitem: Phi-3's gate_up_proj halves)
-        # (not through integer or boolean tensors: indices chosen from a router's scores select rows, they carry
-        # no projection's features -- an eager MoE's x[token_idx])
-        tensors = [a for a in cur.all_input_nodes if isinstance(a.meta.get("val"), list | tuple) or (
-            isinstance(a.meta.get("val"), torch.Tensor) and (a.meta["val"].dtype.is_floating_point or
-                                                             a.meta["val"].dtype.is_complex))]
+        tensors = [a for a in cur.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor | list | tuple)]
         if cur.target is aten.add.Tensor and len(tensors) == 2 and not any(
                 a.op == "placeholder" and a.meta["val"].ndim == 1 for a in tensors):
             continue  # a residual sum: the stream, not a projection's output (a 1-D parameter added is a bias)

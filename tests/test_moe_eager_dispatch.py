@@ -115,6 +115,13 @@ def _plan(model):
     # (the embedding's and the vocab-parallel loss's, outside any layer, aside)
     fwd = [s.forward for s in c.plan.collectives if s.axis == "tp" and s.forward != "none" and s.layer is not None]
     assert fwd == ["all_reduce"], fwd
+    # and the quality check's bar is that one exit: the experts' down projections summed into one running sum
+    # count once, their input projections (reading x[token_idx], rows chosen by the router) are no exit
+    from mcompile.planner import latent_hints, router_hints
+    from mcompile.quality import tp_exits
+
+    exits = tp_exits(c.captured.gm, frozenset(latent_hints(c.captured)) | frozenset(router_hints(c.captured)))
+    assert len(exits[0]) == 1, exits
     return c, inputs
 
 
