@@ -394,8 +394,16 @@ def _guard_iteration(graph, mask, i, region, out_node, order, where, constants) 
                                   "before it in place twice", _FIX, where)
             after = x.next
             s = sel(after)
-            f = _add(graph, after, fn, x.args, x, x.kwargs)
-            g = _add(graph, after, aten.where.self, (s, f, written), x)
+            if fn is aten.index_add.default and len(x.args) >= 4:
+                # rows added into the tensor: the mask selects what is added (zeros when the index is left out)
+                # rather than which whole tensor goes on, so the running sum stays one chain of index_adds
+                # (each expert's partial sum joins it as it comes: one tp reduction after the loop)
+                src = _add(graph, after, aten.where.ScalarOther, (s, x.args[3], 0.0), x.args[3])
+                g = _add(graph, after, fn, (*x.args[:3], src, *x.args[4:]), x, x.kwargs)
+                f = None
+            else:
+                f = _add(graph, after, fn, x.args, x, x.kwargs)
+                g = _add(graph, after, aten.where.self, (s, f, written), x)
             later = [u for u in written.users if u not in (x, f, g) and order.get(u, -1) > order[x]]
             x.replace_all_uses_with(g)
             for u in later:

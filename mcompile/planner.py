@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from mcompile.capture import BATCH, SEQ, Captured
 from mcompile.mesh import Mesh
@@ -281,6 +282,10 @@ def _last_dim_source(x: torch.fx.Node, dim: int) -> torch.fx.Node | None:
     return x
 
 
+_ENTRYWISE = (aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.mul.Scalar, aten.div.Scalar,
+              aten._to_copy.default, aten.to.dtype)
+
+
 def block_hints(cap: Captured) -> dict[str, object]:
     """Fused projections whose output is cut into parts along its features later: GPT-2's ``c_attn`` split
     into q, k, v; Phi-3's ``qkv_proj`` sliced into 4 query and 2 + 2 key/value heads; ``gate_up_proj``
@@ -301,6 +306,8 @@ def block_hints(cap: Captured) -> dict[str, object]:
                         cur.meta["val"].shape[-1]):
                     break  # the view regroups the cut dim: the parts are not blocks of the projection
                 cur = src
+            elif cur.target in _ENTRYWISE and isinstance(cur.args[0], torch.fx.Node):
+                cur = cur.args[0]  # entry by entry, blocks stay blocks (DBRX's clip_qkv: Wqkv(x).clamp(...))
             elif cur.target is aten.add.Tensor:
                 nxt = None
                 for a in cur.args:
@@ -474,15 +481,43 @@ def _whole(hints: dict, node: torch.fx.Node, w: torch.fx.Node, cap: Captured):
         hints[node.args[2].name] = R
 
 
+def stacked_expert_hints(cap: Captured, tp: int) -> dict[str, object]:
+    """Experts kept as one 2-D parameter and read as ``w.view(E, f, d)[e]`` (DBRX's ``w1``, ``v1``, ``w2``:
+    [E * f, d]): each expert's rows are a block, ``BlockShard(0, E)``, so each rank holds its share of every
+    expert's f hidden units (its view is ``Shard(1)`` of [E, f, d]) -- Megatron's expert layout under tp, each
+    expert's input projections column-parallel and its output projection row-parallel -- rather than whole
+    experts, which a rank that is routed a token does not hold. A parameter qualifies when every reader is
+    such a view (E > 1) and f divides by tp."""
+    hints: dict[str, object] = {}
+    for node in cap.gm.graph.nodes:
+        if node.op != "placeholder" or node.name not in cap.params or not node.users:
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.ndim != 2 or not all(isinstance(s, int) for s in val.shape):
+            continue
+        shapes = set()
+        for u in node.users:
+            out = u.meta.get("val")
+            if u.target not in _THROUGH or u.args[0] is not node or not isinstance(out, torch.Tensor) or out.ndim != 3:
+                break
+            shapes.add(tuple(out.shape))
+        else:
+            if len(shapes) == 1:
+                e, f, d = next(iter(shapes))
+                if isinstance(e, int) and e > 1 and f * e == val.shape[0] and d == val.shape[1] and f % tp == 0:
+                    hints[node.name] = BlockShard(0, e)
+    return hints
+
+
 def router_hints(cap: Captured) -> dict[str, object]:
     """MoE routers stay replicated over tp, as Megatron keeps them (its TopKRouter's weight is whole and
     every tp rank routes its tokens from the full hidden state). A router is a linear whose scores reach,
     before any contraction, the expert choice and weights of an MoE layer (``moe_ffn``'s ``idx`` and
     ``weights``: through softmax or sigmoid, a score-correction bias, group-limited top-k's masked_fill),
-    whatever its number of experts; or, where no MoE layer was found, a top-k over the scores of a linear to
-    a few outputs (one per expert, at most half the input width). Sharded over its experts it would save
-    nothing worth having and cost an all-gather of the scores per layer (and of each value of the routing
-    computed from them)."""
+    whatever its number of experts; or, where no MoE layer was found, a top-k (or top-1 ``argmax``: Switch
+    Transformers, NLLB-MoE) over the scores of a linear to a few outputs (one per expert, at most half the
+    input width). Sharded over its experts it would save nothing worth having and cost an all-gather of the
+    scores per layer (and of each value of the routing computed from them)."""
     from mcompile.moe import moe_ffn
 
     def routes(u, cur) -> bool:
@@ -491,7 +526,7 @@ def router_hints(cap: Captured) -> dict[str, object]:
     hints: dict[str, object] = {}
     for node, w, (experts, width) in _linears(cap):
         if _reaches(node, routes, depth=16) or 2 * experts <= width and _reaches(
-                node, lambda u, cur: u.target is aten.topk.default, depth=6):
+                node, lambda u, cur: u.target in (aten.topk.default, aten.argmax.default), depth=6):
             _whole(hints, node, w, cap)
     # an expert down projection's bias [E, d], read per routed slot beside moe_ffn (passes/moe.py): whole, so its
     # per-slot sum is added to the experts' output as the layer's one all-reduce leaves it (sharded over d it
@@ -749,7 +784,8 @@ def _whole_width(u: torch.fx.Node, x: torch.fx.Node, width: int) -> bool:
     """Whether ``u`` normalises its input ``x`` over a last dim of ``width`` features, or broadcasts such
     an ``x`` along a new or size-1 dim (expand)."""
     val = x.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.ndim == 0 or val.shape[-1] != width:
+    # a size counted from the routing (tokens an expert got, data-dependent) is never compared by value
+    if not isinstance(val, torch.Tensor) or val.ndim == 0 or not statically_known_true(val.shape[-1] == width):
         return False
     if u.target in (aten.rms_norm.default, aten.layer_norm.default, aten.native_layer_norm.default):
         return True
@@ -821,7 +857,8 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
 
     tp = mesh.size("tp") if "tp" in mesh.axis_names else 1
     blocks = {**block_hints(cap), **mixer_hints(cap, tp), **latent_hints(cap), **router_hints(cap),
-              **selector_hints(cap), **position_bias_hints(cap), **kv_hints(cap, tp)}
+              **selector_hints(cap), **position_bias_hints(cap), **kv_hints(cap, tp),
+              **stacked_expert_hints(cap, tp)}
     experts = check_experts(cap, mesh.size("ep")) if "ep" in mesh.axis_names else None
     for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):
         if pol.shard_contraction_weights:

@@ -78,8 +78,16 @@ _SAME_VALUE = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten
                torch.ops.aten.alias.default, torch.ops.aten.detach.default}
 
 
+# dropout masks a Partial alike on every rank (passes/dropout.py): linear in it, the reduction may wait
+_MASKED = _SAME_VALUE | {torch.ops.aten.dropout.default}
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 _SCALES = {torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor}
+
+
+def _selected(n: fx.Node, src: fx.Node | None) -> bool:
+    """``n`` is ``where(cond, src, 0)``: its tensor kept or zeroed (linear in it, a Partial stays one)."""
+    return n.target is torch.ops.aten.where.ScalarOther and len(n.args) == 3 and n.args[2] == 0 and \
+        (src is None or n.args[1] is src)
 
 
 def _numel(shape) -> int:
@@ -105,12 +113,17 @@ def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
         return False
     def to_an_add(of_partials: bool = False) -> bool:
         prev, after = node, readers(node)
-        while len(after) == 1 and (after[0].target in _SAME_VALUE or after[0].target in _VIEWS or
-                                   after[0].target in _SCALES):
+        summed = False  # joined other partial sums on the way (index_add's rows into a running sum)
+        while len(after) == 1 and (after[0].target in _MASKED or after[0].target in _VIEWS or
+                                   after[0].target in _SCALES or _selected(after[0], prev) or
+                                   after[0].target is torch.ops.aten.index_add.default):
+            summed = summed or after[0].target is torch.ops.aten.index_add.default
             prev, after = after[0], readers(after[0])
         if not (len(after) == 1 and after[0].target in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)):
             return False
-        if not of_partials:
+        if not of_partials or summed:
+            # (an expert's output scaled by its routing weight and added into the experts' running sum: one
+            # reduction of the sum replaces one per expert, as Megatron's MoE layer reduces once at its exit)
             return True
         # a scale waits only for an add whose other term is a contraction's output too (a Partial it can join):
         # added to the replicated residual stream, the reduction would come at the same cost and the factor's
@@ -134,8 +147,8 @@ def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
         other = [a for a in after[0].args if isinstance(a, fx.Node) and a is not prev]
         return len(other) == 1 and contraction_term(other[0])
 
-    if node.target in _SAME_VALUE or node.target in _VIEWS:  # only on the way to such an add
-        if len(in_metas) != 1 or in_metas[0].dtype != outs[0].dtype or node.target in _SAME_VALUE and \
+    if node.target in _MASKED or node.target in _VIEWS:  # only on the way to such an add
+        if len(in_metas) != 1 or in_metas[0].dtype != outs[0].dtype or node.target in _MASKED and \
                 tuple(in_metas[0].shape) != tuple(outs[0].shape):
             return False
         return to_an_add()
@@ -143,6 +156,9 @@ def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
         # experts' outputs added back to their tokens (JetMoE: ``zeros.index_add(0, idx, out)``) sum partial sums
         # into one no larger than the experts' top-k rows: reduced once after, as the routed experts' sum is
         return len(in_metas) == 3 and _numel(outs[0].shape) <= _numel(in_metas[2].shape)
+    if _selected(node, None):
+        # an unrolled loop's update kept or not (mcompile/loops.py: where(mask[i], rows, 0)): a scale by 1 or 0
+        return isinstance(s.inputs[-1], Partial) and to_an_add(of_partials=True)
     if node.target in _SCALES:
         # a Partial scaled by a replicated factor (Qwen2-MoE's shared expert times the sigmoid of its [1, h]
         # gate, before the routed experts' sum is added): linear in the Partial, so the scaled pieces still sum

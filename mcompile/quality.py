@@ -58,7 +58,8 @@ _WEIGHT_USES = {aten.linear.default: 1, aten.matmul.default: 1, aten.mm.default:
 # how a weight may reach its contraction (Falcon's ``x @ self.weight.T``: numpy_T, then matmul)
 _STATISTICS = {aten.mean.dim, aten.sum.dim_IntList, aten.var.correction, aten.amax.default}
 _TO_WEIGHT = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default, aten.to.dtype,
-              aten._to_copy.default, aten.alias.default, aten.view.default}
+              aten._to_copy.default, aten.alias.default, aten.view.default,
+              aten.select.int}  # one expert's matrix of stacked experts (DBRX's w1.view(E, f, d)[e])
 
 
 def _to_weight(w) -> torch.fx.Node | None:
@@ -127,10 +128,38 @@ def _summed_with(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | N
     return None
 
 
+def _accumulated_into(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The last ``index_add`` of the running sum ``node``'s rows are added into (through views, copies, scales and
+    an unrolled loop's ``where(mask[i], rows, 0)``; the sum a chain of index_adds, each the next one's only
+    reader): an eager MoE's experts added back to their tokens one after another (mcompile/loops.py), or None."""
+    def readers(n):  # (checks of a value, _assert_tensor_metadata, read nothing)
+        return [u for u in n.users if u.op == "output" or u.meta.get("val") is not None]
+
+    while len(readers(node)) == 1:
+        prev, node = node, readers(node)[0]
+        if node.target is aten.index_add.default and len(node.args) > 3 and node.args[3] is prev:
+            while len(readers(node)) == 1 and readers(node)[0].target is aten.index_add.default and \
+                    readers(node)[0].args[0] is node:
+                node = readers(node)[0]
+            return node
+        selected = node.target is aten.where.ScalarOther and node.args[1] is prev and node.args[2] == 0
+        if node.target not in _PASS and not _scales(node, prev) and not selected:
+            return None
+    return None
+
+
 def _merge_sums(names: list[str], nodes: dict) -> list[str]:
     """Exits whose values are added together before anything else reads them leave as one: Megatron sums the
-    partial outputs and reduces once (an MoE layer's routed experts plus its shared expert)."""
+    partial outputs and reduces once (an MoE layer's routed experts plus its shared expert; experts added into
+    one running sum of their tokens' rows, :func:`_accumulated_into`)."""
     groups = {nodes[k]: k for k in names}
+    by_sum: dict = {}
+    for n in list(groups):
+        r = _accumulated_into(n)
+        if r is not None:
+            by_sum.setdefault(r, []).append(n)
+    for r, ns in by_sum.items():
+        groups[r] = "+".join(groups.pop(n) for n in ns)
     merged = True
     while merged:
         merged = False

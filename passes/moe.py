@@ -120,6 +120,11 @@ def find_moe_layers(gm: fx.GraphModule) -> int:
     return done
 
 
+# the region's output is among the first nodes (in graph order) that the indices and every expert weight reach;
+# transformers' grouped-mm experts make a dozen per-slot [T * k, d] values before it (LongCat-Flash: 12)
+_CANDIDATES = 32
+
+
 def _match(gm, idx, params, window, before, d_idx, pos, classes: int) -> bool:
     """Find the region's output among the nodes every expert weight and the indices reach, cut the
     region, identify its form and replace it; False when no candidate works."""
@@ -128,7 +133,7 @@ def _match(gm, idx, params, window, before, d_idx, pos, classes: int) -> bool:
     candidates = sorted((c for c in set.intersection(*d_each) & d_idx if isinstance(c.meta.get("val"), torch.Tensor)
                          and c.meta["val"].ndim == 2 and c.meta["val"].dtype.is_floating_point), key=pos.__getitem__)
     k = idx.meta["val"].shape[-1]
-    for y in candidates[:8]:
+    for y in candidates[:_CANDIDATES]:
         yv = y.meta["val"]
         anc = _reach([y], window | d_params | {idx}, down=False)
         base = {n for n in (anc | {y}) if n in d_idx or n in d_params}
@@ -136,28 +141,77 @@ def _match(gm, idx, params, window, before, d_idx, pos, classes: int) -> bool:
         # they are a (T, k) float node inside, cut out with what only they need
         cuts = [None] + sorted((n for n in base if n not in d_params and n is not y and _is_weights(n, k)),
                                key=lambda n: -pos[n])
-        for cut in cuts:
-            region = set(base)
-            if cut is not None:
-                region -= {cut} | _reach([cut], region, down=False)
-            ext = _absorb(region, idx, params, yv, k)
-            tensors = [a for a in ext.values() if isinstance(a.meta.get("val"), torch.Tensor)]
-            xs = [a for a in tensors if _same_shape(a.meta["val"].shape, yv.shape)
-                  and a.meta["val"].dtype.is_floating_point]
-            wts = [a for a in tensors if _is_weights(a, k) and a not in xs]
-            if len(xs) == 1 and len(wts) == 1 and len(tensors) == 2:
-                break
-        else:
-            continue
-        x, w = xs[0], wts[0]
-        others = [a for a in ext.values() if a not in (x, w)]  # SymInts (sizes) only
-        form, order = _identify(gm, region, y, x, idx, w, params, others, classes)
-        if form is None:
-            continue
-        down_bias = params[order[-1]] if len(order) > form.n_weights else None
-        _replace(gm, region, y, x, idx, w, [params[j] for j in order[:form.n_weights]], form, down_bias, classes)
-        return True
+        tried = []
+        # the weights cut with what only they need (as DeepSeek-V3's gathered scores), else keeping what the dispatch
+        # needs too (the indices detached once, then gathered into weights and dispatched: LongCat-Flash's router)
+        for shared in (False, True):
+            found = _cut_region(base, cuts, y, yv, idx, params, k, shared)
+            if found is None or found[0] in tried:
+                continue
+            region, x, w, others = found
+            tried.append(region)
+            # experts dispatched on indices derived from top-k's (every way from the indices to y passes one node:
+            # tried first on the second cut), else on top-k's own, else on any derived
+            form = None
+            if shared:
+                form, order, at, sub = _remapped(gm, region, y, x, idx, w, params, others, pos, exclusive=True)
+            if form is None:
+                form, order = _identify(gm, region, y, x, idx, w, params, others, classes)
+                at, sub = idx, region
+            if form is None:
+                form, order, at, sub = _remapped(gm, region, y, x, idx, w, params, others, pos)
+            if form is None:
+                continue
+            down_bias = params[order[-1]] if len(order) > form.n_weights else None
+            # (derived indices were identified on [0, E): a value >= E at run time gets weight 0, as a class >= E)
+            _replace(gm, sub, y, x, at, w, [params[j] for j in order[:form.n_weights]], form, down_bias, classes)
+            return True
     return False
+
+
+def _cut_region(base, cuts, y, yv, idx, params, k, shared: bool):
+    """The first cut that leaves the region exactly two tensor inputs, the tokens and the weights: (region, x, w,
+    the sizes it reads) or None. ``shared``: the cut keeps the nodes the weights share with what y needs."""
+    for cut in cuts:
+        if cut is None and shared:
+            continue
+        region = set(base)
+        if cut is not None and shared:
+            region = _reach([y], lambda n, cut=cut, base=base: n in base and n is not cut, down=False) | {y}
+        elif cut is not None:
+            region -= {cut} | _reach([cut], region, down=False)
+        ext = _absorb(region, idx, params, yv, k)
+        tensors = [a for a in ext.values() if isinstance(a.meta.get("val"), torch.Tensor)]
+        xs = [a for a in tensors if _same_shape(a.meta["val"].shape, yv.shape)
+              and a.meta["val"].dtype.is_floating_point]
+        wts = [a for a in tensors if _is_weights(a, k) and a not in xs]
+        if len(xs) == 1 and len(wts) == 1 and len(tensors) == 2:
+            return region, xs[0], wts[0], [a for a in ext.values() if a not in (xs[0], wts[0])]
+    return None
+
+
+def _remapped(gm, region, y, x, idx, w, params, others, pos, exclusive: bool = False):
+    """The experts dispatched on indices derived from the routing's rather than on its own: LongCat-Flash's
+    zero experts (router classes >= E are identity experts: their slots get weight 0 and a dummy index in
+    [0, E), the identity term added outside). The region is cut at the last integer (T, k) node the indices
+    derive in it, identified on values in [0, E) (``exclusive``: only a node that every way from the indices to
+    y passes); (form, order, that node, the region after it) or Nones."""
+    shape = [str(s) for s in idx.meta["val"].shape]
+    derived = sorted((n for n in region if n is not y and isinstance(n.meta.get("val"), torch.Tensor)
+                      and not n.meta["val"].dtype.is_floating_point and n.meta["val"].dtype != torch.bool
+                      and [str(s) for s in n.meta["val"].shape] == shape), key=lambda n: -pos[n])
+    E = int(params[0].meta["val"].shape[0])
+    for j in derived[:4]:
+        sub = _reach([y], lambda n, j=j: n in region and n is not j, down=False) | {y}
+        ins = {a for n in sub for a in n.all_input_nodes if a not in sub and a not in params}
+        if not ins <= {x, w, j, *others}:
+            continue
+        if exclusive and any(idx in n.all_input_nodes for n in sub):
+            continue
+        form, order = _identify(gm, sub, y, x, j, w, params, [a for a in others if a in ins], E)
+        if form is not None:
+            return form, order, j, sub
+    return None, None, None, region
 
 
 def _is_weights(n, k) -> bool:

@@ -307,3 +307,34 @@ def test_a_layer_shared_by_every_layer_takes_one_placement_for_all_readers():
     assert pl["layer.mlp.up.weight"] == Shard(0) and pl["layer.mlp.down.weight"] == Shard(1), pl
     assert c.plan.fallbacks == []
     assert_sim_parity(c, model, inputs)
+
+
+class ClippedQkvBlock(torch.nn.Module):
+    """DBRX's attention: one fused Wqkv projection clamped (``clip_qkv``) before it is split into q, k and v."""
+
+    def __init__(self, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, DIM // heads
+        self.norm = torch.nn.RMSNorm(DIM)
+        self.wqkv = torch.nn.Linear(DIM, 3 * DIM, bias=False)
+        self.o = torch.nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.wqkv(self.norm(x)).clamp(min=-0.5, max=0.5)
+        q, k, v = (t.view(b, s, self.heads, self.hd).transpose(1, 2) for t in qkv.split(DIM, dim=2))
+        return x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+
+
+@pytest.mark.timeout(120)
+def test_a_fused_projection_clamped_before_its_split_keeps_its_blocks():
+    """An entrywise op between a fused projection and its split (a clamp) keeps the weight's block layout: each
+    rank its heads of q, k and v, no all-gather before the split, one all-reduce per layer."""
+    from mcompile.placements import BlockShard
+
+    torch.manual_seed(0)
+    model = LM(ClippedQkvBlock, layers=2)
+    c, inputs = _plan(model)
+    assert c.plan.params["layers.0.wqkv.weight"].placements[0] == BlockShard(0, (DIM, DIM, DIM))
+    assert [s.op for s in c.plan.collectives if s.layer == 1 and s.forward != "none"] == ["all_reduce"]
+    assert_sim_parity(c, model, inputs)

@@ -475,6 +475,12 @@ UNARY = {
     aten.le.Scalar: [("small", lambda x: (x, 0))],
     aten.gt.Scalar: [("small", lambda x: (x, 0))],
     aten.ge.Scalar: [("small", lambda x: (x, 0))],
+    # torch.greater & co. (Switch Transformers' expert_hit), aliases of gt & co.
+    aten.greater.Scalar: [("small", lambda x: (x, 0))],
+    aten.greater_equal.Scalar: [("small", lambda x: (x, 0))],
+    aten.less.Scalar: [("small", lambda x: (x, 0))],
+    aten.less_equal.Scalar: [("small", lambda x: (x, 0))],
+    aten.not_equal.Scalar: [("small", lambda x: (x, 1))],
     aten.log_sigmoid_forward.default: [("f", lambda x: (x,))],
     aten.rsub.Scalar: [("f", lambda x: (x, 2.0)), ("f", lambda x: (x, 2.0, 0.5))],
     aten.log_sigmoid.default: [("f", lambda x: (x,))],
@@ -532,6 +538,11 @@ BINARY = {
     aten.le.Tensor: [("small", "small", lambda x, y: (x, y))],
     aten.gt.Tensor: [("small", "small", lambda x, y: (x, y))],
     aten.ge.Tensor: [("small", "small", lambda x, y: (x, y))],
+    aten.greater.Tensor: [("small", "small", lambda x, y: (x, y))],
+    aten.greater_equal.Tensor: [("small", "small", lambda x, y: (x, y))],
+    aten.less.Tensor: [("small", "small", lambda x, y: (x, y))],
+    aten.less_equal.Tensor: [("small", "small", lambda x, y: (x, y))],
+    aten.not_equal.Tensor: [("small", "small", lambda x, y: (x, y))],
     aten.logical_and.default: [("bool", "bool", lambda x, y: (x, y)), ("small", "bool", lambda x, y: (x, y))],
     aten.logical_or.default: [("bool", "bool", lambda x, y: (x, y))],
     aten.bitwise_and.Tensor: [("int", "int", lambda x, y: (x, y)), ("bool", "bool", lambda x, y: (x, y))],
@@ -626,8 +637,10 @@ def test_where(data):
     c, x, y = make(shapes[0], "bool", gen), make(shapes[1], "f", gen), make(shapes[2], "f", gen)
     current = tuple(draw_current(data, t, n) for t in (c, x, y))
     out = aten.where.self(c, x, y)
+    # two partial sums selected term by term (an unrolled loop's update kept or not): Partial
+    partial = [((R, P, P), (P,))] if list(shapes[1]) == list(shapes[2]) == list(out.shape) else []
     check(aten.where.self, (c, x, y), n=n, current=current, gen=gen,
-          expect=pointwise_expect(shapes, out.shape, n))
+          expect=pointwise_expect(shapes, out.shape, n) + partial)
 
 
 @pytest.mark.timeout(120)
@@ -646,7 +659,9 @@ def test_where_scalar(data):
     op = getattr(aten.where, kind)
     args = (c, scalar, x) if kind == "ScalarSelf" else (c, x, scalar)
     current = tuple(draw_current(data, t, n) for t in (c, x))
-    check(op, args, n=n, current=current, gen=gen, expect=pointwise_expect(shapes, op(*args).shape, n))
+    # where(c, x, 0) keeps or zeroes x's entries: linear in x (an unrolled loop's rows, mcompile/loops.py)
+    partial = [((R, P), (P,))] if kind == "ScalarOther" and scalar == 0.0 else []
+    check(op, args, n=n, current=current, gen=gen, expect=pointwise_expect(shapes, op(*args).shape, n) + partial)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2101,6 +2116,26 @@ def test_nonzero_runs_on_the_whole_tensor(cur):
     assert [(s.inputs, s.outputs) for s in got] == [((R,), (R,))]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cur", [Shard(0), Shard(1), R], ids=str)
+def test_one_argument_where_runs_on_the_whole_tensor(cur):
+    """``torch.where(mask)``: nonzero as one index tensor per dim (an eager MoE's tokens for an expert), each
+    whole whatever the input's placement."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)) > 0
+    got = check(aten.where.default, (x,), n=2, current=(cur,))
+    assert [(s.inputs, s.outputs) for s in got] == [((R,), (R, R))]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cur", [Shard(0), Shard(1), R], ids=str)
+def test_one_hot_keeps_the_indices_split(cur):
+    """``one_hot(idx, k)``: a class dim appended, every dim of the indices keeps its shard."""
+    idx = torch.randint(0, 5, (4, 6), generator=torch.Generator().manual_seed(0))
+    got = check(aten.one_hot.default, (idx, 5), n=2, current=(cur,),
+                expect=[((Shard(0),), (Shard(0),)), ((Shard(1),), (Shard(1),))])
+    assert ((R,), (R,)) in [(s.inputs, s.outputs) for s in got]
+
+
 TESTED_OPS = (
     set(UNARY) | set(BINARY) | {aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther}
     | set(REDUCE_KIND) | set(SOFTMAX) | set(WHOLE_REDUCTIONS)
@@ -2116,7 +2151,8 @@ TESTED_OPS = (
        aten.view_as_complex.default, aten.view_as_real.default}
     | {aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
        aten.outer.default, aten.embedding.default, aten.scaled_dot_product_attention.default,
-       aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.einsum.default, aten.nonzero.default}
+       aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.einsum.default, aten.nonzero.default,
+       aten.where.default, aten.one_hot.default}
     | {aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.index_add.default,
        aten.cumsum.default,
        aten.tril.default, aten.triu.default}

@@ -27,7 +27,8 @@ UNARY = [
     aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar,
     aten.masked_fill.Scalar, aten.log_sigmoid_forward.default if hasattr(aten, "log_sigmoid_forward") else None,
     aten.log_sigmoid.default, aten.clamp_max.default, aten.floor_divide.Scalar,
-    aten.real.default,
+    aten.real.default, aten.greater.Scalar, aten.greater_equal.Scalar, aten.less.Scalar, aten.less_equal.Scalar,
+    aten.not_equal.Scalar,  # torch.greater & co.: aliases of gt & co.
 ]
 BINARY = [
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.pow.Tensor_Tensor,
@@ -35,7 +36,8 @@ BINARY = [
     aten.le.Tensor, aten.gt.Tensor, aten.ge.Tensor, aten.logical_and.default, aten.logical_or.default,
     aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.where.self, aten.masked_fill.Tensor,
     aten.rsub.Tensor, aten.rsub.Scalar, aten.atan2.default, aten.__and__.Tensor, aten.__or__.Tensor,
-    aten.multiply.Tensor, aten.floor_divide.default,
+    aten.multiply.Tensor, aten.floor_divide.default, aten.greater.Tensor, aten.greater_equal.Tensor,
+    aten.less.Tensor, aten.less_equal.Tensor, aten.not_equal.Tensor,
 ]
 # Ops linear in their (single, or every) tensor input, so a Partial input gives a Partial output.
 _LINEAR_UNARY = {
@@ -97,6 +99,10 @@ def _partial_strategies(info: OpInfo) -> list[Strategy]:
         return [Strategy((P,), (P,), name="partial")]
     if n_in == 1 and op is aten.div.Tensor:  # tensor / python scalar
         return [Strategy((P,), (P,), name="partial")]
+    if n_in == 3 and op is aten.where.self:
+        # where(c, a1 + a2, b1 + b2) = where(c, a1, b1) + where(c, a2, b2): a whole condition selects between two
+        # partial sums term by term (an unrolled expert loop's update kept or not, mcompile/loops.py)
+        return [Strategy((R, P, P), (P,), name="partial")]
     return []
 
 
@@ -119,7 +125,13 @@ def pointwise(info: OpInfo) -> list[Strategy]:
 
 @rule(aten.where.ScalarSelf, aten.where.ScalarOther)
 def where_scalar(info) -> list[Strategy]:
-    return pointwise_shard_strategies(info) + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]
+    out = pointwise_shard_strategies(info)
+    if info.op is aten.where.ScalarOther and info.arg(2) == 0 and len(info.inputs) == 2 and \
+            info.outputs[0].dtype in _FLOAT:
+        # where(c, x, 0) keeps or zeroes each entry of x: linear in x, so a Partial x gives a Partial output (an
+        # unrolled expert loop's rows kept or not, mcompile/loops.py); a nonzero scalar would not sum
+        out.append(Strategy((R, Partial()), (Partial(),), name="partial"))
+    return out + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]
 
 
 @rule(aten.copy_.default)

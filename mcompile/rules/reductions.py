@@ -215,8 +215,16 @@ def histc(info: OpInfo) -> list[Strategy]:
     return out + [Strategy((R,), (R,), name="replicate")]
 
 
-@rule(aten.nonzero.default)
+@rule(aten.one_hot.default)
+def one_hot(info: OpInfo) -> list[Strategy]:
+    """One class dim appended: every dim of the indices keeps its shard (a row's classes are its own)."""
+    return [Strategy((Shard(d),), (Shard(d),), name=f"one_hot_S{d}") for d in range(info.inputs[0].ndim)] + [
+        Strategy((R,), (R,), name="replicate")]
+
+
+@rule(aten.nonzero.default, aten.where.default)
 def nonzero(info: OpInfo) -> list[Strategy]:
     """The coordinates of the nonzero entries (how many: a data-dependent size) are the whole tensor's: the input
-    must be whole (a piece's coordinates are local, its count partial)."""
-    return [Strategy((R,), (R,), name="replicate")]
+    must be whole (a piece's coordinates are local, its count partial). One-argument ``torch.where`` is nonzero
+    as a tuple of one index tensor per dim (an eager MoE's token selection): each of them whole."""
+    return [Strategy((R,), (R,) * len(info.outputs), name="replicate")]
