@@ -1778,6 +1778,21 @@ def test_assert_tensor_metadata(data):
 
 
 @pytest.mark.timeout(120)
+@hyp(15)
+@given(data=st.data())
+def test_assert_async(data):
+    """A value check of forward (mcompile.checks: ``assert t.all()``) reads its whole bool value: the input is
+    replicated wherever it was (a shard or a Partial would check a piece), and the op has no output."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    x = make(draw_shape(data, n, 0, 2), "f", gen)
+    ok = (x == x).all()  # true for every value: the op must not raise in the harness
+    cur = draw_current(data, ok, n) if ok.ndim else R
+    for op, args in ((aten._assert_async.default, (ok,)), (aten._assert_async.msg, (ok, "the check at x.py:1"))):
+        check(op, args, n=n, current=(cur,), gen=gen, expect=[((R,), ())])
+
+
+@pytest.mark.timeout(120)
 def test_fixed_rule_bugs():
     """Fixed cases the property tests found, pinned so that they fail deterministically if they return."""
     x = torch.randn(4, 2, dtype=F64)
@@ -2157,6 +2172,7 @@ TESTED_OPS = (
        aten.cumsum.default,
        aten.tril.default, aten.triu.default}
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
+    | {aten._assert_async.default, aten._assert_async.msg}
     | {aten.chunk.default, aten.diff.default}  # tested in tests/test_rules_dtensor.py (test_chunk, test_diff)
     | {aten.conv1d.default, aten.conv2d.default, aten.im2col.default, _SSD_SCAN} | set(FFTS)
 )
