@@ -68,14 +68,12 @@ def _named(info: OpInfo, name: str, default=None):
     return info.arg(names.index(name), name, default) if name in names else default
 
 
-@rule(aten.var.dim, aten.std.dim)  # var / std.correction: DTensor's (the bridge)
+@rule(aten.logsumexp.default, aten.var.dim, aten.std.dim)  # var / std.correction: DTensor's (the bridge)
 def reduce_whole(info: OpInfo) -> list[Strategy]:
-    """Reductions whose value over a split dim is no plain sum / mean / max of the pieces' (``var`` /
-    ``std``: squares about the whole mean): a dim they reduce stays whole, any other dim may be sharded
-    (xLSTM's group norm). ``logsumexp`` has the same rule in principle, but offering it made the MoE
-    z-loss (``logsumexp(router logits).pow(2).mean()``, split over tokens) train with a router gradient
-    0.44 off under ep x pp (gpipe) (tests/test_compositions.py cover ep-pp-gpipe): withdrawn until that
-    composition is fixed; logsumexp runs replicated and is reported."""
+    """Reductions whose value over a split dim is no plain sum / mean / max of the pieces' (``logsumexp``:
+    a log of the sum of exps; ``var`` / ``std``: squares about the whole mean): a dim they reduce stays
+    whole, any other dim may be sharded (Granite-SWA's attention sinks over the key dim with the heads
+    split, xLSTM's group norm). No Partial: log and square are not linear."""
     nd = info.inputs[0].ndim
     dims, keep = _dims(_named(info, "dim"), nd), _named(info, "keepdim", False)
     out = [Strategy((Shard(d),), (Shard(_out_dim(d, dims, keep)),), name="other_dim")
