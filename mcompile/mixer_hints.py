@@ -32,6 +32,7 @@ _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 _KEEP = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.to.dtype, aten._to_copy.default,
          aten.alias.default, aten.contiguous.default, aten.clone.default)
 _CONVS = (aten.conv1d.default, aten.convolution.default)
+_SKIPS = (aten.add.Tensor, aten.sub.Tensor)
 
 
 def mixer_hints(cap: Captured, tp: int = 1) -> dict[str, object]:
@@ -264,7 +265,12 @@ def _depthwise(n: torch.fx.Node) -> int | None:
 def conv_readers(cap: Captured) -> dict[str, object]:
     """Linears reading a depthwise conv's channels, before any other contraction, with as many input
     features as the conv has channels: row-parallel (``Shard(1)``), as every projection reading a
-    tp-sharded activation is in Megatron's layout. Overrides a block layout their cut output would get."""
+    tp-sharded activation is in Megatron's layout. Overrides a block layout their cut output would get.
+
+    The walk stops where the conv's output is added to a value the conv itself was computed from (a skip
+    around the conv: Inkling's short conv on the residual stream, ``conv(h) + h``): past it the value is that
+    stream again, whole on every rank, and the next layer's projections reading it are column-parallel as
+    usual (hinted row-parallel, they had no strategy for their replicated input)."""
     from mcompile.planner import _contraction
 
     hints: dict[str, object] = {}
@@ -272,12 +278,20 @@ def conv_readers(cap: Captured) -> dict[str, object]:
         c = _depthwise(conv)
         if c is None:
             continue
+        before, back = set(), list(conv.all_input_nodes)
+        while back:
+            a = back.pop()
+            if a not in before:
+                before.add(a)
+                back.extend(a.all_input_nodes)
         todo, seen = [conv], set()
         while todo:
             for u in todo.pop().users:
                 if u in seen or u.op != "call_function":
                     continue
                 seen.add(u)
+                if u.target in _SKIPS and any(a in before for a in u.all_input_nodes):
+                    continue  # the conv's skip connection: the stream it read, not its channels
                 w = u.args[1] if u.target is aten.linear.default and len(u.args) > 1 else None
                 if getattr(w, "name", None) in cap.params and w.meta["val"].ndim == 2 and \
                         int(w.meta["val"].shape[1]) == c:

@@ -654,6 +654,28 @@ def position_bias_hints(cap: Captured) -> dict[str, object]:
         heads = int(w.meta["val"].shape[1])
         if _reaches(node, lambda u, cur, heads=heads: _biases_scores(u, cur, heads), depth=16):
             hints[w.name] = Shard(1)
+    hints.update(bias_bank_hints(cap))
+    return hints
+
+
+def bias_bank_hints(cap: Captured) -> dict[str, object]:
+    """A bank of bias profiles every head mixes (Inkling's relative logits: ``[b, s, heads, d] @ proj[d, extent]``,
+    gathered per (query, key) distance and added to the scores) is kept whole: the per-head states are split by
+    heads with the scores they bias, and each rank mixes the whole bank for its heads, no collective (a weight
+    sharded like a linear's would gather the heads' states before it and its profiles after it)."""
+    hints: dict[str, object] = {}
+    for node in cap.gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.matmul.default:
+            continue
+        x, w = node.args[0], node.args[1]
+        if getattr(w, "name", None) not in cap.params or w.meta["val"].ndim != 2:
+            continue
+        xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if not isinstance(xv, torch.Tensor) or xv.ndim != 4 or not isinstance(xv.shape[2], int):
+            continue
+        heads = int(xv.shape[2])
+        if _reaches(node, lambda u, cur, heads=heads: _biases_scores(u, cur, heads), depth=16):
+            hints[w.name] = Replicate()
     return hints
 
 

@@ -250,7 +250,7 @@ def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[i
 
 
 def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict, mixers: frozenset = frozenset(),
-                  selectors: frozenset = frozenset()) -> str | None:
+                  selectors: frozenset = frozenset(), banks: frozenset = frozenset()) -> str | None:
     if w.name in kv:
         return "fewer key/value heads than tp ranks: the key/value projection kept whole on every rank"
     if w.name in mixers:
@@ -264,13 +264,16 @@ def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict, mixe
     if w.name in selectors:
         return ("a token selector's projection (a top-k over per-head scores summed over the heads: DeepSeek sparse "
                 "attention's indexer) kept whole, as DeepSeek's tensor-parallel inference does")
+    if w.name in banks:
+        return ("a bank of score-bias profiles every head mixes (relative logits) kept whole: each rank mixes it "
+                "for its own heads, no collective")
     return None
 
 
 def check_quality(compiled) -> list[Finding]:
     """The plan's findings against Megatron's layout (empty: Megatron's layout). Only tp is checked."""
     from mcompile.mixer_hints import few_groups
-    from mcompile.planner import kv_hints, kv_sliced, latent_hints, router_hints, selector_hints
+    from mcompile.planner import bias_bank_hints, kv_hints, kv_sliced, latent_hints, router_hints, selector_hints
 
     mesh = compiled.mesh
     if "tp" not in mesh.axis_names or mesh.size("tp") <= 1:
@@ -278,6 +281,7 @@ def check_quality(compiled) -> list[Finding]:
     plan, cap = compiled.plan, compiled.captured
     sp = plan.options.sequence_parallel
     latents, routers, selectors = latent_hints(cap), router_hints(cap), frozenset(selector_hints(cap))
+    banks = frozenset(bias_bank_hints(cap))
     exits = tp_exits(cap.gm, frozenset(latents) | frozenset(routers) | selectors)
     raw: list[tuple[int, str, tuple, str]] = []  # layer, kind, what alike layers share, text
     per_layer: dict[int, list] = {}
@@ -320,7 +324,8 @@ def check_quality(compiled) -> list[Finding]:
             continue
         seen.add(fqn)
         p = plan.params[fqn].placements[tp_i]
-        if is_shard(p) or not isinstance(p, Replicate) or _whole_reason(w, latents, routers, kv, mixers, selectors):
+        if is_shard(p) or not isinstance(p, Replicate) or \
+                _whole_reason(w, latents, routers, kv, mixers, selectors, banks):
             continue
         short = fqn.split(f".{layer}.", 1)[-1]
         shape = tuple(w.meta["val"].shape)

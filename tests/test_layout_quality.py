@@ -807,3 +807,68 @@ def test_parallel_branches_scaled_by_multipliers_reduce_once():
     assert not quality and c.quality == [], [str(f) for f in c.quality]
     assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
     _parity(model, c, inputs)
+
+
+class RelBiasAttention(torch.nn.Module):
+    """Inkling's relative logits: per-head states ``r_proj(x)`` [b, s, heads, d] mix a bank of bias-vs-distance
+    profiles ``proj`` [d, extent], gathered per (query, key) distance and added to the scores."""
+
+    def __init__(self, dim=32, heads=4, d_rel=4, extent=8):
+        super().__init__()
+        self.h, self.hd = heads, dim // heads
+        self.q_proj = torch.nn.Linear(dim, dim, bias=False)
+        self.k_proj = torch.nn.Linear(dim, dim, bias=False)
+        self.v_proj = torch.nn.Linear(dim, dim, bias=False)
+        self.r_proj = torch.nn.Linear(dim, heads * d_rel, bias=False)
+        self.o_proj = torch.nn.Linear(dim, dim, bias=False)
+        self.proj = torch.nn.Parameter(torch.randn(d_rel, extent) * 0.1)
+        self.extent = extent
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.h, self.hd).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        rel = (self.r_proj(x).view(b, s, self.h, -1) @ self.proj).transpose(1, 2)  # [b, h, s, extent]
+        pos = torch.arange(s, device=x.device)
+        dist = (pos[:, None] - pos[None, :])[None, None]
+        bias = rel.gather(-1, dist.clamp(0, self.extent - 1).expand(b, self.h, -1, -1))
+        bias = bias.masked_fill((dist < 0) | (dist >= self.extent), 0.0)
+        scores = q @ k.transpose(2, 3) / self.hd ** 0.5 + bias
+        scores = scores.masked_fill(dist < 0, float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
+        return self.o_proj(out)
+
+
+class RelBiasNet(torch.nn.Module):
+    def __init__(self, layers=2, dim=32, vocab=32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.norms = torch.nn.ModuleList(torch.nn.RMSNorm(dim) for _ in range(layers))
+        self.attn = torch.nn.ModuleList(RelBiasAttention(dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        for norm, attn in zip(self.norms, self.attn):
+            h = h + attn(norm(h))
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.timeout(60)
+def test_bias_bank_mixed_per_head_is_kept_whole():
+    """Inkling's relative-logit bank ([d, extent], mixed by every head's states and added to the scores) is kept
+    whole with the heads split: the attention's one exit a layer (a bank sharded like a linear's weight
+    all-gathered the heads' states and its profiles: 3 forward collectives a layer), no finding, parity."""
+    torch.manual_seed(0)
+    model = RelBiasNet()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = compile_plan(model, Mesh.fake(tp=2), inputs)
+    assert c.plan.fallbacks == [] and c.quality == [], c.quality
+    for i in range(2):
+        assert c.plan.params[f"attn.{i}.proj"].placements == (Replicate(),)
+        assert c.plan.params[f"attn.{i}.r_proj.weight"].placements == (Shard(0),)
+        fwd = [s.forward for s in c.plan.collectives if s.axis == "tp" and s.layer == i and s.forward != "none"]
+        assert fwd == ["all_reduce"], fwd
+    assert_sim_parity(c, model, inputs, "relative logits bank")

@@ -159,3 +159,49 @@ def test_nested_scaled_cut_blocks_or_whole(groups):
     want = (BlockShard(0, (32, 32, bc, bc, 4)), BlockShard(0, (32, bc, bc))) if groups == 2 else (Replicate(),) * 2
     assert (hints["in_proj.weight"], hints["conv1d.weight"]) == want, hints
     assert len(few_groups(cap, 2)) == (groups == 1)
+
+
+class StreamConvBlock(torch.nn.Module):
+    """Inkling's layer: attention-like column -> row projections, then a depthwise short conv over the residual
+    stream's own channels with a skip around it (``conv(h) + h``); the next layer's projections read the stream."""
+
+    def __init__(self, dim=16, kernel=3):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(dim)
+        self.q_proj = torch.nn.Linear(dim, 2 * dim, bias=False)
+        self.o_proj = torch.nn.Linear(2 * dim, dim, bias=False)
+        self.conv1d = torch.nn.Conv1d(dim, dim, kernel, groups=dim, padding=kernel - 1, bias=False)
+
+    def forward(self, h):
+        y = self.o_proj(F.silu(self.q_proj(self.norm(h))))
+        s = y.shape[1]
+        y = self.conv1d(y.transpose(1, 2))[..., :s].transpose(1, 2) + y
+        return h + y
+
+
+class StreamConvNet(Net):
+    def __init__(self, layers=2, dim=16, vocab=32):
+        super().__init__(0, dim, vocab)
+        self.layers = torch.nn.ModuleList(StreamConvBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(60)
+def test_conv_on_the_residual_stream_leaves_next_projections_column_parallel():
+    """A depthwise conv over the residual stream with a skip around it (Inkling's short convs): the walk for the
+    projections reading the conv's channels stops at the skip, so the next layer's q_proj is column-parallel
+    (hinted row-parallel, its replicated input had no strategy: PlanError), and the model trains at parity."""
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+
+    torch.manual_seed(0)
+    model = StreamConvNet()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = compile_plan(model, Mesh.fake(tp=2), inputs)
+    assert c.plan.fallbacks == []
+    for i in range(2):
+        assert c.plan.params[f"layers.{i}.q_proj.weight"].placements == (Shard(0),), i
+        assert c.plan.params[f"layers.{i}.o_proj.weight"].placements == (Shard(1),), i
+    assert_sim_parity(c, model, inputs, "conv on the residual stream")

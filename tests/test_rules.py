@@ -1934,6 +1934,29 @@ def test_im2col(data):
           current_first=True)
 
 
+@pytest.mark.timeout(120)
+@hyp(25)
+@given(data=st.data())
+def test_unfold(data):
+    """``unfold(dim, size, step)`` (Inkling-2's conv windows over the sequence): every dim but the unfolded one
+    keeps its shard at its index (the windows land in a new last dim); a window may cross a shard boundary, so
+    the unfolded dim is never sharded; a view, so Partial stays."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 1, 4)
+    nd = len(shape)
+    dim = data.draw(st.integers(0, nd - 1), label="dim")
+    size = data.draw(st.integers(1, shape[dim]), label="size")
+    step = data.draw(st.integers(1, 3), label="step")
+    x = make(shape, "f", gen)
+    cur = draw_current(data, x, n, blocks=False)
+    expect = [((Shard(d),), (Shard(d),)) for d in divisible_dims(shape, n) if d != dim] + [((P,), (P,))]
+    arg_dim = dim - nd if data.draw(st.booleans(), label="neg") else dim
+    tested = check(aten.unfold.default, (x, arg_dim, size, step), n=n, current=(cur,), gen=gen, expect=expect,
+                   current_first=True)
+    assert all(s.inputs[0] != Shard(dim) for s in tested)
+
+
 FFTS = {  # op -> (input kind, dims drawn: "one" an int, "many" a list, with s)
     aten.fft_fft.default: ("c", "one"), aten.fft_ifft.default: ("c", "one"), aten.fft_rfft.default: ("f", "one"),
     aten.fft_irfft.default: ("c", "one"), aten.fft_fft2.default: ("f", "two"), aten.fft_ifft2.default: ("c", "two"),
@@ -2174,7 +2197,7 @@ TESTED_OPS = (
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
     | {aten._assert_async.default, aten._assert_async.msg}
     | {aten.chunk.default, aten.diff.default}  # tested in tests/test_rules_dtensor.py (test_chunk, test_diff)
-    | {aten.conv1d.default, aten.conv2d.default, aten.im2col.default, _SSD_SCAN} | set(FFTS)
+    | {aten.conv1d.default, aten.conv2d.default, aten.im2col.default, aten.unfold.default, _SSD_SCAN} | set(FFTS)
 )
 # Registered ops deliberately without a test here (with the reason).
 from mcompile.moe import moe_ffn  # noqa: E402

@@ -72,10 +72,12 @@ def _named(info: OpInfo, name: str, default=None):
 def reduce_whole(info: OpInfo) -> list[Strategy]:
     """Reductions whose value over a split dim is no plain sum / mean / max of the pieces' (``var`` /
     ``std``: squares about the whole mean): a dim they reduce stays whole, any other dim may be sharded
-    (xLSTM's group norm). ``logsumexp`` has the same rule in principle, but offering it made the MoE
-    z-loss (``logsumexp(router logits).pow(2).mean()``, split over tokens) train with a router gradient
-    0.44 off under ep x pp (gpipe) (tests/test_compositions.py cover ep-pp-gpipe): withdrawn until that
-    composition is fixed; logsumexp runs replicated and is reported."""
+    (xLSTM's group norm). ``logsumexp`` has the same rule in principle (Granite-SWA's attention sinks:
+    heads split, the key dim reduced), but offering it still (checked again 2026-12-06) makes the MoE
+    z-loss (``logsumexp(router logits).pow(2).mean()``, split over the ep ranks' tokens) train with a
+    router gradient 0.45 off under ep=2 alone (no pp needed; pp=2 alone is at parity): the composition
+    of a per-token mean over a data axis (ep) is at fault, not the rule; until it is fixed logsumexp runs
+    replicated and is reported."""
     nd = info.inputs[0].ndim
     dims, keep = _dims(_named(info, "dim"), nd), _named(info, "keepdim", False)
     out = [Strategy((Shard(d),), (Shard(_out_dim(d, dims, keep)),), name="other_dim")

@@ -559,6 +559,20 @@ def im2col(info: OpInfo) -> list[Strategy]:
     return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
 
 
+@rule(aten.unfold.default)
+def unfold(info: OpInfo) -> list[Strategy]:
+    """``x.unfold(dim, size, step)``: dim becomes the count of windows, ``(x.shape[dim] - size) // step + 1``,
+    and a new last dim holds each window's ``size`` elements (Inkling-2's causal conv gathers its kernel's
+    windows over the sequence this way). A window may cross a shard's boundary, so the unfolded dim stays
+    whole; every other dim keeps its index and its shard (the channels of a depthwise conv). A view:
+    Partial stays."""
+    nd = info.inputs[0].ndim
+    dim = norm_dim(info.arg(1, "dimension"), max(nd, 1))
+    out = [Strategy((Shard(d),), (Shard(d),), name="other_dim") for d in range(nd) if d != dim]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    return out + [Strategy((Partial(),), (Partial(),), name="partial"), Strategy((R,), (R,), name="replicate")]
+
+
 @rule(aten.index.Tensor)
 def index(info: OpInfo) -> list[Strategy]:
     """``x[i0, i1, ...]`` with leading index tensors: a trailing, unindexed dim of ``x`` may stay sharded."""
