@@ -853,7 +853,7 @@ class RelBiasNet(torch.nn.Module):
         return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_bias_bank_mixed_per_head_is_kept_whole():
     """Inkling's relative-logit bank ([d, extent], mixed by every head's states and added to the scores) is kept
     whole with the heads split: the attention's one exit a layer (a bank sharded like a linear's weight
