@@ -45,10 +45,11 @@ def mean_loss_to_sum_count(gm: fx.GraphModule) -> bool:
         return False
     if len(node.users) != 1 and results[0] is not node:
         return False
-    if x.meta["val"].dtype != torch.float32:  # sum the token losses in fp32 (as Megatron does)
+    wide = torch.promote_types(x.meta["val"].dtype, torch.float32)  # float64 logits stay float64
+    if x.meta["val"].dtype != wide:  # sum the token losses in at least fp32 (as Megatron does)
         with gm.graph.inserting_before(node):
-            up = gm.graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
-            up.meta["val"] = _fake_call(aten._to_copy.default, (x,), {"dtype": torch.float32})
+            up = gm.graph.call_function(aten._to_copy.default, (x,), {"dtype": wide})
+            up.meta["val"] = _fake_call(aten._to_copy.default, (x,), {"dtype": wide})
         x = up
     # torch's mean divides the summed (weighted, smoothed) token losses by the summed weights of the
     # counted targets -- by their number without a class weight (LossNLL.cpp, label smoothing too)

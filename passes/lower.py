@@ -576,7 +576,9 @@ def vocab_parallel_cross_entropy(g, node, want, ax: AxisInfo, emit, ax_i, place,
     v_local = ax.local_size(vocab, Shard(1))
     start = ax.rank * v_local
     out_dtype = x_node.meta["val"].dtype
-    xf = g.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
+    # at least fp32 (Megatron's upcast of bf16 / fp16 logits), never below the logits' own precision: a float64
+    # model's loss and logit gradients stay float64, as its single-device cross-entropy computes them
+    xf = g.call_function(aten._to_copy.default, (x,), {"dtype": torch.promote_types(out_dtype, torch.float32)})
     if start + v_local > vocab:  # padded columns on this rank: never the max, never in the sum
         valid_cols = max(0, vocab - start)
         cols = g.call_function(aten.arange.default, (v_local,), {"device": device or x_node.meta["val"].device})

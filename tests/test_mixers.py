@@ -205,3 +205,109 @@ def test_conv_on_the_residual_stream_leaves_next_projections_column_parallel():
         assert c.plan.params[f"layers.{i}.q_proj.weight"].placements == (Shard(0),), i
         assert c.plan.params[f"layers.{i}.o_proj.weight"].placements == (Shard(1),), i
     assert_sim_parity(c, model, inputs, "conv on the residual stream")
+
+
+class DecayMixer(torch.nn.Module):
+    """The gated delta rule's decay path as Hugging Face writes it (Qwen3-Next / LaraMini / OLMo-Hybrid's
+    ``torch_chunk_gated_delta_rule``, its export branch): a per-head log decay ``g = -exp(A_log) * softplus(a +
+    dt_bias)``, its cumulative sum over the chunk, the pairwise decays masked to -inf above the diagonal and
+    exponentiated, and the UT system's inverse built row by row in place (``x[..., i, :i] = row + ...`` of clones)."""
+
+    def __init__(self, dim=16, heads=4, kd=4):
+        super().__init__()
+        self.h, self.kd = heads, kd
+        self.in_proj_k = torch.nn.Linear(dim, heads * kd, bias=False)
+        self.in_proj_v = torch.nn.Linear(dim, heads * kd, bias=False)
+        self.in_proj_a = torch.nn.Linear(dim, heads, bias=False)
+        self.A_log = torch.nn.Parameter(torch.empty(heads).uniform_(1, 16).log())
+        self.dt_bias = torch.nn.Parameter(torch.ones(heads))
+        self.out_proj = torch.nn.Linear(heads * kd, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        k = F.normalize(self.in_proj_k(x).reshape(b, s, self.h, self.kd), dim=-1).transpose(1, 2)
+        v = self.in_proj_v(x).reshape(b, s, self.h, self.kd).transpose(1, 2)
+        g = (-self.A_log.exp() * F.softplus(self.in_proj_a(x) + self.dt_bias)).transpose(1, 2)  # (b, h, s)
+        cum = g.cumsum(-1)
+        upper = torch.ones(s, s, dtype=torch.bool).triu(1)
+        decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+        ut = -((k @ k.transpose(-1, -2)) * decay).tril(-1)
+        for i in range(1, s):
+            row = ut[..., i, :i].clone()
+            sub = ut[..., :i, :i].clone()
+            ut[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+        ut = ut + torch.eye(s, dtype=ut.dtype)
+        y = (ut @ (v * cum.exp().unsqueeze(-1))).transpose(1, 2).reshape(b, s, -1)
+        return self.out_proj(y)
+
+
+class DecayNet(Net):
+    def __init__(self, layers=2, dim=16, vocab=32):
+        super().__init__(layers, dim, vocab)
+        for layer in self.layers:
+            layer.mixer = DecayMixer(dim)
+
+
+@pytest.mark.timeout(120)
+def test_gated_delta_decay_gradients_exact_float64_tp2():
+    """The decay path of a gated delta layer at tp=2 in float64: A_log's and dt_bias's gradients (sums over
+    batch, sequence and the pairwise decays, with cancellation) match eager autograd to float64 rounding: the
+    capture (the in-place row writes, the -inf mask, the cumsum) and the tp=2 plan compute the same gradient, and
+    the vocab-parallel loss keeps float64 logits in float64 (it cast them to fp32: 4e-9 off in the loss)."""
+    from sim_harness import combine_grads, run_sim
+
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+
+    torch.manual_seed(0)
+    model = DecayNet().double()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = compile_plan(model, Mesh.fake(tp=2), inputs)
+    assert c.plan.fallbacks == []
+    ref_loss = model(*inputs)
+    ref_loss.backward()
+    results = run_sim(c, inputs, backward=True)
+    full = combine_grads(c, [gr for _, gr, _ in results])
+    for loss, _, _ in results:
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=0)
+    for fqn, p in model.named_parameters():
+        torch.testing.assert_close(full[fqn], p.grad, rtol=1e-10, atol=1e-12 * float(p.grad.abs().max()),
+                                   msg=lambda m, fqn=fqn: f"{fqn}: {m}")
+
+
+@pytest.mark.timeout(60)
+def test_float64_token_weighted_loss_stays_float64_tp2():
+    """The token-weighted loss rewrite (passes/loss.py, as ``parallelize`` compiles) sums a float64 model's token
+    losses in float64: at least fp32, never below the logits' precision (it cast them to fp32)."""
+    from sim_harness import run_sim_token_weighted
+
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32, bias=False)).double()
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = model
+
+        def forward(self, ids, labels):
+            return F.cross_entropy(self.body(ids).flatten(0, 1), labels.flatten())
+
+    net = Loss()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = compile_plan(net, Mesh.fake(tp=2), inputs, token_weighted_loss=True)
+    ref = net(*inputs)
+    ref.backward()
+    loss, grads = run_sim_token_weighted(c, inputs)
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=0)
+    for fqn, p in net.named_parameters():
+        torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-10, atol=1e-12 * float(p.grad.abs().max()))
