@@ -16,6 +16,16 @@ aten = torch.ops.aten
 def _grads(loss, params):
     return torch.autograd.grad(loss, params)
 
+def _same_as_eager(m, prog, x):
+    """The captured program's output and every parameter's gradient equal eager mode's on ``x``."""
+    names = [n for n, _ in m.named_parameters()]
+    ref, got = m(x), prog(x)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    for n, a, b in zip(names, _grads(ref, [m.get_parameter(n) for n in names]),
+                       _grads(got, [prog.get_parameter(n) for n in names])):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=n)
+
+
 
 def test_value_checks_become_runtime_assertions_naming_their_line():
     torch.manual_seed(0)
@@ -27,12 +37,7 @@ def test_value_checks_become_runtime_assertions_naming_their_line():
     assert not [n for n in cap.gm.graph.nodes if n.target in (aten.item.default, aten._assert_scalar.default)]
     prog = cap.ep.module()
     x = torch.randint(0, V, (3, 5))  # another batch, another size: the checks pass, the program is eager's
-    names = [n for n, _ in m.named_parameters()]
-    ref, got = m(x), prog(x)
-    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
-    for n, a, b in zip(names, _grads(ref, [m.get_parameter(n) for n in names]),
-                       _grads(got, [prog.get_parameter(n) for n in names])):
-        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=n)
+    _same_as_eager(m, prog, x)
     # a batch eager mode refuses is refused by the program, naming the check's line, not silently run
     with pytest.raises(RuntimeError, match=r"value check of forward failed.*checks_cases.py:\d+: if \(ids >= V"):
         prog(torch.full((2, 6), V))
@@ -138,12 +143,7 @@ def test_function_with_a_config_dict_keeps_its_backward():
     ops = {n.target for n in cap.gm.graph.nodes if getattr(n.target, "namespace", None) == "mcompile_fn"}
     assert len(ops) == 2
     for prog in (cap.ep.module(), from_packed(cap.packed, m).ep.module()):
-        names = [n for n, _ in m.named_parameters()]
-        ref, got = m(x), prog(x)
-        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
-        for n, a, b in zip(names, _grads(ref, [m.get_parameter(n) for n in names]),
-                           _grads(got, [prog.get_parameter(n) for n in names])):
-            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=n)
+        _same_as_eager(m, prog, x)
     with pytest.raises(CaptureError, match=r"argument #2 of type builtins.dict.*dicts of JSON values"):
         capture(Configured([{"fwd": 2.0, "bwd": torch.ones(())}]), (x,))
 

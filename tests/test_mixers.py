@@ -179,6 +179,20 @@ class StreamConvBlock(torch.nn.Module):
         return h + y
 
 
+
+def _plan_tp2(model):
+    """``model`` planned at tp=2 on a batch of token ids and labels (vocabulary 32), with no fallback."""
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = compile_plan(model, Mesh.fake(tp=2), inputs)
+    assert c.plan.fallbacks == []
+    return c, inputs
+
 class StreamConvNet(Net):
     def __init__(self, layers=2, dim=16, vocab=32):
         super().__init__(0, dim, vocab)
@@ -190,17 +204,10 @@ def test_conv_on_the_residual_stream_leaves_next_projections_column_parallel():
     """A depthwise conv over the residual stream with a skip around it (Inkling's short convs): the walk for the
     projections reading the conv's channels stops at the skip, so the next layer's q_proj is column-parallel
     (hinted row-parallel, its replicated input had no strategy: PlanError), and the model trains at parity."""
-    from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
 
     torch.manual_seed(0)
     model = StreamConvNet()
-    g = torch.Generator().manual_seed(1)
-    inputs = (torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        c = compile_plan(model, Mesh.fake(tp=2), inputs)
-    assert c.plan.fallbacks == []
+    c, inputs = _plan_tp2(model)
     for i in range(2):
         assert c.plan.params[f"layers.{i}.q_proj.weight"].placements == (Shard(0),), i
         assert c.plan.params[f"layers.{i}.o_proj.weight"].placements == (Shard(1),), i
@@ -256,17 +263,10 @@ def test_gated_delta_decay_gradients_exact_float64_tp2():
     the vocab-parallel loss keeps float64 logits in float64 (it cast them to fp32: 4e-9 off in the loss)."""
     from sim_harness import combine_grads, run_sim
 
-    from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
 
     torch.manual_seed(0)
     model = DecayNet().double()
-    g = torch.Generator().manual_seed(1)
-    inputs = (torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        c = compile_plan(model, Mesh.fake(tp=2), inputs)
-    assert c.plan.fallbacks == []
+    c, inputs = _plan_tp2(model)
     ref_loss = model(*inputs)
     ref_loss.backward()
     results = run_sim(c, inputs, backward=True)
