@@ -82,7 +82,7 @@ class Layer(torch.nn.Module):
 
 
 class SparseLM(torch.nn.Module):
-    def __init__(self, layers: int = 2, per_head_topk: bool = False, own_key: bool = True):
+    def __init__(self, layers: int = 4, per_head_topk: bool = False, own_key: bool = True):
         super().__init__()
         self.emb = torch.nn.Embedding(VOCAB, D)
         self.layers = torch.nn.ModuleList(Layer(per_head_topk, own_key) for _ in range(layers))
@@ -113,7 +113,7 @@ def test_the_indexers_projections_stay_whole_and_each_layer_keeps_megatrons_two_
         c = compile_plan(model, Mesh.fake(tp=2), inputs)
     assert not [w for w in caught if issubclass(w.category, PlanQualityWarning)] and c.quality == []
     pl = {k: v.placements[0] for k, v in c.plan.params.items()}
-    for i in range(2):
+    for i in range(4):
         for name in ("wq", "wk", "weights_proj"):
             assert pl[f"layers.{i}.indexer.{name}.weight"] == Replicate(), (name, pl)
         assert pl[f"layers.{i}.q.weight"] == Shard(0) and pl[f"layers.{i}.o.weight"] == Shard(1)
@@ -121,7 +121,7 @@ def test_the_indexers_projections_stay_whole_and_each_layer_keeps_megatrons_two_
     for s in c.plan.collectives:
         if s.axis == "tp" and s.layer is not None and s.forward != "none":
             per_layer.setdefault(s.layer, Counter())[s.forward] += 1
-    assert per_layer == {0: Counter(all_reduce=2), 1: Counter(all_reduce=2)}, per_layer
+    assert per_layer == {i: Counter(all_reduce=2) for i in range(4)}, per_layer
     assert_sim_parity(c, model, inputs)
 
 

@@ -194,7 +194,7 @@ def _plan_tp2(model):
     return c, inputs
 
 class StreamConvNet(Net):
-    def __init__(self, layers=2, dim=16, vocab=32):
+    def __init__(self, layers=4, dim=16, vocab=32):
         super().__init__(0, dim, vocab)
         self.layers = torch.nn.ModuleList(StreamConvBlock(dim) for _ in range(layers))
 
@@ -208,7 +208,7 @@ def test_conv_on_the_residual_stream_leaves_next_projections_column_parallel():
     torch.manual_seed(0)
     model = StreamConvNet()
     c, inputs = _plan_tp2(model)
-    for i in range(2):
+    for i in range(4):
         assert c.plan.params[f"layers.{i}.q_proj.weight"].placements == (Shard(0),), i
         assert c.plan.params[f"layers.{i}.o_proj.weight"].placements == (Shard(1),), i
     assert_sim_parity(c, model, inputs, "conv on the residual stream")

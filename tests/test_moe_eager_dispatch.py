@@ -86,7 +86,7 @@ class StackedMoE(nn.Module):
 
 
 class Tiny(nn.Module):
-    def __init__(self, layers: int = 2, moe=EagerMoE):
+    def __init__(self, layers: int = 4, moe=EagerMoE):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, D)
         self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in range(layers))
