@@ -48,6 +48,18 @@ _VALUE_OPS = {aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor, aten.mul.Scalar
 _SIMPLIFIED: dict = {}  # a collective's byte count (sympy, in batch/seq) -> its simplified text
 
 
+def _own_size(sym, s, name: str):
+    """A size of node ``name``'s own output for its localizer: ``None`` where it is a data-dependent size that
+    ``name`` itself makes (Blt's ``ids[:, :n.item()]``: its length exists only once the node runs, and a localizer
+    moves bounds of split dims, which such a dim is not); anything else as :class:`_Sym` gives it."""
+    try:
+        return sym(s)
+    except _Unmade as e:
+        if name in e.makers:
+            return None
+        raise
+
+
 @dataclass
 class AxisInfo:
     name: str
@@ -67,6 +79,14 @@ class AxisInfo:
         return vocab_local_size(size, self.size, self.vocab_pad_multiple if isinstance(p, Shard) else 1)
 
 
+class _Unmade(NotImplementedError):
+    """A data-dependent size read before any node that makes it is lowered; ``makers`` names those nodes."""
+
+    def __init__(self, msg: str, makers: tuple):
+        super().__init__(msg)
+        self.makers = makers
+
+
 class _Sym:
     """Turns sympy sizes into fx nodes computed from the program's input sizes."""
 
@@ -80,8 +100,9 @@ class _Sym:
     def _made(self, e):
         lowered = [m for m in self.made[e] if m[0] in self.env]  # the first of its makers already in the program
         if not lowered:
-            raise NotImplementedError(f"the data-dependent size {e} is read before any node that makes it "
-                                      f"({', '.join(m[0] for m in self.made[e][:3])}) is in the per-rank program")
+            raise _Unmade(f"the data-dependent size {e} is read before any node that makes it "
+                          f"({', '.join(m[0] for m in self.made[e][:3])}) is in the per-rank program",
+                          tuple(m[0] for m in self.made[e]))
         name, dim, ndim = lowered[0]
         node = self.env[name]
         if dim is None:
@@ -464,7 +485,7 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
             if loc is not None:
                 vals = node.meta["val"] if isinstance(node.meta["val"], list | tuple) else [node.meta["val"]]
                 per_out = [tuple(p[k] if isinstance(p, tuple) else p for p in out_pl) for k in range(len(vals))]
-                shapes = [[sym(s) for s in local_shape(v, pl)] for v, pl in zip(vals, per_out)]
+                shapes = [[_own_size(sym, s, node.name) for s in local_shape(v, pl)] for v, pl in zip(vals, per_out)]
                 in_pl = tuple(s.inputs if s is not None else None for s in strategies)
                 args, kwargs = loc(args, kwargs, in_pl, out_pl, shapes, tuple(ax.size for ax in axes))
             new = _call(g, node, tuple(args), dict(kwargs), device)

@@ -12,7 +12,8 @@ What is isolated, one construct a test:
 - a size ``(s*s)//s`` (XLNet's relative shift, a view with -1) is ``s``: view groups compare its products;
 - one layer's parameters shared by every layer (ALBERT), the first layer reading a sharded activation and the
   others a replicated one: each shared weight takes one placement every reader can take (Megatron's);
-- a data-dependent count of tokens (JetMoe's, DeepSeek-V4's routing: an unbacked size) plans and lowers;
+- a data-dependent count of tokens (JetMoe's, DeepSeek-V4's routing: an unbacked size) plans and lowers, and so
+  does a slice to a data-dependent length (BLT's patch starts), which makes its size itself;
 - experts' outputs added back to their tokens in a tensor of zeros with ``index_add`` (JetMoE) stay a partial
   sum: one all-reduce after it;
 - a repeated layer whose ops are not one stretch of the program (a node that is not an op among them: export's
@@ -228,6 +229,35 @@ class RoutedBlock(torch.nn.Module):
 def test_a_data_dependent_count_of_tokens_plans_and_lowers():
     torch.manual_seed(0)
     model = LM(RoutedBlock)
+    c, inputs = _plan(model)
+    assert c.plan.fallbacks == [] and c.quality == []
+    assert_sim_parity(c, model, inputs)
+
+
+class CutBlock(torch.nn.Module):
+    """BLT's patch starts: positions cut to a data-dependent length (``pos[:, :mask.sum(1).max()]``), so the
+    slice itself makes its output's size (an unbacked ``u``), then gathered and averaged over that length."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(DIM)
+        self.attn, self.mlp = Attention(), Mlp()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm(x))
+        h = self.norm(x)
+        keep = (h[..., 0] > 0).sum(1).max()  # a data-dependent count
+        pos = torch.arange(h.shape[1], device=x.device).expand(h.shape[0], -1)[:, :keep]  # (b, u)
+        picked = h.gather(1, pos.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
+        return x + self.mlp(self.norm(x)) + picked.mean(1, keepdim=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_slice_that_makes_its_own_data_dependent_size_lowers():
+    """The slice's output size exists only once the slice runs: its localizer is not asked for it (lowering
+    raised "the data-dependent size u.. is read before any node that makes it" on BLT)."""
+    torch.manual_seed(0)
+    model = LM(CutBlock)
     c, inputs = _plan(model)
     assert c.plan.fallbacks == [] and c.quality == []
     assert_sim_parity(c, model, inputs)

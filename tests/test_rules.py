@@ -1793,6 +1793,21 @@ def test_assert_async(data):
 
 
 @pytest.mark.timeout(120)
+@hyp(15)
+@given(data=st.data())
+def test_is_all_true(data):
+    """``_is_all_true`` / ``_is_any_true`` reduce a whole bool tensor to a 0-d bool: replicated in, replicated
+    out, wherever the input was (a shard would answer for its piece)."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    x = make(draw_shape(data, n, 1, 3), "f", gen)
+    mask = x > 0
+    cur = draw_current(data, mask, n)
+    for op in (aten._is_all_true.default, aten._is_any_true.default):
+        check(op, (mask,), n=n, current=(cur,), gen=gen, expect=[((R,), (R,))])
+
+
+@pytest.mark.timeout(120)
 def test_fixed_rule_bugs():
     """Fixed cases the property tests found, pinned so that they fail deterministically if they return."""
     x = torch.randn(4, 2, dtype=F64)
@@ -2195,7 +2210,7 @@ TESTED_OPS = (
        aten.cumsum.default,
        aten.tril.default, aten.triu.default}
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
-    | {aten._assert_async.default, aten._assert_async.msg}
+    | {aten._assert_async.default, aten._assert_async.msg, aten._is_all_true.default, aten._is_any_true.default}
     | {aten.chunk.default, aten.diff.default}  # tested in tests/test_rules_dtensor.py (test_chunk, test_diff)
     | {aten.conv1d.default, aten.conv2d.default, aten.im2col.default, aten.unfold.default, _SSD_SCAN} | set(FFTS)
 )

@@ -34,3 +34,11 @@ def assert_async(info: OpInfo) -> list[Strategy]:
     """A runtime check of a bool tensor (``mcompile.checks``: a value check of forward): it reads the whole
     value, so the input is replicated (a Partial or a shard would check a piece)."""
     return [Strategy(tuple(R for _ in info.inputs), (), name="assert")]
+
+
+@rule(aten._is_all_true.default, aten._is_any_true.default)
+def is_all_true(info: OpInfo) -> list[Strategy]:
+    """``_is_all_true(t)`` / ``_is_any_true(t)``: a 0-d bool of the whole value (torch.export writes a value check
+    such as Blt's ``torch._check(bool(t.all()))`` with them): the input is replicated, as a shard or a Partial
+    would answer for a piece."""
+    return [Strategy((R,), (R,), name="replicate")]
