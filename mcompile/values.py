@@ -32,6 +32,8 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
+from mcompile.patches import Refused
+
 __all__ = ["tracking"]
 
 _MAX = 16  # most distinct values a set keeps (a mask: 0 / 1; an additive mask: 0 / min)
@@ -231,10 +233,38 @@ def _reduce(name, args, kwargs, out):
     return None  # some true, some false: which element holds which is not known
 
 
+def _refuse_data_write(name: str, t: torch.Tensor):
+    """An in-place op on ``p.data`` of a trained tensor (Gemma-3n's AltUp ``weight.data.clamp_(-c, c)`` in
+    training mode): a write to a parameter outside autograd, which the captured program (a function of the
+    parameters, which the optimizer owns) cannot replay; torch.export meets it as a fake constant."""
+    from mcompile.checks import _user_frame
+
+    f = _user_frame()
+    where = f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else None
+    raise Refused(
+        f"forward writes a parameter in place through .data ({name}): a change to the parameter's stored value "
+        "outside autograd, which a captured program (a function of the parameters) cannot replay",
+        "move the constraint out of forward (apply it after optimizer.step(), or with "
+        "torch.nn.utils.parametrize), or switch it off for training (a config option, if the model has one)", where)
+
+
+_DATA = torch.Tensor.data  # the descriptor: TorchFunctionMode sees ``p.data`` as its __get__
+
+
 class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _name(func)
+        if (getattr(func, "__self__", None) is _DATA and args and isinstance(args[0], torch.Tensor)
+                and args[0].requires_grad):
+            # ``p.data`` of a trained tensor: read as ``p.detach()`` (the same values, outside autograd, which
+            # torch.export traces; its .data is a constant it cannot lift); an in-place write to it is refused
+            out = args[0].detach()
+            _STATE.data_of[id(out)] = weakref.ref(out)
+            return out
+        if (name.endswith("_") and not name.startswith("_") and args and isinstance(args[0], torch.Tensor)
+                and (ref := _STATE.data_of.get(id(args[0]))) is not None and ref() is args[0]):
+            _refuse_data_write(name, args[0])
         if name in _READS and args and isinstance(args[0], torch.Tensor):
             vals = _known(args[0])
             if vals is not None and len(vals) == 1 and args[0].numel() == 1:
@@ -344,9 +374,11 @@ def _flatten(x):
 def tracking():
     """Within it (on this thread), values made from shapes and constants alone are known (module docstring)."""
     before = getattr(_STATE, "known", None)
+    before_data = getattr(_STATE, "data_of", None)
     _STATE.known = {}  # id(tensor) -> (weakref, value set, version): tensors compare elementwise, not as keys
+    _STATE.data_of = {}  # id(t.data) -> weakref of it, for t that requires grad (_refuse_data_write)
     try:
         with _Mode():
             yield
     finally:
-        _STATE.known = before
+        _STATE.known, _STATE.data_of = before, before_data

@@ -183,3 +183,31 @@ def test_view_of_sizes_that_depend_on_values_offers_no_shard():
     assert map_view_placement(Shard(0), (u0,), (u1, u2), 2, notes) is None
     assert "no grouping of dims with equal products" in notes[0]
     assert map_view_placement(Shard(0), (u0 * 4, 6), (u0, 24), 2) == Shard(0)
+
+
+def test_a_parameter_written_through_data_in_forward_is_refused_naming_the_line():
+    """``weight.data.clamp_(-c, c)`` in a training forward (Gemma-3n's AltUp coefficients) changes the stored
+    parameter outside autograd: a captured program cannot replay it, so it is refused with the line and a fix
+    (torch.export said only "a fake tensor in the constant's list", at an unknown location). A read of ``.data``
+    is captured as ``detach()`` (torch.export refused it the same way), and an in-place op on a copy is no write
+    to the parameter."""
+
+    class Clamped(nn.Module):
+        def __init__(self, write: bool):
+            super().__init__()
+            self.proj, self.write = nn.Linear(8, 8), write
+
+        def forward(self, x):
+            if self.write:
+                self.proj.weight.data.clamp_(-0.1, 0.1)
+            scale = self.proj.weight.data.abs().max()  # a read: allowed
+            return (self.proj(x) * scale).sum() + x.detach().clone().mul_(2).sum()
+
+    x = torch.randn(2, 8)
+    with pytest.raises(CaptureError) as e:
+        capture(Clamped(True), (x,))
+    text = str(e.value)
+    assert "writes a parameter in place through .data (clamp_)" in text
+    assert "test_capture_checks.py:" in text and "optimizer.step()" in text
+    m = Clamped(False)
+    _same_as_eager(m, capture(m, (x,)).ep.module(), x)
