@@ -864,12 +864,19 @@ def _reaches(node: torch.fx.Node, test, depth: int = 12) -> bool:
 
 
 def _from_scores(x: torch.fx.Node, heads: int) -> bool:
-    """Whether ``x`` is attention scores (a matmul's [.., heads, q, k] output, through views)."""
+    """Whether ``x`` is attention scores (a matmul's [.., heads, q, k] output, through views), or a two-operand
+    einsum's of activations with the heads third from last (LongT5's local attention over blocks:
+    ``...qhd,...khd->...hqk``, [b, blocks, heads, q, k])."""
     while x.op == "call_function" and x.target in (*_THROUGH, aten.mul.Tensor, aten.div.Tensor):
         x = x.args[0]
     val = x.meta.get("val")
-    return x.op == "call_function" and x.target in _SCORES and isinstance(val, torch.Tensor) and val.ndim == 4 \
-        and int(val.shape[1]) == heads
+    if x.op != "call_function" or not isinstance(val, torch.Tensor):
+        return False
+    if x.target is aten.einsum.default:
+        ops = x.args[1]
+        return len(ops) == 2 and all(isinstance(o, torch.fx.Node) and o.op != "placeholder" for o in ops) and \
+            val.ndim >= 4 and isinstance(val.shape[-3], int) and int(val.shape[-3]) == heads
+    return x.target in _SCORES and val.ndim == 4 and int(val.shape[1]) == heads
 
 
 def _whole_width(u: torch.fx.Node, x: torch.fx.Node, width: int) -> bool:
