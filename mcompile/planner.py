@@ -691,11 +691,11 @@ def _gathered_biases(cap: Captured) -> list[tuple[torch.fx.Node, frozenset[str]]
             continue
         if getattr(node.args[1], "name", None) not in cap.params or node.args[1].meta["val"].ndim != 2:
             continue
-        region, todo, biased = {node}, [node], False
-        while todo:
-            cur = todo.pop()
+        region, todo, biased = {node}, [(node, 0)], False
+        while todo:  # at most 16 ops on (a linear back to the residual width would walk the whole stream)
+            cur, depth = todo.pop()
             for u in cur.users:
-                if u.op != "call_function" or u in region:
+                if u.op != "call_function" or u in region or depth >= 16:
                     continue
                 if u.target is aten.add.Tensor and any(
                         isinstance(a, torch.fx.Node) and a is not cur and _scores_of_two(a, cap) for a in u.args):
@@ -703,7 +703,7 @@ def _gathered_biases(cap: Captured) -> list[tuple[torch.fx.Node, frozenset[str]]
                     continue
                 if not _contraction(u):
                     region.add(u)
-                    todo.append(u)
+                    todo.append((u, depth + 1))
         if biased and any(n.target is aten.gather.default and n.args[0] in region for n in region):
             found.append((node, frozenset(n.name for n in region)))
     return found
