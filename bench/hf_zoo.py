@@ -511,11 +511,20 @@ def inputs(kind: str, cfg, takes_cache: bool) -> dict:
 
 
 def _why(e: BaseException) -> str:
-    """The exception's type and first line; for a CaptureError also the line with torch's own message (its
-    first line names only the kind of failure)."""
+    """The exception's type and first line; for a CaptureError also the model's line it failed at (``at ...``,
+    the construct the record must name: the first line alone, which explains the kind of failure, filled the
+    400 characters) and torch's own message, each cut to its share."""
     lines = str(e).strip().splitlines() or [""]
-    said = next((ln.strip() for ln in lines[1:] if ln.strip().startswith("torch says:")), None)
-    return f"{type(e).__name__}: {lines[0]}{' | ' + said if said else ''}"[:400]
+    more = [ln.strip() for ln in lines[1:]]
+    at = next((ln for ln in more if ln.startswith("at ")), None)
+    if at is not None and "site-packages/" in at:
+        at = "at " + at.split("site-packages/", 1)[1]  # the package's path, not this machine's
+    said = next((ln for ln in more if ln.startswith("torch says:")), None)
+    head = f"{type(e).__name__}: {lines[0]}"
+    if at is None and said is None:
+        return head[:400]
+    tail = "".join(f" | {part[:200]}" for part in (at, said) if part)
+    return (head if len(head) <= 400 - len(tail) else head[:400 - len(tail) - 3] + "...") + tail
 
 
 class _Progress:

@@ -679,6 +679,76 @@ def bias_bank_hints(cap: Captured) -> dict[str, object]:
     return hints
 
 
+def _gathered_biases(cap: Captured) -> list[tuple[torch.fx.Node, frozenset[str]]]:
+    """Linears of the hidden states that make a table of relative-position score biases, ``[.., buckets x heads]``,
+    looked up per (query, key) pair by ``gather`` and added to attention scores (ProphetNet's n-gram
+    self-attention: ``relative_pos_embeddings``, buckets outer, heads inner, rows flattened over (batch, query,
+    stream, head) and, for the predict streams, re-read in another order), each with the values between it and
+    the scores it is added to (through ops short of a contraction)."""
+    found = []
+    for node in cap.gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.linear.default:
+            continue
+        if getattr(node.args[1], "name", None) not in cap.params or node.args[1].meta["val"].ndim != 2:
+            continue
+        region, todo, biased = {node}, [(node, 0)], False
+        while todo:  # at most 16 ops on (a linear back to the residual width would walk the whole stream)
+            cur, depth = todo.pop()
+            for u in cur.users:
+                if u.op != "call_function" or u in region or depth >= 16:
+                    continue
+                if u.target is aten.add.Tensor and any(
+                        isinstance(a, torch.fx.Node) and a is not cur and _scores_of_two(a, cap) for a in u.args):
+                    biased = True
+                    continue
+                if not _contraction(u):
+                    region.add(u)
+                    todo.append((u, depth + 1))
+        if biased and any(n.target is aten.gather.default and n.args[0] in region for n in region):
+            found.append((node, frozenset(n.name for n in region)))
+    return found
+
+
+def _scores_of_two(x: torch.fx.Node, cap: Captured) -> bool:
+    """Whether ``x`` is attention scores: a product of two activations (matmul, bmm, a two-operand einsum) of
+    4 or more dims, through views and scalings."""
+    while x.op == "call_function" and x.target in (*_THROUGH, aten.mul.Tensor, aten.div.Tensor):
+        x = x.args[0]
+    val = x.meta.get("val")
+    if x.op != "call_function" or not isinstance(val, torch.Tensor) or val.ndim < 4:
+        return False
+    if x.target is aten.einsum.default:
+        ops = x.args[1]
+        return len(ops) == 2 and all(getattr(o, "name", None) not in cap.params for o in ops)
+    return x.target in _SCORES and all(getattr(o, "name", None) not in cap.params for o in x.args[:2])
+
+
+def gathered_bias_hints(cap: Captured) -> dict[str, object]:
+    """The projections of :func:`_gathered_biases` (and their biases) kept whole: their output is bucket-major
+    (``view(.., buckets, heads)``), so a column split would give each rank buckets, not heads, and gather them
+    all again for the lookup; the predict streams even re-read the rows in an order that mixes the heads with
+    the queries. Whole, each rank computes the table from the replicated hidden states (no collective) and takes
+    its heads of the looked-up bias where it meets its heads' scores (:func:`gathered_bias_sliced`)."""
+    hints: dict[str, object] = {}
+    for node, _ in _gathered_biases(cap):
+        _whole(hints, node, node.args[1], cap)
+        for u in node.users:  # its bias, added after it (canonicalize.split_linear_bias)
+            if u.target is aten.add.Tensor:
+                for a in u.args:
+                    if getattr(a, "name", None) in cap.params and a.meta["val"].ndim == 1:
+                        hints[a.name] = R
+    return hints
+
+
+def gathered_bias_sliced(cap: Captured) -> frozenset[str]:
+    """The values between a projection :func:`gathered_bias_hints` keeps whole and the scores its lookup is
+    added to: a rank may take its heads of them by a local slice."""
+    out: set[str] = set()
+    for _, region in _gathered_biases(cap):
+        out |= region
+    return frozenset(out)
+
+
 def kv_hints(cap: Captured, tp: int) -> dict[str, object]:
     """Key/value projections of attentions with fewer key/value heads than tp divides (multi-query attention's
     one head: GPTBigCode, Falcon) stay whole on every tp rank, as Megatron replicates a query group a rank
@@ -794,12 +864,19 @@ def _reaches(node: torch.fx.Node, test, depth: int = 12) -> bool:
 
 
 def _from_scores(x: torch.fx.Node, heads: int) -> bool:
-    """Whether ``x`` is attention scores (a matmul's [.., heads, q, k] output, through views)."""
+    """Whether ``x`` is attention scores (a matmul's [.., heads, q, k] output, through views), or a two-operand
+    einsum's of activations with the heads third from last (LongT5's local attention over blocks:
+    ``...qhd,...khd->...hqk``, [b, blocks, heads, q, k])."""
     while x.op == "call_function" and x.target in (*_THROUGH, aten.mul.Tensor, aten.div.Tensor):
         x = x.args[0]
     val = x.meta.get("val")
-    return x.op == "call_function" and x.target in _SCORES and isinstance(val, torch.Tensor) and val.ndim == 4 \
-        and int(val.shape[1]) == heads
+    if x.op != "call_function" or not isinstance(val, torch.Tensor):
+        return False
+    if x.target is aten.einsum.default:
+        ops = x.args[1]
+        return len(ops) == 2 and all(isinstance(o, torch.fx.Node) and o.op != "placeholder" for o in ops) and \
+            val.ndim >= 4 and isinstance(val.shape[-3], int) and int(val.shape[-3]) == heads
+    return x.target in _SCORES and val.ndim == 4 and int(val.shape[1]) == heads
 
 
 def _whole_width(u: torch.fx.Node, x: torch.fx.Node, width: int) -> bool:
@@ -879,13 +956,13 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
 
     tp = mesh.size("tp") if "tp" in mesh.axis_names else 1
     blocks = {**block_hints(cap), **mixer_hints(cap, tp), **latent_hints(cap), **router_hints(cap),
-              **selector_hints(cap), **position_bias_hints(cap), **kv_hints(cap, tp),
+              **selector_hints(cap), **position_bias_hints(cap), **gathered_bias_hints(cap), **kv_hints(cap, tp),
               **stacked_expert_hints(cap, tp)}
     experts = check_experts(cap, mesh.size("ep")) if "ep" in mesh.axis_names else None
     for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):
         if pol.shard_contraction_weights:
             pol.param_hints = dict(blocks)
-            pol.sliced_static = kv_sliced(cap, tp) | mask_sliced(cap)
+            pol.sliced_static = kv_sliced(cap, tp) | mask_sliced(cap) | gathered_bias_sliced(cap)
         out.append(AxisPlanResult(pol, propagate_axis(cap, pol, hints)))
     for op in sorted(set().union(*(ap.result.fallbacks for ap in out))):  # one warning per op
         if op.startswith("mcompile_fn."):  # a user's autograd.Function (mcompile.autograd_fn): no rule to add

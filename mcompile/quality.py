@@ -250,7 +250,8 @@ def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[i
 
 
 def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict, mixers: frozenset = frozenset(),
-                  selectors: frozenset = frozenset(), banks: frozenset = frozenset()) -> str | None:
+                  selectors: frozenset = frozenset(), banks: frozenset = frozenset(),
+                  looked_up: frozenset = frozenset()) -> str | None:
     if w.name in kv:
         return "fewer key/value heads than tp ranks: the key/value projection kept whole on every rank"
     if w.name in mixers:
@@ -267,13 +268,25 @@ def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict, mixe
     if w.name in banks:
         return ("a bank of score-bias profiles every head mixes (relative logits) kept whole: each rank mixes it "
                 "for its own heads, no collective")
+    if w.name in looked_up:
+        return ("a relative-position bias projection of the hidden states, buckets x heads with the buckets outer, "
+                "looked up per (query, key) pair (ProphetNet's n-gram attention) kept whole: each rank takes its "
+                "heads of the looked-up bias, no collective (split by columns, a rank would hold buckets, not heads)")
     return None
 
 
 def check_quality(compiled) -> list[Finding]:
     """The plan's findings against Megatron's layout (empty: Megatron's layout). Only tp is checked."""
     from mcompile.mixer_hints import few_groups
-    from mcompile.planner import bias_bank_hints, kv_hints, kv_sliced, latent_hints, router_hints, selector_hints
+    from mcompile.planner import (
+        bias_bank_hints,
+        gathered_bias_hints,
+        kv_hints,
+        kv_sliced,
+        latent_hints,
+        router_hints,
+        selector_hints,
+    )
 
     mesh = compiled.mesh
     if "tp" not in mesh.axis_names or mesh.size("tp") <= 1:
@@ -282,6 +295,7 @@ def check_quality(compiled) -> list[Finding]:
     sp = plan.options.sequence_parallel
     latents, routers, selectors = latent_hints(cap), router_hints(cap), frozenset(selector_hints(cap))
     banks = frozenset(bias_bank_hints(cap))
+    looked_up = frozenset(gathered_bias_hints(cap))
     exits = tp_exits(cap.gm, frozenset(latents) | frozenset(routers) | selectors)
     raw: list[tuple[int, str, tuple, str]] = []  # layer, kind, what alike layers share, text
     per_layer: dict[int, list] = {}
@@ -325,7 +339,7 @@ def check_quality(compiled) -> list[Finding]:
         seen.add(fqn)
         p = plan.params[fqn].placements[tp_i]
         if is_shard(p) or not isinstance(p, Replicate) or \
-                _whole_reason(w, latents, routers, kv, mixers, selectors, banks):
+                _whole_reason(w, latents, routers, kv, mixers, selectors, banks, looked_up):
             continue
         short = fqn.split(f".{layer}.", 1)[-1]
         shape = tuple(w.meta["val"].shape)

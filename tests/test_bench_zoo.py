@@ -100,3 +100,26 @@ def test_tiny_config_shrinks_sizes_by_the_shape_of_their_name():
     longcat, _ = zoo.tiny_config(hf.LongcatFlashConfig, "decoder")  # a query/key head width of nope + rope stays so
     assert longcat.qk_head_dim == longcat.qk_nope_head_dim + longcat.qk_rope_head_dim
     assert longcat.zero_expert_num == 4  # an expert count under its own name
+
+
+def test_a_capture_refusal_in_the_record_names_the_models_line():
+    """bench/hf_zoo._why keeps, within the record's 400 characters, the model's line a capture failed at and
+    torch's message beside the failure's explanation (FSMT's ``if not padding_mask.any():`` was cut off behind a
+    first line longer than the whole reason)."""
+    import importlib.util
+
+    from mcompile.capture import CaptureError
+
+    spec = importlib.util.spec_from_file_location("hf_zoo_under_test", ROOT / "bench" / "hf_zoo.py")
+    zoo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo)
+    e = CaptureError("cannot capture M with torch.export: a tensor's value is used as a Python bool " + "x" * 500 +
+                     "\n  at /venv/lib/python3.11/site-packages/transformers/models/m/modeling_m.py:266: "
+                     "if not padding_mask.any():\n  torch says: Could not guard on data-dependent expression"
+                     "\n  fix: compute both branches")
+    why = zoo._why(e)
+    assert len(why) <= 400, len(why)
+    assert why.startswith("CaptureError: cannot capture M with torch.export: a tensor's value")
+    assert "| at transformers/models/m/modeling_m.py:266: if not padding_mask.any():" in why, why
+    assert why.endswith("| torch says: Could not guard on data-dependent expression"), why
+    assert zoo._why(ValueError("plain")) == "ValueError: plain"

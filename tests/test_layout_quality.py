@@ -872,3 +872,126 @@ def test_bias_bank_mixed_per_head_is_kept_whole():
         fwd = [s.forward for s in c.plan.collectives if s.axis == "tp" and s.layer == i and s.forward != "none"]
         assert fwd == ["all_reduce"], fwd
     assert_sim_parity(c, model, inputs, "relative logits bank")
+
+
+class LookedUpBiasAttention(torch.nn.Module):
+    """ProphetNet's n-gram self-attention in miniature: a linear of the hidden states gives each token a row of
+    ``buckets x heads`` score biases (buckets outer), flattened to rows over (batch, head, query) -- or, with
+    ``reread``, over (batch, query, head) and re-read as (batch, head, query) rows, as the predict streams do --
+    and looked up per (query, key) bucket by ``gather``, then added to the heads' scores."""
+
+    def __init__(self, dim=32, heads=4, buckets=8, reread=False):
+        super().__init__()
+        self.heads, self.buckets, self.reread = heads, buckets, reread
+        # (no key bias: the softmax is blind to it, its gradient is rounding noise)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.rel = torch.nn.Linear(dim, buckets * heads)
+
+    def forward(self, h):
+        b, s, d = h.shape
+        hd = d // self.heads
+
+        def split(x):
+            return x.view(b, s, self.heads, hd).transpose(1, 2)
+
+        q, k, v = split(self.q(h)), split(self.k(h)), split(self.v(h))
+        scores = torch.einsum("bntc,bnsc->bnts", q, k) / hd ** 0.5
+        rel = self.rel(h).view(b, s, self.buckets, self.heads)
+        rel = rel.permute(0, 1, 3, 2) if self.reread else rel.permute(0, 3, 1, 2)
+        rel = rel.reshape(-1, self.buckets)
+        pos = torch.arange(s, device=h.device)
+        bucket = (pos[None, :] - pos[:, None]).clamp(-(self.buckets // 2), self.buckets // 2 - 1) + self.buckets // 2
+        idx = bucket.unsqueeze(0).repeat(b * self.heads, 1, 1).view(-1, s)
+        bias = torch.gather(rel, 1, idx).view(b, self.heads, s, s)
+        probs = torch.softmax(scores + bias, dim=-1)
+        out = torch.einsum("bnts,bnsc->bntc", probs, v).transpose(1, 2).reshape(b, s, d)
+        return self.o(out)
+
+
+class LookedUpBiasNet(RelBiasNet):
+    def __init__(self, layers=2, dim=32, vocab=32):
+        super().__init__(layers, dim, vocab)
+        self.attn = torch.nn.ModuleList(LookedUpBiasAttention(dim, reread=i % 2 == 1) for i in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_a_relative_bias_table_looked_up_by_gather_is_kept_whole_and_sliced_by_heads():
+    """ProphetNet's relative-position projection (``[buckets x heads]`` per token, buckets outer, looked up per
+    (query, key) pair by ``gather``; the predict streams re-read its rows in another order) is kept whole with a
+    recorded reason and each rank takes its heads of the looked-up bias: the attention's one exit a layer (split
+    by columns it gave ranks buckets: the table, the scores, the values and the output projection's input were
+    gathered, 4 forward collectives a layer), no finding, parity."""
+    torch.manual_seed(0)
+    model = LookedUpBiasNet()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = compile_plan(model, Mesh.fake(tp=2), inputs)
+    assert c.plan.fallbacks == [] and c.quality == [], c.quality
+    for i in range(2):
+        assert c.plan.params[f"attn.{i}.rel.weight"].placements == (Replicate(),)
+        assert c.plan.params[f"attn.{i}.rel.bias"].placements == (Replicate(),)
+        assert c.plan.params[f"attn.{i}.q.weight"].placements == (Shard(0),)
+        assert c.plan.params[f"attn.{i}.o.weight"].placements == (Shard(1),)
+        fwd = [s.forward for s in c.plan.collectives if s.axis == "tp" and s.layer == i and s.forward != "none"]
+        assert fwd == ["all_reduce"], fwd
+    assert_sim_parity(c, model, inputs, "looked-up relative bias")
+
+
+class BlockLocalBiasAttention(torch.nn.Module):
+    """LongT5's local attention in miniature: the tokens in blocks (one block here, as the zoo's short sequences
+    give: a block count tied to the sequence would let the residual stream split on a provably even sequence),
+    scores per block by an einsum with the heads third from last (``...qhd,...khd->...hqk``: [b, blocks, heads,
+    q, k]) plus a T5 relative-position bias table ([buckets, heads], looked up per (query, key) offset) broadcast
+    over the batch and the blocks."""
+
+    def __init__(self, dim=32, heads=4, buckets=8):
+        super().__init__()
+        self.heads, self.buckets = heads, buckets
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.bias = torch.nn.Embedding(buckets, heads)
+
+    def forward(self, h):
+        b, s, d = h.shape
+        hd = d // self.heads
+
+        def blocks(x):
+            return x.view(b, 1, s, self.heads, hd)
+
+        q, k, v = blocks(self.q(h)), blocks(self.k(h)), blocks(self.v(h))
+        scores = torch.einsum("...qhd,...khd->...hqk", q, k)
+        pos = torch.arange(s, device=h.device)
+        bucket = (pos[None, :] - pos[:, None]).clamp(-(self.buckets // 2), self.buckets // 2 - 1) + self.buckets // 2
+        bias = self.bias(bucket).permute(2, 0, 1)[None, None]
+        probs = torch.softmax(scores + bias, dim=-1)
+        return self.o(torch.einsum("...hqk,...khd->...qhd", probs, v).reshape(b, s, d))
+
+
+class BlockLocalBiasNet(RelBiasNet):
+    def __init__(self, layers=2, dim=32, vocab=32):
+        super().__init__(layers, dim, vocab)
+        self.attn = torch.nn.ModuleList(BlockLocalBiasAttention(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_a_position_bias_table_added_to_block_local_einsum_scores_is_split_by_heads():
+    """LongT5's local attention: the relative-position bias table ([buckets, heads]) meets scores an einsum makes
+    over blocks ([b, blocks, heads, q, k]); it is recognised as a per-head score bias (planner.position_bias_hints)
+    and split by heads with them: the attention's one exit a layer (taken for a vocabulary, the table was split
+    by buckets and all-reduced, the scores, the values and the output projection's input gathered: 4 forward
+    collectives a layer), no finding, parity."""
+    torch.manual_seed(0)
+    model = BlockLocalBiasNet()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = compile_plan(model, Mesh.fake(tp=2), inputs)
+    assert c.plan.fallbacks == [] and c.quality == [], c.quality
+    for i in range(2):
+        assert c.plan.params[f"attn.{i}.bias.weight"].placements == (Shard(1),)
+        assert c.plan.params[f"attn.{i}.o.weight"].placements == (Shard(1),)
+        fwd = [s.forward for s in c.plan.collectives if s.axis == "tp" and s.layer == i and s.forward != "none"]
+        assert fwd == ["all_reduce"], fwd
+    assert_sim_parity(c, model, inputs, "block-local einsum scores with a position bias table")
