@@ -649,6 +649,48 @@ def test_an_attention_summed_from_two_products_is_one_tp_region_exit():
     assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
 
 
+class ValueConvBlock(torch.nn.Module):
+    """An attention whose output adds a depthwise convolution of its values along the sequence, per head
+    (Nyströmformer's ``context + conv(value)``), then out_proj and a pre-norm MLP."""
+
+    def __init__(self, dim=32, heads=4, kernel=3):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.conv = torch.nn.Conv2d(heads, heads, (kernel, 1), padding=(kernel // 2, 0), groups=heads, bias=False)
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.up, self.down = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = (q @ k.transpose(-1, -2)).softmax(-1) @ v + self.conv(v)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class ValueConvLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(ValueConvBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_an_attention_plus_a_per_head_conv_of_its_values_is_one_tp_region_exit():
+    """Attention's output plus a per-head term of its shape (a depthwise conv of the values, as Nyströmformer) is
+    the attention's output, not a residual sum: out_proj is an exit (2 a layer with the MLP's) and Megatron's
+    layout (2 all-reduces a layer, the conv split by heads) passes the check (it counted 1 exit and warned)."""
+    from mcompile.quality import tp_exits
+
+    torch.manual_seed(0)
+    c, inputs, quality = _plan(ValueConvLM(), 64, tp=2)
+    exits = tp_exits(c.captured.gm)
+    assert sorted(exits) == [0, 1] and all(len(e) == 2 for e in exits.values()), exits
+    assert not quality and c.quality == []
+    assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+
+
 class GatedExitBlock(torch.nn.Module):
     """RWKV's channel mix after a plain attention: ``sigmoid(receptance(x)) * value(relu(key(x)) ** 2)``, the
     gate applied to the MLP's output after its row-parallel projection."""
