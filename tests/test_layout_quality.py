@@ -710,6 +710,9 @@ class MaskedInPlaceBlock(torch.nn.Module):
         q, k, v = (p(h).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
         scores = torch.cat([q @ k.transpose(-1, -2), q[..., :1]], -1)[..., :s]  # a view of the cat
         scores *= torch.ones(s, s, device=x.device).tril()
+        scores += torch.arange(s, device=x.device).float()  # add_, sub_, div_: the other in-place forms ruled alike
+        scores -= torch.ones(s, device=x.device)
+        scores /= torch.full((s, 1), 2.0, device=x.device)
         x = x + self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, d))
         u = F.gelu(self.up(self.norm2(x)))  # column-parallel: split by features
         u = F.max_pool2d(u[:, None], (3, 1), stride=(1, 1), padding=(1, 0))[:, 0]  # a max over 3 tokens
@@ -739,9 +742,11 @@ def test_an_in_place_mask_of_a_view_and_a_max_pool_over_the_sequence_keep_their_
     c, inputs, quality = _plan(model, 64, tp=2)
     assert c.plan.fallbacks == [], c.plan.fallbacks
     nodes = {n.name: n for n in c.captured.gm.graph.nodes}
-    muls = [k for k, n in nodes.items() if n.op == "call_function" and n.target is torch.ops.aten.mul_.Tensor]
+    inplace = (torch.ops.aten.mul_.Tensor, torch.ops.aten.add_.Tensor, torch.ops.aten.sub_.Tensor,
+               torch.ops.aten.div_.Tensor)
+    muls = [k for k, n in nodes.items() if n.op == "call_function" and n.target in inplace]
     pools = [k for k, n in nodes.items() if n.op == "call_function" and n.target is torch.ops.aten.max_pool2d.default]
-    assert muls and all(c.plan.activations[k] == (Shard(1),) for k in muls), muls
+    assert len(muls) == 4 * 2 and all(c.plan.activations[k] == (Shard(1),) for k in muls), muls
     assert pools and all(c.plan.activations[k] == (Shard(3),) for k in pools), pools
     _parity(model, c, inputs)
 
