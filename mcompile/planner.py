@@ -428,12 +428,22 @@ def _attention_product(x: torch.fx.Node) -> bool:
     return True
 
 
+def _beside_attention(operands) -> bool:
+    """Whether an add of ``operands`` sums an attention product (:func:`_attention_product`) with a term of its
+    own per-head shape ([b, heads, s, d]: the residual stream is never split by heads), so is one attention's
+    output, not a residual sum: Nyströmformer's depthwise convolution of the values added to the attention
+    (Xiong et al. 2021; Hugging Face's NystromformerSelfAttention.conv)."""
+    shapes = [tuple(getattr(a.meta.get("val"), "shape", ())) for a in operands]
+    return len(shapes[0]) == 4 and shapes[0] == shapes[1] and any(_attention_product(a) for a in operands)
+
+
 def _after_contraction(x, whole: frozenset = frozenset()) -> bool:
     """Whether ``x`` is computed from a contraction (a linear, attention, a custom op such as a scan) by ops
     short of a residual sum: the input of an MLP's down-projection or attention's output projection is;
     the normalised residual stream a latent is projected from is not (an embedding counts as a source, and
     so does a linear whose weight is one of ``whole``, kept whole over tp: a latent, a router). An add of two
-    attention products (:func:`_attention_product`) is one attention's output, not a residual sum."""
+    attention products (:func:`_attention_product`), or of one and a term of its per-head shape
+    (:func:`_beside_attention`), is one attention's output, not a residual sum."""
     todo, seen = [x], set()
     while todo:
         cur = todo.pop()
@@ -449,7 +459,7 @@ def _after_contraction(x, whole: frozenset = frozenset()) -> bool:
         tensors = [a for a in cur.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor | list | tuple)]
         if cur.target is aten.add.Tensor and len(tensors) == 2 and not any(
                 a.op == "placeholder" and a.meta["val"].ndim == 1 for a in tensors) and \
-                not all(_attention_product(a) for a in tensors):
+                not all(_attention_product(a) for a in tensors) and not _beside_attention(tensors):
             continue  # a residual sum: the stream, not a projection's output (a 1-D parameter added is a bias)
         todo.extend(tensors)
     return False

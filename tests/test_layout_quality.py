@@ -649,6 +649,108 @@ def test_an_attention_summed_from_two_products_is_one_tp_region_exit():
     assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
 
 
+class ValueConvBlock(torch.nn.Module):
+    """An attention whose output adds a depthwise convolution of its values along the sequence, per head
+    (Nyströmformer's ``context + conv(value)``), then out_proj and a pre-norm MLP."""
+
+    def __init__(self, dim=32, heads=4, kernel=3):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.conv = torch.nn.Conv2d(heads, heads, (kernel, 1), padding=(kernel // 2, 0), groups=heads, bias=False)
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.up, self.down = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = (q @ k.transpose(-1, -2)).softmax(-1) @ v + self.conv(v)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class ValueConvLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(ValueConvBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_an_attention_plus_a_per_head_conv_of_its_values_is_one_tp_region_exit():
+    """Attention's output plus a per-head term of its shape (a depthwise conv of the values, as Nyströmformer) is
+    the attention's output, not a residual sum: out_proj is an exit (2 a layer with the MLP's) and Megatron's
+    layout (2 all-reduces a layer, the conv split by heads) passes the check (it counted 1 exit and warned)."""
+    from mcompile.quality import tp_exits
+
+    torch.manual_seed(0)
+    c, inputs, quality = _plan(ValueConvLM(), 64, tp=2)
+    exits = tp_exits(c.captured.gm)
+    assert sorted(exits) == [0, 1] and all(len(e) == 2 for e in exits.values()), exits
+    assert not quality and c.quality == []
+    assert all(cnt == Counter(all_reduce=2) for cnt in _forward_tp_per_layer(c).values()), _forward_tp_per_layer(c)
+
+
+class MaskedInPlaceBlock(torch.nn.Module):
+    """Funnel's relative attention in small: scores cut from a wider tensor (a slice, a view of it) are masked in
+    place (``positional_attn *= cls_mask``, a write into a view that functional_inplace keeps), and the MLP's
+    activation max-pooled over the sequence by a (3, 1) window of [b, 1, s, f] (Funnel's pool_tensor's form; its
+    (2, 1) stride halves the sequence, a size this test's lowering would read as data-dependent)."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.up, self.down = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = torch.cat([q @ k.transpose(-1, -2), q[..., :1]], -1)[..., :s]  # a view of the cat
+        scores *= torch.ones(s, s, device=x.device).tril()
+        scores += torch.arange(s, device=x.device).float()  # add_, sub_, div_: the other in-place forms ruled alike
+        scores -= torch.ones(s, device=x.device)
+        scores /= torch.full((s, 1), 2.0, device=x.device)
+        x = x + self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, d))
+        u = F.gelu(self.up(self.norm2(x)))  # column-parallel: split by features
+        u = F.max_pool2d(u[:, None], (3, 1), stride=(1, 1), padding=(1, 0))[:, 0]  # a max over 3 tokens
+        return x + self.down(u)
+
+
+class MaskedInPlaceLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(MaskedInPlaceBlock(dim) for _ in range(layers))
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), labels[:, :logits.shape[1]].flatten())
+
+
+@pytest.mark.timeout(300)
+def test_an_in_place_mask_of_a_view_and_a_max_pool_over_the_sequence_keep_their_split():
+    """A score tensor masked in place (mul_ into a view) keeps its heads split and a max pool over the sequence
+    keeps the MLP's features split: no op runs replicated (both fell back before: no rule for
+    aten.mul_.Tensor nor aten.max_pool2d.default), and the ranks compute the model's loss and gradients."""
+    torch.manual_seed(0)
+    model = MaskedInPlaceLM()
+    c, inputs, quality = _plan(model, 64, tp=2)
+    assert c.plan.fallbacks == [], c.plan.fallbacks
+    nodes = {n.name: n for n in c.captured.gm.graph.nodes}
+    inplace = (torch.ops.aten.mul_.Tensor, torch.ops.aten.add_.Tensor, torch.ops.aten.sub_.Tensor,
+               torch.ops.aten.div_.Tensor)
+    muls = [k for k, n in nodes.items() if n.op == "call_function" and n.target in inplace]
+    pools = [k for k, n in nodes.items() if n.op == "call_function" and n.target is torch.ops.aten.max_pool2d.default]
+    assert len(muls) == 4 * 2 and all(c.plan.activations[k] == (Shard(1),) for k in muls), muls
+    assert pools and all(c.plan.activations[k] == (Shard(3),) for k in pools), pools
+    _parity(model, c, inputs)
+
+
 class GatedExitBlock(torch.nn.Module):
     """RWKV's channel mix after a plain attention: ``sigmoid(receptance(x)) * value(relu(key(x)) ** 2)``, the
     gate applied to the MLP's output after its row-parallel projection."""

@@ -137,3 +137,19 @@ def where_scalar(info) -> list[Strategy]:
 @rule(aten.copy_.default)
 def copy_(info) -> list[Strategy]:
     return pointwise_shard_strategies(info) + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]
+
+
+# ``x.mul_(y)`` and its kin on a tensor the program may not rewrite functionally (passes/canonicalize.py
+# ``functional_inplace`` keeps a write into a view: Funnel's ``positional_attn *= cls_mask``, the scores a
+# slice of a gathered tensor): each rank writes its own piece of ``x``, so only strategies whose output is
+# laid out as ``x`` is (the written tensor keeps its placement) hold; ``y`` broadcasts as in the functional op.
+INPLACE = {aten.mul_.Tensor: aten.mul.Tensor, aten.add_.Tensor: aten.add.Tensor, aten.sub_.Tensor: aten.sub.Tensor,
+           aten.div_.Tensor: aten.div.Tensor}
+
+
+@rule(*INPLACE)
+def inplace_pointwise(info) -> list[Strategy]:
+    functional = replace(info, op=INPLACE[info.op])
+    out = [s for s in pointwise_shard_strategies(functional) + _partial_strategies(functional)
+           if s.inputs and s.inputs[0] == s.outputs[0]]
+    return out + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]

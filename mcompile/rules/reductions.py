@@ -230,3 +230,33 @@ def nonzero(info: OpInfo) -> list[Strategy]:
     must be whole (a piece's coordinates are local, its count partial). One-argument ``torch.where`` is nonzero
     as a tuple of one index tensor per dim (an eager MoE's token selection): each of them whole."""
     return [Strategy((R,), (R,) * len(info.outputs), name="replicate")]
+
+
+def _pair(v, default) -> tuple:
+    """A pooling argument as one value per spatial dim (an int, a 1-list or an empty stride mean the same
+    for both)."""
+    if v is None or (isinstance(v, list | tuple) and len(v) == 0):
+        v = default
+    if isinstance(v, int):
+        return (v, v)
+    v = tuple(v)
+    return v * 2 if len(v) == 1 else v
+
+
+@rule(aten.max_pool2d.default)
+def max_pool2d(info: OpInfo) -> list[Strategy]:
+    """``max_pool2d(x, kernel, stride, padding, dilation, ceil_mode)`` over the last two dims of [N, C, H, W] or
+    [C, H, W]: each window lies within one index of every other dim, so any leading dim may be split, and a
+    spatial dim whose window is that one index (kernel 1, stride 1, no padding, dilation 1) too (Funnel pools
+    its [b, 1, s, h] hidden states over the sequence with a (2, 1) window: the hidden dim stays split). No
+    Partial: a max of sums is no sum of maxes."""
+    nd = info.inputs[0].ndim
+    kernel = _pair(info.arg(1, "kernel_size"), 1)
+    stride = _pair(info.arg(2, "stride"), kernel)
+    padding = _pair(info.arg(3, "padding", 0), 0)
+    dilation = _pair(info.arg(4, "dilation", 1), 1)
+    dims = list(range(nd - 2))
+    dims += [nd - 2 + i for i in range(2) if (kernel[i], stride[i], padding[i], dilation[i]) == (1, 1, 0, 1)]
+    out = [Strategy((Shard(d),), (Shard(d),), name="other_dim") for d in dims]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    return out + [Strategy((R,), (R,), name="replicate")]
