@@ -39,6 +39,21 @@ def _oai(text: str):
     return float(alpha), float(limit)
 
 
+def _softcap(text: str):
+    """``softcap:G:U``, a SwiGLU whose linear factors are soft-capped: ``cap_G(gate) * sigmoid(gate) *
+    cap_U(up)`` with ``cap_c(t) = c * tanh(t / c)`` (the sigmoid sees the raw gate; Inkling2's experts; the
+    tanh soft cap of Gemma 2's logits, Gemma Team 2024); None for another act."""
+    if not text.startswith("softcap:"):
+        return None
+    _, gate_cap, up_cap = text.split(":")
+    return float(gate_cap), float(up_cap)
+
+
+def gated_only(act: str) -> bool:
+    """An activation of a gate and an up projection together (no form without a gate runs it)."""
+    return _oai(act) is not None or _softcap(act) is not None
+
+
 @dataclass(frozen=True)
 class ExpertForm:
     """How one expert's FFN reads its weights. ``kind``: ``sep`` (gate, up, down), ``fused_gu`` /
@@ -49,7 +64,7 @@ class ExpertForm:
     per-expert bias ``[E, out]``, given after the weight matrices (a down projection's bias is no part of
     the node: passes/moe.py adds ``sum_j w[t, j] * b[idx[t, j]]`` beside it, an ordinary gather the planner
     places like any other, so an expert-TP output stays a plain partial sum). ``act``: a name of
-    ``_ACTS``, or ``oai:ALPHA:LIMIT`` (:func:`_oai`, gated kinds only)."""
+    ``_ACTS``, or ``oai:ALPHA:LIMIT`` (:func:`_oai`) or ``softcap:G:U`` (:func:`_softcap`), gated kinds only."""
 
     act: str
     kind: str
@@ -95,6 +110,10 @@ class ExpertForm:
             alpha, limit = oai
             gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
             return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        caps = _softcap(self.act)
+        if caps is not None:
+            gate_cap, up_cap = caps
+            return torch.tanh(gate / gate_cap) * gate_cap * torch.sigmoid(gate) * (torch.tanh(up / up_cap) * up_cap)
         return _ACTS[self.act](gate) * up
 
 

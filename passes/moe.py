@@ -43,7 +43,15 @@ import torch.fx as fx
 aten = torch.ops.aten
 __all__ = ["find_moe_layers", "moe_layers_of"]
 
-from mcompile.moe import _ACT_OPS, _ACTS, ExpertForm, moe_ffn, moe_layers_of, moe_reference  # noqa: E402,F401
+from mcompile.moe import (  # noqa: E402,F401
+    _ACT_OPS,
+    _ACTS,
+    ExpertForm,
+    gated_only,
+    moe_ffn,
+    moe_layers_of,
+    moe_reference,
+)
 
 # --------------------------------------------------------------------------- finding regions
 
@@ -103,21 +111,41 @@ def find_moe_layers(gm: fx.GraphModule) -> int:
         # this layer's experts: weights of E experts whose values meet the indices' before the next routing
         # (a router may score more classes than there are experts: ZAYA's "skip" class; a slot routed to a
         # class >= E gets nothing from the experts, which the evaluation below checks)
-        params = [p for p in three_d if p not in used and p.meta["val"].shape[0] <= classes
+        # (not a tensor the routing itself reads: an earlier block's 3-D parameters or buffers)
+        upstream = _reach([t], lambda n: True, down=False)
+        params = [p for p in three_d if p not in used and p not in upstream and p.meta["val"].shape[0] <= classes
                   and _reach([p], before, stop=d_idx) & d_idx]
         E = max((p.meta["val"].shape[0] for p in params), default=0)
         params = [p for p in params if p.meta["val"].shape[0] == E]
         biases = [p for p in two_d if p not in used and p.meta["val"].shape[0] == E
                   and _reach([p], before, stop=d_idx) & d_idx]
-        if 1 < len(params) <= 3 and len(biases) <= len(params) and _match(gm, idx, params + biases, window, before,
-                                                                           d_idx, pos, classes):
-            params = params + biases
-            used.update(params)
-            done += 1
+        for chosen in _expert_sets(params, before, d_idx, pos):
+            if len(biases) <= len(chosen) and _match(gm, idx, chosen + biases, window, before, d_idx, pos, classes):
+                used.update(chosen + biases)
+                done += 1
+                break
     if done:
         gm.graph.lint()
         gm.recompile()
     return done
+
+
+def _expert_sets(params, before, d_idx, pos):
+    """The sets of expert weights to try for one routing: all the candidates (at most 3: gate, up, down), then
+    the first 3 and the first 2 in the order their values meet the indices' descendants. A later block's
+    3-D tensors of the same leading size also meet them, downstream of this layer's output (MiniMax's
+    lightning-attention decay buffers [heads, ., .] with heads == E): they meet them after this layer's
+    experts do (the up projection reads the dispatched rows, then the down projection)."""
+    if 1 < len(params) <= 3:
+        yield params
+    if len(params) > 2:
+        def meet(p):
+            return min((pos[n] for n in _reach([p], before) & d_idx), default=len(pos))
+
+        ordered = sorted(params, key=meet)
+        for m in (3, 2):
+            if m < len(params):
+                yield ordered[:m]
 
 
 # the region's output is among the first nodes (in graph order) that the indices and every expert weight reach;
@@ -396,15 +424,15 @@ def _identify_at(fn, state, T, d, k, classes, dtype, idx, w, params, shapes, siz
     if any(n.target is aten.gelu.default and (n.kwargs.get("approximate") == "tanh" or
                                               (len(n.args) > 1 and n.args[1] == "tanh")) for n in region):
         acts = ["gelu_tanh"] + acts
-    acts = list(dict.fromkeys(_oai_acts(region) + acts + list(_ACTS)))
+    acts = list(dict.fromkeys(_oai_acts(region) + _softcap_acts(region) + acts + list(_ACTS)))
     n_mat = sum(len(s) == 2 for s in shapes)
     n_bias = len(shapes) - n_mat
     kinds = ["sep"] if n_mat == 3 else ["fused_gu", "fused_ug", "fused_il", "plain"]
     for kind, transposed, act, perm in itertools.product(kinds, (False, True), acts, _orders(n_mat, n_bias)):
         mats = perm[:n_mat]
         form = ExpertForm(act, kind, transposed, bias=n_bias > 0 and perm[n_mat] is not None)
-        if kind not in ("sep",) and not kind.startswith("fused") and act.startswith("oai:"):
-            continue  # a clamped SwiGLU needs a gate
+        if kind not in ("sep",) and not kind.startswith("fused") and gated_only(act):
+            continue  # a clamped or soft-capped SwiGLU needs a gate
         if not _shapes_fit(form, [shapes[j] for j in mats], d):
             continue
         # the biases: one per input projection (form.bias), then the down projection's (or none)
@@ -457,6 +485,15 @@ def _oai_acts(region) -> list[str]:
     alphas = {float(n.args[1]) for n in region if n.target is aten.mul.Tensor and isinstance(n.args[1], float)
               and any(u.target is aten.sigmoid.default for u in n.users)}
     return [f"oai:{a!r}:{lim!r}" for a in sorted(alphas) for lim in sorted(limits)]
+
+
+def _softcap_acts(region) -> list[str]:
+    """Soft-capped SwiGLUs (``softcap:G:U``, mcompile.moe), the caps read from the region: the divisors of the
+    values its ``tanh`` reads, each pair (gate's, up's) tried. Evaluated like every candidate."""
+    caps = sorted({float(n.args[1]) for n in region if n.target is aten.div.Tensor and len(n.args) > 1
+                   and isinstance(n.args[1], int | float) and n.args[1] != 0
+                   and any(u.target is aten.tanh.default for u in n.users)})
+    return [f"softcap:{g!r}:{u!r}" for g in caps for u in caps]
 
 
 def _close(a, b, tol) -> bool:

@@ -21,7 +21,7 @@ from sim_harness import assert_sim_parity, run_sim_token_weighted
 
 from mcompile.models.hf import CausalLMLoss
 from mcompile.moe import ExpertForm, moe_layers_of, moe_local, moe_reference
-from mcompile.placements import Replicate, Shard
+from mcompile.placements import BlockShard, Replicate, Shard
 
 OAI = "oai:1.702:7.0/fused_il/io+b"
 
@@ -293,5 +293,63 @@ def test_gpt_oss_experts_parity(mesh):
         assert c.plan.params["experts.down_proj_bias"].placements == (Replicate(),)
         assert not [s for s in c.plan.collectives if s.forward == "all_gather"], c.plan.collectives
         assert_sim_parity(c, model, inputs, "gpt-oss experts tp=2")
+        return
+    _ep_parity(c, model, inputs)
+
+
+class CappedExpertsAndDecayBuffer(torch.nn.Module):
+    """Two MoE layers run by transformers' grouped-mm experts (``grouped_mm_fallback`` under export): Inkling2's
+    experts (SwiGLU with soft-capped gate and up factors, [gate; up] fused, (E, out, in)), then MiniMax's (plain
+    SwiGLU). Between them a 3-D buffer [E, 16, 1] (E == 4, as MiniMax's lightning-attention decay buffers
+    [heads, ., 1] with 4 heads and 4 experts) scales the tokens per 16-wide group: the first layer's output
+    meets it, the second layer's routing reads it."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from transformers.models.inkling2.modeling_inkling2 import Inkling2Experts
+        from transformers.models.minimax.modeling_minimax import MiniMaxExperts
+
+        super().__init__()
+        cfg = SimpleNamespace(n_routed_experts=4, num_local_experts=4, hidden_size=64, moe_intermediate_size=32,
+                              intermediate_size=32, hidden_act="silu", mlp_gate_softcap=1.5, mlp_up_softcap=2.0,
+                              _experts_implementation="grouped_mm")
+        self.emb = torch.nn.Embedding(128, 64)
+        self.routers = torch.nn.ModuleList(torch.nn.Linear(64, 4, bias=False) for _ in range(2))
+        self.experts = torch.nn.ModuleList([Inkling2Experts(cfg), MiniMaxExperts(cfg)])
+        self.register_buffer("decay", torch.linspace(0.5, 1.5, 4).reshape(4, 1, 1).expand(4, 16, 1).contiguous())
+        with torch.no_grad():  # gate and up well past the caps (1.5, 2): a wrong cap shows in parity
+            for p in self.experts.parameters():
+                p.normal_(0, 0.5)
+        self.head = torch.nn.Linear(64, 128)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids).reshape(-1, 64)
+        for i in range(2):
+            w, idx = self.routers[i](x).softmax(-1).topk(2)
+            x = x + self.experts[i](x, idx, w)
+            if i == 0:
+                x = (x.reshape(-1, 4, 16) * self.decay.squeeze(-1)).reshape(-1, 64)
+        return torch.nn.functional.cross_entropy(self.head(x), labels.reshape(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("mesh", ["tp", "ep"])
+def test_softcapped_experts_beside_expert_sized_buffer_parity(mesh):
+    """Both layers are one moe_ffn each (the soft-capped SwiGLU identified with its caps read from the graph; the
+    buffer of leading size E taken for neither layer's experts), no op replicated, tp=2 expert-TP (each expert's
+    [gate; up] column-parallel, down row-parallel) or ep=2; single-device parity."""
+    torch.manual_seed(0)
+    model, inputs = CappedExpertsAndDecayBuffer(), _inputs()
+    c = _plan(model, inputs, **{mesh: 2})
+    assert [n.kwargs["form"] for n in moe_layers_of(c.captured.gm)] == ["softcap:1.5:2.0/fused_gu/oi",
+                                                                         "silu/fused_gu/oi"]
+    # tp: [gate; up] (E, 2f, d) in two blocks on the hidden units (each of gate and up split), down (E, d, f) by f
+    want = {"tp": (BlockShard(1, 2), Shard(2)), "ep": (Shard(0), Shard(0))}[mesh]
+    for i in range(2):
+        got = tuple(c.plan.params[f"experts.{i}.{n}"].placements[0] for n in ("gate_up_proj", "down_proj"))
+        assert got == want, (i, got)
+    if mesh == "tp":
+        assert c.quality == []
+        assert_sim_parity(c, model, inputs, "soft-capped experts tp=2")
         return
     _ep_parity(c, model, inputs)
