@@ -723,6 +723,7 @@ def test_mean_over_unequal_shards_is_not_partial_avg():
 
 
 WHOLE_REDUCTIONS = {  # op -> (dims, keepdim) -> (args, kwargs)
+    aten.logsumexp.default: lambda x, d, k, c: ((x, d, k), {}),
     aten.var.dim: lambda x, d, k, c: ((x, d, c == 1, k), {}),
     aten.std.dim: lambda x, d, k, c: ((x, d, c == 1, k), {}),
 }
@@ -733,7 +734,7 @@ WHOLE_REDUCTIONS = {  # op -> (dims, keepdim) -> (args, kwargs)
 @hyp(25)
 @given(data=st.data())
 def test_whole_reductions(op, data):
-    """var / std: only the dims they keep may be sharded (no Partial over a reduced one)."""
+    """logsumexp / var / std: only the dims they keep may be sharded (no Partial over a reduced one)."""
     n = data.draw(st.sampled_from(NS), label="n")
     gen = new_gen(data)
     shape = draw_shape(data, n, 1, 4)
