@@ -697,6 +697,11 @@ def _side_chains(g: fx.Graph, members: list[fx.Node], inside: set, exit_: fx.Nod
                         _relabel(new, y, block, block.keep + j - 1, origin_of)
                         env[y] = new
                         seq.setdefault(y, [y]).append(new)
+            for y in ordered:  # read directly (not in a list) after the run: the last group's, as a group value
+                for u in list(y.users):
+                    if u not in chain and not u.meta.get("_mc_copy") and not any(
+                            isinstance(a, list | tuple) and y in a for a in (*u.args, *u.kwargs.values())):
+                        u.replace_input_with(y, env[y])
             chains |= chain
     return chains
 
