@@ -137,3 +137,16 @@ def where_scalar(info) -> list[Strategy]:
 @rule(aten.copy_.default)
 def copy_(info) -> list[Strategy]:
     return pointwise_shard_strategies(info) + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]
+
+
+@rule(aten.rand_like.default, aten.uniform.default, aten.exponential.default)
+def random_like(info: OpInfo) -> list[Strategy]:
+    """Random numbers shaped like the input (its values unread): drawn per element from a counter over the
+    element's place in the single-device tensor (passes/dropout.py lower_random), so any Shard of the input
+    gives the output the same Shard and replicated gives replicated, every rank holding the single-device
+    run's numbers. A Partial input is no shape donor of a whole value: not offered."""
+    nd = info.inputs[0].ndim
+    out = [Strategy((Shard(d),), (Shard(d),), name="other_dim") for d in range(nd)]
+    cur = info.current[0] if info.current else R
+    out.sort(key=lambda s: s.inputs[0] != cur)
+    return out + [Strategy((R,), (R,), name="replicate")]
