@@ -2122,12 +2122,25 @@ def test_inferred_function_rule(data):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("cur", [Shard(0), Shard(1), R], ids=str)
+def test_inferred_function_rule_row_by_row(cur):
+    """A Function that is not pointwise but works row by row (a softmax over the last dim with its own backward;
+    Phi-MoE's router multiplier), proven by perturbing rows, splits along the leading dims; each strategy runs the
+    Function's own backward on local pieces against single-device execution."""
+    x = torch.randn(4, 6, dtype=F64, generator=torch.Generator().manual_seed(0))
+    op = _function_op(_RowSoftmax, x)
+    got = check(op, (x,), n=2, current=(cur,), expect=[((Shard(0),), (Shard(0),))])
+    assert [(s.inputs, s.outputs) for s in got] in ([((Shard(0),), (Shard(0),)), ((R,), (R,))],
+                                                   [((R,), (R,)), ((Shard(0),), (Shard(0),))])
+
+
+@pytest.mark.timeout(60)
 def test_inferred_function_rule_refuses():
     """No split is inferred (the rule offers nothing: the op runs replicated and is reported) where the
     forward or the backward is not pointwise, or an input broadcasts (its gradient is a sum), each with why."""
     x, w = torch.randn(4, 6, dtype=F64), torch.randn(6, dtype=F64)
-    cases = [(_NormalisedGrad, (x,), "not pointwise"), (_RowSoftmax, (x,), "not pointwise"),
-             (_GatedScale, (x, w, 1.0), "not pointwise")]
+    cases = [(_NormalisedGrad, (x,), "not pointwise"), (_GatedScale, (x, w, 1.0), "not pointwise"),
+             (_NormalisedGrad, (x,), "depend on other rows"), (_GatedScale, (x, w, 1.0), "one rank >= 2")]
     for cls, args, why in cases:
         op = _function_op(cls, *args)
         tensors = _tensors(args, {})
