@@ -174,6 +174,17 @@ def _(x, rng, kind, key, index, sizes, row_dim, row_scale, a, b):
     return torch.empty_like(x)
 
 
+def _random_setup(ctx, inputs, output):
+    ctx.n_index = len(inputs[4])
+
+
+def _random_backward(ctx, grad):  # the numbers do not depend on x's values: no gradient flows to any input
+    return None, None, None, None, [None] * ctx.n_index, None, None, None, None, None
+
+
+random_like.register_autograd(_random_backward, setup_context=_random_setup)
+
+
 def node_key(name: str) -> int:
     """The 32-bit key of a captured node (its name in the full-depth capture, copies of repeated blocks
     included: ``dropout_1_L3``), the same on every rank and layout; SHA-256 so it is stable across
