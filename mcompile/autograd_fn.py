@@ -23,7 +23,10 @@ broadcasting pattern (a distinct size per output dim, 1 where an input broadcast
 that trace is pointwise (``torch.Tag.pointwise``, or a copy / cast / detach) over tensors that
 broadcast to the output, the Function is elementwise forward AND backward, so it gets the pointwise
 rule (a dim of the output may be split wherever every input has it or broadcasts along it; no
-Partial: its code need not be linear). Otherwise — a reduction, a view, a matmul, or a backward that
+Partial: its code need not be linear). A Function whose tensors share every dim but the last and that is
+proven, by perturbing rows of its inputs and of its outputs' gradients, to work row by row (a router's
+per-token multiplier: Phi-MoE's) may be split along those leading dims (:func:`_rowwise`).
+Otherwise — a reduction, a view, a matmul, or a backward that
 normalises by the gradient's norm, coupling every element — the rule offers nothing and the op runs
 replicated, reported by a ``FallbackWarning`` with the op that stopped the proof. Under dp it runs on
 each rank's batch, as every op does (data parallelism's assumption that samples are independent holds
@@ -360,16 +363,97 @@ def pointwise_rule(info):
     (``info.notes`` says why; the op runs replicated and is reported)."""
     from dataclasses import replace
 
-    from mcompile.rules import R, Strategy
+    from mcompile.rules import R, Shard, Strategy
     from mcompile.rules.pointwise import pointwise_shard_strategies
 
     why = _not_pointwise(info)
     if why is not None:
-        info.notes.append(f"{info.op}: no split inferred: {why}")
+        lead = _rowwise(info)
+        if isinstance(lead, int):
+            k = len(info.outputs)
+            cur = info.current[0] if info.current else R
+            out = [Strategy(tuple(Shard(d) for _ in info.inputs), (Shard(d),) * k, name="rows") for d in range(lead)]
+            out.sort(key=lambda s: s.inputs[0] != cur)
+            return out + [Strategy(tuple(R for _ in info.inputs), (R,) * k, name="replicate")]
+        info.notes.append(f"{info.op}: no split inferred: {why}; nor row by row: {lead}")
         return []
     k = len(info.outputs)
     out = pointwise_shard_strategies(info) + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]
     return [replace(s, outputs=s.outputs * k) for s in out] if k > 1 else out
+
+
+def _rowwise(info) -> int | str:
+    """The number of leading dims along which the Function works row by row, proven by evaluation, else why not.
+
+    Every tensor input and output must share its shape but the last dim (a router's per-token scores [T, E],
+    choices [T, k] and weights: Phi-MoE's ``PhimoeMultiplier``). Example tensors with distinct leading sizes
+    are run forward and backward (random outputs' gradients); then the float inputs and the outputs' gradients
+    are perturbed in every row but the first, and again in the first row only: the unperturbed rows of every
+    output and every
+    input gradient must not move (bit for bit), and a rerun of the same inputs must repeat itself (nothing
+    random). Integer inputs are zeros (valid as any index), booleans drawn. Such a Function may be split along
+    any leading dim, each rank running it on its rows."""
+    from mcompile.rules import same
+
+    if len(info.outputs) != 1 and any(t.ndim != info.outputs[0].ndim for t in info.outputs):
+        return "its outputs differ in rank"
+    tensors = [*info.inputs, *info.outputs]
+    nd = info.outputs[0].ndim
+    if nd < 2 or any(t.ndim != nd for t in tensors):
+        return "its tensors are not all of one rank >= 2"
+    lead_shape = info.outputs[0].shape[:-1]
+    if any(not all(same(a, b) for a, b in zip(t.shape[:-1], lead_shape)) for t in tensors):
+        return "its tensors do not share their leading dims"
+    if any(not isinstance(t.shape[-1], int) for t in tensors):
+        return "a last dim whose size is symbolic"
+    lead = tuple(d + 3 for d in range(nd - 1))
+    gen = torch.Generator().manual_seed(0)
+
+    def example(t):
+        shp = (*lead, t.shape[-1])
+        if t.dtype.is_floating_point:
+            return torch.rand(shp, generator=gen, dtype=torch.float64).add(0.5).to(t.dtype)
+        if t.dtype == torch.bool:
+            return torch.rand(shp, generator=gen) > 0.5
+        return torch.zeros(shp, dtype=t.dtype)
+
+    import torch.fx as fx
+
+    def run(tensors_in, cots):
+        ins = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors_in]
+        it = iter(ins)
+        args, kwargs = fx.node.map_aggregate((info.args, info.kwargs), lambda a: next(it) if _is_tensor(a) else a)
+        outs = info.op(*args, **kwargs)
+        outs = [outs] if isinstance(outs, torch.Tensor) else list(outs)
+        diff = [o for o in outs if o.requires_grad]
+        wrt = [x for x in ins if x.requires_grad]
+        grads = torch.autograd.grad(diff, wrt, [c.to(o.dtype) for c, o in zip(cots, diff)], allow_unused=True) \
+            if diff and wrt else []
+        return [o.detach().reshape(-1, o.shape[-1]) for o in outs] + \
+            [g.reshape(-1, g.shape[-1]) for g in grads if g is not None]
+
+    base = [example(t) for t in info.inputs]
+    cots = [torch.rand((*lead, o.shape[-1]), generator=gen, dtype=torch.float64).add(0.5) for o in info.outputs]
+    try:
+        ref = run(base, cots)
+        if any(not torch.equal(a, b) for a, b in zip(ref, run(base, cots))):
+            return "two runs on the same inputs differ (random)"
+        rows = int(torch.tensor(lead).prod())
+        for first in (False, True):  # perturb every row but the first, then the first only (outputs' gradients too)
+            sel = slice(0, 1) if first else slice(1, None)
+            moved = []
+            for t in [*base, *cots]:
+                t2 = t.clone().reshape(rows, -1)
+                if t.is_floating_point():
+                    t2[sel] = torch.rand(t2[sel].shape, generator=gen, dtype=torch.float64).add(0.5).to(t.dtype)
+                moved.append(t2.reshape(t.shape))
+            got = run(moved[:len(base)], moved[len(base):])
+            keep = slice(1, None) if first else slice(0, 1)
+            if len(got) != len(ref) or any(not torch.equal(a[keep], b[keep]) for a, b in zip(got, ref)):
+                return "a row's outputs or gradients depend on other rows"
+    except Exception as e:  # noqa: BLE001 - a Function that does not run on the examples is not proven
+        return f"it does not run on example rows ({type(e).__name__}: {e})"
+    return nd - 1
 
 
 def _example_shapes(info) -> tuple[list[tuple[int, ...]], tuple[int, ...]] | str:

@@ -35,7 +35,8 @@ import hashlib
 
 import torch
 
-__all__ = ["philox4x32", "keep_mask", "dropout", "node_key", "rng_state", "RNG_INPUT"]
+__all__ = ["philox4x32", "keep_mask", "draws", "dropout", "random_like", "RANDOM_KINDS", "node_key", "rng_state",
+           "RNG_INPUT"]
 
 RNG_INPUT = "mc_rng"  # the program input holding (seed, step, row offset): runtime/module.py, api.run_local
 
@@ -85,6 +86,13 @@ def keep_mask(shape, rng: torch.Tensor, p: float, key: int, index: list[torch.Te
     each local position along dim ``d`` (for ``row_dim``: within this program's batch, which starts at
     row ``rng[2] * row_scale`` of the global tensor); ``sizes[d]``: the global size of dim ``d`` (not
     read for ``row_dim``). ``rng`` = (seed, step, batch offset) (:func:`rng_state`)."""
+    return (draws(shape, rng, key, index, sizes, row_dim, row_scale) >= _threshold(p)).expand(shape)
+
+
+def draws(shape, rng: torch.Tensor, key: int, index: list[torch.Tensor], sizes: list, row_dim: int,
+          row_scale) -> torch.Tensor:
+    """Each element's 32-bit Philox draw (int64 in [0, 2**32), broadcastable to ``shape``), a function of
+    (seed, step, key, global row, global index within the row): :func:`keep_mask`'s arguments."""
     nd = len(shape)
     device = rng.device
     within = torch.zeros((), dtype=torch.int64, device=device)
@@ -105,7 +113,7 @@ def keep_mask(shape, rng: torch.Tensor, p: float, key: int, index: list[torch.Te
     seed, step = rng[0], rng[1]
     (draw,) = philox4x32(within & _M32, within >> 32, row & _M32, step & _M32, seed & _M32, key & _M32,
                          lanes=1)
-    return (draw >= _threshold(p)).expand(shape)
+    return draw
 
 
 @torch.library.custom_op("mcompile::dropout", mutates_args=())
@@ -139,6 +147,42 @@ def _backward(ctx, grad):
 
 
 dropout.register_autograd(_backward, setup_context=_setup)
+
+
+RANDOM_KINDS = ("uniform", "exponential")
+
+
+@torch.library.custom_op("mcompile::random_like", mutates_args=())
+def random_like(x: torch.Tensor, rng: torch.Tensor, kind: str, key: int, index: list[torch.Tensor],
+                sizes: list[int], row_dim: int, row_scale: int, a: float, b: float) -> torch.Tensor:
+    """Random numbers shaped and typed like ``x`` (whose values are not read), each a function of where the
+    element sits in the single-device tensor, as :func:`keep_mask`'s (the same on every layout): ``u`` =
+    (draw + 1/2) / 2**32 in (0, 1); ``"uniform"``: ``a + (b - a) * u`` (``torch.rand_like``, ``Tensor.uniform_``);
+    ``"exponential"``: ``-log(u) / a`` (``Tensor.exponential_(lambd=a)``: the Gumbel noise of sampling
+    routers, Phi-MoE's sparsemixer). Like mcompile's dropout these are not the numbers torch's generator draws
+    (eager PyTorch cannot be matched by a counter-based scheme); they are the same on every layout."""
+    if kind not in RANDOM_KINDS:
+        raise ValueError(f"mcompile::random_like: kind {kind!r} is not one of {RANDOM_KINDS}")
+    d = draws(x.shape, rng, key, index, sizes, row_dim, row_scale).expand(x.shape)
+    u = (d.to(torch.float64) + 0.5) / 2.0**32
+    out = a + (b - a) * u if kind == "uniform" else -torch.log(u) / a
+    return out.to(x.dtype)
+
+
+@random_like.register_fake
+def _(x, rng, kind, key, index, sizes, row_dim, row_scale, a, b):
+    return torch.empty_like(x)
+
+
+def _random_setup(ctx, inputs, output):
+    ctx.n_index = len(inputs[4])
+
+
+def _random_backward(ctx, grad):  # the numbers do not depend on x's values: no gradient flows to any input
+    return None, None, None, None, [None] * ctx.n_index, None, None, None, None, None
+
+
+random_like.register_autograd(_random_backward, setup_context=_random_setup)
 
 
 def node_key(name: str) -> int:

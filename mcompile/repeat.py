@@ -616,16 +616,22 @@ def repeat_graph(gm: fx.GraphModule, block: Block, members: list[fx.Node], entry
             copies[n.name].append(new.name)
             after = new
         prev_exit = env[exit_]
+    # a per-group value reaching a list after the run through nodes of its own (a lowered program moves a
+    # statistic split over the tokens at its consumer: all-reduce, divide) is collected through a copy of that
+    # chain per group
+    chains = _side_chains(g, members, inside, exit_, seq, order, block, origin_of)
     # what came after the run reads the last group; a list of per-group values, every group's
-    for n in members:
-        for u in list(n.users):
-            if u not in inside and not u.meta.get("_mc_copy"):
-                u.args = tuple(_expand(a, seq) for a in u.args)
-                u.kwargs = {k: _expand(v, seq) for k, v in u.kwargs.items()}
+    users = {u: None for n in [*members, *chains] for u in n.users  # each once: a list may hold several
+             if u not in inside and u not in chains and not u.meta.get("_mc_copy")}
+    for u in users:
+        u.args = tuple(_expand(a, seq) for a in u.args)
+        u.kwargs = {k: _expand(v, seq) for k, v in u.kwargs.items()}
     if origin_of is not None and block.depth > block.keep:  # a lowered program: what after the run is about
         names, j = set(block.nodes), block.depth - 1           # the group's values is about the last group's
         nodes = list(g.nodes)
         for n in nodes[nodes.index(after) + 1:]:
+            if n in chains:  # group keep-1's own chain
+                continue
             if n.meta.get(M.ORIGIN) in names:
                 n.meta[M.ORIGIN] = origin_of(n.meta[M.ORIGIN], j)
                 n.meta[M.LAYER] = block.layer(n.meta.get(M.LAYER), j)
@@ -639,6 +645,65 @@ def repeat_graph(gm: fx.GraphModule, block: Block, members: list[fx.Node], entry
     _clear_copy_marks(gm)
     gm.recompile()
     return copies
+
+
+def _side_chains(g: fx.Graph, members: list[fx.Node], inside: set, exit_: fx.Node, seq: dict, order: dict,
+                 block: Block, origin_of) -> set[fx.Node]:
+    """Per-group side values collected in a list after the run through nodes of their own, e.g. a per-token
+    statistic (an MoE z-loss: the mean over the tokens of ``logsumexp(router logits)^2``) split over a data axis
+    (ep, sp, cp), whose lowering all-reduces and divides it where the list reads it — nodes emitted for the
+    list's consumer, outside the group. Such a chain (every node after the run, reading only group values,
+    values from before the run and chain nodes) is copied once per further group, reading that group's
+    values, and the list gets every group's end of it: ``seq`` grows by the chain's nodes. A chain reading the
+    group's output (the stream the next group reads, e.g. per-layer hidden states) is not one. Without this the
+    list would hold the last group's value once in place of every repeated group's (the chain's input is a
+    group value read directly, which means the last group's). Returns the chain nodes (group ``keep-1``'s,
+    the originals); a chain node read elsewhere than by the chain or a list reads the last group's copy."""
+    first = order[members[0]]
+    derived: set[fx.Node] = set()  # nodes after the run computed from group values (and shared ones) only
+    end = order[members[-1]]
+    for n in g.nodes:
+        if n in inside or n.meta.get("_mc_copy") or n.op != "call_function" or order.get(n, -1) <= end:
+            continue
+        ins = n.all_input_nodes
+        if any(a in inside or a in derived for a in ins) and all(
+                a in inside or a in derived or (a in order and order[a] < first) for a in ins):
+            derived.add(n)
+    chains: set[fx.Node] = set()
+    for user in list(g.nodes):
+        if user in inside or user.meta.get("_mc_copy"):
+            continue
+        lists = [a for a in (*user.args, *user.kwargs.values()) if isinstance(a, list | tuple)]
+        for x in (x for lst in lists for x in lst if isinstance(x, fx.Node) and x in derived):
+            if x in seq:
+                continue
+            chain, todo = set(), [x]  # x's ancestors among the derived nodes
+            while todo:
+                y = todo.pop()
+                if y in derived and y not in chain:
+                    chain.add(y)
+                    todo += y.all_input_nodes
+            if any(exit_ in y.all_input_nodes for y in chain):
+                continue
+            ordered = sorted(chain, key=lambda y: order[y])
+            env: dict = {}
+            for j in range(1, len(next(iter(seq.values())))):
+                env = {m: seq[m][j] for m in inside}
+                with g.inserting_before(user):
+                    for y in ordered:
+                        new = g.node_copy(y, lambda a, env=env: env.get(a, a))
+                        new.name = copy_name(y.name, block.keep + j - 1)
+                        new.meta = dict(y.meta)
+                        _relabel(new, y, block, block.keep + j - 1, origin_of)
+                        env[y] = new
+                        seq.setdefault(y, [y]).append(new)
+            for y in ordered:  # read directly (not in a list) after the run: the last group's, as a group value
+                for u in list(y.users):
+                    if u not in chain and not u.meta.get("_mc_copy") and not any(
+                            isinstance(a, list | tuple) and y in a for a in (*u.args, *u.kwargs.values())):
+                        u.replace_input_with(y, env[y])
+            chains |= chain
+    return chains
 
 
 def _relabel(new: fx.Node, old: fx.Node, block: Block, j: int, origin_of) -> None:

@@ -28,14 +28,21 @@ import torch
 import torch.fx as fx
 
 from mcompile.dropout import dropout as dropout_op
-from mcompile.dropout import node_key
+from mcompile.dropout import node_key, random_like
 from mcompile.placements import BlockShard, Shard
 from mcompile.rules import to_expr
 
 aten = torch.ops.aten
 OP = torch.ops.mcompile.dropout.default
+RANDOM_OP = torch.ops.mcompile.random_like.default
+# a random op -> (its arguments after the input -> (kind, a, b) of mcompile::random_like)
+RANDOM = {  # by the op's schema arguments (defaults filled in)
+    aten.rand_like.default: lambda v: ("uniform", 0.0, 1.0),
+    aten.uniform.default: lambda v: ("uniform", v["from"], v["to"]),
+    aten.exponential.default: lambda v: ("exponential", v["lambd"], 0.0),
+}
 
-__all__ = ["OP", "is_training_dropout", "lower_dropout", "rekey"]
+__all__ = ["OP", "RANDOM_OP", "RANDOM", "is_training_dropout", "is_random", "lower_dropout", "lower_random", "rekey"]
 
 
 def is_training_dropout(node: fx.Node) -> bool:
@@ -50,20 +57,51 @@ def lower_dropout(g: fx.Graph, node: fx.Node, x: fx.Node, in_pl: tuple, axes, sy
     per axis) into ``g``. ``sym`` rebuilds a size from the program's inputs; ``rng`` is the program input
     ``mc_rng``."""
     assert dropout_op is not None  # registers the op
+    index, sizes, row_dim, row_scale = _global_index(g, node, "dropout", in_pl, axes, sym, batch_sym, seq_sym, device)
+    p = float(node.args[1])
+    return g.call_function(OP, (x, rng, p, node_key(node.name), index, sizes, row_dim, row_scale))
+
+
+def is_random(node: fx.Node) -> bool:
+    """A random op whose values :func:`lower_random` draws from the counter (``torch.rand_like``,
+    ``Tensor.uniform_``, ``Tensor.exponential_``, functionalised), without a generator argument."""
+    return node.op == "call_function" and node.target in RANDOM and node.kwargs.get("generator") is None
+
+
+def lower_random(g: fx.Graph, node: fx.Node, x: fx.Node, in_pl: tuple, axes, sym, batch_sym, seq_sym, rng: fx.Node,
+                 device) -> fx.Node:
+    """Emit ``mcompile::random_like`` for the captured random op ``node`` whose (shape-giving) input is the local
+    value ``x``: the numbers of each element depend on its place in the single-device tensor only, as dropout's
+    masks (mcompile/dropout.py random_like)."""
+    assert random_like is not None  # registers the op
+    index, sizes, row_dim, row_scale = _global_index(g, node, "random numbers", in_pl, axes, sym, batch_sym, seq_sym,
+                                                     device)
+    schema = node.target._schema.arguments
+    vals = {a.name: a.default_value for a in schema if a.has_default_value()}
+    vals.update(zip((a.name for a in schema), node.args))
+    vals.update(node.kwargs)
+    kind, a, b = RANDOM[node.target](vals)
+    return g.call_function(RANDOM_OP, (x, rng, kind, node_key(node.name), index, sizes, row_dim, row_scale,
+                                       float(a), float(b)))
+
+
+def _global_index(g: fx.Graph, node: fx.Node, what: str, in_pl: tuple, axes, sym, batch_sym, seq_sym, device):
+    """(index, sizes, row_dim, row_scale): the global coordinates of the local piece of ``node``'s first input
+    (placed ``in_pl``), as :func:`mcompile.dropout.keep_mask` reads them (the module docstring)."""
     xv = node.args[0].meta["val"]
     shape = [to_expr(s) for s in xv.shape]
     where = _where(node)
     rows = [d for d, e in enumerate(shape) if batch_sym is not None and isinstance(e, sympy.Expr)
             and batch_sym in e.free_symbols]
     if len(rows) > 1:
-        raise NotImplementedError(f"{node.name}{where}: dropout of a tensor whose dims {rows} all carry the batch "
-                                  f"({list(xv.shape)}); mcompile's dropout indexes one batch dim")
+        raise NotImplementedError(f"{node.name}{where}: {what} of a tensor whose dims {rows} all carry the batch "
+                                  f"({list(xv.shape)}); mcompile's counter indexes one batch dim")
     row_dim = rows[0] if rows else -1
     row_scale = 1
     if rows:
         k = sympy.simplify(shape[row_dim] / batch_sym)
         if batch_sym in k.free_symbols:
-            raise NotImplementedError(f"{node.name}{where}: dropout of a tensor whose dim {row_dim} is "
+            raise NotImplementedError(f"{node.name}{where}: {what} of a tensor whose dim {row_dim} is "
                                       f"{shape[row_dim]}, not the batch times a size")
         row_scale = sym(k)
     dev = device if device is not None else xv.device
@@ -78,7 +116,7 @@ def lower_dropout(g: fx.Graph, node: fx.Node, x: fx.Node, in_pl: tuple, axes, sy
             # for every j, a piece of them included)
             n = ax.size
             if length.is_Integer and int(length) % n:
-                raise NotImplementedError(f"{node.name}{where}: dropout of a dim of {length} that {ax.name}={n} does "
+                raise NotImplementedError(f"{node.name}{where}: {what} of a dim of {length} that {ax.name}={n} does "
                                           "not divide (a padded shard)")
             if ax.context_parallel:
                 if seq_sym is None:
@@ -86,7 +124,7 @@ def lower_dropout(g: fx.Graph, node: fx.Node, x: fx.Node, in_pl: tuple, axes, sy
                 idx = g.call_function(torch.ops.mcompile.cp_slice.default, (idx, 0, ax.name, n, sym(seq_sym)))
             elif isinstance(p, BlockShard):
                 if not isinstance(p.blocks, int):
-                    raise NotImplementedError(f"{node.name}{where}: dropout of a tensor sharded in unequal blocks "
+                    raise NotImplementedError(f"{node.name}{where}: {what} of a tensor sharded in unequal blocks "
                                               f"({p!r}) over {ax.name}")
                 piece = length / (p.blocks * n)
                 blocks = g.call_function(aten.view.default, (idx, [p.blocks, -1]))
@@ -98,17 +136,16 @@ def lower_dropout(g: fx.Graph, node: fx.Node, x: fx.Node, in_pl: tuple, axes, sy
             length = length / n
         index.append(idx)
         sizes.append(0 if d == row_dim else sym(e))
-    p = float(node.args[1])
-    return g.call_function(OP, (x, rng, p, node_key(node.name), index, sizes, row_dim, row_scale))
+    return index, sizes, row_dim, row_scale
 
 
 def rekey(gm: fx.GraphModule, origin_key: str) -> int:
-    """Give every ``mcompile::dropout`` node the key of the captured node it implements
+    """Give every ``mcompile::dropout`` / ``mcompile::random_like`` node the key of the captured node it implements
     (``node.meta[origin_key]``): the copies of repeated blocks (mcompile.repeat) carry their group's
     name there, and must not reuse the first group's masks. Returns how many changed."""
     changed = 0
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is OP and n.meta.get(origin_key):
+        if n.op == "call_function" and n.target in (OP, RANDOM_OP) and n.meta.get(origin_key):
             key = node_key(n.meta[origin_key])
             if n.args[3] != key:
                 args = list(n.args)

@@ -31,7 +31,7 @@ from mcompile import meta as M
 from mcompile.annotate import layer_index
 from mcompile.capture import Captured
 from mcompile.ops import OPS
-from mcompile.passes.dropout import is_training_dropout, lower_dropout
+from mcompile.passes.dropout import is_random, is_training_dropout, lower_dropout, lower_random
 from mcompile.placements import BlockShard, Partial, Replicate, Shard
 from mcompile.plan import CollectiveKind, CollectiveSpec
 from mcompile.planner import vocab_local_size
@@ -192,7 +192,7 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                         sources[s.node.expr] = (new, d)
     # training-mode dropout draws its masks from (seed, step, batch offset): one small input of the program,
     # the same tensor for every dropout (passes/dropout.py, mcompile/dropout.py)
-    rng = _rng_input(g, src) if any(is_training_dropout(n) for n in src.graph.nodes) else None
+    rng = _rng_input(g, src) if any(is_training_dropout(n) or is_random(n) for n in src.graph.nodes) else None
     made = {}
     for node in src.graph.nodes:
         v = node.meta.get("val")
@@ -464,10 +464,11 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                 )
             want[a.name] = fetch(a, tuple(req), tuple(pg))
         lowering = next((s.lowering for s in strategies if s is not None and s.lowering), None)
-        if lowering is None and is_training_dropout(node):
+        if lowering is None and (is_training_dropout(node) or is_random(node)):
             x_node = node.args[0]
             in_pl = tuple(s.inputs[0] if s is not None else R for s in strategies)
-            new = lower_dropout(g, node, want[x_node.name], in_pl, axes, sym, bsym, seq_sym, rng, device)
+            new = (lower_dropout if is_training_dropout(node) else lower_random)(
+                g, node, want[x_node.name], in_pl, axes, sym, bsym, seq_sym, rng, device)
             _copy_meta(node, new)
             env[node.name] = new
             place[node.name] = tuple(s.outputs[0] if s is not None and s.outputs else R for s in strategies)

@@ -11,7 +11,8 @@ lowering implements per layout (local grouped GEMMs, or the all-to-all dispatch 
 ``mcompile.runtime.moe``).
 
 Finding a region (per ``aten.topk`` whose indices feed 3-D parameters ``[E, a, b]`` with E the
-routed dim's size):
+routed dim's size; or per concatenation of slots each an argmax over the classes, a sampling router without
+top-k such as Phi-MoE's sparsemixer, E then the experts' size):
 
 * the expert parameters: 3-D placeholders with leading size E whose values meet the indices'
   descendants before the next routing top-k;
@@ -89,19 +90,33 @@ def find_moe_layers(gm: fx.GraphModule) -> int:
     two_d = [n for n in nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
              and n.meta["val"].ndim == 2 and _static(n.meta["val"].shape) and n.meta["val"].dtype.is_floating_point
              and n.users and all(u.target is aten.index.Tensor and u.args[0] is n for u in n.users)]
-    if not topks or not three_d:
+    # routings: top-k's indices (and the number of classes it chose among), or the experts a sampling router chose
+    # without top-k, concatenated per slot (Phi-MoE's sparsemixer: argmax of Gumbel-perturbed masked scores, twice)
+    routes = []
+    for t in topks:
+        idx = next((u for u in t.users if u.target is operator.getitem and u.args[1] == 1), None)
+        classes = t.args[0].meta["val"].shape[-1]
+        if idx is not None and isinstance(classes, int):
+            routes.append((idx, classes))
+    for n in nodes:
+        v = n.meta.get("val")
+        if n.op == "call_function" and n.target in (aten.cat.default, aten.concat.default) and \
+                isinstance(v, torch.Tensor) and v.ndim == 2 and v.dtype == torch.int64 and \
+                isinstance(v.shape[-1], int) and all(_argmax_slot(a) for a in n.all_input_nodes):
+            below = _reach([n], lambda m: True)
+            E = max((p.meta["val"].shape[0] for p in three_d if _reach([p], lambda m: True) & below), default=0)
+            if E:
+                routes.append((n, E))
+    routes.sort(key=lambda r: pos[r[0]])
+    if not routes or not three_d:
         return 0
     done = 0
     used: set = set()
-    for i, t in enumerate(topks):
-        idx = next((u for u in t.users if u.target is operator.getitem and u.args[1] == 1), None)
-        if idx is None or any(u.target is moe_ffn or any(v.target is moe_ffn for v in u.users)
-                              for u in idx.users):  # none, or rewritten already
+    for i, (idx, classes) in enumerate(routes):
+        if any(u.target is moe_ffn or any(v.target is moe_ffn for v in u.users)
+               for u in idx.users):  # rewritten already
             continue
-        classes = t.args[0].meta["val"].shape[-1]
-        if not isinstance(classes, int):
-            continue
-        end = pos[topks[i + 1]] if i + 1 < len(topks) else len(nodes)
+        end = pos[routes[i + 1][0]] if i + 1 < len(routes) else len(nodes)
 
         def before(n, end=end):
             return pos[n] < end
@@ -146,6 +161,14 @@ def _expert_sets(params, before, d_idx, pos):
         for m in (3, 2):
             if m < len(params):
                 yield ordered[:m]
+
+
+def _argmax_slot(n: fx.Node) -> bool:
+    """``n`` is one routing slot's expert: the indices of a max / argmax over the classes, viewed as a column."""
+    while n.target in (aten.unsqueeze.default, aten.view.default, aten.reshape.default):
+        n = n.args[0]
+    return n.target is aten.argmax.default or (n.target is operator.getitem and n.args[1] == 1
+                                                and n.args[0].target is aten.max.dim)
 
 
 # the region's output is among the first nodes (in graph order) that the indices and every expert weight reach;

@@ -72,8 +72,11 @@ def run_sim_token_weighted(c, inputs):
     the target count of its own tokens (its slice of the batch over dp x ep, as the runtime splits it: the batch
     axes flattened in mesh order; its cp share of the sequence), backward runs on that sum, and the global mean
     divides by the count summed over the data axes (dp, ep, cp). A plan the plain :func:`run_sim` cannot check:
-    under cp (and ep, whose experts see every rank's tokens) no rank's output is a mean of its own batch.
+    under cp (and ep, whose experts see every rank's tokens) no rank's output is a mean of its own batch. A plan
+    compiled without it (a model whose loss is its own mean, e.g. with MoE losses) counts each rank's piece once.
     (global mean loss, full gradients by FQN)."""
+    import torch
+
     mesh = c.mesh
     world = ThreadedWorld(mesh)
     state = c.captured.state_values()
@@ -90,7 +93,9 @@ def run_sim_token_weighted(c, inputs):
                  c.local_state(r, state).items()}
         n, i = batch_slice(r)
         mine = tuple(t.chunk(n)[i] for t in inputs)
-        total, count = c.run_local(r, local, mine)
+        out = c.run_local(r, local, mine)
+        # a model's own mean loss (not token-weighted): the runtime counts each rank's piece once (_loss_parts)
+        total, count = out if len(out) == 2 else (out[0], torch.ones(()))
         total.backward()
         return total.detach(), count.detach(), {k: v.grad for k, v in local.items() if k in c.captured.params}
 

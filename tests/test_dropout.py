@@ -178,3 +178,53 @@ def test_bert_with_dropout_trains_as_one_rank(one_rank, mesh, options):
         assert losses == pytest.approx(ref_losses, rel=REL, abs=0)
         assert norms == pytest.approx(ref_norms, rel=REL, abs=0)
     _check_grads(results[0][1], ref_grads)
+
+
+class _Sampler(torch.nn.Module):
+    """A column-parallel projection whose output gets random numbers of every kind (``torch.rand_like``,
+    ``Tensor.uniform_``, ``Tensor.exponential_``: Gumbel noise), then a row-parallel one and a mean loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.up(x)
+        gumbel = -torch.empty_like(h).exponential_().log()
+        keep = (torch.rand_like(h) > 0.3) | (torch.empty_like(h).uniform_(-1.0, 1.0) > 0.5)
+        return self.down((h + 0.1 * gumbel) * keep).pow(2).mean()
+
+
+def test_random_ops_draw_the_one_rank_numbers_on_a_sharded_layout():
+    """Random ops on a tp-sharded value have a rule (no fallback) and draw from the counter of each element's
+    place in the whole tensor: at tp=2 (the projection's output split over its features) the loss and every
+    gradient are the 1-rank program's; the numbers are random (uniform in (0, 1), exponential with mean 1)."""
+    import warnings
+
+    from sim_harness import combine_grads, run_sim
+
+    from mcompile.api import compile_plan
+    from mcompile.dropout import draws
+    from mcompile.mesh import Mesh
+    from mcompile.placements import Shard
+    from mcompile.propagate import FallbackWarning
+
+    torch.manual_seed(0)
+    model, x = _Sampler().train(), torch.randn(4, 8, 16)
+    out = {}
+    for mesh in ("tp=1", "tp=2"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FallbackWarning)
+            c = compile_plan(model, Mesh.parse(mesh), (x,), for_runtime=True)
+        ops = [n for n in c.program(0).graph.nodes if n.target is torch.ops.mcompile.random_like.default]
+        assert sorted(n.args[2] for n in ops) == ["exponential", "uniform", "uniform"]
+        ranks = run_sim(c, (x,), backward=True)
+        out[mesh] = ranks[0][0], combine_grads(c, [r[1] for r in ranks])
+    assert {k: v for k, v in c.plan.activations.items() if k.startswith(("rand_like", "uniform", "exponential"))} \
+        == dict.fromkeys(("rand_like", "uniform_default", "exponential_default"), (Shard(2),))
+    (loss1, g1), (loss2, g2) = out["tp=1"], out["tp=2"]
+    assert loss2.item() == pytest.approx(loss1.item(), rel=REL, abs=0)
+    _check_grads(g2, g1)
+    u = (draws((64, 1024), torch.tensor([1, 2, 0]), 7, [torch.arange(64), torch.arange(1024)], [0, 1024], 0, 1)
+         .double() + 0.5) / 2**32
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.01 and abs((-u.log()).mean() - 1) < 0.02

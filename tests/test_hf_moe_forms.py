@@ -353,3 +353,31 @@ def test_softcapped_experts_beside_expert_sized_buffer_parity(mesh):
         assert_sim_parity(c, model, inputs, "soft-capped experts tp=2")
         return
     _ep_parity(c, model, inputs)
+
+
+def test_a_sampling_router_without_topk_is_recognised_and_trains_at_tp2():
+    """Phi-MoE's sparsemixer routes without ``topk``: each slot's expert is the argmax of the (Gumbel-perturbed,
+    in training) masked scores, the two slots concatenated. Those indices are a routing too: every layer of an
+    unmodified tiny PhimoeForCausalLM becomes one ``moe_ffn`` (its experts were left as captured, replicated,
+    before), the experts are expert-TP at tp=2 and the loss and every gradient are the single-device model's
+    (router jitter 0: the sampling picks the argmax, as eager does)."""
+    import transformers as hf
+    from transformers.utils import logging
+
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+
+    logging.set_verbosity_error()
+    cfg = hf.PhimoeConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                          router_jitter_noise=0.0, input_jitter_noise=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = CausalLMLoss(hf.PhimoeForCausalLM(cfg)).train()
+    inputs = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the router's PhimoeMultiplier (a custom Function) still runs replicated
+        c = compile_plan(model, Mesh.fake(tp=2), inputs)
+    assert len(moe_layers_of(c.captured.gm)) == 2
+    assert "transformers.grouped_mm_fallback.default" not in c.plan.fallbacks
+    assert c.plan.params["m.model.layers.0.mlp.experts.down_proj"].placements != (Replicate(),)
+    assert_sim_parity(c, model, inputs, "phimoe tp=2")

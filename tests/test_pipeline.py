@@ -472,9 +472,10 @@ def test_auto_recompute_budget_too_small_names_the_stage_and_the_shortfall():
     torch.manual_seed(0)
     model = GPT(cfg).train()
     # a random factor on each block's output from torch's generator: a value the solver cannot recompute, so the
-    # least a stage can save is not 0 (dropout masks no longer count: mcompile recomputes them from a counter)
+    # least a stage can save is not 0 (dropout masks and rand_like / uniform_ / exponential_ no longer count:
+    # mcompile draws them from a counter; randn_like still comes from torch's generator)
     for block in model.transformer.h:
-        block.register_forward_hook(lambda mod, args, out: out * (1 + 0.01 * torch.rand_like(out)))
+        block.register_forward_hook(lambda mod, args, out: out * (1 + 0.01 * torch.randn_like(out)))
     tokens = torch.randint(0, cfg.vocab_size, (4, 16))
     c = compile_plan(model, Mesh.fake(pp=2), (tokens, tokens))
     config = Config(recompute="auto", activation_budget=1000, microbatches=2)

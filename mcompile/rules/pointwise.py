@@ -153,3 +153,16 @@ def inplace_pointwise(info) -> list[Strategy]:
     out = [s for s in pointwise_shard_strategies(functional) + _partial_strategies(functional)
            if s.inputs and s.inputs[0] == s.outputs[0]]
     return out + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]
+
+
+@rule(aten.rand_like.default, aten.uniform.default, aten.exponential.default)
+def random_like(info: OpInfo) -> list[Strategy]:
+    """Random numbers shaped like the input (its values unread): drawn per element from a counter over the
+    element's place in the single-device tensor (passes/dropout.py lower_random), so any Shard of the input
+    gives the output the same Shard and replicated gives replicated, every rank holding the single-device
+    run's numbers. A Partial input is no shape donor of a whole value: not offered."""
+    nd = info.inputs[0].ndim
+    out = [Strategy((Shard(d),), (Shard(d),), name="other_dim") for d in range(nd)]
+    cur = info.current[0] if info.current else R
+    out.sort(key=lambda s: s.inputs[0] != cur)
+    return out + [Strategy((R,), (R,), name="replicate")]

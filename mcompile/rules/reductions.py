@@ -68,16 +68,15 @@ def _named(info: OpInfo, name: str, default=None):
     return info.arg(names.index(name), name, default) if name in names else default
 
 
-@rule(aten.var.dim, aten.std.dim)  # var / std.correction: DTensor's (the bridge)
+@rule(aten.logsumexp.default, aten.var.dim, aten.std.dim)  # var / std.correction: DTensor's (the bridge)
 def reduce_whole(info: OpInfo) -> list[Strategy]:
-    """Reductions whose value over a split dim is no plain sum / mean / max of the pieces' (``var`` /
-    ``std``: squares about the whole mean): a dim they reduce stays whole, any other dim may be sharded
-    (xLSTM's group norm). ``logsumexp`` has the same rule in principle (Granite-SWA's attention sinks:
-    heads split, the key dim reduced), but offering it still (checked again 2026-12-06) makes the MoE
-    z-loss (``logsumexp(router logits).pow(2).mean()``, split over the ep ranks' tokens) train with a
-    router gradient 0.45 off under ep=2 alone (no pp needed; pp=2 alone is at parity): the composition
-    of a per-token mean over a data axis (ep) is at fault, not the rule; until it is fixed logsumexp runs
-    replicated and is reported."""
+    """Reductions whose value over a split dim is no plain sum / mean / max of the pieces' (``logsumexp``:
+    a log of the sum of exps; ``var`` / ``std``: squares about the whole mean): a dim they reduce stays
+    whole, any other dim may be sharded (Granite-SWA's attention sinks over the key dim with the heads
+    split, an MoE router's z-loss over the experts with the tokens split over ep, xLSTM's group norm). No
+    Partial: log and square are not linear. (A z-loss's per-token values averaged over tokens split over a
+    data axis reach the per-layer list of losses as a Partial(avg) moved at the list: mcompile/repeat.py
+    copies that move for every repeated layer, tests/test_repeat.py.)"""
     nd = info.inputs[0].ndim
     dims, keep = _dims(_named(info, "dim"), nd), _named(info, "keepdim", False)
     out = [Strategy((Shard(d),), (Shard(_out_dim(d, dims, keep)),), name="other_dim")
