@@ -538,6 +538,37 @@ def router_hints(cap: Captured) -> dict[str, object]:
     return hints
 
 
+_STREAM_VIEWS = (*_THROUGH, aten.flatten.using_ints, aten.to.dtype, aten._to_copy.default, aten.alias.default,
+                 aten.contiguous.default, aten.clone.default)
+
+
+def stream_mix_hints(cap: Captured) -> dict[str, object]:
+    """Hyper-connections' mixing projections stay replicated over tp (Zhu et al. 2024, "Hyper-Connections";
+    DeepSeek-V4's and HY-V4's ``fn``: the n residual streams, flattened, projected to the 2n weights that mix
+    them into a sub-block's input and its output back into the streams): a linear to at most half its input
+    width whose output, short of another contraction, multiplies the very value it was projected from (the
+    streams, before the flatten and casts). The streams are the residual stream, replicated as Megatron keeps
+    it; their mixing weights are a few values a token, computed whole on every rank at no collective, where
+    split over their handful of outputs they were gathered before each mix (one all-gather per sub-block)."""
+    hints: dict[str, object] = {}
+    for node, w, (width, fan_in) in _linears(cap):
+        if 2 * width > fan_in:
+            continue
+        src, sources = node.args[0], set()
+        while isinstance(src, torch.fx.Node):
+            sources.add(src)
+            if src.op != "call_function" or src.target not in _STREAM_VIEWS:
+                break
+            src = src.args[0]
+
+        def mixes(u, cur, sources=frozenset(sources)) -> bool:
+            return u.target is aten.mul.Tensor and any(a is not cur and a in sources for a in u.args)
+
+        if _reaches(node, mixes, depth=8):
+            _whole(hints, node, w, cap)
+    return hints
+
+
 def selector_hints(cap: Captured) -> dict[str, object]:
     """Token selectors stay replicated over tp: the projections of a top-k over per-head scores summed over
     the heads (DeepSeek sparse attention's lightning indexer, Liu et al. 2025 "DeepSeek-V3.2": its own
@@ -737,6 +768,35 @@ def mask_sliced(cap: Captured) -> frozenset[str]:
     return frozenset(out)
 
 
+def gate_sliced(cap: Captured) -> frozenset[str]:
+    """Activations that multiply, entry by entry, a projection's output on its way to another projection
+    (Gemma-3n / Gemma-4's per-layer input: ``per_layer_projection(gelu(per_layer_input_gate(h)) * per_layer_input)``,
+    the per-layer embedding computed before the layers and held whole): a rank may take its features of them by a
+    local slice, so the product stays column-parallel and the second projection row-parallel -- Megatron's region,
+    one all-reduce at its exit. The propagator otherwise shards a static dim of an activation only by a
+    contraction: it gathered the gate, ran the second projection column-parallel from the whole product and
+    gathered its output too (two all-gathers forward and an all-reduce backward where Megatron runs one
+    all-reduce). Only a factor that is not itself a projection's output in the region qualifies (SwiGLU's two
+    halves are both sharded by their projections already)."""
+    from mcompile.quality import _weight_of
+
+    def into_projection(u, cur) -> bool:
+        return u.op == "call_function" and _weight_of(u) is not None and u.args[0] is cur
+
+    out: set[str] = set()
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function" or n.target is not aten.mul.Tensor or len(n.args) != 2 or \
+                not all(isinstance(a, torch.fx.Node) for a in n.args):
+            continue
+        shapes = [getattr(v.meta.get("val"), "shape", None) for v in (n, *n.args)]
+        if shapes[0] is None or any(s is None or [str(d) for d in s] != [str(d) for d in shapes[0]] for s in shapes):
+            continue  # a broadcast factor (a scale, a gate per head) is not sliced
+        for x, y in (n.args, n.args[::-1]):
+            if _after_contraction(x) and not _after_contraction(y) and _reaches(n, into_projection, depth=4):
+                out.add(y.name)
+    return frozenset(out)
+
+
 def _few_kv_projections(cap: Captured, tp: int) -> list[torch.fx.Node]:
     """The linears a key or value with fewer heads than ``tp`` divides is computed from: what reaches
     ``repeat_kv`` (unsqueeze, expand, reshape) before an attention, through ops short of a contraction."""
@@ -879,13 +939,13 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
 
     tp = mesh.size("tp") if "tp" in mesh.axis_names else 1
     blocks = {**block_hints(cap), **mixer_hints(cap, tp), **latent_hints(cap), **router_hints(cap),
-              **selector_hints(cap), **position_bias_hints(cap), **kv_hints(cap, tp),
+              **selector_hints(cap), **stream_mix_hints(cap), **position_bias_hints(cap), **kv_hints(cap, tp),
               **stacked_expert_hints(cap, tp)}
     experts = check_experts(cap, mesh.size("ep")) if "ep" in mesh.axis_names else None
     for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):
         if pol.shard_contraction_weights:
             pol.param_hints = dict(blocks)
-            pol.sliced_static = kv_sliced(cap, tp) | mask_sliced(cap)
+            pol.sliced_static = kv_sliced(cap, tp) | mask_sliced(cap) | gate_sliced(cap)
         out.append(AxisPlanResult(pol, propagate_axis(cap, pol, hints)))
     for op in sorted(set().union(*(ap.result.fallbacks for ap in out))):  # one warning per op
         if op.startswith("mcompile_fn."):  # a user's autograd.Function (mcompile.autograd_fn): no rule to add

@@ -31,7 +31,9 @@ transformer layer:
    Mamba-2 mixer's fused in_proj whose B/C groups tp does not divide (:func:`mcompile.mixer_hints.few_groups`:
    Megatron asserts ``ngroups % tp == 0``; B and C must be whole on every rank, and the rest of the fused
    weight with them), or a token selector's projection (a top-k over per-head scores summed over the heads:
-   DeepSeek sparse attention's lightning indexer, :func:`mcompile.planner.selector_hints`). A
+   DeepSeek sparse attention's lightning indexer, :func:`mcompile.planner.selector_hints`), or a
+   hyper-connection's mixing projection (the residual streams to the few weights that mix them, replicated as
+   the streams are: :func:`mcompile.planner.stream_mix_hints`). A
    projection to a single output (Qwen2-MoE's [1, h] shared-expert gate) has nothing to split. Any other
    whole weight is reported.
 
@@ -250,7 +252,8 @@ def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[i
 
 
 def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict, mixers: frozenset = frozenset(),
-                  selectors: frozenset = frozenset(), banks: frozenset = frozenset()) -> str | None:
+                  selectors: frozenset = frozenset(), banks: frozenset = frozenset(),
+                  streams: frozenset = frozenset()) -> str | None:
     if w.name in kv:
         return "fewer key/value heads than tp ranks: the key/value projection kept whole on every rank"
     if w.name in mixers:
@@ -264,6 +267,9 @@ def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict, mixe
     if w.name in selectors:
         return ("a token selector's projection (a top-k over per-head scores summed over the heads: DeepSeek sparse "
                 "attention's indexer) kept whole, as DeepSeek's tensor-parallel inference does")
+    if w.name in streams:
+        return ("a hyper-connection's mixing projection (the residual streams to the few weights that mix them) kept "
+                "whole, as the streams are")
     if w.name in banks:
         return ("a bank of score-bias profiles every head mixes (relative logits) kept whole: each rank mixes it "
                 "for its own heads, no collective")
@@ -273,7 +279,15 @@ def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict, mixe
 def check_quality(compiled) -> list[Finding]:
     """The plan's findings against Megatron's layout (empty: Megatron's layout). Only tp is checked."""
     from mcompile.mixer_hints import few_groups
-    from mcompile.planner import bias_bank_hints, kv_hints, kv_sliced, latent_hints, router_hints, selector_hints
+    from mcompile.planner import (
+        bias_bank_hints,
+        kv_hints,
+        kv_sliced,
+        latent_hints,
+        router_hints,
+        selector_hints,
+        stream_mix_hints,
+    )
 
     mesh = compiled.mesh
     if "tp" not in mesh.axis_names or mesh.size("tp") <= 1:
@@ -281,8 +295,8 @@ def check_quality(compiled) -> list[Finding]:
     plan, cap = compiled.plan, compiled.captured
     sp = plan.options.sequence_parallel
     latents, routers, selectors = latent_hints(cap), router_hints(cap), frozenset(selector_hints(cap))
-    banks = frozenset(bias_bank_hints(cap))
-    exits = tp_exits(cap.gm, frozenset(latents) | frozenset(routers) | selectors)
+    banks, streams = frozenset(bias_bank_hints(cap)), frozenset(stream_mix_hints(cap))
+    exits = tp_exits(cap.gm, frozenset(latents) | frozenset(routers) | selectors | streams)
     raw: list[tuple[int, str, tuple, str]] = []  # layer, kind, what alike layers share, text
     per_layer: dict[int, list] = {}
     for spec in plan.collectives:
@@ -325,7 +339,7 @@ def check_quality(compiled) -> list[Finding]:
         seen.add(fqn)
         p = plan.params[fqn].placements[tp_i]
         if is_shard(p) or not isinstance(p, Replicate) or \
-                _whole_reason(w, latents, routers, kv, mixers, selectors, banks):
+                _whole_reason(w, latents, routers, kv, mixers, selectors, banks, streams):
             continue
         short = fqn.split(f".{layer}.", 1)[-1]
         shape = tuple(w.meta["val"].shape)
