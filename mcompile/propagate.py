@@ -391,6 +391,9 @@ def _propagate_axis(
                 # intent, cheaper than any gather of what those heads computed: its adjoint is not charged
                 return 1e-3
             return 1e-3 + (b if grad and not policy.context_parallel else 0.0)  # cp: the slice's adjoint is local
+        if isinstance(cur, Replicate) and isinstance(req, BlockShard) and isinstance(req.blocks, int) and \
+                src.name in policy.sliced_static:
+            return 1e-3  # a rank taking its share of each block of heads of a value kept whole for that
         if isinstance(cur, Partial) and cur.reduce_op in ("sum", "avg") and isinstance(req, Replicate):
             return 2 * b
         if isinstance(cur, Partial) and cur.reduce_op == "max" and isinstance(req, Replicate) and not grad:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_layout_quality import _forward_tp_per_layer, _GemmaRMSNorm, _parity, _plan
+from test_layout_quality import NormLM, _forward_tp_per_layer, _GemmaRMSNorm, _parity, _plan
 
-from mcompile.placements import Replicate, Shard
+from mcompile.placements import BlockShard, Replicate, Shard
 
 
 class _Attention(torch.nn.Module):
@@ -139,6 +139,72 @@ def test_hyper_connection_mixing_projections_stay_whole_like_the_streams():
     pl = {k: v.placements[0] for k, v in c.plan.params.items()}
     assert pl["layers.0.fn_attn"] == Replicate() and pl["layers.0.fn_ffn"] == Replicate()
     assert pl["layers.0.attn.o.weight"] == Shard(1) and pl["layers.0.down.weight"] == Shard(1)
+    per_layer = _forward_tp_per_layer(c)
+    assert sorted(per_layer) == [0, 1] and all(cnt == {"all_reduce": 2} for cnt in per_layer.values()), per_layer
+    _parity(model, c, inputs)
+
+
+# ------------------------------------------------------------ DiffLlama's differential attention: head pairs
+
+
+class DiffAttentionBlock(torch.nn.Module):
+    """DiffLlama's attention (Ye et al. 2024, "Differential Transformer", as transformers writes it): the values'
+    key/value heads halved and each half repeated, two attentions sharing q and k, their outputs joined along
+    head_dim and cut in two along the heads (head i paired with head i + heads / 2), the second half scaled by a
+    learned lambda and subtracted, a norm per head pair, then o_proj."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2, ffn=64):
+        super().__init__()
+        self.heads, self.kv, self.hd = heads, kv_heads, dim // heads
+        self.q = torch.nn.Linear(dim, dim, bias=False)
+        self.k, self.v = (torch.nn.Linear(dim, kv_heads * self.hd, bias=False) for _ in range(2))
+        self.o = torch.nn.Linear(dim, dim, bias=False)
+        self.lambdas = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(self.hd) * 0.1) for _ in range(4))
+        self.norm1, self.norm2 = _GemmaRMSNorm(dim), _GemmaRMSNorm(dim)
+        self.up, self.down = torch.nn.Linear(dim, ffn, bias=False), torch.nn.Linear(ffn, dim, bias=False)
+
+    def attention(self, h):
+        b, s, _ = h.shape
+        q = self.q(h).view(b, s, -1, self.hd).transpose(1, 2)
+        k, v = (p(h).view(b, s, -1, self.hd).transpose(1, 2) for p in (self.k, self.v))
+        v1, v2 = (t.repeat(1, 2, 1, 1) for t in torch.chunk(v, 2, dim=1))
+        g = self.heads // self.kv
+
+        def rep(t):  # transformers' repeat_kv
+            return t[:, :, None].expand(b, self.kv, g, s, self.hd).reshape(b, self.heads, s, self.hd)
+
+        o = torch.cat([F.scaled_dot_product_attention(q, rep(k), rep(x), is_causal=True).transpose(1, 2)
+                       for x in (v1, v2)], dim=-1)
+        a1, a2 = torch.chunk(o, 2, dim=2)
+        lq1, lk1, lq2, lk2 = self.lambdas
+        lam = torch.exp(torch.sum(lq1 * lk1)) - torch.exp(torch.sum(lq2 * lk2)) + 0.2
+        return self.o((F.rms_norm(a1 - lam * a2, [2 * self.hd], eps=1e-5) * 0.8).reshape(b, s, -1))
+
+    def forward(self, x):
+        x = x + self.attention(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class DiffAttentionLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(DiffAttentionBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_differential_attention_keeps_head_pairs_on_one_rank():
+    """The attention output cut in two along its heads pairs head i with head i + heads / 2: q_proj is held in two
+    blocks of heads (``planner.head_blocks``: ``BlockShard(0, 2)``), so each rank attends whole pairs, the cut, the
+    lambda and the per-pair norm stay local and o_proj is row-parallel. The key/value heads (2, one a block) are
+    kept whole, each rank slicing its share of every block. Megatron's 2 all-reduces a layer; before, the values
+    were gathered for their cut, the whole attention ran on every rank and o_proj ran column-parallel (6)."""
+    torch.manual_seed(0)
+    model = DiffAttentionLM()
+    c, inputs, quality = _plan(model, 64, tp=2)
+    assert not quality and c.quality == []
+    pl = {k: v.placements[0] for k, v in c.plan.params.items()}
+    assert pl["layers.0.q.weight"] == BlockShard(0, 2) and pl["layers.0.o.weight"] == Shard(1)
+    assert pl["layers.0.k.weight"] == Replicate() and pl["layers.0.v.weight"] == Replicate()
     per_layer = _forward_tp_per_layer(c)
     assert sorted(per_layer) == [0, 1] and all(cnt == {"all_reduce": 2} for cnt in per_layer.values()), per_layer
     _parity(model, c, inputs)

@@ -10,6 +10,7 @@ split evenly (``tp=3`` does not divide 8 heads: the rule records why and offers 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import sympy
@@ -90,6 +91,12 @@ def map_view_placement(p, ishape, oshape, n: int, notes: list[str] | None = None
             continue
         big_in = [k for k in ins if not same(ishape[k], 1)]
         big_out = [k for k in outs if not same(oshape[k], 1)]
+        outer = [ishape[k] for k in big_in[:big_in.index(d)]] if d in big_in else []
+        if isinstance(p, Shard) and len(big_out) == 1 and outer and all(isinstance(s, int) for s in outer) and \
+                divisible(ishape[d], n):
+            # an inner dim's shard merged under whole outer dims ([b, kv, g, s, d] split on g -> [b, kv * g, s, d]:
+            # repeat_kv of key/value heads broadcast to a rank's query heads): its share of each outer index's run
+            return BlockShard(big_out[0], math.prod(outer))
         if not big_out or big_in[0] != d:
             if notes is not None:
                 notes.append(f"sharded dim {d} (size {ishape[d]}) is not the outermost dim of its view group")
@@ -104,6 +111,12 @@ def map_view_placement(p, ishape, oshape, n: int, notes: list[str] | None = None
             if len(big_in) == 1 and len(big_out) >= 2 and isinstance(p.blocks, int) and \
                     same(oshape[o], p.blocks) and divisible(oshape[big_out[1]], n):
                 return Shard(big_out[1])
+            # blocks of whole heads viewed apart or merged ([.., 2 * heads * d] -> [.., 2 * heads, d], and back):
+            # each block is a run of the outermost dim, a rank's share of a block its share of that run (DiffLlama's
+            # head pairs: q_proj's rows in two blocks of heads, head i paired with head i + heads / 2)
+            if isinstance(p.blocks, int) and (len(big_in) == 1) != (len(big_out) == 1) and \
+                    divisible(oshape[o] if len(big_out) > 1 else ishape[d], p.blocks * n):
+                return BlockShard(o, p.blocks)
             return None
         if len(big_out) > 1 and not divisible(oshape[o], n):
             if notes is not None:
@@ -487,6 +500,10 @@ def cat(info: OpInfo) -> list[Strategy]:
         if blocks.divides(sum(sizes), info.n):
             out.append(Strategy(tuple(Shard(dim) for _ in range(k)), (blocks,), name="blocks"))
     cur = info.current
+    blk = cur[0] if cur and not any(empty) else None
+    if isinstance(blk, BlockShard) and blk.dim % o.ndim != dim and all(c == blk for c in cur):
+        # blocks of another dim (DiffLlama's head pairs, RoPE's halves joined along head_dim): kept, as a Shard is
+        out.append(Strategy(tuple(cur), (BlockShard(blk.dim % o.ndim, blk.blocks),), name="other_dim_blocks"))
     out.sort(key=lambda s: tuple(s.inputs) != tuple(cur))
     P = Partial()
     return out + [Strategy(tuple(P for _ in range(k)), (P,), name="partial"),
