@@ -891,6 +891,23 @@ def head_blocks(cap: Captured, tp: int) -> dict[torch.fx.Node, tuple[int, torch.
     return out
 
 
+def head_block_sliced(cap: Captured, tp: int) -> frozenset[str]:
+    """The values between the key/value projections of :func:`head_blocks`' attentions (kept whole) and those
+    attentions, which each rank slices to its share of every block of heads there."""
+    blocks = head_blocks(cap, tp)
+    if not blocks:
+        return frozenset()
+    projections = {n for n in _few_kv_projections(cap, tp)}
+    out, todo = set(), list(projections)
+    while todo:
+        cur = todo.pop()
+        for u in cur.users:
+            if u.op == "call_function" and u.name not in out and not _contraction(u):
+                out.add(u.name)
+                todo.append(u)
+    return frozenset(out)
+
+
 def head_block_hints(cap: Captured, tp: int) -> dict[str, object]:
     """The query projections of :func:`head_blocks`' attentions: ``BlockShard(0, k)``, each rank its share of
     every block of heads (and of its bias)."""
@@ -1057,6 +1074,7 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
         if pol.shard_contraction_weights:
             pol.param_hints = dict(blocks)
             pol.sliced_static = kv_sliced(cap, tp) | mask_sliced(cap) | gate_sliced(cap)
+            pol.whole_broadcast = head_block_sliced(cap, tp)
         out.append(AxisPlanResult(pol, propagate_axis(cap, pol, hints)))
     for op in sorted(set().union(*(ap.result.fallbacks for ap in out))):  # one warning per op
         if op.startswith("mcompile_fn."):  # a user's autograd.Function (mcompile.autograd_fn): no rule to add

@@ -10,7 +10,6 @@ split evenly (``tp=3`` does not divide 8 heads: the rule records why and offers 
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import sympy
@@ -91,12 +90,6 @@ def map_view_placement(p, ishape, oshape, n: int, notes: list[str] | None = None
             continue
         big_in = [k for k in ins if not same(ishape[k], 1)]
         big_out = [k for k in outs if not same(oshape[k], 1)]
-        outer = [ishape[k] for k in big_in[:big_in.index(d)]] if d in big_in else []
-        if isinstance(p, Shard) and len(big_out) == 1 and outer and all(isinstance(s, int) for s in outer) and \
-                divisible(ishape[d], n):
-            # an inner dim's shard merged under whole outer dims ([b, kv, g, s, d] split on g -> [b, kv * g, s, d]:
-            # repeat_kv of key/value heads broadcast to a rank's query heads): its share of each outer index's run
-            return BlockShard(big_out[0], math.prod(outer))
         if not big_out or big_in[0] != d:
             if notes is not None:
                 notes.append(f"sharded dim {d} (size {ishape[d]}) is not the outermost dim of its view group")
