@@ -120,9 +120,13 @@ def _scales(node: torch.fx.Node, prev: torch.fx.Node) -> bool:
 
 def _summed_with(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """The add (or sub) that ``node``'s value reaches as its only reader, through views, copies and scales, and
-    the add's operand on that way."""
-    while len(node.users) == 1:
-        prev, node = node, next(iter(node.users))
+    the add's operand on that way. A dtype check (``_assert_tensor_metadata``, which export adds before a
+    ``.to(dtype)``: HY-V4's ``moe_ffn(x).to(float32)``) reads nothing."""
+    def readers(n):
+        return [u for u in n.users if u.op == "output" or u.meta.get("val") is not None]
+
+    while len(readers(node)) == 1:
+        prev, node = node, readers(node)[0]
         if node.target in _SUM:
             return node, prev
         if node.target not in _PASS and not _scales(node, prev):

@@ -208,3 +208,44 @@ def test_differential_attention_keeps_head_pairs_on_one_rank():
     per_layer = _forward_tp_per_layer(c)
     assert sorted(per_layer) == [0, 1] and all(cnt == {"all_reduce": 2} for cnt in per_layer.values()), per_layer
     _parity(model, c, inputs)
+
+
+# ------------------------------------------------------------ exits summed through a cast (HY-V4's shared expert)
+
+
+class CastSumBlock(torch.nn.Module):
+    """Two MLPs read the same normed stream and are summed before the residual add, one cast first (HY-V4's
+    ``moe_ffn(x).to(float32) + shared_experts(x)``: export checks the dtype before the cast, a second user)."""
+
+    def __init__(self, dim=32, heads=4, ffn=64):
+        super().__init__()
+        self.norm1, self.norm2 = _GemmaRMSNorm(dim), _GemmaRMSNorm(dim)
+        self.attn = _Attention(dim, heads)
+        self.up_a, self.down_a = torch.nn.Linear(dim, ffn, bias=False), torch.nn.Linear(ffn, dim, bias=False)
+        self.up_b, self.down_b = torch.nn.Linear(dim, ffn, bias=False), torch.nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        h = self.norm2(x)
+        return x + (self.down_a(F.gelu(self.up_a(h))).to(torch.float32) + self.down_b(F.gelu(self.up_b(h))))
+
+
+class CastSumLM(NormLM):
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__(vocab, dim, layers)
+        self.layers = torch.nn.ModuleList(CastSumBlock(dim) for _ in range(layers))
+
+
+@pytest.mark.timeout(300)
+def test_exits_summed_through_a_cast_count_once():
+    """Megatron adds the two partial sums and reduces once, as the plan does: the quality check counts one exit for
+    both (2 a layer). It counted 3 when a dtype check (``_assert_tensor_metadata``) also read one exit's output."""
+    from mcompile.quality import tp_exits
+
+    torch.manual_seed(0)
+    c, _, quality = _plan(CastSumLM(), 64, tp=2)
+    exits = tp_exits(c.captured.gm)
+    assert sorted(exits) == [0, 1] and all(len(e) == 2 and "+" in e[1] for e in exits.values()), exits
+    assert not quality and c.quality == []
+    per_layer = _forward_tp_per_layer(c)
+    assert all(cnt == {"all_reduce": 2} for cnt in per_layer.values()), per_layer
