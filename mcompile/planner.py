@@ -548,6 +548,37 @@ def router_hints(cap: Captured) -> dict[str, object]:
     return hints
 
 
+_STREAM_VIEWS = (*_THROUGH, aten.flatten.using_ints, aten.to.dtype, aten._to_copy.default, aten.alias.default,
+                 aten.contiguous.default, aten.clone.default)
+
+
+def stream_mix_hints(cap: Captured) -> dict[str, object]:
+    """Hyper-connections' mixing projections stay replicated over tp (Zhu et al. 2024, "Hyper-Connections";
+    DeepSeek-V4's and HY-V4's ``fn``: the n residual streams, flattened, projected to the 2n weights that mix
+    them into a sub-block's input and its output back into the streams): a linear to at most half its input
+    width whose output, short of another contraction, multiplies the very value it was projected from (the
+    streams, before the flatten and casts). The streams are the residual stream, replicated as Megatron keeps
+    it; their mixing weights are a few values a token, computed whole on every rank at no collective, where
+    split over their handful of outputs they were gathered before each mix (one all-gather per sub-block)."""
+    hints: dict[str, object] = {}
+    for node, w, (width, fan_in) in _linears(cap):
+        if 2 * width > fan_in:
+            continue
+        src, sources = node.args[0], set()
+        while isinstance(src, torch.fx.Node):
+            sources.add(src)
+            if src.op != "call_function" or src.target not in _STREAM_VIEWS:
+                break
+            src = src.args[0]
+
+        def mixes(u, cur, sources=frozenset(sources)) -> bool:
+            return u.target is aten.mul.Tensor and any(a is not cur and a in sources for a in u.args)
+
+        if _reaches(node, mixes, depth=8):
+            _whole(hints, node, w, cap)
+    return hints
+
+
 def selector_hints(cap: Captured) -> dict[str, object]:
     """Token selectors stay replicated over tp: the projections of a top-k over per-head scores summed over
     the heads (DeepSeek sparse attention's lightning indexer, Liu et al. 2025 "DeepSeek-V3.2": its own
@@ -817,6 +848,160 @@ def mask_sliced(cap: Captured) -> frozenset[str]:
     return frozenset(out)
 
 
+def gate_sliced(cap: Captured) -> frozenset[str]:
+    """Activations that multiply, entry by entry, a projection's output on its way to another projection
+    (Gemma-3n / Gemma-4's per-layer input: ``per_layer_projection(gelu(per_layer_input_gate(h)) * per_layer_input)``,
+    the per-layer embedding computed before the layers and held whole): a rank may take its features of them by a
+    local slice, so the product stays column-parallel and the second projection row-parallel -- Megatron's region,
+    one all-reduce at its exit. The propagator otherwise shards a static dim of an activation only by a
+    contraction: it gathered the gate, ran the second projection column-parallel from the whole product and
+    gathered its output too (two all-gathers forward and an all-reduce backward where Megatron runs one
+    all-reduce). Only a factor that is not itself a projection's output in the region qualifies (SwiGLU's two
+    halves are both sharded by their projections already)."""
+    from mcompile.quality import _weight_of
+
+    def into_projection(u, cur) -> bool:
+        return u.op == "call_function" and _weight_of(u) is not None and u.args[0] is cur
+
+    out: set[str] = set()
+    for n in cap.gm.graph.nodes:
+        if n.op != "call_function" or n.target is not aten.mul.Tensor or len(n.args) != 2 or \
+                not all(isinstance(a, torch.fx.Node) for a in n.args):
+            continue
+        shapes = [getattr(v.meta.get("val"), "shape", None) for v in (n, *n.args)]
+        if shapes[0] is None or any(s is None or [str(d) for d in s] != [str(d) for d in shapes[0]] for s in shapes):
+            continue  # a broadcast factor (a scale, a gate per head) is not sliced
+        for x, y in (n.args, n.args[::-1]):
+            if _after_contraction(x) and not _after_contraction(y) and _reaches(n, into_projection, depth=4):
+                out.add(y.name)
+    return frozenset(out)
+
+
+_HEAD_KEEP = (aten.contiguous.default, aten.clone.default, aten._to_copy.default, aten.to.dtype, aten.alias.default)
+
+
+def _heads_of(x: torch.fx.Node, dim: int) -> torch.fx.Node | None:
+    """The attention whose heads ``x``'s ``dim`` is (followed back through transposes, permutes, copies, views
+    that keep it, and a cat along another dim: DiffLlama's two attentions joined along head_dim), or None."""
+    while isinstance(x, torch.fx.Node) and x.op == "call_function":
+        nd = x.meta["val"].ndim if isinstance(x.meta.get("val"), torch.Tensor) else None
+        if nd is None:
+            return None
+        if x.target is aten.scaled_dot_product_attention.default:
+            return x if dim == 1 else None
+        if x.target is aten.transpose.int:
+            a, b = x.args[1] % nd, x.args[2] % nd
+            dim = b if dim == a else a if dim == b else dim
+        elif x.target is aten.permute.default:
+            dim = list(x.args[1])[dim] % nd
+        elif x.target in _THROUGH:
+            src = x.args[0].meta["val"]
+            if src.ndim != nd or str(src.shape[dim]) != str(x.meta["val"].shape[dim]):
+                return None
+        elif x.target in (aten.cat.default, aten.concat.default):
+            if (x.args[1] if len(x.args) > 1 else 0) % nd == dim:
+                return None
+            x = x.args[0][0]
+            continue
+        elif x.target not in _HEAD_KEEP:
+            return None
+        x = x.args[0]
+    return None
+
+
+def _query_projection(x: torch.fx.Node, cap: Captured) -> torch.fx.Node | None:
+    """The linear an attention's query [b, heads, s, d] is projected by: back through its transpose, entrywise
+    ops on the value itself (RoPE's ``q * cos + rotate(q) * sin``, a scale) and the view of the projection's
+    features into (heads, head_dim)."""
+    while isinstance(x, torch.fx.Node) and x.op == "call_function":
+        if x.target is aten.linear.default:
+            return x if getattr(x.args[1], "name", None) in cap.params else None
+        if x.target in _THROUGH:
+            src, out = x.args[0].meta["val"], x.meta["val"]
+            if out.ndim != src.ndim + 1 or str(out.shape[-1] * out.shape[-2]) != str(src.shape[-1]):
+                return None
+        elif x.target in (aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor):
+            same_shape = [a for a in x.args if isinstance(a, torch.fx.Node) and
+                          [str(d) for d in a.meta["val"].shape] == [str(d) for d in x.meta["val"].shape]]
+            if not same_shape:
+                return None
+            x = same_shape[0]
+            continue
+        elif x.target not in (aten.transpose.int, aten.permute.default, *_HEAD_KEEP):
+            return None
+        x = x.args[0]
+    return None
+
+
+def head_blocks(cap: Captured, tp: int) -> dict[torch.fx.Node, tuple[int, torch.fx.Node]]:
+    """Attentions whose heads are paired (or grouped) after the attention: the output cut into k equal parts along
+    its heads (DiffLlama: ``torch.chunk(attn_output, 2, dim=2)``, head i subtracted with head i + heads / 2) ->
+    ``{attention: (k, the query projection)}``. Split plainly by heads, a rank would hold half of the pairs
+    and the cut gathers; in blocks (``BlockShard(0, k)`` on the query projection's rows) each rank holds whole
+    pairs, and the attention, the cut and what follows stay local up to the row-parallel output projection. Only
+    where the key/value heads then need no split of their own (fewer key/value head groups than tp: kept whole
+    with :func:`kv_hints`, each rank slicing its share of every block)."""
+    out: dict = {}
+    if tp <= 1:
+        return out
+    from mcompile.passes.attention import _unrepeated
+
+    for node in cap.gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (aten.chunk.default, aten.split.Tensor) or \
+                not isinstance(node.args[0], torch.fx.Node):
+            continue
+        x = node.args[0]
+        nd = x.meta["val"].ndim
+        dim = (node.args[2] if len(node.args) > 2 else 0) % nd
+        parts = node.meta.get("val")
+        if not isinstance(parts, list | tuple) or len(parts) < 2 or \
+                len({str(p.shape[dim]) for p in parts}) != 1:
+            continue
+        attn = _heads_of(x, dim)
+        if attn is None:
+            continue
+        k, q = len(parts), _query_projection(attn.args[0], cap)
+        heads = attn.args[0].meta["val"].shape[1]
+        kv = _unrepeated(attn.args[1])[0] or attn.args[1]
+        kv_heads = kv.meta["val"].shape[1]
+        if q is None or not all(isinstance(h, int) for h in (heads, kv_heads)) or heads % (k * tp) or \
+                kv_heads % k or (kv_heads // k) % tp == 0:
+            continue
+        out[attn] = (k, q)
+    return out
+
+
+def head_block_sliced(cap: Captured, tp: int) -> frozenset[str]:
+    """The values between the key/value projections of :func:`head_blocks`' attentions (kept whole) and those
+    attentions, which each rank slices to its share of every block of heads there."""
+    blocks = head_blocks(cap, tp)
+    if not blocks:
+        return frozenset()
+    projections = {n for n in _few_kv_projections(cap, tp)}
+    out, todo = set(), list(projections)
+    while todo:
+        cur = todo.pop()
+        for u in cur.users:
+            if u.op == "call_function" and u.name not in out and not _contraction(u):
+                out.add(u.name)
+                todo.append(u)
+    return frozenset(out)
+
+
+def head_block_hints(cap: Captured, tp: int) -> dict[str, object]:
+    """The query projections of :func:`head_blocks`' attentions: ``BlockShard(0, k)``, each rank its share of
+    every block of heads (and of its bias)."""
+    hints: dict[str, object] = {}
+    for k, q in head_blocks(cap, tp).values():
+        hints[q.args[1].name] = BlockShard(0, k)
+        for u in q.users:  # its bias, added after it (canonicalize.split_linear_bias)
+            if u.target is aten.add.Tensor:
+                for a in u.args:
+                    if getattr(a, "name", None) in cap.params and a.meta["val"].ndim == 1:
+                        hints[a.name] = BlockShard(0, k)
+    return hints
+
+
 def _few_kv_projections(cap: Captured, tp: int) -> list[torch.fx.Node]:
     """The linears a key or value with fewer heads than ``tp`` divides is computed from: what reaches
     ``repeat_kv`` (unsqueeze, expand, reshape) before an attention, through ops short of a contraction."""
@@ -825,13 +1010,15 @@ def _few_kv_projections(cap: Captured, tp: int) -> list[torch.fx.Node]:
     found: list[torch.fx.Node] = []
     if tp <= 1:
         return found
+    blocks = head_blocks(cap, tp)
     for n in cap.gm.graph.nodes:
         if n.op != "call_function" or n.target is not aten.scaled_dot_product_attention.default:
             continue
+        k = blocks[n][0] if n in blocks else 1  # head pairs: a rank needs its share of each block's kv heads
         for kv in n.args[1:3]:
             k0, _ = _unrepeated(kv)
             heads = k0.meta["val"].shape[1] if k0 is not None else None
-            if not isinstance(heads, int) or heads % tp == 0:
+            if not isinstance(heads, int) or (heads % (tp * k) == 0 and n not in blocks):
                 continue
             todo, seen = [k0], set()
             while todo:
@@ -966,13 +1153,15 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
 
     tp = mesh.size("tp") if "tp" in mesh.axis_names else 1
     blocks = {**block_hints(cap), **mixer_hints(cap, tp), **latent_hints(cap), **router_hints(cap),
-              **selector_hints(cap), **position_bias_hints(cap), **gathered_bias_hints(cap), **kv_hints(cap, tp),
+              **selector_hints(cap), **stream_mix_hints(cap), **position_bias_hints(cap), **gathered_bias_hints(cap),
+              **kv_hints(cap, tp), **head_block_hints(cap, tp),
               **stacked_expert_hints(cap, tp)}
     experts = check_experts(cap, mesh.size("ep")) if "ep" in mesh.axis_names else None
     for pol in megatron_policies(mesh, sequence_parallel, overrides, experts):
         if pol.shard_contraction_weights:
             pol.param_hints = dict(blocks)
-            pol.sliced_static = kv_sliced(cap, tp) | mask_sliced(cap) | gathered_bias_sliced(cap)
+            pol.sliced_static = kv_sliced(cap, tp) | mask_sliced(cap) | gathered_bias_sliced(cap) | gate_sliced(cap)
+            pol.whole_broadcast = head_block_sliced(cap, tp)
         out.append(AxisPlanResult(pol, propagate_axis(cap, pol, hints)))
     for op in sorted(set().union(*(ap.result.fallbacks for ap in out))):  # one warning per op
         if op.startswith("mcompile_fn."):  # a user's autograd.Function (mcompile.autograd_fn): no rule to add

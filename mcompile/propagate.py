@@ -195,6 +195,10 @@ class AxisPolicy:
     # values a rank may slice on a static dim (the query heads of a fused projection kept whole for its one
     # key/value head: planner.kv_sliced); any other static dim is sharded by a contraction only
     sliced_static: frozenset = frozenset()
+    # values kept whole for each rank to take its share of every block of heads where an attention reads them
+    # (planner.head_blocks' keys and values): never broadcast split (repeat_kv's expand sharded over the query
+    # group could only be gathered again before the attention, which reads blocks)
+    whole_broadcast: frozenset = frozenset()
     expert_parallel: bool = False  # ep: MoE nodes may take their expert-parallel strategy (lowering moe_ep)
     # cp: every value computed from parameters that has a token dim (seq, or batch*seq flattened) is split on
     # it (load-balanced chunks, mcompile.cp); attention takes its context-parallel lowering; the loss is the
@@ -391,6 +395,9 @@ def _propagate_axis(
                 # intent, cheaper than any gather of what those heads computed: its adjoint is not charged
                 return 1e-3
             return 1e-3 + (b if grad and not policy.context_parallel else 0.0)  # cp: the slice's adjoint is local
+        if isinstance(cur, Replicate) and isinstance(req, BlockShard) and isinstance(req.blocks, int) and \
+                src.name in policy.sliced_static:
+            return 1e-3  # a rank taking its share of each block of heads of a value kept whole for that
         if isinstance(cur, Partial) and cur.reduce_op in ("sum", "avg") and isinstance(req, Replicate):
             return 2 * b
         if isinstance(cur, Partial) and cur.reduce_op == "max" and isinstance(req, Replicate) and not grad:
@@ -409,7 +416,7 @@ def _propagate_axis(
                 continue
             if s.lowering == "cp_attention" and not policy.context_parallel:
                 continue
-            if s.name == "expand_broadcast" and node.name not in from_params:
+            if s.name == "expand_broadcast" and (node.name not in from_params or node.name in policy.whole_broadcast):
                 continue  # an input-only value (a mask, a table) stays whole: its consumers take what they need
             cost = 0.0
             for i, (a, req) in enumerate(zip(ins, s.inputs)):

@@ -31,7 +31,9 @@ transformer layer:
    Mamba-2 mixer's fused in_proj whose B/C groups tp does not divide (:func:`mcompile.mixer_hints.few_groups`:
    Megatron asserts ``ngroups % tp == 0``; B and C must be whole on every rank, and the rest of the fused
    weight with them), or a token selector's projection (a top-k over per-head scores summed over the heads:
-   DeepSeek sparse attention's lightning indexer, :func:`mcompile.planner.selector_hints`). A
+   DeepSeek sparse attention's lightning indexer, :func:`mcompile.planner.selector_hints`), or a
+   hyper-connection's mixing projection (the residual streams to the few weights that mix them, replicated as
+   the streams are: :func:`mcompile.planner.stream_mix_hints`). A
    projection to a single output (Qwen2-MoE's [1, h] shared-expert gate) has nothing to split. Any other
    whole weight is reported.
 
@@ -118,9 +120,13 @@ def _scales(node: torch.fx.Node, prev: torch.fx.Node) -> bool:
 
 def _summed_with(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """The add (or sub) that ``node``'s value reaches as its only reader, through views, copies and scales, and
-    the add's operand on that way."""
-    while len(node.users) == 1:
-        prev, node = node, next(iter(node.users))
+    the add's operand on that way. A dtype check (``_assert_tensor_metadata``, which export adds before a
+    ``.to(dtype)``: HY-V4's ``moe_ffn(x).to(float32)``) reads nothing."""
+    def readers(n):
+        return [u for u in n.users if u.op == "output" or u.meta.get("val") is not None]
+
+    while len(readers(node)) == 1:
+        prev, node = node, readers(node)[0]
         if node.target in _SUM:
             return node, prev
         if node.target not in _PASS and not _scales(node, prev):
@@ -251,7 +257,7 @@ def tp_exits(gm: torch.fx.GraphModule, whole: frozenset = frozenset()) -> dict[i
 
 def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict, mixers: frozenset = frozenset(),
                   selectors: frozenset = frozenset(), banks: frozenset = frozenset(),
-                  looked_up: frozenset = frozenset()) -> str | None:
+                  looked_up: frozenset = frozenset(), streams: frozenset = frozenset()) -> str | None:
     if w.name in kv:
         return "fewer key/value heads than tp ranks: the key/value projection kept whole on every rank"
     if w.name in mixers:
@@ -265,6 +271,9 @@ def _whole_reason(w: torch.fx.Node, latents: dict, routers: dict, kv: dict, mixe
     if w.name in selectors:
         return ("a token selector's projection (a top-k over per-head scores summed over the heads: DeepSeek sparse "
                 "attention's indexer) kept whole, as DeepSeek's tensor-parallel inference does")
+    if w.name in streams:
+        return ("a hyper-connection's mixing projection (the residual streams to the few weights that mix them) kept "
+                "whole, as the streams are")
     if w.name in banks:
         return ("a bank of score-bias profiles every head mixes (relative logits) kept whole: each rank mixes it "
                 "for its own heads, no collective")
@@ -286,6 +295,7 @@ def check_quality(compiled) -> list[Finding]:
         latent_hints,
         router_hints,
         selector_hints,
+        stream_mix_hints,
     )
 
     mesh = compiled.mesh
@@ -294,9 +304,9 @@ def check_quality(compiled) -> list[Finding]:
     plan, cap = compiled.plan, compiled.captured
     sp = plan.options.sequence_parallel
     latents, routers, selectors = latent_hints(cap), router_hints(cap), frozenset(selector_hints(cap))
-    banks = frozenset(bias_bank_hints(cap))
+    banks, streams = frozenset(bias_bank_hints(cap)), frozenset(stream_mix_hints(cap))
     looked_up = frozenset(gathered_bias_hints(cap))
-    exits = tp_exits(cap.gm, frozenset(latents) | frozenset(routers) | selectors)
+    exits = tp_exits(cap.gm, frozenset(latents) | frozenset(routers) | selectors | streams)
     raw: list[tuple[int, str, tuple, str]] = []  # layer, kind, what alike layers share, text
     per_layer: dict[int, list] = {}
     for spec in plan.collectives:
@@ -339,7 +349,7 @@ def check_quality(compiled) -> list[Finding]:
         seen.add(fqn)
         p = plan.params[fqn].placements[tp_i]
         if is_shard(p) or not isinstance(p, Replicate) or \
-                _whole_reason(w, latents, routers, kv, mixers, selectors, banks, looked_up):
+                _whole_reason(w, latents, routers, kv, mixers, selectors, banks, looked_up, streams):
             continue
         short = fqn.split(f".{layer}.", 1)[-1]
         shape = tuple(w.meta["val"].shape)

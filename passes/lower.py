@@ -357,6 +357,14 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                 val = emit_collective("shard_slice", (val, d, ax.name, n), a, i, CollectiveKind.NONE,
                                       CollectiveKind.ALL_GATHER if grad else CollectiveKind.NONE, d, "slice",
                                       meta_val, cur)
+            elif isinstance(c, Replicate) and isinstance(w, BlockShard) and isinstance(w.blocks, int):
+                # a share of each of k equal blocks: the dim viewed as (k, size / k), the inner dim sliced
+                d = w.dim % meta_val.ndim
+                val = g.call_function(aten.unflatten.int, (val, d, [w.blocks, -1]))
+                val = emit_collective("shard_slice", (val, d + 1, ax.name, n), a, i, CollectiveKind.NONE,
+                                      CollectiveKind.ALL_GATHER if grad else CollectiveKind.NONE, d, "slice blocks",
+                                      meta_val, cur)
+                val = g.call_function(aten.flatten.using_ints, (val, d, d + 1))
             else:
                 raise NotImplementedError(f"redistribute {a.name} on {ax.name}: {c!r} -> {w!r}")
             cache[key] = val

@@ -1881,7 +1881,15 @@ def test_view_groups_split_heads():
     for n in (2, 4):
         assert map_view_placement(Shard(2), (b, s, 64), (b, s, 8, 8), n) == Shard(2)
         assert map_view_placement(Shard(1), (b, s, 64), (b, s, 8, 8), n) == Shard(1)
-        assert map_view_placement(BlockShard(2, 2), (b, s, 64), (b, s, 8, 8), n) is None
+        # two blocks of whole heads viewed apart (DiffLlama's head pairs): each rank its share of each block's heads,
+        # checked on index tensors: a rank's piece of the features, viewed, is its piece of the heads
+        assert map_view_placement(BlockShard(2, 2), (b, s, 64), (b, s, 8, 8), n) == BlockShard(2, 2)
+        assert map_view_placement(BlockShard(2, 2), (b, s, 8, 8), (b, s, 64), n) == BlockShard(2, 2)
+        src, dst = torch.arange(64).view(1, 1, 64), torch.arange(64).view(1, 1, 8, 8)
+        assert all(torch.equal(shard_tensor(src, BlockShard(2, 2), r, n).view(1, 1, 8 // n, 8),
+                               shard_tensor(dst, BlockShard(2, 2), r, n)) for r in range(n))
+    assert map_view_placement(BlockShard(2, 2), (b, s, 64), (b, s, 2, 32), 2) == Shard(3)  # Moshi's parts viewed apart
+    assert map_view_placement(BlockShard(2, 2), (b, s, 64), (b, s, 6, 8), 2) is None  # 64 -> 6 x 8 is no view
     # the merge back, and a unit dim in between
     assert map_view_placement(Shard(2), (b, s, 8, 8), (b, s, 64), 4) == Shard(2)
     assert view_groups((b, 1, s), (b, s)) == [([0], [0]), ([1], []), ([2], [1])]

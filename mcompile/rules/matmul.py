@@ -158,6 +158,16 @@ def sdpa(info: OpInfo) -> list[Strategy]:
             info.notes.append(f"indivisible: {q.shape[1]} query heads / {k.shape[1]} kv heads over {info.n}")
             continue
         s.append(Strategy((Shard(d), Shard(d), Shard(d)) + mask_p, (Shard(d),), name=name))
+    cur = info.current[0] if info.current else None
+    if isinstance(cur, BlockShard) and cur.dim % q.ndim == 1 and isinstance(cur.blocks, int) and \
+            divisible(q.shape[1], cur.blocks * info.n) and divisible(k.shape[1], cur.blocks * info.n):
+        # heads in blocks (DiffLlama's head pairs: head i with head i + heads / 2, q_proj's rows two blocks): each
+        # rank attends its share of every block, its keys and values taken alike (a head's key/value head sits in
+        # the same block, at the same share, for heads a multiple of key/value heads)
+        m = info.inputs[3] if has_mask else None
+        mask_p = () if m is None else (R if q.ndim - m.ndim > 1 or same(m.shape[1 - (q.ndim - m.ndim)], 1)
+                                       else BlockShard(1 - (q.ndim - m.ndim), cur.blocks),)
+        s.insert(0, Strategy((cur, cur, cur) + mask_p, (cur,), name="head_blocks"))
     if info.token_symbol is not None:
         # context parallel (cp): every rank's queries against every rank's keys, across ranks (mcompile.cp:
         # ring / all-gather / Ulysses); a mask's query rows are the rank's, its key columns all of them

@@ -104,6 +104,12 @@ def map_view_placement(p, ishape, oshape, n: int, notes: list[str] | None = None
             if len(big_in) == 1 and len(big_out) >= 2 and isinstance(p.blocks, int) and \
                     same(oshape[o], p.blocks) and divisible(oshape[big_out[1]], n):
                 return Shard(big_out[1])
+            # blocks of whole heads viewed apart or merged ([.., 2 * heads * d] -> [.., 2 * heads, d], and back):
+            # each block is a run of the outermost dim, a rank's share of a block its share of that run (DiffLlama's
+            # head pairs: q_proj's rows in two blocks of heads, head i paired with head i + heads / 2)
+            if isinstance(p.blocks, int) and (len(big_in) == 1) != (len(big_out) == 1) and \
+                    divisible(oshape[o] if len(big_out) > 1 else ishape[d], p.blocks * n):
+                return BlockShard(o, p.blocks)
             return None
         if len(big_out) > 1 and not divisible(oshape[o], n):
             if notes is not None:
@@ -487,6 +493,10 @@ def cat(info: OpInfo) -> list[Strategy]:
         if blocks.divides(sum(sizes), info.n):
             out.append(Strategy(tuple(Shard(dim) for _ in range(k)), (blocks,), name="blocks"))
     cur = info.current
+    blk = cur[0] if cur and not any(empty) else None
+    if isinstance(blk, BlockShard) and blk.dim % o.ndim != dim and all(c == blk for c in cur):
+        # blocks of another dim (DiffLlama's head pairs, RoPE's halves joined along head_dim): kept, as a Shard is
+        out.append(Strategy(tuple(cur), (BlockShard(blk.dim % o.ndim, blk.blocks),), name="other_dim_blocks"))
     out.sort(key=lambda s: tuple(s.inputs) != tuple(cur))
     P = Partial()
     return out + [Strategy(tuple(P for _ in range(k)), (P,), name="partial"),
