@@ -35,9 +35,12 @@ class GatedNorm(torch.nn.Module):
 
 
 class Mixer(torch.nn.Module):
-    def __init__(self, dim=16, heads=4, kd=4, vd=8, kernel=4):
+    """``flat_gate``: the gate flattened straight from its projection's features, ``in_proj_z(x).reshape(-1, vd)``
+    (OLMo-hybrid's ``g_proj(h).reshape(-1, head_v_dim)``), not from a (b, s, heads, vd) view of them."""
+
+    def __init__(self, dim=16, heads=4, kd=4, vd=8, kernel=4, flat_gate=False):
         super().__init__()
-        self.h, self.kd, self.vd = heads, kd, vd
+        self.h, self.kd, self.vd, self.flat_gate = heads, kd, vd, flat_gate
         self.in_proj_qkv = torch.nn.Linear(dim, heads * (2 * kd + vd), bias=False)
         self.in_proj_z = torch.nn.Linear(dim, heads * vd, bias=False)
         ch = heads * (2 * kd + vd)
@@ -51,25 +54,25 @@ class Mixer(torch.nn.Module):
         q, k, v = F.silu(qkv).transpose(1, 2).split([self.h * self.kd, self.h * self.kd, self.h * self.vd], -1)
         q, k = q.reshape(b, s, self.h, self.kd), k.reshape(b, s, self.h, self.kd)
         y = v.reshape(b, s, self.h, self.vd) * torch.sigmoid((q * k).sum(-1, keepdim=True))  # per head
-        z = self.in_proj_z(x).reshape(b, s, self.h, self.vd)
+        z = self.in_proj_z(x) if self.flat_gate else self.in_proj_z(x).reshape(b, s, self.h, self.vd)
         y = self.norm(y.reshape(-1, self.vd), z.reshape(-1, self.vd))
         return self.out_proj(y.reshape(b, s, -1))
 
 
 class Block(torch.nn.Module):
-    def __init__(self, dim):
+    def __init__(self, dim, flat_gate=False):
         super().__init__()
-        self.norm, self.mixer = torch.nn.RMSNorm(dim), Mixer(dim)
+        self.norm, self.mixer = torch.nn.RMSNorm(dim), Mixer(dim, flat_gate=flat_gate)
 
     def forward(self, h):
         return h + self.mixer(self.norm(h))
 
 
 class Net(torch.nn.Module):
-    def __init__(self, layers=4, dim=16, vocab=32):
+    def __init__(self, layers=4, dim=16, vocab=32, flat_gate=False):
         super().__init__()
         self.emb = torch.nn.Embedding(vocab, dim)
-        self.layers = torch.nn.ModuleList(Block(dim) for _ in range(layers))
+        self.layers = torch.nn.ModuleList(Block(dim, flat_gate) for _ in range(layers))
         self.head = torch.nn.Linear(dim, vocab, bias=False)
 
     def forward(self, ids, labels):
@@ -80,10 +83,13 @@ class Net(torch.nn.Module):
 
 
 @pytest.mark.timeout(60)
-def test_unflatten_rowwise_keeps_the_value():
+@pytest.mark.parametrize("flat_gate", [False, True], ids=["gate_by_heads", "gate_flat_features"])
+def test_unflatten_rowwise_keeps_the_value(flat_gate):
+    """A gate flattened straight from (b, s, heads * d) to rows of d is unflattened to (b, s, heads, d): the same
+    rows (it was left flattened before, and with it the norm: the heads gathered for it, OLMo-hybrid)."""
     from mcompile.passes.canonicalize import unflatten_rowwise
 
-    m, x = Mixer().eval(), torch.randn(2, 5, 16)
+    m, x = Mixer(flat_gate=flat_gate).eval(), torch.randn(2, 5, 16)
     gm = torch.export.export(m, (x,), strict=False).module()
     want = gm(x)
     flat = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.reshape.default
@@ -97,12 +103,13 @@ def test_unflatten_rowwise_keeps_the_value():
 
 
 @pytest.mark.timeout(120)
-def test_gated_delta_like_mixer_layout_and_parity_tp2():
+@pytest.mark.parametrize("flat_gate", [False, True], ids=["gate_by_heads", "gate_flat_features"])
+def test_gated_delta_like_mixer_layout_and_parity_tp2(flat_gate):
     from mcompile.api import compile_plan
     from mcompile.mesh import Mesh
 
     torch.manual_seed(0)
-    model = Net()
+    model = Net(flat_gate=flat_gate)
     g = torch.Generator().manual_seed(1)
     inputs = (torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g))
     with warnings.catch_warnings(record=True) as caught:
