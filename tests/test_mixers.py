@@ -372,6 +372,7 @@ def test_hint_the_propagation_cannot_honour_is_dropped_not_a_plan_error():
     for i in range(2):
         assert c.plan.params[f"layers.{i}.1.out_proj.weight"].placements[0] != Shard(1), i
     assert c.quality, "a per-head loop gathers the heads: the layout check must report it"
+    assert any("indexed one entry at a time along the split dim" in str(f) for f in c.quality), c.quality
     assert_sim_parity(c, model, inputs, "per-head loop mixer")
 
 
