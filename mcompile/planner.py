@@ -344,15 +344,55 @@ def latent_hints(cap: Captured) -> dict[str, object]:
     does a norm whose output reaches attention before any projection (OLMo-2's k_norm over all of a GQA
     key's heads: the key itself, split by heads like the query, its norm's statistics all-reduced). A
     down-projection whose output is cut along its features counts when each part is so used (the KV latent
-    and the rope key of one projection, :func:`_parts`)."""
+    and the rope key of one projection, :func:`_parts`). So does a low-rank factor read straight by an
+    up-projection whose output is split into heads (:func:`_low_rank_to_heads`: Kimi-Linear's and GLM-5's
+    forget gate ``f_b_proj(f_a_proj(h))`` and output gate ``g_b_proj(g_a_proj(h)).view(b, s, heads, d)``): the
+    factor whole costs nothing, the up-projection column-parallel by heads; split, the pair is row-parallel and
+    all-reduces a per-head gate the heads then read whole."""
     hints: dict[str, object] = {}
     cuts = {x: sizes for x, sizes in _feature_cuts(cap.gm)}
     for node, w, (width, fan_in) in _linears(cap):
         if fan_in <= width or _after_contraction(node.args[0]):
             continue  # not a down-projection, or the second half of a pair (an MLP's down, attention's out)
-        if _used_whole(node, width, cap) or all(_used_whole(node, part, cap) for part in set(_parts(node, cuts))):
+        if _used_whole(node, width, cap) or all(_used_whole(node, part, cap) for part in set(_parts(node, cuts))) \
+                or _low_rank_to_heads(node, width, cap):
             _whole(hints, node, w, cap)
     return hints
+
+
+_CASTS = (aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default, aten.contiguous.default)
+
+
+def _low_rank_to_heads(node: torch.fx.Node, width: int, cap: Captured) -> bool:
+    """Whether every reader of ``node``'s output (through casts) is the input of a projection with ``width``
+    input features whose output, before any other contraction, is viewed into heads: its last dim split
+    into (k >= 2, d) with the leading dims kept."""
+    todo, ups = [node], []
+    while todo:
+        cur = todo.pop()
+        for u in cur.users:
+            if u.op != "call_function" or u.target is aten._assert_tensor_metadata.default:
+                continue
+            if u.target in _CASTS:
+                todo.append(u)
+            elif u.target is aten.linear.default and u.args[0] is cur and _reads_weight(u, cap) \
+                    and statically_known_true(u.args[1].meta["val"].shape[-1] == width):
+                ups.append(u)
+            else:
+                return False
+    return bool(ups) and all(_reaches(up, lambda v, x: _heads_view(v, x)) for up in ups)
+
+
+def _heads_view(v: torch.fx.Node, x: torch.fx.Node) -> bool:
+    """Whether the view ``v`` splits ``x``'s last dim into (k >= 2, d), keeping the dims before it."""
+    if v.target not in _THROUGH:
+        return False
+    xv, out = x.meta.get("val"), v.meta.get("val")
+    if not isinstance(xv, torch.Tensor) or not isinstance(out, torch.Tensor) or out.ndim != xv.ndim + 1:
+        return False
+    k, d = out.shape[-2], out.shape[-1]
+    return isinstance(k, int) and isinstance(d, int) and k >= 2 and str(k * d) == str(xv.shape[-1]) and \
+        [str(a) for a in out.shape[:-2]] == [str(a) for a in xv.shape[:-1]]
 
 
 def _used_whole(node: torch.fx.Node, width: int, cap: Captured) -> bool:

@@ -265,6 +265,15 @@ class _Repin(Exception):
         self.pins = pins
 
 
+class _Unhint(Exception):
+    """A planner hint (``policy.param_hints``) on an unplaced weight that its reader cannot take from the
+    placements its other inputs arrive in, where the reader has a strategy without the hint."""
+
+    def __init__(self, names: list[str], message: str):
+        super().__init__(message)
+        self.names = names
+
+
 def propagate_axis(
     cap: Captured, policy: AxisPolicy, hints: dict, param_pad_ok=None
 ) -> AxisResult:
@@ -272,9 +281,21 @@ def propagate_axis(
     one placement all of them can take: when a later reader cannot take the one its first reader chose, that
     reader's is pinned (``policy.param_hints``: every reader must take it) and the axis planned again."""
     pinned: dict[str, object] = {}
+    dropped: set[str] = set()
     while True:
         try:
             return _propagate_axis(cap, policy, hints, param_pad_ok)
+        except _Unhint as e:
+            # a hint found from the graph's shape (mixer_hints.conv_readers: a linear reading a conv's channels is
+            # row-parallel) that the propagation cannot honour: the channels reach the reader whole (Zamba's
+            # per-head Python loop indexes the heads one by one). The weight is placed by its reader instead, as
+            # every unhinted weight is; the layout check then reports the collectives this costs.
+            if any(k in pinned or k in dropped for k in e.names):
+                raise PlanError(str(e)) from None
+            for k in e.names:
+                log.info("hint %r for %s dropped: %s", policy.param_hints[k], cap.params[k], str(e).split(":", 1)[0])
+                dropped.add(k)
+                del policy.param_hints[k]
         except _Repin as e:
             if any(pinned.get(k) is not None for k in e.pins):  # pinned already, and still no fit: give up
                 raise PlanError(str(e)) from None
@@ -546,6 +567,17 @@ def _propagate_axis(
             if alt is not None:
                 raise _Repin({a.name: req for a, req in zip(ins, alt.inputs) if a.name in shared},
                              _no_strategy_message(node, policy, ins, place, info, cap))
+            hinted = {a.name: policy.param_hints[a.name] for a in ins
+                      if a.name in cap.params and place[a.name] is None and a.name in policy.param_hints}
+            if hinted:
+                for a in hinted:
+                    del policy.param_hints[a]
+                try:
+                    alt, _ = choose(node, cands, ins, current, in_metas, outs, weight_args, token_out)
+                finally:
+                    policy.param_hints.update(hinted)
+                if alt is not None:
+                    raise _Unhint(list(hinted), _no_strategy_message(node, policy, ins, place, info, cap))
             raise PlanError(_no_strategy_message(node, policy, ins, place, info, cap))
         for i, (a, req) in enumerate(zip(ins, best.inputs)):
             if unplaced(a):

@@ -322,9 +322,14 @@ def check_quality(compiled) -> list[Finding]:
         if len(specs) > bar:
             moved = ", ".join(f"{s.forward} of {s.origin}" for s in specs)
             kinds = (bar, tuple(s.forward for s in specs))
+            picked = [s.origin for s in specs
+                      if s.forward == "all_gather" and _indexed_along(nodes.get(s.origin), s.dim)]
+            why = f"; {', '.join(picked[:3])}{' ...' if len(picked) > 3 else ''} gathered to be indexed one entry at " \
+                  "a time along the split dim (select: a Python loop over heads or channels, which no tp placement " \
+                  "survives; written as one op over that dim, it stays split)" if picked else ""
             raw.append((layer, "collectives", kinds, f"{len(specs)} forward tp collectives where Megatron runs {bar} "
                                               f"({len(exits.get(layer, ()))} tp region exits"
-                                              f"{', sequence parallel' if sp else ''}): {moved}"))
+                                              f"{', sequence parallel' if sp else ''}){why}: {moved}"))
     kv = kv_hints(cap, mesh.size("tp"))
     mixers = frozenset(lin.args[1].name for lin in few_groups(cap, mesh.size("tp")))
     tp_i = mesh.axis_names.index("tp")
@@ -358,6 +363,15 @@ def check_quality(compiled) -> list[Finding]:
     for layer, kind, key, text in raw:
         grouped.setdefault((kind, key), ([], text))[0].append(layer)
     return [Finding(tuple(layers), kind, text) for (kind, _), (layers, text) in grouped.items()]
+
+
+def _indexed_along(node, dim) -> bool:
+    """Whether ``node``'s value is read by ``select`` along ``dim`` (Zamba's ``x[head]`` in a loop over heads)."""
+    if node is None or dim is None or not isinstance(node.meta.get("val"), torch.Tensor):
+        return False
+    nd = node.meta["val"].ndim
+    return any(u.op == "call_function" and u.target is aten.select.int and u.args[0] is node and
+               u.args[1] % nd == dim % nd for u in node.users)
 
 
 def warn_quality(compiled, stacklevel: int = 3) -> list[Finding]:

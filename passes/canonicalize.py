@@ -33,7 +33,8 @@
 - ``view_as_to_view``: ``x.view_as(other)`` -> ``x.view(sizes of other)``, one rule (view's) for both.
 - ``unflatten_rowwise``: a norm run on rows flattened from (token, head) pairs and reshaped back (a
   linear-attention mixer's gated per-head RMSNorm) runs on the unflattened tensor, so the heads stay
-  split over tp through it.
+  split over tp through it. A flatten of a projection's features straight to rows of ``d`` (OLMo-hybrid's
+  gate ``g_proj(h).reshape(-1, head_v_dim)``) makes the same rows as its ``unflatten(-1, (k, d))``: so read.
 - ``projection_norm_statistics``: a LayerNorm straight after a projection, over its whole output (ESM-C's
   q/k norm over all heads: ``q_norm(q_proj(x))``) -> the norm written out (mean, centred, mean of squares,
   rsqrt, weight, bias), as OLMo-2's RMSNorm over all heads is written by the model. tp shards that output by
@@ -448,14 +449,28 @@ _FLATTENS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 
 
 def _flattened(n) -> fx.Node | None:
-    """The tensor ``n`` flattens to rows of its last dim (``x.reshape(-1, d)`` of an x of 3 or more dims)."""
+    """The tensor ``n`` flattens to rows of its last dim (``x.reshape(-1, d)`` of an x of 3 or more dims), or
+    to rows of ``d`` from a last dim of ``k * d`` (OLMo-hybrid's gate ``g_proj(h).reshape(-1, head_dim)``:
+    the rows of ``x.unflatten(-1, (k, d))``, see :func:`_row_shape`)."""
     if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target in _FLATTENS):
         return None
     x, out = n.args[0], n.meta.get("val")
     xv = x.meta.get("val") if isinstance(x, fx.Node) else None
     if not (isinstance(xv, torch.Tensor) and isinstance(out, torch.Tensor)) or xv.ndim < 3 or out.ndim != 2:
         return None
-    return x if str(out.shape[-1]) == str(xv.shape[-1]) else None
+    if str(out.shape[-1]) == str(xv.shape[-1]):
+        return x
+    d, full = out.shape[-1], xv.shape[-1]
+    return x if isinstance(d, int) and isinstance(full, int) and 0 < d < full and full % d == 0 else None
+
+
+def _row_shape(flat: fx.Node) -> tuple[str, ...]:
+    """The shape whose rows the flatten ``flat`` makes: its input's, with a last dim of ``k * d`` read as
+    ``(k, d)`` (each run of ``d`` features one row: heads of ``d``)."""
+    xs, d = list(flat.args[0].meta["val"].shape), flat.meta["val"].shape[-1]
+    if str(xs[-1]) != str(d):
+        xs[-1:] = [int(xs[-1]) // int(d), d]
+    return tuple(str(s) for s in xs)
 
 
 def _rowwise(u: fx.Node) -> bool:
@@ -480,7 +495,7 @@ def _rows_of(a: fx.Node, lead: tuple):
         return set(), []
     x = _flattened(a)
     if x is not None:
-        return ({a}, []) if tuple(str(d) for d in x.meta["val"].shape) == lead else None
+        return ({a}, []) if _row_shape(a) == lead else None
     if not (isinstance(a, fx.Node) and a.op == "call_function" and _rowwise(a)):
         return None
     flats, ops = set(), []
@@ -506,7 +521,7 @@ def unflatten_rowwise(gm: fx.GraphModule) -> int:
         x = _flattened(node)
         if x is None or not node.users:
             continue
-        lead = tuple(str(d) for d in x.meta["val"].shape)
+        lead = _row_shape(node)
         flats, region, exits, todo, ok = {node}, [], [], [node], True
         while todo and ok:
             cur = todo.pop()
@@ -533,7 +548,13 @@ def unflatten_rowwise(gm: fx.GraphModule) -> int:
         if not ok or not exits or not region:
             continue
         for f in flats:
-            f.replace_all_uses_with(f.args[0])
+            src = f.args[0]
+            if tuple(str(d) for d in src.meta["val"].shape) != lead:  # (.., k * d) -> (.., k, d): the same rows
+                nd, d = src.meta["val"].ndim, int(f.meta["val"].shape[-1])
+                with gm.graph.inserting_before(f):
+                    src = _new(gm.graph, aten.unflatten.int, (src, nd - 1, [int(src.meta["val"].shape[-1]) // d, d]),
+                               f)
+            f.replace_all_uses_with(src)
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         for u in sorted(region, key=order.__getitem__):
             if u.target in _ROW_STATS:

@@ -35,9 +35,12 @@ class GatedNorm(torch.nn.Module):
 
 
 class Mixer(torch.nn.Module):
-    def __init__(self, dim=16, heads=4, kd=4, vd=8, kernel=4):
+    """``flat_gate``: the gate flattened straight from its projection's features, ``in_proj_z(x).reshape(-1, vd)``
+    (OLMo-hybrid's ``g_proj(h).reshape(-1, head_v_dim)``), not from a (b, s, heads, vd) view of them."""
+
+    def __init__(self, dim=16, heads=4, kd=4, vd=8, kernel=4, flat_gate=False):
         super().__init__()
-        self.h, self.kd, self.vd = heads, kd, vd
+        self.h, self.kd, self.vd, self.flat_gate = heads, kd, vd, flat_gate
         self.in_proj_qkv = torch.nn.Linear(dim, heads * (2 * kd + vd), bias=False)
         self.in_proj_z = torch.nn.Linear(dim, heads * vd, bias=False)
         ch = heads * (2 * kd + vd)
@@ -51,25 +54,25 @@ class Mixer(torch.nn.Module):
         q, k, v = F.silu(qkv).transpose(1, 2).split([self.h * self.kd, self.h * self.kd, self.h * self.vd], -1)
         q, k = q.reshape(b, s, self.h, self.kd), k.reshape(b, s, self.h, self.kd)
         y = v.reshape(b, s, self.h, self.vd) * torch.sigmoid((q * k).sum(-1, keepdim=True))  # per head
-        z = self.in_proj_z(x).reshape(b, s, self.h, self.vd)
+        z = self.in_proj_z(x) if self.flat_gate else self.in_proj_z(x).reshape(b, s, self.h, self.vd)
         y = self.norm(y.reshape(-1, self.vd), z.reshape(-1, self.vd))
         return self.out_proj(y.reshape(b, s, -1))
 
 
 class Block(torch.nn.Module):
-    def __init__(self, dim):
+    def __init__(self, dim, flat_gate=False):
         super().__init__()
-        self.norm, self.mixer = torch.nn.RMSNorm(dim), Mixer(dim)
+        self.norm, self.mixer = torch.nn.RMSNorm(dim), Mixer(dim, flat_gate=flat_gate)
 
     def forward(self, h):
         return h + self.mixer(self.norm(h))
 
 
 class Net(torch.nn.Module):
-    def __init__(self, layers=4, dim=16, vocab=32):
+    def __init__(self, layers=4, dim=16, vocab=32, flat_gate=False):
         super().__init__()
         self.emb = torch.nn.Embedding(vocab, dim)
-        self.layers = torch.nn.ModuleList(Block(dim) for _ in range(layers))
+        self.layers = torch.nn.ModuleList(Block(dim, flat_gate) for _ in range(layers))
         self.head = torch.nn.Linear(dim, vocab, bias=False)
 
     def forward(self, ids, labels):
@@ -80,10 +83,13 @@ class Net(torch.nn.Module):
 
 
 @pytest.mark.timeout(60)
-def test_unflatten_rowwise_keeps_the_value():
+@pytest.mark.parametrize("flat_gate", [False, True], ids=["gate_by_heads", "gate_flat_features"])
+def test_unflatten_rowwise_keeps_the_value(flat_gate):
+    """A gate flattened straight from (b, s, heads * d) to rows of d is unflattened to (b, s, heads, d): the same
+    rows (it was left flattened before, and with it the norm: the heads gathered for it, OLMo-hybrid)."""
     from mcompile.passes.canonicalize import unflatten_rowwise
 
-    m, x = Mixer().eval(), torch.randn(2, 5, 16)
+    m, x = Mixer(flat_gate=flat_gate).eval(), torch.randn(2, 5, 16)
     gm = torch.export.export(m, (x,), strict=False).module()
     want = gm(x)
     flat = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.reshape.default
@@ -97,12 +103,13 @@ def test_unflatten_rowwise_keeps_the_value():
 
 
 @pytest.mark.timeout(120)
-def test_gated_delta_like_mixer_layout_and_parity_tp2():
+@pytest.mark.parametrize("flat_gate", [False, True], ids=["gate_by_heads", "gate_flat_features"])
+def test_gated_delta_like_mixer_layout_and_parity_tp2(flat_gate):
     from mcompile.api import compile_plan
     from mcompile.mesh import Mesh
 
     torch.manual_seed(0)
-    model = Net()
+    model = Net(flat_gate=flat_gate)
     g = torch.Generator().manual_seed(1)
     inputs = (torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g))
     with warnings.catch_warnings(record=True) as caught:
@@ -311,3 +318,117 @@ def test_float64_token_weighted_loss_stays_float64_tp2():
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=0)
     for fqn, p in net.named_parameters():
         torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-10, atol=1e-12 * float(p.grad.abs().max()))
+
+
+class HeadLoopMixer(torch.nn.Module):
+    """Zamba's Mamba mixer: in_proj, a depthwise conv over the channels, then a Python loop over the heads, each
+    picked by its index (``x.reshape(b, heads, d, s).transpose(0, 1)[i]``) for its own scan, the results
+    concatenated for out_proj."""
+
+    def __init__(self, dim=16, heads=2, kernel=4):
+        super().__init__()
+        self.heads = heads
+        self.in_proj = torch.nn.Linear(dim, 2 * dim, bias=False)
+        self.conv1d = torch.nn.Conv1d(2 * dim, 2 * dim, kernel, groups=2 * dim, padding=kernel - 1)
+        self.D = torch.nn.Parameter(torch.rand(heads, 2 * dim // heads) + 0.5)
+        self.out_proj = torch.nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, h):
+        b, s, _ = h.shape
+        u = F.silu(self.conv1d(self.in_proj(h).transpose(1, 2))[..., :s])
+        u = u.reshape(b, self.heads, -1, s).transpose(0, 1)
+        outs = [torch.cumsum(u[i], -1) * 0.1 + u[i] * self.D[i, :, None] for i in range(self.heads)]
+        return self.out_proj(torch.cat(outs, 1).transpose(1, 2))
+
+
+class HeadLoopNet(Net):
+    def __init__(self, layers=2, dim=16, vocab=32):
+        super().__init__(0, dim, vocab)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.RMSNorm(dim), HeadLoopMixer(dim))
+                                          for _ in range(layers))
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.timeout(60)
+def test_hint_the_propagation_cannot_honour_is_dropped_not_a_plan_error():
+    """out_proj reads the conv's channels, so mixer_hints.conv_readers hints it row-parallel; but the heads are
+    indexed one by one in a Python loop (Zamba), which no placement of the heads survives, so the channels reach
+    out_proj whole. The hint is dropped and out_proj placed by its reader like any weight (PlanError before:
+    "no rule strategy fits the inputs' placements"); the model trains at parity. Not Megatron's layout (the loop
+    gathers the heads): the layout check says so."""
+    from mcompile.propagate import PlanError
+
+    torch.manual_seed(0)
+    model = HeadLoopNet()
+    try:
+        c, inputs = _plan_tp2(model)
+    except PlanError as e:
+        pytest.fail(f"PlanError: {str(e)[:300]}")
+    for i in range(2):
+        assert c.plan.params[f"layers.{i}.1.out_proj.weight"].placements[0] != Shard(1), i
+    assert c.quality, "a per-head loop gathers the heads: the layout check must report it"
+    assert any("indexed one entry at a time along the split dim" in str(f) for f in c.quality), c.quality
+    assert_sim_parity(c, model, inputs, "per-head loop mixer")
+
+
+class LowRankGateMixer(torch.nn.Module):
+    """Kimi-Linear's gates: low-rank pairs read per head, ``g_b(g_a(h)).view(b, s, heads, d)`` and
+    ``(f_b(f_a(h)).float() + bias).view(b, s, heads, d)``, gating a per-head value before out_proj."""
+
+    def __init__(self, dim=16, heads=4, d=4):
+        super().__init__()
+        self.heads, self.d = heads, d
+        self.v_proj = torch.nn.Linear(dim, heads * d, bias=False)
+        self.g_a, self.g_b = torch.nn.Linear(dim, d, bias=False), torch.nn.Linear(d, heads * d, bias=False)
+        self.f_a, self.f_b = torch.nn.Linear(dim, d, bias=False), torch.nn.Linear(d, heads * d, bias=False)
+        self.bias = torch.nn.Parameter(torch.rand(heads * d))
+        self.out_proj = torch.nn.Linear(heads * d, dim, bias=False)
+
+    def forward(self, h):
+        b, s, _ = h.shape
+        v = self.v_proj(h).view(b, s, self.heads, self.d)
+        f = (self.f_b(self.f_a(h)).float() + self.bias).view(b, s, self.heads, self.d)
+        g = self.g_b(self.g_a(h)).view(b, s, self.heads, self.d)
+        y = torch.cumsum(v * F.logsigmoid(f).exp(), 1) * torch.sigmoid(g)
+        return self.out_proj(y.reshape(b, s, -1))
+
+
+class LowRankGateNet(Net):
+    def __init__(self, layers=2, dim=16, vocab=32):
+        super().__init__(0, dim, vocab)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.RMSNorm(dim), LowRankGateMixer(dim))
+                                          for _ in range(layers))
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.timeout(60)
+def test_low_rank_gate_pairs_keep_the_factor_whole_and_the_heads_split():
+    """A low-rank factor read straight by an up-projection viewed into heads (Kimi-Linear's forget and output
+    gates) stays whole (planner.latent_hints), the up-projection column-parallel by heads: one all-reduce a
+    layer, the mixer's exit (before: the pairs row-parallel, each gate all-reduced and the heads gathered for
+    it, 3 forward collectives a layer), at parity."""
+    from mcompile.placements import Replicate
+
+    torch.manual_seed(0)
+    model = LowRankGateNet()
+    c, inputs = _plan_tp2(model)
+    for i in range(2):
+        pl = {k.split(f"layers.{i}.1.", 1)[1]: v.placements[0] for k, v in c.plan.params.items()
+              if f"layers.{i}.1." in k}
+        assert pl["g_a.weight"] == Replicate() and pl["f_a.weight"] == Replicate(), pl
+        assert pl["g_b.weight"] == Shard(0) and pl["f_b.weight"] == Shard(0) and pl["out_proj.weight"] == Shard(1), pl
+    forward = [s for s in c.plan.collectives if s.axis == "tp" and s.forward != "none" and s.layer is not None]
+    for i in range(2):
+        assert [s.forward for s in forward if s.layer == i] == ["all_reduce"], [(s.forward, s.origin) for s in forward]
+    assert c.quality == []
+    assert_sim_parity(c, model, inputs, "low-rank gates")
