@@ -127,7 +127,7 @@ def find_moe_layers(gm: fx.GraphModule) -> int:
         # (a router may score more classes than there are experts: ZAYA's "skip" class; a slot routed to a
         # class >= E gets nothing from the experts, which the evaluation below checks)
         # (not a tensor the routing itself reads: an earlier block's 3-D parameters or buffers)
-        upstream = _reach([t], lambda n: True, down=False)
+        upstream = _reach([idx], lambda n: True, down=False)
         params = [p for p in three_d if p not in used and p not in upstream and p.meta["val"].shape[0] <= classes
                   and _reach([p], before, stop=d_idx) & d_idx]
         E = max((p.meta["val"].shape[0] for p in params), default=0)
