@@ -38,6 +38,9 @@ def test_zoo_record_of_llama(tmp_path):
     assert all(st["outcome"] == "pass" for st in llama["stages"].values()), llama["stages"]
     assert llama["stages"]["parity_tp2"]["max_grad_rel"] <= 1e-5
     assert len(llama["stages"]["parity_tp2"]["losses"]) == 3
+    # the fp32 floor beside the tp error (information): the single-device fp32 model against its float64 copy
+    assert rec["dtype"] == llama["dtype"] == "float32"
+    assert 0 < llama["stages"]["parity_tp2"]["fp32_floor_grad_rel"] <= 1e-5
     assert rec["summary"]["decoder"] == {"run": 1, **{s: 1.0 for s in STAGES}, "all_stages": 1.0}
     table = subprocess.run([sys.executable, str(ROOT / "bench" / "hf_zoo.py"), "--table", "--out", str(out)],
                            capture_output=True, text=True, timeout=60, cwd=tmp_path).stdout
@@ -100,3 +103,23 @@ def test_tiny_config_shrinks_sizes_by_the_shape_of_their_name():
     longcat, _ = zoo.tiny_config(hf.LongcatFlashConfig, "decoder")  # a query/key head width of nope + rope stays so
     assert longcat.qk_head_dim == longcat.qk_nope_head_dim + longcat.qk_rope_head_dim
     assert longcat.zero_expert_num == 4  # an expert count under its own name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_zoo_float64_diagnostic_of_llama(tmp_path):
+    """``--dtype float64`` (the diagnostic: model and plan in float64 on both sides) records its dtype, and a correct
+    program agrees to ~1e-12 there (an error above ~1e-9 is a bug, not rounding)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_zoo_under_test", ROOT / "bench" / "hf_zoo.py")
+    zoo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo)
+    path = tmp_path / "progress.json"
+    zoo.run_one("LlamaForCausalLM", "decoder", path, "float64")
+    rec = json.loads(path.read_text())
+    assert rec["dtype"] == "float64"
+    parity = rec["stages"]["parity_tp2"]
+    assert parity["outcome"] == "pass", parity
+    assert parity["max_grad_rel"] <= 1e-9 and parity["max_loss_rel"] <= 1e-12, parity
+    assert "fp32_floor_grad_rel" not in parity  # the floor is the fp32 run's
