@@ -554,15 +554,17 @@ class _Progress:
         self.save()
 
 
-def run_one(name: str, kind: str, path: Path) -> None:
+def run_one(name: str, kind: str, path: Path, dtype: str = "float32") -> None:
     import torch
     import transformers as hf
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     torch.set_num_threads(1)
-    prog = _Progress(path, {"name": name, "kind": kind})
+    prog = _Progress(path, {"name": name, "kind": kind, "dtype": dtype})
     rec = prog.rec
+    if dtype == "float64":
+        float64_experts()
 
     prog.start("builds")
     try:
@@ -574,7 +576,7 @@ def run_one(name: str, kind: str, path: Path) -> None:
         if n > MAX_PARAMS:
             raise ValueError(f"the shrunk config still has {n / 1e6:.0f}M parameters: a size attribute not shrunk")
         torch.manual_seed(0)
-        model = cls(cfg).float().train()
+        model = cls(cfg).to(getattr(torch, dtype)).train()  # --dtype float64: model and plan in float64
         rec["params"] = n
         kw = inputs(kind, cfg, "use_cache" in inspect.signature(model.forward).parameters)
         ref = copy.deepcopy(model)  # the single-device model, trained alongside
@@ -637,8 +639,11 @@ def run_one(name: str, kind: str, path: Path) -> None:
             f"loss relative error {worst['loss']:.1e} (step {worst['loss_step']})" if worst["loss"] > RTOL else
             f"gradient relative error {worst['grad']:.1e} in {worst['grad_param']} (step {worst['grad_step']})"
             if worst["grad"] > RTOL else f"a zero gradient off by {worst['noise']:.1e} of the largest gradient")
+        floor = {} if "floor" not in worst else {  # information only: not part of the criterion
+            "fp32_floor_grad_rel": worst["floor"], "fp32_floor_worst_grad": worst["floor_param"],
+            "fp32_floor_of_worst_grad": worst["floor_of"].get(worst["grad_param"], 0.0)}
         prog.end("parity_tp2", ok, reason, max_loss_rel=worst["loss"], max_grad_rel=worst["grad"],
-                 worst_grad=worst["grad_param"], max_zero_grad_abs=worst["noise"],
+                 worst_grad=worst["grad_param"], max_zero_grad_abs=worst["noise"], **floor,
                  noise_level_grads=sorted(worst["noise_level"]) or None, losses=losses)
     except Exception as e:  # noqa: BLE001
         prog.end("parity_tp2", False, _why(e))
@@ -649,9 +654,29 @@ def _absmax(t) -> float:
     return float(t.abs().max()) if t.numel() else 0.0
 
 
+def float64_experts() -> None:
+    """Transformers' grouped-GEMM experts call ``torch._grouped_mm``, which has no float64 kernel: at float64 they
+    take transformers' own fallback (its ``grouped_mm_fallback`` op, a loop of per-expert matmuls, which it
+    takes itself under torch.compile for any dtype but bf16), on both sides."""
+    import torch
+    from transformers.integrations import moe
+
+    if getattr(moe._can_use_grouped_mm, "_float64", False):
+        return
+    can = moe._can_use_grouped_mm
+
+    def can_use(input, weight, offs):
+        return weight.dtype != torch.float64 and can(input, weight, offs)
+
+    can_use._float64 = True
+    moe._can_use_grouped_mm = can_use
+
+
 def _parity(c, ref, kw) -> tuple[dict, list]:
     """Stage 5 (module docstring): the largest relative errors (and where), and per step the loss and the
-    independently trained reference's loss."""
+    independently trained reference's loss. In fp32 also the fp32 rounding floor, as information: the
+    single-device fp32 model's own gradient error against a float64 copy of it at the same parameters
+    (``floor``: the largest over the parameters, ``floor_of``: per parameter, the largest over the steps)."""
     import torch
 
     sys.path.append(str(_results.ROOT / "tests"))
@@ -674,6 +699,12 @@ def _parity(c, ref, kw) -> tuple[dict, list]:
     opt_full, opt_alone = torch.optim.AdamW(list(full.values())), torch.optim.AdamW(alone.parameters())
     worst = {"loss": 0.0, "grad": 0.0, "loss_step": 0, "grad_step": 0, "grad_param": "", "noise_level": set(),
              "noise": 0.0}
+    exact = None  # the float64 copy of the fp32 reference (the fp32 floor); none when the run is float64 already
+    if next(iter(ref_params.values())).dtype == torch.float32:
+        float64_experts()  # its grouped-GEMM experts have no float64 kernel (the fp32 side is untouched)
+        exact = copy.deepcopy(ref).double()
+        exact_params = dict(exact.named_parameters())
+        worst.update(floor=0.0, floor_param="", floor_of={})
     losses = []
     for step in range(STEPS):
         with torch.no_grad():  # the reference at the plan's current parameters
@@ -682,6 +713,21 @@ def _parity(c, ref, kw) -> tuple[dict, list]:
                 p.grad = None
         ref_loss = ref(**kw).loss
         ref_loss.backward()
+        if exact is not None:
+            with torch.no_grad():
+                for f, p in exact_params.items():
+                    p.copy_(full[alias.get(f, f)])
+                    p.grad = None
+            exact(**kw).loss.backward()
+            top = top_of(ref_params)
+            for f, p in ref_params.items():
+                g64 = exact_params[f].grad
+                if p.grad is None or g64 is None or p.numel() == 0 or float(p.grad.abs().max()) <= NOISE * top:
+                    continue
+                err = float((p.grad.double() - g64).abs().max()) / float(g64.abs().max())
+                worst["floor_of"][f] = max(worst["floor_of"].get(f, 0.0), err)
+                if err > worst["floor"]:
+                    worst.update(floor=err, floor_param=f)
         opt_alone.zero_grad(set_to_none=True)
         alone_loss = alone(**kw).loss
         alone_loss.backward()
@@ -703,7 +749,7 @@ def _parity(c, ref, kw) -> tuple[dict, list]:
             if err > worst["loss"]:
                 worst.update(loss=err, loss_step=step + 1)
         got = combine_grads(c, [g for _, g in results])
-        top = max(_absmax(p.grad) for p in ref_params.values() if p.grad is not None)
+        top = top_of(ref_params)
         for f, p in ref_params.items():
             mine = got[alias.get(f, f)]
             if p.numel() == 0:  # nothing to compare (MobileBert's cls.predictions.dense [vocab, 0] at equal widths)
@@ -732,13 +778,19 @@ def _parity(c, ref, kw) -> tuple[dict, list]:
     return worst, losses
 
 
+def top_of(params: dict) -> float:
+    """The model's largest gradient entry (the scale a rounding-noise gradient is held to)."""
+    return max(_absmax(p.grad) for p in params.values() if p.grad is not None)
+
+
 # -- the run (the parent process) -----------------------------------------------------------------------------
 
 
-def run_child(arch: dict, timeout: float) -> dict:
+def run_child(arch: dict, timeout: float, dtype: str = "float32") -> dict:
     """One architecture in a niced subprocess; its record, with the stage a timeout or a crash hit."""
     if "import_error" in arch:
-        rec = {"name": arch["name"], "kind": arch["kind"], "stages": {s: {"outcome": "skipped"} for s in STAGES}}
+        rec = {"name": arch["name"], "kind": arch["kind"], "dtype": dtype,
+               "stages": {s: {"outcome": "skipped"} for s in STAGES}}
         rec["stages"]["builds"] = {"outcome": "fail", "reason": arch["import_error"]}
         rec["seconds"] = 0.0
         return rec
@@ -746,7 +798,7 @@ def run_child(arch: dict, timeout: float) -> dict:
         path = Path(tmp) / "progress.json"
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         cmd = ["nice", "-n", "19", sys.executable, str(Path(__file__).resolve()), "--child", arch["name"],
-               "--child-kind", arch["kind"], "--child-progress", str(path)]
+               "--child-kind", arch["kind"], "--child-progress", str(path), "--dtype", dtype]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout)
@@ -758,8 +810,8 @@ def run_child(arch: dict, timeout: float) -> dict:
         try:
             rec = json.loads(path.read_text())
         except (OSError, ValueError):
-            rec = {"name": arch["name"], "kind": arch["kind"], "stages": {s: {"outcome": "skipped"} for s in STAGES},
-                   "running": "builds"}
+            rec = {"name": arch["name"], "kind": arch["kind"], "dtype": dtype,
+                   "stages": {s: {"outcome": "skipped"} for s in STAGES}, "running": "builds"}
     if failure:
         stage = rec.pop("running", None)
         if stage:
@@ -852,12 +904,16 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per architecture")
     ap.add_argument("--jobs", type=int, default=1, help="architectures run at once (one process each)")
     ap.add_argument("--table", action="store_true", help="print the record (--out, else the committed one) as markdown")
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                    help="the model's and the plan's dtype (both sides); float64 is a diagnostic: a correct program "
+                         "agrees to ~1e-12 there, so an error above ~1e-9 is a bug, not rounding (the issue's "
+                         "criterion is fp32's)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-kind", help=argparse.SUPPRESS)
     ap.add_argument("--child-progress", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        run_one(args.child, args.child_kind, Path(args.child_progress))
+        run_one(args.child, args.child_kind, Path(args.child_progress), args.dtype)
         return
     path = _results.destination(NAME, args.write, args.out, temporary=True)
     if args.table:
@@ -881,7 +937,7 @@ def main() -> None:
         todo = [a for k in KINDS for a in [a for a in todo if a["kind"] == k][::args.every]]
     rec = json.loads(path.read_text()) if args.resume and path and path.exists() else {}
     archs = rec.get("architectures", {}) if args.resume else {}
-    runs = rec.get("runs", []) + [{"only": args.only, "kind": args.kind, "every": args.every,
+    runs = rec.get("runs", []) + [{"only": args.only, "kind": args.kind, "every": args.every, "dtype": args.dtype,
                                    "commit": _results.commit(),
                                    "date": time.strftime("%Y-%m-%d %H:%M")}]
     if not wanted or "total_in_zoo" not in rec:
@@ -893,7 +949,7 @@ def main() -> None:
         "machine": _results.machine(), "commit": _results.commit(), "date": time.strftime("%Y-%m-%d"),
         "tiny": {"hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "kv_heads": KV_HEADS, "intermediate": FFN,
                  "vocab": VOCAB, "head_dim": HEAD_DIM, "batch": BATCH, "seq": SEQ, "steps": STEPS, "rtol": RTOL},
-        "timeout_s": args.timeout, "runs": runs, "architectures": archs,
+        "timeout_s": args.timeout, "dtype": args.dtype, "runs": runs, "architectures": archs,
     })
     print(f"{len(todo)} architectures to run ({dict(total)} of {'those named' if wanted else 'the zoo'}; "
           f"{len(skipped)} not run, with a reason); "
@@ -903,7 +959,7 @@ def main() -> None:
     pending = [a for a in todo if args.redo or a["name"] not in archs]
     done = len(todo) - len(pending)
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each job waits on its own process
-        futures = {pool.submit(run_child, arch, args.timeout): arch for arch in pending}
+        futures = {pool.submit(run_child, arch, args.timeout, args.dtype): arch for arch in pending}
         for fut in concurrent.futures.as_completed(futures):
             arch, r = futures[fut], fut.result()
             archs[arch["name"]] = r

@@ -222,6 +222,15 @@ class AxisResult:
     notes: dict[str, list[str]]
 
 
+def writes_first_arg(node: fx.Node) -> bool:
+    """Whether ``node`` writes into its first argument in place (``copy_``, ``index_put_``, ``add_`` ...)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable or not schema.arguments or not node.args:
+        return False
+    info = schema.arguments[0].alias_info
+    return info is not None and info.is_write and isinstance(node.args[0], fx.Node)
+
+
 def requires_grad_nodes(gm: fx.GraphModule, param_names: set[str]) -> set[str]:
     rg: set[str] = set()
     for n in gm.graph.nodes:
@@ -432,6 +441,7 @@ def _propagate_axis(
     def choose(node, cands, ins, current, in_metas, outs, weight_args, token_out):
         """The cheapest strategy of ``cands`` (None, INF: none fits)."""
         best, best_cost = None, INF
+        writes = writes_first_arg(node)
         for s in cands:
             if s.lowering == "moe_ep" and not policy.expert_parallel:
                 continue
@@ -441,6 +451,12 @@ def _propagate_axis(
                 continue  # an input-only value (a mask, a table) stays whole: its consumers take what they need
             cost = 0.0
             for i, (a, req) in enumerate(zip(ins, s.inputs)):
+                if i == 0 and writes and not (a.name in cap.params or unplaced(a)) and current[0] != req:
+                    # an in-place write (``copy_`` into a slice of a fresh tensor: the gated delta rule's
+                    # output chunks) writes into its destination's storage: a redistributed destination is a
+                    # new tensor, so the write would be lost (the readers of the base never see it)
+                    cost = INF
+                    break
                 if a.name in cap.params or unplaced(a):
                     cur = place[a.name]
                     if cur is None:

@@ -24,7 +24,11 @@
   per-head ``k_nope`` and the shared rope key expanded to every head, written into the two halves of
   ``k.new_empty(...)``) -> ``cat`` of the sources along that dim: the same value, in the form the rules lay
   out by heads like the query's ``cat`` (the planner does not follow writes through views: the written
-  tensor would stay whole, and attention with it).
+  tensor would stay whole, and attention with it). Writes into ``select``s of the dim count as slices of one
+  (their sources unsqueezed), even a single one: Hugging Face's chunked gated delta rule (Qwen3.5, LaraMini)
+  fills ``core_attn_out = zeros_like(...)`` by ``core_attn_out[:, :, i] = ...`` per chunk; left a write, the
+  planner placed its destination by heads and its source whole, and the lowering's slice of the destination
+  was a copy that the write went into (the output was all zeros, the mixer's gradients none).
 - ``transposed_weight_to_linear``: ``matmul(x, W.T)`` (``numpy_T``, ``t``, ``transpose(0, 1)`` of a 2-D
   parameter; Falcon's ``FalconLinear``) -> ``linear(x, W)``: the weight is then a direct argument of the
   contraction, placed by it (column- or row-parallel), not by the transpose that reads it first.
@@ -222,9 +226,16 @@ def _tiling_writes(base: fx.Node, order: dict) -> tuple[int, list[fx.Node]] | No
     and dtype (nothing to broadcast or cast); None otherwise."""
     n = base.meta["val"]
     dims, parts, readers = set(), [], []
+    selects = False
     for u in base.users:
-        if u.op == "call_function" and u.target is aten.slice.Tensor and u.args[0] is base:
-            dim, start, end, step = (list(u.args[1:]) + [0, None, None, 1][len(u.args) - 1:])[:4]
+        picked = u.op == "call_function" and u.target is aten.select.int and u.args[0] is base \
+            and isinstance(u.args[2], int)
+        if picked:  # one index of the dim: the slice [i, i + 1) without the dim
+            i = u.args[2] % n.shape[u.args[1]] if isinstance(n.shape[u.args[1]], int) else u.args[2]
+            selects = True
+        if picked or u.op == "call_function" and u.target is aten.slice.Tensor and u.args[0] is base:
+            dim, start, end, step = (u.args[1], i, i + 1, 1) if picked else \
+                (list(u.args[1:]) + [0, None, None, 1][len(u.args) - 1:])[:4]
             users = list(u.users)
             if step != 1 or len(users) != 1 or users[0].target is not aten.copy_.default or users[0].args[0] is not u \
                     or users[0].users or not isinstance(start, int) or not isinstance(end, int | None):
@@ -238,7 +249,9 @@ def _tiling_writes(base: fx.Node, order: dict) -> tuple[int, list[fx.Node]] | No
             parts.append((start, size if end is None or (isinstance(size, int) and end >= size) else end, users[0]))
         else:
             readers.append(u)
-    if len(dims) != 1 or len(parts) < 2 or not isinstance(n.shape[next(iter(dims))], int):
+    # one write covering the whole dim is a plain copy, unless it is a select (the dim is then its unsqueeze:
+    # the gated delta rule's output chunks, ``out[:, :, i] = ...`` for each of its one or more chunks)
+    if len(dims) != 1 or len(parts) < (1 if selects else 2) or not isinstance(n.shape[next(iter(dims))], int):
         return None
     parts.sort(key=lambda p: p[:2])
     size = n.shape[next(iter(dims))]
@@ -263,9 +276,12 @@ def tiled_writes_to_cat(gm: fx.GraphModule) -> int:
             continue
         dim, copies = found
         last = max(copies, key=order.__getitem__)
-        with gm.graph.inserting_after(last):
-            cat = _new(gm.graph, aten.cat.default, ([c.args[1] for c in copies], dim), last)
-        base.replace_all_uses_with(cat, delete_user_cb=lambda u: u.target is not aten.slice.Tensor)
+        with gm.graph.inserting_before(last.next):  # in order, after the last write
+            pieces = [_new(gm.graph, aten.unsqueeze.default, (c.args[1], dim), c) if c.args[0].target is
+                      aten.select.int else c.args[1] for c in copies]  # a select's source lacks the dim
+            cat = _new(gm.graph, aten.cat.default, (pieces, dim), last)
+        written = {c.args[0] for c in copies}  # the slices / selects written into: erased below
+        base.replace_all_uses_with(cat, delete_user_cb=lambda u, written=written: u not in written)
         for c in copies:
             sl = c.args[0]
             gm.graph.erase_node(c)
@@ -630,6 +646,14 @@ def attention_dropout_to_math(gm: fx.GraphModule) -> int:
 
 
 def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
+    out = _canonicalize(gm)
+    # a write through ``x[:, :, i]`` is captured as select(slice(slice(x, 0, 0, max) ...)): its tiling is seen
+    # once the no-op slices are gone
+    out["tiled_writes_to_cat"] += tiled_writes_to_cat(gm)
+    return out
+
+
+def _canonicalize(gm: fx.GraphModule) -> dict[str, int]:
     return {
         "inline_grad_regions": inline_grad_regions(gm),
         "tiled_writes_to_cat": tiled_writes_to_cat(gm),

@@ -35,7 +35,7 @@ from mcompile.passes.dropout import is_random, is_training_dropout, lower_dropou
 from mcompile.placements import BlockShard, Partial, Replicate, Shard
 from mcompile.plan import CollectiveKind, CollectiveSpec
 from mcompile.planner import vocab_local_size
-from mcompile.propagate import AxisResult, requires_grad_nodes
+from mcompile.propagate import AxisResult, requires_grad_nodes, writes_first_arg
 from mcompile.rules import get_localizer, tensor_input_nodes, to_expr
 from mcompile.rules.matmul import embedding_args
 
@@ -471,6 +471,12 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                     and a.name in rg and a.name not in cap.params
                 )
             want[a.name] = fetch(a, tuple(req), tuple(pg))
+            if j == 0 and writes_first_arg(node) and want[a.name] is not env[a.name]:
+                raise RuntimeError(
+                    f"{node.name} ({node.target}) writes in place into {a.name}, which the plan redistributes "
+                    f"first ({place[a.name]} -> {tuple(req)}): the write would land in a copy its readers never "
+                    "see. Write it functionally in the model (torch.cat / index_put instead of an in-place "
+                    "write), or report the op: the planner keeps a written tensor's placement")
         lowering = next((s.lowering for s in strategies if s is not None and s.lowering), None)
         if lowering is None and (is_training_dropout(node) or is_random(node)):
             x_node = node.args[0]

@@ -432,3 +432,37 @@ def test_low_rank_gate_pairs_keep_the_factor_whole_and_the_heads_split():
         assert [s.forward for s in forward if s.layer == i] == ["all_reduce"], [(s.forward, s.origin) for s in forward]
     assert c.quality == []
     assert_sim_parity(c, model, inputs, "low-rank gates")
+
+
+
+class ChunkWrites(torch.nn.Module):
+    """HF's chunked gated delta rule's output (``core_attn_out = zeros_like(...)``, then ``core_attn_out[:, :, i] =
+    ...`` per chunk): writes into selects of a fresh tensor, one per index of the chunk dim (one chunk or more)."""
+
+    def __init__(self, chunks):
+        super().__init__()
+        self.chunks = chunks
+        self.w = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x):  # (b, heads, chunks, chunk, d)
+        out = torch.zeros_like(x)
+        for i in range(self.chunks):
+            out[:, :, i] = x[:, :, i] * self.w
+        return out.reshape(x.shape[0], x.shape[1], -1, x.shape[-1]).sum(2)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_select_writes_into_a_fresh_tensor_become_a_cat(chunks):
+    """passes/canonicalize: the writes become a cat of the chunks (unsqueezed), no write left, same value, also when
+    the capture reaches the select through no-op slices. Left a write, LaraMini's planned program (at tp=1 and 2)
+    took the destination by heads and the source whole; the lowering's slice of the destination was a copy the
+    write went into, so the mixer's output was zeros (dt_bias / A_log gradients off by 1.0 relative)."""
+    from mcompile.passes.canonicalize import canonicalize
+
+    m, x = ChunkWrites(chunks), torch.randn(2, 4, chunks, 3, 4)
+    gm = torch.export.export(m, (x,), strict=False).module()
+    want = gm(x)
+    done = canonicalize(gm)
+    assert done["tiled_writes_to_cat"] == 1
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.copy_.default]
+    torch.testing.assert_close(gm(x), want, rtol=0, atol=0)
