@@ -116,6 +116,19 @@ def pointwise(info: OpInfo) -> list[Strategy]:
     return [replace(s, outputs=s.outputs * k) for s in out] if k > 1 else out
 
 
+# In-place arithmetic on a view the model keeps reading through its base (Longformer / LED's
+# ``attn_scores += diagonal_mask`` on a transpose of a fresh tensor: passes/canonicalize.py makes writes into
+# fresh tensors functional, not writes through views). The destination is the output: every strategy keeps its
+# placement (a split destination is written where it lies); no Partial (a write is no sum).
+INPLACE_BINARY = [aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor]
+
+
+@rule(*INPLACE_BINARY)
+def inplace_pointwise(info) -> list[Strategy]:
+    kept = [s for s in pointwise_shard_strategies(info) if s.inputs[0] == s.outputs[0]]
+    return kept + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]
+
+
 # ``torch.where`` with a Python scalar for one branch (where.ScalarSelf / ScalarOther: a decoder's start token
 # where the position is 0, the shifted labels elsewhere) and ``dst.copy_(src)`` (Hugging Face T5's
 # ``_shift_right`` writes the labels into a slice of a new tensor): pointwise over their tensors (src
