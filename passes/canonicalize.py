@@ -19,6 +19,9 @@
   may have redistributed (a copy). Writes into inputs, parameters and buffers stay writes (they are the
   program's effects); a write into a view, or into a tensor a view was taken of, stays too (the per-rank
   joint trace rewrites or refuses those: passes/joint.py ``functional_writes``).
+- ``as_strided_of_storage``: ``as_strided(x, size, stride)`` with ``x`` a view of ``B`` (contiguous from offset 0 in
+  the capture) -> ``as_strided(clone(B, contiguous), size, stride, x's offset)``: its strides read memory laid out as
+  in the capture, which a rank's program may not keep for ``x`` (an all-gathered value); a copy of ``B`` keeps it.
 - ``tiled_writes_to_cat``: a fresh tensor (``new_empty`` / ``zeros`` ...) filled by ``copy_`` into slices that
   tile one of its dims, then read whole (Hugging Face DeepSeek-V3's attention builds its keys so: the
   per-head ``k_nope`` and the shared rope key expanded to every head, written into the two halves of
