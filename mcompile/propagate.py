@@ -100,8 +100,8 @@ def _check_storage_read(node: fx.Node, best, place: dict, policy: AxisPolicy) ->
         return  # the canonical form: any layout of the owner is made the capture's by the copy
     chain = [x]
     while chain[-1].op == "call_function" and (chain[-1].target is operator.getitem or any(
-            r.alias_info is not None for r in getattr(chain[-1].target, "_schema", None).returns)) \
-            and isinstance(chain[-1].args[0], fx.Node):
+            r.alias_info is not None for r in getattr(getattr(chain[-1].target, "_schema", None), "returns", ()))) \
+            and chain[-1].args and isinstance(chain[-1].args[0], fx.Node):
         chain.append(chain[-1].args[0])
     moved = [f"{c.name} ({place.get(c.name)})" for c in chain if place.get(c.name) not in (None, R)]
     if moved or any(not isinstance(p, Replicate) for p in best.inputs):
