@@ -84,6 +84,36 @@ _VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops
 _SCALES = {torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor}
 
 
+# ops that read their input's memory with strides from the capture's layout (passes/canonicalize.py
+# ``as_strided_of_storage`` gives them a contiguous copy of the storage's owner, whose layout every program keeps)
+_STORAGE_READERS = {torch.ops.aten.as_strided.default}
+
+
+def _check_storage_read(node: fx.Node, best, place: dict, policy: AxisPolicy) -> None:
+    """Refuse an ``as_strided`` whose input a rank's program may hold in another layout than the capture's: its
+    strides would read other elements there (a silently wrong value and gradient). Its input, every view between
+    it and the tensor owning its storage and that tensor must stay whole on a split axis, computed by the
+    capture's own ops (an all-gathered or re-sliced value is laid out in its own order)."""
+    x = node.args[0]
+    if x.op == "call_function" and x.target is torch.ops.aten.clone.default and \
+            x.kwargs.get("memory_format") is torch.contiguous_format:
+        return  # the canonical form: any layout of the owner is made the capture's by the copy
+    chain = [x]
+    while chain[-1].op == "call_function" and (chain[-1].target is operator.getitem or any(
+            r.alias_info is not None for r in getattr(getattr(chain[-1].target, "_schema", None), "returns", ()))) \
+            and chain[-1].args and isinstance(chain[-1].args[0], fx.Node):
+        chain.append(chain[-1].args[0])
+    moved = [f"{c.name} ({place.get(c.name)})" for c in chain if place.get(c.name) not in (None, R)]
+    if moved or any(not isinstance(p, Replicate) for p in best.inputs):
+        raise PlanError(
+            f"{node.name} ({node.target}) reads the memory of {x.name} with strides taken from the capture's layout, "
+            f"and on {policy.axis} the value it views is split ({', '.join(moved) or 'its input'}): a rank's "
+            "program holds it in another layout, where those strides read other elements. mcompile rewrites "
+            "as_strided over a view of a tensor that was contiguous in the capture (passes/canonicalize.py "
+            "as_strided_of_storage); this one is not. Write it without as_strided (Tensor.unfold for overlapping "
+            "windows, view/reshape, slicing), or plan without this axis")
+
+
 def _selected(n: fx.Node, src: fx.Node | None) -> bool:
     """``n`` is ``where(cond, src, 0)``: its tensor kept or zeroed (linear in it, a Partial stays one)."""
     return n.target is torch.ops.aten.where.ScalarOther and len(n.args) == 3 and n.args[2] == 0 and \
@@ -600,6 +630,8 @@ def _propagate_axis(
                 settle(a, req)
             elif a.name not in cap.params and current[i] != req:
                 made.add((a.name, req))
+        if node.target in _STORAGE_READERS and n > 1 and not policy.shard_inputs_dim0:
+            _check_storage_read(node, best, place, policy)  # (dp, ep: presharded, every layout the capture's)
         strategies[node.name] = best
         place[node.name] = best.outputs if len(outs) > 1 else (best.outputs[0] if best.outputs else None)
         # a sharded dim whose static size does not divide (only from a padded vocabulary)

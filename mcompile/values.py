@@ -279,7 +279,13 @@ class _Mode(TorchFunctionMode):
             method = args and isinstance(args[0], torch.Tensor) and "Tensor" in getattr(func, "__qualname__", "")
             args = tuple(a if method and i == 0 else _as_size(a) for i, a in enumerate(args))
             kwargs = {k: _as_size(v) for k, v in kwargs.items()}
+        before = _rec(args[0]) if name == "setitem" and args and isinstance(args[0], torch.Tensor) else None
         out = func(*args, **kwargs)
+        if before is not None:
+            try:
+                _written(args, before)
+            except Exception:  # noqa: BLE001 - a write we cannot follow leaves the tensor unknown (its version)
+                pass
         try:
             self._track(name, func, args, kwargs, out)
         except Exception:  # noqa: BLE001 - a value we cannot follow is simply not known
@@ -329,6 +335,12 @@ class _Mode(TorchFunctionMode):
             got = _pointwise(base, func if base == name else getattr(torch.Tensor, base), args, kwargs, tensors[0])
             if got is not None:
                 vals, lineage = got
+            elif base == "where" and len(args) == 3 and not kwargs:
+                # a condition not known (a mask of positions compared with an arange): every element is one of
+                # the two branches' values, whichever it takes (HF's mask builders: where(mask, 0, min))
+                branches = [_operand(a) for a in args[1:]]
+                if all(b is not None for b in branches):
+                    vals = [_cast(v, tensors[0].dtype) for b in branches for v in b[0]]
         elif name in _REDUCE and len(args) >= 1:
             vals = _reduce(name, args, kwargs, out)
         if lineage is not None:
@@ -338,6 +350,20 @@ class _Mode(TorchFunctionMode):
         for i, t in enumerate(tensors):  # the pieces of a chunk / split / unbind: each a layout of its own
             _record(t, vals, lineage if len(tensors) == 1 or lineage is None else
                     (lineage[0], (*lineage[1], ("piece", i)), lineage[2]))
+
+
+def _written(args, before) -> None:
+    """``t[index] = value`` on a tracked ``t`` (``before``: its values and lineage before the write): an index
+    that is a boolean mask known all False writes nothing (Longformer's ``mask[attention_mask == 2] = max`` with no
+    global token), so ``t`` keeps its values element by element; otherwise ``t`` holds its old values or the
+    written ones (a set, no lineage). Views of ``t`` taken before stay unknown (their version moved)."""
+    t, index, value = args[0], args[1], args[2] if len(args) > 2 else None
+    if isinstance(index, torch.Tensor) and index.dtype == torch.bool and _known(index) == (False,):
+        _record(t, before[0], before[1])
+        return
+    new = _operand(value)
+    if new is not None:
+        _record(t, [*before[0], *(_cast(v, t.dtype) for v in new[0])])
 
 
 _SIZES = {"view", "reshape", "expand", "repeat", "new_zeros", "new_ones", "new_empty", "new_full", "zeros", "ones",

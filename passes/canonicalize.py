@@ -19,6 +19,9 @@
   may have redistributed (a copy). Writes into inputs, parameters and buffers stay writes (they are the
   program's effects); a write into a view, or into a tensor a view was taken of, stays too (the per-rank
   joint trace rewrites or refuses those: passes/joint.py ``functional_writes``).
+- ``as_strided_of_storage``: ``as_strided(x, size, stride)`` with ``x`` a view of ``B`` (contiguous from offset 0 in
+  the capture) -> ``as_strided(clone(B, contiguous), size, stride, x's offset)``: its strides read memory laid out as
+  in the capture, which a rank's program may not keep for ``x`` (an all-gathered value); a copy of ``B`` keeps it.
 - ``tiled_writes_to_cat``: a fresh tensor (``new_empty`` / ``zeros`` ...) filled by ``copy_`` into slices that
   tile one of its dims, then read whole (Hugging Face DeepSeek-V3's attention builds its keys so: the
   per-head ``k_nope`` and the shared rope key expanded to every head, written into the two halves of
@@ -213,6 +216,64 @@ def functional_inplace(gm: fx.GraphModule) -> int:
         gm.graph.erase_node(n)
         order[new] = order[n]
         count += 1
+    return _recompiled(gm, count)
+
+
+_STORAGE_READERS = {aten.as_strided.default}
+
+
+def _storage_owner(x: fx.Node) -> fx.Node | None:
+    """The node whose value owns ``x``'s storage, ``x`` reached from it through views alone (None when a link is
+    not an aten view or a split's element: a function whose aliasing we cannot see)."""
+    while _aliases(x):
+        if x.target is not operator.getitem and getattr(x.target, "_schema", None) is None:
+            return None
+        x = x.args[0]
+        if not isinstance(x, fx.Node):
+            return None
+    return x
+
+
+def as_strided_of_storage(gm: fx.GraphModule) -> int:
+    """``as_strided(x, size, stride[, offset])`` -> ``as_strided(clone(B, contiguous), size, stride, offset)``, B
+    the tensor whose storage ``x`` views (module docstring). ``as_strided`` reads memory, not values: its
+    strides were computed from the capture's layout of ``x`` (Longformer's overlapping chunks: a view of a
+    projection in (seq, batch, hidden) order, strides in ``batch``). A per-rank program holds the same values in
+    other layouts (an all-gathered or re-sliced tensor is contiguous in its own order), where those strides read
+    the wrong elements: a silently wrong value and gradient. Read from a contiguous copy of the storage's owner,
+    the strides mean what they meant in the capture in any program. Left as it is where the owner was not
+    contiguous from offset 0 in the capture or ``x``'s offset is not a constant: the planner then refuses to run
+    it on any value a rank program may lay out differently (``mcompile.propagate``)."""
+    count = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in _STORAGE_READERS or not isinstance(n.args[0], fx.Node):
+            continue
+        x = n.args[0]
+        base = _storage_owner(x)
+        if base is None or base is x and base.target is aten.clone.default:
+            continue
+        bv, xv = base.meta.get("val"), x.meta.get("val")
+        if not isinstance(bv, torch.Tensor) or not isinstance(xv, torch.Tensor):
+            continue
+        offset = n.args[3] if len(n.args) > 3 else n.kwargs.get("storage_offset")
+        if offset is None:
+            offset = xv.storage_offset()
+        try:
+            ok = bool(bv.is_contiguous()) and int(bv.storage_offset()) == 0 and isinstance(offset, int | fx.Node)
+            offset = int(offset) if not isinstance(offset, fx.Node) else offset
+        except (TypeError, ValueError, RuntimeError):  # a symbolic offset or a layout decided by a symbol
+            ok = False
+        if not ok:
+            continue
+        with gm.graph.inserting_before(n):
+            owner = _new(gm.graph, aten.clone.default, (base,), base, {"memory_format": torch.contiguous_format})
+        n.args = (owner, n.args[1], n.args[2], offset)
+        n.kwargs = {}
+        count += 1
+        while x is not base and not x.users and _aliases(x):  # the views read by the as_strided alone
+            up = x.args[0]
+            gm.graph.erase_node(x)
+            x = up
     return _recompiled(gm, count)
 
 
@@ -658,6 +719,7 @@ def _canonicalize(gm: fx.GraphModule) -> dict[str, int]:
         "inline_grad_regions": inline_grad_regions(gm),
         "tiled_writes_to_cat": tiled_writes_to_cat(gm),
         "functional_inplace": functional_inplace(gm),
+        "as_strided_of_storage": as_strided_of_storage(gm),
         "expand_as_to_expand": expand_as_to_expand(gm),
         "transposed_weight_to_linear": transposed_weight_to_linear(gm),
         "view_as_to_view": view_as_to_view(gm),

@@ -471,12 +471,6 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                     and a.name in rg and a.name not in cap.params
                 )
             want[a.name] = fetch(a, tuple(req), tuple(pg))
-            if j == 0 and writes_first_arg(node) and want[a.name] is not env[a.name]:
-                raise RuntimeError(
-                    f"{node.name} ({node.target}) writes in place into {a.name}, which the plan redistributes "
-                    f"first ({place[a.name]} -> {tuple(req)}): the write would land in a copy its readers never "
-                    "see. Write it functionally in the model (torch.cat / index_put instead of an in-place "
-                    "write), or report the op: the planner keeps a written tensor's placement")
         lowering = next((s.lowering for s in strategies if s is not None and s.lowering), None)
         if lowering is None and (is_training_dropout(node) or is_random(node)):
             x_node = node.args[0]
@@ -507,12 +501,32 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
         _copy_meta(node, new)
         env[node.name] = new
         place[node.name] = out_pl
+        dst = _written(node)
+        if dst is not None and dst.name in want and want[dst.name] is not env[dst.name]:
+            # the write ran on a copy of its destination in other placements (a fallback's all-gather, a re-slice):
+            # what reads the destination or its base after it (through other views) must see it, so the written
+            # value is put back into the rank's own piece, in the destination's placements (slow, never wrong)
+            try:
+                back = fetch(node, tuple(place[dst.name]), tuple(False for _ in axes))
+            except NotImplementedError as e:
+                raise NotImplementedError(
+                    f"{node.name} ({node.target}) writes in place into {dst.name}, which this rank holds as "
+                    f"{place[dst.name]}; the write ran on a copy in {out_pl} and cannot be put back ({e}): write it "
+                    "out of place (x = x + y, torch.where, torch.cat)") from e
+            wb = g.call_function(aten.copy_.default, (env[dst.name], back))
+            wb.meta.update({k: v for k, v in new.meta.items() if k != "val"})
         tag(node.name)
     g.eliminate_dead_code()
     gm = fx.GraphModule(torch.nn.Module(), g)
     gm.meta[M.EMITTED_FOR] = emitted  # for mcompile.repeat: which captured node each node implements
     gm.meta[M.VALUE_OF] = {k: v.name for k, v in env.items() if isinstance(v, fx.Node)}
     return gm, specs
+
+
+def _written(node: fx.Node) -> fx.Node | None:
+    """The captured node whose value ``node`` writes in place (its first argument, for an op whose schema
+    writes it: ``add_``, ``copy_``, ``masked_fill_`` ...), or None."""
+    return node.args[0] if writes_first_arg(node) else None
 
 
 def _rng_input(g: fx.Graph, src: fx.Graph) -> fx.Node:

@@ -211,3 +211,34 @@ def test_a_parameter_written_through_data_in_forward_is_refused_naming_the_line(
     assert "test_capture_checks.py:" in text and "optimizer.step()" in text
     m = Clamped(False)
     _same_as_eager(m, capture(m, (x,)).ep.module(), x)
+
+
+def test_a_mask_from_an_unknown_condition_and_a_write_that_writes_nothing_stay_known():
+    """Hugging Face Longformer's default mask: ``where(positions compared with an arange, 0, min)`` (the condition
+    is not followed: an arange is not a set of values), then ``mask[attention_mask == 2] = max`` with no global
+    token (an all-False index: nothing written), then ``if (mask > 0).any():``. Every element is one of the
+    branches' values, and the write leaves them: the branch is known, captured without an item node. A write of a
+    value through an index not known all False makes the mask its old values or the new one: still refused."""
+
+    class Mask(nn.Module):
+        def __init__(self, write: bool):
+            super().__init__()
+            self.write = write
+
+        def forward(self, x):
+            ones = torch.ones(x.shape[0], x.shape[1])
+            ok = (torch.arange(x.shape[1]) >= 0)[None, :] & ones.bool()
+            mask = torch.where(ok, torch.zeros(()), torch.finfo(torch.float32).min)
+            mask[(ones == 1) if self.write else (ones == 2)] = torch.finfo(torch.float32).max
+            if (mask > 0).any():
+                return x.sum() * 2
+            return x.sum() + mask.sum() * 0
+
+    torch.manual_seed(0)
+    m = Mask(write=False)
+    cap = capture(m, (torch.randn(2, 4),))
+    assert not [n for n in cap.gm.graph.nodes if n.target in (aten.item.default, aten._local_scalar_dense.default)]
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(cap.ep.module()(x), m(x))
+    with pytest.raises(CaptureError, match=r"(?s)bool/int/float.*test_capture_checks.py:\d+: if \(mask > 0\)"):
+        capture(Mask(write=True), (torch.randn(2, 4),))

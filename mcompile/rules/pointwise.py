@@ -116,6 +116,20 @@ def pointwise(info: OpInfo) -> list[Strategy]:
     return [replace(s, outputs=s.outputs * k) for s in out] if k > 1 else out
 
 
+# In-place arithmetic on a view the model keeps reading through its base (Longformer / LED's
+# ``attn_scores += diagonal_mask`` on a transpose of a fresh tensor, Funnel's ``positional_attn *= cls_mask``:
+# passes/canonicalize.py makes writes into fresh tensors functional, not writes through views). The destination
+# is the output: every strategy keeps its placement (a split destination is written where it lies); no Partial (a
+# write is no sum).
+INPLACE_BINARY = [aten.add_.Tensor, aten.sub_.Tensor, aten.mul_.Tensor, aten.div_.Tensor]
+
+
+@rule(*INPLACE_BINARY)
+def inplace_pointwise(info) -> list[Strategy]:
+    kept = [s for s in pointwise_shard_strategies(info) if s.inputs[0] == s.outputs[0]]
+    return kept + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]
+
+
 # ``torch.where`` with a Python scalar for one branch (where.ScalarSelf / ScalarOther: a decoder's start token
 # where the position is 0, the shifted labels elsewhere) and ``dst.copy_(src)`` (Hugging Face T5's
 # ``_shift_right`` writes the labels into a slice of a new tensor): pointwise over their tensors (src
@@ -137,22 +151,6 @@ def where_scalar(info) -> list[Strategy]:
 @rule(aten.copy_.default)
 def copy_(info) -> list[Strategy]:
     return pointwise_shard_strategies(info) + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]
-
-
-# ``x.mul_(y)`` and its kin on a tensor the program may not rewrite functionally (passes/canonicalize.py
-# ``functional_inplace`` keeps a write into a view: Funnel's ``positional_attn *= cls_mask``, the scores a
-# slice of a gathered tensor): each rank writes its own piece of ``x``, so only strategies whose output is
-# laid out as ``x`` is (the written tensor keeps its placement) hold; ``y`` broadcasts as in the functional op.
-INPLACE = {aten.mul_.Tensor: aten.mul.Tensor, aten.add_.Tensor: aten.add.Tensor, aten.sub_.Tensor: aten.sub.Tensor,
-           aten.div_.Tensor: aten.div.Tensor}
-
-
-@rule(*INPLACE)
-def inplace_pointwise(info) -> list[Strategy]:
-    functional = replace(info, op=INPLACE[info.op])
-    out = [s for s in pointwise_shard_strategies(functional) + _partial_strategies(functional)
-           if s.inputs and s.inputs[0] == s.outputs[0]]
-    return out + [Strategy(tuple(R for _ in info.inputs), (R,), name="replicate")]
 
 
 @rule(aten.rand_like.default, aten.uniform.default, aten.exponential.default)
