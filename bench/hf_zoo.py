@@ -642,6 +642,8 @@ def run_one(name: str, kind: str, path: Path, dtype: str = "float32") -> None:
         floor = {} if "floor" not in worst else {  # information only: not part of the criterion
             "fp32_floor_grad_rel": worst["floor"], "fp32_floor_worst_grad": worst["floor_param"],
             "fp32_floor_of_worst_grad": worst["floor_of"].get(worst["grad_param"], 0.0)}
+        if "floor_failed" in worst:
+            floor = {"fp32_floor_failed": worst["floor_failed"]}
         prog.end("parity_tp2", ok, reason, max_loss_rel=worst["loss"], max_grad_rel=worst["grad"],
                  worst_grad=worst["grad_param"], max_zero_grad_abs=worst["noise"], **floor,
                  noise_level_grads=sorted(worst["noise_level"]) or None, losses=losses)
@@ -718,9 +720,13 @@ def _parity(c, ref, kw) -> tuple[dict, list]:
                 for f, p in exact_params.items():
                     p.copy_(full[alias.get(f, f)])
                     p.grad = None
-            exact(**kw).loss.backward()
+            try:
+                exact(**kw).loss.backward()
+            except Exception as e:  # noqa: BLE001 - information only: a model that will not run in float64
+                worst["floor_failed"] = _why(e)  # (Inkling2's experts mix dtypes) has no floor, not a failed parity
+                exact, exact_params = None, {}
             top = top_of(ref_params)
-            for f, p in ref_params.items():
+            for f, p in ref_params.items() if exact is not None else ():
                 g64 = exact_params[f].grad
                 if p.grad is None or g64 is None or p.numel() == 0 or float(p.grad.abs().max()) <= NOISE * top:
                     continue
@@ -906,8 +912,8 @@ def main() -> None:
     ap.add_argument("--table", action="store_true", help="print the record (--out, else the committed one) as markdown")
     ap.add_argument("--dtype", choices=("float32", "float64"), default="float32",
                     help="the model's and the plan's dtype (both sides); float64 is a diagnostic: a correct program "
-                         "agrees to ~1e-12 there, so an error above ~1e-9 is a bug, not rounding (the issue's "
-                         "criterion is fp32's)")
+                         "agrees to ~1e-12 there, but a model's own fp32 islands (RMSNorm, rotary tables: 1.5e-7 "
+                         "on Llama) set its floor (the issue's criterion is fp32's)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-kind", help=argparse.SUPPRESS)
     ap.add_argument("--child-progress", help=argparse.SUPPRESS)

@@ -471,7 +471,6 @@ def _propagate_axis(
     def choose(node, cands, ins, current, in_metas, outs, weight_args, token_out):
         """The cheapest strategy of ``cands`` (None, INF: none fits)."""
         best, best_cost = None, INF
-        writes = writes_first_arg(node)
         for s in cands:
             if s.lowering == "moe_ep" and not policy.expert_parallel:
                 continue
@@ -481,12 +480,9 @@ def _propagate_axis(
                 continue  # an input-only value (a mask, a table) stays whole: its consumers take what they need
             cost = 0.0
             for i, (a, req) in enumerate(zip(ins, s.inputs)):
-                if i == 0 and writes and not (a.name in cap.params or unplaced(a)) and current[0] != req:
-                    # an in-place write (``copy_`` into a slice of a fresh tensor: the gated delta rule's
-                    # output chunks) writes into its destination's storage: a redistributed destination is a
-                    # new tensor, so the write would be lost (the readers of the base never see it)
-                    cost = INF
-                    break
+                # an in-place write on a redistributed destination (a fallback's gather) runs on a copy, which
+                # the lowering puts back into the rank's piece (passes/lower.py ``_written``: a local slice and
+                # copy_), so only the move to the strategy's placement is charged, as for any input
                 if a.name in cap.params or unplaced(a):
                     cur = place[a.name]
                     if cur is None:

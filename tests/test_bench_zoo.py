@@ -196,3 +196,44 @@ def test_zoo_float64_diagnostic_of_llama(tmp_path):
     assert parity["outcome"] == "pass", parity
     assert parity["max_grad_rel"] <= 1e-5 and parity["max_loss_rel"] <= 1e-12, parity
     assert "fp32_floor_grad_rel" not in parity  # the floor is the fp32 run's
+
+
+def test_parity_stage_records_a_model_that_will_not_run_in_float64_and_still_judges_fp32():
+    """The fp32 floor runs a float64 copy of the reference (information only). A model that casts to fp32 inside
+    (Inkling2's experts) fails there: the stage records why, and still compares the plan with the fp32 model
+    (it crashed the parity stage of Inkling2 and Inkling2Loop before)."""
+    import importlib.util
+    import warnings
+
+    import torch
+    from transformers.modeling_outputs import MaskedLMOutput
+
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.up, self.down = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+            self.decoder = torch.nn.Linear(16, 32)
+
+        def forward(self, input_ids, labels):
+            h = self.emb(input_ids)
+            h = h + self.down(torch.relu(self.up(h)))
+            logits = h.float() @ self.decoder.weight.t()  # fp32 on purpose: a float64 copy cannot run it
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            return MaskedLMOutput(loss=loss, logits=logits)
+
+    spec = importlib.util.spec_from_file_location("hf_zoo_under_test", ROOT / "bench" / "hf_zoo.py")
+    zoo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zoo)
+    torch.manual_seed(0)
+    model = LM()
+    g = torch.Generator().manual_seed(1)
+    kw = {"input_ids": torch.randint(0, 32, (2, 8), generator=g), "labels": torch.randint(0, 32, (2, 8), generator=g)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = compile_plan(model, Mesh.fake(tp=2), (), kw)
+        worst, losses = zoo._parity(c, model, kw)
+    assert "dtype" in worst["floor_failed"], worst
+    assert len(losses) == zoo.STEPS and worst["loss"] <= zoo.RTOL and worst["grad"] <= zoo.RTOL, worst

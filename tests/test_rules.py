@@ -752,6 +752,29 @@ def test_whole_reductions(op, data):
     assert all(s.inputs[0] not in [Shard(d) for d in dims] and not isinstance(s.inputs[0], Partial) for s in tested)
 
 
+@pytest.mark.timeout(120)
+@hyp(15)
+@given(data=st.data())
+def test_all_any(data):
+    """``all`` / ``any`` (a logical and / or: no Partial) over one dim or every dim: only the dims they keep may
+    be sharded."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 1, 4)
+    nd = len(shape)
+    x = make(shape, "f", gen) > 0
+    d, keep = data.draw(st.integers(0, nd - 1), label="dim"), data.draw(st.booleans(), label="keepdim")
+    cur = draw_current(data, x, n, partial=False, blocks=False)
+    expect = [((Shard(e),), (Shard(e if keep else e - (e > d)),)) for e in divisible_dims(shape, n) if e != d]
+    for op in (aten.all.dim, aten.any.dim):
+        check(op, (x, d, keep), n=n, current=(cur,), gen=gen, expect=expect, current_first=True)
+    for op in (aten.all.dims, aten.any.dims):
+        check(op, (x, [d], keep), n=n, current=(cur,), gen=gen, expect=expect, current_first=True)
+    for op in (aten.all.default, aten.any.default):
+        tested = check(op, (x,), n=n, current=(cur,), gen=gen, expect=[], current_first=True)
+        assert all(s.inputs[0] == R for s in tested)
+
+
 SOFTMAX = {
     aten._softmax.default: lambda x, d: (x, d, False),
     aten.softmax.int: lambda x, d: (x, d),
@@ -2258,6 +2281,7 @@ TESTED_OPS = (
        aten.tril.default, aten.triu.default}
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
     | {aten._assert_async.default, aten._assert_async.msg, aten._is_all_true.default, aten._is_any_true.default}
+    | {aten.all.dim, aten.any.dim, aten.all.dims, aten.any.dims, aten.all.default, aten.any.default}
     | {aten.chunk.default, aten.diff.default}  # tested in tests/test_rules_dtensor.py (test_chunk, test_diff)
     | {aten.conv1d.default, aten.conv2d.default, aten.im2col.default, aten.unfold.default, _SSD_SCAN} | set(FFTS)
 )

@@ -68,11 +68,13 @@ def _named(info: OpInfo, name: str, default=None):
     return info.arg(names.index(name), name, default) if name in names else default
 
 
-@rule(aten.logsumexp.default, aten.var.dim, aten.std.dim)  # var / std.correction: DTensor's (the bridge)
+@rule(aten.logsumexp.default, aten.var.dim, aten.std.dim,  # var / std.correction: DTensor's (the bridge)
+      aten.all.dim, aten.any.dim, aten.all.dims, aten.any.dims, aten.all.default, aten.any.default)
 def reduce_whole(info: OpInfo) -> list[Strategy]:
     """Reductions whose value over a split dim is no plain sum / mean / max of the pieces' (``logsumexp``:
-    a log of the sum of exps; ``var`` / ``std``: squares about the whole mean): a dim they reduce stays
-    whole, any other dim may be sharded (Granite-SWA's attention sinks over the key dim with the heads
+    a log of the sum of exps; ``var`` / ``std``: squares about the whole mean; ``all`` / ``any``: a logical
+    and / or, which no Partial expresses: BLT's patch check): a dim they reduce stays whole, any other dim may
+    be sharded (Granite-SWA's attention sinks over the key dim with the heads
     split, an MoE router's z-loss over the experts with the tokens split over ep, xLSTM's group norm). No
     Partial: log and square are not linear. (A z-loss's per-token values averaged over tokens split over a
     data axis reach the per-layer list of losses as a Partial(avg) moved at the list: mcompile/repeat.py
