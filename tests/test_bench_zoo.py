@@ -151,9 +151,9 @@ def _empty_param_lm(vocab=32, dim=16):
     return LM()
 
 
-def test_parity_stage_passes_a_parameter_with_no_elements():
-    """The parity stage compares every gradient but one of no elements (MobileBert's cls.predictions.dense at the
-    tiny size): ``max()`` of it raised and failed MobileBertForMaskedLM's parity_tp2 before."""
+def _zoo_parity_tp2(model):
+    """bench/hf_zoo's parity stage on ``model`` planned at tp=2 (inputs: 2 x 8 ids and labels of 32 classes):
+    (the harness module, the worst errors, the losses)."""
     import importlib.util
     import warnings
 
@@ -165,14 +165,22 @@ def test_parity_stage_passes_a_parameter_with_no_elements():
     spec = importlib.util.spec_from_file_location("hf_zoo_under_test", ROOT / "bench" / "hf_zoo.py")
     zoo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(zoo)
-    torch.manual_seed(0)
-    model = _empty_param_lm()
     g = torch.Generator().manual_seed(1)
     kw = {"input_ids": torch.randint(0, 32, (2, 8), generator=g), "labels": torch.randint(0, 32, (2, 8), generator=g)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         c = compile_plan(model, Mesh.fake(tp=2), (), kw)
         worst, losses = zoo._parity(c, model, kw)
+    return zoo, worst, losses
+
+
+def test_parity_stage_passes_a_parameter_with_no_elements():
+    """The parity stage compares every gradient but one of no elements (MobileBert's cls.predictions.dense at the
+    tiny size): ``max()`` of it raised and failed MobileBertForMaskedLM's parity_tp2 before."""
+    import torch
+
+    torch.manual_seed(0)
+    zoo, worst, losses = _zoo_parity_tp2(_empty_param_lm())
     assert len(losses) == zoo.STEPS and worst["loss"] <= zoo.RTOL and worst["grad"] <= zoo.RTOL, worst
     assert "dense.weight" not in worst["noise_level"]
 
@@ -202,14 +210,8 @@ def test_parity_stage_records_a_model_that_will_not_run_in_float64_and_still_jud
     """The fp32 floor runs a float64 copy of the reference (information only). A model that casts to fp32 inside
     (Inkling2's experts) fails there: the stage records why, and still compares the plan with the fp32 model
     (it crashed the parity stage of Inkling2 and Inkling2Loop before)."""
-    import importlib.util
-    import warnings
-
     import torch
     from transformers.modeling_outputs import MaskedLMOutput
-
-    from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
 
     class LM(torch.nn.Module):
         def __init__(self):
@@ -224,16 +226,7 @@ def test_parity_stage_records_a_model_that_will_not_run_in_float64_and_still_jud
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
             return MaskedLMOutput(loss=loss, logits=logits)
 
-    spec = importlib.util.spec_from_file_location("hf_zoo_under_test", ROOT / "bench" / "hf_zoo.py")
-    zoo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(zoo)
     torch.manual_seed(0)
-    model = LM()
-    g = torch.Generator().manual_seed(1)
-    kw = {"input_ids": torch.randint(0, 32, (2, 8), generator=g), "labels": torch.randint(0, 32, (2, 8), generator=g)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        c = compile_plan(model, Mesh.fake(tp=2), (), kw)
-        worst, losses = zoo._parity(c, model, kw)
+    zoo, worst, losses = _zoo_parity_tp2(LM())
     assert "dtype" in worst["floor_failed"], worst
     assert len(losses) == zoo.STEPS and worst["loss"] <= zoo.RTOL and worst["grad"] <= zoo.RTOL, worst
