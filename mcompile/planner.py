@@ -804,6 +804,16 @@ def _scores_of_two(x: torch.fx.Node, cap: Captured) -> bool:
     return x.target in _SCORES and all(getattr(o, "name", None) not in cap.params for o in x.args[:2])
 
 
+def _whole_with_bias(hints: dict, node: torch.fx.Node, cap: Captured) -> None:
+    """Hint projection ``node``'s weight whole, and its bias added after it (canonicalize.split_linear_bias)."""
+    _whole(hints, node, node.args[1], cap)
+    for u in node.users:
+        if u.target is aten.add.Tensor:
+            for a in u.args:
+                if getattr(a, "name", None) in cap.params and a.meta["val"].ndim == 1:
+                    hints[a.name] = R
+
+
 def gathered_bias_hints(cap: Captured) -> dict[str, object]:
     """The projections of :func:`_gathered_biases` (and their biases) kept whole: their output is bucket-major
     (``view(.., buckets, heads)``), so a column split would give each rank buckets, not heads, and gather them
@@ -812,12 +822,7 @@ def gathered_bias_hints(cap: Captured) -> dict[str, object]:
     its heads of the looked-up bias where it meets its heads' scores (:func:`gathered_bias_sliced`)."""
     hints: dict[str, object] = {}
     for node, _ in _gathered_biases(cap):
-        _whole(hints, node, node.args[1], cap)
-        for u in node.users:  # its bias, added after it (canonicalize.split_linear_bias)
-            if u.target is aten.add.Tensor:
-                for a in u.args:
-                    if getattr(a, "name", None) in cap.params and a.meta["val"].ndim == 1:
-                        hints[a.name] = R
+        _whole_with_bias(hints, node, cap)
     return hints
 
 
@@ -839,12 +844,7 @@ def kv_hints(cap: Captured, tp: int) -> dict[str, object]:
     weight and replicate the rest; each rank then slices its query heads from it (:func:`kv_sliced`)."""
     hints: dict[str, object] = {}
     for node in _few_kv_projections(cap, tp):
-        _whole(hints, node, node.args[1], cap)
-        for u in node.users:  # its bias, added after it (canonicalize.split_linear_bias)
-            if u.target is aten.add.Tensor:
-                for a in u.args:
-                    if getattr(a, "name", None) in cap.params and a.meta["val"].ndim == 1:
-                        hints[a.name] = R
+        _whole_with_bias(hints, node, cap)
     return hints
 
 
