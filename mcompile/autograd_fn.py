@@ -417,18 +417,10 @@ def _rowwise(info) -> int | str:
             return torch.rand(shp, generator=gen) > 0.5
         return torch.zeros(shp, dtype=t.dtype)
 
-    import torch.fx as fx
 
     def run(tensors_in, cots):
-        ins = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors_in]
-        it = iter(ins)
-        args, kwargs = fx.node.map_aggregate((info.args, info.kwargs), lambda a: next(it) if _is_tensor(a) else a)
-        outs = info.op(*args, **kwargs)
-        outs = [outs] if isinstance(outs, torch.Tensor) else list(outs)
-        diff = [o for o in outs if o.requires_grad]
-        wrt = [x for x in ins if x.requires_grad]
-        grads = torch.autograd.grad(diff, wrt, [c.to(o.dtype) for c, o in zip(cots, diff)], allow_unused=True) \
-            if diff and wrt else []
+        outs, grads = _forward_backward(info, [t.detach().clone() for t in tensors_in],
+                                        lambda diff: [c.to(o.dtype) for c, o in zip(cots, diff)])
         return [o.detach().reshape(-1, o.shape[-1]) for o in outs] + \
             [g.reshape(-1, g.shape[-1]) for g in grads if g is not None]
 
@@ -504,7 +496,6 @@ def _not_pointwise(info) -> str | None:
 
 
 def _trace_verdict(info, shapes, out_shape) -> str | None:
-    import torch.fx as fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
     gen = torch.Generator().manual_seed(0)
@@ -512,15 +503,8 @@ def _trace_verdict(info, shapes, out_shape) -> str | None:
                 else torch.ones(shp, dtype=t.dtype) for shp, t in zip(shapes, info.inputs)]
 
     def joint(*tensors):
-        ins = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
-        it = iter(ins)
-        args, kwargs = fx.node.map_aggregate((info.args, info.kwargs), lambda a: next(it) if _is_tensor(a) else a)
-        outs = info.op(*args, **kwargs)
-        outs = [outs] if isinstance(outs, torch.Tensor) else list(outs)
-        diff = [o for o in outs if o.requires_grad]
-        wrt = [x for x in ins if x.requires_grad]
-        grads = torch.autograd.grad(diff, wrt, [torch.ones_like(o) for o in diff], allow_unused=True) \
-            if diff and wrt else []
+        outs, grads = _forward_backward(info, [t.detach() for t in tensors],
+                                        lambda diff: [torch.ones_like(o) for o in diff])
         return outs, [g for g in grads if g is not None]
 
     try:
@@ -578,3 +562,20 @@ def _user_line(e: BaseException) -> str | None:
 
     frames = [f for f in traceback.extract_tb(e.__traceback__) if _outside(f.filename)]
     return f"{frames[-1].filename}:{frames[-1].lineno}: {(frames[-1].line or '').strip()}" if frames else None
+
+
+def _forward_backward(info, tensors: list, cotangents) -> tuple[list, list]:
+    """The captured Function ``info.op`` on ``tensors`` (in place of its tensor arguments; floating ones require
+    grad): its outputs and the gradients of its differentiable outputs, weighted by ``cotangents(diff)``, with
+    respect to the floating inputs (None where unused)."""
+    import torch.fx as fx
+
+    ins = [t.requires_grad_(t.is_floating_point()) for t in tensors]
+    it = iter(ins)
+    args, kwargs = fx.node.map_aggregate((info.args, info.kwargs), lambda a: next(it) if _is_tensor(a) else a)
+    outs = info.op(*args, **kwargs)
+    outs = [outs] if isinstance(outs, torch.Tensor) else list(outs)
+    diff = [o for o in outs if o.requires_grad]
+    wrt = [x for x in ins if x.requires_grad]
+    grads = torch.autograd.grad(diff, wrt, cotangents(diff), allow_unused=True) if diff and wrt else []
+    return outs, list(grads)
