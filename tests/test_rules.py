@@ -1564,6 +1564,38 @@ def test_index_add(data):
 
 
 @pytest.mark.timeout(120)
+@hyp(30)
+@given(data=st.data())
+def test_scatter_reduce(data):
+    """``self.scatter_reduce(dim, index, src, reduce, include_self)`` (BLT's patch pooling, ``amax`` into zeros):
+    self, index and src split alike on another dim than ``dim``; Partial self and src for the linear reductions
+    (sum, mean), which the rule must not offer for prod, amax and amin."""
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    shape = draw_shape(data, n, 1, 3)
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1), label="dim")
+    d = dim % len(shape)
+    k = data.draw(st.sampled_from([n, 2 * n, 5]), label="scattered")
+    reduce = data.draw(st.sampled_from(["sum", "mean", "prod", "amax", "amin"]), label="reduce")
+    include_self = data.draw(st.booleans(), label="include_self")
+    x = make(shape, "f", gen)
+    src_shape = [k if j == d else s for j, s in enumerate(shape)]
+    src = make(src_shape, "f", gen)
+    index = torch.randint(0, shape[d], tuple(src_shape), generator=gen)
+    linear = reduce in ("sum", "mean")
+    current = data.draw(st.sampled_from([(R, R, R), *([(P, R, P)] if linear else []),
+                                         *[(p, p, p) for p in shard_choices(shape, n) if p.dim != d]]),
+                        label="current")
+    expect = [((Shard(j),) * 3, (Shard(j),)) for j in divisible_dims(shape, n) if j != d]
+    if linear:
+        expect.append(((P, R, P), (P,)))
+    tested = check(aten.scatter_reduce.two, (x, dim, index, src, reduce), {"include_self": include_self}, n=n,
+                   current=current, gen=gen, expect=expect)
+    if not linear:
+        assert not any(isinstance(p, Partial) for s in tested for p in s.inputs), tested
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("op", [aten.tril.default, aten.triu.default], ids=str)
 @hyp(25)
 @given(data=st.data())
@@ -2277,7 +2309,7 @@ TESTED_OPS = (
        aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.einsum.default, aten.nonzero.default,
        aten.where.default, aten.one_hot.default}
     | {aten.index.Tensor, aten.gather.default, aten.index_select.default, aten.index_add.default,
-       aten.cumsum.default, aten.max_pool2d.default,
+       aten.scatter_reduce.two, aten.cumsum.default, aten.max_pool2d.default,
        aten.tril.default, aten.triu.default}
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
     | {aten._assert_async.default, aten._assert_async.msg, aten._is_all_true.default, aten._is_any_true.default}

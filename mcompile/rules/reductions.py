@@ -186,6 +186,25 @@ def scatter_add(info: OpInfo) -> list[Strategy]:
     return out + [Strategy((R, R, R), (R,), name="replicate")]
 
 
+@rule(aten.scatter_reduce.two)
+def scatter_reduce(info: OpInfo) -> list[Strategy]:
+    """``self.scatter_reduce(dim, index, src, reduce, include_self)`` (BLT's max-pooling of bytes into patches):
+    element ``i`` of ``index``/``src`` along any dim other than ``dim`` lands at ``i`` of ``self`` on that dim, so
+    the three split alike there keep that split when their sizes agree. ``sum`` and ``mean`` are linear in
+    ``self`` and ``src`` together (whether or not ``self`` is included, every rank hits the same places, the index
+    being whole), so two Partial(sum)s give one; ``prod``, ``amax`` and ``amin`` are not."""
+    nd = info.inputs[0].ndim
+    dim = norm_dim(info.arg(1), nd)
+    index, src = info.inputs[1], info.inputs[2]
+    out = [Strategy((Shard(d),) * 3, (Shard(d),), name="other_dim")
+           for d in range(nd) if d != dim and index.ndim == src.ndim == nd
+           and info.inputs[0].shape[d] == index.shape[d] == src.shape[d]]
+    out.sort(key=lambda s: s.inputs[0] != _cur(info))
+    if info.outputs[0].dtype.is_floating_point and info.arg(4, "reduce") in ("sum", "mean"):
+        out.append(Strategy((Partial(), R, Partial()), (Partial(),), name="partial"))
+    return out + [Strategy((R, R, R), (R,), name="replicate")]
+
+
 @rule(aten.index_add.default)
 def index_add(info: OpInfo) -> list[Strategy]:
     """``self.index_add(dim, index, source)`` (JetMoE's experts' outputs added back to their tokens): linear in
