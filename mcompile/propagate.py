@@ -374,6 +374,10 @@ def _propagate_axis(
             # dim, not a feature dim; split, its row-parallel exit would leave as a reduce-scatter and an
             # all-gather where Megatron all-reduces once (as mcompile.search costs it)
             return False
+        if not names and free:
+            # a token dim export renamed (a sequence refined to 4*s: DeepSeek-V4's windows of 4) or a size of
+            # an input's own symbol: not a static feature dim, and not the batch/seq this axis may split
+            return False
         if not names:
             return policy.allow_static_dims
         if policy.context_parallel:  # the tokens: the sequence, or batch*seq flattened (seq innermost)

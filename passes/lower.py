@@ -124,8 +124,10 @@ class _Sym:
         if e.is_Symbol and e not in self.sources and e in self.made:
             out = self._made(e)
         elif e.is_Symbol:
-            node, dim = self.sources[e]
+            node, dim, k = self.sources[e]
             out = self.graph.call_function(aten.sym_size.int, (node, dim))
+            if k != 1:
+                out = self.graph.call_function(operator.floordiv, (out, k))
         elif e.is_Mul:
             coeff, rest = e.as_coeff_Mul()
             p, q = sympy.fraction(coeff)
@@ -188,8 +190,13 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
             place[node.name] = tuple(a.result.placements.get(node.name, R) for a in axes)
             if node.name in cap.user_inputs and isinstance(node.meta.get("val"), torch.Tensor):
                 for d, s in enumerate(node.meta["val"].shape):
-                    if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol and s.node.expr not in sources:
-                        sources[s.node.expr] = (new, d)
+                    if not isinstance(s, torch.SymInt):
+                        continue
+                    # a dim export refined to k*s (the model reshapes it into blocks of k: DeepSeek-V4's compressor
+                    # windows) gives s as that dim // k
+                    k, s = s.node.expr.as_coeff_Mul()
+                    if s.is_Symbol and k.is_Integer and k > 0 and s not in sources:
+                        sources[s] = (new, d, int(k))
     # training-mode dropout draws its masks from (seed, step, batch offset): one small input of the program,
     # the same tensor for every dropout (passes/dropout.py, mcompile/dropout.py)
     rng = _rng_input(g, src) if any(is_training_dropout(n) or is_random(n) for n in src.graph.nodes) else None

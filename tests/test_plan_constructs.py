@@ -13,7 +13,8 @@ What is isolated, one construct a test:
 - one layer's parameters shared by every layer (ALBERT), the first layer reading a sharded activation and the
   others a replicated one: each shared weight takes one placement every reader can take (Megatron's);
 - a data-dependent count of tokens (JetMoe's, DeepSeek-V4's routing: an unbacked size) plans and lowers, and so
-  does a slice to a data-dependent length (BLT's patch starts), which makes its size itself;
+  does a slice to a data-dependent length (BLT's patch starts), which makes its size itself, and a sequence
+  export refines to a multiple ``4*s`` (DeepSeek-V4's windows of 4), whose ``s`` is the length // 4;
 - experts' outputs added back to their tokens in a tensor of zeros with ``index_add`` (JetMoE) stay a partial
   sum: one all-reduce after it;
 - a repeated layer whose ops are not one stretch of the program (a node that is not an op among them: export's
@@ -261,6 +262,51 @@ def test_a_slice_that_makes_its_own_data_dependent_size_lowers():
     c, inputs = _plan(model)
     assert c.plan.fallbacks == [] and c.quality == []
     assert_sim_parity(c, model, inputs)
+
+
+class WindowBlock(torch.nn.Module):
+    """DeepSeek-V4's compressor: the sequence viewed as windows of 4 (``view(b, s // 4, 4, h)``), pooled and added
+    back to every token of its window. Export then refines the sequence length to ``4*s``, so the program's
+    positions (``arange(4*s)``) read a symbol no input dim is alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(DIM)
+        self.attn, self.mlp = Attention(), Mlp()
+
+    def forward(self, x):
+        b, s, h = x.shape
+        x = x + self.attn(self.norm(x))
+        y = self.mlp(self.norm(x))
+        return x + y + y.view(b, s // 4, 4, h).mean(2, keepdim=True).expand(-1, -1, 4, -1).reshape(b, s, h)
+
+
+class PositionLM(LM):
+    def __init__(self, block, layers=4):
+        super().__init__(block, layers)
+        self.pos = torch.nn.Embedding(32, DIM)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.timeout(120)
+def test_a_sequence_export_refines_to_a_multiple_lowers():
+    """The symbol ``s`` of a dim captured as ``4*s`` is that dim // 4 (lowering raised "the data-dependent size
+    s.. is read before any node that makes it" on DeepSeek-V4), and the program runs at another length."""
+    torch.manual_seed(0)
+    model = PositionLM(WindowBlock)
+    c, inputs = _plan(model)
+    seq = next(n for n in c.captured.gm.graph.nodes if n.op == "placeholder" and n.name in c.captured.user_inputs)
+    assert str(seq.meta["val"].shape[1]).startswith("4*"), seq.meta["val"].shape
+    assert c.plan.fallbacks == [] and c.quality == []
+    assert_sim_parity(c, model, inputs)
+    g = torch.Generator().manual_seed(2)
+    longer = (torch.randint(0, VOCAB, (2, 24), generator=g), torch.randint(0, VOCAB, (2, 24), generator=g))
+    assert_sim_parity(c, model, longer)
 
 
 class IndexAddExpertsBlock(torch.nn.Module):
