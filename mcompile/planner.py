@@ -246,6 +246,10 @@ def _feature_cuts(gm: torch.fx.GraphModule):
                 aten.unbind.int else (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0))
             sizes = [o.shape[dim] if node.target is not aten.unbind.int else 1 for o in node.meta["val"]]
             src = _last_dim_source(x, dim % nd)
+            if src is None:  # a cut of heads the last dim was viewed into (Ergo's qkv [b, s, 4 + 2 + 2, hd])
+                src, scale = _heads_view_source(x, dim % nd)
+                sizes = [k * scale for k in sizes] if src is not None and all(isinstance(k, int) for k in sizes) \
+                    else sizes
             if src is not None and len(sizes) >= 2:
                 yield src, sizes
         elif node.target in _THROUGH and _viewed_apart(node, val):
@@ -280,6 +284,22 @@ def _last_dim_source(x: torch.fx.Node, dim: int) -> torch.fx.Node | None:
             dim = x.args[1][dim] % nd
         x = x.args[0]
     return x
+
+
+def _heads_view_source(x: torch.fx.Node, dim: int) -> tuple[torch.fx.Node | None, int]:
+    """``(source, m)`` when ``x`` is a view of ``source`` whose last dim it splits into ``dim`` and the static
+    dims after it (their product ``m``: a head's size), the leading dims kept: a cut of ``x`` along ``dim`` into
+    k, k', .. heads is a cut of the source's features into k*m, k'*m, ... Else ``(None, 1)``."""
+    if x.op != "call_function" or x.target not in _THROUGH or not isinstance(x.args[0], torch.fx.Node):
+        return None, 1
+    out, src = x.meta["val"], x.args[0].meta.get("val")
+    if not isinstance(src, torch.Tensor) or dim >= out.ndim - 1 or dim != src.ndim - 1:
+        return None, 1
+    rest = out.shape[dim + 1:]
+    if not all(isinstance(d, int) for d in rest) or [str(d) for d in out.shape[:dim]] != \
+            [str(d) for d in src.shape[:-1]] or str(out.shape[dim] * math.prod(rest)) != str(src.shape[-1]):
+        return None, 1
+    return _last_dim_source(x.args[0], src.ndim - 1), math.prod(rest)
 
 
 _ENTRYWISE = (aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.mul.Scalar, aten.div.Scalar,

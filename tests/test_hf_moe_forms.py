@@ -381,3 +381,42 @@ def test_a_sampling_router_without_topk_is_recognised_and_trains_at_tp2():
     assert "transformers.grouped_mm_fallback.default" not in c.plan.fallbacks
     assert c.plan.params["m.model.layers.0.mlp.experts.down_proj"].placements != (Replicate(),)
     assert_sim_parity(c, model, inputs, "phimoe tp=2")
+
+
+def test_experts_with_a_norm_each_run_expert_tp_without_moe_recognition():
+    """Ergo normalises each expert's output with that expert's own RMSNorm scale (``weight[expert_ids]``) before
+    the weighted sum, so the recognition leaves its experts as captured: transformers' grouped GEMMs
+    (``grouped_mm_fallback``, a custom op) between a ``repeat_interleave`` of the tokens and the norm. They run
+    expert-TP by their own rule (up's features split, down a partial sum: no op replicated), the norm scales
+    stay whole (their rows looked up were gathered back before), and the fused q/k/v, viewed into 4 + 2 + 2
+    heads and cut along the heads, is block-sharded (each rank 2 + 1 + 1 heads). A dense layer runs Megatron's 2
+    forward tp collectives; an MoE layer 3: attention, the experts (reduced before their norm) and the shared
+    expert (reduced before its own). Unmodified tiny ErgoForCausalLM (4 layers: one dense, three MoE) at tp=2;
+    the loss and every gradient are the single-device model's."""
+    import transformers as hf
+    from transformers.utils import logging
+
+    from mcompile.api import compile_plan
+    from mcompile.mesh import Mesh
+
+    logging.set_verbosity_error()
+    cfg = hf.ErgoConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                        first_dense_intermediate_size=128, shared_intermediate_size=128,
+                        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                        mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+    torch.manual_seed(0)
+    model = CausalLMLoss(hf.ErgoForCausalLM(cfg)).train()
+    inputs = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback, no layout finding
+        c = compile_plan(model, Mesh.fake(tp=2), inputs)
+    assert moe_layers_of(c.captured.gm) == []
+    p = {k: v.placements[0] for k, v in c.plan.params.items()}
+    layer = "m.model.layers.1."
+    assert (p[layer + "mlp.experts.up_proj"], p[layer + "mlp.experts.down_proj"]) == (Shard(2), Shard(1))
+    assert p[layer + "mlp.experts.post_expert_norm.weight"] == Replicate()
+    assert p[layer + "self_attn.qkv_proj.weight"] == BlockShard(0, (2, 1, 1))
+    fwd = [s.layer for s in c.plan.collectives if s.layer is not None and s.forward != "none"]
+    assert [fwd.count(i) for i in range(4)] == [2, 3, 3, 3], c.plan.collectives
+    assert_sim_parity(c, model, inputs, "ergo tp=2")

@@ -1596,6 +1596,34 @@ def test_scatter_reduce(data):
 
 
 @pytest.mark.timeout(120)
+@hyp(25)
+@given(data=st.data())
+def test_grouped_mm(data):
+    """Transformers' grouped GEMM of experts (a custom op registered when transformers' MoE integration is
+    imported; the rule is registered by its name): ``input`` [S, K] rows sorted by expert, ``weight`` [E, K, N],
+    ``offs`` [E] running counts (an expert may get no row). Column (N split), row (K split: Partial) and
+    Partial operands; the rows stay whole."""
+    import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
+
+    op = torch.ops.transformers.grouped_mm_fallback.default
+    n = data.draw(st.sampled_from(NS), label="n")
+    gen = new_gen(data)
+    e = data.draw(st.integers(1, 4), label="experts")
+    k, m = (data.draw(st.sampled_from([n, 2 * n, 5]), label=lab) for lab in ("in", "out"))
+    counts = [data.draw(st.integers(0, 3), label="rows") for _ in range(e)]
+    x, w = make([sum(counts), k], "f", gen), make([e, k, m], "f", gen)
+    offs = torch.tensor(counts).cumsum(0)
+    current = data.draw(st.sampled_from([(R, R, R), (R, Shard(2), R), (Shard(1), Shard(1), R), (P, R, R)]),
+                        label="current")
+    expect = [((P, R, R), (P,)), ((R, P, R), (P,))]
+    if k % n == 0:
+        expect.append(((Shard(1), Shard(1), R), (P,)))
+    if m % n == 0:
+        expect.append(((R, Shard(2), R), (Shard(1),)))
+    check(op, (x, w, offs), n=n, current=current, gen=gen, expect=expect)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("op", [aten.tril.default, aten.triu.default], ids=str)
 @hyp(25)
 @given(data=st.data())
@@ -2314,6 +2342,7 @@ TESTED_OPS = (
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
     | {aten._assert_async.default, aten._assert_async.msg, aten._is_all_true.default, aten._is_any_true.default}
     | {aten.all.dim, aten.any.dim, aten.all.dims, aten.any.dims, aten.all.default, aten.any.default}
+    | {"transformers.grouped_mm_fallback.default"}  # test_grouped_mm: registered by name (mcompile.rules.rule)
     | {aten.chunk.default, aten.diff.default}  # tested in tests/test_rules_dtensor.py (test_chunk, test_diff)
     | {aten.conv1d.default, aten.conv2d.default, aten.im2col.default, aten.unfold.default, _SSD_SCAN} | set(FFTS)
 )

@@ -153,6 +153,9 @@ _LOCALIZERS: dict[object, LocalizeFn] = {}
 
 
 def rule(*ops):
+    """Register ``fn(info) -> strategies`` for ``ops``: OpOverloads, or the names (``"transformers.x.default"``)
+    of custom ops a library registers only once imported, which mcompile does not import to register a rule."""
+
     def deco(fn: RuleFn) -> RuleFn:
         for op in ops:
             _RULES[op] = fn
@@ -176,7 +179,7 @@ def get_rule(op) -> RuleFn | None:
     """The hand-written rule of ``op``, else the inferred one of a custom autograd.Function, else DTensor's
     strategies through the bridge, else None."""
     _load()
-    fn = _RULES.get(op)
+    fn = _RULES.get(op) or _RULES.get(str(op))  # a library's custom op is registered by its name (below)
     if fn is None and _is_function_op(op):
         from mcompile.autograd_fn import pointwise_rule
 

@@ -97,6 +97,26 @@ def bmm(info: OpInfo) -> list[Strategy]:
     ]
 
 
+@rule("transformers.grouped_mm_fallback.default")
+def grouped_mm(info: OpInfo) -> list[Strategy]:
+    """Transformers' grouped GEMM of experts (its loop of per-expert ``mm`` where ``torch._grouped_mm`` does not
+    run): ``input`` [S, K] sorted by expert, ``weight`` [E, K, N], ``offs`` [E] the running token counts. Each
+    expert's projection is a linear: column (N split: each rank its features of every expert) and row (K split:
+    a Partial sum), Megatron's expert tensor parallelism; linear in either operand alone. The tokens stay whole
+    (``offs`` counts them all)."""
+    wcur = info.current[1] if len(info.current) > 1 else R
+    s = []
+    if isinstance(wcur, BlockShard) and wcur.dim % 3 == 2:  # fused gate/up [E, K, 2I]: each rank its part of both
+        s.append(Strategy((R, wcur, R), (BlockShard(1, wcur.blocks),), name="column_blocks"))
+    return s + [
+        Strategy((R, Shard(2), R), (Shard(1),), name="column"),
+        Strategy((Shard(1), Shard(1), R), (P,), name="row"),
+        Strategy((P, R, R), (P,), name="partial"),
+        Strategy((R, P, R), (P,), name="partial"),
+        Strategy((R, R, R), (R,), name="replicate"),
+    ]
+
+
 @rule(aten.matmul.default)
 def matmul(info: OpInfo) -> list[Strategy]:
     a, b = info.inputs

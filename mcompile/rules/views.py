@@ -106,9 +106,12 @@ def map_view_placement(p, ishape, oshape, n: int, notes: list[str] | None = None
                 return Shard(big_out[1])
             # blocks of whole heads viewed apart or merged ([.., 2 * heads * d] -> [.., 2 * heads, d], and back):
             # each block is a run of the outermost dim, a rank's share of a block its share of that run (DiffLlama's
-            # head pairs: q_proj's rows in two blocks of heads, head i paired with head i + heads / 2)
-            if isinstance(p.blocks, int) and (len(big_in) == 1) != (len(big_out) == 1) and \
-                    divisible(oshape[o] if len(big_out) > 1 else ishape[d], p.blocks * n):
+            # head pairs: q_proj's rows in two blocks of heads, head i paired with head i + heads / 2); unequal blocks
+            # of whole heads likewise (Ergo's fused q/k/v viewed into [.., 4 + 2 + 2 heads, d] before the cut)
+            units = oshape[o] if len(big_out) > 1 else ishape[d]
+            if (len(big_in) == 1) != (len(big_out) == 1) and (
+                    divisible(units, p.blocks * n) if isinstance(p.blocks, int)
+                    else isinstance(units, int) and p.divides(units, n)):
                 return BlockShard(o, p.blocks)
             return None
         if len(big_out) > 1 and not divisible(oshape[o], n):
@@ -596,8 +599,11 @@ def index(info: OpInfo) -> list[Strategy]:
         x_nd = info.inputs[0].ndim
         for d in range(k, x_nd):
             s.append(Strategy((Shard(d),) + (R,) * n_idx, (Shard(out_nd - (x_nd - d)),), name="other_dim"))
-        s.sort(key=lambda st: st.inputs[0] != _cur(info))
-    return s + [Strategy((R,) * len(info.inputs), (R,), name="replicate")]
+    # the current placement first, whole included: a whole table's rows stay whole (Ergo's per-expert norm scales
+    # weight[expert_ids], multiplied into a whole activation); split, they would be gathered back
+    s.append(Strategy((R,) * len(info.inputs), (R,), name="replicate"))
+    s.sort(key=lambda st: st.inputs[0] != _cur(info))
+    return s
 
 
 @rule(aten.gather.default)
