@@ -441,7 +441,8 @@ def parallelize(
         from mcompile.runtime.weights import check_path
 
         check_path(weights)
-    device_type = rank_device().type  # also the current CUDA device on NCCL (LOCAL_RANK)
+    device = rank_device()  # also the current CUDA device on NCCL (LOCAL_RANK)
+    device_type = device.type
     shape, names = mesh.shape, mesh.axis_names
     if mesh.size("pp") > 1 and len(names) == 1:  # stage parameters live on the other axes: give them one
         shape, names = (1, *shape), ("dp", *names)
@@ -465,7 +466,10 @@ def parallelize(
         bad = [r for r, d in enumerate(digests) if d != digests[0]]
         raise RuntimeError(f"ranks {bad} planned differently from rank 0: build the same model with the same "
                            "example inputs and options on every rank")
-    return ParallelModule(compiled, dmesh, config, model, weights=weights)
+    from mcompile.compiler import rank_programs
+
+    programs = rank_programs(compiled, dist.get_rank(), config, device)  # the rank passes, for this rank
+    return ParallelModule(compiled, dmesh, config, model, weights=weights, programs=programs)
 
 
 def _from_rank0(produce):

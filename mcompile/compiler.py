@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-__all__ = ["Pass", "PASSES", "RankPrograms", "rank_programs", "pass_names", "show", "UnknownPassError"]
+__all__ = ["Pass", "PASSES", "RankPrograms", "rank_programs", "pass_names", "show", "UnknownPassError", "build_joint",
+           "joint_runner"]
 
 
 @dataclass(frozen=True)
@@ -101,18 +102,34 @@ def check_order() -> None:
 
 @dataclass
 class RankPrograms:
-    """What the rank passes produce for one rank."""
+    """What the rank passes produce for one rank: everything its runtime (``ParallelModule``) executes, built
+    here so the runtime imports no pass. The signature passes run later, on each program's first call with an
+    input signature, through ``build`` (:func:`build_joint`)."""
 
-    program: fx.GraphModule
+    program: fx.GraphModule  # the per-rank program (lower, fuse, fp8; ZeRO-3's gathers without pp)
     fused: dict | None = None  # fuse: counts per fused op
     fp8: object = None  # fp8: mcompile.passes.fp8.Fp8Report
     snapshots: dict[str, str] = field(default_factory=dict)  # pass -> program code after it (show)
+    zero3: dict = field(default_factory=dict)  # ZeRO-3: fqn -> ShardSpec of each parameter sharded over dp
+    zero3_replicated: list = field(default_factory=list)  # ZeRO-3: the parameters kept whole over dp, and why
+    recompute: list = field(default_factory=list)  # the captured nodes a named recompute policy recomputes
+    executed: fx.GraphModule | None = None  # without pp, eager execution: the program with recompute applied
+    partition: object = None  # pp: the stage partition (mcompile.partition)
+    stages: list = field(default_factory=list)  # pp: every stage's program (passes/pipeline_split.py), ZeRO-3's
+    #                                             gathers in each; eager execution: recompute applied
+    stage_groups: dict = field(default_factory=dict)  # pp: stage -> the recompute groups of its program
+    build: Callable = None  # the signature passes: build_joint
+
+    def __post_init__(self):
+        if self.build is None:
+            self.build = build_joint
 
 
 def rank_programs(compiled, rank: int, config, device=None, *, upto: str | None = None,
                   snapshots: bool = False) -> RankPrograms:
-    """Run the rank passes (lower, fuse, fp8) for ``rank``; the pipeline split is the runtime's
-    (it needs the stage partition), as are the signature passes."""
+    """Run the rank passes for ``rank``, in PASSES order, up to ``upto`` (None: all): lower, fuse, fp8, ZeRO-3's
+    gathers (fsdp), the pipeline split into stage programs (each with its own gathers), and under eager execution
+    the named recompute policy applied (joint execution chooses the saved set in the signature passes)."""
     # the rank passes rewrite the graph in place: on a copy, not on the compiled plan's cached program
     cached = compiled.program(rank, device)
     program = fx.GraphModule(cached, copy.deepcopy(cached.graph), class_name=type(cached).__name__)
@@ -142,12 +159,52 @@ def rank_programs(compiled, rank: int, config, device=None, *, upto: str | None 
     if upto == "fp8":
         return out
     mesh = compiled.mesh
+    if config.zero == 3:
+        from mcompile.passes import fsdp
+
+        specs = fsdp.shard_specs(compiled.plan, mesh)
+        out.zero3 = {f: sp for f, sp in specs.items() if sp.sharded}
+        out.zero3_replicated = fsdp.replicated_reasons(specs)  # kept whole over dp, and why
     if config.zero == 3 and mesh.size("dp") > 1 and mesh.size("pp") == 1:
         from mcompile.passes.fsdp import insert_gathers
 
         insert_gathers(program, zero3_placeholders(compiled, cap.params), mesh.size("dp"))
         if snapshots:
             out.snapshots["fsdp"] = program.code
+    if upto == "fsdp":
+        return out
+    if mesh.size("pp") > 1:
+        from mcompile.partition import partition
+        from mcompile.passes.pipeline_split import split_stages
+
+        out.partition = compiled.partition or partition(
+            cap, mesh.size("pp"), config.virtual_stages, granularity=config.pipeline_granularity,
+            layers_per_stage=list(config.layers_per_stage) if config.layers_per_stage else None,
+            cuts=list(config.stage_cuts) if config.stage_cuts else None, seq=config.pipeline_seq or 2048)
+        out.stages = split_stages(program, out.partition, cap.params, cap.user_inputs)
+        if PASSES[pass_names().index("fsdp")].enabled(config, mesh):  # ZeRO-3: each stage gathers its own
+            from mcompile.passes.fsdp import insert_gathers
+
+            for st in out.stages:
+                insert_gathers(st.gm, zero3_placeholders(compiled, st.params), mesh.size("dp"))
+    if upto == "pipeline_split":
+        return out
+    from mcompile import meta as M
+    from mcompile.passes.recompute import apply_recompute, recompute_nodes
+
+    def groups_of(gm):  # recompute="auto" chooses on the joint graph (build_joint)
+        return {} if config.recompute == "auto" else \
+            recompute_nodes(gm, config.recompute, config.recompute_method, config.recompute_num_layers)
+
+    groups = groups_of(program)
+    out.recompute = sorted({n.meta.get(M.ORIGIN, n.name) for n in program.graph.nodes if n.name in groups})
+    out.stage_groups = {st.index: groups_of(st.gm) for st in out.stages}
+    if config.execution != "joint":  # recompute inside the programs themselves (every stage: as its owner runs it)
+        if out.stages:
+            for st in out.stages:
+                st.gm = apply_recompute(st.gm, out.stage_groups[st.index])
+        else:
+            out.executed = apply_recompute(program, groups)
     return out
 
 
@@ -159,6 +216,164 @@ def zero3_placeholders(compiled, placeholders) -> set[str]:
     specs = shard_specs(compiled.plan, compiled.mesh)
     fqn_of = compiled.captured.params
     return {ph for ph in placeholders if ph in fqn_of and specs[fqn_of[ph]].sharded}
+
+
+# ---------------------------------------------------------------------------------------------
+# the signature passes: one program's modules for one input signature (run by the runtime's JointRunner
+# on the first call with that signature, through the ``build`` it is given: the runtime imports no pass)
+# ---------------------------------------------------------------------------------------------
+def build_joint(program: fx.GraphModule, args: list, config, *, name: str = "", split_inputs=None,
+                accumulate: bool = False, grad_buckets=None, budget=None):
+    """The signature passes of ``program`` for ``args`` (PASSES: joint, partition, split_weight, codegen; and
+    with them what the config asks of the modules): the joint graph, its saved set by the recompute policy
+    (``auto``: by cost under ``budget``, passes/remat.py; ZeRO-3's gathered parameters never saved), the
+    forward / backward partition, the zero-bubble split of backward (``split_inputs``: the received
+    activations' positions), weight gradients added into the caller's buffers inside backward
+    (``accumulate``), the dp bucket launches inside it (``grad_buckets``, with ``overlap``), ZeRO-3's
+    prefetch, collective matmul on the tp collectives (``tp_overlap``), in-place all-reduces (eager) or each
+    module handed to the code generator on its first call. Returns the
+    :class:`~mcompile.passes.joint.JointProgram` the runtime executes."""
+    from mcompile.passes import fsdp
+    from mcompile.passes import joint as J
+
+    jg = J.trace_joint(program, args)
+    gathered = fsdp.gathered_values(jg.gm)  # ZeRO-3: gathered parameters are gathered again, never saved
+    if config.recompute == "auto":
+        saved = _solve_auto(jg.gm, gathered, config, budget, name)
+    else:
+        saved = J.saved_for_policy(jg, config.recompute, config.recompute_method, config.recompute_num_layers)
+    if gathered:
+        saved = [n for n in saved if n not in gathered]
+    jp = J.partition(jg, saved)
+    nodes = {n.name: n for n in jg.gm.graph.nodes}
+    jp.recomputed_ops = sum(not J.is_alias(nodes[r]) and r not in gathered for r in jp.recomputed)
+    if split_inputs is not None:
+        pos = [jg.grad_primals.index(i) for i in split_inputs if i in jg.grad_primals]
+        J.split_weight(jp, pos)
+    if accumulate:  # gradients into the caller's buffers, inside the graph
+        # every gradient but the received activations' (a pipeline stage's): the weights' (the
+        # arguments may be fake here, traced by the pipeline's probe: positions, not identities)
+        acc = [j for j, i in enumerate(jg.grad_primals) if i not in (split_inputs or ())]
+        if jp.backward_weight is not None:
+            jp.acc_positions = J.accumulate_outputs(jp.backward_weight, [jp.weight_grads.index(j) for j in acc
+                                                                          if j in jp.weight_grads])
+            jp.acc_positions = [jg.grad_primals[jp.weight_grads[k]] for k in jp.acc_positions]
+        jp.acc_full = [jg.grad_primals[j] for j in J.accumulate_outputs(jp.backward, acc)]
+        if grad_buckets is not None and getattr(config, "overlap", False):
+            _launch_buckets(jp, grad_buckets)
+    parts = ("forward", "backward", "backward_input", "backward_weight")
+    if gathered and getattr(config, "overlap", False):  # ZeRO-3 gathers one layer ahead, reduce-scatters behind
+        jp.prefetch = {part: fsdp.prefetch(getattr(jp, part), f"{name} {part}") for part in parts
+                       if getattr(jp, part) is not None}
+    tp_overlap = getattr(config, "tp_overlap", "off")
+    if getattr(config, "overlap", False) and tp_overlap != "off":  # collective matmul on the tp collectives
+        from mcompile.passes.collective_matmul import rewrite
+
+        hw = runtime_hardware(args)
+        jp.tp_overlap = []
+        for part in parts:
+            gm = getattr(jp, part)
+            if gm is not None:
+                jp.tp_overlap += rewrite(gm, tp_overlap=tp_overlap, hardware=hw,
+                                         where="forward" if part == "forward" else "backward")
+    codegen = getattr(config, "codegen", "eager")
+    if codegen == "eager":  # all-reduces of values read nowhere else: in place, without the runtime's copy
+        from mcompile.passes.overlap import inplace_all_reduces
+
+        for part in parts:
+            if getattr(jp, part) is not None:
+                inplace_all_reduces(getattr(jp, part))
+    else:
+        for part in parts:
+            if getattr(jp, part) is not None:
+                setattr(jp, part, _Compiled(getattr(jp, part), codegen))
+    return jp
+
+
+def joint_runner(program: fx.GraphModule, config, **kwargs):
+    """A :class:`~mcompile.runtime.joint.JointRunner` of ``program`` whose modules :func:`build_joint` builds."""
+    from mcompile.runtime.joint import JointRunner
+
+    return JointRunner(program, config, build=build_joint, **kwargs)
+
+
+def _solve_auto(joint: fx.GraphModule, gathered: set[str], config, budget, name: str) -> list[str]:
+    """The saved set of ``recompute="auto"`` under ``budget`` (an ActivationBudget; None: all of
+    ``config.activation_budget``); an infeasible budget names the program, its share of ``activation_budget``
+    and how far below the least it can save it is. ``gathered``: ZeRO-3's gathered parameters (and values of
+    them alone), which are never saved: the solver is told so (must_recompute), else it would spend budget on
+    values dropped from its saved set afterwards and recompute activations it had room to keep."""
+    from mcompile.passes import remat
+    from mcompile.runtime.joint import ActivationBudget
+
+    budget = budget or ActivationBudget(config.activation_budget)
+    forward, _ = remat.classify(joint)
+    try:
+        sol = remat.solve(joint, budget.per_call, must_save=set(), must_recompute=gathered & forward)
+    except remat.BudgetError as e:
+        short = e.minimum - e.budget
+        share = (f"activation_budget={budget.total} bytes shared by the {budget.in_flight} forwards in flight at "
+                 f"once on {budget.where or 'this rank'}, {budget.per_call} bytes each"
+                 if budget.in_flight > 1 else f"activation_budget={budget.total} bytes")
+        raise remat.BudgetError(e.budget, e.minimum, (
+            f"recompute='auto' on {name or 'this program'}: {share}, is {short} bytes below the least it "
+            f"can save for backward ({e.minimum} bytes per microbatch, recomputing all it can); raise "
+            f"activation_budget by {e.minimum * budget.in_flight - budget.total} bytes, to at least "
+            f"{e.minimum * budget.in_flight}")) from None
+    return [n.name for n in joint.graph.nodes if n.name in sol.saved]
+
+
+def _launch_buckets(jp, grad_buckets) -> None:
+    """The dp bucket launches inside the backward (or W) module: jp.launches, and the input positions whose
+    readiness those count (jp.ready_positions: the caller must not count them). ``grad_buckets(position)``:
+    the bucket of an accumulated input reduced over dp, or None."""
+    from mcompile.passes.overlap import launch_buckets
+
+    gp = jp.joint.grad_primals
+    whole = {j: grad_buckets(gp[j]) for j in range(len(gp))}
+    jp.launches = launch_buckets(jp.backward, {j: b for j, b in whole.items() if b is not None})
+    acc = _acc_outputs(jp.backward)
+    jp.ready_positions = {gp[j] for j, b in whole.items() if b is not None and j in acc}
+    if jp.backward_weight is not None:
+        wpos = {k: grad_buckets(gp[j]) for k, j in enumerate(jp.weight_grads)}
+        jp.launches_w = launch_buckets(jp.backward_weight, {k: b for k, b in wpos.items() if b is not None})
+        acc_w = _acc_outputs(jp.backward_weight)
+        jp.ready_positions_w = {gp[jp.weight_grads[k]] for k, b in wpos.items() if b is not None and k in acc_w}
+
+
+def _acc_outputs(gm: fx.GraphModule) -> set[int]:
+    from mcompile.passes.joint import ACC_OUTPUT
+
+    return {n.meta[ACC_OUTPUT] for n in gm.graph.nodes if ACC_OUTPUT in n.meta}
+
+
+def runtime_hardware(args: list) -> str:
+    """The hardware profile (mcompile.hardware) the overlap passes price this machine with: the GPU's,
+    by its name, or the CPU/gloo one."""
+    dev = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    if dev.type != "cuda":
+        return "cpu-gloo"
+    name = torch.cuda.get_device_name(dev).lower()
+    return next((k for k in ("h200", "h100", "a100", "b200") if k in name), "h100")
+
+
+class _Compiled:
+    """A module handed to the code generator on its first call (its inputs' shapes are known then)."""
+
+    def __init__(self, gm: fx.GraphModule, codegen: str):
+        self.gm, self.codegen, self.fn = gm, codegen, None
+        self.meta = gm.meta
+
+    def __call__(self, *args):
+        if self.fn is None:
+            from mcompile.passes.codegen import compile_graph
+
+            self.fn = compile_graph(self.gm, list(args), self.codegen)
+        return self.fn(*args)
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +419,6 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from mcompile.passes.joint import is_alias
-    from mcompile.runtime.joint import JointRunner
 
     names = pass_names()
     if after not in names:
@@ -217,31 +431,20 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
             compiled.captured.gm.code
     lines = [f"# rank {rank} {mesh.coords(rank)} on {mesh!r}, after pass '{after}'",
              "# passes run: " + ", ".join(q.name for q in PASSES[:idx + 1] if q.enabled(config, mesh))]
-    upto = after if after in ("lower", "fuse", "fp8") else None
+    upto = after if after in ("lower", "fuse", "fp8", "fsdp") else "pipeline_split"
     rp = rank_programs(compiled, rank, config, torch.device("cpu"), upto=upto)
     if rp.fp8 is not None:
         lines += [f"# {x}" for x in rp.fp8.text().splitlines()]
     pp = mesh.size("pp")
     pp_rank = mesh.coords(rank).get("pp", 0)
-    if pp > 1 and idx >= names.index("pipeline_split"):
-        from mcompile.partition import partition as stage_partition
-        from mcompile.passes.pipeline_split import split_stages
-
-        cap = compiled.captured
-        part = compiled.partition or stage_partition(cap, pp, config.virtual_stages)
-        stages = split_stages(rp.program, part, cap.params, cap.user_inputs)
-        if PASSES[names.index("fsdp")].enabled(config, mesh):  # as runtime/pipeline.py: per stage
-            from mcompile.passes.fsdp import insert_gathers
-
-            for st in stages:
-                insert_gathers(st.gm, zero3_placeholders(compiled, st.params), mesh.size("dp"))
+    if rp.stages:
         programs = [(f"stage {st.index}", st.gm, st.inputs, len(st.received), st.index % pp == pp_rank)
-                    for st in stages]
+                    for st in rp.stages]
         from mcompile.runtime.pipeline import stage_activation_budget
         from mcompile.runtime.schedules import build_schedule
 
         actions = build_schedule(config.schedule, pp, config.virtual_stages, config.microbatches)
-        budgets = {f"stage {st.index}": stage_activation_budget(config, actions, st.index) for st in stages}
+        budgets = {f"stage {st.index}": stage_activation_budget(config, actions, st.index) for st in rp.stages}
     else:
         phs = [n.name for n in rp.program.graph.nodes if n.op == "placeholder"]
         programs = [("program", rp.program, phs, 0, True)]
@@ -261,8 +464,8 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
         args += carried
         split = list(range(len(args) - n_recv, len(args))) if split_w and n_recv else None
         # as the runtime builds it: weight gradients added into their buffers inside backward
-        runner = JointRunner(gm, config, split_inputs=split, name=label, accumulate=lambda a: {},
-                             budget=budgets.get(label))
+        runner = joint_runner(gm, config, split_inputs=split, name=label, accumulate=lambda a: {},
+                              budget=budgets.get(label))
         with torch.enable_grad():
             jp = runner.compile(args)
         with mode, torch.no_grad():

@@ -12,20 +12,12 @@ from __future__ import annotations
 import torch
 
 from mcompile.capture import SEQ, Captured
-from mcompile.mesh import Mesh
+from mcompile.mesh import Mesh, check_sequence  # noqa: F401  (re-exported: an input check the runtime runs too)
 
 __all__ = ["VARIANTS", "resolve_cp_attention", "check_sequence", "check_cp_mesh", "attention_nodes"]
 
 VARIANTS = ("ring", "allgather", "a2a")
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
-
-
-def check_sequence(seq: int, cp: int) -> None:
-    """The load-balanced layout cuts the sequence into 2*cp equal chunks (rank r holds r and 2cp-1-r)."""
-    if seq % (2 * cp):
-        raise ValueError(f"context parallelism over cp={cp} cuts each sequence into 2*cp = {2 * cp} equal chunks "
-                         f"(load-balanced causal attention): the sequence length {seq} does not divide by {2 * cp}; "
-                         f"use a multiple of {2 * cp} (pad the batch)")
 
 
 def check_cp_mesh(mesh: Mesh) -> None:

@@ -510,9 +510,13 @@ class Generator:
         if len(set(digests)) != 1:
             raise RuntimeError("ranks planned generation differently: build the same model with the same options on "
                                "every rank")
-        dmesh = device_mesh(rank_device().type, self.mesh.shape, self.mesh.axis_names)
+        device = rank_device()
+        dmesh = device_mesh(device.type, self.mesh.shape, self.mesh.axis_names)
         # the parameter store: loading (weights=), meta-device initialisation and rank 0's broadcast as in training
-        self._pm = ParallelModule(self.plan.prefill, dmesh, self.config, lm, weights=weights)
+        from mcompile.compiler import rank_programs
+
+        programs = rank_programs(self.plan.prefill, dist.get_rank(), self.config, device)
+        self._pm = ParallelModule(self.plan.prefill, dmesh, self.config, lm, weights=weights, programs=programs)
         self._rank, self._device, self._comm = dist.get_rank(), self._pm._device, self._pm._comm
         self._pm._leaves.refresh()
         cap = self.plan.prefill.captured

@@ -112,3 +112,11 @@ class Mesh:
 
     def spec(self) -> str:
         return ",".join(f"{a}={n}" for a, n in self.axes)
+
+
+def check_sequence(seq: int, cp: int) -> None:
+    """The load-balanced layout cuts the sequence into 2*cp equal chunks (rank r holds r and 2cp-1-r)."""
+    if seq % (2 * cp):
+        raise ValueError(f"context parallelism over cp={cp} cuts each sequence into 2*cp = {2 * cp} equal chunks "
+                         f"(load-balanced causal attention): the sequence length {seq} does not divide by {2 * cp}; "
+                         f"use a multiple of {2 * cp} (pad the batch)")

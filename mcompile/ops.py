@@ -335,3 +335,39 @@ OPS = {
     "all_gather": torch.ops.mcompile.all_gather.default,
     "shard_slice": torch.ops.mcompile.shard_slice.default,
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# dp gradient buckets: the op a backward module signals a bucket's gradients with (placed by
+# passes/overlap.py launch_buckets; counted by the runtime's Leaves, bound with grad_sink)
+# ---------------------------------------------------------------------------------------------
+_SINK: contextvars.ContextVar = contextvars.ContextVar("mcompile_grad_sink", default=None)
+
+
+@contextlib.contextmanager
+def grad_sink(sink):
+    """Bind the object whose ``grads_ready(bucket, count)`` the ``grads_ready`` op calls (the
+    runtime's :class:`mcompile.runtime.leaves.Leaves`) around a program's backward."""
+    token = _SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _SINK.reset(token)
+
+
+@torch.library.custom_op("mcompile::grads_ready", mutates_args=())
+def grads_ready(grads: list[torch.Tensor], bucket: int) -> None:
+    """``grads`` (their accumulations into the bucket's buffer) are done: the bucket counts them and,
+    when every gradient of the step's last microbatch is in, launches its dp reduction
+    asynchronously (all-reduce, or ZeRO's reduce-scatter). Unbound (a fake trace, show): nothing."""
+    sink = _SINK.get()
+    if sink is not None:
+        sink.grads_ready(bucket, len(grads))
+
+
+@grads_ready.register_fake
+def _(grads, bucket):
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.mcompile.grads_ready.default)  # no output, but never dead code

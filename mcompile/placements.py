@@ -39,6 +39,9 @@ __all__ = [
     "format_placement",
     "parse_placement",
     "is_shard",
+    "ShardSpec",
+    "dp_placements",
+    "local_piece",
     "shard_dim",
     "shard_tensor",
     "unshard_tensors",
@@ -171,3 +174,31 @@ def unshard_tensors(locals_: list[torch.Tensor], p, true_size: int | None = None
     if true_size is not None and true_size != full.shape[d]:
         full = full.narrow(d, 0, true_size)
     return full
+
+
+# ---------------------------------------------------------------------------------------------
+# ZeRO-3's layout over dp (passes/fsdp.py decides it, the runtime holds the pieces)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardSpec:
+    """How ZeRO-3 keeps one parameter over dp (passes/fsdp.py ``shard_specs``)."""
+
+    fqn: str
+    placement: object | None  # over dp: Shard(0) | BlockShard(0, tp) | None (replicated)
+    reason: str = ""  # why it stays replicated
+
+    @property
+    def sharded(self) -> bool:
+        return self.placement is not None
+
+
+def dp_placements(placements: tuple, axis_names: list[str], spec: ShardSpec) -> tuple:
+    """The parameter's placements with dp's replaced by the ZeRO-3 one."""
+    if not spec.sharded:
+        return tuple(placements)
+    return tuple(spec.placement if a == "dp" else p for a, p in zip(axis_names, placements))
+
+
+def local_piece(tp_local: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
+    """This dp rank's piece of a tensor-parallel piece (a copy: a view would keep the whole alive)."""
+    return tp_local.chunk(dp, dim=0)[dp_rank].clone()

@@ -38,21 +38,10 @@ import torch.fx as fx
 
 from mcompile import meta as M
 from mcompile import ops
-from mcompile.placements import BlockShard, Shard
+from mcompile.placements import BlockShard, Shard, ShardSpec, dp_placements, local_piece  # noqa: F401  (re-exported)
 
 __all__ = ["ShardSpec", "shard_specs", "insert_gathers", "gathered_values", "prefetch", "is_param_gather",
            "PrefetchReport", "gathered_in_flight"]
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    fqn: str
-    placement: object | None  # over dp: Shard(0) | BlockShard(0, tp) | None (replicated)
-    reason: str = ""  # why it stays replicated
-
-    @property
-    def sharded(self) -> bool:
-        return self.placement is not None
 
 
 def shard_specs(plan, mesh) -> dict[str, ShardSpec]:
@@ -83,18 +72,6 @@ def shard_specs(plan, mesh) -> dict[str, ShardSpec]:
         blocks = mesh.size(on_dim0[0]) if on_dim0 else 1
         out[fqn] = ShardSpec(fqn, BlockShard(0, blocks) if blocks > 1 else Shard(0))
     return out
-
-
-def dp_placements(placements: tuple, axis_names: list[str], spec: ShardSpec) -> tuple:
-    """The parameter's placements with dp's replaced by the ZeRO-3 one."""
-    if not spec.sharded:
-        return tuple(placements)
-    return tuple(spec.placement if a == "dp" else p for a, p in zip(axis_names, placements))
-
-
-def local_piece(tp_local: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
-    """This dp rank's piece of a tensor-parallel piece (a copy: a view would keep the whole alive)."""
-    return tp_local.chunk(dp, dim=0)[dp_rank].clone()
 
 
 def insert_gathers(gm: fx.GraphModule, placeholders: set[str], dp: int) -> list[fx.Node]:

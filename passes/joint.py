@@ -542,6 +542,7 @@ class JointProgram:
     recomputed: list[str]  # forward nodes the backward recomputes
     saved_bytes: int = 0
     recompute_flops: float = 0.0
+    recomputed_ops: int = 0  # of those, the ops: not views (free) nor ZeRO-3's parameter gathers (repeated anyway)
     # zero-bubble split of backward (split_weight): B -> (*input grads, *stash); W(*stash) -> weight grads
     backward_input: fx.GraphModule | None = None
     backward_weight: fx.GraphModule | None = None

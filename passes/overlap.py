@@ -13,14 +13,13 @@ dim is wrapped in ``permute`` + ``contiguous`` on both sides (:func:`make_async`
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
 from mcompile import ops
+from mcompile.ops import grad_sink, grads_ready  # noqa: F401  (the op launch_buckets places, kept in the IR)
 from mcompile.passes.joint import ACC_OUTPUT
 
 __all__ = ["check_waits", "make_async", "OverlapError", "is_start", "is_wait",
@@ -177,38 +176,6 @@ def make_async(gm: fx.GraphModule, node: fx.Node, *, start_after: fx.Node | None
 # ---------------------------------------------------------------------------------------------
 # dp gradient buckets launched inside the backward
 # ---------------------------------------------------------------------------------------------
-_SINK: contextvars.ContextVar = contextvars.ContextVar("mcompile_grad_sink", default=None)
-
-
-@contextlib.contextmanager
-def grad_sink(sink):
-    """Bind the object whose ``grads_ready(bucket, count)`` the ``grads_ready`` op calls (the
-    runtime's :class:`mcompile.runtime.leaves.Leaves`) around a program's backward."""
-    token = _SINK.set(sink)
-    try:
-        yield sink
-    finally:
-        _SINK.reset(token)
-
-
-@torch.library.custom_op("mcompile::grads_ready", mutates_args=())
-def grads_ready(grads: list[torch.Tensor], bucket: int) -> None:
-    """``grads`` (their accumulations into the bucket's buffer) are done: the bucket counts them and,
-    when every gradient of the step's last microbatch is in, launches its dp reduction
-    asynchronously (all-reduce, or ZeRO's reduce-scatter). Unbound (a fake trace, show): nothing."""
-    sink = _SINK.get()
-    if sink is not None:
-        sink.grads_ready(bucket, len(grads))
-
-
-@grads_ready.register_fake
-def _(grads, bucket):
-    return None
-
-
-fx.node.has_side_effect(torch.ops.mcompile.grads_ready.default)  # no output, but never dead code
-
-
 @dataclass(frozen=True)
 class BucketLaunch:
     bucket: int

@@ -1,10 +1,10 @@
 """Running joint programs (passes/joint.py): forward and backward modules, no autograd.
 
 :class:`JointRunner` owns one per-rank program (or pipeline stage program). On the first call with a
-new input signature (shapes, dtypes, which inputs require grad) it traces the joint graph, chooses
-the saved set by the configured recompute policy (``none`` / ``full`` / ``selective`` by name,
-``auto`` by cost under ``activation_budget``: passes/remat.py), partitions, optionally splits the
-backward for zero-bubble W, and hands each module to the code generator (``codegen``). Later calls
+new input signature (shapes, dtypes, which inputs require grad) it has the compiler's signature passes
+build its modules (the ``build`` it was given: :func:`mcompile.compiler.build_joint` traces the joint graph,
+chooses the saved set by the configured recompute policy, partitions, optionally splits the backward for
+zero-bubble W, and hands each module to the code generator); the runtime imports no pass. Later calls
 only execute:
 
 - :meth:`JointRunner.forward` — ``outputs, ctx``: ctx holds the saved tensors (and the inputs the
@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-
-from mcompile.passes import joint as J
 
 __all__ = ["JointRunner", "JointCtx", "signature", "ActivationBudget", "RecomputeChoice"]
 
@@ -82,9 +80,12 @@ class JointCtx:
 
 
 class JointRunner:
-    def __init__(self, program: fx.GraphModule, config, *, split_inputs: list[int] | None = None, name: str = "",
-                 accumulate=None, grad_buckets=None, budget: ActivationBudget | None = None):
-        """``split_inputs``: program input positions whose gradients backward_input computes (the
+    def __init__(self, program: fx.GraphModule, config, *, build, split_inputs: list[int] | None = None,
+                 name: str = "", accumulate=None, grad_buckets=None, budget: ActivationBudget | None = None):
+        """``build(program, args, config, **what)``: the compiler's signature passes
+        (:func:`mcompile.compiler.build_joint`, which :func:`mcompile.compiler.joint_runner` passes): the
+        modules for one input signature, built on the first call with it.
+        ``split_inputs``: program input positions whose gradients backward_input computes (the
         received activations of a pipeline stage); the other gradients are backward_weight's.
         ``accumulate(args) -> {input position: buffer}``: every input that requires grad (other than
         ``split_inputs``) has a buffer the backward adds its gradient into in place as soon as it is
@@ -96,106 +97,26 @@ class JointRunner:
         ``budget``: ``recompute="auto"``'s share of ``Config(activation_budget=)`` per call (default:
         all of it, one call in flight)."""
         self.program = program
+        self.build = build
         self.budget = budget
         self.config = config
         self.split_inputs = split_inputs
         self.name = name
         self.accumulate = accumulate
         self.grad_buckets = grad_buckets
-        self._cache: dict[tuple, J.JointProgram] = {}
-        self.last: J.JointProgram | None = None
+        self._cache: dict[tuple, object] = {}  # signature -> the built JointProgram (passes/joint.py)
+        self.last = None  # the JointProgram of the last call
 
     # -- compile ------------------------------------------------------------------------------------
-    def compile(self, args: list) -> J.JointProgram:
+    def compile(self, args: list):
         key = signature(args)
         jp = self._cache.get(key)
         if jp is None:
-            jp = self._cache[key] = self._build(args)
+            jp = self._cache[key] = self.build(self.program, args, self.config, name=self.name,
+                                               split_inputs=self.split_inputs, accumulate=self.accumulate is not None,
+                                               grad_buckets=self.grad_buckets, budget=self.budget)
         self.last = jp
         return jp
-
-    def _build(self, args: list) -> J.JointProgram:
-        cfg = self.config
-        jg = J.trace_joint(self.program, args)
-        from mcompile.passes import fsdp
-
-        gathered = fsdp.gathered_values(jg.gm)  # ZeRO-3: gathered parameters are gathered again, never saved
-        if cfg.recompute == "auto":
-            saved = self._solve_auto(jg.gm, gathered)
-        else:
-            saved = J.saved_for_policy(jg, cfg.recompute, cfg.recompute_method, cfg.recompute_num_layers)
-        if gathered:
-            saved = [n for n in saved if n not in gathered]
-        jp = J.partition(jg, saved)
-        if self.split_inputs is not None:
-            pos = [jg.grad_primals.index(i) for i in self.split_inputs if i in jg.grad_primals]
-            J.split_weight(jp, pos)
-        if self.accumulate is not None:  # gradients into the caller's buffers, inside the graph
-            # every gradient but the received activations' (a pipeline stage's): the weights' (the
-            # arguments may be fake here, traced by the pipeline's probe: positions, not identities)
-            acc = [j for j, i in enumerate(jg.grad_primals) if i not in (self.split_inputs or ())]
-            if jp.backward_weight is not None:
-                jp.acc_positions = J.accumulate_outputs(jp.backward_weight, [jp.weight_grads.index(j) for j in acc
-                                                                              if j in jp.weight_grads])
-                jp.acc_positions = [jg.grad_primals[jp.weight_grads[k]] for k in jp.acc_positions]
-            jp.acc_full = [jg.grad_primals[j] for j in J.accumulate_outputs(jp.backward, acc)]
-            if self.grad_buckets is not None and getattr(cfg, "overlap", False):
-                self._launch_buckets(jp)
-        if gathered and getattr(cfg, "overlap", False):  # ZeRO-3 gathers one layer ahead, reduce-scatters behind
-            jp.prefetch = {"forward": fsdp.prefetch(jp.forward, f"{self.name} forward")}
-            for part in ("backward", "backward_input", "backward_weight"):
-                gm = getattr(jp, part)
-                if gm is not None:
-                    jp.prefetch[part] = fsdp.prefetch(gm, f"{self.name} {part}")
-        tp_overlap = getattr(cfg, "tp_overlap", "off")
-        if getattr(cfg, "overlap", False) and tp_overlap != "off":  # collective matmul on the tp collectives
-            from mcompile.passes.collective_matmul import rewrite
-
-            hw = runtime_hardware(args)
-            jp.tp_overlap = []
-            for part in ("forward", "backward", "backward_input", "backward_weight"):
-                gm = getattr(jp, part)
-                if gm is not None:
-                    jp.tp_overlap += rewrite(gm, tp_overlap=tp_overlap, hardware=hw,
-                                             where="forward" if part == "forward" else "backward")
-        codegen = getattr(cfg, "codegen", "eager")
-        if codegen == "eager":  # all-reduces of values read nowhere else: in place, without the runtime's copy
-            from mcompile.passes.overlap import inplace_all_reduces
-
-            for part in ("forward", "backward", "backward_input", "backward_weight"):
-                if getattr(jp, part) is not None:
-                    inplace_all_reduces(getattr(jp, part))
-        if codegen != "eager":
-            jp.forward = _Compiled(jp.forward, codegen)
-            jp.backward = _Compiled(jp.backward, codegen)
-            if jp.backward_input is not None:
-                jp.backward_input = _Compiled(jp.backward_input, codegen)
-                jp.backward_weight = _Compiled(jp.backward_weight, codegen)
-        return jp
-
-    def _solve_auto(self, joint: fx.GraphModule, gathered: set[str]) -> list[str]:
-        """The saved set of ``recompute="auto"`` under this runner's budget; an infeasible budget names
-        the program, its share of ``activation_budget`` and how far below the least it can save it is.
-        ``gathered``: ZeRO-3's gathered parameters (and values of them alone), which are never saved:
-        the solver is told so (must_recompute), else it would spend budget on values dropped from its
-        saved set afterwards and recompute activations it had room to keep."""
-        from mcompile.passes import remat
-
-        budget = self.budget or ActivationBudget(self.config.activation_budget)
-        forward, _ = remat.classify(joint)
-        try:
-            sol = remat.solve(joint, budget.per_call, must_save=set(), must_recompute=gathered & forward)
-        except remat.BudgetError as e:
-            short = e.minimum - e.budget
-            share = (f"activation_budget={budget.total} bytes shared by the {budget.in_flight} forwards in flight at "
-                     f"once on {budget.where or 'this rank'}, {budget.per_call} bytes each"
-                     if budget.in_flight > 1 else f"activation_budget={budget.total} bytes")
-            raise remat.BudgetError(e.budget, e.minimum, (
-                f"recompute='auto' on {self.name or 'this program'}: {share}, is {short} bytes below the least it "
-                f"can save for backward ({e.minimum} bytes per microbatch, recomputing all it can); raise "
-                f"activation_budget by {e.minimum * budget.in_flight - budget.total} bytes, to at least "
-                f"{e.minimum * budget.in_flight}")) from None
-        return [n.name for n in joint.graph.nodes if n.name in sol.saved]
 
     def choice(self) -> RecomputeChoice | None:
         """What ``recompute="auto"`` chose for the last compiled signature (None before the first call,
@@ -203,30 +124,9 @@ class JointRunner:
         jp = self.last
         if jp is None or self.config.recompute != "auto":
             return None
-        from mcompile.passes import fsdp
-        from mcompile.passes.joint import is_alias
-
         budget = self.budget or ActivationBudget(self.config.activation_budget)
-        nodes = {n.name: n for n in jp.joint.gm.graph.nodes}
-        regathered = fsdp.gathered_values(jp.joint.gm)  # ZeRO-3 gathers again whatever the budget
-        ops = sum(not is_alias(nodes[r]) and r not in regathered for r in jp.recomputed)
-        return RecomputeChoice(self.name, budget.per_call, budget.in_flight, jp.saved_bytes, ops, jp.recompute_flops)
-
-    def _launch_buckets(self, jp: J.JointProgram) -> None:
-        """The dp bucket launches inside the backward (or W) module: jp.launches, and the input
-        positions whose readiness those count (jp.ready_positions: the caller must not count them)."""
-        from mcompile.passes.overlap import launch_buckets
-
-        gp = jp.joint.grad_primals
-        whole = {j: self.grad_buckets(gp[j]) for j in range(len(gp))}
-        jp.launches = launch_buckets(jp.backward, {j: b for j, b in whole.items() if b is not None})
-        acc = _acc_outputs(jp.backward)
-        jp.ready_positions = {gp[j] for j, b in whole.items() if b is not None and j in acc}
-        if jp.backward_weight is not None:
-            wpos = {k: self.grad_buckets(gp[j]) for k, j in enumerate(jp.weight_grads)}
-            jp.launches_w = launch_buckets(jp.backward_weight, {k: b for k, b in wpos.items() if b is not None})
-            acc_w = _acc_outputs(jp.backward_weight)
-            jp.ready_positions_w = {gp[jp.weight_grads[k]] for k, b in wpos.items() if b is not None and k in acc_w}
+        return RecomputeChoice(self.name, budget.per_call, budget.in_flight, jp.saved_bytes, jp.recomputed_ops,
+                               jp.recompute_flops)
 
     # -- run ----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -277,8 +177,7 @@ class JointRunner:
         b_in = [*ctx.saved, *ctx.primals, *tangents]
         res = jp.backward_input(*b_in)
         k = len(jp.input_grads)
-        w_inputs = jp.backward_weight.meta["mc_w_inputs"] if isinstance(jp.backward_weight, fx.GraphModule) \
-            else jp.backward_weight.gm.meta["mc_w_inputs"]
+        w_inputs = jp.backward_weight.meta["mc_w_inputs"]  # a GraphModule, or the code generator's wrapper of one
         ctx.stash = list(res[k:]) + [b_in[i] for i in w_inputs]
         ctx.saved = ctx.primals = None
         return list(res[:k])
@@ -290,35 +189,3 @@ class JointRunner:
         ctx.stash = ctx.acc_w = None
         return list(out)
 
-
-def runtime_hardware(args: list) -> str:
-    """The hardware profile (mcompile.hardware) the overlap passes price this machine with: the GPU's,
-    by its name, or the CPU/gloo one."""
-    dev = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    if dev.type != "cuda":
-        return "cpu-gloo"
-    name = torch.cuda.get_device_name(dev).lower()
-    return next((k for k in ("h200", "h100", "a100", "b200") if k in name), "h100")
-
-
-def _acc_outputs(gm: fx.GraphModule) -> set[int]:
-    return {n.meta[J.ACC_OUTPUT] for n in gm.graph.nodes if J.ACC_OUTPUT in n.meta}
-
-
-class _Compiled:
-    """A module handed to the code generator on its first call (its inputs' shapes are known then)."""
-
-    def __init__(self, gm: fx.GraphModule, codegen: str):
-        self.gm, self.codegen, self.fn = gm, codegen, None
-        self.meta = gm.meta
-
-    def __call__(self, *args):
-        if self.fn is None:
-            from mcompile.passes.codegen import compile_graph
-
-            self.fn = compile_graph(self.gm, list(args), self.codegen)
-        return self.fn(*args)
-
-    @property
-    def code(self) -> str:
-        return self.gm.code

@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from mcompile import ops
 from mcompile.config import Config, Inputs
 from mcompile.dropout import RNG_INPUT, rng_state
-from mcompile.passes.overlap import grad_sink
+from mcompile.ops import grad_sink
 from mcompile.placements import BlockShard, Partial, unshard_tensors
 from mcompile.runtime.comm import DistCommunicator
 
@@ -63,7 +63,7 @@ def _torch_placement(p):
 
 class ParallelModule(torch.nn.Module):
     def __init__(self, compiled, device_mesh: DeviceMesh, config: Config, model: torch.nn.Module,
-                 weights=None):
+                 weights=None, *, programs=None):
         super().__init__()
         object.__setattr__(self, "_compiled", compiled)
         self.plan = compiled.plan
@@ -104,46 +104,40 @@ class ParallelModule(torch.nn.Module):
                           "over the global batch: use microbatches=1 for the global batch's", stacklevel=3)
         self._device = torch.device("cuda", torch.cuda.current_device()) if device_mesh.device_type == "cuda" \
             else torch.device("cpu")
-        from mcompile import meta as M
-        from mcompile.compiler import rank_programs
-        from mcompile.passes.recompute import apply_recompute, recompute_nodes
-
-        # the rank passes (lower, fuse, fp8: mcompile.compiler.PASSES); the pipeline split below, the joint
-        # passes on each program's first call (runtime/joint.py)
-        rp = rank_programs(compiled, self._rank, config, self._device)
-        program = rp.program
-        # ZeRO-3 (passes/fsdp.py): which parameters are sharded over dp; their gathers are in the program
-        # (rank_programs; under pp: in each stage program, runtime/pipeline.py)
-        self._zero3 = {}
+        # the rank passes (mcompile.compiler.rank_programs: lower, fuse, fp8, ZeRO-3's gathers, the pipeline split,
+        # a named recompute policy), run by the caller for this rank; the signature passes on each program's first
+        # call (runtime/joint.py JointRunner, through programs.build)
+        if programs is None:
+            raise TypeError("ParallelModule(..., programs=) takes this rank's programs: "
+                            "mcompile.compiler.rank_programs(compiled, rank, config, device)")
+        self._programs = programs
+        program = programs.program
+        # ZeRO-3 (passes/fsdp.py): which parameters are sharded over dp; their gathers are in the program (under pp:
+        # in each stage program)
         config.check_mesh(self.mesh)  # parallelize checked it before planning: a ParallelModule made otherwise
+        self._zero3 = dict(programs.zero3)
         if config.zero == 3:
-            from mcompile.passes import fsdp
-
-            specs = fsdp.shard_specs(self.plan, self.mesh)
-            self._zero3 = {f: s for f, s in specs.items() if s.sharded}
-            self.zero3_replicated = fsdp.replicated_reasons(specs)  # kept whole over dp, and why
+            self.zero3_replicated = programs.zero3_replicated  # kept whole over dp, and why
         if config.fuse:
-            self.fused = rp.fused
-        self.fp8 = rp.fp8  # FP8 linears: what was converted / kept and why (mcompile.passes.fp8.Fp8Report)
-        groups = {} if config.recompute == "auto" else \
-            recompute_nodes(program, config.recompute, config.recompute_method, config.recompute_num_layers)
-        self.plan.recompute = sorted({n.meta.get(M.ORIGIN, n.name) for n in program.graph.nodes if n.name in groups})
+            self.fused = programs.fused
+        self.fp8 = programs.fp8  # FP8 linears: what was converted / kept and why (mcompile.passes.fp8.Fp8Report)
+        self.plan.recompute = list(programs.recompute)
         self._pipe = None
         self._runner = None  # the joint program's runner (runtime/joint.py), without pipeline parallelism
         if self.mesh.size("pp") > 1:  # pipeline: this rank runs its stages (recompute applied inside each)
             from mcompile.runtime.pipeline import Pipeline
 
-            self._pipe = Pipeline(self, program, config)
+            self._pipe = Pipeline(self, programs, config)
             object.__setattr__(self, "_program", program)
         elif config.execution == "joint":  # recompute is the joint program's saved set
             from mcompile.runtime.joint import JointRunner
 
             object.__setattr__(self, "_program", program)
-            self._runner = JointRunner(program, config, name=f"rank {self._rank}",
+            self._runner = JointRunner(program, config, build=programs.build, name=f"rank {self._rank}",
                                        accumulate=lambda args: self._leaves.targets(args),
                                        grad_buckets=self._grad_bucket)
         else:
-            object.__setattr__(self, "_program", apply_recompute(program, groups))
+            object.__setattr__(self, "_program", programs.executed)
         cap = compiled.captured
         self._token_weighted = bool(compiled.canonical.get("mean_loss_to_sum_count"))
         self._tied = {fqn: ties for fqn, ties in cap.tied.items()}
@@ -250,7 +244,7 @@ class ParallelModule(torch.nn.Module):
                     local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
                 local = local.clone()  # a view of a shard would keep the whole tensor alive
         if fqn in self._zero3 and tuple(local.shape) == tuple(pp.local_shape):  # ZeRO-3: this dp rank's piece
-            from mcompile.passes.fsdp import local_piece
+            from mcompile.placements import local_piece
 
             local = local_piece(local, self.mesh.size("dp"), self._coords["dp"])
         shape = torch.Size(pp.padded_shape or pp.shape)
@@ -269,7 +263,7 @@ class ParallelModule(torch.nn.Module):
         pp = self.plan.params[fqn]
         if fqn not in self._zero3:
             return tuple(pp.placements)
-        from mcompile.passes.fsdp import dp_placements
+        from mcompile.placements import dp_placements
 
         return dp_placements(pp.placements, list(self.mesh.axis_names), self._zero3[fqn])
 
@@ -294,7 +288,7 @@ class ParallelModule(torch.nn.Module):
         """This rank's piece of the full tensor ``fqn`` as this module holds it."""
         local = self.plan.params[fqn].local_piece(full, self.mesh, self._coords)
         if fqn in self._zero3:
-            from mcompile.passes.fsdp import local_piece
+            from mcompile.placements import local_piece
 
             local = local_piece(local, self.mesh.size("dp"), self._coords["dp"])
         return local
@@ -339,7 +333,7 @@ class ParallelModule(torch.nn.Module):
         elif batch % m:
             raise ValueError(f"the local batch of {batch} does not divide by microbatches={m}")
         if self._cp > 1:
-            from mcompile.cp_plan import check_sequence
+            from mcompile.mesh import check_sequence
 
             for t in flat:
                 if _batched(t, batch) and t.ndim >= 2:

@@ -564,10 +564,9 @@ class Pipeline:
     """Pipeline parallelism inside a :class:`~mcompile.runtime.module.ParallelModule`: the stage
     partition, this rank's stage programs, shape inference and verification, the schedule run."""
 
-    def __init__(self, pm, program, config):
-        from mcompile.partition import partition
-        from mcompile.passes.pipeline_split import split_stages
-        from mcompile.passes.recompute import apply_recompute, recompute_nodes
+    def __init__(self, pm, programs, config):
+        """``programs``: this rank's (mcompile.compiler.rank_programs): the stage partition and every stage's
+        program, ZeRO-3's gathers in each and, under eager execution, recompute applied."""
         from mcompile.runtime.schedules import build_schedule
 
         self.pm = pm
@@ -577,34 +576,20 @@ class Pipeline:
         self.pp_rank = pm._coords["pp"]
         self.virtual = config.virtual_stages
         self.m = config.microbatches
-        self.partition = pm._compiled.partition or partition(
-            cap, self.pp, self.virtual, granularity=config.pipeline_granularity,
-            layers_per_stage=list(config.layers_per_stage) if config.layers_per_stage else None,
-            cuts=list(config.stage_cuts) if config.stage_cuts else None, seq=config.pipeline_seq or 2048)
+        self.partition = programs.partition
         self.k = self.partition.num_stages
         self.schedule = config.schedule
         self.lookahead = 1 if getattr(config, "overlap", False) else 0  # receives posted one action early
         self.actions = build_schedule(config.schedule, self.pp, self.virtual, self.m)
-        self.stages = split_stages(program, self.partition, cap.params, cap.user_inputs)
-        if pm._zero3:  # ZeRO-3 (passes/fsdp.py): each stage gathers its own sharded parameters
-            from mcompile.passes.fsdp import insert_gathers
-
-            for st in self.stages:
-                insert_gathers(st.gm, {p for p in st.params if cap.params[p] in pm._zero3}, pm.mesh.size("dp"))
+        self.stages = programs.stages
+        self.build = programs.build
         self.own = [s for s in range(self.k) if s % self.pp == self.pp_rank]
-        # recompute="auto" chooses each stage's saved set on its joint graph (runtime/joint.py), under its
+        # recompute="auto" chooses each stage's saved set on its joint graph (the signature passes), under its
         # share of the rank's activation budget (stage_activation_budget)
-        groups = {st.index: {} if config.recompute == "auto" else
-                  recompute_nodes(st.gm, config.recompute, config.recompute_method, config.recompute_num_layers)
-                  for st in self.stages}
-        self._check_delayed_fp8_recompute(groups, config)
+        self._check_delayed_fp8_recompute(programs.stage_groups, config)
         self.runners = None  # joint execution: one runner per own stage (runtime/joint.py)
         if config.execution == "joint":
             self.runners = {s: self._make_runner(s) for s in self.own}
-        else:
-            for s in self.own:  # recompute inside each stage program
-                st = self.stages[s]
-                st.gm = apply_recompute(st.gm, groups[s])
         self.param_of_ph = dict(cap.params)
         self.own_params = sorted({self.param_of_ph[p] for s in self.own for p in self.stages[s].params},
                                  key=list(cap.params.values()).index)
@@ -724,7 +709,6 @@ class Pipeline:
         the world-wide exchange is one element."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from mcompile.passes.recompute import apply_recompute, recompute_nodes
         from mcompile.runtime.verify import (
             CommOp,
             VerificationError,
@@ -771,10 +755,7 @@ class Pipeline:
                                                                 o.is_floating_point()) for o in out]
                         carried = [] if st.is_last else [o.detach() for o in out]
                         continue
-                    gm = st.gm
-                    if st.index not in self.own:  # as its owner runs it: recompute re-issues collectives in backward
-                        gm = apply_recompute(gm, recompute_nodes(gm, config.recompute, config.recompute_method,
-                                                                 config.recompute_num_layers))
+                    gm = st.gm  # as its owner runs it (recompute applied: it re-issues collectives in backward)
                     named = {**params, **state, **users}
                     recv = [x.detach().requires_grad_() if x.is_floating_point() else x.detach() for x in carried]
                     args = [named[n] for n in st.inputs[:len(st.inputs) - len(recv)]] + recv
@@ -872,7 +853,7 @@ class Pipeline:
 
         pm, st = self.pm, self.stages[s]
         own = s in self.own
-        return JointRunner(st.gm, pm.config, name=f"stage {s}", budget=self.activation_budget(s),
+        return JointRunner(st.gm, pm.config, build=self.build, name=f"stage {s}", budget=self.activation_budget(s),
                            split_inputs=list(range(len(st.inputs) - len(st.received), len(st.inputs))),
                            accumulate=(lambda args: pm._leaves.targets(args)) if own else (lambda args: {}),
                            grad_buckets=(lambda pos: pm._leaves.bucket_index(self._param_at(s, pos))) if own

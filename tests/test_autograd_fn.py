@@ -20,10 +20,10 @@ from sim_harness import combine_grads, rank_args, run_sim
 
 from mcompile.api import compile_plan
 from mcompile.capture import CaptureError, capture
+from mcompile.compiler import joint_runner
 from mcompile.config import Config
 from mcompile.mesh import Mesh
 from mcompile.propagate import FallbackWarning
-from mcompile.runtime.joint import JointRunner
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
 from conftest import pool
@@ -78,7 +78,7 @@ def test_functions_keep_their_own_backward_on_one_device_dp2_and_tp2():
     def rank_fn(r):
         prog, args = rank_args(c, r, inputs, state)
         eager = torch.autograd.grad(prog(*args)[0], [a for a in args if a.requires_grad])
-        runner = JointRunner(prog, Config())
+        runner = joint_runner(prog, Config())
         with _TRACE:
             jp = runner.compile(args)
         out, ctx = runner.forward(args)

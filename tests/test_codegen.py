@@ -27,10 +27,10 @@ from sim_harness import rank_args
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from mcompile import ops
+from mcompile.compiler import joint_runner
 from mcompile.config import Config
 from mcompile.mesh import Mesh
 from mcompile.passes.codegen import CodegenError, cache_size, clear_cache, compile_graph
-from mcompile.runtime.joint import JointRunner
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -80,7 +80,7 @@ def capture_fw_bw(c, inputs, world: ThreadedWorld, config: Config | None = None)
 
     def rank(r):
         prog, args = rank_args(c, r, inputs, state)
-        runner = JointRunner(prog, config, name=f"rank {r}")
+        runner = joint_runner(prog, config, name=f"rank {r}")
         with _TRACE:
             jp = runner.compile(args)
         fw_in = list(args) + jp.joint.constants
@@ -289,7 +289,7 @@ def test_joint_runner_with_inductor_gives_the_eager_gradients(compiled_model):
 
     def rank(r):
         prog, args = rank_args(c, r, inputs, state)
-        runners = {cg: JointRunner(prog, Config(sequence_parallel=True, codegen=cg)) for cg in ("eager", "inductor")}
+        runners = {cg: joint_runner(prog, Config(sequence_parallel=True, codegen=cg)) for cg in ("eager", "inductor")}
         with _TRACE:
             for runner in runners.values():
                 runner.compile(args)

@@ -300,9 +300,9 @@ def test_zero3_gathered_parameters_in_flight_are_at_most_two_layers():
 
     import mcompile as mc
     from mcompile import compiler
+    from mcompile.compiler import joint_runner
     from mcompile.config import Config
     from mcompile.passes.fsdp import gathered_in_flight, gathered_values
-    from mcompile.runtime.joint import JointRunner
 
     from conftest import build
 
@@ -315,7 +315,7 @@ def test_zero3_gathered_parameters_in_flight_are_at_most_two_layers():
         args = compiler._example_args(c, 0, names, inputs, 1, FakeTensorMode(allow_non_fake_inputs=True),
                                       compiler.zero3_placeholders(c, names))
         with torch.enable_grad():
-            jp = JointRunner(rp.program, cfg, accumulate=lambda a: {}).compile(args)
+            jp = joint_runner(rp.program, cfg, accumulate=lambda a: {}).compile(args)
         assert not set(jp.saved) & gathered_values(jp.joint.gm)
         for gm in (jp.forward, jp.backward):
             most, groups = gathered_in_flight(gm)

@@ -24,8 +24,8 @@ from sim_harness import rank_args
 
 from mcompile import compiler
 from mcompile.cli import main
+from mcompile.compiler import joint_runner
 from mcompile.config import Config
-from mcompile.runtime.joint import JointRunner
 from mcompile.runtime.memory import MemoryTracker
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
@@ -123,7 +123,7 @@ def _joint_vs_eager(name, mesh, configs):
         ref = torch.autograd.grad([out[0]], [a for a in args if a.requires_grad], allow_unused=True)
         res = []
         for cfg in configs:
-            runner = JointRunner(prog, cfg)
+            runner = joint_runner(prog, cfg)
             with _TRACE:
                 jp = runner.compile(args)
             gc.collect()
@@ -303,7 +303,7 @@ def test_a_value_overwritten_in_place_keeps_its_old_value_for_backward(policy):
     prog = c.program(0)
     params = [p.detach().clone().requires_grad_(True) for p in (model.w.weight, model.o.weight, model.o.bias)]
     model(x, y).backward()
-    runner = JointRunner(prog, Config(recompute=policy))
+    runner = joint_runner(prog, Config(recompute=policy))
     args = params + [x, y]
     outs, ctx = runner.forward(args)
     grads = runner.backward(ctx, [torch.ones_like(outs[0])])
@@ -353,7 +353,7 @@ def test_copies_into_a_fresh_tensor_are_differentiated_by_the_joint_graph():
     params = dict(model.named_parameters())
     loss = model(x, y)
     loss.backward()
-    runner = JointRunner(prog, Config())
+    runner = joint_runner(prog, Config())
     outs, ctx = runner.forward([params[f].detach().clone().requires_grad_(True) for f in fqns] + [x, y])
     grads = runner.backward(ctx, [torch.ones_like(outs[0])])
     torch.testing.assert_close(outs[0].detach(), loss.detach(), rtol=1e-6, atol=0)
@@ -387,7 +387,7 @@ def test_an_input_overwritten_in_place_keeps_its_old_value_for_backward(policy):
     w = w0.clone().requires_grad_()
     loss = _InputWrite()(w, x, b0.clone())
     loss.backward()
-    runner = JointRunner(prog, Config(recompute=policy))
+    runner = joint_runner(prog, Config(recompute=policy))
     outs, ctx = runner.forward([w0.clone().requires_grad_(), x, b0.clone()])
     grad = runner.backward(ctx, [torch.ones_like(outs[0])])[0]  # w is the one input that requires grad
     torch.testing.assert_close(outs[0].detach(), loss.detach(), rtol=1e-6, atol=0)
