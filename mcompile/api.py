@@ -4,129 +4,22 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass, field
 
-import sympy
 import torch
-import torch.fx as fx
 
-from mcompile.annotate import AnnotationSummary, annotate
+from mcompile.annotate import annotate
 from mcompile.arguments import check_arguments
-from mcompile.capture import BATCH, SEQ, Captured, CaptureError, capture, warn_unless_loss
+from mcompile.capture import SEQ, CaptureError, capture, warn_unless_loss
+from mcompile.compiled import Compiled, _lower, plan_hints  # noqa: F401  (Compiled: re-exported)
 from mcompile.mesh import Mesh
 from mcompile.plan import Plan, PlanOptions, SPVariant, input_specs
-from mcompile.planner import AxisPlanResult, assemble_plan, plan_axes
+from mcompile.planner import assemble_plan, plan_axes
 
 __all__ = ["Compiled", "SequenceParallelWarning", "compile_plan", "plan"]
 
 
 class SequenceParallelWarning(UserWarning):
     """``sequence_parallel=True`` that splits nothing on the sequence: the plan is plain tensor parallelism."""
-
-
-@dataclass
-class Compiled:
-    """A planned model: the captured graph, the plan, and per-rank programs on demand."""
-
-    captured: Captured
-    plan: Plan
-    mesh: Mesh
-    axes: list[AxisPlanResult]
-    canonical: dict = field(default_factory=dict)
-    annotation: AnnotationSummary | None = None  # FLOPs / bytes of the captured graph (mcompile.annotate)
-    partition: object = None  # mcompile.partition.StagePartition when the mesh has pp > 1
-    short: Captured | None = None  # the short model's capture when the layers were repeated (mcompile.repeat)
-    # run of alike blocks captured whole rather than repeated ("layers[0:4]") -> why (find_block's reason)
-    repeat_declined: dict = field(default_factory=dict)
-    quality: list = field(default_factory=list)  # mcompile.quality.Finding: where the plan is not Megatron's layout
-    _programs: dict = field(default_factory=dict)
-
-    def axis_infos(self, rank: int):
-        from mcompile.passes.lower import AxisInfo
-
-        coords = self.mesh.coords(rank)
-        return [
-            AxisInfo(ap.policy.axis, ap.policy.size, coords[ap.policy.axis], ap.result,
-                     inputs_presharded=ap.policy.shard_inputs_dim0,
-                     loss_replicated=not ap.policy.loss_partial,
-                     vocab_pad_multiple=self.plan.options.vocab_pad_multiple,
-                     moe=(self.plan.options.moe_dispatcher, self.plan.options.moe_capacity_factor),
-                     context_parallel=ap.policy.context_parallel,
-                     cp_attention=self.plan.options.cp_attention)
-            for ap in self.axes
-        ]
-
-    def program(self, rank: int = 0, device: torch.device | str | None = None) -> fx.GraphModule:
-        """The per-rank program: placeholders are the captured ones (local parameters, buffers,
-        constants, then the rank's user inputs); the output is the model's output. ``device``
-        rewrites the graph's device literals (needed when it was captured on meta)."""
-        key = (rank, str(device) if device is not None else None)
-        if key not in self._programs:
-            self._programs[key] = _lower(self, rank, device)
-        return self._programs[key][0]
-
-    def collectives(self, rank: int = 0):
-        self.program(rank)
-        return self._programs[(rank, None)][1]
-
-    def local_state(self, rank: int, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """placeholder name -> this rank's piece of each parameter / buffer / constant."""
-        state = state if state is not None else self.captured.state_values()
-        coords = self.mesh.coords(rank)
-        out = {}
-        for ph, full in state.items():
-            fqn = self.captured.params.get(ph)
-            if fqn is None:
-                out[ph] = full
-                continue
-            t = self.plan.params[fqn].local_piece(full, self.mesh, coords)
-            out[ph] = t
-        return out
-
-    def run_local(self, rank: int, local_state: dict, inputs: tuple, kwargs: dict | None = None, *,
-                  seed: int = 0, step: int = 0):
-        """Rank ``rank``'s program on its pieces of the state and its data-parallel slice of the batch
-        (``inputs``: equal slices in data-rank order); training-mode dropout draws from (``seed``, ``step``)."""
-        from mcompile.dropout import RNG_INPUT, rng_state
-
-        gm = self.program(rank)
-        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        flat = _flat_inputs(self.captured, inputs, kwargs or {})
-        user = dict(zip(self.captured.user_inputs, flat))
-        if RNG_INPUT in names:  # this slice's first row in the global batch: its data rank's
-            rows = next((int(t.shape[0]) for t in flat if isinstance(t, torch.Tensor) and t.ndim), 0)
-            user[RNG_INPUT] = rng_state(seed, step, self.data_rank(rank) * rows)
-        args = [local_state[n] if n in local_state else user[n] for n in names]
-        return gm(*args)
-
-    def data_rank(self, rank: int) -> int:
-        """``rank``'s index among the ranks the batch is split over (dp, then ep: runtime/module.py's order)."""
-        coords, index = self.mesh.coords(rank), 0
-        for a in self.mesh.axis_names:
-            if a in ("dp", "ep"):
-                index = index * self.mesh.size(a) + coords[a]
-        return index
-
-
-def _lower(compiled: Compiled, rank: int, device=None):
-    """A rank's program and its collectives: lowered from the capture, or from the short model's
-    capture and then grown to the real depth (mcompile.repeat)."""
-    from mcompile.passes import lower_program
-
-    if compiled.short is None:
-        return lower_program(compiled.captured, compiled.axis_infos(rank), device)
-    from mcompile.meta import COLLECTIVE, COLLECTIVES, ORIGIN
-    from mcompile.passes.dropout import rekey
-    from mcompile.repeat import repeat_lowered
-
-    gm, _ = lower_program(compiled.short, compiled.axis_infos(rank), device)
-    repeat_lowered(gm, compiled.captured.blocks)
-    rekey(gm, ORIGIN)  # each repeated block's dropouts draw their own masks
-    specs = []
-    for n in gm.graph.nodes:
-        specs += [n.meta[COLLECTIVE]] if COLLECTIVE in n.meta else []
-        specs += n.meta.get(COLLECTIVES, [])
-    return gm, specs
 
 
 def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: bool, cache: bool = False,
@@ -192,13 +85,6 @@ def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: b
     return cap, canon, None, declined
 
 
-def _flat_inputs(cap: Captured, inputs: tuple, kwargs: dict) -> list:
-    flat = list(inputs)
-    for name in cap.input_names[len(inputs):]:
-        flat.append(kwargs[name])
-    return flat
-
-
 def compile_plan(
     model: torch.nn.Module,
     mesh: Mesh,
@@ -261,7 +147,7 @@ def compile_plan(
         canon["mean_loss_to_sum_count"] = int(mean_loss_to_sum_count(cap.gm))
     check_arguments(cap.gm, mesh, microbatches, runtime=for_runtime)
     annotation = annotate(cap.gm)
-    hints = _hints(cap, example_inputs, example_kwargs, seq, batch)
+    hints = plan_hints(cap, example_inputs, example_kwargs, seq, batch)
     axes = plan_axes(cap, mesh, sequence_parallel, overrides, hints)
     short = None
     if blocks is not None:
@@ -330,36 +216,6 @@ def _plan_pipeline(compiled: Compiled, schedule, virtual, microbatches, granular
         "imbalance": part.imbalance, "optimum": part.optimum, "pinned": part.pinned,
         "bubble": bubble_fraction(schedule, pp, microbatches, virtual),
     }
-
-
-def _hints(cap: Captured, inputs, kwargs, seq, batch) -> dict:
-    """Sizes at which redistribution costs are compared (the template's, unless given)."""
-    first = next((t for t in list(inputs) + list((kwargs or {}).values()) if isinstance(t, torch.Tensor)), None)
-    b = batch or (first.shape[0] if first is not None and first.ndim > 0 else 1)
-    s = seq or (first.shape[1] if first is not None and first.ndim > 1 else 1)
-    out = {}
-    if BATCH in cap.symbols:
-        out[cap.symbols[BATCH]] = max(int(b), 2)
-    if SEQ in cap.symbols:
-        out[cap.symbols[SEQ]] = max(int(s), 2)
-    # any other size symbol of an input (an encoder-decoder's label length, a second sequence): its example size
-    for name in cap.user_inputs:
-        node = cap.placeholder(name)
-        val = node.meta.get("val") if node is not None else None
-        for size in (val.shape if isinstance(val, torch.Tensor) else ()):
-            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol) \
-                    and size.node.expr not in out and size.node.hint is not None:
-                out[size.node.expr] = max(int(size.node.hint), 2)
-    # a data-dependent size (JetMoe's and DeepSeek-V4's count of tokens routed to an expert: an unbacked u0 with
-    # no example value): costed as every token of the batch, the most it can be at top-1
-    tokens = out.get(cap.symbols.get(BATCH), 1) * out.get(cap.symbols.get(SEQ), 1)
-    for n in cap.gm.graph.nodes:
-        v = n.meta.get("val")
-        for size in (v.shape if isinstance(v, torch.Tensor) else [v] if isinstance(v, torch.SymInt) else ()):
-            if isinstance(size, torch.SymInt):
-                for sym in size.node.expr.free_symbols - out.keys():
-                    out[sym] = max(tokens, 2)
-    return out
 
 
 def plan(

@@ -68,3 +68,24 @@ def size_hints(shape_env) -> dict:
     deprecated for it), else ``var_to_val``."""
     hints = getattr(shape_env, "backed_var_to_val", None)
     return hints if hints is not None else shape_env.var_to_val
+
+
+def quiet_highs(feature: str):
+    """A HiGHS instance without its banner (printed from C on the first construction); ``feature``: what
+    needs it, named by the error when HiGHS is not installed."""
+    import os
+    import sys
+
+    highspy = require("highspy", feature)
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    h.setOptionValue("output_flag", False)
+    return h

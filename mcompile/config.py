@@ -8,9 +8,86 @@ from enum import StrEnum
 import torch
 
 
-class Inputs(StrEnum):
+class Choice(StrEnum):
+    """A string switch of :class:`Config`: a member compares, hashes, formats and serialises (JSON) as its value, and
+    its repr is the value's, so ``Config(schedule="1f1b")`` and ``Config(schedule=PipelineSchedule.ONE_F_ONE_B)`` are
+    the same config and messages read as before."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Inputs(Choice):
     GLOBAL = "global"  # every rank passes the whole batch (single-device semantics); the default
     LOCAL = "local"  # every rank passes its own data-parallel slice, as a data loader does
+
+
+class RecomputePolicy(Choice):
+    NONE = "none"
+    FULL = "full"
+    SELECTIVE = "selective"  # the attention core
+    AUTO = "auto"  # by cost under activation_budget (passes/remat.py)
+
+
+class RecomputeMethod(Choice):
+    UNIFORM = "uniform"  # groups of layers
+    BLOCK = "block"  # the first layers
+
+
+class Execution(Choice):
+    JOINT = "joint"  # forward + backward modules run without autograd (passes/joint.py)
+    AUTOGRAD = "autograd"  # the fallback: forward under autograd
+
+
+class Codegen(Choice):
+    EAGER = "eager"  # fx-generated Python
+    INDUCTOR = "inductor"  # TorchInductor (passes/codegen.py)
+
+
+class PipelineSchedule(Choice):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZBH1 = "zbh1"  # zero-bubble: backward split into B (inputs) and W (weights)
+
+
+class PipelineGranularity(Choice):
+    LAYER = "layer"
+    SUBLAYER = "sublayer"
+    AUTO = "auto"
+
+
+class Fp8Recipe(Choice):
+    CURRENT = "current"
+    DELAYED = "delayed"
+
+
+class Fp8Backend(Choice):
+    MCOMPILE = "mcompile"
+    TE = "te"  # Transformer Engine (optional)
+
+
+class MoeDispatcher(Choice):
+    ALLTOALL = "alltoall"
+    ALLGATHER = "allgather"
+
+
+class CpAttention(Choice):
+    AUTO = "auto"
+    RING = "ring"
+    ALLGATHER = "allgather"
+    A2A = "a2a"
+
+
+# Config field -> its switch (values accepted as strings; fp8 also None: off)
+_CHOICES = {"recompute": RecomputePolicy, "recompute_method": RecomputeMethod, "execution": Execution,
+            "codegen": Codegen, "schedule": PipelineSchedule, "pipeline_granularity": PipelineGranularity,
+            "fp8": Fp8Recipe, "fp8_backend": Fp8Backend, "moe_dispatcher": MoeDispatcher, "cp_attention": CpAttention}
+
+
+def _options(choice: type[Choice]) -> str:
+    vals = [repr(v.value) for v in choice]
+    return ", ".join(vals[:-1]) + " or " + vals[-1]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -33,9 +110,10 @@ class Config:
     # multiple of it (Megatron's --make-vocab-size-divisible-by 128): GPT-2's 50257 at tp=8 -> 51200
     vocab_pad_multiple: int = 128
     fuse: bool = False  # run RMSNorm / SwiGLU through mcompile's fused kernels (mcompile.passes.fuse)
-    recompute: str = "none"  # "none" | "full" | "selective" (attention core) | "auto" (by cost under
-    #                          activation_budget: mcompile.passes.remat); on the joint graph (passes/joint.py)
-    recompute_method: str = "uniform"  # full recompute: "uniform" (groups of layers) or "block" (first layers)
+    # "none" | "full" | "selective" (attention core) | "auto" (by cost under activation_budget: mcompile.passes.remat);
+    # on the joint graph (passes/joint.py)
+    recompute: RecomputePolicy = RecomputePolicy.NONE
+    recompute_method: RecomputeMethod = RecomputeMethod.UNIFORM  # full recompute: "uniform" or "block" (first layers)
     recompute_num_layers: int = 1
     # recompute="auto": bytes of saved activations one rank holds at its peak. Without pp that is one program
     # call's (microbatches run one at a time); under pp a stage's forwards share it with the others its rank
@@ -44,21 +122,22 @@ class Config:
     activation_budget: int | None = None
     # "joint": each program traced into forward + backward modules run without autograd (passes/joint.py);
     # "autograd": the fallback for programs whose backward cannot be traced: forward under autograd
-    execution: str = "joint"
-    codegen: str = "eager"  # "eager" (fx-generated Python) | "inductor" (TorchInductor: mcompile.passes.codegen)
+    execution: Execution = Execution.JOINT
+    codegen: Codegen = Codegen.EAGER  # "eager" (fx-generated Python) | "inductor" (TorchInductor: passes/codegen.py)
     # pipeline parallelism (a "pp" mesh axis): mcompile.partition, mcompile.runtime.schedules
-    schedule: str = "1f1b"  # "gpipe" | "1f1b" | "interleaved" | "zbh1"
+    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B  # "gpipe" | "1f1b" | "interleaved" | "zbh1"
     virtual_stages: int = 1  # stages per pipeline rank (interleaved schedule)
-    pipeline_granularity: str = "auto"  # "layer" boundaries, "sublayer" (also between attention and MLP), or
-    #                                      "auto": inside layers only where that lowers the slowest stage
+    # "layer" boundaries, "sublayer" (also between attention and MLP), or "auto": inside layers only where that lowers
+    # the slowest stage
+    pipeline_granularity: PipelineGranularity = PipelineGranularity.AUTO
     layers_per_stage: tuple | None = None  # pin the split: layers of each stage, in order
     stage_cuts: tuple | None = None  # pin the split: captured node names where stages 1..K-1 begin
     pipeline_seq: int | None = None  # sequence length at which stage costs are balanced (default: the example's)
     # FP8 linears (mcompile.passes.fp8): None (off) | "current" | "delayed" per-tensor scaling
-    fp8: str | None = None
+    fp8: Fp8Recipe | None = None
     fp8_amax_history_len: int = 16  # delayed scaling: steps of amax history behind each scale
     fp8_margin: int = 0  # scale = fp8_max / amax / 2**margin
-    fp8_backend: str = "mcompile"  # "mcompile" (our kernels) | "te" (Transformer Engine, optional)
+    fp8_backend: Fp8Backend = Fp8Backend.MCOMPILE  # "mcompile" (our kernels) | "te" (Transformer Engine, optional)
     # ZeRO stage (Rajbhandari et al. 2020), over the dp axis: 0 off; 1 optimizer state and fp32 master weights
     # sharded, gradients reduce-scattered (mcompile.runtime.zero; create the optimizer with its
     # DistributedOptimizer); 2 also the gradients: each bucket reduce-scattered after every microbatch into an
@@ -91,14 +170,14 @@ class Config:
     # mixture-of-experts layers over an "ep" axis (mcompile.moe): "alltoall" (Megatron's all-to-all token
     # dispatcher: each routed slot moves to its expert's rank and back) or "allgather" (every rank gathers
     # all tokens and runs its experts on theirs: no data-dependent sizes, ep times the bytes; for small ep)
-    moe_dispatcher: str = "alltoall"
+    moe_dispatcher: MoeDispatcher = MoeDispatcher.ALLTOALL
     # 0: dropless; > 0: each expert takes at most ceil(factor * local slots / experts) slots per rank, the
     # rest dropped (counted: pm.moe_dropped)
     moe_capacity_factor: float = 0.0
     # attention over a "cp" axis (mcompile.cp): "ring" (K/V passed around the ring, overlapped with the block
     # computed), "allgather" (K/V gathered: good with few kv heads; the one that takes an arbitrary mask),
     # "a2a" (Ulysses: heads <-> sequence all-to-alls; heads must divide by cp), or "auto": the cost model's pick
-    cp_attention: str = "auto"
+    cp_attention: CpAttention = CpAttention.AUTO
 
     def __post_init__(self):
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -106,32 +185,29 @@ class Config:
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype={self.dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16")
         object.__setattr__(self, "inputs", Inputs(self.inputs))
+        for name, choice in _CHOICES.items():  # the string switches as their StrEnums (a bad value: its field named)
+            value = getattr(self, name)
+            if name == "fp8" and value is None:
+                continue
+            try:
+                object.__setattr__(self, name, choice(value))
+            except ValueError:
+                off = "None (off), " if name == "fp8" else ""
+                raise ValueError(f"{name}={value!r}: use {off}{_options(choice)}") from None
         from mcompile.runtime.loss_scale import DynamicLossScaler
 
         DynamicLossScaler.from_config(self)  # the loss-scaling options checked (an error names the bad one)
-        if self.recompute not in ("none", "full", "selective", "auto"):
-            raise ValueError(f"recompute={self.recompute!r}: use 'none', 'full', 'selective' or 'auto'")
         if self.recompute == "auto" and (self.activation_budget is None or self.activation_budget < 0):
             raise ValueError("recompute='auto' needs activation_budget=<bytes of saved activations per rank at its "
                              "peak, shared by the microbatches a pipeline stage holds in flight> (>= 0)")
-        if self.moe_dispatcher not in ("alltoall", "allgather"):
-            raise ValueError(f"moe_dispatcher={self.moe_dispatcher!r}: use 'alltoall' or 'allgather'")
-        if self.cp_attention not in ("auto", "ring", "allgather", "a2a"):
-            raise ValueError(f"cp_attention={self.cp_attention!r}: use 'auto', 'ring', 'allgather' or 'a2a'")
         if not isinstance(self.moe_capacity_factor, int | float) or isinstance(self.moe_capacity_factor, bool) \
                 or self.moe_capacity_factor < 0:
             raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor!r}: use 0 (dropless) or a factor > 0 "
                              "(1.0: each expert takes its even share of the routed slots)")
-        if self.execution not in ("joint", "autograd"):
-            raise ValueError(f"execution={self.execution!r}: use 'joint' (default) or 'autograd' (the fallback)")
         if self.recompute == "auto" and self.execution != "joint":
             raise ValueError("recompute='auto' chooses on the joint graph: use execution='joint'")
-        if self.codegen not in ("eager", "inductor"):
-            raise ValueError(f"codegen={self.codegen!r}: use 'eager' or 'inductor'")
         if self.codegen != "eager" and self.execution != "joint":
             raise ValueError("codegen='inductor' compiles the joint program's modules: use execution='joint'")
-        if self.recompute_method not in ("uniform", "block"):
-            raise ValueError(f"recompute_method={self.recompute_method!r}: use 'uniform' or 'block'")
         if self.recompute_num_layers < 1:
             raise ValueError(f"recompute_num_layers={self.recompute_num_layers} must be >= 1")
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
@@ -146,16 +222,10 @@ class Config:
                              "chunks >= 2")
         if self.zero >= 2 and self.execution != "joint":
             raise ValueError(f"zero={self.zero} is built as passes on the joint program: use execution='joint'")
-        from mcompile.runtime.schedules import SCHEDULES
-
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}: use one of {', '.join(SCHEDULES)}")
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise ValueError(f"virtual_stages={self.virtual_stages!r} must be a positive integer")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved'")
-        if self.pipeline_granularity not in ("layer", "sublayer", "auto"):
-            raise ValueError(f"pipeline_granularity={self.pipeline_granularity!r}: use 'auto', 'layer' or 'sublayer'")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb={self.bucket_mb} must be positive")
         if not isinstance(self.vocab_pad_multiple, int) or isinstance(self.vocab_pad_multiple, bool) \
@@ -185,11 +255,7 @@ class Config:
                              "over the expert-parallel data ranks is not supported yet; use zero=1 or zero=2")
 
     def _check_fp8(self):
-        if self.fp8 not in (None, "current", "delayed"):
-            raise ValueError(f"fp8={self.fp8!r}: use None (off), 'current' or 'delayed' (per-tensor scaling recipes)")
         if not isinstance(self.fp8_amax_history_len, int) or self.fp8_amax_history_len < 1:
             raise ValueError(f"fp8_amax_history_len={self.fp8_amax_history_len!r} must be a positive integer")
         if not isinstance(self.fp8_margin, int) or self.fp8_margin < 0:
             raise ValueError(f"fp8_margin={self.fp8_margin!r} must be an integer >= 0 (powers of 2 of headroom)")
-        if self.fp8_backend not in ("mcompile", "te"):
-            raise ValueError(f"fp8_backend={self.fp8_backend!r}: use 'mcompile' or 'te' (Transformer Engine)")

@@ -199,7 +199,7 @@ def _plan(cap, mesh: Mesh, config, hints: dict, overrides: dict | None):
     """Plan and package one graph as :class:`mcompile.api.Compiled` (compile_plan's steps, for a
     capture made here)."""
     from mcompile.annotate import annotate
-    from mcompile.api import Compiled
+    from mcompile.compiled import Compiled
     from mcompile.passes import canonicalize
     from mcompile.plan import PlanOptions, SPVariant
     from mcompile.planner import assemble_plan, plan_axes

@@ -127,6 +127,7 @@ import torch
 
 from mcompile import cost as C
 from mcompile import memory_model as MM
+from mcompile.compat import quiet_highs
 from mcompile.cost import Estimate, Layout, Recompute, Schedule, Workload
 from mcompile.hardware import Hardware, get_hardware
 
@@ -230,7 +231,7 @@ class SearchWorkload(Workload):
 
     def _plan(self, tp: int, sp: bool):
         """What :func:`mcompile.api.compile_plan` does after capture, on the shared graph."""
-        from mcompile.api import Compiled, _hints
+        from mcompile.compiled import Compiled, plan_hints
         from mcompile.mesh import Mesh
         from mcompile.passes import lower_program
         from mcompile.plan import PlanOptions, SPVariant
@@ -238,7 +239,7 @@ class SearchWorkload(Workload):
 
         cap = self.captured
         mesh = Mesh.fake(tp=tp)
-        axes = plan_axes(cap, mesh, sp, None, _hints(cap, self.example_inputs, self.example_kwargs, None, None))
+        axes = plan_axes(cap, mesh, sp, None, plan_hints(cap, self.example_inputs, self.example_kwargs, None, None))
         plan = assemble_plan(cap, mesh, axes, PlanOptions(sequence_parallel=sp, sp_variant=SPVariant.SAVE_GATHERED),
                              None)
         compiled = Compiled(cap, plan, mesh, axes, {}, self._annotation)
@@ -1617,29 +1618,6 @@ class BlockSolution:
         return "\n".join(lines)
 
 
-def _quiet_highs(feature: str = "the exact per-block placement solver (mcompile.search.block_placements)"):
-    """A HiGHS instance without its banner (printed from C on the first construction); ``feature``: what
-    needs it, named by the error when HiGHS is not installed."""
-    import os
-    import sys
-
-    from mcompile.compat import require
-
-    highspy = require("highspy", feature)
-
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            h = highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-    h.setOptionValue("output_flag", False)
-    return h
-
-
 def block_placements(model, tp: int, *, sequence_parallel: bool = False, hardware: str | Hardware = "h100",
                      microbatch_size: int = 1, seq: int | None = None, precision: str = "bf16",
                      require_sharded_weights: bool = True, efficiency: C.Efficiency | None = None,
@@ -1877,8 +1855,8 @@ def block_placements(model, tp: int, *, sequence_parallel: bool = False, hardwar
                     raise SearchError(f"{n.name}: no strategy produces the placement {want!r} the next block reads")
                 rows.append((1, 1, cs, [1.0] * len(cs)))
 
-    h = _quiet_highs()
-    import highspy  # importable: _quiet_highs required it
+    h = quiet_highs("the exact per-block placement solver (mcompile.search.block_placements)")
+    import highspy  # importable: quiet_highs required it
 
     n_cols = len(cols_cost)
     h.addVars(n_cols, np.zeros(n_cols), np.ones(n_cols))

@@ -1,8 +1,7 @@
-"""Graph passes, one module each, run from one flat list (CONVENTIONS 1).
-
-Before planning (on the captured graph):   canonicalize, mean_loss_to_sum_count (runtime only)
-After planning (per rank):                  lower
-Later passes (pipeline split, recompute, overlap, fusion, fp8, verify) join the second list.
+"""Graph passes, one module each. The order they run in is one list, ``mcompile.compiler.PASSES``, and the
+compiler runs them (model passes in ``mcompile.api.compile_plan``, rank passes in
+``mcompile.compiler.rank_programs``, signature passes in ``mcompile.compiler.build_joint``); this package keeps
+no list of its own. Re-exported here: the entry points the planner and the search call directly.
 """
 
 from __future__ import annotations
@@ -11,13 +10,11 @@ from mcompile.passes.canonicalize import canonicalize
 from mcompile.passes.loss import mean_loss_to_sum_count
 from mcompile.passes.lower import AxisInfo, lower
 
-__all__ = ["canonicalize", "lower_program", "mean_loss_to_sum_count", "AxisInfo", "PRE_PLAN", "PER_RANK"]
-
-PRE_PLAN = [canonicalize]
-PER_RANK = [lower]
+__all__ = ["canonicalize", "lower_program", "mean_loss_to_sum_count", "AxisInfo"]
 
 
 def lower_program(cap, axes, device=None):
-    """Run the per-rank pipeline; returns (GraphModule, collective specs)."""
+    """The per-rank program of ``cap`` for the axes' placements and this rank's coordinates (passes/lower.py);
+    returns (GraphModule, collective specs)."""
     gm, specs = lower(cap, axes, device)
     return gm, specs

@@ -64,6 +64,7 @@ import torch.fx as fx
 from mcompile import meta as M
 from mcompile.grad_regions import inline_grad_regions  # noqa: F401 - a pass of this module (moved: capture uses it)
 from mcompile.meta import ATTENTION_CORE
+from mcompile.passes.nodes import _fake_call, _new, _product_value  # noqa: F401  (re-exported)
 
 aten = torch.ops.aten
 
@@ -75,44 +76,6 @@ def _recompiled(gm: fx.GraphModule, count: int) -> int:
         gm.graph.lint()
         gm.recompile()
     return count
-
-def _fake_call(target, args, kwargs=None, like: fx.Node | None = None):
-    """Run ``target`` on the fake values of its node arguments: the new node's ``meta["val"]`` (in the
-    fake mode of a tensor argument, or of ``like``'s value for a factory such as ``arange(size)``)."""
-    vals = fx.node.map_aggregate(args, lambda a: a.meta["val"] if isinstance(a, fx.Node) else a)
-    nodes = [a for a in fx.node.map_aggregate(args, lambda a: a) if isinstance(a, fx.Node)]
-    mode = next(a.meta["val"].fake_mode for a in nodes + ([like] if like is not None else [])
-                if hasattr(a.meta.get("val"), "fake_mode"))
-    with mode:
-        if target in (aten.linear.default, aten.matmul.default) and all(
-                isinstance(v, torch.Tensor) and v.ndim >= 2 for v in vals[:2]):
-            return _product_value(target, vals)
-        return target(*vals, **(kwargs or {}))
-
-
-def _product_value(target, vals) -> torch.Tensor:
-    """The value of ``linear(x, W[, b])`` / ``matmul(a, b)`` (both operands at least 2-D) from its sizes
-    alone. Running the op instead is not safe on every torch ``pyproject.toml`` claims: torch 2.11's fake
-    kernels of a bias-free ``linear`` and of ``matmul`` with a >2-D input fold the leading dims through a
-    view that guards on the capture's symbolic sizes and so specialises ``batch`` and ``seq`` to the
-    example's (every later size a constant: programs of one batch size, wrong on any dp or microbatch
-    split; the compat run, docs/testing.md). The result is contiguous, as the op's is."""
-    a, b = vals[0], vals[1]
-    if target is aten.linear.default:
-        shape = [*a.shape[:-1], b.shape[0]]
-    else:
-        shape = [*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1]]
-    return a.new_empty(shape, dtype=torch.promote_types(a.dtype, b.dtype))
-
-
-def _new(graph: fx.Graph, target, args, like: fx.Node, kwargs: dict | None = None) -> fx.Node:
-    n = graph.call_function(target, args, kwargs or {})
-    n.meta["val"] = _fake_call(target, args, kwargs, like)
-    for k in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-        if k in like.meta:
-            n.meta[k] = like.meta[k]
-    return n
-
 
 def expand_as_to_expand(gm: fx.GraphModule) -> int:
     """``x.expand_as(y)`` (HRM's carried state) -> ``x.expand(y's sizes)``: the expand rule places it."""

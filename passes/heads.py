@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from mcompile.passes.canonicalize import _new
+from mcompile.passes.nodes import _new
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)

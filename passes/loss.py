@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from mcompile.passes.canonicalize import _fake_call
+from mcompile.passes.nodes import _fake_call
 
 aten = torch.ops.aten
 _PASSTHROUGH = {aten._to_copy.default, aten.to.dtype, aten.clone.default, aten.alias.default,

@@ -540,7 +540,7 @@ def _shapes_fit(form: ExpertForm, shapes, d: int) -> bool:
 
 
 def _replace(gm, region, y, x, idx, w, params, form: ExpertForm, down_bias=None, classes: int = 0) -> None:
-    from mcompile.passes.canonicalize import _fake_call
+    from mcompile.passes.nodes import _fake_call
 
     g = gm.graph
 

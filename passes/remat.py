@@ -360,9 +360,9 @@ def _highspy():
 
 
 def _highs():
-    from mcompile.search import _quiet_highs
+    from mcompile.compat import quiet_highs
 
-    h = _quiet_highs(_NEEDS_HIGHS)
+    h = quiet_highs(_NEEDS_HIGHS)
     h.setOptionValue("mip_rel_gap", 0.0)  # proven optima: HiGHS stops at a 1e-4 relative gap by default
     return h
 

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from mcompile.dropout import RNG_INPUT
 from mcompile.runtime.launch import process_group
-from mcompile.runtime.schedules import Action
+from mcompile.runtime.schedules import Action, Post, Wait, p2p_plan  # noqa: F401  (Post, Wait, p2p_plan: re-exported)
 from mcompile.timeline import clock_for
 
 __all__ = ["PipelineExecutor", "FxStage", "MessageSpec", "Event", "Post", "Wait", "p2p_plan"]
@@ -79,92 +79,6 @@ class Event:
     end: float
     stage: int = -1
     mb: int = -1
-
-
-# A message: (kind, sending stage, microbatch, index among the sender's messages); "act" goes to
-# stage + 1, "grad" (the gradient of the sender's input j, i.e. of output j of stage - 1) to stage - 1.
-@dataclass(frozen=True)
-class Post:
-    """Ops posted together: one ``batch_isend_irecv`` (``batched``) or a single isend / irecv."""
-    id: int
-    ops: tuple  # (("send" | "recv", message), ...)
-    batched: bool = True
-
-
-@dataclass(frozen=True)
-class Wait:
-    id: int  # the Post waited for
-
-
-def p2p_plan(actions: list, pp_rank: int | None, num_stages: int, out_diff: dict[int, list[bool]],
-             lookahead: int = 0) -> list:
-    """The step of pipeline rank ``pp_rank``: its actions with the postings and waits around them.
-
-    ``actions``: every pipeline rank's action list (a receiver posts its receives from a peer in
-    the order that peer sends them; with ``pp_rank=None``, one rank's list, whose receives are
-    then posted in the order it uses them); ``out_diff``: stage -> for each of its outputs, whether it is
-    differentiable (a gradient comes back for it). Before an action, the receives it needs are
-    posted (with any earlier messages of the same peer not yet posted) and waited for; after it,
-    each output is posted as its own send, waited for at the end of the step. Every posting is a
-    single op (``Post.batched`` False) on the communicator of its direction. ``lookahead`` (the overlap
-    pass, ``Config(overlap=True)``: 1): the receives the next ``lookahead`` actions need are posted too,
-    before this action runs, so their transfer runs under its compute (on their direction's
-    communicator, in the sender's order: the same queue as before, posted earlier; one more receive
-    buffer in flight). Returns a list of :class:`~mcompile.runtime.schedules.Action`, :class:`Post`
-    and :class:`Wait`."""
-    def messages(kind: str, sender: int, mb: int) -> list[tuple]:
-        flags = out_diff.get(sender if kind == "act" else sender - 1, [])
-        return [(kind, sender, mb, j) for j, d in enumerate(flags) if kind == "act" or d]
-
-    def sends(a: Action) -> list[tuple]:
-        if a.kind == "F" and a.stage < num_stages - 1:
-            return messages("act", a.stage, a.mb)
-        if a.kind == "B" and a.stage > 0:
-            return messages("grad", a.stage, a.mb)
-        return []
-
-    def needs(a: Action) -> list[tuple]:
-        if a.kind == "F" and a.stage > 0:
-            return messages("act", a.stage - 1, a.mb)
-        if a.kind == "B" and a.stage < num_stages - 1:
-            return messages("grad", a.stage + 1, a.mb)
-        return []
-
-    if pp_rank is None:
-        pp, pp_rank = 1, 0
-        actions = [actions]
-        incoming = {0: [msg for a in actions[0] for msg in needs(a)]}
-    else:
-        pp = len(actions)
-        incoming: dict[int, list[tuple]] = {}  # peer -> the messages it sends here, in its order
-        for q, acts in enumerate(actions):
-            for a in acts:
-                for msg in sends(a):
-                    if (msg[1] + 1 if msg[0] == "act" else msg[1] - 1) % pp == pp_rank:
-                        incoming.setdefault(q, []).append(msg)
-    posted = {q: 0 for q in incoming}
-    post_of: dict[tuple, int] = {}
-    plan: list = []
-    def post_upto(msg) -> None:
-        q = msg[1] % pp
-        while msg not in post_of:
-            nxt = incoming[q][posted[q]]
-            posted[q] += 1
-            post_of[nxt] = len(plan)
-            plan.append(Post(len(plan), (("recv", nxt),), batched=False))
-
-    mine = actions[pp_rank]
-    for i, a in enumerate(mine):
-        for msg in needs(a):
-            post_upto(msg)
-            plan.append(Wait(post_of.pop(msg)))
-        for b in mine[i + 1:i + 1 + lookahead]:
-            for msg in needs(b):
-                post_upto(msg)
-        plan.append(a)
-        for msg in sends(a):
-            plan.append(Post(len(plan), (("send", msg),), batched=False))
-    return plan
 
 
 @dataclass

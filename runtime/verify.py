@@ -2,7 +2,7 @@
 
 Each rank describes its step as a list of :class:`CommOp` — the sends, receives, waits and
 collectives its schedule and stage programs will issue, in order, backward included. ``rank_ops``
-builds it from the *same* posting plan the executor runs (:func:`mcompile.runtime.pipeline.p2p_plan`),
+builds it from the *same* posting plan the executor runs (:func:`mcompile.runtime.schedules.p2p_plan`),
 so a change in the runtime's posting order is what gets verified. :func:`verify` then checks, over
 all ranks:
 
@@ -83,12 +83,12 @@ def rank_ops(actions, stage_comm, num_stages: int, peer_of_stage, step_end=(), p
     stage -> dict with ``recv``/``send`` (lists of (shape, dtype, differentiable)), ``fwd``/``bwd``
     (lists of CommOp collectives in program order); ``peer_of_stage``: stage -> global rank;
     ``step_end``: collectives after the schedule (gradient reductions). The sends, receives and
-    waits are those of the runtime's posting plan (:func:`~mcompile.runtime.pipeline.p2p_plan`,
+    waits are those of the runtime's posting plan (:func:`~mcompile.runtime.schedules.p2p_plan`,
     from every rank's list ``schedule`` and this ``pp_rank``, or from ``actions`` alone), or of
     ``plan`` if given. ``comm``: the communicator of a single isend / irecv, ``"direction"`` (one
     per sending and receiving rank: the runtime's) or ``"pair"`` (both directions share one, torch's
     default); batched postings use the default group's."""
-    from mcompile.runtime.pipeline import Post, Wait, p2p_plan
+    from mcompile.runtime.schedules import Post, Wait, p2p_plan
 
     if plan is None:
         diff = {s: [d for _, _, d in sc["send"]] for s, sc in stage_comm.items()}

@@ -26,7 +26,7 @@ _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_token
 def tokenizer_path(cfg) -> str | None:
     """The run's tokenizer file: ``data.tokenizer`` (``tiny``: the shipped one), else the path the dataset
     records; None when neither says."""
-    from mcompile.train.loop import _shipped
+    from mcompile.train.model import _shipped
 
     if cfg.data.tokenizer:
         return _shipped(cfg.data.tokenizer, "tokenizer")
@@ -78,7 +78,7 @@ def export_run(cfg, pm, folder, dtype=None) -> Path:
     import torch.distributed as dist
 
     from mcompile.hf_io import export_hf
-    from mcompile.train.loop import build_model
+    from mcompile.train.model import build_model
 
     meta_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init="meta"))
     model, _, _ = build_model(meta_cfg)  # names and config only: on the meta device
