@@ -203,6 +203,7 @@ for the values and where they come from.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -220,6 +221,8 @@ from mcompile.annotate import BACKWARD_MULTIPLIER, MATMUL_CATEGORIES, layer_inde
 from mcompile.hardware import Hardware, get_hardware
 from mcompile.meta import ATTENTION_CORE, BYTES_READ, BYTES_WRITTEN, FLOPS, OUT_BYTES
 from mcompile.placements import BlockShard, Partial, Shard
+
+log = logging.getLogger("mcompile.cost")
 
 __all__ = [
     "Schedule",
@@ -931,13 +934,16 @@ def _shapes(nodes, cap, plan) -> tuple[int, int | None, int | None, int | None]:
 # --------------------------------------------------------------------------- workloads
 
 class Workload:
-    """A model for the cost model: captured on the meta device once per (tp, sequence parallel),
-    annotated, planned, analysed (:func:`analyse`), cached.
+    """A model for the cost model: captured on the meta device ONCE (canonicalised and annotated), planned and
+    lowered per (tp, sequence parallel) on that one graph, analysed (:func:`analyse`), cached. The search's
+    workload (:class:`mcompile.search.SearchWorkload`) is one, so the search and :func:`estimate` price from the
+    same profiles.
 
     ``Workload.from_preset("llama3-70b")`` captures a 2-layer version of the preset and scales by
     its layer count. ``Workload(model, example_inputs, n_layers=...)`` takes any model whose
-    forward returns the loss; ``n_layers`` defaults to the captured layers. Build one Workload and
-    reuse it: each new (tp, sp) costs one plan (about a second)."""
+    forward returns the loss; ``n_layers`` defaults to the captured layers; ``Workload.of(module, inputs)``
+    captures a 2-block copy of a deep module. Build one Workload and reuse it: each new (tp, sp) costs one
+    plan (well under a second)."""
 
     def __init__(self, model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict | None = None, *,
                  n_layers: int | None = None, name: str = "", heads: int | None = None, kv_heads: int | None = None,
@@ -948,6 +954,7 @@ class Workload:
         self.seq_len, self.dtype = seq_len, dtype
         self.layer_counts = layer_counts  # real layers per captured layer (analyse's layer_counts); None: alike
         self._profiles: dict[tuple[int, bool], ModelProfile] = {}
+        self._compiled: dict[tuple[int, bool], object] = {}  # (tp, sp) -> the planned mcompile.compiled.Compiled
 
     @classmethod
     def from_preset(cls, preset, *, capture_layers: int = 2, dtype: torch.dtype = torch.bfloat16) -> Workload:
@@ -992,6 +999,44 @@ class Workload:
         w._profiles[(prof.tp, prof.sequence_parallel)] = prof
         return w
 
+    @cached_property
+    def captured(self):
+        """The model captured ONCE on the meta device, canonicalised (attention too: a causal mask made from sizes
+        becomes ``is_causal``, as ``compile_plan`` does) and annotated; each (tp, sp) re-plans this graph."""
+        from mcompile.annotate import annotate
+        from mcompile.capture import capture
+        from mcompile.passes import canonicalize
+        from mcompile.passes.attention import canonicalize_attention
+
+        cap = capture(self.model, self.example_inputs, self.example_kwargs, meta_dtype=self.dtype)
+        canonicalize(cap.gm)
+        canonicalize_attention(cap, gqa=False)
+        self._annotation = annotate(cap.gm)
+        return cap
+
+    def compiled(self, tp: int, sequence_parallel: bool = False):
+        """The planner's plan of the captured graph at this tp (a :class:`mcompile.compiled.Compiled`): the
+        steps of ``compile_plan`` after capture, on the shared graph."""
+        key = (tp, bool(sequence_parallel and tp > 1))
+        if key not in self._compiled:
+            from mcompile.compiled import Compiled, plan_hints
+            from mcompile.mesh import Mesh
+            from mcompile.passes import lower_program
+            from mcompile.plan import PlanOptions, SPVariant
+            from mcompile.planner import assemble_plan, plan_axes
+
+            cap, sp = self.captured, key[1]
+            mesh = Mesh.fake(tp=tp)
+            hints = plan_hints(cap, self.example_inputs, self.example_kwargs, None, None)
+            axes = plan_axes(cap, mesh, sp, None, hints)
+            options = PlanOptions(sequence_parallel=sp, sp_variant=SPVariant.SAVE_GATHERED)
+            plan = assemble_plan(cap, mesh, axes, options, None)
+            compiled = Compiled(cap, plan, mesh, axes, {}, self._annotation)
+            _, specs = lower_program(cap, compiled.axis_infos(0))
+            plan.collectives = list(specs)
+            self._compiled[key] = compiled
+        return self._compiled[key]
+
     def profile(self, tp: int = 1, sequence_parallel: bool = False) -> ModelProfile:
         key = (tp, bool(sequence_parallel and tp > 1))
         if key not in self._profiles:
@@ -999,15 +1044,58 @@ class Workload:
                 have = ", ".join(f"tp={t}{' sp' if s else ''}" for t, s in self._profiles)
                 raise ValueError(f"this Workload was made from one compiled plan ({have}); to price tp={tp} "
                                  f"sp={key[1]}, build it from the model: Workload(model, example_inputs)")
-            from mcompile.api import compile_plan  # the façade: capture, canonicalize, annotate, plan, lower
-            from mcompile.mesh import Mesh
-
-            compiled = compile_plan(self.model, Mesh.fake(tp=tp), self.example_inputs, self.example_kwargs,
-                                    sequence_parallel=key[1], meta_dtype=self.dtype)
-            self._profiles[key] = analyse(compiled, n_layers=self.n_layers, name=self.name, heads=self.heads,
-                                          kv_heads=self.kv_heads, seq_len=self.seq_len,
+            self._profiles[key] = analyse(self.compiled(*key), n_layers=self.n_layers, name=self.name,
+                                          heads=self.heads, kv_heads=self.kv_heads, seq_len=self.seq_len,
                                           layer_counts=self.layer_counts)
         return self._profiles[key]
+
+    @classmethod
+    def of(cls, model, example_inputs=(), example_kwargs=None, *, dtype=torch.bfloat16,
+           capture_layers: int = 2) -> Workload:
+        """From a preset name or Preset, a Workload, or a module with its example inputs (a deep module: a copy
+        of ``capture_layers`` of its blocks captured, scaled to its depth)."""
+        from mcompile.models.presets import Preset
+
+        if isinstance(model, cls):
+            return model
+        if isinstance(model, (str, Preset)):
+            return cls.from_preset(model, capture_layers=capture_layers, dtype=dtype)
+        if isinstance(model, Workload):
+            if model.model is None:
+                raise ValueError("this Workload was made from one compiled plan: pricing other layouts needs the "
+                                 "model (Workload(model, example_inputs) or a preset)")
+            w = cls(model.model, model.example_inputs, model.example_kwargs, n_layers=model.n_layers,
+                    name=model.name, heads=model.heads, kv_heads=model.kv_heads, seq_len=model.seq_len,
+                    dtype=model.dtype, layer_counts=model.layer_counts)
+            w._profiles.update(model._profiles)
+            return w
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"a Workload is made of a module, a preset name, a Preset or a Workload, not "
+                            f"{type(model).__name__}")
+        if not example_inputs and not example_kwargs:
+            raise ValueError("a Workload of a module needs example_inputs=(...) (a template: shapes and dtypes)")
+        from mcompile.blocks import analyse as blocks_of
+        from mcompile.capture import CaptureError
+
+        short, depth = _truncated(model, capture_layers)
+        if depth is not None:
+            w = cls(short, tuple(example_inputs), example_kwargs, n_layers=depth, dtype=dtype)
+            try:  # capture now: the whole model when the cut one fails
+                if blocks_of(w.captured.gm, w.captured.params).num_layers == capture_layers:
+                    return w
+            except (CaptureError, RuntimeError, ValueError, TypeError, IndexError) as e:
+                log.info("capturing %d of %d blocks failed (%s): capturing the whole model", capture_layers, depth, e)
+        return cls(model, tuple(example_inputs), example_kwargs, dtype=dtype)
+
+
+def _truncated(model: torch.nn.Module, keep: int = 2) -> tuple[torch.nn.Module, int | None]:
+    """A shallow copy of ``model`` keeping ``keep`` blocks of its longest list of same-type blocks
+    (:func:`mcompile.repeat.truncate`) and the original block count; the model itself and None when
+    it has no such list."""
+    from mcompile.repeat import truncate
+
+    short = truncate(model, keep)
+    return (model, None) if short is None else (short[0], short[2])
 
 
 # --------------------------------------------------------------------------- collectives
@@ -2017,12 +2105,11 @@ def _workload(model, plan=None) -> Workload:
         if not plan.inputs:
             raise ValueError("this plan records no example inputs (saved before plans did): pass "
                              "Workload(model, example_inputs) to estimate it")
-        from mcompile.search import SearchWorkload  # captures a 2-block copy of a deep model, once
-
         # a template of the recorded shapes and dtypes on meta (capture reads no values), captured in bf16
-        # as Workload.from_preset does: the same numbers as pricing the plan with its preset's name
+        # as Workload.from_preset does: the same numbers as pricing the plan with its preset's name; a deep model
+        # as a 2-block copy, captured once
         template = tuple(torch.zeros(i.shape, dtype=getattr(torch, i.dtype), device="meta") for i in plan.inputs)
-        return SearchWorkload.of(model, template)
+        return Workload.of(model, template)
     raise TypeError(f"model={type(model).__name__}: pass a Workload, a preset name, a Preset or an nn.Module")
 
 

@@ -155,36 +155,15 @@ class SearchError(ValueError):
 # --------------------------------------------------------------------------- the workload, captured once
 
 
-def _truncated(model: torch.nn.Module, keep: int = 2) -> tuple[torch.nn.Module, int | None]:
-    """A shallow copy of ``model`` keeping ``keep`` blocks of its longest list of same-type blocks
-    (:func:`mcompile.repeat.truncate`) and the original block count; the model itself and None when
-    it has no such list."""
-    from mcompile.repeat import truncate
-
-    short = truncate(model, keep)
-    return (model, None) if short is None else (short[0], short[2])
-
-
 class SearchWorkload(Workload):
-    """A :class:`mcompile.cost.Workload` that captures its model ONCE and re-plans the captured graph
-    for each (tp, sequence parallel), instead of capturing again (module docstring)."""
+    """A :class:`mcompile.cost.Workload` (captured ONCE, re-planned for each (tp, sequence parallel): the same
+    profiles ``estimate`` prices with) and what the search adds: the blocks of the captured graph, the
+    divisibility checks per tp and the stage splits per pipeline shape."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._weights: dict[int, tuple[float, float, float]] = {}  # seq -> (pre, layer, post) stage proxy
         self._splits: dict[tuple[int, int, int], StageSplit] = {}  # (pp, virtual, seq) -> stage split
-        self._compiled: dict[tuple[int, bool], object] = {}  # (tp, sp) -> the planned api.Compiled
-
-    @cached_property
-    def captured(self):
-        from mcompile.annotate import annotate
-        from mcompile.capture import capture
-        from mcompile.passes import canonicalize
-
-        cap = capture(self.model, self.example_inputs, self.example_kwargs, meta_dtype=self.dtype)
-        canonicalize(cap.gm)
-        self._annotation = annotate(cap.gm)
-        return cap
 
     @cached_property
     def trunk(self):
@@ -212,78 +191,18 @@ class SearchWorkload(Workload):
             return str(e).split(". File")[0]
         return None
 
-    def profile(self, tp: int = 1, sequence_parallel: bool = False) -> C.ModelProfile:
-        key = (tp, bool(sequence_parallel and tp > 1))
-        if key not in self._profiles:
-            if self.model is None:
-                return super().profile(tp, sequence_parallel)
-            self._profiles[key] = C.analyse(self.compiled(*key), n_layers=self.n_layers, name=self.name,
-                                            heads=self.heads, kv_heads=self.kv_heads, seq_len=self.seq_len,
-                                            layer_counts=self.layer_counts)
-        return self._profiles[key]
-
-    def compiled(self, tp: int, sequence_parallel: bool = False):
-        """The planner's plan of the captured graph at this tp (an :class:`mcompile.api.Compiled`)."""
-        key = (tp, bool(sequence_parallel and tp > 1))
-        if key not in self._compiled:
-            self._compiled[key] = self._plan(*key)
-        return self._compiled[key]
-
-    def _plan(self, tp: int, sp: bool):
-        """What :func:`mcompile.api.compile_plan` does after capture, on the shared graph."""
-        from mcompile.compiled import Compiled, plan_hints
-        from mcompile.mesh import Mesh
-        from mcompile.passes import lower_program
-        from mcompile.plan import PlanOptions, SPVariant
-        from mcompile.planner import assemble_plan, plan_axes
-
-        cap = self.captured
-        mesh = Mesh.fake(tp=tp)
-        axes = plan_axes(cap, mesh, sp, None, plan_hints(cap, self.example_inputs, self.example_kwargs, None, None))
-        plan = assemble_plan(cap, mesh, axes, PlanOptions(sequence_parallel=sp, sp_variant=SPVariant.SAVE_GATHERED),
-                             None)
-        compiled = Compiled(cap, plan, mesh, axes, {}, self._annotation)
-        _, specs = lower_program(cap, compiled.axis_infos(0))
-        plan.collectives = list(specs)
-        return compiled
-
     @classmethod
     def of(cls, model, example_inputs=(), example_kwargs=None, *, dtype=torch.bfloat16,
            capture_layers: int = 2) -> SearchWorkload:
-        """From a preset name or Preset, a Workload, or a module with its example inputs."""
-        from mcompile.models.presets import Preset
-
-        if isinstance(model, SearchWorkload):
-            return model
-        if isinstance(model, (str, Preset)):
-            return cls.from_preset(model, capture_layers=capture_layers, dtype=dtype)
-        if isinstance(model, Workload):
-            if model.model is None:
-                raise SearchError("this Workload was made from one compiled plan: the search needs the model "
-                                  "(Workload(model, example_inputs) or a preset)")
-            w = cls(model.model, model.example_inputs, model.example_kwargs, n_layers=model.n_layers,
-                    name=model.name, heads=model.heads, kv_heads=model.kv_heads, seq_len=model.seq_len,
-                    dtype=model.dtype, layer_counts=model.layer_counts)
-            w._profiles.update(model._profiles)
-            return w
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"search() takes a module, a preset name, a Preset or a Workload, not "
-                            f"{type(model).__name__}")
-        if not example_inputs and not example_kwargs:
-            raise SearchError("search(module) needs example_inputs=(...) (a template: shapes and dtypes)")
-        from mcompile.capture import CaptureError
-
-        short, depth = _truncated(model, capture_layers)
-        if depth is not None:
-            w = cls(short, tuple(example_inputs), example_kwargs, n_layers=depth, dtype=dtype)
-            try:
-                w.captured  # noqa: B018 - capture now: fall back to the whole model if the cut one fails
-                w.trunk  # noqa: B018
-                if w.trunk.num_layers == capture_layers:
-                    return w
-            except (CaptureError, RuntimeError, ValueError, TypeError, IndexError) as e:
-                log.info("capturing %d of %d blocks failed (%s): capturing the whole model", capture_layers, depth, e)
-        return cls(model, tuple(example_inputs), example_kwargs, dtype=dtype)
+        """:meth:`mcompile.cost.Workload.of`, its refusals as :class:`SearchError`."""
+        try:
+            return super().of(model, example_inputs, example_kwargs, dtype=dtype, capture_layers=capture_layers)
+        except TypeError as e:
+            raise TypeError(str(e).replace("a Workload is made of", "search() takes")) from None
+        except ValueError as e:
+            if type(e) is not ValueError:
+                raise
+            raise SearchError(str(e)) from None
 
 
 # --------------------------------------------------------------------------- stage cuts

@@ -63,6 +63,25 @@ def test_pricing_with_uniform_stages_is_the_cost_model(medium, settings):
         assert p.memory_bytes == pytest.approx(e.memory_bytes, rel=1e-12), lay
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("preset,world,seq,axis", [("mixtral-tiny", 8, 256, "ep"), ("llama3-tiny", 16, 4096, "cp")])
+def test_search_and_estimate_price_alike(preset, world, seq, axis):
+    """One cost model (issue 39): 20 layouts drawn from the search's space (ep or cp, pp, ZeRO, recompute, overlap
+    all varied) priced by the search and by ``estimate``: identical step times and bytes. Both take their
+    profiles from the same captured graph (``cost.Workload``: the search's workload is one), so a module priced
+    by ``estimate(layout, module)`` and by the search is planned once, alike."""
+    import random
+
+    work = SearchWorkload.of(preset)
+    layouts = list(enumerate_layouts(work, world, global_batch=32, seq=seq))
+    sample = random.Random(1).sample(layouts, 20)
+    assert any(getattr(lay, axis) > 1 for lay in sample)  # (cp: sequences long enough to be worth splitting)
+    for lay in sample:
+        e = estimate(lay, work, global_batch=32, seq=seq)
+        p = price(lay, work, global_batch=32, seq=seq, uniform=True)
+        assert (p.step_time_s, p.memory_bytes) == (e.step_time_s, e.memory_bytes), lay
+
+
 def test_gpt2_xl_on_64_gpus(capsys):
     """The suite's search: GPT-2 XL (1.5B, 48 layers, 25 heads) on 64 H100s, capture included."""
     t = time.perf_counter()
