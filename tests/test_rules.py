@@ -1517,15 +1517,21 @@ def test_gather(data):
           gen=gen, expect=expect)
 
 
-@pytest.mark.timeout(120)
-@hyp(25)
-@given(data=st.data())
-def test_index_select(data):
+def _draw_along(data):
+    """(n, generator, shape of 1-3 dims, a dim as the op is given it, that dim normalised): the draws every op
+    along one dim (index_select, index_add, scatter_reduce) starts from."""
     n = data.draw(st.sampled_from(NS), label="n")
     gen = new_gen(data)
     shape = draw_shape(data, n, 1, 3)
     dim = data.draw(st.integers(-len(shape), len(shape) - 1), label="dim")
-    d = dim % len(shape)
+    return n, gen, shape, dim, dim % len(shape)
+
+
+@pytest.mark.timeout(120)
+@hyp(25)
+@given(data=st.data())
+def test_index_select(data):
+    n, gen, shape, dim, d = _draw_along(data)
     k = data.draw(st.sampled_from([n, 2 * n, 3]), label="picked")
     x = make(shape, "f", gen)
     index = torch.randint(0, shape[d], (k,), generator=gen)
@@ -1544,11 +1550,7 @@ def test_index_add(data):
     """``self.index_add(dim, index, source)`` (JetMoE's experts' outputs added back to their tokens): split alike
     on another dim than ``dim``, or both Partial (linear in the two together). Its Partial source into a self
     of zeros needs the captured node (a zeros factory) and is proven by tests/test_plan_constructs.py."""
-    n = data.draw(st.sampled_from(NS), label="n")
-    gen = new_gen(data)
-    shape = draw_shape(data, n, 1, 3)
-    dim = data.draw(st.integers(-len(shape), len(shape) - 1), label="dim")
-    d = dim % len(shape)
+    n, gen, shape, dim, d = _draw_along(data)
     k = data.draw(st.sampled_from([n, 2 * n, 3]), label="added")
     x = make(shape, "f", gen)
     src = make([k if j == d else s for j, s in enumerate(shape)], "f", gen)
@@ -1570,11 +1572,7 @@ def test_scatter_reduce(data):
     """``self.scatter_reduce(dim, index, src, reduce, include_self)`` (BLT's patch pooling, ``amax`` into zeros):
     self, index and src split alike on another dim than ``dim``; Partial self and src for the linear reductions
     (sum, mean), which the rule must not offer for prod, amax and amin."""
-    n = data.draw(st.sampled_from(NS), label="n")
-    gen = new_gen(data)
-    shape = draw_shape(data, n, 1, 3)
-    dim = data.draw(st.integers(-len(shape), len(shape) - 1), label="dim")
-    d = dim % len(shape)
+    n, gen, shape, dim, d = _draw_along(data)
     k = data.draw(st.sampled_from([n, 2 * n, 5]), label="scattered")
     reduce = data.draw(st.sampled_from(["sum", "mean", "prod", "amax", "amin"]), label="reduce")
     include_self = data.draw(st.booleans(), label="include_self")
