@@ -182,7 +182,7 @@ def rank_programs(compiled, rank: int, config, device=None, *, upto: str | None 
             layers_per_stage=list(config.layers_per_stage) if config.layers_per_stage else None,
             cuts=list(config.stage_cuts) if config.stage_cuts else None, seq=config.pipeline_seq or 2048)
         out.stages = split_stages(program, out.partition, cap.params, cap.user_inputs)
-        if PASSES[pass_names().index("fsdp")].enabled(config, mesh):  # ZeRO-3: each stage gathers its own
+        if out.zero3:  # ZeRO-3: each stage gathers its own sharded parameters
             from mcompile.passes.fsdp import insert_gathers
 
             for st in out.stages:

@@ -85,7 +85,17 @@ _CHOICES = {"recompute": RecomputePolicy, "recompute_method": RecomputeMethod, "
             "fp8": Fp8Recipe, "fp8_backend": Fp8Backend, "moe_dispatcher": MoeDispatcher, "cp_attention": CpAttention}
 
 
-def _options(choice: type[Choice]) -> str:
+# what a bad value's error offers, where it says more than the values
+_OFFERED = {"execution": "'joint' (default) or 'autograd' (the fallback)",
+            "fp8": "None (off), 'current' or 'delayed' (per-tensor scaling recipes)",
+            "fp8_backend": "'mcompile' or 'te' (Transformer Engine)",
+            "pipeline_granularity": "'auto', 'layer' or 'sublayer'",
+            "schedule": "one of gpipe, 1f1b, interleaved, zbh1"}
+
+
+def _options(name: str, choice: type[Choice]) -> str:
+    if name in _OFFERED:
+        return _OFFERED[name]
     vals = [repr(v.value) for v in choice]
     return ", ".join(vals[:-1]) + " or " + vals[-1]
 
@@ -192,8 +202,7 @@ class Config:
             try:
                 object.__setattr__(self, name, choice(value))
             except ValueError:
-                off = "None (off), " if name == "fp8" else ""
-                raise ValueError(f"{name}={value!r}: use {off}{_options(choice)}") from None
+                raise ValueError(f"{name}={value!r}: use {_options(name, choice)}") from None
         from mcompile.runtime.loss_scale import DynamicLossScaler
 
         DynamicLossScaler.from_config(self)  # the loss-scaling options checked (an error names the bad one)

@@ -1019,22 +1019,13 @@ class Workload:
         steps of ``compile_plan`` after capture, on the shared graph."""
         key = (tp, bool(sequence_parallel and tp > 1))
         if key not in self._compiled:
-            from mcompile.compiled import Compiled, plan_hints
+            from mcompile.compiled import plan_captured, plan_hints
             from mcompile.mesh import Mesh
-            from mcompile.passes import lower_program
-            from mcompile.plan import PlanOptions, SPVariant
-            from mcompile.planner import assemble_plan, plan_axes
 
-            cap, sp = self.captured, key[1]
-            mesh = Mesh.fake(tp=tp)
+            cap = self.captured
             hints = plan_hints(cap, self.example_inputs, self.example_kwargs, None, None)
-            axes = plan_axes(cap, mesh, sp, None, hints)
-            options = PlanOptions(sequence_parallel=sp, sp_variant=SPVariant.SAVE_GATHERED)
-            plan = assemble_plan(cap, mesh, axes, options, None)
-            compiled = Compiled(cap, plan, mesh, axes, {}, self._annotation)
-            _, specs = lower_program(cap, compiled.axis_infos(0))
-            plan.collectives = list(specs)
-            self._compiled[key] = compiled
+            self._compiled[key] = plan_captured(cap, Mesh.fake(tp=tp), hints, sequence_parallel=key[1],
+                                                annotation=self._annotation, lower=True)
         return self._compiled[key]
 
     def profile(self, tp: int = 1, sequence_parallel: bool = False) -> ModelProfile:

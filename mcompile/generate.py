@@ -196,21 +196,19 @@ def _symbols(new, decode: bool):
 
 
 def _plan(cap, mesh: Mesh, config, hints: dict, overrides: dict | None):
-    """Plan and package one graph as :class:`mcompile.api.Compiled` (compile_plan's steps, for a
-    capture made here)."""
+    """Plan one graph captured here (canonicalised and annotated first) as a :class:`mcompile.compiled.Compiled`
+    (:func:`mcompile.compiled.plan_captured`, compile_plan's planning steps)."""
     from mcompile.annotate import annotate
-    from mcompile.compiled import Compiled
+    from mcompile.compiled import plan_captured
     from mcompile.passes import canonicalize
     from mcompile.plan import PlanOptions, SPVariant
-    from mcompile.planner import assemble_plan, plan_axes
 
     canon = canonicalize(cap.gm)
     annotation = annotate(cap.gm)
-    axes = plan_axes(cap, mesh, False, overrides, hints)
     options = PlanOptions(sequence_parallel=False, sp_variant=SPVariant.SAVE_GATHERED,
                           vocab_pad_multiple=config.vocab_pad_multiple)
-    plan = assemble_plan(cap, mesh, axes, options, overrides)
-    return Compiled(cap, plan, mesh, axes, canon, annotation)
+    return plan_captured(cap, mesh, hints, overrides=overrides, options=options, canonical=canon,
+                         annotation=annotation)
 
 
 @dataclass
