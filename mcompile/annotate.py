@@ -107,6 +107,9 @@ import torch.fx as fx
 from torch.utils import flop_counter as _torch_flop_counter
 from torch.utils._pytree import tree_flatten, tree_map
 
+from mcompile import meta as M
+from mcompile.meta import ALIASES  # noqa: F401  (node.meta: per tensor output, whether it shares storage; re-exported)
+
 from .meta import BYTES_READ, BYTES_WRITTEN, FLOPS, OUT_BYTES
 
 __all__ = [
@@ -721,7 +724,6 @@ def _flops(node: fx.Node, out: Any, alias_only: bool) -> tuple[sympy.Expr, str, 
         return ZERO, "unknown", False, f"{type(e).__name__}: {e}"
 
 
-ALIASES = "mc_aliases"  # node.meta: per tensor output, whether it shares storage with an input (set at capture)
 
 
 def output_aliases(node: fx.Node) -> list[bool] | None:
@@ -906,7 +908,7 @@ def _set(node: fx.Node, flops: sympy.Expr, read: sympy.Expr, written: sympy.Expr
     node.meta[OUT_BYTES] = out
 
 
-_COST = "_mc_node_cost"  # the NodeCost behind the keys (annotate(reuse=True) takes it as it is)
+_COST = M.NODE_COST  # the NodeCost behind the keys (annotate(reuse=True) takes it as it is)
 
 
 def _annotate(gm: fx.GraphModule, acc: _Acc, outer_layer: tuple[int | None, str | None] | None,

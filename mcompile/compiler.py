@@ -342,7 +342,7 @@ def _launch_buckets(jp, grad_buckets) -> None:
 
 
 def _acc_outputs(gm: fx.GraphModule) -> set[int]:
-    from mcompile.passes.joint import ACC_OUTPUT
+    from mcompile.meta import ACC_OUTPUT
 
     return {n.meta[ACC_OUTPUT] for n in gm.graph.nodes if ACC_OUTPUT in n.meta}
 

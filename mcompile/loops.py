@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from mcompile import meta as M
 from mcompile.patches import Patches, Refused, exception_chain
 
 __all__ = ["LoopRefused", "exporting", "guard", "unrolling"]
@@ -40,8 +41,8 @@ __all__ = ["LoopRefused", "exporting", "guard", "unrolling"]
 aten = torch.ops.aten
 MAX_INDICES = 4096  # a mask longer than this is not an index set to unroll (experts, heads: tens to hundreds)
 
-_TAG = "mc_loop_iteration"  # node.meta: (loop, index) of the unrolled iteration that traced the node
-_MASK = "mc_loop_masks"  # node.meta: the loops over this mask's nonzero indices
+_TAG = M.LOOP_ITERATION  # node.meta: (loop, index) of the unrolled iteration that traced the node
+_MASK = M.LOOP_MASKS  # node.meta: the loops over this mask's nonzero indices
 _STATE = threading.local()
 _ORIG = {
     "nonzero": torch.Tensor.nonzero,

@@ -36,3 +36,17 @@ STAGE = "mc_stage"  # int | None: the pipeline stage of a node (passes.pipeline_
 # GraphModule.meta keys of a lowered program (passes/lower.py), read by mcompile.repeat:
 EMITTED_FOR = "mc_emitted_for"  # program node name -> the captured node whose lowering emitted it
 VALUE_OF = "mc_value_of"  # captured node name -> the program node holding its value
+
+# Capture and its rewrites.
+ALIASES = "mc_aliases"  # tuple[bool, ...]: per tensor output, whether it shares storage with an input (capture)
+NODE_COST = "_mc_node_cost"  # mcompile.annotate.NodeCost behind the annotation keys (annotate(reuse=True))
+LOOP_ITERATION = "mc_loop_iteration"  # (loop, index): the unrolled iteration that traced the node (mcompile.loops)
+LOOP_MASKS = "mc_loop_masks"  # the loops over this mask's nonzero indices (mcompile.loops)
+COPY = "_mc_copy"  # bool: a node copied per repeated layer while mcompile.repeat grows a program (removed after)
+
+# Joint programs (passes/joint.py) and what later passes mark on them.
+PROGRAM_NODE = "mc_program_node"  # str: the per-rank program node a joint-graph node was traced from
+ACC_OUTPUT = "mc_acc_output"  # int: on a gradient accumulation, the backward output position it replaced
+NUM_FWD_OUTPUTS = "mc_num_fwd_outputs"  # GraphModule.meta of a joint graph: how many outputs are the forward's
+W_INPUTS = "mc_w_inputs"  # GraphModule.meta of zero-bubble's W module: the B inputs it reads
+RECOMPUTE_GROUPS = "mc_recompute_groups"  # GraphModule.meta: recompute groups applied (passes/recompute.py)

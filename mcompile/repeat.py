@@ -622,7 +622,7 @@ def repeat_graph(gm: fx.GraphModule, block: Block, members: list[fx.Node], entry
     chains = _side_chains(g, members, inside, exit_, seq, order, block, origin_of)
     # what came after the run reads the last group; a list of per-group values, every group's
     users = {u: None for n in [*members, *chains] for u in n.users  # each once: a list may hold several
-             if u not in inside and u not in chains and not u.meta.get("_mc_copy")}
+             if u not in inside and u not in chains and not u.meta.get(M.COPY)}
     for u in users:
         u.args = tuple(_expand(a, seq) for a in u.args)
         u.kwargs = {k: _expand(v, seq) for k, v in u.kwargs.items()}
@@ -663,7 +663,7 @@ def _side_chains(g: fx.Graph, members: list[fx.Node], inside: set, exit_: fx.Nod
     derived: set[fx.Node] = set()  # nodes after the run computed from group values (and shared ones) only
     end = order[members[-1]]
     for n in g.nodes:
-        if n in inside or n.meta.get("_mc_copy") or n.op != "call_function" or order.get(n, -1) <= end:
+        if n in inside or n.meta.get(M.COPY) or n.op != "call_function" or order.get(n, -1) <= end:
             continue
         ins = n.all_input_nodes
         if any(a in inside or a in derived for a in ins) and all(
@@ -671,7 +671,7 @@ def _side_chains(g: fx.Graph, members: list[fx.Node], inside: set, exit_: fx.Nod
             derived.add(n)
     chains: set[fx.Node] = set()
     for user in list(g.nodes):
-        if user in inside or user.meta.get("_mc_copy"):
+        if user in inside or user.meta.get(M.COPY):
             continue
         lists = [a for a in (*user.args, *user.kwargs.values()) if isinstance(a, list | tuple)]
         for x in (x for lst in lists for x in lst if isinstance(x, fx.Node) and x in derived):
@@ -699,7 +699,7 @@ def _side_chains(g: fx.Graph, members: list[fx.Node], inside: set, exit_: fx.Nod
                         seq.setdefault(y, [y]).append(new)
             for y in ordered:  # read directly (not in a list) after the run: the last group's, as a group value
                 for u in list(y.users):
-                    if u not in chain and not u.meta.get("_mc_copy") and not any(
+                    if u not in chain and not u.meta.get(M.COPY) and not any(
                             isinstance(a, list | tuple) and y in a for a in (*u.args, *u.kwargs.values())):
                         u.replace_input_with(y, env[y])
             chains |= chain
@@ -707,7 +707,7 @@ def _side_chains(g: fx.Graph, members: list[fx.Node], inside: set, exit_: fx.Nod
 
 
 def _relabel(new: fx.Node, old: fx.Node, block: Block, j: int, origin_of) -> None:
-    new.meta["_mc_copy"] = True
+    new.meta[M.COPY] = True
     stack = old.meta.get("nn_module_stack")
     if isinstance(stack, dict):
         new.meta["nn_module_stack"] = {k: (block.layer_path(v[0], j), *v[1:]) if isinstance(v, tuple) and v
@@ -730,7 +730,7 @@ def _relabel(new: fx.Node, old: fx.Node, block: Block, j: int, origin_of) -> Non
 
 def _clear_copy_marks(gm: fx.GraphModule) -> None:
     for n in gm.graph.nodes:
-        n.meta.pop("_mc_copy", None)
+        n.meta.pop(M.COPY, None)
 
 
 def captured_origin(block: Block):

@@ -224,7 +224,7 @@ def trace_joint(program: fx.GraphModule, args: list) -> JointGraph:
     for n in program.graph.nodes:  # our meta, carried onto the traced nodes (module docstring)
         if n.op == "call_function":
             n.meta["custom"] = {**n.meta.get("custom", {}), M.LAYER: n.meta.get(M.LAYER),
-                                M.ORIGIN: n.meta.get(M.ORIGIN, n.name), "mc_program_node": n.name}
+                                M.ORIGIN: n.meta.get(M.ORIGIN, n.name), M.PROGRAM_NODE: n.name}
     shapes: dict = {}
 
     # module constants (an FP8 amax history, a fused op's table) become inputs of the trace: one that is
@@ -280,7 +280,7 @@ def trace_joint(program: fx.GraphModule, args: list) -> JointGraph:
     diff_idx = shapes["diff"]
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    gm.meta["mc_num_fwd_outputs"] = shapes["n_out"]
+    gm.meta[M.NUM_FWD_OUTPUTS] = shapes["n_out"]
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     primal_names = [n.name for n in phs if n.name.startswith("primals")]
     tangent_names = [n.name for n in phs if n.name.startswith("tangents")]
@@ -721,11 +721,11 @@ def split_weight(jp: JointProgram, input_positions: list[int]) -> None:
     w_inputs = stash + w_phs
     jp.backward_weight = _copy_nodes([n for n in order if n in w_nodes and n not in b_nodes], w_inputs,
                                      [grads[i] for i in weight_pos], bw)
-    jp.backward_weight.meta["mc_w_inputs"] = [phs.index(p) for p in w_phs]
+    jp.backward_weight.meta[M.W_INPUTS] = [phs.index(p) for p in w_phs]
     jp.input_grads, jp.weight_grads = list(input_positions), weight_pos
 
 
-ACC_OUTPUT = "mc_acc_output"  # node.meta key on an accumulation: the output position it replaced
+ACC_OUTPUT = M.ACC_OUTPUT  # node.meta key on an accumulation: the output position it replaced
 
 
 def accumulate_outputs(gm: fx.GraphModule, positions: list[int]) -> list[int]:

@@ -19,8 +19,8 @@ import torch
 import torch.fx as fx
 
 from mcompile import ops
+from mcompile.meta import ACC_OUTPUT
 from mcompile.ops import grad_sink, grads_ready  # noqa: F401  (the op launch_buckets places, kept in the IR)
-from mcompile.passes.joint import ACC_OUTPUT
 
 __all__ = ["check_waits", "make_async", "OverlapError", "is_start", "is_wait",
            "launch_buckets", "grad_sink", "BucketLaunch", "inplace_all_reduces"]

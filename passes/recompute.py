@@ -93,5 +93,5 @@ def apply_recompute(gm: fx.GraphModule, groups: dict[str, int]) -> fx.GraphModul
             split.graph.erase_node(node)
     split.graph.lint()
     split.recompile()
-    split.meta["mc_recompute_groups"] = len(recomputed)
+    split.meta[M.RECOMPUTE_GROUPS] = len(recomputed)
     return split

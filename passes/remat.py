@@ -54,6 +54,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from mcompile import meta as M
 from mcompile.compat import optimization_hint, require
 
 __all__ = ["RematSolution", "BudgetError", "classify", "node_cost", "solve", "exhaustive", "min_budget", "report"]
@@ -121,7 +122,7 @@ def classify(joint: fx.GraphModule) -> tuple[set[str], set[str]]:
     outputs: a node that depends on no tangent but only backward reads (autograd's ``t(weight)``
     for an input gradient, a norm's statistics recomputed by its backward formula) is backward
     work — computing it there costs nothing extra, saving it from forward would cost memory."""
-    n_out = joint.meta.get("mc_num_fwd_outputs")
+    n_out = joint.meta.get(M.NUM_FWD_OUTPUTS)
     if n_out is not None:
         out = next(n for n in joint.graph.nodes if n.op == "output")
         todo = [a for a in list(out.args[0])[:n_out] if isinstance(a, fx.Node)]

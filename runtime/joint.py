@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from mcompile.meta import W_INPUTS
+
 __all__ = ["JointRunner", "JointCtx", "signature", "ActivationBudget", "RecomputeChoice"]
 
 
@@ -177,7 +179,7 @@ class JointRunner:
         b_in = [*ctx.saved, *ctx.primals, *tangents]
         res = jp.backward_input(*b_in)
         k = len(jp.input_grads)
-        w_inputs = jp.backward_weight.meta["mc_w_inputs"]  # a GraphModule, or the code generator's wrapper of one
+        w_inputs = jp.backward_weight.meta[W_INPUTS]  # a GraphModule, or the code generator's wrapper of one
         ctx.stash = list(res[k:]) + [b_in[i] for i in w_inputs]
         ctx.saved = ctx.primals = None
         return list(res[:k])

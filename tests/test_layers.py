@@ -114,3 +114,35 @@ def test_no_new_import_cycle():
     assert not new, ("import cycles (every import counted, function-level too): "
                      + "; ".join(" <-> ".join(c) for c in new)
                      + ". Move what both sides need into the lower layer (the module docstring's order)")
+
+
+def _meta_key_literals(tree: ast.AST) -> list[tuple[int, str]]:
+    """Line and text of every string constant used as a ``.meta`` key: ``x.meta["mc_..."]`` and
+    ``x.meta.get / pop / setdefault("mc_...", ...)``."""
+    out = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "meta":
+            key = node.slice
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("get", "pop", "setdefault") and isinstance(node.func.value, ast.Attribute) and \
+                node.func.value.attr == "meta" and node.args:
+            key = node.args[0]
+        if isinstance(key, ast.Constant) and isinstance(key.value, str) and key.value.lstrip("_").startswith("mc_"):
+            out.append((node.lineno, key.value))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_every_meta_key_of_mcompile_is_named_in_one_module():
+    """mcompile's own ``node.meta`` / ``GraphModule.meta`` keys are constants of ``mcompile/meta.py`` (the channel
+    between passes, documented there); nowhere else is one written as a string. The check of the check: a key
+    written as a string is found."""
+    assert _meta_key_literals(ast.parse('n.meta["mc_x"] = 1\nn.meta.get("_mc_y")\nn.meta["val"]')) == [
+        (1, "mc_x"), (2, "_mc_y")]
+    found = []
+    for name, f in modules().items():
+        if name != "mcompile.meta":
+            keys = _meta_key_literals(ast.parse(f.read_text()))
+            found += [f"{f.relative_to(ROOT)}:{line}: {key}" for line, key in keys]
+    assert not found, "meta keys written as strings (name them in mcompile/meta.py): " + "; ".join(found)
