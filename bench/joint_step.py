@@ -8,7 +8,7 @@ rank builds three ParallelModules of the same model and inputs, each with its ow
 
 - ``autograd``: ``Config(execution="autograd")``, forward under autograd, ``loss.backward()``;
 - ``joint``: the default, the joint program's forward and backward modules run without autograd
-  (runtime/joint.py), ``codegen="eager"`` (fx-generated Python);
+  (runtime/joint_runner.py), ``codegen="eager"`` (fx-generated Python);
 - ``inductor``: the joint path with ``codegen="inductor"`` (passes/codegen.py): each module is
   compiled on its first call, so the first step's time is the compile time (a fresh Inductor cache
   directory: cold, unless ``--warm-cache``; the four ranks compile at once).

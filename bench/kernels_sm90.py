@@ -112,7 +112,7 @@ def record_launches(widths: list[int]) -> list[tuple[str, str, JITFunction, tupl
             torch.autograd.grad(fp8.fp8_linear_delayed(x, w, hist), (x, w), torch.zeros(ROWS, width,
                                                                                           dtype=torch.bfloat16))
             out += [(f"fp8_linear_delayed {width}x{width}", "fwd_bwd", *launch) for launch in launches]
-            # 4 experts, one of them empty; forward with w as a transposed view (models/moe.py passes
+            # 4 experts, one of them empty; forward with w as a transposed view (models/moe_lm.py passes
             # w1.transpose(1, 2)), dx with w's own layout: both stride specializations get compiled
             w = torch.zeros(4, EXPERT_COLUMNS, width, dtype=torch.bfloat16).requires_grad_()
             offs = torch.tensor([ROWS // 4, ROWS // 4, ROWS // 2, ROWS])

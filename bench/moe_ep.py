@@ -68,7 +68,7 @@ LR = 1e-3
 def _model():
     import torch
 
-    from mcompile.models.moe import Mixtral, MixtralConfig
+    from mcompile.models.moe_lm import Mixtral, MixtralConfig
 
     torch.manual_seed(0)
     model = Mixtral(MixtralConfig(**CONFIG)).eval()  # no dropout: the layouts must agree exactly
@@ -310,7 +310,7 @@ def main() -> None:
     planned_step = sum(p["bytes_at_batch_seq"] * (2 if p["backward"] == "all_to_all" else 1) for p in plan_rows)
     out = {
         "benchmark": "moe_ep",
-        "model": {"class": "mcompile.models.moe.Mixtral", "config": CONFIG, "batch": BATCH, "seq": SEQ,
+        "model": {"class": "mcompile.models.moe_lm.Mixtral", "config": CONFIG, "batch": BATCH, "seq": SEQ,
                   "dtype": "float32", "optimizer": f"AdamW(lr={LR})"},
         "machine": {**_results.machine(), "torch": torch.__version__, "backend": "gloo", "ranks": 2,
                     "threads_per_rank": 1},
@@ -364,7 +364,7 @@ def main() -> None:
                   "with the ranks' compute for the same cores, and a tiny model's GEMMs are short. The step-time "
                   "ratio says what EP costs in this runtime on this machine, not on a GPU cluster; the byte counts "
                   "and the per-rank parameter/memory figures are what carries over. In fp32 on CPU the experts run "
-                  "as models.moe.grouped_mm_reference (one gathered weight per routed row), which dominates both "
+                  "as models.moe_lm.grouped_mm_reference (one gathered weight per routed row), which dominates both "
                   "layouts' step time and activation memory; torch._grouped_mm (bf16) or a GPU kernel would not.",
         "load_average_before": load_before, "load_average_after": load_after,
         "workers_wall_s": workers_s,

@@ -559,7 +559,7 @@ MUTANTS: list[Mutant] = [
                     "tp ranks of a stage resume with the same histories",
         targets=("tests/test_fp8.py::test_fp8_delayed_checkpoint_resumes_bit_identically",),
     ),
-    # ---- joint forward + backward programs (passes/joint.py, runtime/joint.py; issue 13) -----------------
+    # ---- joint forward + backward programs (passes/joint.py, runtime/joint_runner.py; issue 13) -----------------
     Mutant(
         name="joint-microbatch-grads-overwrite",
         file="passes/joint.py",
@@ -571,7 +571,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="joint-stage-ignores-received-gradients",
-        file="runtime/joint.py",
+        file="runtime/joint_runner.py",
         old="        return [g if g is not None else torch.zeros_like(outputs[i]) for g, i in zip(grads, diff)]",
         new="        return [torch.ones_like(outputs[i]) for g, i in zip(grads, diff)]",
         description="a pipeline stage's backward starts from ones instead of the gradients the next stage sent",

@@ -184,9 +184,9 @@ def compile_plan(
 
 
 def _plan_pipeline(compiled: Compiled, schedule, virtual, microbatches, granularity, layers_per_stage, cuts, seq):
-    """Stage partition (mcompile.partition) and the schedule, recorded in the plan."""
-    from mcompile.partition import partition
+    """Stage partition (mcompile.stages) and the schedule, recorded in the plan."""
     from mcompile.runtime.schedules import bubble_fraction, build_schedule
+    from mcompile.stages import partition
 
     pp = compiled.mesh.size("pp")
     build_schedule(schedule, pp, virtual, microbatches)  # validates microbatches / interleaving first

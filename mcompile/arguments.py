@@ -25,7 +25,7 @@ line and what to do:
   a replicated activation needs the same mask on every tp rank. ``F.dropout`` / ``nn.Dropout``
   (``aten.dropout``) and attention dropout (``scaled_dot_product_attention(dropout_p=)``, rewritten into
   its math form by passes/canonicalize.py) are lowered to masks from global indices instead
-  (mcompile/dropout.py, passes/dropout.py), the same on every layout.
+  (mcompile/dropout.py, passes/lower_dropout.py), the same on every layout.
 """
 
 from __future__ import annotations

@@ -242,7 +242,7 @@ def _fp8_report(args, c, rank: int = 0):
     """``--fp8``: run the FP8 pass (Config(fp8=...)) on a rank's program, in place; its report."""
     if not args.fp8:
         return None
-    from mcompile.passes.fp8 import convert_fp8
+    from mcompile.passes.fp8_linears import convert_fp8
 
     return convert_fp8(c.program(rank), c.plan, dict(c.captured.params), recipe=args.fp8,
                        user_inputs=set(c.captured.user_inputs))
@@ -516,10 +516,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)  # --help and argument errors: before anything heavy is imported
     from mcompile.capture import CaptureError
-    from mcompile.partition import PartitionError
     from mcompile.propagate import PlanError
     from mcompile.runtime.schedules import ScheduleError
     from mcompile.search import SearchError
+    from mcompile.stages import PartitionError
 
     try:
         with warnings.catch_warnings():

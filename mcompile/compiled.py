@@ -29,7 +29,7 @@ class Compiled:
     axes: list[AxisPlanResult]
     canonical: dict = field(default_factory=dict)
     annotation: AnnotationSummary | None = None  # FLOPs / bytes of the captured graph (mcompile.annotate)
-    partition: object = None  # mcompile.partition.StagePartition when the mesh has pp > 1
+    partition: object = None  # mcompile.stages.StagePartition when the mesh has pp > 1
     short: Captured | None = None  # the short model's capture when the layers were repeated (mcompile.repeat)
     # run of alike blocks captured whole rather than repeated ("layers[0:4]") -> why (find_block's reason)
     repeat_declined: dict = field(default_factory=dict)
@@ -111,7 +111,7 @@ def _lower(compiled: Compiled, rank: int, device=None):
     if compiled.short is None:
         return lower_program(compiled.captured, compiled.axis_infos(rank), device)
     from mcompile.meta import COLLECTIVE, COLLECTIVES, ORIGIN
-    from mcompile.passes.dropout import rekey
+    from mcompile.passes.lower_dropout import rekey
     from mcompile.repeat import repeat_lowered
 
     gm, _ = lower_program(compiled.short, compiled.axis_infos(rank), device)

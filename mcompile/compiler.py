@@ -24,7 +24,7 @@ codegen            signature   ``Config(codegen="inductor")``: each module compi
 
 "model" passes run once in :func:`mcompile.api.compile_plan`; "rank" passes once per rank
 (:func:`rank_programs`, used by the runtime); "signature" passes once per program and input
-signature, on the first call (:class:`mcompile.runtime.joint.JointRunner`), since tracing needs the
+signature, on the first call (:class:`mcompile.runtime.joint_runner.JointRunner`), since tracing needs the
 shapes of the microbatch. The runtime gets the finished modules and only executes them.
 
 :func:`show` runs the pipeline up to a named pass for one rank with example inputs and prints every
@@ -66,7 +66,7 @@ PASSES: list[Pass] = [
     Pass("lower", "rank", ("placements",), ("per-rank program", "collectives explicit"), _always,
          "passes/lower.py"),
     Pass("fuse", "rank", ("per-rank program",), ("fused kernels",), lambda c, m: bool(c.fuse), "passes/fuse.py"),
-    Pass("fp8", "rank", ("per-rank program",), ("fp8 linears",), lambda c, m: bool(c.fp8), "passes/fp8.py"),
+    Pass("fp8", "rank", ("per-rank program",), ("fp8 linears",), lambda c, m: bool(c.fp8), "passes/fp8_linears.py"),
     Pass("fsdp", "rank", ("per-rank program",), ("parameters gathered over dp",),
          lambda c, m: c.zero == 3 and m.size("dp") > 1, "passes/fsdp.py"),
     Pass("pipeline_split", "rank", ("per-rank program",), ("stage programs",), lambda c, m: m.size("pp") > 1,
@@ -108,13 +108,13 @@ class RankPrograms:
 
     program: fx.GraphModule  # the per-rank program (lower, fuse, fp8; ZeRO-3's gathers without pp)
     fused: dict | None = None  # fuse: counts per fused op
-    fp8: object = None  # fp8: mcompile.passes.fp8.Fp8Report
+    fp8: object = None  # fp8: mcompile.passes.fp8_linears.Fp8Report
     snapshots: dict[str, str] = field(default_factory=dict)  # pass -> program code after it (show)
     zero3: dict = field(default_factory=dict)  # ZeRO-3: fqn -> ShardSpec of each parameter sharded over dp
     zero3_replicated: list = field(default_factory=list)  # ZeRO-3: the parameters kept whole over dp, and why
     recompute: list = field(default_factory=list)  # the captured nodes a named recompute policy recomputes
     executed: fx.GraphModule | None = None  # without pp, eager execution: the program with recompute applied
-    partition: object = None  # pp: the stage partition (mcompile.partition)
+    partition: object = None  # pp: the stage partition (mcompile.stages)
     stages: list = field(default_factory=list)  # pp: every stage's program (passes/pipeline_split.py), ZeRO-3's
     #                                             gathers in each; eager execution: recompute applied
     stage_groups: dict = field(default_factory=dict)  # pp: stage -> the recompute groups of its program
@@ -148,7 +148,7 @@ def rank_programs(compiled, rank: int, config, device=None, *, upto: str | None 
     if upto == "fuse":
         return out
     if config.fp8:
-        from mcompile.passes.fp8 import convert_fp8
+        from mcompile.passes.fp8_linears import convert_fp8
 
         out.fp8 = convert_fp8(program, compiled.plan, dict(cap.params), recipe=config.fp8,
                               amax_history_len=config.fp8_amax_history_len, margin=config.fp8_margin,
@@ -174,8 +174,8 @@ def rank_programs(compiled, rank: int, config, device=None, *, upto: str | None 
     if upto == "fsdp":
         return out
     if mesh.size("pp") > 1:
-        from mcompile.partition import partition
         from mcompile.passes.pipeline_split import split_stages
+        from mcompile.stages import partition
 
         out.partition = compiled.partition or partition(
             cap, mesh.size("pp"), config.virtual_stages, granularity=config.pipeline_granularity,
@@ -291,8 +291,8 @@ def build_joint(program: fx.GraphModule, args: list, config, *, name: str = "", 
 
 
 def joint_runner(program: fx.GraphModule, config, **kwargs):
-    """A :class:`~mcompile.runtime.joint.JointRunner` of ``program`` whose modules :func:`build_joint` builds."""
-    from mcompile.runtime.joint import JointRunner
+    """A :class:`~mcompile.runtime.joint_runner.JointRunner` of ``program`` whose modules :func:`build_joint` builds."""
+    from mcompile.runtime.joint_runner import JointRunner
 
     return JointRunner(program, config, build=build_joint, **kwargs)
 
@@ -304,7 +304,7 @@ def _solve_auto(joint: fx.GraphModule, gathered: set[str], config, budget, name:
     them alone), which are never saved: the solver is told so (must_recompute), else it would spend budget on
     values dropped from its saved set afterwards and recompute activations it had room to keep."""
     from mcompile.passes import remat
-    from mcompile.runtime.joint import ActivationBudget
+    from mcompile.runtime.joint_runner import ActivationBudget
 
     budget = budget or ActivationBudget(config.activation_budget)
     forward, _ = remat.classify(joint)

@@ -134,7 +134,7 @@ class Config:
     # "autograd": the fallback for programs whose backward cannot be traced: forward under autograd
     execution: Execution = Execution.JOINT
     codegen: Codegen = Codegen.EAGER  # "eager" (fx-generated Python) | "inductor" (TorchInductor: passes/codegen.py)
-    # pipeline parallelism (a "pp" mesh axis): mcompile.partition, mcompile.runtime.schedules
+    # pipeline parallelism (a "pp" mesh axis): mcompile.stages, mcompile.runtime.schedules
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B  # "gpipe" | "1f1b" | "interleaved" | "zbh1"
     virtual_stages: int = 1  # stages per pipeline rank (interleaved schedule)
     # "layer" boundaries, "sublayer" (also between attention and MLP), or "auto": inside layers only where that lowers
@@ -143,7 +143,7 @@ class Config:
     layers_per_stage: tuple | None = None  # pin the split: layers of each stage, in order
     stage_cuts: tuple | None = None  # pin the split: captured node names where stages 1..K-1 begin
     pipeline_seq: int | None = None  # sequence length at which stage costs are balanced (default: the example's)
-    # FP8 linears (mcompile.passes.fp8): None (off) | "current" | "delayed" per-tensor scaling
+    # FP8 linears (mcompile.passes.fp8_linears): None (off) | "current" | "delayed" per-tensor scaling
     fp8: Fp8Recipe | None = None
     fp8_amax_history_len: int = 16  # delayed scaling: steps of amax history behind each scale
     fp8_margin: int = 0  # scale = fp8_max / amax / 2**margin

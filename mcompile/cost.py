@@ -167,7 +167,7 @@ low-precision copy; ZeRO >= 1: 1/dp of the parameters — at bw_hbm · e_mem.
 Expert parallelism (ep; GShard, Lepikhin et al. 2021: experts split over ranks, tokens sent by all-to-all;
 Megatron Core's MoE: ep folded into data parallelism, its all-to-all token dispatcher)
 --------------------------------------------------------------------------------------------------------
-A routed MoE layer is one ``moe_ffn`` node (passes/moe.py). Its forward FLOPs are T·k·(one expert's
+A routed MoE layer is one ``moe_ffn`` node (passes/find_moe.py). Its forward FLOPs are T·k·(one expert's
 FFN) — each of the T tokens runs k experts, not E — counted as a GEMM (so in ``model_flops`` and the
 MFU). ep folds into data parallelism: the batch splits over dp·ep ranks (m = B/(dp·ep·b)), dense
 parameters are replicated over them, the experts split E/ep a rank (each expert's hidden units also
@@ -561,7 +561,7 @@ class ModelProfile:
 
 @dataclass(frozen=True)
 class MoEProfile:
-    """The mixture-of-experts layers of a model (``moe_ffn`` nodes, passes/moe.py), for ep.
+    """The mixture-of-experts layers of a model (``moe_ffn`` nodes, passes/find_moe.py), for ep.
 
     ``experts``: E per layer; ``top_k``: k experts per token; ``hidden``: d; ``expert_hidden``: one
     expert's FFN width f; ``layers``: MoE layers of the real model (of ``n_layers``);
@@ -625,7 +625,7 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
     model whose first layers are dense and the rest MoE (DeepSeek-V3) captures one of each and
     weights them by their real counts, so the "layer" section is the real model's mean layer.
 
-    Routed experts (``moe_ffn`` nodes, passes/moe.py): their forward FLOPs are T·k·(one expert's FFN:
+    Routed experts (``moe_ffn`` nodes, passes/find_moe.py): their forward FLOPs are T·k·(one expert's FFN:
     2·Σ of its weights' sizes), k experts per token, not E (the annotation's, when it has a formula);
     the expert parameters are counted over all E experts (a plan that shards them over ``ep`` is
     multiplied back: ep is applied per layout); their all-to-all dispatch and combine are the plan's

@@ -15,7 +15,7 @@ the *global* batch; ``index`` its linear index over the other dims in the global
 a small int64 tensor (:func:`rng_state`), an input of the program, so nothing recompiles per step.
 
 Each rank computes only its own elements, from index vectors the lowering derives from the plan's
-placements (passes/dropout.py): the same mask on every layout, in a 1-rank run included, which is the
+placements (passes/lower_dropout.py): the same mask on every layout, in a 1-rank run included, which is the
 parity oracle. Eager PyTorch's ``F.dropout`` (a stateful Philox on CUDA, mt19937 on CPU) cannot be matched
 by any counter-based scheme: a model with dropout trains like mcompile's 1-rank run, not like eager.
 

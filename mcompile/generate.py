@@ -12,7 +12,7 @@ with a symbolic past length ``P``), plans both with the training planner and low
   The decode plan is pinned to the prefill plan's parameter placements (one set of local pieces).
 - dp: the batch of prompts is split; each dp rank decodes (and caches) its own sequences; the new
   tokens are all-gathered every step, so every rank returns the whole batch.
-- pp: each graph is cut into stages at transformer block boundaries (mcompile.partition at layer
+- pp: each graph is cut into stages at transformer block boundaries (mcompile.stages at layer
   granularity, on the graph without its cache outputs: the prefill split balanced by the
   planner's cost proxy or pinned by ``Config.layers_per_stage``, the decode split pinned to the
   same layers), after the rank passes, by passes/pipeline_split.py. A stage program takes (the
@@ -359,12 +359,12 @@ def compile_generation(model: torch.nn.Module, mesh: Mesh | None = None, *, conf
 
 def _partition_stages(pre, dec, pp: int, config, seq: int) -> None:
     """Stage partitions of the prefill and decode graphs (``Compiled.partition``), cut at transformer
-    block boundaries (mcompile.partition, granularity ``"layer"``): the prefill graph's split,
+    block boundaries (mcompile.stages, granularity ``"layer"``): the prefill graph's split,
     balanced by the planner's cost proxy or pinned by ``config.layers_per_stage``, and the decode
     graph pinned to the same layers per stage, so one stage holds the same parameters (and caches)
     in both."""
     from mcompile.blocks import analyse
-    from mcompile.partition import PartitionError, partition
+    from mcompile.stages import PartitionError, partition
 
     def trunk(cap):
         # the graph's structure without its cache outputs: a layer's K and V are outputs, live to the end, so

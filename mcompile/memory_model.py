@@ -424,7 +424,7 @@ def _saved_by(node: fx.Node, is_param: Callable[[fx.Node], bool],
         if isinstance(out, torch.Tensor) and out.dim() >= 2:  # fp32 log-sum-exp per (batch, head, query)
             kept.append((node, "lse", numel(out) / _to_expr(out.shape[-1]) * 4))
         return kept
-    if pk is aten.dropout:  # lowered to mcompile::dropout, whose backward recomputes the mask (passes/dropout.py)
+    if pk is aten.dropout:  # lowered to mcompile::dropout, whose backward recomputes the mask (passes/lower_dropout.py)
         return []
     if pk in _KEEPS_ACTIVATION_INPUTS:
         ins = [a for a in node.all_input_nodes if _is_tensor_node(a)]

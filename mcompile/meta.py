@@ -30,7 +30,7 @@ PARAM_FQN = "mc_param_fqn"  # str: original FQN on parameter/buffer placeholders
 
 # Later per-rank passes (their values are set by the pass named).
 FUSED = "mc_fused"  # str: the fused op that replaced a matched pattern (mcompile.passes.fuse)
-FP8 = "mc_fp8"  # str: the FP8 scaling recipe of a converted linear, "current" | "delayed" (passes.fp8)
+FP8 = "mc_fp8"  # str: the FP8 scaling recipe of a converted linear, "current" | "delayed" (passes/fp8_linears.py)
 STAGE = "mc_stage"  # int | None: the pipeline stage of a node (passes.pipeline_split); None: input-only
 
 # GraphModule.meta keys of a lowered program (passes/lower.py), read by mcompile.repeat:

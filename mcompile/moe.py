@@ -2,7 +2,7 @@
 
 ``moe_ffn(x, idx, weights, *expert_weights, form=...)`` computes
 ``y[t] = sum_j weights[t, j] * FFN_{idx[t, j]}(x[t])``; ``form`` (:class:`ExpertForm`) says how the
-expert weights are read. passes/moe.py finds MoE regions in captured graphs and replaces each with
+expert weights are read. passes/find_moe.py finds MoE regions in captured graphs and replaces each with
 this node; the planner shards it as a unit (its rule below); the lowering runs it as local grouped
 GEMMs (:func:`moe_local`, ordinary aten ops under tracing) or, over an ``ep`` axis, as the
 all-to-all dispatch of :mod:`mcompile.runtime.moe`.
@@ -62,7 +62,7 @@ class ExpertForm:
     (up, down: no gate). ``transposed``: weights stored (E, in, out) (``x @ w``) rather than (E, out, in)
     (``x @ w.T``). ``bias``: the input projections (gate and up, or the fused one, or plain's up) add a
     per-expert bias ``[E, out]``, given after the weight matrices (a down projection's bias is no part of
-    the node: passes/moe.py adds ``sum_j w[t, j] * b[idx[t, j]]`` beside it, an ordinary gather the planner
+    the node: passes/find_moe.py adds ``sum_j w[t, j] * b[idx[t, j]]`` beside it, an ordinary gather the planner
     places like any other, so an expert-TP output stays a plain partial sum). ``act``: a name of
     ``_ACTS``, or ``oai:ALPHA:LIMIT`` (:func:`_oai`) or ``softcap:G:U`` (:func:`_softcap`), gated kinds only."""
 
@@ -167,7 +167,7 @@ def moe_ffn(x, idx, weights, *ws, form: str):
 
 
 def moe_layers_of(gm) -> list:
-    """The graph's ``moe_ffn`` nodes (what passes/moe.py left), in order."""
+    """The graph's ``moe_ffn`` nodes (what passes/find_moe.py left), in order."""
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is moe_ffn]
 
 

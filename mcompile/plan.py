@@ -147,7 +147,7 @@ class Plan:
     recompute: list[str] = field(default_factory=list)
     schedule: str | None = None
     # pipeline (pp > 1): pp, virtual, microbatches, granularity, per-stage layers / parameters /
-    # cost / activation bytes, imbalance, predicted bubble (mcompile.partition)
+    # cost / activation bytes, imbalance, predicted bubble (mcompile.stages)
     pipeline: dict = field(default_factory=dict)
     version: int = SCHEMA_VERSION
     inputs: list[InputSpec] = field(default_factory=list)  # the example inputs: shapes and dtypes

@@ -159,14 +159,14 @@ def check_divisibility(cap: Captured, tp: int) -> None:
 
 def check_experts(cap: Captured, ep: int) -> dict:
     """The expert weights' ep placement (FQN -> Shard(0)), after the checks a user needs: the model
-    has MoE layers (passes/moe.py found them), and ep divides every layer's number of experts."""
+    has MoE layers (passes/find_moe.py found them), and ep divides every layer's number of experts."""
     from mcompile.moe import moe_layers_of
 
     layers = moe_layers_of(cap.gm)
     if not layers:
         routed = [n for n in cap.gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.topk.default]
         hint = (f" It has {len(routed)} top-k node(s), but no routed expert computation was recognised around them "
-                "(passes/moe.py: expert weights stored as 3-D [experts, ...] parameters, combined by the routing "
+                "(passes/find_moe.py: expert weights stored as 3-D [experts, ...] parameters, combined by the routing "
                 "weights)." if routed else "")
         raise PlanError(f"ep={ep}: the model has no mixture-of-experts layer, so there is nothing to shard over ep."
                         f"{hint} Use dp={ep} for data parallelism instead.")
@@ -598,7 +598,7 @@ def router_hints(cap: Captured) -> dict[str, object]:
         if _reaches(node, routes, depth=16) or 2 * experts <= width and _reaches(
                 node, lambda u, cur: u.target in (aten.topk.default, aten.argmax.default), depth=6):
             _whole(hints, node, w, cap)
-    # an expert down projection's bias [E, d], read per routed slot beside moe_ffn (passes/moe.py): whole, so its
+    # an expert down projection's bias [E, d], read per routed slot beside moe_ffn (passes/find_moe.py): whole, so its
     # per-slot sum is added to the experts' output as the layer's one all-reduce leaves it (sharded over d it
     # would cost an all-gather of a token-sized value per layer)
     for node in moe_nodes(cap):
@@ -716,7 +716,7 @@ def moe_nodes(cap: Captured) -> list:
 
 
 def _down_biases(moe: torch.fx.Node) -> list:
-    """The [E, d] parameters passes/moe.py reads per routed slot beside ``moe``, ``moe + sum_j w[t, j] *
+    """The [E, d] parameters passes/find_moe.py reads per routed slot beside ``moe``, ``moe + sum_j w[t, j] *
     b[idx[t, j]]`` (a down projection's bias): the rows gathered with the node's own routing."""
     idx, w = moe.args[1], moe.args[2]
     out = []
@@ -1187,7 +1187,7 @@ def megatron_policies(mesh: Mesh, sequence_parallel: bool, overrides: dict | Non
                                    params_replicated=True, partial_passthrough=False, context_parallel=True,
                                    param_overrides=p_over[ax], node_overrides=n_over[ax]))
         elif ax == "pp":
-            continue  # pipeline stages split the graph itself (mcompile.partition); nothing is sharded over pp
+            continue  # pipeline stages split the graph itself (mcompile.stages); nothing is sharded over pp
         else:
             raise PlanError(
                 f"mesh axis {ax}={n}: this planner handles dp, pp, cp, ep and tp; use a mesh like "

@@ -78,7 +78,7 @@ _SAME_VALUE = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten
                torch.ops.aten.alias.default, torch.ops.aten.detach.default}
 
 
-# dropout masks a Partial alike on every rank (passes/dropout.py): linear in it, the reduction may wait
+# dropout masks a Partial alike on every rank (passes/lower_dropout.py): linear in it, the reduction may wait
 _MASKED = _SAME_VALUE | {torch.ops.aten.dropout.default}
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 _SCALES = {torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor}

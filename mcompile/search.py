@@ -80,9 +80,9 @@ print what each choice saves in step time and memory.
 Stage cuts: the partitioner's, priced by the cost model
 ------------------------------------------------------
 :func:`mcompile.cost.estimate` assumes ⌈L/p⌉ layers on every pipeline rank. The search instead
-takes the cuts the runtime would make: :mod:`mcompile.partition`'s exact min-max split at layer
+takes the cuts the runtime would make: :mod:`mcompile.stages`'s exact min-max split at layer
 granularity (its roofline cost proxy at the search's sequence length, microbatch 1). With a full-depth
-capture that is :func:`mcompile.partition.partition` itself; with a 2-layer capture it is the same
+capture that is :func:`mcompile.stages.partition` itself; with a 2-layer capture it is the same
 dynamic program (``partition._min_max``) over the depth's item weights — [embedding + layer, layer,
 …, layer + head] — read off the captured block, which is what ``partition`` computes on the full
 graph when the layers are identical. Each pipeline rank then has n_r layers (the sum over its
@@ -245,7 +245,7 @@ def _bytes(x: float) -> str:
 
 def _layer_weights(work: SearchWorkload, seq: int) -> tuple[float, float, float]:
     """(pre, one layer, post) in the partitioner's cost proxy, read off the captured blocks."""
-    from mcompile.partition import _cost_arrays
+    from mcompile.stages import _cost_arrays
 
     cache = work._weights
     if seq in cache:
@@ -280,7 +280,7 @@ def _stage_split(work: SearchWorkload, pp: int, virtual: int, seq: int) -> Stage
     k = pp * virtual
     if k == 1:
         return StageSplit((L,), (L,), 0.0)
-    from mcompile.partition import _min_max, partition
+    from mcompile.stages import _min_max, partition
 
     if work.full_depth:
         part = partition(work.captured, pp, virtual, seq=seq, trunk=work.trunk)

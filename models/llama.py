@@ -125,7 +125,7 @@ class TransformerBlock(nn.Module):
 def init_block_module(module: nn.Module, n_layers: int) -> bool:
     """GPT-2-style init of one module's own tensors: linears and embeddings N(0, 0.02), norms 1, and an
     attention / feed-forward block's output projection N(0, 0.02 / sqrt(2 n_layers)) (shared by the MoE models,
-    models/moe.py). False when the module has none of these."""
+    models/moe_lm.py). False when the module has none of these."""
     std_proj = 0.02 / math.sqrt(2 * n_layers)
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)

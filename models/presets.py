@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from .gpt import GPT, GPTConfig
 from .llama import Llama, LlamaConfig
-from .moe import DeepSeekV3, DeepSeekV3Config, Mixtral, MixtralConfig
+from .moe_lm import DeepSeekV3, DeepSeekV3Config, Mixtral, MixtralConfig
 
 __all__ = ["Preset", "PRESETS", "did_you_mean", "get_preset", "list_presets"]
 

@@ -706,6 +706,6 @@ def _unmerge_heads(gm: fx.GraphModule) -> int:
 
 
 def _moe_layers(gm: fx.GraphModule) -> int:
-    from mcompile.passes.moe import find_moe_layers
+    from mcompile.passes.find_moe import find_moe_layers
 
     return find_moe_layers(gm)

@@ -294,7 +294,7 @@ def trace_joint(program: fx.GraphModule, args: list) -> JointGraph:
 
 
 # Joint graphs traced in this process, by program and input signature (:func:`_trace_key`). A program is traced
-# once per signature by its runner (runtime/joint.py); a later ``parallelize`` of the same model and layout in
+# once per signature by its runner (runtime/joint_runner.py); a later ``parallelize`` of the same model and layout in
 # the same process (a resumed run, a checkpoint loaded into a fresh module, the probe of another rank's stage)
 # builds new runners over equal programs, and tracing is the largest part of their first step (~2 s for a tiny
 # two-layer model). Kept as copies, handed out as copies: what the signature passes do to one never reaches another.

@@ -31,7 +31,7 @@ from mcompile import meta as M
 from mcompile.annotate import layer_index
 from mcompile.capture import Captured
 from mcompile.ops import OPS
-from mcompile.passes.dropout import is_random, is_training_dropout, lower_dropout, lower_random
+from mcompile.passes.lower_dropout import is_random, is_training_dropout, lower_dropout, lower_random
 from mcompile.placements import BlockShard, Partial, Replicate, Shard
 from mcompile.plan import CollectiveKind, CollectiveSpec
 from mcompile.planner import vocab_local_size
@@ -198,7 +198,7 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
                     if s.is_Symbol and k.is_Integer and k > 0 and s not in sources:
                         sources[s] = (new, d, int(k))
     # training-mode dropout draws its masks from (seed, step, batch offset): one small input of the program,
-    # the same tensor for every dropout (passes/dropout.py, mcompile/dropout.py)
+    # the same tensor for every dropout (passes/lower_dropout.py, mcompile/dropout.py)
     rng = _rng_input(g, src) if any(is_training_dropout(n) or is_random(n) for n in src.graph.nodes) else None
     made = {}
     for node in src.graph.nodes:

@@ -258,7 +258,7 @@ class Leaves:
 
     def targets(self, args: list) -> dict[int, torch.Tensor]:
         """Input position -> the fp32 main-gradient view of each compute leaf among a joint program's
-        inputs: its backward adds the gradient there in place (runtime/joint.py ``accumulate``)."""
+        inputs: its backward adds the gradient there in place (runtime/joint_runner.py ``accumulate``)."""
         out = {}
         for i, a in enumerate(args):
             fqn = self._fqn_of.get(id(a)) if isinstance(a, torch.Tensor) else None
@@ -268,7 +268,7 @@ class Leaves:
 
     @torch.no_grad()
     def add_grads(self, args: list, positions: list[int], grads: list, counted: set = frozenset()) -> None:
-        """After a joint program's backward (runtime/joint.py): ``grads[j]`` belongs to
+        """After a joint program's backward (runtime/joint_runner.py): ``grads[j]`` belongs to
         ``args[positions[j]]``. A compute leaf's gradient was added into its fp32 view by the backward
         itself (returned as None: :meth:`targets`) or is added here (what AccumulateGrad and the hook
         do on the autograd path); either way it counts towards its bucket, here unless the backward

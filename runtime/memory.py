@@ -50,7 +50,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def track(self, t: torch.Tensor, category: str = "activations") -> None:
         t = _local(t)
-        # a fake tensor (a joint program traced during the step: runtime/joint.py) holds no memory; its
+        # a fake tensor (a joint program traced during the step: runtime/joint_runner.py) holds no memory; its
         # storage would otherwise stay "live" for as long as the traced graph's node meta keeps it
         if not isinstance(t, torch.Tensor) or t.device.type == "meta" or isinstance(t, FakeTensor):
             return

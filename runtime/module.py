@@ -106,7 +106,7 @@ class ParallelModule(torch.nn.Module):
             else torch.device("cpu")
         # the rank passes (mcompile.compiler.rank_programs: lower, fuse, fp8, ZeRO-3's gathers, the pipeline split,
         # a named recompute policy), run by the caller for this rank; the signature passes on each program's first
-        # call (runtime/joint.py JointRunner, through programs.build)
+        # call (runtime/joint_runner.py JointRunner, through programs.build)
         if programs is None:
             raise TypeError("ParallelModule(..., programs=) takes this rank's programs: "
                             "mcompile.compiler.rank_programs(compiled, rank, config, device)")
@@ -120,17 +120,17 @@ class ParallelModule(torch.nn.Module):
             self.zero3_replicated = programs.zero3_replicated  # kept whole over dp, and why
         if config.fuse:
             self.fused = programs.fused
-        self.fp8 = programs.fp8  # FP8 linears: what was converted / kept and why (mcompile.passes.fp8.Fp8Report)
+        self.fp8 = programs.fp8  # FP8 linears: what was converted / kept and why (passes/fp8_linears.py Fp8Report)
         self.plan.recompute = list(programs.recompute)
         self._pipe = None
-        self._runner = None  # the joint program's runner (runtime/joint.py), without pipeline parallelism
+        self._runner = None  # the joint program's runner (runtime/joint_runner.py), without pipeline parallelism
         if self.mesh.size("pp") > 1:  # pipeline: this rank runs its stages (recompute applied inside each)
             from mcompile.runtime.pipeline import Pipeline
 
             self._pipe = Pipeline(self, programs, config)
             object.__setattr__(self, "_program", program)
         elif config.execution == "joint":  # recompute is the joint program's saved set
-            from mcompile.runtime.joint import JointRunner
+            from mcompile.runtime.joint_runner import JointRunner
 
             object.__setattr__(self, "_program", program)
             self._runner = JointRunner(program, config, build=programs.build, name=f"rank {self._rank}",
@@ -860,7 +860,7 @@ class ParallelModule(torch.nn.Module):
 
     def recompute_choices(self) -> list:
         """``recompute="auto"``: what passes/remat.py chose for each program this rank runs, once the first
-        step has compiled them (runtime/joint.py ``RecomputeChoice``: the budget per microbatch, the
+        step has compiled them (runtime/joint_runner.py ``RecomputeChoice``: the budget per microbatch, the
         forwards in flight it was divided by, the bytes saved, the ops recomputed); one per pipeline stage
         of this rank under pp. [] before the first step and under a named policy."""
         if self._pipe is not None:

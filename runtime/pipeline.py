@@ -335,7 +335,7 @@ class FxStage:
 
 
 class JointStage:
-    """A stage program run as a joint program (runtime/joint.py): F runs its forward module and keeps
+    """A stage program run as a joint program (runtime/joint_runner.py): F runs its forward module and keeps
     the saved tensors; B runs its backward module (split for zero-bubble schedules: B only the
     gradients of the received inputs, on the backward graph's input-gradient part; W the weight
     gradients, the rest of that graph); weight gradients are added into the fp32 buffers here.
@@ -453,7 +453,7 @@ class _RecordCollectives(torch.utils._python_dispatch.TorchDispatchMode):
 
 def stage_activation_budget(config, actions, stage: int):
     """``recompute="auto"`` under pipeline parallelism: stage ``stage``'s share of
-    ``Config(activation_budget=)`` (a :class:`~mcompile.runtime.joint.ActivationBudget`; None under a
+    ``Config(activation_budget=)`` (a :class:`~mcompile.runtime.joint_runner.ActivationBudget`; None under a
     named policy). ``actions``: every pipeline rank's schedule (``build_schedule``).
 
     The rank holding the stage keeps the saved activations of every forward it has run and not yet
@@ -462,7 +462,7 @@ def stage_activation_budget(config, actions, stage: int):
     microbatches, its last stage 1, GPipe m; interleaved counts the forwards of all the rank's virtual
     stages together). Each forward gets the same share, so the rank's peak stays within the budget
     whichever of its forwards are in flight at once."""
-    from mcompile.runtime.joint import ActivationBudget
+    from mcompile.runtime.joint_runner import ActivationBudget
     from mcompile.runtime.schedules import peak_activation_bytes
 
     if config.recompute != "auto":
@@ -501,7 +501,7 @@ class Pipeline:
         # recompute="auto" chooses each stage's saved set on its joint graph (the signature passes), under its
         # share of the rank's activation budget (stage_activation_budget)
         self._check_delayed_fp8_recompute(programs.stage_groups, config)
-        self.runners = None  # joint execution: one runner per own stage (runtime/joint.py)
+        self.runners = None  # joint execution: one runner per own stage (runtime/joint_runner.py)
         if config.execution == "joint":
             self.runners = {s: self._make_runner(s) for s in self.own}
         self.param_of_ph = dict(cap.params)
@@ -763,7 +763,7 @@ class Pipeline:
         buffers (``JointRunner.forward``), and its dp bucket launches, which are not collectives of
         the graph (the leaves launch them at run time and ``step_end_ops`` counts them), are left out
         since the buckets are the owner's."""
-        from mcompile.runtime.joint import JointRunner
+        from mcompile.runtime.joint_runner import JointRunner
 
         pm, st = self.pm, self.stages[s]
         own = s in self.own
@@ -778,7 +778,7 @@ class Pipeline:
         return stage_activation_budget(self.pm.config, self.actions, s)
 
     def recompute_choices(self) -> list:
-        """``recompute="auto"``: what each of this rank's stages chose (runtime/joint.py
+        """``recompute="auto"``: what each of this rank's stages chose (runtime/joint_runner.py
         ``RecomputeChoice``), once its first step has compiled them; [] under a named policy."""
         if self.runners is None:
             return []

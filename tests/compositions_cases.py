@@ -109,7 +109,7 @@ def build(model: str, batch: int = BATCH, seq: int = SEQ):
     if model == "moe":
         from moe_cases import MIXTRAL_TINY
 
-        from mcompile.models.moe import Mixtral, MixtralConfig
+        from mcompile.models.moe_lm import Mixtral, MixtralConfig
 
         cfg = MixtralConfig(**{**MIXTRAL_TINY, "n_layers": 4})
         m = Mixtral(cfg).eval()

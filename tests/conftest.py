@@ -154,7 +154,7 @@ MAX_LIVE_WORKERS = 8
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.export", "torch._dynamo",
            "torch._inductor.compile_fx", "networkx", "sympy", "transformers",
            "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2", "mcompile",
-           "mcompile.api", "mcompile.runtime.module", "mcompile.runtime.joint", "mcompile.runtime.pipeline",
+           "mcompile.api", "mcompile.runtime.module", "mcompile.runtime.joint_runner", "mcompile.runtime.pipeline",
            "mcompile.passes.joint", "mcompile.passes.remat")
 POOL_STARTS: list[int] = []
 

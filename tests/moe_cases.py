@@ -27,11 +27,11 @@ def moe_model(kind: str, seed: int = 0, batch: int = 4, seq: int = 16):
     of random tokens and targets."""
     torch.manual_seed(seed)
     if kind == "mixtral":
-        from mcompile.models.moe import Mixtral, MixtralConfig
+        from mcompile.models.moe_lm import Mixtral, MixtralConfig
 
         model = Mixtral(MixtralConfig(**MIXTRAL_TINY))
     elif kind == "deepseek":
-        from mcompile.models.moe import DeepSeekV3, DeepSeekV3Config
+        from mcompile.models.moe_lm import DeepSeekV3, DeepSeekV3Config
 
         model = DeepSeekV3(DeepSeekV3Config(**DEEPSEEK_TINY))
         with torch.no_grad():  # a skewed routing bias: the choice differs from the affinities' top-k

@@ -3,7 +3,7 @@ of the joint programs give eager's outputs, with mcompile's collectives kept as 
 
 What is checked: the forward and backward modules of llama3-tiny at tp=2 with sequence parallelism
 (each rank's joint program: passes/joint.py ``trace_joint`` + ``partition`` with the saved set of
-recompute "none", through :class:`~mcompile.runtime.joint.JointRunner`) run compiled in the thread
+recompute "none", through :class:`~mcompile.runtime.joint_runner.JointRunner`) run compiled in the thread
 simulator and match the eager modules output by output (float32: rtol 1e-5, atol 1e-6; Inductor
 reorders float reductions, so not bit for bit), issuing the same collectives in the same order; a
 graph with every collective op compiles, calls each op by name in the generated code and matches

@@ -1,4 +1,4 @@
-"""Dropout under every layout (mcompile/dropout.py, passes/dropout.py): masks are a function of (seed, step,
+"""Dropout under every layout (mcompile/dropout.py, passes/lower_dropout.py): masks are a function of (seed, step,
 captured node, the element's index in the single-device tensor), so a model trained with dropout gives the
 same losses and gradients on every layout as mcompile's own 1-rank run with the same seed — the parity oracle
 (eager PyTorch's stateful generator cannot be matched by any counter-based scheme).

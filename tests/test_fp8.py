@@ -53,7 +53,7 @@ from runtime_cases import train_steps  # noqa: E402
 from mcompile import ops  # noqa: E402
 from mcompile.kernels import fp8  # noqa: E402
 from mcompile.kernels.fp8 import E4M3, E5M2  # noqa: E402
-from mcompile.passes.fp8 import FP8, convert_fp8  # noqa: E402
+from mcompile.passes.fp8_linears import FP8, convert_fp8  # noqa: E402
 from mcompile.runtime.sim import ThreadedWorld  # noqa: E402
 
 from conftest import build, compiled, pool  # noqa: E402

@@ -1,4 +1,4 @@
-"""Expert forms the MoE recognition (passes/moe.py) finds beyond SwiGLU over 3-D weights (issue 37): each is
+"""Expert forms the MoE recognition (passes/find_moe.py) finds beyond SwiGLU over 3-D weights (issue 37): each is
 replaced by the one ``moe_ffn`` node, so tp (expert-TP) and ep plan it unchanged.
 
 * gpt-oss (``GptOssForCausalLM``, unmodified, tiny): gate/up fused with *interleaved* output features

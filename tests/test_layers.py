@@ -42,7 +42,7 @@ KNOWN = [
 # what the runtime must not import (module 1 above): the compiler's side
 COMPILER_SIDE = ("mcompile.passes", "mcompile.compiler", "mcompile.api", "mcompile.compiled", "mcompile.planner",
                  "mcompile.propagate", "mcompile.rules", "mcompile.capture", "mcompile.repeat", "mcompile.annotate",
-                 "mcompile.partition", "mcompile.cp_plan", "mcompile.cp", "mcompile.cost", "mcompile.search",
+                 "mcompile.stages", "mcompile.cp_plan", "mcompile.cp", "mcompile.cost", "mcompile.search",
                  "mcompile.quality", "mcompile.blocks")
 
 

@@ -300,7 +300,7 @@ class MoEBlock(torch.nn.Module):
     linear) plus a shared expert, summed after the routed output is viewed back to [b, s, h]."""
 
     def __init__(self, dim=32, heads=4, experts=32, hidden=16, gated=False):
-        from mcompile.models.moe import GroupedExperts
+        from mcompile.models.moe_lm import GroupedExperts
 
         super().__init__()
         self.heads = heads
@@ -450,7 +450,7 @@ def test_a_router_whose_outputs_tp_does_not_divide_is_kept_whole_not_refused():
     """A router stays whole on every tp rank (router_hints), so tp need not divide its outputs: the divisibility
     check skips it as it skips a low-rank latent. Before, 4 experts + a skip class refused tp=2 ("tp=2 does not
     divide the size 5 of ...proj.weight"), as Zaya did in the Hugging Face zoo."""
-    from mcompile.models.moe import GroupedExperts
+    from mcompile.models.moe_lm import GroupedExperts
 
     torch.manual_seed(0)
     model = MoELM(layers=2)

@@ -1,5 +1,5 @@
-"""The MoE models of models/moe.py and their presets, single process: dispatch, routing and losses against independent
-oracles, DeepSeek-V3's bias balancing, and capture with symbolic batch and sequence.
+"""The MoE models of models/moe_lm.py and their presets, single process: dispatch, routing and losses against
+independent oracles, DeepSeek-V3's bias balancing, and capture with symbolic batch and sequence.
 
 Oracles: a Python loop over the experts (masks, no sorting, no grouped GEMM) for the dispatch, and
 the routing and loss formulas written out again here. Tolerances: fp32 dispatch and routing
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mcompile.models.moe import (
+from mcompile.models.moe_lm import (
     DeepSeekMoE,
     DeepSeekV3,
     DeepSeekV3Config,
@@ -66,7 +66,7 @@ def test_tiny_presets_match_these_configs(name):
 
 
 def _moe_param_count(c) -> int:
-    """Closed-form parameter count of models/moe.py's models (untied embeddings), from the config alone."""
+    """Closed-form parameter count of models/moe_lm.py's models (untied embeddings), from the config alone."""
     hd = c.dim // c.n_heads
     attn = c.dim * c.n_heads * hd * 2 + c.dim * c.n_kv_heads * hd * 2  # wq, wo; wk, wv
     norms = 2 * c.dim
@@ -456,7 +456,7 @@ _PLANNED = [("mixtral-tiny", "tp=2"), ("deepseek-tiny", "tp=2"), ("deepseek-tiny
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mesh", _PLANNED)
 def test_planner_today_forward_parity(name, mesh):
-    """The MoE models planned without ep: each MoE region is one moe_ffn node (passes/moe.py), every op
+    """The MoE models planned without ep: each MoE region is one moe_ffn node (passes/find_moe.py), every op
     without a sharding rule runs replicated and is reported in plan.fallbacks; the forward loss equals
     eager (threads, fp32) — under dp too, where the load-balancing loss's batch statistics are reduced."""
     from mcompile.api import compile_plan

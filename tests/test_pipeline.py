@@ -13,7 +13,6 @@ from pipeline_cases import recompute_choices, sleep_pipeline
 
 from mcompile.annotate import layer_index
 from mcompile.blocks import analyse
-from mcompile.partition import PartitionError, _min_max, min_max_reference, partition
 from mcompile.runtime.schedules import (
     SCHEDULES,
     ScheduleError,
@@ -22,6 +21,7 @@ from mcompile.runtime.schedules import (
     simulate,
 )
 from mcompile.runtime.verify import CommOp, VerificationError, rank_ops, verify
+from mcompile.stages import PartitionError, _min_max, min_max_reference, partition
 
 from conftest import build, compiled, pool, tiered
 
@@ -62,7 +62,7 @@ def test_min_max_dp_equals_the_exhaustive_optimum(weights, k):
 def test_sublayer_partition_is_the_exhaustive_optimum(name, k):
     _, _, c, _ = compiled(name, "tp=1", False)
     part = partition(c.captured, k, granularity="sublayer", seq=16)
-    from mcompile.partition import _candidates, _cost_arrays
+    from mcompile.stages import _candidates, _cost_arrays
 
     cost, _ = _cost_arrays(part.trunk, c.captured.symbols, 1, 16, 300.0)
     cand = _candidates(part.trunk, "sublayer")
@@ -106,7 +106,7 @@ def test_llama3_70b_over_pp8_is_optimal_and_reports_its_imbalance():
     from mcompile.annotate import annotate
     from mcompile.capture import capture
     from mcompile.models import get_preset
-    from mcompile.partition import _candidates, _cost_arrays
+    from mcompile.stages import _candidates, _cost_arrays
 
     pre = get_preset("llama3-70b")
     model = pre.build(device="meta", dtype=torch.bfloat16)
@@ -362,7 +362,7 @@ def test_memory_limit_constrains_the_split(p):
     fits in is an error."""
     import itertools
 
-    from mcompile.partition import _candidates
+    from mcompile.stages import _candidates
 
     _, _, c, _ = compiled("llama3-tiny", "tp=1", False)
     kw = {"granularity": "sublayer", "seq": 16, "microbatch": 64}  # activations weigh: microbatches of 64

@@ -2355,8 +2355,9 @@ EXCLUDED: set = {
     # in place, as copy_: a write into a view kept by functional_inplace, tests/test_layout_quality.py (Funnel) and
     # tests/test_views_under_tp.py (through a view of a split tensor, parity at tp=2)
     aten.mul_.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.div_.Tensor,
-    # random: no single-device value to compare with until the lowering draws each element's number from its global
-    # place (passes/dropout.py lower_random): tests/test_dropout.py::test_random_ops_draw_the_one_rank_numbers_on_a_*
+    # random: no single-device value to compare with until the lowering draws each element's number from its
+    # global place (passes/lower_dropout.py lower_random):
+    # tests/test_dropout.py::test_random_ops_draw_the_one_rank_numbers_on_a_*
     aten.rand_like.default, aten.uniform.default, aten.exponential.default,
 }
 

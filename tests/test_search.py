@@ -131,7 +131,7 @@ def test_pruning_is_exact(medium, limit_gib):
 
 
 def test_stage_cuts_are_the_partitioners():
-    """A 10-layer GPT captured whole (mcompile.partition.partition on its graph) and captured with 2
+    """A 10-layer GPT captured whole (mcompile.stages.partition on its graph) and captured with 2
     layers (the same dynamic program over the depth's layer weights) gives the same cuts; an uneven
     split is priced with its own layer counts, not ⌈L/p⌉."""
     cfg = GPTConfig(vocab_size=512, block_size=256, n_layer=10, n_head=4, n_embd=128)

@@ -156,7 +156,7 @@ def copy_(info) -> list[Strategy]:
 @rule(aten.rand_like.default, aten.uniform.default, aten.exponential.default)
 def random_like(info: OpInfo) -> list[Strategy]:
     """Random numbers shaped like the input (its values unread): drawn per element from a counter over the
-    element's place in the single-device tensor (passes/dropout.py lower_random), so any Shard of the input
+    element's place in the single-device tensor (passes/lower_dropout.py lower_random), so any Shard of the input
     gives the output the same Shard and replicated gives replicated, every rank holding the single-device
     run's numbers. A Partial input is no shape donor of a whole value: not offered."""
     nd = info.inputs[0].ndim

@@ -2,7 +2,7 @@
 
 A routed MoE feed-forward is, whatever code wrote it, ``y[t] = sum_j w[t, j] * FFN_{e[t, j]}(x[t])``
 with ``e`` the top-k expert indices of token t and ``w`` their weights. Models write the dispatch
-in many ways (models/moe.py sorts the slots and runs grouped GEMMs; transformers 5 sorts and calls
+in many ways (models/moe_lm.py sorts the slots and runs grouped GEMMs; transformers 5 sorts and calls
 its ``grouped_mm`` custom op, or gathers one weight per slot and runs ``bmm``); a planner cannot
 shard such code op by op — expert parallelism moves tokens to the ranks that hold their experts,
 a transformation of the whole region. So the region is found and replaced by one node whose
