@@ -1,31 +1,40 @@
-"""The pass pipeline: one flat, named list from the captured graph to the programs a rank runs
-(DESIGN §5, CONVENTIONS 1; issue 13).
+"""The compiler: one flat, named list of passes from the captured graph to the programs a rank runs
+(DESIGN §5, CONVENTIONS 1; issues 13, 39).
 
-Every pass is a function over a graph (or a rank's programs) that states what it requires and what
-it ensures; the config selects which run. In order:
+Every pass states what it requires and what it ensures; the config selects which run. In order:
 
-=================  ==========  ===============================================================
-pass               scope       what it does
-=================  ==========  ===============================================================
-canonicalize       model       decompose / normalise the captured graph (passes/canonicalize.py)
-mean_loss          model       a mean loss -> (sum, count) for token weighting (passes/loss.py)
-plan               model       placements per node and mesh axis (mcompile.planner)
-lower              rank        the per-rank program: local shapes, explicit collectives
-fuse               rank        fused RMSNorm / SwiGLU / RoPE / CE kernels (``Config(fuse=True)``)
-fp8                rank        FP8 linears (``Config(fp8=...)``)
-fsdp               rank        ZeRO-3: sharded parameters gathered over dp before use (passes/fsdp.py;
-                               under pp into each stage program, after the split)
-pipeline_split     rank        stage programs (a ``pp`` axis)
-joint              signature   forward + backward traced into one graph (passes/joint.py)
-partition          signature   the saved set (recompute policy or ``auto``) -> forward / backward
-split_weight       signature   zero-bubble: backward -> B (input grads) + W (weight grads)
-codegen            signature   ``Config(codegen="inductor")``: each module compiled
-=================  ==========  ===============================================================
+===================  ==========  =============================================================
+pass                 scope       what it does
+===================  ==========  =============================================================
+canonicalize         model       decompose / normalise the captured graph (passes/canonicalize.py)
+mean_loss            model       a mean loss -> (sum, count) for token weighting (passes/loss.py)
+plan                 model       placements per node and mesh axis (mcompile.planner)
+lower                rank        the per-rank program: local shapes, explicit collectives
+fuse                 rank        fused RMSNorm / SwiGLU / RoPE / CE kernels (``Config(fuse=True)``)
+fp8                  rank        FP8 linears (``Config(fp8=...)``)
+pipeline_split       rank        stage programs (a ``pp`` axis)
+fsdp                 rank        ZeRO-3: which parameters are sharded over dp, gathered before use (in each
+                                 stage program under pp)
+recompute            rank        a named recompute policy: recorded; applied to the programs under eager
+                                 execution
+joint                signature   forward + backward traced into one graph (passes/joint.py)
+partition            signature   the saved set (recompute policy or ``auto``) -> forward / backward
+split_weight         signature   zero-bubble: backward -> B (input grads) + W (weight grads)
+accumulate           signature   weight gradients added into the caller's fp32 buffers inside backward
+launch_buckets       signature   dp gradient buckets launched inside backward (``overlap``)
+prefetch             signature   ZeRO-3's gathers one layer ahead, reduce-scatters behind (``overlap``)
+collective_matmul    signature   tp collectives chunked against their matmuls (``tp_overlap``)
+inplace_all_reduces  signature   all-reduces of values read nowhere else, in place (eager modules)
+codegen              signature   ``Config(codegen="inductor")``: each module compiled
+===================  ==========  =============================================================
 
-"model" passes run once in :func:`mcompile.api.compile_plan`; "rank" passes once per rank
-(:func:`rank_programs`, used by the runtime); "signature" passes once per program and input
-signature, on the first call (:class:`mcompile.runtime.joint_runner.JointRunner`), since tracing needs the
-shapes of the microbatch. The runtime gets the finished modules and only executes them.
+The list runs the rank and signature scopes: :func:`rank_programs` runs the rank passes in list order
+for one rank (``parallelize`` and generation hand the result to the runtime), :func:`build_joint` the
+signature passes for one program and input signature, on its first call (the runtime's
+:class:`~mcompile.runtime.joint_runner.JointRunner` is given it), since tracing needs the shapes of the
+microbatch; each pass's ``requires`` is checked against what the passes before it ensured. The model
+passes still run in :func:`mcompile.api.compile_plan`. The runtime gets the finished modules and only
+executes them.
 
 :func:`show` runs the pipeline up to a named pass for one rank with example inputs and prints every
 program at that point as Python — forward and backward, every collective visible
@@ -51,12 +60,19 @@ class Pass:
     scope: str  # "model" | "rank" | "signature"
     requires: tuple[str, ...]
     ensures: tuple[str, ...]
-    enabled: Callable[[object, object], bool]  # (config, mesh) -> whether it runs
+    enabled: Callable[[object, object], bool]  # (config, mesh) -> whether it may run (show lists these)
     doc: str
+    # rank and signature passes: run(state) does the pass on the _RankState / _SignatureState (its call's own
+    # conditions inside: a stage that receives nothing has no B/W split); model passes run in compile_plan
+    run: Callable | None = None
 
 
 def _always(_cfg, _mesh) -> bool:
     return True
+
+
+def _joint(c, _m) -> bool:
+    return c.execution == "joint"
 
 
 PASSES: list[Pass] = [
@@ -64,22 +80,63 @@ PASSES: list[Pass] = [
     Pass("mean_loss", "model", ("canonical",), ("token-weighted loss",), _always, "passes/loss.py"),
     Pass("plan", "model", ("canonical",), ("placements",), _always, "mcompile/planner.py"),
     Pass("lower", "rank", ("placements",), ("per-rank program", "collectives explicit"), _always,
-         "passes/lower.py"),
-    Pass("fuse", "rank", ("per-rank program",), ("fused kernels",), lambda c, m: bool(c.fuse), "passes/fuse.py"),
-    Pass("fp8", "rank", ("per-rank program",), ("fp8 linears",), lambda c, m: bool(c.fp8), "passes/fp8_linears.py"),
-    Pass("fsdp", "rank", ("per-rank program",), ("parameters gathered over dp",),
-         lambda c, m: c.zero == 3 and m.size("dp") > 1, "passes/fsdp.py"),
+         "passes/lower.py", lambda st: _rank_lower(st)),
+    Pass("fuse", "rank", ("per-rank program",), ("fused kernels",), lambda c, m: bool(c.fuse), "passes/fuse.py",
+         lambda st: _rank_fuse(st)),
+    Pass("fp8", "rank", ("per-rank program",), ("fp8 linears",), lambda c, m: bool(c.fp8), "passes/fp8_linears.py",
+         lambda st: _rank_fp8(st)),
     Pass("pipeline_split", "rank", ("per-rank program",), ("stage programs",), lambda c, m: m.size("pp") > 1,
-         "passes/pipeline_split.py"),
-    Pass("joint", "signature", ("per-rank program",), ("joint graph",), lambda c, m: c.execution == "joint",
-         "passes/joint.py"),
-    Pass("partition", "signature", ("joint graph",), ("forward module", "backward module", "saved set"),
-         lambda c, m: c.execution == "joint", "passes/joint.py, passes/remat.py"),
+         "passes/pipeline_split.py", lambda st: _rank_pipeline_split(st)),
+    Pass("fsdp", "rank", ("per-rank program",), ("parameters gathered over dp",), lambda c, m: c.zero == 3,
+         "passes/fsdp.py", lambda st: _rank_fsdp(st)),
+    Pass("recompute", "rank", ("per-rank program",), ("recompute recorded",), _always, "passes/recompute.py",
+         lambda st: _rank_recompute(st)),
+    Pass("joint", "signature", ("per-rank program",), ("joint graph",), _joint, "passes/joint.py",
+         lambda st: _sig_joint(st)),
+    Pass("partition", "signature", ("joint graph",), ("forward module", "backward module", "saved set"), _joint,
+         "passes/joint.py, passes/remat.py", lambda st: _sig_partition(st)),
     Pass("split_weight", "signature", ("backward module",), ("B module", "W module"),
-         lambda c, m: c.execution == "joint" and m.size("pp") > 1 and c.schedule == "zbh1", "passes/joint.py"),
+         lambda c, m: c.execution == "joint" and m.size("pp") > 1 and c.schedule == "zbh1", "passes/joint.py",
+         lambda st: _sig_split_weight(st)),
+    Pass("accumulate", "signature", ("backward module",), ("gradients into buffers",), _joint, "passes/joint.py",
+         lambda st: _sig_accumulate(st)),
+    Pass("launch_buckets", "signature", ("gradients into buffers",), ("dp buckets launched in backward",),
+         lambda c, m: c.execution == "joint" and bool(c.overlap), "passes/overlap.py",
+         lambda st: _sig_launch_buckets(st)),
+    Pass("prefetch", "signature", ("forward module", "backward module"), ("ZeRO-3 gathers prefetched",),
+         lambda c, m: c.execution == "joint" and bool(c.overlap) and c.zero == 3, "passes/fsdp.py",
+         lambda st: _sig_prefetch(st)),
+    Pass("collective_matmul", "signature", ("forward module", "backward module"), ("tp collectives chunked",),
+         lambda c, m: c.execution == "joint" and bool(c.overlap) and c.tp_overlap != "off" and m.size("tp") > 1,
+         "passes/collective_matmul.py", lambda st: _sig_collective_matmul(st)),
+    Pass("inplace_all_reduces", "signature", ("forward module", "backward module"), ("all-reduces in place",),
+         lambda c, m: c.execution == "joint" and c.codegen == "eager", "passes/overlap.py",
+         lambda st: _sig_inplace_all_reduces(st)),
     Pass("codegen", "signature", ("forward module", "backward module"), ("compiled modules",),
-         lambda c, m: c.execution == "joint" and c.codegen != "eager", "passes/codegen.py"),
+         lambda c, m: c.execution == "joint" and c.codegen != "eager", "passes/codegen.py",
+         lambda st: _sig_codegen(st)),
 ]
+
+
+def _run_scope(scope: str, st, upto: str | None = None) -> None:
+    """Run the enabled passes of ``scope`` in list order (up to ``upto``, included), each checked against what
+    the passes before it ensured (``requires``)."""
+    mesh = getattr(st, "mesh", None)
+    earlier = {"rank": ("model",), "signature": ("model", "rank")}[scope]
+    for p in PASSES:
+        if p.scope in earlier:  # ran before this scope (compile_plan, rank_programs)
+            st.have.update(p.ensures)
+            continue
+        if p.scope != scope:
+            continue
+        if mesh is None or p.enabled(st.config, mesh):
+            missing = set(p.requires) - st.have
+            if missing:
+                raise AssertionError(f"pass {p.name} requires {sorted(missing)}, which no pass before it ensured")
+            p.run(st)
+            st.have.update(p.ensures)
+        if p.name == upto:
+            return
 
 
 class UnknownPassError(ValueError):
@@ -125,87 +182,111 @@ class RankPrograms:
             self.build = build_joint
 
 
+@dataclass
+class _RankState:
+    compiled: object
+    rank: int
+    config: object
+    device: object
+    snapshots: bool
+    mesh: object = None
+    out: RankPrograms | None = None
+    have: set = field(default_factory=set)
+
+    def snap(self, name: str) -> None:
+        if self.snapshots:
+            self.out.snapshots[name] = self.out.program.code
+
+
 def rank_programs(compiled, rank: int, config, device=None, *, upto: str | None = None,
                   snapshots: bool = False) -> RankPrograms:
-    """Run the rank passes for ``rank``, in PASSES order, up to ``upto`` (None: all): lower, fuse, fp8, ZeRO-3's
-    gathers (fsdp), the pipeline split into stage programs (each with its own gathers), and under eager execution
-    the named recompute policy applied (joint execution chooses the saved set in the signature passes)."""
+    """Run the rank passes of PASSES for ``rank``, in list order, up to ``upto`` (None: all): lower, fuse, fp8,
+    the pipeline split into stage programs, ZeRO-3's gathers (into the program, or each stage), and the named
+    recompute policy (under eager execution applied to the programs; joint execution chooses the saved set in
+    the signature passes)."""
+    st = _RankState(compiled, rank, config, device, snapshots, compiled.mesh)
+    _run_scope("rank", st, upto)
+    return st.out
+
+
+def _rank_lower(st: _RankState) -> None:
     # the rank passes rewrite the graph in place: on a copy, not on the compiled plan's cached program
-    cached = compiled.program(rank, device)
-    program = fx.GraphModule(cached, copy.deepcopy(cached.graph), class_name=type(cached).__name__)
-    out = RankPrograms(program)
-    if snapshots:
-        out.snapshots["lower"] = program.code
-    if upto == "lower":
-        return out
-    cap = compiled.captured
-    if config.fuse:
-        from mcompile.passes.fuse import fuse
+    cached = st.compiled.program(st.rank, st.device)
+    st.out = RankPrograms(fx.GraphModule(cached, copy.deepcopy(cached.graph), class_name=type(cached).__name__))
+    st.snap("lower")
 
-        out.fused = fuse(program, {n.name: n for n in cap.gm.graph.nodes}, set(cap.params))
-        if snapshots:
-            out.snapshots["fuse"] = program.code
-    if upto == "fuse":
-        return out
-    if config.fp8:
-        from mcompile.passes.fp8_linears import convert_fp8
 
-        out.fp8 = convert_fp8(program, compiled.plan, dict(cap.params), recipe=config.fp8,
-                              amax_history_len=config.fp8_amax_history_len, margin=config.fp8_margin,
-                              backend=config.fp8_backend, device=device or torch.device("cpu"),
-                              user_inputs=set(cap.user_inputs))
-        if snapshots:
-            out.snapshots["fp8"] = program.code
-    if upto == "fp8":
-        return out
-    mesh = compiled.mesh
-    if config.zero == 3:
-        from mcompile.passes import fsdp
+def _rank_fuse(st: _RankState) -> None:
+    from mcompile.passes.fuse import fuse
 
-        specs = fsdp.shard_specs(compiled.plan, mesh)
-        out.zero3 = {f: sp for f, sp in specs.items() if sp.sharded}
-        out.zero3_replicated = fsdp.replicated_reasons(specs)  # kept whole over dp, and why
-    if config.zero == 3 and mesh.size("dp") > 1 and mesh.size("pp") == 1:
-        from mcompile.passes.fsdp import insert_gathers
+    cap = st.compiled.captured
+    st.out.fused = fuse(st.out.program, {n.name: n for n in cap.gm.graph.nodes}, set(cap.params))
+    st.snap("fuse")
 
-        insert_gathers(program, zero3_placeholders(compiled, cap.params), mesh.size("dp"))
-        if snapshots:
-            out.snapshots["fsdp"] = program.code
-    if upto == "fsdp":
-        return out
-    if mesh.size("pp") > 1:
-        from mcompile.passes.pipeline_split import split_stages
-        from mcompile.stages import partition
 
-        out.partition = compiled.partition or partition(
-            cap, mesh.size("pp"), config.virtual_stages, granularity=config.pipeline_granularity,
-            layers_per_stage=list(config.layers_per_stage) if config.layers_per_stage else None,
-            cuts=list(config.stage_cuts) if config.stage_cuts else None, seq=config.pipeline_seq or 2048)
-        out.stages = split_stages(program, out.partition, cap.params, cap.user_inputs)
-        if out.zero3:  # ZeRO-3: each stage gathers its own sharded parameters
-            from mcompile.passes.fsdp import insert_gathers
+def _rank_fp8(st: _RankState) -> None:
+    from mcompile.passes.fp8_linears import convert_fp8
 
-            for st in out.stages:
-                insert_gathers(st.gm, zero3_placeholders(compiled, st.params), mesh.size("dp"))
-    if upto == "pipeline_split":
-        return out
+    cap, config = st.compiled.captured, st.config
+    st.out.fp8 = convert_fp8(st.out.program, st.compiled.plan, dict(cap.params), recipe=config.fp8,
+                             amax_history_len=config.fp8_amax_history_len, margin=config.fp8_margin,
+                             backend=config.fp8_backend, device=st.device or torch.device("cpu"),
+                             user_inputs=set(cap.user_inputs))
+    st.snap("fp8")
+
+
+def _rank_pipeline_split(st: _RankState) -> None:
+    from mcompile.passes.pipeline_split import split_stages
+    from mcompile.stages import partition
+
+    cap, config, out = st.compiled.captured, st.config, st.out
+    out.partition = st.compiled.partition or partition(
+        cap, st.mesh.size("pp"), config.virtual_stages, granularity=config.pipeline_granularity,
+        layers_per_stage=list(config.layers_per_stage) if config.layers_per_stage else None,
+        cuts=list(config.stage_cuts) if config.stage_cuts else None, seq=config.pipeline_seq or 2048)
+    out.stages = split_stages(out.program, out.partition, cap.params, cap.user_inputs)
+
+
+def _rank_fsdp(st: _RankState) -> None:
+    """ZeRO-3: which parameters are sharded over dp (the runtime holds those as dp pieces), and a gather before
+    each one's first use: in each stage program under pp, else in the program when dp > 1."""
+    from mcompile.passes import fsdp
+
+    out, dp = st.out, st.mesh.size("dp")
+    specs = fsdp.shard_specs(st.compiled.plan, st.mesh)
+    out.zero3 = {f: sp for f, sp in specs.items() if sp.sharded}
+    out.zero3_replicated = fsdp.replicated_reasons(specs)  # kept whole over dp, and why
+    if out.stages:
+        if out.zero3:
+            for stage in out.stages:
+                fsdp.insert_gathers(stage.gm, zero3_placeholders(st.compiled, stage.params), dp)
+    elif dp > 1:
+        fsdp.insert_gathers(out.program, zero3_placeholders(st.compiled, st.compiled.captured.params), dp)
+        st.snap("fsdp")
+
+
+def _rank_recompute(st: _RankState) -> None:
+    """The captured nodes a named recompute policy recomputes (the plan's record; recompute="auto" chooses on the
+    joint graph), and under eager execution the policy applied inside the programs (every stage: as its owner
+    runs it). Under joint execution it only records: the saved set is the signature passes' choice."""
     from mcompile import meta as M
     from mcompile.passes.recompute import apply_recompute, recompute_nodes
 
-    def groups_of(gm):  # recompute="auto" chooses on the joint graph (build_joint)
+    config, out = st.config, st.out
+
+    def groups_of(gm):
         return {} if config.recompute == "auto" else \
             recompute_nodes(gm, config.recompute, config.recompute_method, config.recompute_num_layers)
 
-    groups = groups_of(program)
-    out.recompute = sorted({n.meta.get(M.ORIGIN, n.name) for n in program.graph.nodes if n.name in groups})
-    out.stage_groups = {st.index: groups_of(st.gm) for st in out.stages}
-    if config.execution != "joint":  # recompute inside the programs themselves (every stage: as its owner runs it)
+    groups = groups_of(out.program)
+    out.recompute = sorted({n.meta.get(M.ORIGIN, n.name) for n in out.program.graph.nodes if n.name in groups})
+    out.stage_groups = {stage.index: groups_of(stage.gm) for stage in out.stages}
+    if config.execution != "joint":
         if out.stages:
-            for st in out.stages:
-                st.gm = apply_recompute(st.gm, out.stage_groups[st.index])
+            for stage in out.stages:
+                stage.gm = apply_recompute(stage.gm, out.stage_groups[stage.index])
         else:
-            out.executed = apply_recompute(program, groups)
-    return out
+            out.executed = apply_recompute(out.program, groups)
 
 
 def zero3_placeholders(compiled, placeholders) -> set[str]:
@@ -222,72 +303,128 @@ def zero3_placeholders(compiled, placeholders) -> set[str]:
 # the signature passes: one program's modules for one input signature (run by the runtime's JointRunner
 # on the first call with that signature, through the ``build`` it is given: the runtime imports no pass)
 # ---------------------------------------------------------------------------------------------
+@dataclass
+class _SignatureState:
+    program: fx.GraphModule
+    args: list
+    config: object
+    name: str = ""
+    split_inputs: list | None = None
+    accumulate: bool = False
+    grad_buckets: Callable | None = None
+    budget: object = None
+    jg: object = None  # the joint graph (passes/joint.py JointGraph)
+    gathered: set = field(default_factory=set)  # ZeRO-3's gathered parameters and values of them alone
+    jp: object = None  # the JointProgram
+    have: set = field(default_factory=set)
+
+    def parts(self) -> list[str]:
+        return [p for p in ("forward", "backward", "backward_input", "backward_weight")
+                if getattr(self.jp, p) is not None]
+
+
 def build_joint(program: fx.GraphModule, args: list, config, *, name: str = "", split_inputs=None,
                 accumulate: bool = False, grad_buckets=None, budget=None):
-    """The signature passes of ``program`` for ``args`` (PASSES: joint, partition, split_weight, codegen; and
-    with them what the config asks of the modules): the joint graph, its saved set by the recompute policy
-    (``auto``: by cost under ``budget``, passes/remat.py; ZeRO-3's gathered parameters never saved), the
-    forward / backward partition, the zero-bubble split of backward (``split_inputs``: the received
-    activations' positions), weight gradients added into the caller's buffers inside backward
-    (``accumulate``), the dp bucket launches inside it (``grad_buckets``, with ``overlap``), ZeRO-3's
-    prefetch, collective matmul on the tp collectives (``tp_overlap``), in-place all-reduces (eager) or each
-    module handed to the code generator on its first call. Returns the
+    """The signature passes of PASSES, in list order, for ``program`` called with ``args``: the joint graph, its
+    saved set by the recompute policy (``auto``: by cost under ``budget``, passes/remat.py; ZeRO-3's gathered
+    parameters never saved) and the forward / backward partition, the zero-bubble split of backward
+    (``split_inputs``: the received activations' positions), weight gradients added into the caller's buffers
+    inside backward (``accumulate``), the dp bucket launches inside it (``grad_buckets``, with ``overlap``),
+    ZeRO-3's prefetch, collective matmul on the tp collectives (``tp_overlap``), in-place all-reduces (eager) or
+    each module handed to the code generator on its first call. Returns the
     :class:`~mcompile.passes.joint.JointProgram` the runtime executes."""
+    st = _SignatureState(program, args, config, name, split_inputs, accumulate, grad_buckets, budget)
+    _run_scope("signature", st)
+    return st.jp
+
+
+def _sig_joint(st: _SignatureState) -> None:
     from mcompile.passes import fsdp
     from mcompile.passes import joint as J
 
-    jg = J.trace_joint(program, args)
-    gathered = fsdp.gathered_values(jg.gm)  # ZeRO-3: gathered parameters are gathered again, never saved
+    st.jg = J.trace_joint(st.program, st.args)
+    st.gathered = fsdp.gathered_values(st.jg.gm)  # ZeRO-3: gathered parameters are gathered again, never saved
+
+
+def _sig_partition(st: _SignatureState) -> None:
+    from mcompile.passes import joint as J
+
+    config, jg = st.config, st.jg
     if config.recompute == "auto":
-        saved = _solve_auto(jg.gm, gathered, config, budget, name)
+        saved = _solve_auto(jg.gm, st.gathered, config, st.budget, st.name)
     else:
         saved = J.saved_for_policy(jg, config.recompute, config.recompute_method, config.recompute_num_layers)
-    if gathered:
-        saved = [n for n in saved if n not in gathered]
-    jp = J.partition(jg, saved)
+    if st.gathered:
+        saved = [n for n in saved if n not in st.gathered]
+    st.jp = J.partition(jg, saved)
     nodes = {n.name: n for n in jg.gm.graph.nodes}
-    jp.recomputed_ops = sum(not J.is_alias(nodes[r]) and r not in gathered for r in jp.recomputed)
-    if split_inputs is not None:
-        pos = [jg.grad_primals.index(i) for i in split_inputs if i in jg.grad_primals]
-        J.split_weight(jp, pos)
-    if accumulate:  # gradients into the caller's buffers, inside the graph
-        # every gradient but the received activations' (a pipeline stage's): the weights' (the
-        # arguments may be fake here, traced by the pipeline's probe: positions, not identities)
-        acc = [j for j, i in enumerate(jg.grad_primals) if i not in (split_inputs or ())]
-        if jp.backward_weight is not None:
-            jp.acc_positions = J.accumulate_outputs(jp.backward_weight, [jp.weight_grads.index(j) for j in acc
-                                                                          if j in jp.weight_grads])
-            jp.acc_positions = [jg.grad_primals[jp.weight_grads[k]] for k in jp.acc_positions]
-        jp.acc_full = [jg.grad_primals[j] for j in J.accumulate_outputs(jp.backward, acc)]
-        if grad_buckets is not None and getattr(config, "overlap", False):
-            _launch_buckets(jp, grad_buckets)
-    parts = ("forward", "backward", "backward_input", "backward_weight")
-    if gathered and getattr(config, "overlap", False):  # ZeRO-3 gathers one layer ahead, reduce-scatters behind
-        jp.prefetch = {part: fsdp.prefetch(getattr(jp, part), f"{name} {part}") for part in parts
-                       if getattr(jp, part) is not None}
-    tp_overlap = getattr(config, "tp_overlap", "off")
-    if getattr(config, "overlap", False) and tp_overlap != "off":  # collective matmul on the tp collectives
-        from mcompile.passes.collective_matmul import rewrite
+    st.jp.recomputed_ops = sum(not J.is_alias(nodes[r]) and r not in st.gathered for r in st.jp.recomputed)
 
-        hw = runtime_hardware(args)
-        jp.tp_overlap = []
-        for part in parts:
-            gm = getattr(jp, part)
-            if gm is not None:
-                jp.tp_overlap += rewrite(gm, tp_overlap=tp_overlap, hardware=hw,
-                                         where="forward" if part == "forward" else "backward")
-    codegen = getattr(config, "codegen", "eager")
-    if codegen == "eager":  # all-reduces of values read nowhere else: in place, without the runtime's copy
-        from mcompile.passes.overlap import inplace_all_reduces
 
-        for part in parts:
-            if getattr(jp, part) is not None:
-                inplace_all_reduces(getattr(jp, part))
-    else:
-        for part in parts:
-            if getattr(jp, part) is not None:
-                setattr(jp, part, _Compiled(getattr(jp, part), codegen))
-    return jp
+def _sig_split_weight(st: _SignatureState) -> None:
+    from mcompile.passes import joint as J
+
+    if st.split_inputs is not None:  # a stage that receives activations: their gradients (B) apart (W)
+        J.split_weight(st.jp, [st.jg.grad_primals.index(i) for i in st.split_inputs if i in st.jg.grad_primals])
+
+
+def _sig_accumulate(st: _SignatureState) -> None:
+    """Gradients into the caller's buffers, inside the graph: every gradient but the received activations' (a
+    pipeline stage's), i.e. the weights' (the arguments may be fake here, traced by the pipeline's probe:
+    positions, not identities)."""
+    from mcompile.passes import joint as J
+
+    if not st.accumulate:
+        return
+    jg, jp = st.jg, st.jp
+    acc = [j for j, i in enumerate(jg.grad_primals) if i not in (st.split_inputs or ())]
+    if jp.backward_weight is not None:
+        jp.acc_positions = J.accumulate_outputs(jp.backward_weight, [jp.weight_grads.index(j) for j in acc
+                                                                      if j in jp.weight_grads])
+        jp.acc_positions = [jg.grad_primals[jp.weight_grads[k]] for k in jp.acc_positions]
+    jp.acc_full = [jg.grad_primals[j] for j in J.accumulate_outputs(jp.backward, acc)]
+
+
+def _sig_launch_buckets(st: _SignatureState) -> None:
+    if st.accumulate and st.grad_buckets is not None and getattr(st.config, "overlap", False):
+        _launch_buckets(st.jp, st.grad_buckets)
+
+
+def _sig_prefetch(st: _SignatureState) -> None:
+    from mcompile.passes import fsdp
+
+    if st.gathered and getattr(st.config, "overlap", False):  # ZeRO-3 gathers one layer ahead, reduce-scatters behind
+        st.jp.prefetch = {part: fsdp.prefetch(getattr(st.jp, part), f"{st.name} {part}") for part in st.parts()}
+
+
+def _sig_collective_matmul(st: _SignatureState) -> None:
+    tp_overlap = getattr(st.config, "tp_overlap", "off")
+    if not getattr(st.config, "overlap", False) or tp_overlap == "off":
+        return
+    from mcompile.passes.collective_matmul import rewrite
+
+    hw = runtime_hardware(st.args)
+    st.jp.tp_overlap = []
+    for part in st.parts():
+        st.jp.tp_overlap += rewrite(getattr(st.jp, part), tp_overlap=tp_overlap, hardware=hw,
+                                    where="forward" if part == "forward" else "backward")
+
+
+def _sig_inplace_all_reduces(st: _SignatureState) -> None:
+    """All-reduces of values read nowhere else: in place, without the runtime's copy (the eager modules)."""
+    if getattr(st.config, "codegen", "eager") != "eager":
+        return
+    from mcompile.passes.overlap import inplace_all_reduces
+
+    for part in st.parts():
+        inplace_all_reduces(getattr(st.jp, part))
+
+
+def _sig_codegen(st: _SignatureState) -> None:
+    codegen = getattr(st.config, "codegen", "eager")
+    if codegen != "eager":
+        for part in st.parts():
+            setattr(st.jp, part, _Compiled(getattr(st.jp, part), codegen))
 
 
 def joint_runner(program: fx.GraphModule, config, **kwargs):
@@ -431,8 +568,7 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
             compiled.captured.gm.code
     lines = [f"# rank {rank} {mesh.coords(rank)} on {mesh!r}, after pass '{after}'",
              "# passes run: " + ", ".join(q.name for q in PASSES[:idx + 1] if q.enabled(config, mesh))]
-    upto = after if after in ("lower", "fuse", "fp8", "fsdp") else "pipeline_split"
-    rp = rank_programs(compiled, rank, config, torch.device("cpu"), upto=upto)
+    rp = rank_programs(compiled, rank, config, torch.device("cpu"), upto=after if p.scope == "rank" else None)
     if rp.fp8 is not None:
         lines += [f"# {x}" for x in rp.fp8.text().splitlines()]
     pp = mesh.size("pp")
