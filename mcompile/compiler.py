@@ -256,12 +256,14 @@ def _rank_fsdp(st: _RankState) -> None:
     specs = fsdp.shard_specs(st.compiled.plan, st.mesh)
     out.zero3 = {f: sp for f, sp in specs.items() if sp.sharded}
     out.zero3_replicated = fsdp.replicated_reasons(specs)  # kept whole over dp, and why
+    fqn_of = st.compiled.captured.params
+    sharded = lambda phs: {ph for ph in phs if fqn_of.get(ph) in out.zero3}  # noqa: E731  (the specs just made)
     if out.stages:
         if out.zero3:
             for stage in out.stages:
-                fsdp.insert_gathers(stage.gm, zero3_placeholders(st.compiled, stage.params), dp)
+                fsdp.insert_gathers(stage.gm, sharded(stage.params), dp)
     elif dp > 1:
-        fsdp.insert_gathers(out.program, zero3_placeholders(st.compiled, st.compiled.captured.params), dp)
+        fsdp.insert_gathers(out.program, sharded(fqn_of), dp)
         st.snap("fsdp")
 
 
