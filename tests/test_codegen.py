@@ -159,7 +159,7 @@ def test_eager_is_the_graph_itself_and_cache():
     assert torch.allclose(compile_graph(single, [x], "inductor")(x), single(x), rtol=RTOL, atol=ATOL)
 
 
-@torch.library.custom_op("mcompile_test::no_fake", mutates_args=())
+@torch.library.custom_op("mcompile_test_codegen::no_fake", mutates_args=())
 def _no_fake(x: torch.Tensor) -> torch.Tensor:  # no fake implementation: Inductor cannot trace it
     return x + 1
 
@@ -167,7 +167,7 @@ def _no_fake(x: torch.Tensor) -> torch.Tensor:  # no fake implementation: Induct
 @pytest.mark.timeout(60)
 def test_failure_names_graph_cause_and_fallback():
     x = torch.randn(4)
-    gm = make_fx(lambda a: (torch.ops.mcompile_test.no_fake(a) * 2,))(x)
+    gm = make_fx(lambda a: (torch.ops.mcompile_test_codegen.no_fake(a) * 2,))(x)
     with pytest.raises(CodegenError) as err:
         compile_graph(gm, [x], "inductor", name="backward[rank 3]")
     msg = str(err.value)
