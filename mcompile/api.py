@@ -2,87 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 
-from mcompile.annotate import annotate
-from mcompile.arguments import check_arguments
-from mcompile.capture import SEQ, CaptureError, capture, warn_unless_loss
-from mcompile.compiled import Compiled, _lower, plan_hints  # noqa: F401  (Compiled: re-exported)
+from mcompile.compiled import Compiled  # noqa: F401  (re-exported)
+from mcompile.compiler import SequenceParallelWarning  # noqa: F401  (re-exported)
 from mcompile.mesh import Mesh
-from mcompile.plan import Plan, PlanOptions, SPVariant, input_specs
-from mcompile.planner import assemble_plan, plan_axes
+from mcompile.plan import Plan
 
 __all__ = ["Compiled", "SequenceParallelWarning", "compile_plan", "plan"]
-
-
-class SequenceParallelWarning(UserWarning):
-    """``sequence_parallel=True`` that splits nothing on the sequence: the plan is plain tensor parallelism."""
-
-
-def _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks: bool, cache: bool = False,
-             share=None, rewrite=None):
-    """(capture, canonicalize's counts, blocks, declined), canonicalised: the short model's capture and the
-    repeated group of each run of alike blocks (mcompile.repeat), else the whole model's capture and
-    None; ``declined``: each run captured whole rather than repeated -> why. ``cache``: through the on-disk
-    capture cache (mcompile.capture_cache); ``share(produce)``: runs ``produce`` on one rank and returns its result
-    on every rank (parallelize: rank 0 captures, every rank plans from the same serialised program).
-    ``rewrite(cap) -> counts``: a mesh-dependent rewrite of the canonical graph (the attention
-    canonicalisation: causal masks on every mesh, GQA's repeat_kv under cp), applied to every capture
-    here, before the blocks are located: a
-    :class:`~mcompile.repeat.Block` names the nodes of the graph it was found in, so a rewrite after
-    :func:`~mcompile.repeat.find_block` that drops or replaces a node of a block (GQA's ``repeat_kv``
-    inside each layer) or one feeding it (the causal mask before the run) would leave the block naming
-    nodes that no longer exist, and the graph repeated would not be the graph planned."""
-    import logging
-
-    from mcompile.passes import canonicalize
-    from mcompile.repeat import find_block, truncate_runs
-
-    def captured(mod):
-        if share is None:
-            return capture(mod, example_inputs, example_kwargs, meta_dtype=meta_dtype, cache=cache)
-        from mcompile.capture import from_packed
-
-        # every rank, rank 0 included, plans from the same serialised program (a fresh capture's graph
-        # carries details serialising drops: the ranks' plans must agree to the digest)
-        data = share(lambda: capture(mod, example_inputs, example_kwargs, meta_dtype=meta_dtype, cache=cache,
-                                     pack="bytes"))
-        return from_packed(data, mod)
-
-    log = logging.getLogger("mcompile.repeat")
-    declined: dict[str, str] = {}
-
-    def label(run) -> str:
-        return f"{run.list_path}[{run.start}:{run.start + run.reps * run.period}]"
-
-    short = truncate_runs(model, keep=2) if repeat_blocks else None
-    while short is not None:
-        root, runs = short
-        try:
-            cap = captured(root)
-        except CaptureError as e:  # a forward that depends on the depth (a buffer per layer, layers[i])
-            why = f"the model with two groups of each run does not capture ({str(e).splitlines()[0]})"
-            log.info("capturing every block: %s", why)
-            declined.update({label(r): why for r in runs})
-            break
-        canon = canonicalize(cap.gm)
-        canon.update(rewrite(cap) if rewrite is not None else {})
-        found = [find_block(cap, run, 2) for run in runs]
-        if all(b is not None for b, _ in found):
-            return cap, canon, tuple(b for b, _ in found), declined
-        for run, (b, why) in zip(runs, found):
-            if b is None:  # never a wrong program: the run is captured whole
-                log.info("capturing all %d blocks of %s from %d: %s", run.reps * run.period, run.list_path,
-                         run.start, why)
-                declined[label(run)] = why
-        short = truncate_runs(model, keep=2, runs=[r for r, (b, _) in zip(runs, found) if b is not None])
-    cap = captured(model)
-    canon = canonicalize(cap.gm)
-    canon.update(rewrite(cap) if rewrite is not None else {})
-    return cap, canon, None, declined
 
 
 def compile_plan(
@@ -122,100 +49,23 @@ def compile_plan(
     ``repeat_blocks``: capture, plan and lower two groups of each run of alike blocks and repeat them
     (mcompile.repeat: the same plan and programs as the whole model's capture, at any depth's cost);
     False captures the whole model. ``capture_cache``: look the capture up in / add it to the on-disk
-    cache (mcompile.capture_cache); ``share``: see :func:`_capture` (parallelize)."""
-    from mcompile.passes import mean_loss_to_sum_count
+    cache (mcompile.capture_cache); ``share(produce)``: runs ``produce`` on one rank and returns its result
+    on every rank (parallelize: rank 0 captures, every rank plans from the same serialised program). The model passes of
+    :data:`mcompile.compiler.PASSES` do the work (:func:`mcompile.compiler.plan_model`)."""
+    from mcompile.compiler import ModelState, PlanRequest, plan_model
 
     if mesh.size("pp") > 1 and set(mesh.axis_names) == {"pp"}:  # a degenerate dp axis carries the stages' params
         mesh = Mesh.fake(dp=1, pp=mesh.size("pp")) if mesh.fake_mesh else Mesh(dp=1, pp=mesh.size("pp"))
-    from mcompile.passes.attention import canonicalize_attention
-
-    if mesh.size("cp") > 1:
-        from mcompile.cp_plan import check_cp_mesh
-
-        check_cp_mesh(mesh)  # before minutes of capture
-    # on every mesh: a causal mask built from sizes becomes is_causal=True (a flash kernel, no [b,1,s,s] tensor);
-    # under cp GQA's repeat_kv is undone too. Inside _capture: the blocks are located in the rewritten graph
-    rewrite = functools.partial(canonicalize_attention, gqa=mesh.size("cp") > 1)
-    cap, canon, blocks, declined = _capture(model, example_inputs, example_kwargs, meta_dtype, repeat_blocks,
-                                           capture_cache, share, rewrite)
-    warn_unless_loss(cap)  # a plan of logits or several outputs is no training plan (forward still serves them)
-    if mesh.size("cp") > 1:
-        from mcompile.cp_plan import check_cp_model
-
-        check_cp_model(cap, mesh)
-    if token_weighted_loss:
-        canon["mean_loss_to_sum_count"] = int(mean_loss_to_sum_count(cap.gm))
-    check_arguments(cap.gm, mesh, microbatches, runtime=for_runtime)
-    annotation = annotate(cap.gm)
-    hints = plan_hints(cap, example_inputs, example_kwargs, seq, batch)
-    axes = plan_axes(cap, mesh, sequence_parallel, overrides, hints)
-    short = None
-    if blocks is not None:
-        from mcompile.repeat import repeat_axes, repeat_captured
-
-        short, (cap, copies) = cap, repeat_captured(cap, blocks, model)
-        repeat_axes(axes, copies)
-        annotation = annotate(cap.gm, reuse=True)
-    sp = sequence_parallel and mesh.size("tp") > 1
-    options = PlanOptions(sequence_parallel=sp, sp_variant=SPVariant.SAVE_GATHERED,
-                          vocab_pad_multiple=vocab_pad_multiple, moe_dispatcher=moe_dispatcher,
-                          moe_capacity_factor=moe_capacity_factor)
-    if mesh.size("cp") > 1:
-        from mcompile.cp_plan import resolve_cp_attention
-
-        options.cp_attention = resolve_cp_attention(cp_attention, cap, mesh, hints)
-    plan = assemble_plan(cap, mesh, axes, options, overrides)
-    plan.inputs = input_specs(cap.input_names, example_inputs, example_kwargs)  # what estimate(plan, model) needs
-    compiled = Compiled(cap, plan, mesh, axes, canon, annotation, short=short, repeat_declined=declined)
-    gm, specs = _lower(compiled, 0)
-    compiled._programs[(0, None)] = (gm, specs)
-    plan.collectives = list(specs)
-    from mcompile.quality import warn_quality
-
-    compiled.quality = warn_quality(compiled)  # Megatron's layout, or a PlanQualityWarning naming what is not
-    if sp and not any(c.axis == "tp" and c.forward == "reduce_scatter" for c in specs):
-        warnings.warn("sequence_parallel=True split no activation on its sequence over tp (the token dim is not "
-                      "the captured sequence alone, e.g. image patches + text, or there is no row-parallel "
-                      "output): the plan runs as plain tensor parallelism", SequenceParallelWarning, stacklevel=2)
-    if mesh.size("pp") > 1:
-        _plan_pipeline(compiled, schedule, virtual_stages, microbatches, pipeline_granularity, layers_per_stage,
-                       stage_cuts, pipeline_seq or hints.get(cap.symbols.get(SEQ), 2048))
-    return compiled
-
-
-def _plan_pipeline(compiled: Compiled, schedule, virtual, microbatches, granularity, layers_per_stage, cuts, seq):
-    """Stage partition (mcompile.stages) and the schedule, recorded in the plan."""
-    from mcompile.runtime.schedules import bubble_fraction, build_schedule
-    from mcompile.stages import partition
-
-    pp = compiled.mesh.size("pp")
-    build_schedule(schedule, pp, virtual, microbatches)  # validates microbatches / interleaving first
-    part = partition(compiled.captured, pp, virtual, granularity=granularity, seq=seq,
-                     layers_per_stage=list(layers_per_stage) if layers_per_stage else None,
-                     cuts=list(cuts) if cuts else None)
-    compiled.partition = part
-    plan = compiled.plan
-    plan.stage_cuts = part.cut_nodes()
-    plan.schedule = schedule
-    local = [0] * part.num_stages  # this rank's elements of each stage's parameters (tied: first stage)
-    trunk = part.trunk
-    param_stages = {}  # fqn -> every stage using it (tied weights: two)
-    for ph in compiled.captured.param_nodes:
-        uses = [trunk.pos[u.name] for u in ph.users if u.name in trunk.pos]
-        if uses:
-            fqn = compiled.captured.params[ph.name]
-            local[part.stage_of_position(min(uses))] += plan.params[fqn].local_numel
-            param_stages[fqn] = sorted({part.stage_of_position(u) for u in uses})
-    plan.pipeline = {
-        "pp": pp, "virtual": virtual, "microbatches": microbatches, "granularity": part.granularity, "seq": seq,
-        "stages": [{"rank": s % pp, "layers": list(part.layers(s)), "params": part.stage_params[s],
-                    "local_params": local[s],
-                    "cost": part.stage_cost[s], "act_bytes_per_sample": part.stage_act_bytes[s]}
-                   for s in range(part.num_stages)],
-        "param_stages": param_stages,
-        "imbalance": part.imbalance, "optimum": part.optimum, "pinned": part.pinned,
-        "bubble": bubble_fraction(schedule, pp, microbatches, virtual),
-    }
+    request = PlanRequest(
+        sequence_parallel=sequence_parallel, overrides=overrides, seq=seq, batch=batch,
+        vocab_pad_multiple=vocab_pad_multiple, meta_dtype=meta_dtype, token_weighted_loss=token_weighted_loss,
+        schedule=schedule, virtual_stages=virtual_stages, microbatches=microbatches,
+        pipeline_granularity=pipeline_granularity, layers_per_stage=layers_per_stage, stage_cuts=stage_cuts,
+        pipeline_seq=pipeline_seq, for_runtime=for_runtime, repeat_blocks=repeat_blocks,
+        capture_cache=capture_cache, share=share, moe_dispatcher=moe_dispatcher,
+        moe_capacity_factor=moe_capacity_factor, cp_attention=cp_attention)
+    st = ModelState(model, mesh, tuple(example_inputs), example_kwargs, request)
+    return plan_model(st).compiled
 
 
 def plan(

@@ -16,7 +16,7 @@ from mcompile.mesh import Mesh
 from mcompile.plan import Plan
 from mcompile.planner import AxisPlanResult
 
-__all__ = ["Compiled", "plan_hints", "plan_captured"]
+__all__ = ["Compiled", "plan_hints"]
 
 
 @dataclass
@@ -34,6 +34,7 @@ class Compiled:
     # run of alike blocks captured whole rather than repeated ("layers[0:4]") -> why (find_block's reason)
     repeat_declined: dict = field(default_factory=dict)
     quality: list = field(default_factory=list)  # mcompile.quality.Finding: where the plan is not Megatron's layout
+    passes: list = field(default_factory=list)  # the model passes that made it, in order (mcompile.compiler)
     _programs: dict = field(default_factory=dict)
 
     def axis_infos(self, rank: int):
@@ -159,27 +160,3 @@ def plan_hints(cap: Captured, inputs, kwargs, seq, batch) -> dict:
                 for sym in size.node.expr.free_symbols - out.keys():
                     out[sym] = max(tokens, 2)
     return out
-
-
-def plan_captured(cap: Captured, mesh: Mesh, hints: dict, *, sequence_parallel: bool = False,
-                  overrides: dict | None = None, options=None, canonical: dict | None = None,
-                  annotation: AnnotationSummary | None = None, lower: bool = False) -> Compiled:
-    """The planning steps of ``compile_plan`` after capture, on a capture already canonicalised and annotated:
-    each axis's placements (``plan_axes``), the assembled plan (``options``: PlanOptions, default plain tp or
-    SP), and with ``lower`` rank 0's program lowered and its collectives recorded in the plan (what the cost
-    model reads). The cost model's Workload and generation's prefill and decode graphs are planned by it;
-    ``compile_plan`` runs the same steps with block repetition between the first two."""
-    from mcompile.plan import PlanOptions, SPVariant
-    from mcompile.planner import assemble_plan, plan_axes
-
-    axes = plan_axes(cap, mesh, sequence_parallel, overrides, hints)
-    if options is None:
-        options = PlanOptions(sequence_parallel=sequence_parallel and mesh.size("tp") > 1,
-                              sp_variant=SPVariant.SAVE_GATHERED)
-    plan = assemble_plan(cap, mesh, axes, options, overrides)
-    compiled = Compiled(cap, plan, mesh, axes, dict(canonical or {}), annotation)
-    if lower:
-        gm, specs = _lower(compiled, 0)
-        compiled._programs[(0, None)] = (gm, specs)
-        plan.collectives = list(specs)
-    return compiled

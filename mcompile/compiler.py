@@ -44,6 +44,7 @@ program at that point as Python — forward and backward, every collective visib
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,10 +76,43 @@ def _joint(c, _m) -> bool:
     return c.execution == "joint"
 
 
+def _req(flag: str) -> Callable[[object, object], bool]:
+    """A model pass the request switches (``PlanRequest.<flag>``)."""
+    return lambda r, _m: bool(getattr(r, flag))
+
+
 PASSES: list[Pass] = [
-    Pass("canonicalize", "model", ("captured",), ("canonical",), _always, "passes/canonicalize.py"),
-    Pass("mean_loss", "model", ("canonical",), ("token-weighted loss",), _always, "passes/loss.py"),
-    Pass("plan", "model", ("canonical",), ("placements",), _always, "mcompile/planner.py"),
+    # -- model scope: once per model and mesh (compile_plan; the cost model's Workload; generation's graphs)
+    Pass("check_mesh", "model", (), ("mesh checked",), lambda r, m: m.size("cp") > 1, "mcompile/cp_plan.py",
+         lambda st: _model_check_mesh(st)),
+    Pass("capture", "model", (), ("captured",), _always, "mcompile/capture.py", lambda st: _model_capture(st)),
+    Pass("canonicalize", "model", ("captured",), ("canonical",), _always, "passes/canonicalize.py",
+         lambda st: _model_canonicalize(st)),
+    Pass("canonicalize_attention", "model", ("canonical",), ("attention canonical",), _req("attention"),
+         "passes/attention.py", lambda st: _model_attention(st)),
+    Pass("find_block", "model", ("canonical",), ("blocks located",), _req("repeat_blocks"), "mcompile/repeat.py",
+         lambda st: _model_find_block(st)),
+    Pass("check_model", "model", ("canonical",), ("model checked",), _req("checks"), "mcompile/cp_plan.py",
+         lambda st: _model_check_model(st)),
+    Pass("mean_loss", "model", ("canonical",), ("token-weighted loss",), _req("token_weighted_loss"),
+         "passes/loss.py", lambda st: _model_mean_loss(st)),
+    Pass("check_arguments", "model", ("canonical",), ("arguments checked",), _req("checks"),
+         "mcompile/arguments.py", lambda st: _model_check_arguments(st)),
+    Pass("annotate", "model", ("canonical",), ("annotated",), _always, "mcompile/annotate.py",
+         lambda st: _model_annotate(st)),
+    Pass("plan_axes", "model", ("annotated",), ("placements per axis",), _always, "mcompile/planner.py",
+         lambda st: _model_plan_axes(st)),
+    Pass("repeat", "model", ("placements per axis",), ("full depth",), _req("repeat_blocks"), "mcompile/repeat.py",
+         lambda st: _model_repeat(st)),
+    Pass("assemble", "model", ("placements per axis",), ("placements",), _always, "mcompile/planner.py",
+         lambda st: _model_assemble(st)),
+    Pass("record_collectives", "model", ("placements",), ("collectives recorded",), _req("lower"),
+         "passes/lower.py", lambda st: _model_record_collectives(st)),
+    Pass("quality", "model", ("collectives recorded",), ("quality checked",), _req("checks"), "mcompile/quality.py",
+         lambda st: _model_quality(st)),
+    Pass("plan_stages", "model", ("placements",), ("stage partition",),
+         lambda r, m: bool(r.stages) and m.size("pp") > 1, "mcompile/stages.py", lambda st: _model_plan_stages(st)),
+    # -- rank scope: the programs of one rank (rank_programs)
     Pass("lower", "rank", ("placements",), ("per-rank program", "collectives explicit"), _always,
          "passes/lower.py", lambda st: _rank_lower(st)),
     Pass("fuse", "rank", ("per-rank program",), ("fused kernels",), lambda c, m: bool(c.fuse), "passes/fuse.py",
@@ -118,13 +152,16 @@ PASSES: list[Pass] = [
 ]
 
 
-def _run_scope(scope: str, st, upto: str | None = None) -> None:
-    """Run the enabled passes of ``scope`` in list order (up to ``upto``, included), each checked against what
-    the passes before it ensured (``requires``)."""
+def _run_scope(scope: str, st, upto: str | None = None, start: str | None = None) -> None:
+    """Run the enabled passes of ``scope`` in list order, from ``start`` (the caller did those before it: a
+    capture handed in) up to ``upto`` (included), each checked against what the passes before it ensured
+    (``requires``). ``st.ran`` records the passes that ran."""
     mesh = getattr(st, "mesh", None)
-    earlier = {"rank": ("model",), "signature": ("model", "rank")}[scope]
+    earlier = {"model": (), "rank": ("model",), "signature": ("model", "rank")}[scope]
+    started = start is None
     for p in PASSES:
-        if p.scope in earlier:  # ran before this scope (compile_plan, rank_programs)
+        started = started or p.name == start
+        if p.scope in earlier or (p.scope == scope and not started):  # ran before (compile_plan, rank_programs)
             st.have.update(p.ensures)
             continue
         if p.scope != scope:
@@ -135,6 +172,7 @@ def _run_scope(scope: str, st, upto: str | None = None) -> None:
                 raise AssertionError(f"pass {p.name} requires {sorted(missing)}, which no pass before it ensured")
             p.run(st)
             st.have.update(p.ensures)
+            st.ran.append(p.name)
         if p.name == upto:
             return
 
@@ -155,6 +193,292 @@ def check_order() -> None:
         if missing:
             raise AssertionError(f"pass {p.name} requires {sorted(missing)}, which no earlier pass ensures")
         have.update(p.ensures)
+
+
+# ---------------------------------------------------------------------------------------------
+# the model scope: capture and plan, once per model and mesh
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class PlanRequest:
+    """What the model passes are asked to do (``compile_plan``'s keywords; the cost model and generation ask for
+    less): each field is read by the pass it names, and the switches at the end select passes."""
+
+    sequence_parallel: bool = False
+    overrides: dict | None = None
+    seq: int | None = None
+    batch: int | None = None
+    vocab_pad_multiple: int = 128
+    meta_dtype: torch.dtype | None = None
+    token_weighted_loss: bool = False  # mean_loss
+    schedule: str = "1f1b"  # plan_stages: the pipeline schedule, its interleaving, microbatches, stage cuts
+    virtual_stages: int = 1
+    microbatches: int = 1
+    pipeline_granularity: str = "auto"
+    layers_per_stage: tuple | list | None = None
+    stage_cuts: tuple | list | None = None
+    pipeline_seq: int | None = None
+    for_runtime: bool = False  # check_arguments: refuse what the runtime cannot run yet, too
+    repeat_blocks: bool = True  # find_block, repeat (mcompile.repeat)
+    capture_cache: bool = False  # capture: through the on-disk cache
+    share: Callable | None = None  # capture: share(produce) runs produce on one rank, its result on every rank
+    moe_dispatcher: str = "alltoall"
+    moe_capacity_factor: float = 0.0
+    cp_attention: str = "auto"
+    attention: bool = True  # canonicalize_attention
+    checks: bool = True  # check_model, check_arguments, quality (a plan to run or to read, not to price)
+    lower: bool = True  # record_collectives: rank 0's program lowered, its collectives in the plan
+    stages: bool = True  # plan_stages when the mesh has pp (generation partitions its own graphs)
+
+
+@dataclass
+class ModelState:
+    """What the model passes read and write. ``candidate``: the model with two groups of each run of alike blocks
+    and those runs (mcompile.repeat.truncate_runs), captured instead of ``model`` while block repetition is on;
+    find_block narrows it (or drops it) and asks for the capture again (``again``)."""
+
+    model: torch.nn.Module | None
+    mesh: object
+    example_inputs: tuple | None
+    example_kwargs: dict | None
+    config: PlanRequest  # (``config``: what every scope's ``enabled`` reads)
+    cap: object = None
+    canon: dict = field(default_factory=dict)
+    candidate: tuple | None = None
+    again: bool = False
+    blocks: tuple | None = None
+    declined: dict = field(default_factory=dict)  # each run captured whole rather than repeated -> why
+    annotation: object = None
+    hints: dict | None = None
+    axes: dict | None = None
+    short: object = None  # the short model's capture, when blocks were repeated
+    compiled: object = None  # mcompile.compiled.Compiled
+    have: set = field(default_factory=set)
+    ran: list = field(default_factory=list)
+
+    def replan(self, mesh, **request) -> ModelState:
+        """A state for planning this capture again on ``mesh`` (the cost model re-plans one capture per tp):
+        the capture, its canonical form and annotation shared, ``request``'s fields changed."""
+        return ModelState(self.model, mesh, self.example_inputs, self.example_kwargs,
+                          dataclasses.replace(self.config, **request), cap=self.cap, canon=dict(self.canon),
+                          annotation=self.annotation, hints=self.hints)
+
+
+def plan_model(st: ModelState, *, start: str | None = None, upto: str | None = None) -> ModelState:
+    """Run the model passes of PASSES on ``st`` in list order (from ``start``, up to ``upto``): the checks of the
+    mesh, the capture, its canonical form and the blocks located in it, the checks of the model and its arguments,
+    the annotation, each axis's placements, the repeated blocks, the assembled plan, rank 0's collectives, the
+    plan's quality and the pipeline stages. The capture passes run again (capture to find_block) while
+    find_block declines a run: it is then captured whole."""
+    from mcompile.repeat import truncate_runs
+
+    names = pass_names()
+    first = names.index(start) if start is not None else 0
+    last = names.index(upto) if upto is not None else len(names) - 1
+    found = names.index("find_block")
+    if first <= names.index("capture") and st.config.repeat_blocks and st.model is not None:
+        st.candidate = truncate_runs(st.model, keep=2)
+    if first <= found:
+        _run_scope("model", st, names[min(last, found)], start)
+        while st.again:
+            st.again, st.ran = False, [n for n in st.ran if names.index(n) < names.index("capture")]
+            _run_scope("model", st, "find_block", "capture")
+        start = names[found + 1]
+    if last > found:
+        _run_scope("model", st, upto, start)
+    if st.compiled is not None:
+        st.compiled.passes = list(st.ran)
+    return st
+
+
+def _model_check_mesh(st: ModelState) -> None:
+    from mcompile.cp_plan import check_cp_mesh
+
+    check_cp_mesh(st.mesh)  # before minutes of capture
+
+
+def _run_label(run) -> str:
+    return f"{run.list_path}[{run.start}:{run.start + run.reps * run.period}]"
+
+
+def _model_capture(st: ModelState) -> None:
+    """The short model (two groups of each run of alike blocks) while there is one, else the whole model; a short
+    model that does not capture (a forward that depends on the depth: a buffer per layer, ``layers[i]``) gives
+    way to the whole model. ``share``: every rank, rank 0 included, plans from the same serialised program (a
+    fresh capture's graph carries details serialising drops: the ranks' plans must agree to the digest)."""
+    import logging
+
+    from mcompile.capture import CaptureError, capture, from_packed
+
+    r = st.config
+
+    def captured(mod):
+        if r.share is None:
+            return capture(mod, st.example_inputs, st.example_kwargs, meta_dtype=r.meta_dtype, cache=r.capture_cache)
+        data = r.share(lambda: capture(mod, st.example_inputs, st.example_kwargs, meta_dtype=r.meta_dtype,
+                                       cache=r.capture_cache, pack="bytes"))
+        return from_packed(data, mod)
+
+    if st.candidate is not None:
+        root, runs = st.candidate
+        try:
+            st.cap = captured(root)
+            return
+        except CaptureError as e:
+            why = f"the model with two groups of each run does not capture ({str(e).splitlines()[0]})"
+            logging.getLogger("mcompile.repeat").info("capturing every block: %s", why)
+            st.declined.update({_run_label(run): why for run in runs})
+            st.candidate = None
+    st.cap = captured(st.model)
+
+
+def _model_canonicalize(st: ModelState) -> None:
+    from mcompile.passes import canonicalize
+
+    st.canon = canonicalize(st.cap.gm)
+
+
+def _model_attention(st: ModelState) -> None:
+    """On every mesh a causal mask built from sizes becomes ``is_causal=True`` (a flash kernel, no [b,1,s,s]
+    tensor); under cp GQA's repeat_kv is undone too. Before the blocks are located: a Block names the nodes of
+    the graph it was found in, so a rewrite after find_block that drops or replaces a node of a block (GQA's
+    ``repeat_kv`` inside each layer) would leave it naming nodes that no longer exist."""
+    from mcompile.passes.attention import canonicalize_attention
+
+    st.canon.update(canonicalize_attention(st.cap, gqa=st.mesh.size("cp") > 1))
+
+
+def _model_find_block(st: ModelState) -> None:
+    """Each run's repeated group in the short model's capture; a run whose group is not found is captured whole
+    (never a wrong program): the capture passes run again with the others (``again``)."""
+    import logging
+
+    from mcompile.repeat import find_block, truncate_runs
+
+    if st.candidate is None:
+        return  # the whole model was captured: nothing repeats
+    _, runs = st.candidate
+    found = [find_block(st.cap, run, 2) for run in runs]
+    if all(b is not None for b, _ in found):
+        st.blocks = tuple(b for b, _ in found)
+        return
+    for run, (b, why) in zip(runs, found):
+        if b is None:
+            logging.getLogger("mcompile.repeat").info("capturing all %d blocks of %s from %d: %s",
+                                                      run.reps * run.period, run.list_path, run.start, why)
+            st.declined[_run_label(run)] = why
+    st.candidate = truncate_runs(st.model, keep=2, runs=[run for run, (b, _) in zip(runs, found) if b is not None])
+    st.again = True
+
+
+def _model_check_model(st: ModelState) -> None:
+    from mcompile.capture import warn_unless_loss
+
+    warn_unless_loss(st.cap)  # a plan of logits or several outputs is no training plan (forward still serves them)
+    if st.mesh.size("cp") > 1:
+        from mcompile.cp_plan import check_cp_model
+
+        check_cp_model(st.cap, st.mesh)
+
+
+def _model_mean_loss(st: ModelState) -> None:
+    from mcompile.passes import mean_loss_to_sum_count
+
+    st.canon["mean_loss_to_sum_count"] = int(mean_loss_to_sum_count(st.cap.gm))
+
+
+def _model_check_arguments(st: ModelState) -> None:
+    from mcompile.arguments import check_arguments
+
+    check_arguments(st.cap.gm, st.mesh, st.config.microbatches, runtime=st.config.for_runtime)
+
+
+def _model_annotate(st: ModelState) -> None:
+    from mcompile.annotate import annotate
+
+    st.annotation = annotate(st.cap.gm)
+
+
+def _model_plan_axes(st: ModelState) -> None:
+    """Each mesh axis's placements (mcompile.planner.plan_axes), redistribution priced at the example sizes (or
+    ``seq`` / ``batch``)."""
+    from mcompile.compiled import plan_hints
+    from mcompile.planner import plan_axes
+
+    r = st.config
+    if st.hints is None:
+        st.hints = plan_hints(st.cap, st.example_inputs or (), st.example_kwargs, r.seq, r.batch)
+    st.axes = plan_axes(st.cap, st.mesh, r.sequence_parallel, r.overrides, st.hints)
+
+
+def _model_repeat(st: ModelState) -> None:
+    """The short model's capture and placements grown to the real depth (mcompile.repeat)."""
+    from mcompile.annotate import annotate
+    from mcompile.repeat import repeat_axes, repeat_captured
+
+    if st.blocks is None:
+        return
+    st.short, (st.cap, copies) = st.cap, repeat_captured(st.cap, st.blocks, st.model)
+    repeat_axes(st.axes, copies)
+    st.annotation = annotate(st.cap.gm, reuse=True)
+
+
+def _model_assemble(st: ModelState) -> None:
+    from mcompile.compiled import Compiled
+    from mcompile.plan import PlanOptions, SPVariant, input_specs
+    from mcompile.planner import assemble_plan
+
+    r, mesh = st.config, st.mesh
+    options = PlanOptions(sequence_parallel=r.sequence_parallel and mesh.size("tp") > 1,
+                          sp_variant=SPVariant.SAVE_GATHERED, vocab_pad_multiple=r.vocab_pad_multiple,
+                          moe_dispatcher=r.moe_dispatcher, moe_capacity_factor=r.moe_capacity_factor)
+    if mesh.size("cp") > 1:
+        from mcompile.cp_plan import resolve_cp_attention
+
+        options.cp_attention = resolve_cp_attention(r.cp_attention, st.cap, mesh, st.hints)
+    plan = assemble_plan(st.cap, mesh, st.axes, options, r.overrides)
+    if st.example_inputs is not None:  # what estimate(plan, model) needs
+        plan.inputs = input_specs(st.cap.input_names, st.example_inputs, st.example_kwargs)
+    st.compiled = Compiled(st.cap, plan, mesh, st.axes, st.canon, st.annotation, short=st.short,
+                           repeat_declined=st.declined)
+
+
+def _model_record_collectives(st: ModelState) -> None:
+    """Rank 0's program lowered (kept: rank_programs' lower pass starts from it) and its collectives recorded in
+    the plan (what the cost model and the quality check read)."""
+    from mcompile.compiled import _lower
+
+    gm, specs = _lower(st.compiled, 0)
+    st.compiled._programs[(0, None)] = (gm, specs)
+    st.compiled.plan.collectives = list(specs)
+
+
+class SequenceParallelWarning(UserWarning):
+    """``sequence_parallel=True`` that splits nothing on the sequence: the plan is plain tensor parallelism."""
+
+
+def _model_quality(st: ModelState) -> None:
+    """Megatron's layout, or a PlanQualityWarning naming what is not; a sequence parallelism that splits nothing
+    says so. The warnings point at the caller of compile_plan (frames: the pass, its entry, the runner,
+    plan_model, compile_plan)."""
+    import warnings
+
+    from mcompile.quality import warn_quality
+
+    st.compiled.quality = warn_quality(st.compiled, stacklevel=7)
+    sp = st.config.sequence_parallel and st.mesh.size("tp") > 1
+    if sp and not any(c.axis == "tp" and c.forward == "reduce_scatter" for c in st.compiled.plan.collectives):
+        warnings.warn("sequence_parallel=True split no activation on its sequence over tp (the token dim is not "
+                      "the captured sequence alone, e.g. image patches + text, or there is no row-parallel "
+                      "output): the plan runs as plain tensor parallelism", SequenceParallelWarning, stacklevel=6)
+
+
+def _model_plan_stages(st: ModelState) -> None:
+    from mcompile.capture import SEQ
+    from mcompile.stages import plan_stages
+
+    r = st.config
+    plan_stages(st.compiled, r.schedule, r.virtual_stages, r.microbatches, r.pipeline_granularity,
+                r.layers_per_stage, r.stage_cuts, r.pipeline_seq or st.hints.get(st.cap.symbols.get(SEQ), 2048))
 
 
 @dataclass
@@ -192,6 +516,7 @@ class _RankState:
     mesh: object = None
     out: RankPrograms | None = None
     have: set = field(default_factory=set)
+    ran: list = field(default_factory=list)
 
     def snap(self, name: str) -> None:
         if self.snapshots:
@@ -319,6 +644,7 @@ class _SignatureState:
     gathered: set = field(default_factory=set)  # ZeRO-3's gathered parameters and values of them alone
     jp: object = None  # the JointProgram
     have: set = field(default_factory=set)
+    ran: list = field(default_factory=list)
 
     def parts(self) -> list[str]:
         return [p for p in ("forward", "backward", "backward_input", "backward_weight")
@@ -569,7 +895,8 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
         return f"# after {after}: the captured graph (model passes run before any rank program)\n" + \
             compiled.captured.gm.code
     lines = [f"# rank {rank} {mesh.coords(rank)} on {mesh!r}, after pass '{after}'",
-             "# passes run: " + ", ".join(q.name for q in PASSES[:idx + 1] if q.enabled(config, mesh))]
+             "# passes run: " + ", ".join(list(compiled.passes) + [q.name for q in PASSES[:idx + 1]
+                                                                  if q.scope != "model" and q.enabled(config, mesh)])]
     rp = rank_programs(compiled, rank, config, torch.device("cpu"), upto=after if p.scope == "rank" else None)
     if rp.fp8 is not None:
         lines += [f"# {x}" for x in rp.fp8.text().splitlines()]

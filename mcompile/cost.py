@@ -1002,30 +1002,27 @@ class Workload:
     @cached_property
     def captured(self):
         """The model captured ONCE on the meta device, canonicalised (attention too: a causal mask made from sizes
-        becomes ``is_causal``, as ``compile_plan`` does) and annotated; each (tp, sp) re-plans this graph."""
-        from mcompile.annotate import annotate
-        from mcompile.capture import capture
-        from mcompile.passes import canonicalize
-        from mcompile.passes.attention import canonicalize_attention
+        becomes ``is_causal``) and annotated: the model passes up to ``annotate`` (mcompile.compiler.plan_model,
+        no block repetition, no checks); each (tp, sp) re-plans this graph."""
+        from mcompile.compiler import ModelState, PlanRequest, plan_model
+        from mcompile.mesh import Mesh
 
-        cap = capture(self.model, self.example_inputs, self.example_kwargs, meta_dtype=self.dtype)
-        canonicalize(cap.gm)
-        canonicalize_attention(cap, gqa=False)
-        self._annotation = annotate(cap.gm)
-        return cap
+        request = PlanRequest(meta_dtype=self.dtype, repeat_blocks=False, checks=False)
+        self._state = plan_model(ModelState(self.model, Mesh.fake(tp=1), tuple(self.example_inputs),
+                                            self.example_kwargs, request), upto="annotate")
+        return self._state.cap
 
     def compiled(self, tp: int, sequence_parallel: bool = False):
-        """The planner's plan of the captured graph at this tp (a :class:`mcompile.compiled.Compiled`): the
-        steps of ``compile_plan`` after capture, on the shared graph."""
+        """The planner's plan of the captured graph at this tp (a :class:`mcompile.compiled.Compiled`): the model
+        passes from ``plan_axes`` to ``record_collectives`` on the shared graph."""
         key = (tp, bool(sequence_parallel and tp > 1))
         if key not in self._compiled:
-            from mcompile.compiled import plan_captured, plan_hints
+            from mcompile.compiler import plan_model
             from mcompile.mesh import Mesh
 
-            cap = self.captured
-            hints = plan_hints(cap, self.example_inputs, self.example_kwargs, None, None)
-            self._compiled[key] = plan_captured(cap, Mesh.fake(tp=tp), hints, sequence_parallel=key[1],
-                                                annotation=self._annotation, lower=True)
+            self.captured  # noqa: B018  (captured once)
+            st = self._state.replan(Mesh.fake(tp=tp), sequence_parallel=key[1])
+            self._compiled[key] = plan_model(st, start="plan_axes", upto="record_collectives").compiled
         return self._compiled[key]
 
     def profile(self, tp: int = 1, sequence_parallel: bool = False) -> ModelProfile:

@@ -196,19 +196,15 @@ def _symbols(new, decode: bool):
 
 
 def _plan(cap, mesh: Mesh, config, hints: dict, overrides: dict | None):
-    """Plan one graph captured here (canonicalised and annotated first) as a :class:`mcompile.compiled.Compiled`
-    (:func:`mcompile.compiled.plan_captured`, compile_plan's planning steps)."""
-    from mcompile.annotate import annotate
-    from mcompile.compiled import plan_captured
-    from mcompile.passes import canonicalize
-    from mcompile.plan import PlanOptions, SPVariant
+    """Plan one graph captured here as a :class:`mcompile.compiled.Compiled`: the model passes from
+    ``canonicalize`` to ``assemble`` (mcompile.compiler.plan_model; no attention rewrite, no block repetition,
+    no checks of a training plan; the stages are partitioned here, for both graphs alike)."""
+    from mcompile.compiler import ModelState, PlanRequest, plan_model
 
-    canon = canonicalize(cap.gm)
-    annotation = annotate(cap.gm)
-    options = PlanOptions(sequence_parallel=False, sp_variant=SPVariant.SAVE_GATHERED,
-                          vocab_pad_multiple=config.vocab_pad_multiple)
-    return plan_captured(cap, mesh, hints, overrides=overrides, options=options, canonical=canon,
-                         annotation=annotation)
+    request = PlanRequest(overrides=overrides, vocab_pad_multiple=config.vocab_pad_multiple, attention=False,
+                          repeat_blocks=False, checks=False, lower=False, stages=False)
+    st = ModelState(None, mesh, None, None, request, cap=cap, hints=hints)
+    return plan_model(st, start="canonicalize", upto="assemble").compiled
 
 
 @dataclass

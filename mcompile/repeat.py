@@ -765,7 +765,7 @@ def repeat_captured(cap: Captured, blocks: Sequence[Block], model: torch.nn.Modu
             raise AssertionError(
                 f"the repeated group of {block.list_path} names nodes the captured graph no longer has "
                 f"({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}): every rewrite of the captured graph "
-                "must run before find_block (api._capture's rewrite)")
+                "must run before find_block (the canonicalize_attention pass of mcompile.compiler)")
         copies.update(repeat_graph(gm, block, [by[n] for n in block.nodes], by[block.entry], by[block.exit]))
     # tables in placeholder order
     params, buffers, constants = {}, {}, {}

@@ -306,3 +306,37 @@ def _result(captured, trunk, pp, virtual, granularity, pos, cost, act, opt, pinn
 
 def _fmt(xs) -> str:
     return ", ".join(str(x) for x in xs)
+
+
+def plan_stages(compiled, schedule, virtual, microbatches, granularity, layers_per_stage, cuts, seq):
+    """The stage partition and the schedule, recorded in the plan (the compiler's plan_stages pass)."""
+    from mcompile.runtime.schedules import bubble_fraction, build_schedule
+
+    pp = compiled.mesh.size("pp")
+    build_schedule(schedule, pp, virtual, microbatches)  # validates microbatches / interleaving first
+    part = partition(compiled.captured, pp, virtual, granularity=granularity, seq=seq,
+                     layers_per_stage=list(layers_per_stage) if layers_per_stage else None,
+                     cuts=list(cuts) if cuts else None)
+    compiled.partition = part
+    plan = compiled.plan
+    plan.stage_cuts = part.cut_nodes()
+    plan.schedule = schedule
+    local = [0] * part.num_stages  # this rank's elements of each stage's parameters (tied: first stage)
+    trunk = part.trunk
+    param_stages = {}  # fqn -> every stage using it (tied weights: two)
+    for ph in compiled.captured.param_nodes:
+        uses = [trunk.pos[u.name] for u in ph.users if u.name in trunk.pos]
+        if uses:
+            fqn = compiled.captured.params[ph.name]
+            local[part.stage_of_position(min(uses))] += plan.params[fqn].local_numel
+            param_stages[fqn] = sorted({part.stage_of_position(u) for u in uses})
+    plan.pipeline = {
+        "pp": pp, "virtual": virtual, "microbatches": microbatches, "granularity": part.granularity, "seq": seq,
+        "stages": [{"rank": s % pp, "layers": list(part.layers(s)), "params": part.stage_params[s],
+                    "local_params": local[s],
+                    "cost": part.stage_cost[s], "act_bytes_per_sample": part.stage_act_bytes[s]}
+                   for s in range(part.num_stages)],
+        "param_stages": param_stages,
+        "imbalance": part.imbalance, "optimum": part.optimum, "pinned": part.pinned,
+        "bubble": bubble_fraction(schedule, pp, microbatches, virtual),
+    }

@@ -174,8 +174,8 @@ def test_sizes_clamped_by_min_and_max_are_rebuilt_per_rank():
 
 
 def test_a_layer_whose_ops_are_not_one_stretch_is_not_repeated():
-    """repeat_graph copies one contiguous stretch of the program: find_block must decline (and _capture then
-    captures the whole model) rather than assert later."""
+    """repeat_graph copies one contiguous stretch of the program: find_block must decline (and the capture passes then
+    capture the whole model) rather than assert later."""
     from mcompile.capture import capture
     from mcompile.repeat import find_block, truncate_runs
 
