@@ -474,6 +474,19 @@ def stage_activation_budget(config, actions, stage: int):
                             f"pipeline rank {r} under schedule {config.schedule!r}")
 
 
+def _group_lookup(mesh):
+    """``group_of(axis, rank)``: the global ranks of ``rank``'s group over ``axis`` (``mesh.group_ranks`` walks
+    the world: once per key)."""
+    known: dict[tuple[str, int], tuple[int, ...]] = {}
+
+    def group_of(axis: str, rank: int) -> tuple[int, ...]:
+        if (axis, rank) not in known:
+            known[(axis, rank)] = next(tuple(g) for g in mesh.group_ranks(axis) if rank in g)
+        return known[(axis, rank)]
+
+    return group_of
+
+
 class Pipeline:
     """Pipeline parallelism inside a :class:`~mcompile.runtime.module.ParallelModule`: the stage
     partition, this rank's stage programs, shape inference and verification, the schedule run."""
@@ -621,92 +634,102 @@ class Pipeline:
         (MIN over the world) makes every rank fail when any rank found an error, naming the lowest
         such rank, instead of some ranks running into a hang. Nothing exchanged grows with the lists;
         the world-wide exchange is one element."""
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        from mcompile.runtime.verify import (
-            CommOp,
-            VerificationError,
-            check_collectives_across,
-            check_derived_across,
-            rank_ops,
-            verify,
-        )
-
         key = tuple((n, tuple(t.shape), t.dtype) for n, t in sorted(piece_inputs.items()))
         if key in self._probed:
             return self._probed[key]
-        pm = self.pm
-        mesh = pm.mesh
-        config = pm.config
-        dtype = config.dtype
+        traced, trace_error = None, None
+        try:  # a rank failing here must not leave the others waiting in the exchanges below
+            traced = self._trace_stages(piece_inputs)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            trace_error = e
+        self._agree_on_trace(trace_error)
+        send_specs = traced[0]
+        group_of = _group_lookup(self.pm.mesh)
+        self.derived_ops = self._derive_rank_ops(*traced, group_of)
+        self._verify_everywhere(self.derived_ops, group_of)
+        self._probed[key] = send_specs
+        return send_specs
+
+    def _trace_stages(self, piece_inputs: dict[str, torch.Tensor]) -> tuple[dict, dict, dict, dict]:
+        """Under fake tensors, every stage in order as its owner runs it, forward and backward, each fed the
+        previous stage's outputs: per stage the messages it sends (:class:`MessageSpec`, the last stage none)
+        and the collectives of its forward, its backward and (joint execution, zero-bubble W) its
+        weight-gradient graph. Returns ``(send_specs, fwd_ops, bwd_ops, wgt_ops)``, each by stage index."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
         send_specs: dict[int, list[MessageSpec]] = {}
         fwd_ops: dict[int, list] = {}
         bwd_ops: dict[int, list] = {}
         wgt_ops: dict[int, list] = {}  # joint execution, zero-bubble W: the weight-gradient graph's collectives
-        trace_error = None
-        try:  # a rank failing here must not leave the others waiting in the exchanges below
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-            with mode, torch.enable_grad():  # the backward's collectives too, even when called under no_grad
-                params = {}
-                for ph, fqn in self.param_of_ph.items():
-                    shape = list(pm.plan.params[fqn].local_shape)
-                    if fqn in pm._zero3:  # ZeRO-3: the dp piece
-                        shape[0] //= mesh.size("dp")
-                    leaf = torch.empty(shape, dtype=torch.float32, device=pm._device).requires_grad_()
-                    params[ph] = leaf.to(dtype) if dtype != torch.float32 else leaf
-                state = {k: mode.from_tensor(v) for k, v in pm._extra.items()}
-                users = {k: mode.from_tensor(v) for k, v in piece_inputs.items()}
-                carried: list = []
-                for st in self.stages:
-                    if self.runners is not None:  # the joint programs, as they will run
-                        named = {**params, **state, **users}
-                        recv = [x.detach().requires_grad_() if x.is_floating_point() else x.detach() for x in carried]
-                        args = [named[n] for n in st.inputs[:len(st.inputs) - len(recv)]] + recv
-                        out, ops_ = self._probe_joint(st, args)
-                        fwd_ops[st.index], bwd_ops[st.index], wgt_ops[st.index] = ops_
-                        if not st.is_last:
-                            send_specs[st.index] = [MessageSpec(tuple(int(s) for s in o.shape), o.dtype,
-                                                                o.is_floating_point()) for o in out]
-                        carried = [] if st.is_last else [o.detach() for o in out]
-                        continue
-                    gm = st.gm  # as its owner runs it (recompute applied: it re-issues collectives in backward)
-                    named = {**params, **state, **users}
-                    recv = [x.detach().requires_grad_() if x.is_floating_point() else x.detach() for x in carried]
-                    args = [named[n] for n in st.inputs[:len(st.inputs) - len(recv)]] + recv
-                    rec = _RecordCollectives()
-                    with rec:
-                        out = gm(*args)
-                    fwd_ops[st.index] = rec.ops
-                    if not st.is_last:
-                        out = tuple(out)
-                        send_specs[st.index] = [MessageSpec(tuple(int(s) for s in o.shape), o.dtype,
-                                                            o.is_floating_point()) for o in out]
-                    rec = _RecordCollectives()
-                    with rec:
-                        if st.is_last:
-                            pm._loss_parts(out)[0].backward()
-                        else:
-                            roots = [o for o in out if o.requires_grad]
-                            torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
-                    bwd_ops[st.index] = rec.ops
-                    carried = [] if st.is_last else [o.detach() for o in out]
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
-            trace_error = e
-        self._agree_on_trace(trace_error)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, torch.enable_grad():  # the backward's collectives too, even when called under no_grad
+            named = self._fake_inputs(mode, piece_inputs)
+            carried: list = []
+            for st in self.stages:
+                recv = [x.detach().requires_grad_() if x.is_floating_point() else x.detach() for x in carried]
+                args = [named[n] for n in st.inputs[:len(st.inputs) - len(recv)]] + recv
+                if self.runners is not None:  # the joint programs, as they will run
+                    out, ops_ = self._probe_joint(st, args)
+                    fwd_ops[st.index], bwd_ops[st.index], wgt_ops[st.index] = ops_
+                else:
+                    out, fwd_ops[st.index], bwd_ops[st.index] = self._probe_eager(st, args)
+                if not st.is_last:
+                    send_specs[st.index] = [MessageSpec(tuple(int(s) for s in o.shape), o.dtype,
+                                                        o.is_floating_point()) for o in out]
+                carried = [] if st.is_last else [o.detach() for o in out]
+        return send_specs, fwd_ops, bwd_ops, wgt_ops
 
-        known: dict[tuple[str, int], tuple[int, ...]] = {}
+    def _fake_inputs(self, mode, piece_inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The stage programs' inputs by placeholder name, as fake tensors of ``mode`` (entered by the caller):
+        each parameter's compute leaf (its local shape, ZeRO-3's dp piece; an fp32 leaf cast to the compute
+        dtype), the buffers and constants, and one piece's user inputs."""
+        pm = self.pm
+        dtype = pm.config.dtype
+        params = {}
+        for ph, fqn in self.param_of_ph.items():
+            shape = list(pm.plan.params[fqn].local_shape)
+            if fqn in pm._zero3:  # ZeRO-3: the dp piece
+                shape[0] //= pm.mesh.size("dp")
+            leaf = torch.empty(shape, dtype=torch.float32, device=pm._device).requires_grad_()
+            params[ph] = leaf.to(dtype) if dtype != torch.float32 else leaf
+        state = {k: mode.from_tensor(v) for k, v in pm._extra.items()}
+        users = {k: mode.from_tensor(v) for k, v in piece_inputs.items()}
+        return {**params, **state, **users}
 
-        def group_of(axis: str, rank: int) -> tuple[int, ...]:  # group_ranks walks the world: once per key
-            if (axis, rank) not in known:
-                known[(axis, rank)] = next(tuple(g) for g in mesh.group_ranks(axis) if rank in g)
-            return known[(axis, rank)]
+    def _probe_eager(self, st, args: list):
+        """Under fake tensors: stage ``st``'s program (eager execution) on ``args``, as its owner runs it
+        (recompute applied: it re-issues collectives in backward), then its backward (the last stage's
+        from its loss, the others' from ones on their differentiable outputs). Returns its outputs (a
+        tuple, but the last stage's as the program returns them) and the collectives of forward and
+        backward."""
+        gm = st.gm
+        rec = _RecordCollectives()
+        with rec:
+            out = gm(*args)
+        fwd = rec.ops
+        if not st.is_last:
+            out = tuple(out)
+        rec = _RecordCollectives()
+        with rec:
+            if st.is_last:
+                self.pm._loss_parts(out)[0].backward()
+            else:
+                roots = [o for o in out if o.requires_grad]
+                torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
+        return out, fwd, rec.ops
+
+    def _derive_rank_ops(self, send_specs: dict, fwd_ops: dict, bwd_ops: dict, wgt_ops: dict, group_of) -> dict:
+        """Every pipeline group member's op list (global rank -> its step), derived from the traced stages
+        (:meth:`_trace_stages`) and the schedule: sends, receives, the stages' collectives on the member's
+        own groups, and the collectives after the schedule on pipeline groups only
+        (:func:`~mcompile.runtime.verify.rank_ops`)."""
+        from mcompile.runtime.verify import CommOp, rank_ops
 
         def comm(ops, rank):
             return [CommOp("coll", name, shape, dt, group=group_of(axis, rank), axis=axis)
                     for name, axis, shape, dt in ops]
 
         derived = {}  # global rank -> its step (the collectives after the schedule: on pipeline groups only)
-        full_end = self.step_end_ops()
         msgs = {s: [(sp.shape, str(sp.dtype), sp.differentiable) for sp in send_specs.get(s, [])]
                 for s in range(-1, self.k)}
         for q in range(self.pp):
@@ -718,8 +741,16 @@ class Pipeline:
             derived[rank] = rank_ops(self.actions[q], stage_comm, self.k, self.peer_of_stage,
                                      [op for op in end if op.axis == "pp"], schedule=self.actions, pp_rank=q,
                                      lookahead=self.lookahead)
-        self.derived_ops = derived
-        mine = derived[pm._rank] + [op for op in full_end if op.axis != "pp"]
+        return derived
+
+    def _verify_everywhere(self, derived: dict, group_of) -> None:
+        """Verify the derived lists (:func:`~mcompile.runtime.verify.verify`), compare this rank's collectives on
+        the other axes' groups and the pipeline group's derived lists by digest, then one int64 ``all_reduce``
+        (MIN over the world): every rank raises when any rank found an error (:meth:`_probe`)."""
+        from mcompile.runtime.verify import VerificationError, check_collectives_across, check_derived_across, verify
+
+        pm, mesh = self.pm, self.pm.mesh
+        mine = derived[pm._rank] + [op for op in self.step_end_ops() if op.axis != "pp"]
         error = None
         try:
             verify(derived)
@@ -741,8 +772,6 @@ class Pipeline:
         if int(first) < world:
             raise VerificationError(f"communication verification failed on rank {int(first)} (its error names the "
                                     "cause); this rank's own lists match")
-        self._probed[key] = send_specs
-        return send_specs
 
     def _data_members(self) -> tuple[int, ...]:
         """The global ranks of this rank's data group (dp x cp x ep: they differ only on those axes)."""
