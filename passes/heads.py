@@ -88,35 +88,147 @@ def unmerge_heads(gm: fx.GraphModule) -> int:
     """Rewrite each attention region computed on (b*h, ...) values into (b, h, ...) ops (module docstring);
     returns how many regions were rewritten."""
     g = gm.graph
-    four: dict[fx.Node, tuple[fx.Node, tuple, int]] = {}  # merged value -> (its 4-D value, (b, h), region)
-    splits: dict[fx.Node, tuple[fx.Node, int]] = {}  # a view splitting a merged value back -> (4-D value, region)
-    made: list[tuple[int, list[fx.Node]]] = []  # the nodes made, per region, in order
-    batched: set[int] = set()
-    regions = _Region()
-    roots = 0
+    u = _Unmerge(g)
+    for node in list(g.nodes):
+        u.visit(node)
+    done = u.keep_whole_regions()
+    if done:
+        g.eliminate_dead_code()  # what only the rewritten ops read (Bloom's (b*h, 1, s) bias)
+        g.lint()
+        gm.recompile()
+    return len(done)
 
-    def counterpart(a, lead, rank):
+
+class _Unmerge:
+    """The rewrite's state over one graph, visited in order: each merged value's 4-D counterpart with its (b, h) and
+    region (``four``), the views splitting a merged value back (``splits``), the nodes made per region (``made``, so
+    a region left as captured can be erased again) and the regions holding a rewritten batched matmul
+    (``batched``)."""
+
+    def __init__(self, g: fx.Graph):
+        self.g = g
+        self.four: dict[fx.Node, tuple[fx.Node, tuple, int]] = {}  # merged value -> (its 4-D value, (b, h), region)
+        self.splits: dict[fx.Node, tuple[fx.Node, int]] = {}  # a view splitting a merged value back -> (4-D, region)
+        self.made: list[tuple[int, list[fx.Node]]] = []  # the nodes made, per region, in order
+        self.batched: set[int] = set()
+        self.regions = _Region()
+        self.roots = 0
+        self.new: list[fx.Node] = []  # the nodes made for the node being visited
+
+    def visit(self, node: fx.Node) -> None:
+        """A merge view starts a region; an op reading merged values gets its 4-D counterpart, made before it, where
+        it is one this pass rewrites (else none, and what it made is erased: its region is then blocked)."""
+        if node.op != "call_function":
+            return
+        four = self.four
+        lead = _merged_lead(node)
+        if lead is not None and node.args[0] not in four:
+            four[node] = (node.args[0], lead, self.roots)
+            self.regions.find(self.roots)
+            self.roots += 1
+            return
+        ins = [a for a in node.all_input_nodes if a in four]
+        if not ins:
+            return
+        _, lead, region = four[ins[0]]
+        for a in ins[1:]:
+            if _same_shape(four[a][1], lead):
+                region = self.regions.union(region, four[a][2])
+        self.new = new = []
+        with self.g.inserting_before(node):
+            result = self._rewrite(node, ins, lead, region)
+            if result is not None and result not in new:
+                new.append(result)
+        if result is None:
+            for n in reversed(new):
+                self.g.erase_node(n)
+            return
+        four[node] = (result, lead, region)
+        self.made.append((region, new))
+
+    def _rewrite(self, node: fx.Node, ins: list, lead: tuple, region: int):
+        """The 4-D op computing ``node`` from the 4-D values, or None where ``node`` is not one this pass rewrites.
+        A view splitting the merged dim back makes nothing: it is recorded in ``splits`` (the 4-D value itself)."""
+        g, t = self.g, node.target
+        x = ins[0]
+        x4 = self.four[x][0]
+        rank = len(_shape(x))
+        out = _shape(node)
+        if t in _VIEWS and node.args[0] is x:
+            if _same_shape(out, tuple(lead) + _shape(x)[1:]):
+                self.splits[node] = (x4, region)  # splits the merged dim back: the 4-D value itself
+            return None
+        if t in _BATCHED and len(ins) >= 2:
+            return self._batched(node, lead, region)
+        if t in (aten.transpose.int,) and node.args[0] is x:
+            i, j = (d % rank for d in node.args[1:3])
+            return _new(g, t, (x4, i + 1, j + 1), node) if i and j else None
+        if t is aten.permute.default and node.args[0] is x:
+            dims = [d % rank for d in node.args[1]]
+            return _new(g, t, (x4, [0, 1] + [d + 1 for d in dims[1:]]), node) if dims[0] == 0 else None
+        if t in _DIM_OPS and node.args[0] is x and node.args[1] % rank:
+            return _new(g, t, (x4, node.args[1] % rank + 1, *node.args[2:]), node, dict(node.kwargs))
+        if t in _SAME and node.args[0] is x and len(ins) == 1:
+            return _new(g, t, (x4, *node.args[1:]), node, dict(node.kwargs))
+        if torch.Tag.pointwise in getattr(t, "tags", ()) and out is not None and len(out) == rank \
+                and _eq(out[0], _shape(x)[0]):
+            args = [self._counterpart(a, lead, rank) if isinstance(a, fx.Node) else a for a in node.args]
+            if all(a is not None for a in args) and not any(isinstance(v, fx.Node) for v in node.kwargs.values()):
+                return _new(g, t, tuple(args), node, dict(node.kwargs))
+        return None
+
+    def _batched(self, node: fx.Node, lead: tuple, region: int):
+        """``bmm(a, b)`` -> ``matmul`` of (b, h, .., ..) values, ``baddbmm(c, a, b)`` -> ``c * beta + matmul(a, b) *
+        alpha``, where both operands are merged values; the region then holds a batched matmul. None otherwise."""
+        g, t, four, new = self.g, node.target, self.four, self.new
+        i = 1 if t is aten.baddbmm.default else 0
+        a4, b4 = self._counterpart(node.args[i], lead, 3), self._counterpart(node.args[i + 1], lead, 3)
+        if not (node.args[i] in four and node.args[i + 1] in four and a4 is not None and b4 is not None):
+            return None
+        result = _new(g, aten.matmul.default, (a4, b4), node)
+        new.append(result)
+        if t is aten.baddbmm.default:
+            beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+            c4 = self._counterpart(node.args[0], lead, 3)
+            if c4 is None or len(node.args) > 3:
+                result = None
+            else:
+                if alpha != 1:
+                    result = _new(g, aten.mul.Tensor, (result, alpha), node)
+                    new.append(result)
+                if beta != 1:
+                    c4 = _new(g, aten.mul.Tensor, (c4, beta), node)
+                    new.append(c4)
+                if beta != 0:
+                    result = _new(g, aten.add.Tensor, (c4, result), node)
+                    new.append(result)
+        if result is not None:
+            self.batched.add(region)
+        return result
+
+    def _counterpart(self, a, lead, rank):
         """A tensor argument of an op on merged values, as it is read by the 4-D op (None: cannot)."""
-        if a in four:
-            return four[a][0] if _same_shape(four[a][1], lead) else None
+        if a in self.four:
+            return self.four[a][0] if _same_shape(self.four[a][1], lead) else None
         s = _shape(a)
         if s is None or not isinstance(a, fx.Node):
             return a  # a number
         if len(s) < rank or (len(s) == rank and _eq(s[0], 1)):
             return a  # broadcast along the trailing dims (or a size-1 merged dim): the same against (b, h, ...)
         if len(s) == rank and _eq(s[0], lead[0] * lead[1]):  # a (b*h, ...) value made elsewhere: viewed 4-D
-            v = _from_heads(a, lead)
+            v = self._from_heads(a, lead)
             if v is not None:
                 return v
+            g = self.g
             sizes = [-1, lead[1]] + [d if isinstance(d, int) else _new(g, aten.sym_size.int, (a, i), a)
                                      for i, d in enumerate(s[1:], 1)]
-            new.extend(x for x in sizes[2:] if isinstance(x, fx.Node))
+            self.new.extend(x for x in sizes[2:] if isinstance(x, fx.Node))
             v = _new(g, aten.view.default, (a, sizes), a)
-            new.append(v)
+            self.new.append(v)
             return v
         return None
 
-    def _from_heads(a, lead):
+    def _from_heads(self, a, lead):
         """A (b*h, ...) value made by merging a (b, h, ...) one (Bloom's ALiBi bias, ``(b, h, s)`` reshaped to
         ``(b*h, 1, s)`` then cast): the same ops from that value, reshaped to (b, h, ...) instead, so its heads
         stay the dim tp shards. None if it is not so made."""
@@ -129,106 +241,29 @@ def unmerge_heads(gm: fx.GraphModule) -> int:
         src, sizes = _shape(cur.args[0]), list(cur.args[1])
         if src is None or len(src) < 2 or not _same_shape(src[:2], lead) or -1 in sizes[1:]:
             return None
-        v = _new(g, aten.reshape.default, (cur.args[0], [-1, lead[1], *sizes[1:]]), cur)
-        new.append(v)
+        v = _new(self.g, aten.reshape.default, (cur.args[0], [-1, lead[1], *sizes[1:]]), cur)
+        self.new.append(v)
         for op in reversed(chain):
-            v = _new(g, op.target, (v, *op.args[1:]), op, dict(op.kwargs))
-            new.append(v)
+            v = _new(self.g, op.target, (v, *op.args[1:]), op, dict(op.kwargs))
+            self.new.append(v)
         return v
 
-    for node in list(g.nodes):
-        if node.op != "call_function":
-            continue
-        lead = _merged_lead(node)
-        if lead is not None and node.args[0] not in four:
-            four[node] = (node.args[0], lead, roots)
-            regions.find(roots)
-            roots += 1
-            continue
-        ins = [a for a in node.all_input_nodes if a in four]
-        if not ins:
-            continue
-        x = ins[0]
-        x4, lead, region = four[x]
-        for a in ins[1:]:
-            if _same_shape(four[a][1], lead):
-                region = regions.union(region, four[a][2])
-        rank = len(_shape(x))
-        out = _shape(node)
-        new: list[fx.Node] = []
-        result = None
-        with g.inserting_before(node):
-            t = node.target
-            if t in _VIEWS and node.args[0] is x:
-                if _same_shape(out, tuple(lead) + _shape(x)[1:]):
-                    splits[node] = (x4, region)  # splits the merged dim back: the 4-D value itself
-                    continue
-            elif t in _BATCHED and len(ins) >= 2:
-                i = 1 if t is aten.baddbmm.default else 0
-                a4, b4 = counterpart(node.args[i], lead, 3), counterpart(node.args[i + 1], lead, 3)
-                if node.args[i] in four and node.args[i + 1] in four and a4 is not None and b4 is not None:
-                    result = _new(g, aten.matmul.default, (a4, b4), node)
-                    new.append(result)
-                    if t is aten.baddbmm.default:
-                        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
-                        c4 = counterpart(node.args[0], lead, 3)
-                        if c4 is None or len(node.args) > 3:
-                            result = None
-                        else:
-                            if alpha != 1:
-                                result = _new(g, aten.mul.Tensor, (result, alpha), node)
-                                new.append(result)
-                            if beta != 1:
-                                c4 = _new(g, aten.mul.Tensor, (c4, beta), node)
-                                new.append(c4)
-                            if beta != 0:
-                                result = _new(g, aten.add.Tensor, (c4, result), node)
-                                new.append(result)
-                    if result is not None:
-                        batched.add(region)
-            elif t in (aten.transpose.int,) and node.args[0] is x:
-                i, j = (d % rank for d in node.args[1:3])
-                if i and j:
-                    result = _new(g, t, (x4, i + 1, j + 1), node)
-            elif t is aten.permute.default and node.args[0] is x:
-                dims = [d % rank for d in node.args[1]]
-                if dims[0] == 0:
-                    result = _new(g, t, (x4, [0, 1] + [d + 1 for d in dims[1:]]), node)
-            elif t in _DIM_OPS and node.args[0] is x and node.args[1] % rank:
-                result = _new(g, t, (x4, node.args[1] % rank + 1, *node.args[2:]), node, dict(node.kwargs))
-            elif t in _SAME and node.args[0] is x and len(ins) == 1:
-                result = _new(g, t, (x4, *node.args[1:]), node, dict(node.kwargs))
-            elif torch.Tag.pointwise in getattr(t, "tags", ()) and out is not None and len(out) == rank \
-                    and _eq(out[0], _shape(x)[0]):
-                args = [counterpart(a, lead, rank) if isinstance(a, fx.Node) else a for a in node.args]
-                if all(a is not None for a in args) and not any(
-                        isinstance(v, fx.Node) for v in node.kwargs.values()):
-                    result = _new(g, t, tuple(args), node, dict(node.kwargs))
-            if result is not None and result not in new:
-                new.append(result)
-        if result is None:
-            for n in reversed(new):
+    def keep_whole_regions(self) -> set[int]:
+        """A region is rewritten whole, or not at all: each merged value's readers all rewritten, a bmm (or a view
+        splitting the heads back) among them. The other regions' new nodes are erased; in the kept ones the split
+        views read the 4-D values and the merged values no one reads are erased. Returns the kept regions."""
+        g, four, splits, regions = self.g, self.four, self.splits, self.regions
+        blocked = {regions.find(r) for n, (_, _, r) in four.items() if any(u not in four and u not in splits
+                                                                           for u in n.users)}
+        done = {regions.find(r) for r in self.batched | {r for _, r in splits.values()}} - blocked
+        for region, nodes in reversed(self.made):
+            if regions.find(region) not in done:
+                for n in reversed(nodes):
+                    g.erase_node(n)
+        for view, (x4, region) in splits.items():
+            if regions.find(region) in done:
+                view.replace_all_uses_with(x4)
+        for n in reversed(list(four) + list(splits)):
+            if not n.users and regions.find((four.get(n) or splits[n])[-1]) in done:
                 g.erase_node(n)
-            continue
-        four[node] = (result, lead, region)
-        made.append((region, new))
-
-    # a region is rewritten whole, or not at all: each merged value's readers all rewritten, a bmm among them
-    blocked = {regions.find(r) for n, (_, _, r) in four.items() if any(u not in four and u not in splits
-                                                                       for u in n.users)}
-    done = {regions.find(r) for r in batched | {r for _, r in splits.values()}} - blocked
-    for region, nodes in reversed(made):
-        if regions.find(region) not in done:
-            for n in reversed(nodes):
-                g.erase_node(n)
-    for view, (x4, region) in splits.items():
-        if regions.find(region) in done:
-            view.replace_all_uses_with(x4)
-    for n in reversed(list(four) + list(splits)):
-        if not n.users and regions.find((four.get(n) or splits[n])[-1]) in done:
-            g.erase_node(n)
-    if done:
-        g.eliminate_dead_code()  # what only the rewritten ops read (Bloom's (b*h, 1, s) bias)
-        g.lint()
-        gm.recompile()
-    return len(done)
+        return done

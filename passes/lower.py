@@ -172,34 +172,32 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
     """Build the per-rank program. Returns (GraphModule, collective specs in program order).
 
     ``device``: where the program runs; device literals of the captured graph (``arange(device=)``,
-    casts) are rewritten to it (captured on the meta device, run on cpu or cuda)."""
-    device = torch.device(device) if device is not None else None
-    src = cap.gm
-    g = fx.Graph()
-    env: dict[str, object] = {}
-    place: dict[str, tuple] = {}  # orig node name -> per-axis placement of env value
-    cache: dict[tuple, fx.Node] = {}
-    specs: list[CollectiveSpec] = []
-    rg = requires_grad_nodes(src, set(cap.params))
-    sources = {}
-    for node in src.graph.nodes:
-        if node.op == "placeholder":
-            new = g.placeholder(node.name)
-            new.meta.update({k: v for k, v in node.meta.items() if k in ("val", M.PARAM_FQN)})
-            env[node.name] = new
-            place[node.name] = tuple(a.result.placements.get(node.name, R) for a in axes)
-            if node.name in cap.user_inputs and isinstance(node.meta.get("val"), torch.Tensor):
-                for d, s in enumerate(node.meta["val"].shape):
-                    if not isinstance(s, torch.SymInt):
-                        continue
-                    # a dim export refined to k*s (the model reshapes it into blocks of k: DeepSeek-V4's compressor
-                    # windows) gives s as that dim // k
-                    k, s = s.node.expr.as_coeff_Mul()
-                    if s.is_Symbol and k.is_Integer and k > 0 and s not in sources:
-                        sources[s] = (new, d, int(k))
-    # training-mode dropout draws its masks from (seed, step, batch offset): one small input of the program,
-    # the same tensor for every dropout (passes/lower_dropout.py, mcompile/dropout.py)
-    rng = _rng_input(g, src) if any(is_training_dropout(n) or is_random(n) for n in src.graph.nodes) else None
+    casts) are rewritten to it (captured on the meta device, run on cpu or cuda). Each captured node is
+    lowered in order by :meth:`_Lowering.lower_node` (the module docstring's steps 1-3)."""
+    low = _Lowering(cap, axes, device)
+    for node in cap.gm.graph.nodes:
+        low.lower_node(node)
+    return low.finish()
+
+
+def _local_shape(meta_val, placements, axes: list[AxisInfo]) -> list:
+    """This rank's shape (sympy sizes) of a value placed ``placements`` (per axis): a static split dim is the axis's
+    padded local size; a symbolic one is divided by the axis size, except on axes whose inputs arrive split (dp),
+    where it is already local."""
+    shape = [to_expr(s) for s in meta_val.shape]
+    for a, p in zip(axes, placements):
+        if isinstance(p, Shard | BlockShard):
+            d = p.dim % len(shape)
+            if isinstance(shape[d], int):
+                shape[d] = a.local_size(shape[d], p)
+            elif not a.inputs_presharded:
+                shape[d] = shape[d] / a.size
+    return shape
+
+
+def _made_sizes(src: fx.GraphModule) -> dict:
+    """Each data-dependent size (an unbacked symbol) -> the captured nodes that make it, as (name, dim, ndim); dim
+    None where the node is the size itself. :class:`_Sym` reads such a size from the first of them lowered."""
     made = {}
     for node in src.graph.nodes:
         v = node.meta.get("val")
@@ -208,326 +206,416 @@ def lower(cap: Captured, axes: list[AxisInfo], device: torch.device | str | None
         for d, size in enumerate(v.shape if isinstance(v, torch.Tensor) else ()):
             if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
                 made.setdefault(size.node.expr, []).append((node.name, d, v.ndim))
-    sym = _Sym(g, sources, made, env, place)
-    # a symbolic size used as a value, not a shape (a mean written as sum / numel, the tokens-per-expert
-    # fraction of a load-balancing loss), is the single-device model's: over the batch of every rank
-    # the inputs were split over (dp, ep), where the program's batch symbol is this rank's share
-    split = 1
-    for ax in axes:
-        split *= ax.size if ax.inputs_presharded else 1
-    bsym = cap.symbols.get("batch")
-    batch_global = {bsym: bsym * split} if split > 1 and bsym is not None else None
-    named = {s: sympy.Symbol(k, positive=True, integer=True) for k, s in cap.symbols.items()}
+    return made
 
-    def local_shape(meta_val, placements) -> list:
-        shape = [to_expr(s) for s in meta_val.shape]
-        for a, p in zip(axes, placements):
-            if isinstance(p, Shard | BlockShard):
-                d = p.dim % len(shape)
-                if isinstance(shape[d], int):
-                    shape[d] = a.local_size(shape[d], p)
-                elif not a.inputs_presharded:
-                    shape[d] = shape[d] / a.size
-        return shape
 
-    def nbytes_expr(meta_val, placements, axis_idx) -> str:
+class _Collectives:
+    """Emits the program's collectives and keeps their specs, in program order (the plan's). Called as
+    ``emit(op_name, args, origin, axis_i, fwd, bwd, dim, purpose, meta_val, pl)``: a special lowering
+    (:data:`LOWERINGS`) gets it as ``emit``, and :meth:`record` the specs of collectives that run inside one
+    emitted node."""
+
+    def __init__(self, g: fx.Graph, axes: list[AxisInfo], symbols: dict):
+        self.g, self.axes = g, axes
+        self.specs: list[CollectiveSpec] = []
+        self.named = {s: sympy.Symbol(k, positive=True, integer=True) for k, s in symbols.items()}
+
+    def nbytes_expr(self, meta_val, placements, axis_idx) -> str:
+        """The bytes of the tensor over the whole axis ``axis_idx`` (its placement there taken as Replicate), in the
+        capture's named batch/seq symbols, simplified."""
         ps = list(placements)
         ps[axis_idx] = R  # bytes of the tensor over the whole axis
         n = sympy.Integer(meta_val.dtype.itemsize)
-        for s in local_shape(meta_val, ps):
+        for s in _local_shape(meta_val, ps, self.axes):
             n = n * s
-        n = sympy.sympify(n).subs(named)
+        n = sympy.sympify(n).subs(self.named)
         if n not in _SIMPLIFIED:  # sympy.simplify is the lowering's hot spot; every layer asks the same
             _SIMPLIFIED[n] = str(sympy.simplify(n))
         return _SIMPLIFIED[n]
 
-    def emit_collective(op_name, args, origin: fx.Node, axis_i: int, fwd, bwd, dim, purpose, meta_val, pl):
+    def __call__(self, op_name, args, origin: fx.Node, axis_i: int, fwd, bwd, dim, purpose, meta_val, pl):
+        """Append the collective ``op_name`` on ``args`` to the program, tagged with its spec (for ``origin``)."""
         if op_name not in OPS:  # the context-parallel ones (mcompile.cp registers them)
             import mcompile.cp  # noqa: F401
-        node = g.call_function(OPS[op_name] if op_name in OPS else getattr(torch.ops.mcompile, op_name).default, args)
+        node = self.g.call_function(OPS[op_name] if op_name in OPS else getattr(torch.ops.mcompile, op_name).default,
+                                    args)
         spec = CollectiveSpec(
-            op=op_name, forward=str(fwd), backward=str(bwd), axis=axes[axis_i].name, dim=dim,
-            bytes=nbytes_expr(meta_val, pl, axis_i), node=node.name, origin=origin.name,
+            op=op_name, forward=str(fwd), backward=str(bwd), axis=self.axes[axis_i].name, dim=dim,
+            bytes=self.nbytes_expr(meta_val, pl, axis_i), node=node.name, origin=origin.name,
             layer=layer_index(origin), purpose=purpose,
         )
         node.meta[M.COLLECTIVE] = spec
         node.meta[M.ORIGIN] = origin.name
         node.meta[M.LAYER] = spec.layer
-        specs.append(spec)
+        self.specs.append(spec)
         return node
 
-    def record_collectives(node: fx.Node, origin: fx.Node, axis_i: int, parts: list) -> None:
+    def record(self, node: fx.Node, origin: fx.Node, axis_i: int, parts: list) -> None:
         """Specs of the collectives one emitted node runs inside (an MoE dispatch): ``parts`` are
         (forward kind, backward kind, meta of the moved tensor, placements, purpose)."""
         mine = node.meta.setdefault(M.COLLECTIVES, [])
         for fwd, bwd, meta_val, pl, purpose in parts:
             mine.append(CollectiveSpec(
-                op=node.target.__name__, forward=str(fwd), backward=str(bwd), axis=axes[axis_i].name, dim=0,
-                bytes=nbytes_expr(meta_val, pl, axis_i), node=node.name, origin=origin.name,
+                op=node.target.__name__, forward=str(fwd), backward=str(bwd), axis=self.axes[axis_i].name, dim=0,
+                bytes=self.nbytes_expr(meta_val, pl, axis_i), node=node.name, origin=origin.name,
                 layer=layer_index(origin), purpose=purpose))
-        specs.extend(mine[-len(parts):] if parts else [])
+        self.specs.extend(mine[-len(parts):] if parts else [])
 
-    emit_collective.record = record_collectives
 
-    def fetch(a: fx.Node, want: tuple, partial_grad: tuple) -> fx.Node:
-        """The local value of ``a`` in placements ``want`` (per axis)."""
-        cur = list(place[a.name])
-        val = env[a.name]
+class _Lowering:
+    """What :func:`lower` threads through one per-rank program: the program being built (``g``), each captured
+    node's value in it (``env``) and that value's placements per axis (``place``), the redistributions already
+    emitted (``cache``: one all-gather feeds q, k and v), the rebuilder of symbolic sizes (``sym``), the
+    collectives (``emit``) and which captured node each program node was emitted for (``emitted``)."""
+
+    def __init__(self, cap: Captured, axes: list[AxisInfo], device):
+        self.cap, self.axes = cap, axes
+        self.device = torch.device(device) if device is not None else None
+        self.src = src = cap.gm
+        self.g = g = fx.Graph()
+        self.env: dict[str, object] = {}
+        self.place: dict[str, tuple] = {}  # orig node name -> per-axis placement of env value
+        self.cache: dict[tuple, fx.Node] = {}
+        self.rg = requires_grad_nodes(src, set(cap.params))
+        sources = self._placeholders()
+        # training-mode dropout draws its masks from (seed, step, batch offset): one small input of the program,
+        # the same tensor for every dropout (passes/lower_dropout.py, mcompile/dropout.py)
+        self.rng = _rng_input(g, src) if any(is_training_dropout(n) or is_random(n) for n in src.graph.nodes) else None
+        self.sym = _Sym(g, sources, _made_sizes(src), self.env, self.place)
+        self.bsym = cap.symbols.get("batch")
+        self.seq_sym = cap.symbols.get("seq")
+        self.batch_global = self._batch_global()
+        self.emit = _Collectives(g, axes, cap.symbols)
+        self.emitted: dict[str, str] = {}  # program node -> the captured node whose lowering emitted it
+        self.count = len(g.nodes)
+
+    def _placeholders(self) -> dict:
+        """The program's inputs, one per captured placeholder in its placements; returns the sources of the
+        symbolic sizes (symbol -> (input, dim, k)): the user inputs' dynamic dims."""
+        sources = {}
+        for node in self.src.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            new = self.g.placeholder(node.name)
+            new.meta.update({k: v for k, v in node.meta.items() if k in ("val", M.PARAM_FQN)})
+            self.env[node.name] = new
+            self.place[node.name] = tuple(a.result.placements.get(node.name, R) for a in self.axes)
+            if node.name in self.cap.user_inputs and isinstance(node.meta.get("val"), torch.Tensor):
+                for d, s in enumerate(node.meta["val"].shape):
+                    if not isinstance(s, torch.SymInt):
+                        continue
+                    # a dim export refined to k*s (the model reshapes it into blocks of k: DeepSeek-V4's compressor
+                    # windows) gives s as that dim // k
+                    k, s = s.node.expr.as_coeff_Mul()
+                    if s.is_Symbol and k.is_Integer and k > 0 and s not in sources:
+                        sources[s] = (new, d, int(k))
+        return sources
+
+    def _batch_global(self) -> dict | None:
+        """The batch symbol -> the whole batch, where the inputs arrive split (dp, ep); else None.
+
+        A symbolic size used as a value, not a shape (a mean written as sum / numel, the tokens-per-expert
+        fraction of a load-balancing loss), is the single-device model's: over the batch of every rank
+        the inputs were split over (dp, ep), where the program's batch symbol is this rank's share."""
+        split = 1
+        for ax in self.axes:
+            split *= ax.size if ax.inputs_presharded else 1
+        return {self.bsym: self.bsym * split} if split > 1 and self.bsym is not None else None
+
+    def finish(self) -> tuple[fx.GraphModule, list]:
+        """The program as a GraphModule (dead code dropped), and the collective specs in program order."""
+        self.g.eliminate_dead_code()
+        gm = fx.GraphModule(torch.nn.Module(), self.g)
+        gm.meta[M.EMITTED_FOR] = self.emitted  # for mcompile.repeat: which captured node each node implements
+        gm.meta[M.VALUE_OF] = {k: v.name for k, v in self.env.items() if isinstance(v, fx.Node)}
+        return gm, self.emit.specs
+
+    # ---- fetching values in the placements a strategy needs (step 1) ----------------------------------------
+    def fetch(self, a: fx.Node, want: tuple, partial_grad: tuple) -> fx.Node:
+        """The local value of ``a`` in placements ``want`` (per axis); ``partial_grad``: per axis, whether it
+        enters a region where its gradient is Partial (Megatron's *f*, step 2)."""
+        cur = list(self.place[a.name])
+        val = self.env[a.name]
         meta_val = a.meta["val"]
-        for i, ax in enumerate(axes):
+        for i, ax in enumerate(self.axes):
             if ax.inputs_presharded:
-                # dp, ep: the program runs on this rank's own batch as if it were the whole batch;
-                # sizes built from the batch symbol are already local, so activations do not move
-                # along this axis inside the program (the runtime reduces the loss and the gradients
-                # over it). A statistic over the batch that the model reads again (an MoE layer's
-                # load-balancing loss: tokens per expert, mean router probability) is reduced here:
-                # Partial -> Replicate is an all-reduce. The step's loss is the sum of the ranks'
-                # (the runtime adds them), so its adjoint is an all-reduce too (copy_ar_bwd).
                 c, w = cur[i], want[i]
                 if isinstance(c, Partial) and isinstance(w, Replicate) and c.reduce_op in ("sum", "avg") \
                         and ax.size > 1:
-                    key = (a.name, tuple(cur), i, w, False)
-                    if key not in cache:
-                        v = val
-                        if a.name in rg:
-                            v = emit_collective("copy_ar_bwd", (v, ax.name, ax.size), a, i, CollectiveKind.NONE,
-                                                CollectiveKind.ALL_REDUCE, None, "batch statistic: adjoint",
-                                                meta_val, cur)
-                        v = emit_collective("all_reduce", (v, ax.name, ax.size), a, i, CollectiveKind.ALL_REDUCE,
-                                            CollectiveKind.NONE, None, "batch statistic", meta_val, cur)
-                        if c.reduce_op == "avg":
-                            v = g.call_function(aten.div.Tensor, (v, ax.size))
-                        cache[key] = v
-                    val = cache[key]
+                    val = self._batch_statistic(a, val, cur, i, w, meta_val)
                     cur[i] = w
                 continue
             w = want[i]
             if ax.context_parallel:
                 if cur[i] != w:
-                    val = fetch_cp(a, val, tuple(cur), i, w, meta_val)
+                    val = self._fetch_cp(a, val, tuple(cur), i, w, meta_val)
                     cur[i] = w
                 continue
             need_f = partial_grad[i]
             if cur[i] == w and not need_f:
                 continue
             key = (a.name, tuple(cur), i, w, need_f)
-            if key in cache:
-                val = cache[key]
-                cur[i] = w
-                continue
-            c, n = cur[i], ax.size
-            grad = a.name in rg
-            if c == w and need_f:
-                val = emit_collective("copy_ar_bwd", (val, ax.name, n), a, i, CollectiveKind.NONE,
-                                      CollectiveKind.ALL_REDUCE, None, "enter tp region", meta_val, cur)
-            elif isinstance(c, Partial) and isinstance(w, Replicate):
-                op = "all_reduce_max" if c.reduce_op == "max" else "all_reduce"
-                if c.reduce_op not in ("sum", "max", "avg"):
-                    raise NotImplementedError(f"reducing Partial({c.reduce_op}) of {a.name} on {ax.name}")
-                # one reduction serves every reader: one entering the tp region (f, below) and one that
-                # is not (a post-norm layer's residual reads the embedding its q/k/v projections read)
-                plain = (a.name, tuple(cur), i, w, False)
-                if plain in cache:
-                    val = cache[plain]
-                else:
-                    val = emit_collective(op, (val, ax.name, n), a, i,
-                                          CollectiveKind.ALL_REDUCE_MAX if op == "all_reduce_max" else
-                                          CollectiveKind.ALL_REDUCE, CollectiveKind.NONE, None, "reduce partial",
-                                          meta_val, cur)
-                    if c.reduce_op == "avg":
-                        # each rank holds the mean of its shard, equal ones (the reduction rule offers no
-                        # Partial(avg) over a dim the axis does not divide): the mean is their sum / n. The
-                        # all-reduce's backward is the identity (the replicated gradient is exact on every
-                        # rank), so each rank's partial mean gets grad / n here, as d(mean)/d(partial) = 1/n
-                        val = g.call_function(aten.div.Tensor, (val, n))
-                    cache[plain] = val
-                if need_f:
-                    reduced = [*cur[:i], w, *cur[i + 1:]]
-                    val = emit_collective("copy_ar_bwd", (val, ax.name, n), a, i, CollectiveKind.NONE,
-                                          CollectiveKind.ALL_REDUCE, None, "enter tp region", meta_val, reduced)
-            elif isinstance(c, Partial) and isinstance(w, Shard) and c.reduce_op == "sum":
-                d = w.dim % meta_val.ndim
-                val = emit_collective("reduce_scatter", (val, d, ax.name, n), a, i, CollectiveKind.REDUCE_SCATTER,
-                                      CollectiveKind.ALL_GATHER if grad else CollectiveKind.NONE, d,
-                                      "reduce-scatter partial", meta_val, cur)
-            elif isinstance(c, Shard) and isinstance(w, Replicate):
-                d = c.dim % meta_val.ndim
-                mode = "reduce_scatter" if need_f else "split"
-                bwd = CollectiveKind.REDUCE_SCATTER if (need_f and grad) else CollectiveKind.NONE
-                val = emit_collective("all_gather", (val, d, ax.name, n, mode), a, i, CollectiveKind.ALL_GATHER,
-                                      bwd, d, "all-gather", meta_val, cur)
-                size = meta_val.shape[d]
-                if isinstance(size, int) and size % n:  # a padded vocabulary: drop the padding columns
-                    val = g.call_function(aten.narrow.default, (val, d, 0, size))
-            elif isinstance(c, Replicate) and isinstance(w, Shard):
-                d = w.dim % meta_val.ndim
-                val = emit_collective("shard_slice", (val, d, ax.name, n), a, i, CollectiveKind.NONE,
-                                      CollectiveKind.ALL_GATHER if grad else CollectiveKind.NONE, d, "slice",
-                                      meta_val, cur)
-            elif isinstance(c, Replicate) and isinstance(w, BlockShard) and isinstance(w.blocks, int):
-                # a share of each of k equal blocks: the dim viewed as (k, size / k), the inner dim sliced
-                d = w.dim % meta_val.ndim
-                val = g.call_function(aten.unflatten.int, (val, d, [w.blocks, -1]))
-                val = emit_collective("shard_slice", (val, d + 1, ax.name, n), a, i, CollectiveKind.NONE,
-                                      CollectiveKind.ALL_GATHER if grad else CollectiveKind.NONE, d, "slice blocks",
-                                      meta_val, cur)
-                val = g.call_function(aten.flatten.using_ints, (val, d, d + 1))
-            else:
-                raise NotImplementedError(f"redistribute {a.name} on {ax.name}: {c!r} -> {w!r}")
-            cache[key] = val
+            if key not in self.cache:
+                self.cache[key] = self._redistribute(a, val, cur, i, w, need_f, meta_val)
+            val = self.cache[key]
             cur[i] = w
         return val
 
-    seq_sym = cap.symbols.get("seq")
+    def _batch_statistic(self, a: fx.Node, val, cur: list, i: int, w, meta_val):
+        """A Partial statistic over the batch, reduced along an axis whose inputs arrive split (once per value).
 
-    def fetch_cp(a: fx.Node, val, cur: tuple, i: int, w, meta_val):
+        dp, ep: the program runs on this rank's own batch as if it were the whole batch; sizes built from the
+        batch symbol are already local, so activations do not move along this axis inside the program (the
+        runtime reduces the loss and the gradients over it). A statistic over the batch that the model reads
+        again (an MoE layer's load-balancing loss: tokens per expert, mean router probability) is reduced here:
+        Partial -> Replicate is an all-reduce. The step's loss is the sum of the ranks' (the runtime adds them),
+        so its adjoint is an all-reduce too (copy_ar_bwd)."""
+        ax, c = self.axes[i], cur[i]
+        key = (a.name, tuple(cur), i, w, False)
+        if key not in self.cache:
+            v = val
+            if a.name in self.rg:
+                v = self.emit("copy_ar_bwd", (v, ax.name, ax.size), a, i, CollectiveKind.NONE,
+                              CollectiveKind.ALL_REDUCE, None, "batch statistic: adjoint", meta_val, cur)
+            v = self.emit("all_reduce", (v, ax.name, ax.size), a, i, CollectiveKind.ALL_REDUCE,
+                          CollectiveKind.NONE, None, "batch statistic", meta_val, cur)
+            if c.reduce_op == "avg":
+                v = self.g.call_function(aten.div.Tensor, (v, ax.size))
+            self.cache[key] = v
+        return self.cache[key]
+
+    def _redistribute(self, a: fx.Node, val, cur: list, i: int, w, need_f: bool, meta_val):
+        """``a``'s local ``val`` moved from ``cur[i]`` to ``w`` along axis ``i`` (tp), with Megatron's *f* where
+        ``need_f``: an all-reduce of a Partial, a reduce-scatter, an all-gather (whose backward is a
+        reduce-scatter under *f*: sequence parallelism) or a slice."""
+        g, ax, cache, emit = self.g, self.axes[i], self.cache, self.emit
+        c, n = cur[i], ax.size
+        grad = a.name in self.rg
+        if c == w and need_f:
+            val = emit("copy_ar_bwd", (val, ax.name, n), a, i, CollectiveKind.NONE,
+                       CollectiveKind.ALL_REDUCE, None, "enter tp region", meta_val, cur)
+        elif isinstance(c, Partial) and isinstance(w, Replicate):
+            op = "all_reduce_max" if c.reduce_op == "max" else "all_reduce"
+            if c.reduce_op not in ("sum", "max", "avg"):
+                raise NotImplementedError(f"reducing Partial({c.reduce_op}) of {a.name} on {ax.name}")
+            # one reduction serves every reader: one entering the tp region (f, below) and one that
+            # is not (a post-norm layer's residual reads the embedding its q/k/v projections read)
+            plain = (a.name, tuple(cur), i, w, False)
+            if plain in cache:
+                val = cache[plain]
+            else:
+                val = emit(op, (val, ax.name, n), a, i,
+                           CollectiveKind.ALL_REDUCE_MAX if op == "all_reduce_max" else
+                           CollectiveKind.ALL_REDUCE, CollectiveKind.NONE, None, "reduce partial",
+                           meta_val, cur)
+                if c.reduce_op == "avg":
+                    # each rank holds the mean of its shard, equal ones (the reduction rule offers no
+                    # Partial(avg) over a dim the axis does not divide): the mean is their sum / n. The
+                    # all-reduce's backward is the identity (the replicated gradient is exact on every
+                    # rank), so each rank's partial mean gets grad / n here, as d(mean)/d(partial) = 1/n
+                    val = g.call_function(aten.div.Tensor, (val, n))
+                cache[plain] = val
+            if need_f:
+                reduced = [*cur[:i], w, *cur[i + 1:]]
+                val = emit("copy_ar_bwd", (val, ax.name, n), a, i, CollectiveKind.NONE,
+                           CollectiveKind.ALL_REDUCE, None, "enter tp region", meta_val, reduced)
+        elif isinstance(c, Partial) and isinstance(w, Shard) and c.reduce_op == "sum":
+            d = w.dim % meta_val.ndim
+            val = emit("reduce_scatter", (val, d, ax.name, n), a, i, CollectiveKind.REDUCE_SCATTER,
+                       CollectiveKind.ALL_GATHER if grad else CollectiveKind.NONE, d,
+                       "reduce-scatter partial", meta_val, cur)
+        elif isinstance(c, Shard) and isinstance(w, Replicate):
+            d = c.dim % meta_val.ndim
+            mode = "reduce_scatter" if need_f else "split"
+            bwd = CollectiveKind.REDUCE_SCATTER if (need_f and grad) else CollectiveKind.NONE
+            val = emit("all_gather", (val, d, ax.name, n, mode), a, i, CollectiveKind.ALL_GATHER,
+                       bwd, d, "all-gather", meta_val, cur)
+            size = meta_val.shape[d]
+            if isinstance(size, int) and size % n:  # a padded vocabulary: drop the padding columns
+                val = g.call_function(aten.narrow.default, (val, d, 0, size))
+        elif isinstance(c, Replicate) and isinstance(w, Shard):
+            d = w.dim % meta_val.ndim
+            val = emit("shard_slice", (val, d, ax.name, n), a, i, CollectiveKind.NONE,
+                       CollectiveKind.ALL_GATHER if grad else CollectiveKind.NONE, d, "slice",
+                       meta_val, cur)
+        elif isinstance(c, Replicate) and isinstance(w, BlockShard) and isinstance(w.blocks, int):
+            # a share of each of k equal blocks: the dim viewed as (k, size / k), the inner dim sliced
+            d = w.dim % meta_val.ndim
+            val = g.call_function(aten.unflatten.int, (val, d, [w.blocks, -1]))
+            val = emit("shard_slice", (val, d + 1, ax.name, n), a, i, CollectiveKind.NONE,
+                       CollectiveKind.ALL_GATHER if grad else CollectiveKind.NONE, d, "slice blocks",
+                       meta_val, cur)
+            val = g.call_function(aten.flatten.using_ints, (val, d, d + 1))
+        else:
+            raise NotImplementedError(f"redistribute {a.name} on {ax.name}: {c!r} -> {w!r}")
+        return val
+
+    def _fetch_cp(self, a: fx.Node, val, cur: tuple, i: int, w, meta_val):
         """Redistribute along a context-parallel axis (mcompile.cp). A Shard there is the tokens' split:
         on the sequence dim, or on batch*seq flattened (the sequence innermost), each rank holding its
         load-balanced chunks. The loss is the ranks' sum, so every adjoint is a partial sum's: a slice's is
         local (the gradient scattered into zeros), a gather's is a reduce-scatter, and a reduced statistic's
         is an all-reduce."""
-        c, ax = cur[i], axes[i]
+        c, ax, emit = cur[i], self.axes[i], self.emit
         key = (a.name, cur, i, w, "cp")
-        if key in cache:
-            return cache[key]
-        if seq_sym is None:
+        if key in self.cache:
+            return self.cache[key]
+        if self.seq_sym is None:
             raise NotImplementedError(f"{a.name}: context parallelism splits the sequence, and this capture has no "
                                       "dynamic sequence dim")
-        seq = sym(seq_sym)
+        seq = self.sym(self.seq_sym)
         if isinstance(c, Partial) and isinstance(w, Replicate) and c.reduce_op in ("sum", "avg"):
             v = val
-            if a.name in rg:
-                v = emit_collective("copy_ar_bwd", (v, ax.name, ax.size), a, i, CollectiveKind.NONE,
-                                    CollectiveKind.ALL_REDUCE, None, "token statistic: adjoint", meta_val, cur)
-            v = emit_collective("all_reduce", (v, ax.name, ax.size), a, i, CollectiveKind.ALL_REDUCE,
-                                CollectiveKind.NONE, None, "token statistic", meta_val, cur)
+            if a.name in self.rg:
+                v = emit("copy_ar_bwd", (v, ax.name, ax.size), a, i, CollectiveKind.NONE,
+                         CollectiveKind.ALL_REDUCE, None, "token statistic: adjoint", meta_val, cur)
+            v = emit("all_reduce", (v, ax.name, ax.size), a, i, CollectiveKind.ALL_REDUCE,
+                     CollectiveKind.NONE, None, "token statistic", meta_val, cur)
             if c.reduce_op == "avg":
-                v = g.call_function(aten.div.Tensor, (v, ax.size))
+                v = self.g.call_function(aten.div.Tensor, (v, ax.size))
         elif isinstance(c, Replicate) and isinstance(w, Shard):
             d = w.dim % meta_val.ndim
-            v = emit_collective("cp_slice", (val, d, ax.name, ax.size, seq), a, i, CollectiveKind.NONE,
-                                CollectiveKind.NONE, d, "cp: the rank's tokens", meta_val, cur)
+            v = emit("cp_slice", (val, d, ax.name, ax.size, seq), a, i, CollectiveKind.NONE,
+                     CollectiveKind.NONE, d, "cp: the rank's tokens", meta_val, cur)
         elif isinstance(c, Shard) and isinstance(w, Replicate):
             d = c.dim % meta_val.ndim
-            v = emit_collective("cp_gather", (val, d, ax.name, ax.size, seq), a, i, CollectiveKind.ALL_GATHER,
-                                CollectiveKind.REDUCE_SCATTER if a.name in rg else CollectiveKind.NONE, d,
-                                "cp: every rank's tokens", meta_val, cur)
+            v = emit("cp_gather", (val, d, ax.name, ax.size, seq), a, i, CollectiveKind.ALL_GATHER,
+                     CollectiveKind.REDUCE_SCATTER if a.name in self.rg else CollectiveKind.NONE, d,
+                     "cp: every rank's tokens", meta_val, cur)
         else:
             raise NotImplementedError(
                 f"redistribute {a.name} on {ax.name}: {c!r} -> {w!r} (context parallelism moves a value between "
                 "the whole sequence and the ranks' tokens only)")
-        cache[key] = v
+        self.cache[key] = v
         return v
 
-    emitted: dict[str, str] = {}  # program node -> the captured node whose lowering emitted it
-    count = len(g.nodes)
-
-    def tag(name: str) -> None:  # the nodes appended since the last captured node were emitted for it
-        nonlocal count
-        n = g._root.prev
-        for _ in range(len(g.nodes) - count):
-            emitted[n.name] = name
-            n = n.prev
-        count = len(g.nodes)
-
-    for node in src.graph.nodes:
+    # ---- lowering the captured nodes ----------------------------------------------------------------------
+    def lower_node(self, node: fx.Node) -> None:
+        """Lower one captured node into the program (placeholders are already there)."""
+        g, env = self.g, self.env
         if node.op == "placeholder":
-            count = len(g.nodes)
-            continue
+            self.count = len(g.nodes)
+            return
         if node.op == "output":
-            outs = []
-            results = node.args[0] if isinstance(node.args[0], tuple | list) else [node.args[0]]
-            for a in results:
-                if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
-                    # an output stays as it is along axes whose ranks' results the runtime sums (dp, ep: the loss
-                    # over the batch; cp: over the tokens, a value of the tokens gathered whole)
-                    want = tuple(R if ax.loss_replicated or (ax.context_parallel
-                                                             and not isinstance(place[a.name][i], Partial))
-                                 else place[a.name][i] for i, ax in enumerate(axes))
-                    outs.append(fetch(a, want, tuple(False for _ in axes)))
-                else:
-                    outs.append(env.get(a.name, a) if isinstance(a, fx.Node) else a)
-            g.output(tuple(outs) if isinstance(node.args[0], tuple | list) else outs[0])
-            continue
+            self._lower_output(node)
+            return
         if node.target in _DROP:
-            continue
+            return
         if node.target is operator.getitem:
             new = g.call_function(operator.getitem, (env[node.args[0].name], node.args[1]))
             env[node.name] = new
-            pv = [a.result.placements.get(node.name) for a in axes]
-            place[node.name] = tuple(pv)
+            self.place[node.name] = tuple(a.result.placements.get(node.name) for a in self.axes)
             _copy_meta(node, new)
-            tag(node.name)
-            continue
-        strategies = [a.result.strategies.get(node.name) for a in axes]
-        ins = tensor_input_nodes(node)
-        if all(s is None for s in strategies):  # sym_size and other non-tensor nodes
-            new = g.node_copy(node, lambda x: env[x.name])
-            env[node.name] = new
-            tag(node.name)
-            continue
-        want = {}
-        for j, a in enumerate(ins):
-            req, pg = [], []
-            for ax, s in zip(axes, strategies):
-                r = s.inputs[j]
-                req.append(r)
-                out_p = s.outputs[0] if s.outputs else R
-                pg.append(
-                    ax.loss_replicated and isinstance(r, Replicate) and not isinstance(out_p, Replicate)
-                    and a.name in rg and a.name not in cap.params
-                )
-            want[a.name] = fetch(a, tuple(req), tuple(pg))
+        else:
+            strategies = [a.result.strategies.get(node.name) for a in self.axes]
+            if all(s is None for s in strategies):  # sym_size and other non-tensor nodes
+                env[node.name] = g.node_copy(node, lambda x: env[x.name])
+            else:
+                self._lower_op(node, strategies)
+        self._tag(node.name)
+
+    def _tag(self, name: str) -> None:
+        """The nodes appended since the last captured node were emitted for ``name``."""
+        n = self.g._root.prev
+        for _ in range(len(self.g.nodes) - self.count):
+            self.emitted[n.name] = name
+            n = n.prev
+        self.count = len(self.g.nodes)
+
+    def _lower_output(self, node: fx.Node) -> None:
+        """The program's outputs: a tensor output stays as it is along axes whose ranks' results the runtime sums
+        (dp, ep: the loss over the batch; cp: over the tokens, a value of the tokens gathered whole), and is made
+        whole (Replicate) along the others."""
+        outs = []
+        results = node.args[0] if isinstance(node.args[0], tuple | list) else [node.args[0]]
+        for a in results:
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                want = tuple(R if ax.loss_replicated or (ax.context_parallel
+                                                         and not isinstance(self.place[a.name][i], Partial))
+                             else self.place[a.name][i] for i, ax in enumerate(self.axes))
+                outs.append(self.fetch(a, want, tuple(False for _ in self.axes)))
+            else:
+                outs.append(self.env.get(a.name, a) if isinstance(a, fx.Node) else a)
+        self.g.output(tuple(outs) if isinstance(node.args[0], tuple | list) else outs[0])
+
+    def _lower_op(self, node: fx.Node, strategies: list) -> None:
+        """A tensor op: its inputs fetched in its strategies' placements (steps 1-2), then the op emitted on local
+        pieces, or its strategy's special lowering (:data:`LOWERINGS`), or dropout's / a random op's (step 3)."""
+        g, axes = self.g, self.axes
+        want = self._fetch_inputs(node, strategies)
         lowering = next((s.lowering for s in strategies if s is not None and s.lowering), None)
         if lowering is None and (is_training_dropout(node) or is_random(node)):
             x_node = node.args[0]
             in_pl = tuple(s.inputs[0] if s is not None else R for s in strategies)
             new = (lower_dropout if is_training_dropout(node) else lower_random)(
-                g, node, want[x_node.name], in_pl, axes, sym, bsym, seq_sym, rng, device)
+                g, node, want[x_node.name], in_pl, axes, self.sym, self.bsym, self.seq_sym, self.rng, self.device)
             _copy_meta(node, new)
-            env[node.name] = new
-            place[node.name] = tuple(s.outputs[0] if s is not None and s.outputs else R for s in strategies)
-            tag(node.name)
-            continue
+            self.env[node.name] = new
+            self.place[node.name] = tuple(s.outputs[0] if s is not None and s.outputs else R for s in strategies)
+            return
         out_pl = tuple(s.outputs if len(s.outputs) > 1 else (s.outputs[0] if s.outputs else None) for s in strategies)
         if lowering is not None:
             ax_i = next(i for i, s in enumerate(strategies) if s is not None and s.lowering)
-            new = LOWERINGS[lowering](g, node, want, axes[ax_i], emit_collective, ax_i, place, device)
+            new = LOWERINGS[lowering](g, node, want, axes[ax_i], self.emit, ax_i, self.place, self.device)
         else:
-            glob = batch_global if node.target in _VALUE_OPS else None
-            args = fx.node.map_aggregate(node.args, lambda x, w=want, gl=glob: _arg(x, w, env, sym, device, gl))
-            kwargs = fx.node.map_aggregate(node.kwargs, lambda x, w=want, gl=glob: _arg(x, w, env, sym, device, gl))
-            loc = get_localizer(node.target)
-            if loc is not None:
-                vals = node.meta["val"] if isinstance(node.meta["val"], list | tuple) else [node.meta["val"]]
-                per_out = [tuple(p[k] if isinstance(p, tuple) else p for p in out_pl) for k in range(len(vals))]
-                shapes = [[_own_size(sym, s, node.name) for s in local_shape(v, pl)] for v, pl in zip(vals, per_out)]
-                in_pl = tuple(s.inputs if s is not None else None for s in strategies)
-                args, kwargs = loc(args, kwargs, in_pl, out_pl, shapes, tuple(ax.size for ax in axes))
-            new = _call(g, node, tuple(args), dict(kwargs), device)
+            new = self._local_op(node, strategies, want, out_pl)
         _copy_meta(node, new)
-        env[node.name] = new
-        place[node.name] = out_pl
+        self.env[node.name] = new
+        self.place[node.name] = out_pl
+        self._write_back(node, new, want, out_pl)
+
+    def _fetch_inputs(self, node: fx.Node, strategies: list) -> dict:
+        """Each tensor input of ``node`` (by name) fetched in the placements its strategies need. On an axis where
+        the loss is replicated (tp), a replicated input that requires grad and feeds an op with a non-replicated
+        output enters with Megatron's *f* (step 2)."""
+        want = {}
+        for j, a in enumerate(tensor_input_nodes(node)):
+            req, pg = [], []
+            for ax, s in zip(self.axes, strategies):
+                r = s.inputs[j]
+                req.append(r)
+                out_p = s.outputs[0] if s.outputs else R
+                pg.append(
+                    ax.loss_replicated and isinstance(r, Replicate) and not isinstance(out_p, Replicate)
+                    and a.name in self.rg and a.name not in self.cap.params
+                )
+            want[a.name] = self.fetch(a, tuple(req), tuple(pg))
+        return want
+
+    def _local_op(self, node: fx.Node, strategies: list, want: dict, out_pl: tuple) -> fx.Node:
+        """The op on local pieces (step 3): its arguments mapped into the program (symbolic sizes rebuilt from the
+        program's input sizes, a size used as a value made the whole batch's), and its size arguments recomputed
+        from local shapes by the rule's localizer."""
+        env, sym, device = self.env, self.sym, self.device
+        glob = self.batch_global if node.target in _VALUE_OPS else None
+        args = fx.node.map_aggregate(node.args, lambda x, w=want, gl=glob: _arg(x, w, env, sym, device, gl))
+        kwargs = fx.node.map_aggregate(node.kwargs, lambda x, w=want, gl=glob: _arg(x, w, env, sym, device, gl))
+        loc = get_localizer(node.target)
+        if loc is not None:
+            vals = node.meta["val"] if isinstance(node.meta["val"], list | tuple) else [node.meta["val"]]
+            per_out = [tuple(p[k] if isinstance(p, tuple) else p for p in out_pl) for k in range(len(vals))]
+            shapes = [[_own_size(sym, s, node.name) for s in _local_shape(v, pl, self.axes)]
+                      for v, pl in zip(vals, per_out)]
+            in_pl = tuple(s.inputs if s is not None else None for s in strategies)
+            args, kwargs = loc(args, kwargs, in_pl, out_pl, shapes, tuple(ax.size for ax in self.axes))
+        return _call(self.g, node, tuple(args), dict(kwargs), device)
+
+    def _write_back(self, node: fx.Node, new: fx.Node, want: dict, out_pl: tuple) -> None:
+        """An in-place write that ran on a copy of its destination in other placements (a fallback's all-gather, a
+        re-slice): what reads the destination or its base after it (through other views) must see it, so the
+        written value is put back into the rank's own piece, in the destination's placements (slow, never wrong)."""
         dst = _written(node)
-        if dst is not None and dst.name in want and want[dst.name] is not env[dst.name]:
-            # the write ran on a copy of its destination in other placements (a fallback's all-gather, a re-slice):
-            # what reads the destination or its base after it (through other views) must see it, so the written
-            # value is put back into the rank's own piece, in the destination's placements (slow, never wrong)
-            try:
-                back = fetch(node, tuple(place[dst.name]), tuple(False for _ in axes))
-            except NotImplementedError as e:
-                raise NotImplementedError(
-                    f"{node.name} ({node.target}) writes in place into {dst.name}, which this rank holds as "
-                    f"{place[dst.name]}; the write ran on a copy in {out_pl} and cannot be put back ({e}): write it "
-                    "out of place (x = x + y, torch.where, torch.cat)") from e
-            wb = g.call_function(aten.copy_.default, (env[dst.name], back))
-            wb.meta.update({k: v for k, v in new.meta.items() if k != "val"})
-        tag(node.name)
-    g.eliminate_dead_code()
-    gm = fx.GraphModule(torch.nn.Module(), g)
-    gm.meta[M.EMITTED_FOR] = emitted  # for mcompile.repeat: which captured node each node implements
-    gm.meta[M.VALUE_OF] = {k: v.name for k, v in env.items() if isinstance(v, fx.Node)}
-    return gm, specs
+        if dst is None or dst.name not in want or want[dst.name] is self.env[dst.name]:
+            return
+        try:
+            back = self.fetch(node, tuple(self.place[dst.name]), tuple(False for _ in self.axes))
+        except NotImplementedError as e:
+            raise NotImplementedError(
+                f"{node.name} ({node.target}) writes in place into {dst.name}, which this rank holds as "
+                f"{self.place[dst.name]}; the write ran on a copy in {out_pl} and cannot be put back ({e}): write it "
+                "out of place (x = x + y, torch.where, torch.cat)") from e
+        wb = self.g.call_function(aten.copy_.default, (self.env[dst.name], back))
+        wb.meta.update({k: v for k, v in new.meta.items() if k != "val"})
 
 
 def _written(node: fx.Node) -> fx.Node | None:

@@ -219,15 +219,19 @@ def _wait(pending) -> None:
 
 
 def _train(cfg: TrainConfig) -> dict:
-    import mcompile as mc
+    """The run on this rank (module docstring): compiled and resumed by :class:`_Run`, its steps, then its final
+    saves; returns the summary."""
+    run = _Run(cfg)
+    for step in range(run.start_step + 1, cfg.train.steps + 1):
+        run.step(step)
+        if step == cfg.train.stop_at:
+            break
+    return run.finish()
 
-    t0 = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    tc, cc = cfg.train, cfg.checkpoint
-    model, vocab, example = build_model(cfg)
-    objective = resolve(cfg, vocab_size=vocab or 0)
-    if example is None:
-        example = example_inputs(cfg, objective, vocab)
+
+def _datasets(cfg: TrainConfig, rank: int, vocab: int | None):
+    """(train, valid) datasets (valid None without evaluation), written first where ``data.tokenize`` says;
+    refused where a split's ids exceed the model's vocabulary or it holds no sample of ``train.seq_len``."""
     _prepare_data(cfg, rank)  # the data before planning: its errors come before the model's compile
     data = _dataset(cfg, "train")
     valid = _dataset(cfg, "valid") if cfg.eval.interval else None
@@ -237,9 +241,24 @@ def _train(cfg: TrainConfig) -> dict:
                               "preprocess with the model's tokenizer, or set model.overrides.vocab_size = "
                               f"{ds.vocab_size}")
         if ds is not None and hasattr(ds, "__len__") and len(ds) == 0:
-            raise ConfigError(f"the {split} split of data.sources holds no sample of train.seq_len = {tc.seq_len} "
-                              "tokens: use more data, a shorter seq_len" + (", or a larger data.valid_fraction"
-                                                                              if split == "valid" else ""))
+            raise ConfigError(f"the {split} split of data.sources holds no sample of train.seq_len = "
+                              f"{cfg.train.seq_len} tokens: use more data, a shorter seq_len"
+                              + (", or a larger data.valid_fraction" if split == "valid" else ""))
+    return data, valid
+
+
+def _compile(cfg: TrainConfig, rank: int):
+    """(pm, objective, vocab, train data, valid data, hardware): the model built, its data opened, then the model
+    parallelized over ``parallel.mesh`` (or the plan searched for, under ``auto``), its weights from
+    ``model.init_from`` where given."""
+    import mcompile as mc
+
+    tc = cfg.train
+    model, vocab, example = build_model(cfg)
+    objective = resolve(cfg, vocab_size=vocab or 0)
+    if example is None:
+        example = example_inputs(cfg, objective, vocab)
+    data, valid = _datasets(cfg, rank, vocab)
     mesh_spec = cfg.parallel.mesh.strip()
     options = _options(cfg)
     hw = hardware_profile(cfg.parallel.hardware)
@@ -253,6 +272,13 @@ def _train(cfg: TrainConfig) -> dict:
     del model
     if rank == 0 and cfg.model.init_from:
         print(f"weights loaded from {cfg.model.init_from} (model.init_from)", flush=True)
+    return pm, objective, vocab, data, valid, hw
+
+
+def _check_batches(cfg: TrainConfig, pm) -> int:
+    """The evaluation batch size, once the global batch divides over dp x microbatches and the evaluation batch
+    over dp (and evaluation, which runs ``pm.forward``, has no microbatches to split without pp)."""
+    tc = cfg.train
     dp, m = pm.mesh.size("dp"), pm.config.microbatches
     if tc.global_batch % (dp * m):
         raise ConfigError(f"train.global_batch = {tc.global_batch} does not divide by dp={dp} x "
@@ -265,165 +291,236 @@ def _train(cfg: TrainConfig) -> dict:
             raise ConfigError("eval runs pm.forward, which takes the local batch at once: without pipeline "
                               f"parallelism it needs parallel.microbatches = 1 (got {m}); set eval.interval = 0 "
                               "or parallel.microbatches = 1")
-    opt, clip = _optimizer(cfg, pm)
+    return eval_bs
 
-    # resume: rank 0 picks the newest complete checkpoint, every rank loads it
+
+def _resume(cfg: TrainConfig, pm, opt, rank: int, world: int) -> tuple[int, int, str | None]:
+    """(step, samples consumed, checkpoint path or None): rank 0 picks the newest complete checkpoint of
+    ``checkpoint.dir`` (and clears what killed saves left), every rank loads it (model and optimizer)."""
+    tc, cc = cfg.train, cfg.checkpoint
     start_step, consumed, resumed = 0, 0, None
-    if cc.dir:
-        choice = [None]
-        if rank == 0:
-            Path(cc.dir).mkdir(parents=True, exist_ok=True)
-            _leftovers(Path(cc.dir))
-            found = latest_checkpoint(cc.dir)
-            choice[0] = str(found) if found else None
-        if world > 1:
-            dist.broadcast_object_list(choice, src=0)
-        if choice[0]:
-            resumed = choice[0]
-            extra = pm.load_checkpoint(resumed, opt)
-            start_step, consumed = int(extra["step"]), int(extra["consumed_samples"])
-            if rank == 0:
-                changed = {k: (extra.get(k), v) for k, v in (("seq_len", tc.seq_len), ("seed", tc.seed))
-                           if extra.get(k) not in (None, v)}
-                if changed:
-                    log.warning("resuming %s with changed %s: the data order differs from the saved run's",
-                                resumed, ", ".join(f"train.{k} {a} -> {b}" for k, (a, b) in changed.items()))
-                print(f"resumed from {resumed} (step {start_step}, {consumed} samples consumed)", flush=True)
-
-    consumed_at_start = consumed
-    flops = model_flops_per_step(pm, tc.global_batch, tc.seq_len) if rank == 0 else None
-    dtype_name = {"fp32": "fp32", "bf16": "bf16", "fp16": "bf16"}[tc.dtype]
-    if pm.config.fp8 is not None and hw.fp8_flops is not None:
-        dtype_name = "fp8"
-    peak = hw.peak_flops(dtype_name)
-    metrics = Metrics(cfg, start_step, hw.name) if rank == 0 else None
+    if not cc.dir:
+        return start_step, consumed, resumed
+    choice = [None]
     if rank == 0:
-        n_params = sum(math.prod(p.shape) for p in pm.plan.params.values())
-        print(f"training {cfg.model.preset or cfg.model.hf or cfg.model.factory} ({n_params:,} parameters) on "
-              f"{pm.mesh!r}, {world} processes: sequence_parallel={pm.config.sequence_parallel}, "
-              f"zero={pm.config.zero}, microbatches={pm.config.microbatches}, dtype={tc.dtype}; {tc.global_batch} x "
-              f"{tc.seq_len} tokens per step" + (f", {flops / 1e9:.3g} GFLOP (model)" if flops else "")
-              + f"; objective: {objective.describe()}", flush=True)
-    save_kw = {}
-    if cc.async_save:
-        if "async_save" in inspect.signature(pm.save_checkpoint).parameters:
-            save_kw["async_save"] = True
-        elif rank == 0:
-            log.warning("checkpoint.async_save: this mcompile's save_checkpoint has no async_save; saving "
-                        "synchronously")
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    pending = None
-
-    def finish_saving() -> None:  # the previous (asynchronous) save complete, then the old ones pruned
-        nonlocal pending
-        _wait(pending)
-        pending = None
+        Path(cc.dir).mkdir(parents=True, exist_ok=True)
+        _leftovers(Path(cc.dir))
+        found = latest_checkpoint(cc.dir)
+        choice[0] = str(found) if found else None
+    if world > 1:
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0]:
+        resumed = choice[0]
+        extra = pm.load_checkpoint(resumed, opt)
+        start_step, consumed = int(extra["step"]), int(extra["consumed_samples"])
         if rank == 0:
-            _prune(Path(cc.dir), cc.keep)
+            changed = {k: (extra.get(k), v) for k, v in (("seq_len", tc.seq_len), ("seed", tc.seed))
+                       if extra.get(k) not in (None, v)}
+            if changed:
+                log.warning("resuming %s with changed %s: the data order differs from the saved run's",
+                            resumed, ", ".join(f"train.{k} {a} -> {b}" for k, (a, b) in changed.items()))
+            print(f"resumed from {resumed} (step {start_step}, {consumed} samples consumed)", flush=True)
+    return start_step, consumed, resumed
 
-    def save(step: int) -> None:
-        nonlocal pending
-        finish_saving()
-        path = Path(cc.dir) / f"step-{step:07d}"
-        pending = pm.save_checkpoint(path, opt, extra={"step": step, "consumed_samples": consumed,
-                                                       "global_batch": tc.global_batch, "seq_len": tc.seq_len,
-                                                       "seed": tc.seed}, **save_kw)
-        if not save_kw:
-            finish_saving()
+
+class _Run:
+    """One training run on this rank and the state its parts share: the compiled model (``pm``), its optimizer,
+    the data, the position (``consumed`` samples; the step is the loop's), the metrics (rank 0), the pending
+    asynchronous save, and what the summary reports (losses, evaluation, the last log row, the first step's
+    time)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.t0 = time.perf_counter()
+        self.cfg, self.tc, self.cc = cfg, cfg.train, cfg.checkpoint
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.pm, self.objective, self.vocab, self.data, self.valid, self.hw = _compile(cfg, self.rank)
+        self.eval_bs = _check_batches(cfg, self.pm)
+        self.opt, self.clip = _optimizer(cfg, self.pm)
+        self.start_step, self.consumed, self.resumed = _resume(cfg, self.pm, self.opt, self.rank, self.world)
+        self.consumed_at_start = self.consumed
+        self._metrics()
+        self.save_kw = self._save_options()
+        self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.pending = None
+        self.losses: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, grad norm) of this attempt
+        self.eval_loss, self.best_eval, self.last_log, self.last_time = None, None, self.start_step, time.perf_counter()
+        self.row, self.first_step_s = {}, None
+        self.saved_at = self.start_step if self.resumed else None
+
+    def _metrics(self) -> None:
+        """Rank 0: the model FLOPs per step and the hardware's peak for MFU, the metrics files, and the run's
+        banner."""
+        cfg, tc, pm, hw, rank = self.cfg, self.tc, self.pm, self.hw, self.rank
+        self.flops = flops = model_flops_per_step(pm, tc.global_batch, tc.seq_len) if rank == 0 else None
+        dtype_name = {"fp32": "fp32", "bf16": "bf16", "fp16": "bf16"}[tc.dtype]
+        if pm.config.fp8 is not None and hw.fp8_flops is not None:
+            dtype_name = "fp8"
+        self.peak = hw.peak_flops(dtype_name)
+        self.metrics = Metrics(cfg, self.start_step, hw.name) if rank == 0 else None
         if rank == 0:
-            print(f"checkpoint saved: {path}" + (" (writing in the background)" if save_kw else ""), flush=True)
+            n_params = sum(math.prod(p.shape) for p in pm.plan.params.values())
+            print(f"training {cfg.model.preset or cfg.model.hf or cfg.model.factory} ({n_params:,} parameters) on "
+                  f"{pm.mesh!r}, {self.world} processes: sequence_parallel={pm.config.sequence_parallel}, "
+                  f"zero={pm.config.zero}, microbatches={pm.config.microbatches}, dtype={tc.dtype}; "
+                  f"{tc.global_batch} x {tc.seq_len} tokens per step"
+                  + (f", {flops / 1e9:.3g} GFLOP (model)" if flops else "")
+                  + f"; objective: {self.objective.describe()}", flush=True)
 
-    losses: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, grad norm) of this attempt
-    eval_loss, best_eval, last_log, last_time = None, None, start_step, time.perf_counter()
-    row, first_step_s = {}, None
-    saved_at = start_step if resumed else None
-    for step in range(start_step + 1, tc.steps + 1):
-        if cfg.debug.kill_step == step and cfg.debug.kill_rank == rank and restart == 0:
+    def _save_options(self) -> dict:
+        """``save_checkpoint``'s options: ``async_save`` where ``checkpoint.async_save`` asks and it is offered."""
+        save_kw = {}
+        if self.cc.async_save:
+            if "async_save" in inspect.signature(self.pm.save_checkpoint).parameters:
+                save_kw["async_save"] = True
+            elif self.rank == 0:
+                log.warning("checkpoint.async_save: this mcompile's save_checkpoint has no async_save; saving "
+                            "synchronously")
+        return save_kw
+
+    # ---- checkpoints
+    def _finish_saving(self) -> None:
+        """The previous (asynchronous) save complete, then the old ones pruned."""
+        _wait(self.pending)
+        self.pending = None
+        if self.rank == 0:
+            _prune(Path(self.cc.dir), self.cc.keep)
+
+    def _save(self, step: int) -> None:
+        """Checkpoint ``step`` (after the previous save completed): the model, the optimizer and the position."""
+        tc = self.tc
+        self._finish_saving()
+        path = Path(self.cc.dir) / f"step-{step:07d}"
+        self.pending = self.pm.save_checkpoint(path, self.opt, extra={
+            "step": step, "consumed_samples": self.consumed, "global_batch": tc.global_batch, "seq_len": tc.seq_len,
+            "seed": tc.seed}, **self.save_kw)
+        if not self.save_kw:
+            self._finish_saving()
+        if self.rank == 0:
+            print(f"checkpoint saved: {path}" + (" (writing in the background)" if self.save_kw else ""), flush=True)
+
+    # ---- the steps
+    def step(self, step: int) -> None:
+        """One step (module docstring): its learning rate, its global batch, the train step, the clip and the
+        optimizer's step; then its log row, the evaluation and the checkpoint where they are due."""
+        cfg, tc, opt = self.cfg, self.tc, self.opt
+        if cfg.debug.kill_step == step and cfg.debug.kill_rank == self.rank and self.restart == 0:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): the elastic agent restarts all
-        lr = lr_at(applied_updates(step, pm), cfg)
+        lr = lr_at(applied_updates(step, self.pm), cfg)
         for group in opt.param_groups:
             group["lr"] = lr
-        tokens, targets = data.batch(consumed, tc.global_batch)
-        if vocab is not None and int(tokens.max()) >= vocab:
-            raise ValueError(f"the data holds token id {int(tokens.max())} but the model's vocabulary has {vocab} "
-                             "entries: preprocess with the model's tokenizer, or set model.overrides.vocab_size")
-        inputs = objective.inputs(tokens, targets, consumed)
-        consumed += tc.global_batch
-        loss = pm.train_step(*inputs)
-        if getattr(pm, "step_skipped", False):  # fp16: a gradient overflowed on some rank; every rank skips the
+        tokens, targets = self.data.batch(self.consumed, tc.global_batch)
+        if self.vocab is not None and int(tokens.max()) >= self.vocab:
+            raise ValueError(f"the data holds token id {int(tokens.max())} but the model's vocabulary has "
+                             f"{self.vocab} entries: preprocess with the model's tokenizer, or set "
+                             "model.overrides.vocab_size")
+        inputs = self.objective.inputs(tokens, targets, self.consumed)
+        self.consumed += tc.global_batch
+        loss = self.pm.train_step(*inputs)
+        if getattr(self.pm, "step_skipped", False):  # fp16: a gradient overflowed on some rank; every rank skips the
             norm = torch.zeros(())  # step (its gradients are None) and the loss scale backed off
         else:
-            norm = clip(tc.clip if tc.clip > 0 else math.inf)
+            norm = self.clip(tc.clip if tc.clip > 0 else math.inf)
             opt.step()
         opt.zero_grad()
-        losses.append((step, loss, norm.detach() if isinstance(norm, torch.Tensor) else torch.tensor(norm)))
+        self.losses.append((step, loss, norm.detach() if isinstance(norm, torch.Tensor) else torch.tensor(norm)))
         logged = step % cfg.logging.interval == 0 or step in (tc.steps, tc.stop_at)
-        if first_step_s is None:
-            # the first step of an attempt compiles (joint trace, warm-up): its time is reported on its own and
-            # left out of the throughput of the window it opens
-            float(loss)
-            first_step_s = time.perf_counter() - last_time
-            if rank == 0:
-                print(f"step {step}: first step {first_step_s:.1f} s (includes compilation)", flush=True)
-            if not logged:
-                last_log, last_time = step, time.perf_counter()
+        if self.first_step_s is None:
+            self._first_step(step, loss, logged)
         if logged:
-            now = time.perf_counter()
-            loss_v, norm_v = float(loss), float(losses[-1][2])
-            dt = now - last_time
-            n = max(step - last_log, 1)
-            row = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": norm_v,
-                   "tokens_per_s": n * tc.global_batch * tc.seq_len / dt, "step_time_s": dt / n,
-                   "mfu": (flops * n / dt / world / peak) if flops else None, "consumed_samples": consumed,
-                   "restart": restart, "mem_gib": round(_peak_memory_gib(), 3)}
-            if getattr(pm, "loss_scaler", None) is not None:  # fp16
-                row.update(loss_scale=pm.loss_scaler.scale, skipped_steps=pm.loss_scaler.skipped_steps)
-            if metrics is not None:
-                metrics.record(row)
-            last_log, last_time = step, time.perf_counter()
-        elif metrics is not None:
-            metrics.advance(step)
+            self._log(step, loss, lr)
+        elif self.metrics is not None:
+            self.metrics.advance(step)
         paused = time.perf_counter()
-        if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == tc.steps):
-            eval_loss, n_tokens = _evaluate(pm, valid, cfg.eval.batches, eval_bs, objective)
-            best_eval = eval_loss if best_eval is None else min(best_eval, eval_loss)
-            if metrics is not None:
-                metrics.record({"step": step, "eval_loss": eval_loss, "eval_tokens": n_tokens})
-        if cc.dir and cc.interval and step % cc.interval == 0:
-            save(step)
-            saved_at = step
-        last_time += time.perf_counter() - paused  # throughput counts training steps only
-        if step == tc.stop_at:
-            break
-    last = min(tc.steps, tc.stop_at or tc.steps)
-    if cc.dir and saved_at != last and last > start_step:
-        save(last)
-    if cc.dir:
-        finish_saving()
-    if cc.final_state_dict:
-        sd = pm.full_state_dict(rank=0)
-        if rank == 0:
-            Path(cc.final_state_dict).parent.mkdir(parents=True, exist_ok=True)
-            torch.save(sd, cc.final_state_dict)
-    exported = None
-    if cc.export_hf_dir and last == tc.steps and last > start_step:
-        from mcompile.train.export import export_run
+        self._evaluate_and_save(step)
+        self.last_time += time.perf_counter() - paused  # throughput counts training steps only
 
-        exported = str(export_run(cfg, pm, cc.export_hf_dir))
-        if rank == 0:
-            print(f"exported for from_pretrained: {exported}", flush=True)
-    if metrics is not None:
-        metrics.close()
-    logged = [(s, float(lv)) for s, lv, _ in losses]
-    wall = time.perf_counter() - t0
-    tokens_seen = (consumed - consumed_at_start) * tc.seq_len
-    if rank == 0 and losses:
-        print(f"done: steps {start_step + 1}-{logged[-1][0]} in {wall:.1f} s ({tokens_seen:,} tokens), final loss "
-              f"{logged[-1][1]:.4f}" + (f", best eval loss {best_eval:.4f}" if best_eval is not None else "")
-              + (f", peak memory {_peak_memory_gib():.2f} GiB (rank 0)"), flush=True)
-    return {"steps": tc.steps, "start_step": start_step, "resumed_from": resumed, "losses": logged,
-            "final_loss": logged[-1][1] if logged else None, "eval_loss": eval_loss, "best_eval_loss": best_eval,
-            "mesh": repr(pm.mesh), "consumed_samples": consumed, "tokens_per_s": row.get("tokens_per_s"),
-            "mfu": row.get("mfu"), "hardware": hw.name, "restart": restart, "wall_s": wall,
-            "first_step_s": first_step_s, "objective": objective.kind, "exported_hf": exported}
+    def _first_step(self, step: int, loss, logged: bool) -> None:
+        """The first step of an attempt compiles (joint trace, warm-up): its time is reported on its own and
+        left out of the throughput of the window it opens."""
+        float(loss)
+        self.first_step_s = time.perf_counter() - self.last_time
+        if self.rank == 0:
+            print(f"step {step}: first step {self.first_step_s:.1f} s (includes compilation)", flush=True)
+        if not logged:
+            self.last_log, self.last_time = step, time.perf_counter()
+
+    def _log(self, step: int, loss, lr: float) -> None:
+        """The log row of the steps since the last one (mcompile.train.metrics): loss, learning rate, grad norm,
+        throughput, MFU, memory, and the fp16 loss scale."""
+        tc, pm, flops = self.tc, self.pm, self.flops
+        now = time.perf_counter()
+        loss_v, norm_v = float(loss), float(self.losses[-1][2])
+        dt = now - self.last_time
+        n = max(step - self.last_log, 1)
+        self.row = row = {
+            "step": step, "loss": loss_v, "lr": lr, "grad_norm": norm_v,
+            "tokens_per_s": n * tc.global_batch * tc.seq_len / dt, "step_time_s": dt / n,
+            "mfu": (flops * n / dt / self.world / self.peak) if flops else None, "consumed_samples": self.consumed,
+            "restart": self.restart, "mem_gib": round(_peak_memory_gib(), 3)}
+        if getattr(pm, "loss_scaler", None) is not None:  # fp16
+            row.update(loss_scale=pm.loss_scaler.scale, skipped_steps=pm.loss_scaler.skipped_steps)
+        if self.metrics is not None:
+            self.metrics.record(row)
+        self.last_log, self.last_time = step, time.perf_counter()
+
+    def _evaluate_and_save(self, step: int) -> None:
+        """The evaluation every ``eval.interval`` steps (and at the last), the checkpoint every
+        ``checkpoint.interval``."""
+        cfg, tc, cc = self.cfg, self.tc, self.cc
+        if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == tc.steps):
+            self.eval_loss, n_tokens = _evaluate(self.pm, self.valid, cfg.eval.batches, self.eval_bs, self.objective)
+            self.best_eval = self.eval_loss if self.best_eval is None else min(self.best_eval, self.eval_loss)
+            if self.metrics is not None:
+                self.metrics.record({"step": step, "eval_loss": self.eval_loss, "eval_tokens": n_tokens})
+        if cc.dir and cc.interval and step % cc.interval == 0:
+            self._save(step)
+            self.saved_at = step
+
+    # ---- the end
+    def finish(self) -> dict:
+        """The final checkpoint, state dict and Hugging Face export where asked, then the summary (printed on rank
+        0, returned on every rank)."""
+        tc, rank = self.tc, self.rank
+        last = min(tc.steps, tc.stop_at or tc.steps)
+        exported = self._final_saves(last)
+        if self.metrics is not None:
+            self.metrics.close()
+        logged = [(s, float(lv)) for s, lv, _ in self.losses]
+        wall = time.perf_counter() - self.t0
+        tokens_seen = (self.consumed - self.consumed_at_start) * tc.seq_len
+        best_eval = self.best_eval
+        if rank == 0 and self.losses:
+            print(f"done: steps {self.start_step + 1}-{logged[-1][0]} in {wall:.1f} s ({tokens_seen:,} tokens), "
+                  f"final loss {logged[-1][1]:.4f}"
+                  + (f", best eval loss {best_eval:.4f}" if best_eval is not None else "")
+                  + (f", peak memory {_peak_memory_gib():.2f} GiB (rank 0)"), flush=True)
+        return {"steps": tc.steps, "start_step": self.start_step, "resumed_from": self.resumed, "losses": logged,
+                "final_loss": logged[-1][1] if logged else None, "eval_loss": self.eval_loss,
+                "best_eval_loss": best_eval, "mesh": repr(self.pm.mesh), "consumed_samples": self.consumed,
+                "tokens_per_s": self.row.get("tokens_per_s"), "mfu": self.row.get("mfu"), "hardware": self.hw.name,
+                "restart": self.restart, "wall_s": wall, "first_step_s": self.first_step_s,
+                "objective": self.objective.kind, "exported_hf": exported}
+
+    def _final_saves(self, last: int) -> str | None:
+        """A checkpoint of the ``last`` step where it was not saved yet (and every save complete), the full state
+        dict (``checkpoint.final_state_dict``), and the export for ``from_pretrained`` once the run reached
+        ``train.steps``: its folder, or None."""
+        tc, cc, pm, rank = self.tc, self.cc, self.pm, self.rank
+        if cc.dir and self.saved_at != last and last > self.start_step:
+            self._save(last)
+        if cc.dir:
+            self._finish_saving()
+        if cc.final_state_dict:
+            sd = pm.full_state_dict(rank=0)
+            if rank == 0:
+                Path(cc.final_state_dict).parent.mkdir(parents=True, exist_ok=True)
+                torch.save(sd, cc.final_state_dict)
+        exported = None
+        if cc.export_hf_dir and last == tc.steps and last > self.start_step:
+            from mcompile.train.export import export_run
+
+            exported = str(export_run(self.cfg, pm, cc.export_hf_dir))
+            if rank == 0:
+                print(f"exported for from_pretrained: {exported}", flush=True)
+        return exported
