@@ -1,40 +1,24 @@
 """The compiler: one flat, named list of passes from the captured graph to the programs a rank runs
 (DESIGN §5, CONVENTIONS 1; issues 13, 39).
 
-Every pass states what it requires and what it ensures; the config selects which run. In order:
+Every pass states what it requires and what it ensures, when it runs (``enabled``: the config and mesh, or
+for the model scope the :class:`PlanRequest`) and the function that runs it; :func:`pass_table` prints the list
+(docs/architecture.md holds that print, checked by a test). Three scopes, in list order:
 
-===================  ==========  =============================================================
-pass                 scope       what it does
-===================  ==========  =============================================================
-canonicalize         model       decompose / normalise the captured graph (passes/canonicalize.py)
-mean_loss            model       a mean loss -> (sum, count) for token weighting (passes/loss.py)
-plan                 model       placements per node and mesh axis (mcompile.planner)
-lower                rank        the per-rank program: local shapes, explicit collectives
-fuse                 rank        fused RMSNorm / SwiGLU / RoPE / CE kernels (``Config(fuse=True)``)
-fp8                  rank        FP8 linears (``Config(fp8=...)``)
-pipeline_split       rank        stage programs (a ``pp`` axis)
-fsdp                 rank        ZeRO-3: which parameters are sharded over dp, gathered before use (in each
-                                 stage program under pp)
-recompute            rank        a named recompute policy: recorded; applied to the programs under eager
-                                 execution
-joint                signature   forward + backward traced into one graph (passes/joint.py)
-partition            signature   the saved set (recompute policy or ``auto``) -> forward / backward
-split_weight         signature   zero-bubble: backward -> B (input grads) + W (weight grads)
-accumulate           signature   weight gradients added into the caller's fp32 buffers inside backward
-launch_buckets       signature   dp gradient buckets launched inside backward (``overlap``)
-prefetch             signature   ZeRO-3's gathers one layer ahead, reduce-scatters behind (``overlap``)
-collective_matmul    signature   tp collectives chunked against their matmuls (``tp_overlap``)
-inplace_all_reduces  signature   all-reduces of values read nowhere else, in place (eager modules)
-codegen              signature   ``Config(codegen="inductor")``: each module compiled
-===================  ==========  =============================================================
+- **model** (:func:`plan_model`): once per model and mesh — capture, canonical form, blocks, checks, annotation,
+  placements per axis, repetition to full depth, the plan, rank 0's collectives, quality, pipeline stages.
+  ``compile_plan`` runs all of it; the cost model's ``Workload`` captures once (capture .. annotate) and plans
+  per tp (plan_axes .. record_collectives); generation plans its prefill and decode graphs (canonicalize ..
+  assemble).
+- **rank** (:func:`rank_programs`): the programs of one rank — lower, fuse, fp8, the pipeline split, ZeRO-3's
+  gathers, recompute; ``parallelize`` and generation hand the result to the runtime.
+- **signature** (:func:`build_joint`): one program's modules for one input signature, on its first call (tracing
+  needs the microbatch's shapes) — joint graph, saved set, B/W split, accumulation, bucket launches, prefetch,
+  collective matmul, in-place all-reduces, codegen; the runtime's
+  :class:`~mcompile.runtime.joint_runner.JointRunner` is given ``build_joint`` and only executes.
 
-The list runs the rank and signature scopes: :func:`rank_programs` runs the rank passes in list order
-for one rank (``parallelize`` and generation hand the result to the runtime), :func:`build_joint` the
-signature passes for one program and input signature, on its first call (the runtime's
-:class:`~mcompile.runtime.joint_runner.JointRunner` is given it), since tracing needs the shapes of the
-microbatch; each pass's ``requires`` is checked against what the passes before it ensured. The model
-passes still run in :func:`mcompile.api.compile_plan`. The runtime gets the finished modules and only
-executes them.
+Each pass's ``requires`` is checked against what the passes before it ensured. The runtime gets the finished
+modules and only executes them.
 
 :func:`show` runs the pipeline up to a named pass for one rank with example inputs and prints every
 program at that point as Python — forward and backward, every collective visible
@@ -51,8 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-__all__ = ["Pass", "PASSES", "RankPrograms", "rank_programs", "pass_names", "show", "UnknownPassError", "build_joint",
-           "joint_runner"]
+__all__ = ["Pass", "PASSES", "RankPrograms", "rank_programs", "pass_names", "pass_table", "show", "UnknownPassError",
+           "build_joint", "joint_runner", "ModelState", "PlanRequest", "plan_model"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +50,7 @@ class Pass:
     # rank and signature passes: run(state) does the pass on the _RankState / _SignatureState (its call's own
     # conditions inside: a stage that receives nothing has no B/W split); model passes run in compile_plan
     run: Callable | None = None
+    what: str = ""  # what it does, in a line (pass_table, docs/architecture.md)
 
 
 def _always(_cfg, _mesh) -> bool:
@@ -84,71 +69,104 @@ def _req(flag: str) -> Callable[[object, object], bool]:
 PASSES: list[Pass] = [
     # -- model scope: once per model and mesh (compile_plan; the cost model's Workload; generation's graphs)
     Pass("check_mesh", "model", (), ("mesh checked",), lambda r, m: m.size("cp") > 1, "mcompile/cp_plan.py",
-         lambda st: _model_check_mesh(st)),
-    Pass("capture", "model", (), ("captured",), _always, "mcompile/capture.py", lambda st: _model_capture(st)),
+         lambda st: _model_check_mesh(st),
+         what="a cp mesh the model cannot use is refused before minutes of capture"),
+    Pass("capture", "model", (), ("captured",), _always, "mcompile/capture.py", lambda st: _model_capture(st),
+         what="torch.export of the model (of two groups of each run of alike blocks while block repetition is on)"),
     Pass("canonicalize", "model", ("captured",), ("canonical",), _always, "passes/canonicalize.py",
-         lambda st: _model_canonicalize(st)),
+         lambda st: _model_canonicalize(st),
+         what="decompose / normalise the captured graph"),
+    Pass("kv_cache", "model", ("canonical",), ("prefill and decode graphs",), _req("kv_cache"), "passes/kv_cache.py",
+         lambda st: _model_kv_cache(st),
+         what="generation: the prefill graph (returns its K/V) and the decode graph (reads the cache)"),
     Pass("canonicalize_attention", "model", ("canonical",), ("attention canonical",), _req("attention"),
-         "passes/attention.py", lambda st: _model_attention(st)),
+         "passes/attention.py", lambda st: _model_attention(st),
+         what="causal masks made from sizes -> is_causal; under cp GQA's repeat_kv undone"),
     Pass("find_block", "model", ("canonical",), ("blocks located",), _req("repeat_blocks"), "mcompile/repeat.py",
-         lambda st: _model_find_block(st)),
+         lambda st: _model_find_block(st),
+         what="each run's repeated group located; a run not found is captured whole (capture runs again)"),
     Pass("check_model", "model", ("canonical",), ("model checked",), _req("checks"), "mcompile/cp_plan.py",
-         lambda st: _model_check_model(st)),
+         lambda st: _model_check_model(st),
+         what="a loss output (else a warning); what cp needs of the model"),
     Pass("mean_loss", "model", ("canonical",), ("token-weighted loss",), _req("token_weighted_loss"),
-         "passes/loss.py", lambda st: _model_mean_loss(st)),
+         "passes/loss.py", lambda st: _model_mean_loss(st),
+         what="a mean loss -> (sum, count) for token weighting"),
     Pass("check_arguments", "model", ("canonical",), ("arguments checked",), _req("checks"),
-         "mcompile/arguments.py", lambda st: _model_check_arguments(st)),
+         "mcompile/arguments.py", lambda st: _model_check_arguments(st),
+         what="op arguments no layout keeps (and, for parallelize, what the runtime cannot run) refused"),
     Pass("annotate", "model", ("canonical",), ("annotated",), _always, "mcompile/annotate.py",
-         lambda st: _model_annotate(st)),
+         lambda st: _model_annotate(st),
+         what="FLOPs and bytes per node"),
     Pass("plan_axes", "model", ("annotated",), ("placements per axis",), _always, "mcompile/planner.py",
-         lambda st: _model_plan_axes(st)),
+         lambda st: _model_plan_axes(st),
+         what="each mesh axis's placements per node (Megatron's policies, redistribution priced)"),
     Pass("repeat", "model", ("placements per axis",), ("full depth",), _req("repeat_blocks"), "mcompile/repeat.py",
-         lambda st: _model_repeat(st)),
+         lambda st: _model_repeat(st),
+         what="the short model's capture and placements grown to the real depth"),
     Pass("assemble", "model", ("placements per axis",), ("placements",), _always, "mcompile/planner.py",
-         lambda st: _model_assemble(st)),
+         lambda st: _model_assemble(st),
+         what="the plan: parameters' and activations' placements, options, cp attention variant"),
     Pass("record_collectives", "model", ("placements",), ("collectives recorded",), _req("lower"),
-         "passes/lower.py", lambda st: _model_record_collectives(st)),
+         "passes/lower.py", lambda st: _model_record_collectives(st),
+         what="rank 0's program lowered, its collectives recorded in the plan"),
     Pass("quality", "model", ("collectives recorded",), ("quality checked",), _req("checks"), "mcompile/quality.py",
-         lambda st: _model_quality(st)),
+         lambda st: _model_quality(st),
+         what="Megatron's layout, or a PlanQualityWarning naming what is not"),
     Pass("plan_stages", "model", ("placements",), ("stage partition",),
-         lambda r, m: bool(r.stages) and m.size("pp") > 1, "mcompile/stages.py", lambda st: _model_plan_stages(st)),
+         lambda r, m: bool(r.stages) and m.size("pp") > 1, "mcompile/stages.py", lambda st: _model_plan_stages(st),
+         what="pipeline stage partition and schedule (a pp axis)"),
     # -- rank scope: the programs of one rank (rank_programs)
     Pass("lower", "rank", ("placements",), ("per-rank program", "collectives explicit"), _always,
-         "passes/lower.py", lambda st: _rank_lower(st)),
+         "passes/lower.py", lambda st: _rank_lower(st),
+         what="the per-rank program: local shapes, explicit collectives"),
     Pass("fuse", "rank", ("per-rank program",), ("fused kernels",), lambda c, m: bool(c.fuse), "passes/fuse.py",
-         lambda st: _rank_fuse(st)),
+         lambda st: _rank_fuse(st),
+         what="fused RMSNorm / SwiGLU / RoPE / CE kernels (Config(fuse=True))"),
     Pass("fp8", "rank", ("per-rank program",), ("fp8 linears",), lambda c, m: bool(c.fp8), "passes/fp8_linears.py",
-         lambda st: _rank_fp8(st)),
+         lambda st: _rank_fp8(st),
+         what="FP8 linears (Config(fp8=...))"),
     Pass("pipeline_split", "rank", ("per-rank program",), ("stage programs",), lambda c, m: m.size("pp") > 1,
-         "passes/pipeline_split.py", lambda st: _rank_pipeline_split(st)),
+         "passes/pipeline_split.py", lambda st: _rank_pipeline_split(st),
+         what="stage programs (a pp axis)"),
     Pass("fsdp", "rank", ("per-rank program",), ("parameters gathered over dp",), lambda c, m: c.zero == 3,
-         "passes/fsdp.py", lambda st: _rank_fsdp(st)),
+         "passes/fsdp.py", lambda st: _rank_fsdp(st),
+         what="ZeRO-3: parameters sharded over dp, gathered before use (in each stage program under pp)"),
     Pass("recompute", "rank", ("per-rank program",), ("recompute recorded",), _always, "passes/recompute.py",
-         lambda st: _rank_recompute(st)),
+         lambda st: _rank_recompute(st),
+         what="a named recompute policy: recorded; applied to the programs under eager execution"),
     Pass("joint", "signature", ("per-rank program",), ("joint graph",), _joint, "passes/joint.py",
-         lambda st: _sig_joint(st)),
+         lambda st: _sig_joint(st),
+         what="forward + backward traced into one graph"),
     Pass("partition", "signature", ("joint graph",), ("forward module", "backward module", "saved set"), _joint,
-         "passes/joint.py, passes/remat.py", lambda st: _sig_partition(st)),
+         "passes/joint.py, passes/remat.py", lambda st: _sig_partition(st),
+         what="the saved set (recompute policy or auto) -> forward / backward modules"),
     Pass("split_weight", "signature", ("backward module",), ("B module", "W module"),
          lambda c, m: c.execution == "joint" and m.size("pp") > 1 and c.schedule == "zbh1", "passes/joint.py",
-         lambda st: _sig_split_weight(st)),
+         lambda st: _sig_split_weight(st),
+         what="zero-bubble: backward -> B (input grads) + W (weight grads)"),
     Pass("accumulate", "signature", ("backward module",), ("gradients into buffers",), _joint, "passes/joint.py",
-         lambda st: _sig_accumulate(st)),
+         lambda st: _sig_accumulate(st),
+         what="weight gradients added into the caller's fp32 buffers inside backward"),
     Pass("launch_buckets", "signature", ("gradients into buffers",), ("dp buckets launched in backward",),
          lambda c, m: c.execution == "joint" and bool(c.overlap), "passes/overlap.py",
-         lambda st: _sig_launch_buckets(st)),
+         lambda st: _sig_launch_buckets(st),
+         what="dp gradient buckets launched inside backward (overlap)"),
     Pass("prefetch", "signature", ("forward module", "backward module"), ("ZeRO-3 gathers prefetched",),
          lambda c, m: c.execution == "joint" and bool(c.overlap) and c.zero == 3, "passes/fsdp.py",
-         lambda st: _sig_prefetch(st)),
+         lambda st: _sig_prefetch(st),
+         what="ZeRO-3's gathers one layer ahead, reduce-scatters behind (overlap)"),
     Pass("collective_matmul", "signature", ("forward module", "backward module"), ("tp collectives chunked",),
          lambda c, m: c.execution == "joint" and bool(c.overlap) and c.tp_overlap != "off" and m.size("tp") > 1,
-         "passes/collective_matmul.py", lambda st: _sig_collective_matmul(st)),
+         "passes/collective_matmul.py", lambda st: _sig_collective_matmul(st),
+         what="tp collectives chunked against their matmuls (tp_overlap)"),
     Pass("inplace_all_reduces", "signature", ("forward module", "backward module"), ("all-reduces in place",),
          lambda c, m: c.execution == "joint" and c.codegen == "eager", "passes/overlap.py",
-         lambda st: _sig_inplace_all_reduces(st)),
+         lambda st: _sig_inplace_all_reduces(st),
+         what="all-reduces of values read nowhere else, in place (eager modules)"),
     Pass("codegen", "signature", ("forward module", "backward module"), ("compiled modules",),
          lambda c, m: c.execution == "joint" and c.codegen != "eager", "passes/codegen.py",
-         lambda st: _sig_codegen(st)),
+         lambda st: _sig_codegen(st),
+         what="Config(codegen='inductor'): each module compiled"),
 ]
 
 
@@ -183,6 +201,16 @@ class UnknownPassError(ValueError):
 
 def pass_names() -> list[str]:
     return [p.name for p in PASSES]
+
+
+def pass_table() -> str:
+    """The pass list as a Markdown table (pass, scope, requires, ensures, where): what docs/architecture.md prints,
+    checked by a test so that the document cannot drift from the list."""
+    rows = ["| pass | scope | what it does | requires | ensures | where |", "|---|---|---|---|---|---|"]
+    for p in PASSES:
+        rows.append(f"| {p.name} | {p.scope} | {p.what} | {', '.join(p.requires) or '-'} | {', '.join(p.ensures)} "
+                    f"| {p.doc} |")
+    return "\n".join(rows)
 
 
 def check_order() -> None:
@@ -228,6 +256,7 @@ class PlanRequest:
     checks: bool = True  # check_model, check_arguments, quality (a plan to run or to read, not to price)
     lower: bool = True  # record_collectives: rank 0's program lowered, its collectives in the plan
     stages: bool = True  # plan_stages when the mesh has pp (generation partitions its own graphs)
+    kv_cache: bool = False  # kv_cache: generation's prefill and decode graphs (mcompile.generate)
 
 
 @dataclass
@@ -252,6 +281,7 @@ class ModelState:
     axes: dict | None = None
     short: object = None  # the short model's capture, when blocks were repeated
     compiled: object = None  # mcompile.compiled.Compiled
+    kv_graphs: object = None  # kv_cache: passes/kv_cache.py's CacheGraphs
     have: set = field(default_factory=set)
     ran: list = field(default_factory=list)
 
@@ -335,6 +365,12 @@ def _model_canonicalize(st: ModelState) -> None:
     from mcompile.passes import canonicalize
 
     st.canon = canonicalize(st.cap.gm)
+
+
+def _model_kv_cache(st: ModelState) -> None:
+    from mcompile.passes.kv_cache import add_kv_cache
+
+    st.kv_graphs = add_kv_cache(st.cap.gm, st.cap.user_inputs[0], set(st.cap.user_inputs))
 
 
 def _model_attention(st: ModelState) -> None:

@@ -265,10 +265,10 @@ def compile_generation(model: torch.nn.Module, mesh: Mesh | None = None, *, conf
     into stages by layer (``GenerationPlan.prefill.partition``, ``.decode.partition``).
     ``share(produce)``: runs ``produce`` on one rank and returns its result on every rank (the
     :class:`Generator` on torch.distributed: rank 0 captures, every rank plans from its bytes)."""
-    from mcompile.capture import BATCH, SEQ, capture
+    from mcompile.capture import BATCH, SEQ
+    from mcompile.compiler import ModelState, PlanRequest, plan_model
     from mcompile.config import Config
-    from mcompile.passes import canonicalize
-    from mcompile.passes.kv_cache import add_kv_cache, cache_names
+    from mcompile.passes.kv_cache import cache_names
     from mcompile.propagate import PlanError
 
     config = config or Config()
@@ -296,22 +296,18 @@ def compile_generation(model: torch.nn.Module, mesh: Mesh | None = None, *, conf
         axes = {"dp": 1, **dict(mesh.axes)}
         mesh = Mesh.fake(**axes) if mesh.fake_mesh else Mesh(**axes)
     ids = torch.zeros(2, 4, dtype=torch.long, device="meta")
-    # 1. the logits graph, captured on meta in the compute dtype (as parallelize captures)
-    if share is None:
-        cap0 = capture(lm, (ids,), meta_dtype=config.dtype, cache=config.capture_cache)
-    else:
-        from mcompile.capture import from_packed
-
-        cap0 = from_packed(share(lambda: capture(lm, (ids,), meta_dtype=config.dtype, cache=config.capture_cache,
-                                                 pack="bytes")), lm)
+    # 1. the logits graph captured on meta in the compute dtype (as parallelize captures), canonical (no-op slices
+    # dropped: the repeat_kv pattern is found through them), and 2. the KV cache's prefill and decode graphs made
+    # from it: the model passes capture .. kv_cache (mcompile.compiler.plan_model)
+    request = PlanRequest(meta_dtype=config.dtype, capture_cache=config.capture_cache, share=share,
+                          repeat_blocks=False, attention=False, checks=False, kv_cache=True)
+    st = plan_model(ModelState(lm, mesh, (ids,), None, request), upto="canonicalize")
+    cap0 = st.cap
     if len(cap0.user_inputs) != 1:
         raise GenerateError(f"{type(lm).__name__}(ids) takes {len(cap0.user_inputs)} tensor inputs; generation "
                             "calls the model with the token ids alone")
     ids_ph = cap0.user_inputs[0]
-    # 2. the KV cache: prefill and decode graphs, from the canonical form (no-op slices dropped: the
-    # repeat_kv pattern is found through them)
-    canonicalize(cap0.gm)
-    graphs = add_kv_cache(cap0.gm, ids_ph, set(cap0.user_inputs))
+    graphs = plan_model(st, start="kv_cache", upto="kv_cache").kv_graphs
     n_attn = len(graphs.heads)
     cache = [torch.zeros(2, graphs.heads[i // 2], 3, graphs.head_dims[i // 2], dtype=graphs.dtypes[i // 2],
                          device="meta") for i in range(2 * n_attn)]

@@ -473,3 +473,13 @@ def test_a_program_traced_again_in_the_process_gets_a_copy_of_its_joint_graph(mo
     out.args = ((extra, *out.args[0][1:]),)
     again(changed)
     assert len(traces) == 4
+
+
+def test_the_architecture_document_prints_the_pass_list():
+    """docs/architecture.md holds ``compiler.pass_table()`` verbatim between its markers: the document cannot drift
+    from the list (regenerate the block from ``pass_table()`` when the list changes)."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    block = re.search(r"<!-- pass-table:begin -->\n(.*?)\n<!-- pass-table:end -->", doc, re.S)
+    assert block is not None, "docs/architecture.md lost its pass-table markers"
+    assert block.group(1) == compiler.pass_table()
+    assert [row.split(" | ")[0].lstrip("| ") for row in block.group(1).splitlines()[2:]] == compiler.pass_names()
