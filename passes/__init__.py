@@ -1,5 +1,5 @@
 """Graph passes, one module each. The order they run in is one list, ``mcompile.compiler.PASSES``, and the
-compiler runs them (model passes in ``mcompile.api.compile_plan``, rank passes in
+compiler runs them (model passes in ``mcompile.compiler.plan_model``, rank passes in
 ``mcompile.compiler.rank_programs``, signature passes in ``mcompile.compiler.build_joint``); this package keeps
 no list of its own. Re-exported here: the entry points the planner and the search call directly.
 """
