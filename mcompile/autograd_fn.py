@@ -363,7 +363,7 @@ def pointwise_rule(info):
     (``info.notes`` says why; the op runs replicated and is reported)."""
     from dataclasses import replace
 
-    from mcompile.rules import R, Shard, Strategy
+    from mcompile.rules.base import R, Shard, Strategy
     from mcompile.rules.pointwise import pointwise_shard_strategies
 
     why = _not_pointwise(info)
@@ -393,7 +393,7 @@ def _rowwise(info) -> int | str:
     input gradient must not move (bit for bit), and a rerun of the same inputs must repeat itself (nothing
     random). Integer inputs are zeros (valid as any index), booleans drawn. Such a Function may be split along
     any leading dim, each rank running it on its rows."""
-    from mcompile.rules import same
+    from mcompile.rules.base import same
 
     if len(info.outputs) != 1 and any(t.ndim != info.outputs[0].ndim for t in info.outputs):
         return "its outputs differ in rank"
@@ -452,7 +452,7 @@ def _example_shapes(info) -> tuple[list[tuple[int, ...]], tuple[int, ...]] | str
     """Each tensor input's example shape and the output's: output dim d has size d + 2 (distinct, so a
     broadcast is never mistaken for a match), 1 where the output or the input has 1; a reason string where
     the inputs do not broadcast to the output, or the outputs differ in shape."""
-    from mcompile.rules import same
+    from mcompile.rules.base import same
 
     o = info.outputs[0]
     if any(len(t.shape) != o.ndim or not all(same(a, b) for a, b in zip(t.shape, o.shape)) for t in info.outputs):

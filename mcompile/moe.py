@@ -213,7 +213,7 @@ def _rule(info):
     * ``token-split``: tokens split, experts replicated (data parallelism);
     * replicated."""
     from mcompile.placements import BlockShard, Partial, Replicate, Shard
-    from mcompile.rules import Strategy
+    from mcompile.rules.base import Strategy
 
     R, S0 = Replicate(), Shard(0)
     form = ExpertForm.parse(info.node.kwargs["form"]) if info.node is not None else None
@@ -250,7 +250,7 @@ def _flops(args, kwargs, out):
 
 def _register() -> None:
     from mcompile.annotate import register_flop_formula
-    from mcompile.rules import rule
+    from mcompile.rules.base import rule
 
     rule(moe_ffn)(_rule)
     register_flop_formula(moe_ffn, category="matmul")(_flops)

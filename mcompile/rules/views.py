@@ -16,7 +16,7 @@ import sympy
 import torch
 
 from mcompile.placements import BlockShard, Partial, Replicate, Shard
-from mcompile.rules import OpInfo, R, Strategy, divisible, localizer, norm_dim, rule, same
+from mcompile.rules.base import OpInfo, R, Strategy, divisible, localizer, norm_dim, rule, same
 
 aten = torch.ops.aten
 
