@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)  # --help and argument errors: before anything heavy is imported
     from mcompile.capture import CaptureError
-    from mcompile.propagate import PlanError
+    from mcompile.plan import PlanError
     from mcompile.runtime.schedules import ScheduleError
     from mcompile.search import SearchError
     from mcompile.stages import PartitionError

@@ -273,7 +273,7 @@ def compile_generation(model: torch.nn.Module, mesh: Mesh | None = None, *, conf
     from mcompile.config import Config
     from mcompile.passes import canonicalize
     from mcompile.passes.kv_cache import add_kv_cache, cache_names
-    from mcompile.propagate import PlanError
+    from mcompile.plan import PlanError
 
     config = config or Config()
     lm, _ = _logits_module(model)

@@ -30,6 +30,10 @@ from mcompile.placements import format_placement, parse_placement
 SCHEMA_VERSION = 1
 
 
+class PlanError(ValueError):
+    """The model cannot be planned as asked; the message says why and what to do."""
+
+
 class SPVariant(StrEnum):
     # Save the all-gathered input of each column-parallel linear for its backward:
     # per layer per step 4 all-gathers + 4 reduce-scatters (2 + 2 forward, 2 + 2 backward).

@@ -27,13 +27,12 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from mcompile.capture import BATCH, SEQ, Captured
 from mcompile.mesh import Mesh
 from mcompile.placements import BlockShard, Replicate, Shard, parse_placement
-from mcompile.plan import ParamPlan, Plan, PlanOptions
+from mcompile.plan import ParamPlan, Plan, PlanError, PlanOptions
 from mcompile.propagate import (
     CONTRACTION_WEIGHT_ARGS,
     AxisPolicy,
     AxisResult,
     FallbackWarning,
-    PlanError,
     propagate_axis,
 )
 

@@ -43,6 +43,7 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from mcompile.capture import BATCH, SEQ, Captured
 from mcompile.placements import BlockShard, Partial, Replicate, Shard
+from mcompile.plan import PlanError
 from mcompile.rules import OpInfo, Strategy, TensorMeta, get_rule, replicate_all, tensor_input_nodes
 
 __all__ = ["AxisPolicy", "AxisResult", "PlanError", "FallbackWarning", "propagate_axis", "requires_grad_nodes"]
@@ -63,10 +64,6 @@ _NO_GRAD_OPS = {aten.detach.default, aten.detach_.default, aten.sym_size.int}
 
 
 log = logging.getLogger("mcompile.propagate")
-
-
-class PlanError(ValueError):
-    """The model cannot be planned as asked; the message says why and what to do."""
 
 
 class FallbackWarning(UserWarning):
