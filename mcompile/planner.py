@@ -33,6 +33,7 @@ from mcompile.propagate import (
     AxisPolicy,
     AxisResult,
     FallbackWarning,
+    _contraction,
     propagate_axis,
 )
 
@@ -349,10 +350,6 @@ def block_hints(cap: Captured) -> dict[str, object]:
     return hints
 
 
-_LATENT_STOP = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default,
-                aten.embedding.default, aten.scaled_dot_product_attention.default}
-
-
 def latent_hints(cap: Captured) -> dict[str, object]:
     """Low-rank down-projections that stay replicated over tp (Megatron's multi-head latent attention keeps
     linear_q_down_proj / linear_kv_down_proj whole): a linear whose whole output, before any other
@@ -451,15 +448,6 @@ def _reads_weight(n: torch.fx.Node, cap: Captured) -> bool:
         if a.name in cap.params:
             return True
     return False
-
-
-def _contraction(n: torch.fx.Node) -> bool:
-    """A matmul-like op (linear, attention, a convolution, an einsum of two operands: XLNet's projections by
-    [h, heads, d] weights) or a custom op (a scan, an MoE layer)."""
-    return n.target in _LATENT_STOP or n.target in (aten.convolution.default, aten.conv1d.default,
-                                                    aten.conv2d.default) or \
-        (n.target is aten.einsum.default and len(n.args) > 1 and len(n.args[1]) > 1) or \
-        str(getattr(n.target, "namespace", "aten")) != "aten"
 
 
 _SHAPE_ONLY = (*_THROUGH, aten.transpose.int, aten.permute.default, aten.contiguous.default, aten.clone.default,
@@ -872,13 +860,14 @@ def kv_sliced(cap: Captured, tp: int) -> frozenset[str]:
     fused projection kept whole for its few B/C groups (:func:`mcompile.mixer_hints.few_groups`, through its
     depthwise conv: per channel) and its scan: a rank may take its heads of them by a local slice (the query
     heads of a fused projection; the propagator otherwise shards heads only by a contraction)."""
-    from mcompile.mixer_hints import _depthwise, few_groups
+    from mcompile.channels import depthwise
+    from mcompile.mixer_hints import few_groups
 
     out, todo = set(), [*_few_kv_projections(cap, tp), *few_groups(cap, tp)]
     while todo:
         cur = todo.pop()
         for u in cur.users:
-            if u.op == "call_function" and u.name not in out and (not _contraction(u) or _depthwise(u) is not None):
+            if u.op == "call_function" and u.name not in out and (not _contraction(u) or depthwise(u) is not None):
                 out.add(u.name)
                 todo.append(u)
     return frozenset(out)

@@ -80,6 +80,18 @@ _MASKED = _SAME_VALUE | {torch.ops.aten.dropout.default}
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 _SCALES = {torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor}
 
+_LATENT_STOP = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default,
+                aten.embedding.default, aten.scaled_dot_product_attention.default}
+
+
+def _contraction(n: fx.Node) -> bool:
+    """A matmul-like op (linear, attention, a convolution, an einsum of two operands: XLNet's projections by
+    [h, heads, d] weights) or a custom op (a scan, an MoE layer)."""
+    return n.target in _LATENT_STOP or n.target in (aten.convolution.default, aten.conv1d.default,
+                                                    aten.conv2d.default) or \
+        (n.target is aten.einsum.default and len(n.args) > 1 and len(n.args[1]) > 1) or \
+        str(getattr(n.target, "namespace", "aten")) != "aten"
+
 
 # ops that read their input's memory with strides from the capture's layout (passes/canonicalize.py
 # ``as_strided_of_storage`` gives them a contiguous copy of the storage's owner, whose layout every program keeps)
@@ -156,7 +168,6 @@ def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
         # added to the replicated residual stream, the reduction would come at the same cost and the factor's
         # gradient would need a backward all-reduce (Megatron's f) for nothing
         from mcompile.moe import moe_ffn
-        from mcompile.planner import _contraction
 
         def contraction_term(n: fx.Node, depth: int = 0) -> bool:
             # seen through copies and views, and through scales: two parallel branches each scaled by its own
