@@ -34,6 +34,7 @@ from mcompile.propagate import (
     AxisResult,
     FallbackWarning,
     _contraction,
+    _weight_of,
     propagate_axis,
 )
 
@@ -906,8 +907,6 @@ def gate_sliced(cap: Captured) -> frozenset[str]:
     gathered its output too (two all-gathers forward and an all-reduce backward where Megatron runs one
     all-reduce). Only a factor that is not itself a projection's output in the region qualifies (SwiGLU's two
     halves are both sharded by their projections already)."""
-    from mcompile.quality import _weight_of
-
     def into_projection(u, cur) -> bool:
         return u.op == "call_function" and _weight_of(u) is not None and u.args[0] is cur
 
