@@ -136,7 +136,8 @@ def _default_seq(spec: str) -> int:
 
 
 def cmd_plan(args) -> int:
-    from mcompile.report import collective_bytes, cp_summary, memory_per_rank, moe_summary, moe_text, plan_text
+    from mcompile.plan import collective_bytes, cp_summary, plan_text
+    from mcompile.report import memory_per_rank, moe_summary, moe_text
 
     if args.list:
         from mcompile.models import PRESETS
