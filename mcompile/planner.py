@@ -1214,7 +1214,7 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
         if op.startswith("mcompile_fn."):  # a user's autograd.Function (mcompile.autograd_fn): no rule to add
             warnings.warn(f"no sharding rule for {op}, the custom torch.autograd.Function of that name: it runs "
                           "replicated (a split is inferred only when its forward and backward are pointwise: "
-                          "mcompile.autograd_fn.pointwise_rule)",
+                          "mcompile.rules.inferred.pointwise_rule)",
                           FallbackWarning, stacklevel=3)
             continue
         warnings.warn(f"no sharding rule for {op}: it runs replicated (add a rule in mcompile/rules)",

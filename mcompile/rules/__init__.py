@@ -22,7 +22,7 @@ execution (tests/test_rules.py, tests/test_rules_dtensor.py), Partial inputs inc
 
 An op none of these modules registers gets DTensor's own strategies through the bridge in
 :mod:`mcompile.rules.dtensor` (hand-written rules keep priority); a user's ``torch.autograd.Function``
-(an ``mcompile_fn`` op) gets the rule :func:`mcompile.autograd_fn.pointwise_rule` infers from its code.
+(an ``mcompile_fn`` op) gets the rule :func:`mcompile.rules.inferred.pointwise_rule` infers from its code.
 ``registered_ops()`` lists the hand-written rules, ``bridged_ops()`` the ops the bridge covers,
 ``rule_source(op)`` which one an op uses.
 
@@ -79,7 +79,7 @@ def get_rule(op) -> RuleFn | None:
     _load()
     fn = _RULES.get(op) or _RULES.get(str(op))  # a library's custom op is registered by its name (rule)
     if fn is None and _is_function_op(op):
-        from mcompile.autograd_fn import pointwise_rule
+        from mcompile.rules.inferred import pointwise_rule
 
         return pointwise_rule
     if fn is None and isinstance(op, torch._ops.OpOverload):
