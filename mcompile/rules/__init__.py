@@ -132,8 +132,7 @@ def _load():
     global _loaded
     if not _loaded:
         _loaded = True
-        from mcompile import moe  # noqa: F401 - the moe_ffn rule
-        from mcompile.rules import factory, matmul, pointwise, reductions, ssm, views  # noqa: F401
+        from mcompile.rules import factory, matmul, moe, pointwise, reductions, ssm, views  # noqa: F401
 
 
 __all__ += ["BlockShard", "Partial", "Replicate", "Shard", "same", "divisible", "replicate_all", "norm_dim"]
