@@ -18,7 +18,7 @@ _WHERE = {"compile_plan": "mcompile.api", "parallelize": "mcompile.api", "plan":
           "CaptureError": "mcompile.capture", "CaptureWarning": "mcompile.capture",
           "OutputWarning": "mcompile.capture", "Config": "mcompile.config", "Estimate": "mcompile.cost",
           "Layout": "mcompile.cost", "Workload": "mcompile.cost", "estimate": "mcompile.cost",
-          "Mesh": "mcompile.mesh", "Plan": "mcompile.plan", "PlanError": "mcompile.propagate",
+          "Mesh": "mcompile.mesh", "Plan": "mcompile.plan", "PlanError": "mcompile.plan",
           "search": "mcompile.search"}
 __all__ = ["CaptureError", "CaptureWarning", "OutputWarning", "Config", "Estimate", "Layout", "Mesh", "Plan",
            "PlanError", "Workload", "compile_plan", "estimate", "parallelize", "plan", "search", "__version__"]

@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from mcompile.mesh import Mesh
-from mcompile.propagate import PlanError
+from mcompile.plan import PlanError
 
 aten = torch.ops.aten
 

@@ -136,7 +136,8 @@ def _default_seq(spec: str) -> int:
 
 
 def cmd_plan(args) -> int:
-    from mcompile.report import collective_bytes, cp_summary, memory_per_rank, moe_summary, moe_text, plan_text
+    from mcompile.plan import collective_bytes, cp_summary, plan_text
+    from mcompile.report import memory_per_rank, moe_summary, moe_text
 
     if args.list:
         from mcompile.models import PRESETS
@@ -516,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)  # --help and argument errors: before anything heavy is imported
     from mcompile.capture import CaptureError
-    from mcompile.propagate import PlanError
+    from mcompile.plan import PlanError
     from mcompile.runtime.schedules import ScheduleError
     from mcompile.search import SearchError
     from mcompile.stages import PartitionError

@@ -85,7 +85,7 @@ def _worker(rank, world, steps, batch, seq, lr):
     pm = mc.parallelize(_model(), mc.Mesh(dp=2, tp=2), data[0], sequence_parallel=True)
     summary = None
     if rank == 0:
-        from mcompile.report import plan_text
+        from mcompile.plan import plan_text
 
         summary = plan_text(pm.plan, {"batch": batch // 2, "seq": seq})
         print(summary, flush=True)

@@ -269,7 +269,7 @@ def compile_generation(model: torch.nn.Module, mesh: Mesh | None = None, *, conf
     from mcompile.compiler import ModelState, PlanRequest, plan_model
     from mcompile.config import Config
     from mcompile.passes.kv_cache import cache_names
-    from mcompile.propagate import PlanError
+    from mcompile.plan import PlanError
 
     config = config or Config()
     lm, _ = _logits_module(model)

@@ -63,7 +63,7 @@ def inline_grad_regions(gm: fx.GraphModule) -> int:
         if node.target is wrap_with_autocast:
             device_type, dtype, autocast, _, attr, *args = node.args
             if autocast:
-                from mcompile.propagate import PlanError
+                from mcompile.plan import PlanError
 
                 where = (node.meta.get("stack_trace") or "").strip().splitlines()
                 raise PlanError(f"torch.autocast({device_type!r}, dtype={dtype}) inside forward: mcompile runs the "

@@ -23,15 +23,15 @@ import operator
 import torch
 
 from mcompile.capture import Captured
+from mcompile.channels import PER_CHANNEL, SPLITS, depthwise, split_dim
 from mcompile.placements import BlockShard, Replicate, Shard
+from mcompile.propagate import _contraction
 
-__all__ = ["mixer_hints", "channels_first_blocks", "conv_readers", "few_groups", "cut_apart"]
+__all__ = ["mixer_hints", "channels_first_blocks", "conv_readers", "few_groups"]
 
 aten = torch.ops.aten
-_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 _KEEP = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.to.dtype, aten._to_copy.default,
          aten.alias.default, aten.contiguous.default, aten.clone.default)
-_CONVS = (aten.conv1d.default, aten.convolution.default)
 _SKIPS = (aten.add.Tensor, aten.sub.Tensor)
 
 
@@ -65,10 +65,7 @@ def _groups(part: torch.fx.Node) -> list[int]:
 
 
 # pieces of another dim on the way to the heads (HF's scan: ``torch.tensor_split(B, [s], dim=1)``)
-_PIECES = (aten.tensor_split.indices, aten.tensor_split.sections, aten.slice.Tensor, operator.getitem, *_SPLITS)
-
-
-_PER_CHANNEL = (aten.silu.default, aten.sigmoid.default, aten.relu.default, aten.gelu.default, aten.tanh.default)
+_PIECES = (aten.tensor_split.indices, aten.tensor_split.sections, aten.slice.Tensor, operator.getitem, *SPLITS)
 
 
 def _source_dim(x: torch.fx.Node, dim: int):
@@ -84,10 +81,10 @@ def _source_dim(x: torch.fx.Node, dim: int):
         if scaled is not None:  # a per-channel scale (Falcon-H1's ``in_proj(h) * mup_vector``)
             cur = scaled
             continue
-        if cur.target is operator.getitem and isinstance(src, torch.fx.Node) and src.target in _SPLITS:
+        if cur.target is operator.getitem and isinstance(src, torch.fx.Node) and src.target in SPLITS:
             # a part of an earlier cut of the same dim (Mamba-2: in_proj's [z | xBC | dt], then xBC's [x | B | C])
             nd = len(src.meta["val"][0].shape)
-            if _split_dim(src) != dim % nd:
+            if split_dim(src) != dim % nd:
                 break
             outer.append(([o.shape[dim] for o in src.meta["val"]], cur.args[1]))
             cur = src.args[0]
@@ -105,12 +102,12 @@ def _source_dim(x: torch.fx.Node, dim: int):
             if src.meta["val"].ndim != cur.meta["val"].ndim or str(src.meta["val"].shape[dim]) != str(
                     cur.meta["val"].shape[dim]):
                 return None  # the view regroups the dim: its parts are not blocks of the producer's dim
-        elif cur.target in _PER_CHANNEL:
+        elif cur.target in PER_CHANNEL:
             pass
         elif cur.target is aten.slice.Tensor:
             if (cur.args[1] if len(cur.args) > 1 else 0) % cur.meta["val"].ndim == dim:
                 break
-        elif _depthwise(cur) is not None and dim == 1:
+        elif depthwise(cur) is not None and dim == 1:
             convs.append(cur)
             moved = True
         else:
@@ -138,11 +135,6 @@ def _scaled(node: torch.fx.Node, dim: int) -> torch.fx.Node | None:
         if bv.ndim <= out.ndim and all(s == 1 for j, s in enumerate(bv.shape) if j != k):
             return a
     return None
-
-
-def _split_dim(node: torch.fx.Node) -> int:
-    nd = len(node.args[0].meta["val"].shape)
-    return (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
 
 
 def _nest(sizes: list, outer: list[tuple[list, int]]) -> list | None:
@@ -180,7 +172,7 @@ def _mixer_cuts(cap: Captured, tp: int):
     q | k | v with one key/value head) and each rank slices its heads of x, z and dt
     (:func:`mcompile.planner.kv_sliced`)."""
     for node in cap.gm.graph.nodes:
-        if node.op != "call_function" or node.target not in _SPLITS or not isinstance(node.args[0], torch.fx.Node):
+        if node.op != "call_function" or node.target not in SPLITS or not isinstance(node.args[0], torch.fx.Node):
             continue
         x = node.args[0]
         nd = x.meta["val"].ndim
@@ -203,63 +195,12 @@ def _mixer_cuts(cap: Captured, tp: int):
         yield lin, [(lin, BlockShard(0, tuple(nested))), *((c, blocks) for c in convs)], whole
 
 
-def cut_apart(node: torch.fx.Node, dim: int, sizes: list) -> bool:
-    """Whether ``node``'s value reaches, as the only reader at each step, a cut of ``dim`` into exactly ``sizes``
-    (a split, split_with_sizes or chunk) through ops that keep each channel of ``dim`` apart: transposes,
-    permutes, casts and copies, per-channel activations, slices of another dim, a depthwise conv1d over it.
-    BailingHybrid's ``cat([q, k, v], -1).transpose(1, 2)`` -> conv1d -> silu -> ``transpose(1, 2).split(...)``:
-    the cat of column-parallel parts may then be held as their blocks (``mcompile.rules.views.cat``), which
-    every op on the way keeps and the cut turns back into each part's plain shard."""
-    cur = node
-    while True:
-        users = [u for u in cur.users if u.target is not aten._assert_tensor_metadata.default]  # checks: no value
-        if len(users) != 1:
-            return False
-        u = users[0]
-        if u.op != "call_function" or u.args[0] is not cur:
-            return False
-        nd = cur.meta["val"].ndim
-        if u.target in _SPLITS:
-            if _split_dim(u) != dim % nd or not isinstance(u.meta.get("val"), list | tuple):
-                return False
-            return [o.shape[dim % nd] for o in u.meta["val"]] == list(sizes)
-        if u.target is aten.transpose.int:
-            a, b = u.args[1] % nd, u.args[2] % nd
-            dim = b if dim % nd == a else a if dim % nd == b else dim
-        elif u.target is aten.permute.default:
-            dim = [d % nd for d in u.args[1]].index(dim % nd)
-        elif u.target is aten.slice.Tensor:
-            if (u.args[1] if len(u.args) > 1 else 0) % nd == dim % nd:
-                return False
-        elif _depthwise(u) is not None:
-            if dim % nd != 1:
-                return False
-        elif u.target not in (*_PER_CHANNEL, aten.to.dtype, aten._to_copy.default, aten.alias.default,
-                              aten.contiguous.default, aten.clone.default):
-            return False
-        cur = u
-
-
 def _param_of(a, cap: Captured) -> str | None:
     """The parameter placeholder ``a`` is, through squeezes / unsqueezes (HF's ``conv1d.weight.squeeze(1)``)."""
     while isinstance(a, torch.fx.Node) and a.op == "call_function" and a.target in (
             aten.squeeze.dim, aten.unsqueeze.default, *_KEEP):
         a = a.args[0]
     return a.name if isinstance(a, torch.fx.Node) and a.name in cap.params else None
-
-
-def _depthwise(n: torch.fx.Node) -> int | None:
-    """The channels of a depthwise conv1d (groups == in == out channels, input (b, channels, s)), else None."""
-    if n.op != "call_function" or n.target not in _CONVS:
-        return None
-    x, w = n.args[0], n.args[1]
-    groups = n.args[6] if n.target is aten.conv1d.default and len(n.args) > 6 else \
-        n.args[8] if n.target is aten.convolution.default and len(n.args) > 8 else n.kwargs.get("groups", 1)
-    xv, wv = x.meta["val"], w.meta["val"]
-    if xv.ndim != 3 or wv.ndim != 3 or not isinstance(xv.shape[1], int):
-        return None
-    c = int(xv.shape[1])
-    return c if groups == c and int(wv.shape[0]) == c and int(wv.shape[1]) == 1 else None
 
 
 def conv_readers(cap: Captured) -> dict[str, object]:
@@ -271,11 +212,9 @@ def conv_readers(cap: Captured) -> dict[str, object]:
     around the conv: Inkling's short conv on the residual stream, ``conv(h) + h``): past it the value is that
     stream again, whole on every rank, and the next layer's projections reading it are column-parallel as
     usual (hinted row-parallel, they had no strategy for their replicated input)."""
-    from mcompile.planner import _contraction
-
     hints: dict[str, object] = {}
     for conv in cap.gm.graph.nodes:
-        c = _depthwise(conv)
+        c = depthwise(conv)
         if c is None:
             continue
         before, back = set(), list(conv.all_input_nodes)

@@ -3,8 +3,8 @@
 ``moe_ffn(x, idx, weights, *expert_weights, form=...)`` computes
 ``y[t] = sum_j weights[t, j] * FFN_{idx[t, j]}(x[t])``; ``form`` (:class:`ExpertForm`) says how the
 expert weights are read. passes/find_moe.py finds MoE regions in captured graphs and replaces each with
-this node; the planner shards it as a unit (its rule below); the lowering runs it as local grouped
-GEMMs (:func:`moe_local`, ordinary aten ops under tracing) or, over an ``ep`` axis, as the
+this node; the planner shards it as a unit (its rule: :mod:`mcompile.rules.moe`); the lowering runs it as
+local grouped GEMMs (:func:`moe_local`, ordinary aten ops under tracing) or, over an ``ep`` axis, as the
 all-to-all dispatch of :mod:`mcompile.runtime.moe`.
 """
 
@@ -200,43 +200,6 @@ def moe_reference(x, idx, weights, ws, form: ExpertForm, down_bias=None) -> torc
     return out
 
 
-# --------------------------------------------------------------------------- sharding rule
-
-def _rule(info):
-    """Per mesh axis, how ``moe_ffn`` runs on local pieces (inputs: x, idx, weights, *expert weights):
-
-    * ``expert-parallel`` (only on an ``ep`` axis, the policy pins the expert weights ``Shard(0)``):
-      tokens split (dim 0 of x, idx, weights), E/n experts a rank; the lowering dispatches tokens to
-      their experts' ranks and back (``moe_ep``);
-    * ``expert-tp``: tokens replicated, each expert's hidden units sharded (gate/up by their output
-      features, down by its input features: Megatron's expert tensor parallelism), output Partial(sum);
-    * ``token-split``: tokens split, experts replicated (data parallelism);
-    * replicated."""
-    from mcompile.placements import BlockShard, Partial, Replicate, Shard
-    from mcompile.rules import Strategy
-
-    R, S0 = Replicate(), Shard(0)
-    form = ExpertForm.parse(info.node.kwargs["form"]) if info.node is not None else None
-    n_w = len(info.inputs) - 3
-    out = []
-    out.append(Strategy((S0, S0, S0) + (S0,) * n_w, (S0,), lowering="moe_ep", name="expert-parallel"))
-    if form is not None:
-        hid = form.hidden_dims()
-        sizes = [info.inputs[3 + i].shape[hid[i]] for i in range(n_w)]
-        # a fused gate/up projection (and its bias): 2 hidden units per unit of down's input; [gate; up] split
-        # block-wise (each rank its part of gate and of up), interleaved pairs contiguously
-        fused = [form.kind.startswith("fused") and (i == 0 or i == form.n_matrices) for i in range(n_w)]
-        if all(isinstance(s, int) and s % (info.n * (2 if fused[i] else 1)) == 0 for i, s in enumerate(sizes)):
-            ws = tuple(BlockShard(hid[i], 2) if fused[i] and form.kind != "fused_il" else Shard(hid[i])
-                       for i in range(n_w))
-            out.append(Strategy((R, R, R) + ws, (Partial("sum"),), name="expert-tp"))
-        else:
-            info.notes.append(f"the experts' hidden sizes {sizes} do not divide by {info.n}")
-    out.append(Strategy((S0, S0, S0) + (R,) * n_w, (S0,), name="token-split"))
-    out.append(Strategy((R,) * (3 + n_w), (R,), name="replicate"))
-    return out
-
-
 def _flops(args, kwargs, out):
     """Every routed slot runs one expert: 2 FLOPs per weight element per slot (T * k * sum of the
     expert weights' per-expert sizes), the grouped GEMMs' work; the gather, weighting and scatter are
@@ -250,9 +213,7 @@ def _flops(args, kwargs, out):
 
 def _register() -> None:
     from mcompile.annotate import register_flop_formula
-    from mcompile.rules import rule
 
-    rule(moe_ffn)(_rule)
     register_flop_formula(moe_ffn, category="matmul")(_flops)
 
 

@@ -17,17 +17,32 @@ defaults, never change the meaning of these.
 - ``inputs``: the example inputs it was planned with, shapes and dtypes only (what
   :func:`mcompile.cost.estimate` needs to price the plan with the model: the sequence length, and a
   template to capture the model at another tp). Absent from plans saved before it existed: empty.
+
+``str(plan)`` is its tables (:func:`plan_text`, what ``mcompile plan`` prints): parameters, collectives per layer,
+model state per rank (:func:`mcompile.memory_model.memory_per_rank`).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+
+import sympy
 
 from mcompile.placements import format_placement, parse_placement
 
 SCHEMA_VERSION = 1
+
+# What the plan's memory table counts, and what it leaves to `--gpu` (mcompile.cost.estimate's peak)
+MODEL_STATE_TITLE = ("Memory per rank: model state only (parameters, fp32 gradients, AdamW state; no activations: "
+                     "--gpu adds them at --batch/--seq)")
+
+
+class PlanError(ValueError):
+    """The model cannot be planned as asked; the message says why and what to do."""
 
 
 class SPVariant(StrEnum):
@@ -171,8 +186,6 @@ class Plan:
     def stage_positions(self) -> list[str]:
         """Where each pipeline stage after the first begins, in words ("after layer 3", "inside layer
         5 (...)", "before the head ..."): the layer positions of :attr:`stage_cuts`."""
-        from mcompile.report import cut_position
-
         stages = self.pipeline.get("stages", [])
         if len(stages) < 2:
             return []
@@ -252,8 +265,6 @@ class Plan:
         return out
 
     def __str__(self) -> str:
-        from mcompile.report import plan_text
-
         return plan_text(self)
 
 
@@ -270,3 +281,136 @@ def _parse(x):
     if isinstance(x, list):
         return tuple(parse_placement(y) for y in x)
     return parse_placement(x) if x is not None else None
+
+
+# -- text: what ``str(plan)`` prints (mcompile.report has the views of a compiled program) ---------
+
+def _gib(b: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b} B"
+
+
+def collective_bytes(expr: str, symbols: dict[str, int]) -> int:
+    e = sympy.sympify(expr)
+    subs = {s: symbols.get(str(s), 1) for s in e.free_symbols}
+    return int(e.subs(subs))
+
+
+def _group(fqn: str) -> str:
+    return re.sub(r"\.(\d+)\.", ".*.", fqn, count=1)
+
+
+def plan_tables(plan: Plan, sizes: dict[str, int] | None = None, dtype: str | None = None):
+    """Rich renderables: parameter table, collectives table, memory table."""
+    from rich.table import Table
+
+    axes = list(plan.mesh)
+    params = Table(title="Parameters (repeated layers folded to *)", show_lines=False)
+    for col in ("parameter", "count", "shape", *axes, "local shape", "grad partial over"):
+        params.add_column(col)
+    seen: dict[str, list] = {}
+    for fqn, pp in plan.params.items():
+        key = _group(fqn)
+        row = (str(list(pp.shape)), *[format_placement(x) for x in pp.placements], str(list(pp.local_shape)),
+               ",".join(pp.grad_partial_axes) or "-")
+        if key in seen and seen[key][1] == row:
+            seen[key][0] += 1
+        else:
+            seen[fqn if key in seen else key] = [1, row]
+    for key, (count, row) in seen.items():
+        params.add_row(key, str(count), *row)
+
+    colls = Table(title="Collectives per step of rank 0 (forward and what each implies in backward)")
+    for col in ("layer", "op", "axis", "forward", "backward", "bytes", "purpose"):
+        colls.add_column(col)
+    by_layer = plan.collectives_by_layer()
+    layers = [k for k in by_layer if k is not None]
+    sizes = sizes or {}
+    shown_layers = layers[:1]
+    for layer in [None] + shown_layers:
+        for c in by_layer.get(layer, []):
+            label = "outside layers" if layer is None else f"{layer} (each of {len(layers)})"
+            colls.add_row(label, c.op, c.axis, c.forward, c.backward, _fmt_bytes(c.bytes, sizes), c.purpose)
+
+    from mcompile.memory_model import memory_per_rank
+
+    mem = memory_per_rank(plan, dtype)
+    memt = Table(title=MODEL_STATE_TITLE)
+    for col in ("parameters", "gradients", "optimizer state", "total"):
+        memt.add_column(col)
+    memt.add_row(_gib(mem.params), _gib(mem.grads), _gib(mem.optimizer), _gib(mem.total))
+    return params, colls, memt
+
+
+def _fmt_bytes(expr: str, sizes: dict[str, int]) -> str:
+    if not sizes:
+        return expr
+    b = collective_bytes(expr, sizes)
+    return f"{b:,} ({expr})"
+
+
+def plan_text(plan: Plan, sizes: dict[str, int] | None = None, dtype: str | None = None, width: int = 160) -> str:
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    head = " x ".join(f"{a}={n}" for a, n in plan.mesh.items())
+    sp = f"on ({plan.options.sp_variant})" if plan.options.sequence_parallel else "off"
+    console.print(f"Plan for {plan.model or 'model'} on mesh {head}; sequence parallel: {sp}")
+    cp_line = cp_text(plan, sizes)
+    if cp_line:
+        console.print(cp_line)
+    if plan.fallbacks:
+        console.print(f"Replicated because no sharding rule exists: {', '.join(plan.fallbacks)}")
+    for t in plan_tables(plan, sizes, dtype):
+        console.print(t)
+    return buf.getvalue()
+
+
+def cp_summary(plan: Plan, sizes: dict[str, int] | None = None) -> dict | None:
+    """The sequence split of a context-parallel plan (None without cp): the attention variant, the chunks, and
+    at ``sizes`` the tokens of each sequence a rank holds (and between tp regions under sequence parallelism)."""
+    cp, tp = plan.mesh.get("cp", 1), plan.mesh.get("tp", 1)
+    if cp <= 1:
+        return None
+    d = {"cp": cp, "attention": plan.options.cp_attention, "chunks": 2 * cp, "chunks_of_rank": "r and 2cp-1-r"}
+    seq, batch = (sizes or {}).get("seq"), (sizes or {}).get("batch", 1)
+    if isinstance(seq, int):
+        d.update(seq=seq, tokens_per_sequence_per_rank=seq // cp, chunk_tokens=seq // (2 * cp),
+                 tokens_per_rank=batch * seq // cp)
+        if plan.options.sequence_parallel and tp > 1:
+            d["tokens_between_tp_regions"] = seq // cp // tp
+    return d
+
+
+def cp_text(plan: Plan, sizes: dict[str, int] | None = None) -> str:
+    """:func:`cp_summary` in a line ("" without cp)."""
+    d = cp_summary(plan, sizes)
+    if d is None:
+        return ""
+    n = d["chunks"]
+    head = (f"Context parallel: cp={d['cp']}, attention {d['attention']!r}; each sequence is cut into {n} chunks "
+            f"and cp rank r holds chunks r and {n - 1}-r (load-balanced causal attention)")
+    if "seq" not in d:
+        return head
+    sp = (f"; {d['tokens_between_tp_regions']} between tensor-parallel regions (sequence parallel over "
+          f"tp={plan.mesh.get('tp', 1)})" if "tokens_between_tp_regions" in d else "")
+    return (f"{head}: of each {d['seq']}-token sequence a rank holds {d['tokens_per_sequence_per_rank']} tokens "
+            f"({d['chunk_tokens']} a chunk){sp}; {d['tokens_per_rank']} tokens per rank per step at batch "
+            f"{(sizes or {}).get('batch', 1)}")
+
+
+def cut_position(x: float, n_layers: int) -> str:
+    """Where a stage boundary lies, in words: ``x`` in layer units (mcompile.blocks.Trunk.layer_of: 0 =
+    start of layer 0, ``n_layers`` = end of the last layer, negative = in the embedding)."""
+    if x < 0:
+        return "inside the embedding"
+    if float(x).is_integer():
+        k = int(x)
+        if k == 0:
+            return "before layer 0 (after the embedding)"
+        return "before the head (after the last layer)" if k >= n_layers else f"after layer {k - 1}"
+    k = int(x)
+    return f"inside layer {k} ({x - k:.0%} of its ops before the cut)"

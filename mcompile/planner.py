@@ -27,13 +27,14 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from mcompile.capture import BATCH, SEQ, Captured
 from mcompile.mesh import Mesh
 from mcompile.placements import BlockShard, Replicate, Shard, parse_placement
-from mcompile.plan import ParamPlan, Plan, PlanOptions
+from mcompile.plan import ParamPlan, Plan, PlanError, PlanOptions
 from mcompile.propagate import (
     CONTRACTION_WEIGHT_ARGS,
     AxisPolicy,
     AxisResult,
     FallbackWarning,
-    PlanError,
+    _contraction,
+    _weight_of,
     propagate_axis,
 )
 
@@ -350,10 +351,6 @@ def block_hints(cap: Captured) -> dict[str, object]:
     return hints
 
 
-_LATENT_STOP = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default,
-                aten.embedding.default, aten.scaled_dot_product_attention.default}
-
-
 def latent_hints(cap: Captured) -> dict[str, object]:
     """Low-rank down-projections that stay replicated over tp (Megatron's multi-head latent attention keeps
     linear_q_down_proj / linear_kv_down_proj whole): a linear whose whole output, before any other
@@ -452,15 +449,6 @@ def _reads_weight(n: torch.fx.Node, cap: Captured) -> bool:
         if a.name in cap.params:
             return True
     return False
-
-
-def _contraction(n: torch.fx.Node) -> bool:
-    """A matmul-like op (linear, attention, a convolution, an einsum of two operands: XLNet's projections by
-    [h, heads, d] weights) or a custom op (a scan, an MoE layer)."""
-    return n.target in _LATENT_STOP or n.target in (aten.convolution.default, aten.conv1d.default,
-                                                    aten.conv2d.default) or \
-        (n.target is aten.einsum.default and len(n.args) > 1 and len(n.args[1]) > 1) or \
-        str(getattr(n.target, "namespace", "aten")) != "aten"
 
 
 _SHAPE_ONLY = (*_THROUGH, aten.transpose.int, aten.permute.default, aten.contiguous.default, aten.clone.default,
@@ -873,13 +861,14 @@ def kv_sliced(cap: Captured, tp: int) -> frozenset[str]:
     fused projection kept whole for its few B/C groups (:func:`mcompile.mixer_hints.few_groups`, through its
     depthwise conv: per channel) and its scan: a rank may take its heads of them by a local slice (the query
     heads of a fused projection; the propagator otherwise shards heads only by a contraction)."""
-    from mcompile.mixer_hints import _depthwise, few_groups
+    from mcompile.channels import depthwise
+    from mcompile.mixer_hints import few_groups
 
     out, todo = set(), [*_few_kv_projections(cap, tp), *few_groups(cap, tp)]
     while todo:
         cur = todo.pop()
         for u in cur.users:
-            if u.op == "call_function" and u.name not in out and (not _contraction(u) or _depthwise(u) is not None):
+            if u.op == "call_function" and u.name not in out and (not _contraction(u) or depthwise(u) is not None):
                 out.add(u.name)
                 todo.append(u)
     return frozenset(out)
@@ -918,8 +907,6 @@ def gate_sliced(cap: Captured) -> frozenset[str]:
     gathered its output too (two all-gathers forward and an all-reduce backward where Megatron runs one
     all-reduce). Only a factor that is not itself a projection's output in the region qualifies (SwiGLU's two
     halves are both sharded by their projections already)."""
-    from mcompile.quality import _weight_of
-
     def into_projection(u, cur) -> bool:
         return u.op == "call_function" and _weight_of(u) is not None and u.args[0] is cur
 
@@ -1227,7 +1214,7 @@ def plan_axes(cap: Captured, mesh: Mesh, sequence_parallel: bool, overrides: dic
         if op.startswith("mcompile_fn."):  # a user's autograd.Function (mcompile.autograd_fn): no rule to add
             warnings.warn(f"no sharding rule for {op}, the custom torch.autograd.Function of that name: it runs "
                           "replicated (a split is inferred only when its forward and backward are pointwise: "
-                          "mcompile.autograd_fn.pointwise_rule)",
+                          "mcompile.rules.inferred.pointwise_rule)",
                           FallbackWarning, stacklevel=3)
             continue
         warnings.warn(f"no sharding rule for {op}: it runs replicated (add a rule in mcompile/rules)",

@@ -35,6 +35,7 @@ import logging
 import math
 import operator
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import sympy
 import torch
@@ -43,6 +44,7 @@ from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from mcompile.capture import BATCH, SEQ, Captured
 from mcompile.placements import BlockShard, Partial, Replicate, Shard
+from mcompile.plan import PlanError
 from mcompile.rules import OpInfo, Strategy, TensorMeta, get_rule, replicate_all, tensor_input_nodes
 
 __all__ = ["AxisPolicy", "AxisResult", "PlanError", "FallbackWarning", "propagate_axis", "requires_grad_nodes"]
@@ -60,13 +62,35 @@ CONTRACTION_WEIGHT_ARGS = {
     aten.embedding.default: (0,),
 }
 _NO_GRAD_OPS = {aten.detach.default, aten.detach_.default, aten.sym_size.int}
+# the weight operand of a contraction, for the planner's hints and the layout check (mcompile.quality)
+_WEIGHT_USES = {aten.linear.default: 1, aten.matmul.default: 1, aten.mm.default: 1, aten.addmm.default: 2,
+                aten.bmm.default: 1}  # bmm: experts' weights [E, in, out] (Llama-4's feed_forward.experts)
+# a library's custom op, by name (mcompile.rules.matmul.grouped_mm): transformers' grouped GEMM of experts [E, in, out]
+_WEIGHT_USES_BY_NAME = {"transformers.grouped_mm_fallback.default": 1}
+# how a weight may reach its contraction (Falcon's ``x @ self.weight.T``: numpy_T, then matmul)
+_TO_WEIGHT = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default, aten.to.dtype,
+              aten._to_copy.default, aten.alias.default, aten.view.default,
+              aten.select.int}  # one expert's matrix of stacked experts (DBRX's w1.view(E, f, d)[e])
+
+
+def _to_weight(w) -> torch.fx.Node | None:
+    while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in _TO_WEIGHT:
+        w = w.args[0]
+    return w if isinstance(w, torch.fx.Node) and w.op == "placeholder" else None
+
+
+def _weight_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The parameter placeholder a contraction multiplies by (through transposes and casts), or None."""
+    if node.target is aten.einsum.default:  # XLNet's "ibnd,hnd->ibh": an activation by a weight
+        ops = node.args[1] if len(node.args) > 1 else ()
+        return _to_weight(ops[1]) if len(ops) == 2 and _to_weight(ops[0]) is None else None
+    i = _WEIGHT_USES.get(node.target, _WEIGHT_USES_BY_NAME.get(str(node.target)))
+    if i is None or len(node.args) <= i:
+        return None
+    return _to_weight(node.args[i])
 
 
 log = logging.getLogger("mcompile.propagate")
-
-
-class PlanError(ValueError):
-    """The model cannot be planned as asked; the message says why and what to do."""
 
 
 class FallbackWarning(UserWarning):
@@ -82,6 +106,18 @@ _SAME_VALUE = {torch.ops.aten.to.dtype, torch.ops.aten.to.device, torch.ops.aten
 _MASKED = _SAME_VALUE | {torch.ops.aten.dropout.default}
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 _SCALES = {torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor}
+
+_LATENT_STOP = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.bmm.default, aten.addmm.default,
+                aten.embedding.default, aten.scaled_dot_product_attention.default}
+
+
+def _contraction(n: fx.Node) -> bool:
+    """A matmul-like op (linear, attention, a convolution, an einsum of two operands: XLNet's projections by
+    [h, heads, d] weights) or a custom op (a scan, an MoE layer)."""
+    return n.target in _LATENT_STOP or n.target in (aten.convolution.default, aten.conv1d.default,
+                                                    aten.conv2d.default) or \
+        (n.target is aten.einsum.default and len(n.args) > 1 and len(n.args[1]) > 1) or \
+        str(getattr(n.target, "namespace", "aten")) != "aten"
 
 
 # ops that read their input's memory with strides from the capture's layout (passes/canonicalize.py
@@ -159,7 +195,6 @@ def _sums_partials(node: fx.Node, s, in_metas, outs) -> bool:
         # added to the replicated residual stream, the reduction would come at the same cost and the factor's
         # gradient would need a backward all-reduce (Megatron's f) for nothing
         from mcompile.moe import moe_ffn
-        from mcompile.planner import _contraction
 
         def contraction_term(n: fx.Node, depth: int = 0) -> bool:
             # seen through copies and views, and through scales: two parallel branches each scaled by its own
@@ -347,28 +382,48 @@ def propagate_axis(
 def _propagate_axis(
     cap: Captured, policy: AxisPolicy, hints: dict, param_pad_ok=None
 ) -> AxisResult:
-    gm = cap.gm
-    n = policy.size
-    sym = cap.symbols
-    rg = requires_grad_nodes(gm, set(cap.params))
-    place: dict[str, object] = {}
-    strategies: dict[str, Strategy] = {}
-    params: dict[str, object] = {}
-    padded: dict[str, int] = {}
-    fallbacks: set[str] = set()
-    notes: dict[str, list[str]] = {}
-    made: set[tuple[str, object]] = set()  # redistributions already paid for
-    fqn_of = {**cap.params}
-    padded_params: dict[str, int] = {}
-    # values computed from parameters (mcompile.blocks: every other value is "input-only")
-    from_params: set[str] = set(cap.params)
+    """One pass over the graph (:class:`_AxisPlacement`); :func:`propagate_axis` repeats it when a parameter must
+    be pinned or a hint dropped."""
+    axis = _AxisPlacement(cap, policy, hints)
+    for node in cap.gm.graph.nodes:
+        if node.op == "placeholder":
+            axis.place_input(node)
+        elif node.op != "output":
+            axis.place_op(node)
+    return axis.finish()
 
-    def shard_allowed(meta: TensorMeta, p) -> bool:
+
+class _AxisPlacement:
+    """One axis's propagation (:func:`propagate_axis`): every node placed in graph order, each by the cheapest
+    strategy of its rule that fits where its inputs are; parameters, and values of parameters alone, placed by the
+    first op that meets an activation."""
+
+    def __init__(self, cap: Captured, policy: AxisPolicy, hints: dict):
+        self.cap, self.policy, self.hints = cap, policy, hints
+        self.n = policy.size
+        self.sym = cap.symbols
+        self.rg = requires_grad_nodes(cap.gm, set(cap.params))
+        self.place: dict[str, object] = {}
+        self.strategies: dict[str, Strategy] = {}
+        self.params: dict[str, object] = {}
+        self.padded: dict[str, int] = {}
+        self.fallbacks: set[str] = set()
+        self.notes: dict[str, list[str]] = {}
+        self.made: set[tuple[str, object]] = set()  # redistributions already paid for
+        self.fqn_of = {**cap.params}
+        self.padded_params: dict[str, int] = {}
+        # values computed from parameters (mcompile.blocks: every other value is "input-only")
+        self.from_params: set[str] = set(cap.params)
+        self.sizes: dict = {}  # a symbolic size at the hints (sympy substitution is the planner's hot spot)
+        # values computed from parameters alone, not placed yet: node name -> (its inputs, rule strategies)
+        self.waiting: dict[str, tuple[list[fx.Node], list[Strategy]]] = {}
+
+    def shard_allowed(self, meta: TensorMeta, p) -> bool:
         if not isinstance(p, Shard | BlockShard):
             return True
         size = meta.shape[p.dim % meta.ndim]
         free = {s for s in (size.free_symbols if isinstance(size, sympy.Expr) else ())}
-        names = {k for k, s in sym.items() if s in free}
+        names = {k for k, s in self.sym.items() if s in free}
         if not names and any(symbol_is_type(s, SymT.UNBACKED_INT) for s in free):
             # a data-dependent count of rows picked from the tokens (X-MOD's hidden_states[lang_mask]): a token
             # dim, not a feature dim; split, its row-parallel exit would leave as a reduce-scatter and an
@@ -379,135 +434,132 @@ def _propagate_axis(
             # an input's own symbol: not a static feature dim, and not the batch/seq this axis may split
             return False
         if not names:
-            return policy.allow_static_dims
-        if policy.context_parallel:  # the tokens: the sequence, or batch*seq flattened (seq innermost)
-            return SEQ in names and (size == sym.get(SEQ) or size == sym.get(SEQ) * sym.get(BATCH, 0))
+            return self.policy.allow_static_dims
+        if self.policy.context_parallel:  # the tokens: the sequence, or batch*seq flattened (seq innermost)
+            return SEQ in names and (size == self.sym.get(SEQ) or size == self.sym.get(SEQ) * self.sym.get(BATCH, 0))
         if BATCH in names:  # batch, or batch*seq flattened with the batch outermost (the view rule's job)
-            return BATCH in policy.allowed_symbols
-        return SEQ in policy.allowed_symbols and size == sym.get(SEQ)
+            return BATCH in self.policy.allowed_symbols
+        return SEQ in self.policy.allowed_symbols and size == self.sym.get(SEQ)
 
-    sizes: dict = {}  # a symbolic size at the hints (sympy substitution is the planner's hot spot)
-    # values computed from parameters alone, not placed yet: node name -> (its inputs, rule strategies)
-    waiting: dict[str, tuple[list[fx.Node], list[Strategy]]] = {}
+    def unplaced(self, a: fx.Node) -> bool:
+        return self.place.get(a.name) is None and (a.name in self.cap.params or a.name in self.waiting)
 
-    def unplaced(a: fx.Node) -> bool:
-        return place.get(a.name) is None and (a.name in cap.params or a.name in waiting)
-
-    def route(a: fx.Node, req) -> Strategy | None:
+    def route(self, a: fx.Node, req) -> Strategy | None:
         """For an unplaced parameter, a strategy-less stand-in if it may take ``req``; for a waiting value,
         the first strategy of its op that yields ``req`` from inputs that may take what it asks."""
-        if a.name in cap.params:
-            hint = policy.param_hints.get(a.name)
+        if a.name in self.cap.params:
+            hint = self.policy.param_hints.get(a.name)
             if hint is not None and isinstance(hint, BlockShard | Replicate | Shard) and req != hint:
                 # a fused projection later split into blocks: only the block layout; a latent
                 # down-projection (planner.latent_hints): only whole; a per-head score bias
                 # table (planner.position_bias_hints): only by heads
                 return None
-            if isinstance(req, Partial) or (policy.params_replicated and not isinstance(req, Replicate)):
+            if isinstance(req, Partial) or (self.policy.params_replicated and not isinstance(req, Replicate)):
                 return None
             return Strategy((), (req,), name="param")
-        ins_a, cands_a = waiting[a.name]
-        if not shard_allowed(_out_metas(a)[0], req):
+        ins_a, cands_a = self.waiting[a.name]
+        if not self.shard_allowed(_out_metas(a)[0], req):
             return None
         for s in cands_a:
             if s.outputs and s.outputs[0] == req and all(
-                    route(b, r) is not None if unplaced(b) else place.get(b.name) == r
+                    self.route(b, r) is not None if self.unplaced(b) else self.place.get(b.name) == r
                     for b, r in zip(ins_a, s.inputs)):
                 return s
         return None
 
-    def kept_whole(a: fx.Node) -> bool:
+    def kept_whole(self, a: fx.Node) -> bool:
         """Whether a planner hint keeps this unplaced weight (or every parameter it is cast from) whole."""
-        if a.name in cap.params:
-            return isinstance(policy.param_hints.get(a.name), Replicate)
-        return all(kept_whole(b) for b in waiting[a.name][0] if unplaced(b))
+        if a.name in self.cap.params:
+            return isinstance(self.policy.param_hints.get(a.name), Replicate)
+        return all(self.kept_whole(b) for b in self.waiting[a.name][0] if self.unplaced(b))
 
-    def settle(a: fx.Node, req) -> None:
+    def settle(self, a: fx.Node, req) -> None:
         """Place an unplaced parameter, or a waiting value and what it waits on, as ``req``."""
-        if a.name in cap.params:
-            place[a.name] = params[a.name] = req
+        if a.name in self.cap.params:
+            self.place[a.name] = self.params[a.name] = req
             if isinstance(req, Shard):
                 d = req.dim % a.meta["val"].ndim
                 size = a.meta["val"].shape[d]
-                if isinstance(size, int) and size % n:
-                    padded_params[a.name] = d
-                    padded[a.name] = d
+                if isinstance(size, int) and size % self.n:
+                    self.padded_params[a.name] = d
+                    self.padded[a.name] = d
             return
-        s = route(a, req)
-        strategies[a.name], place[a.name] = s, req
-        for b, r in zip(waiting[a.name][0], s.inputs):
-            if unplaced(b):
-                settle(b, r)
+        s = self.route(a, req)
+        self.strategies[a.name], self.place[a.name] = s, req
+        for b, r in zip(self.waiting[a.name][0], s.inputs):
+            if self.unplaced(b):
+                self.settle(b, r)
 
-    def redistribute_cost(src: fx.Node, cur, req, meta: TensorMeta) -> float:
+    def redistribute_cost(self, src: fx.Node, cur, req, meta: TensorMeta) -> float:
         if cur == req:
             return 0.0
-        if (src.name, req) in made:
+        if (src.name, req) in self.made:
             return 0.0
-        b = _bytes(meta, hints, sizes) * (n - 1) / n
-        grad = src.name in rg
-        if isinstance(req, Shard) and not policy.redistribute_to_static_dims and src.name in from_params \
-                and src.name not in policy.sliced_static:
+        b = _bytes(meta, self.hints, self.sizes) * (self.n - 1) / self.n
+        grad = src.name in self.rg
+        if isinstance(req, Shard) and not self.policy.redistribute_to_static_dims and src.name in self.from_params \
+                and src.name not in self.policy.sliced_static:
             size = meta.shape[req.dim % meta.ndim]
             if not isinstance(size, sympy.Expr) or not size.free_symbols:
                 # static dims (features, heads) of activations are sharded by contractions, not by collectives;
                 # an input-only value (a mask, a zero position bias over heads) is sliced where it is needed
                 return INF
         if isinstance(cur, Replicate) and isinstance(req, Shard):
-            if src.name in policy.sliced_static and not isinstance(meta.shape[req.dim % meta.ndim], sympy.Expr):
+            if src.name in self.policy.sliced_static and not isinstance(meta.shape[req.dim % meta.ndim], sympy.Expr):
                 # a rank taking its heads of a value kept whole for that (planner.kv_sliced) is the layout's
                 # intent, cheaper than any gather of what those heads computed: its adjoint is not charged
                 return 1e-3
-            return 1e-3 + (b if grad and not policy.context_parallel else 0.0)  # cp: the slice's adjoint is local
+            return 1e-3 + (b if grad and not self.policy.context_parallel else 0.0)  # cp: the slice's adjoint is local
         if isinstance(cur, Replicate) and isinstance(req, BlockShard) and isinstance(req.blocks, int) and \
-                src.name in policy.sliced_static:
+                src.name in self.policy.sliced_static:
             return 1e-3  # a rank taking its share of each block of heads of a value kept whole for that
         if isinstance(cur, Partial) and cur.reduce_op in ("sum", "avg") and isinstance(req, Replicate):
             return 2 * b
         if isinstance(cur, Partial) and cur.reduce_op == "max" and isinstance(req, Replicate) and not grad:
             return 2 * b
         if isinstance(cur, Partial) and cur.reduce_op == "sum" and isinstance(req, Shard):
-            return (0.5 * b if policy.prefer_seq_reduce_scatter else b) + (b if grad else 0.0)
+            return (0.5 * b if self.policy.prefer_seq_reduce_scatter else b) + (b if grad else 0.0)
         if isinstance(cur, Shard) and isinstance(req, Replicate):
             return b + (b if grad else 0.0)
         return INF
 
-    def choose(node, cands, ins, current, in_metas, outs, weight_args, token_out):
+    def choose(self, node, cands, ins, current, in_metas, outs, weight_args, token_out):
         """The cheapest strategy of ``cands`` (None, INF: none fits)."""
         best, best_cost = None, INF
         for s in cands:
-            if s.lowering == "moe_ep" and not policy.expert_parallel:
+            if s.lowering == "moe_ep" and not self.policy.expert_parallel:
                 continue
-            if s.lowering == "cp_attention" and not policy.context_parallel:
+            if s.lowering == "cp_attention" and not self.policy.context_parallel:
                 continue
-            if s.name == "expand_broadcast" and (node.name not in from_params or node.name in policy.whole_broadcast):
+            if s.name == "expand_broadcast" and (node.name not in self.from_params
+                                                 or node.name in self.policy.whole_broadcast):
                 continue  # an input-only value (a mask, a table) stays whole: its consumers take what they need
             cost = 0.0
             for i, (a, req) in enumerate(zip(ins, s.inputs)):
                 # an in-place write on a redistributed destination (a fallback's gather) runs on a copy, which
                 # the lowering puts back into the rank's piece (passes/lower.py ``_written``: a local slice and
                 # copy_), so only the move to the strategy's placement is charged, as for any input
-                if a.name in cap.params or unplaced(a):
-                    cur = place[a.name]
+                if a.name in self.cap.params or self.unplaced(a):
+                    cur = self.place[a.name]
                     if cur is None:
-                        if route(a, req) is None:
+                        if self.route(a, req) is None:
                             cost = INF
-                        elif policy.shard_contraction_weights and i in weight_args and isinstance(req, Replicate) \
-                                and not kept_whole(a):
+                        elif self.policy.shard_contraction_weights and i in weight_args and isinstance(req, Replicate) \
+                                and not self.kept_whole(a):
                             cost = INF
                     elif cur != req:
                         cost = INF
                 else:
-                    cost += redistribute_cost(a, current[i], req, in_metas[i])
+                    cost += self.redistribute_cost(a, current[i], req, in_metas[i])
                 if cost == INF:
                     break
             if cost < INF:
                 for o, p in zip(outs, s.outputs):
-                    if not shard_allowed(o, p):
+                    if not self.shard_allowed(o, p):
                         cost = INF
-                if (not policy.partial_passthrough and any(isinstance(p, Partial) for p in s.inputs)
+                if (not self.policy.partial_passthrough and any(isinstance(p, Partial) for p in s.inputs)
                         and any(isinstance(p, Partial) for p in s.outputs)
-                        and not (policy.shard_contraction_weights and _sums_partials(node, s, in_metas, outs))):
+                        and not (self.policy.shard_contraction_weights and _sums_partials(node, s, in_metas, outs))):
                     cost = INF
             if cost < INF and token_out and all(isinstance(p, Replicate) for p in s.outputs):
                 cost += REPLICATED_TOKENS  # cp: a replicated token activation repeats its work on every rank
@@ -515,140 +567,164 @@ def _propagate_axis(
                 best, best_cost = s, cost
         return best, best_cost
 
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            v = node.meta.get("val")
-            if node.name in cap.params:
-                fqn = fqn_of[node.name]
-                if fqn in policy.param_overrides:
-                    params[node.name] = policy.param_overrides[fqn]
-                    place[node.name] = params[node.name]
-                elif policy.params_replicated:
-                    params[node.name] = place[node.name] = R
-                else:
-                    place[node.name] = None  # placed by its first use
-            elif node.name in cap.user_inputs and isinstance(v, torch.Tensor):
-                sharded = policy.shard_inputs_dim0 and v.ndim >= 1 and isinstance(v.shape[0], torch.SymInt)
-                place[node.name] = Shard(0) if sharded else R
+    def place_input(self, node: fx.Node) -> None:
+        """A placeholder: a parameter as overridden, replicated or placed by its first use; a user input
+        split on its batch dim where the policy says; anything else replicated."""
+        v = node.meta.get("val")
+        if node.name in self.cap.params:
+            fqn = self.fqn_of[node.name]
+            if fqn in self.policy.param_overrides:
+                self.params[node.name] = self.policy.param_overrides[fqn]
+                self.place[node.name] = self.params[node.name]
+            elif self.policy.params_replicated:
+                self.params[node.name] = self.place[node.name] = R
             else:
-                place[node.name] = R
-            continue
-        if node.op == "output":
-            continue
-        if any(a.name in from_params for a in node.all_input_nodes):
-            from_params.add(node.name)
+                self.place[node.name] = None  # placed by its first use
+        elif node.name in self.cap.user_inputs and isinstance(v, torch.Tensor):
+            sharded = self.policy.shard_inputs_dim0 and v.ndim >= 1 and isinstance(v.shape[0], torch.SymInt)
+            self.place[node.name] = Shard(0) if sharded else R
+        else:
+            self.place[node.name] = R
+
+    def place_op(self, node: fx.Node) -> None:
+        """An op of the graph: its rule's strategies, the cheapest that fits chosen (or the node left waiting
+        for an activation, or replicated without a rule)."""
+        if any(a.name in self.from_params for a in node.all_input_nodes):
+            self.from_params.add(node.name)
         if node.target is operator.getitem:
             src, idx = node.args
-            pv = place.get(src.name)
-            place[node.name] = pv[idx] if isinstance(pv, tuple) else pv
-            continue
+            pv = self.place.get(src.name)
+            self.place[node.name] = pv[idx] if isinstance(pv, tuple) else pv
+            return
         outs = _out_metas(node)
         ins = tensor_input_nodes(node)
         if not outs:  # sym_size, asserts: no tensor to place
-            continue
-        in_metas = []
-        for a in ins:
-            m = TensorMeta.of(a.meta["val"])
-            if a.name in padded_params:
-                d = padded_params[a.name]
-                shape = list(m.shape)
-                shape[d] = math.ceil(shape[d] / n) * n
-                m = TensorMeta(tuple(shape), m.dtype)
-            in_metas.append(m)
+            return
+        in_metas = self.input_metas(ins)
         current = tuple(
-            place.get(a.name) if place.get(a.name) is not None else policy.param_hints.get(a.name, R) for a in ins
+            self.place.get(a.name) if self.place.get(a.name) is not None else self.policy.param_hints.get(a.name, R)
+            for a in ins
         )
-        info = OpInfo(node, node.target, tuple(node.args), dict(node.kwargs), in_metas, outs, n, current,
-                      token_symbol=sym.get(SEQ) if policy.context_parallel else None)
+        info = OpInfo(node, node.target, tuple(node.args), dict(node.kwargs), in_metas, outs, self.n, current,
+                      token_symbol=self.sym.get(SEQ) if self.policy.context_parallel else None)
         rule = get_rule(node.target)
         cands = rule(info) if rule is not None else []
         # broadcast of a replicated value (DeepSeek's group mask expanded over its groups' experts): whole or
         # split along the new dim, both free; the op that meets it chooses, as for a value of parameters alone.
         # Not a key/value of a projection kept whole for its few heads (planner.kv_sliced): its broadcast over
         # the query heads takes expand's own heads-split strategy, each rank slicing the heads it attends
-        free_broadcast = node.target is aten.expand.default and current == (R,) and node.name in from_params \
-            and node.name not in policy.sliced_static \
-            and not policy.context_parallel
-        if cands and ins and len(outs) == 1 and (free_broadcast or all(unplaced(a) for a in ins)) and \
-                node.target not in CONTRACTION_WEIGHT_ARGS and node.name not in policy.node_overrides:
-            waiting[node.name] = (ins, cands)  # placed by the first op that meets an activation
+        free_broadcast = node.target is aten.expand.default and current == (R,) and node.name in self.from_params \
+            and node.name not in self.policy.sliced_static \
+            and not self.policy.context_parallel
+        if cands and ins and len(outs) == 1 and (free_broadcast or all(self.unplaced(a) for a in ins)) and \
+                node.target not in CONTRACTION_WEIGHT_ARGS and node.name not in self.policy.node_overrides:
+            self.waiting[node.name] = (ins, cands)  # placed by the first op that meets an activation
             if info.notes:
-                notes[node.name] = list(info.notes)
-            place[node.name] = None
-            continue
+                self.notes[node.name] = list(info.notes)
+            self.place[node.name] = None
+            return
         if not cands:  # no rule, or one that proves no split for these inputs (mcompile.rules)
             # An input-only value (a mask, position ids, a RoPE table) held whole by every rank runs
             # replicated at no cost: nothing to report. Anything else is reported once.
-            if node.name in from_params or any(not isinstance(c, Replicate) for c in current):
-                fallbacks.add(str(node.target))
+            if node.name in self.from_params or any(not isinstance(c, Replicate) for c in current):
+                self.fallbacks.add(str(node.target))
             cands = [replicate_all(info)]
         weight_args = CONTRACTION_WEIGHT_ARGS.get(node.target, ())
         if outs and outs[0].ndim and outs[0].shape[-1] == 1:
             # one output feature (Qwen2-MoE's [1, h] shared-expert gate: a scalar gate): nothing to split
             # column-wise, and a row split would all-reduce its one number; the weight may stay whole
             weight_args = ()
-        token_out = policy.context_parallel and node.name in from_params and any(
-            any(shard_allowed(o, Shard(d)) for d in range(o.ndim)) for o in outs)
-        best, best_cost = choose(node, cands, ins, current, in_metas, outs, weight_args, token_out)
-        if node.name in policy.node_overrides:
-            want = policy.node_overrides[node.name]
+        token_out = self.policy.context_parallel and node.name in self.from_params and any(
+            any(self.shard_allowed(o, Shard(d)) for d in range(o.ndim)) for o in outs)
+        best, best_cost = self.choose(node, cands, ins, current, in_metas, outs, weight_args, token_out)
+        if node.name in self.policy.node_overrides:
+            want = self.policy.node_overrides[node.name]
             forced = [s for s in cands if s.outputs and s.outputs[0] == want]
             if not forced:
-                raise PlanError(f"override {node.name}={want!r} on axis {policy.axis}: no strategy of "
+                raise PlanError(f"override {node.name}={want!r} on axis {self.policy.axis}: no strategy of "
                                 f"{node.target} produces it; possible: {sorted({repr(s.outputs[0]) for s in cands})}")
             best = forced[0]
         if token_out and best is not None and best_cost >= REPLICATED_TOKENS:
-            fallbacks.add(f"{node.target} (whole sequence on every {policy.axis} rank)")
+            self.fallbacks.add(f"{node.target} (whole sequence on every {self.policy.axis} rank)")
         if info.notes:
-            notes[node.name] = list(info.notes)
+            self.notes[node.name] = list(info.notes)
         if best is None:
-            # a parameter placed by an earlier reader that this one cannot take (ALBERT shares one layer's weights
-            # with every layer: layer 0's query reads a sharded activation, the others a replicated one): the
-            # placement this reader needs is pinned for all readers and the axis planned again
-            shared = {a.name: place[a.name] for a in ins if a.name in cap.params and place[a.name] is not None}
-            for a in shared:
-                place[a] = None
-            alt, _ = choose(node, cands, ins, current, in_metas, outs, weight_args, token_out)
-            place.update(shared)
+            self.no_fit(node, cands, ins, current, in_metas, outs, weight_args, token_out, info)
+        self.commit(node, best, ins, current, outs)
+
+    def input_metas(self, ins: list[fx.Node]) -> list[TensorMeta]:
+        """The inputs' metadata, a padded parameter's padded dim at its padded size."""
+        in_metas = []
+        for a in ins:
+            m = TensorMeta.of(a.meta["val"])
+            if a.name in self.padded_params:
+                d = self.padded_params[a.name]
+                shape = list(m.shape)
+                shape[d] = math.ceil(shape[d] / self.n) * self.n
+                m = TensorMeta(tuple(shape), m.dtype)
+            in_metas.append(m)
+        return in_metas
+
+    def no_fit(self, node, cands, ins, current, in_metas, outs, weight_args, token_out, info) -> NoReturn:
+        """No strategy of ``node`` fits: raise what :func:`propagate_axis` does about it (pin a shared parameter,
+        drop a hint, or give up)."""
+        # a parameter placed by an earlier reader that this one cannot take (ALBERT shares one layer's weights
+        # with every layer: layer 0's query reads a sharded activation, the others a replicated one): the
+        # placement this reader needs is pinned for all readers and the axis planned again
+        shared = {a.name: self.place[a.name] for a in ins
+                  if a.name in self.cap.params and self.place[a.name] is not None}
+        for a in shared:
+            self.place[a] = None
+        alt, _ = self.choose(node, cands, ins, current, in_metas, outs, weight_args, token_out)
+        self.place.update(shared)
+        if alt is not None:
+            raise _Repin({a.name: req for a, req in zip(ins, alt.inputs) if a.name in shared},
+                         _no_strategy_message(node, self.policy, ins, self.place, info, self.cap))
+        hinted = {a.name: self.policy.param_hints[a.name] for a in ins
+                  if a.name in self.cap.params and self.place[a.name] is None and a.name in self.policy.param_hints}
+        if hinted:
+            for a in hinted:
+                del self.policy.param_hints[a]
+            try:
+                alt, _ = self.choose(node, cands, ins, current, in_metas, outs, weight_args, token_out)
+            finally:
+                self.policy.param_hints.update(hinted)
             if alt is not None:
-                raise _Repin({a.name: req for a, req in zip(ins, alt.inputs) if a.name in shared},
-                             _no_strategy_message(node, policy, ins, place, info, cap))
-            hinted = {a.name: policy.param_hints[a.name] for a in ins
-                      if a.name in cap.params and place[a.name] is None and a.name in policy.param_hints}
-            if hinted:
-                for a in hinted:
-                    del policy.param_hints[a]
-                try:
-                    alt, _ = choose(node, cands, ins, current, in_metas, outs, weight_args, token_out)
-                finally:
-                    policy.param_hints.update(hinted)
-                if alt is not None:
-                    raise _Unhint(list(hinted), _no_strategy_message(node, policy, ins, place, info, cap))
-            raise PlanError(_no_strategy_message(node, policy, ins, place, info, cap))
+                raise _Unhint(list(hinted),
+                              _no_strategy_message(node, self.policy, ins, self.place, info, self.cap))
+        raise PlanError(_no_strategy_message(node, self.policy, ins, self.place, info, self.cap))
+
+    def commit(self, node: fx.Node, best: Strategy, ins: list[fx.Node], current: tuple, outs) -> None:
+        """Run ``node`` by ``best``: its unplaced inputs settled, its redistributions paid, its placement kept."""
         for i, (a, req) in enumerate(zip(ins, best.inputs)):
-            if unplaced(a):
-                settle(a, req)
-            elif a.name not in cap.params and current[i] != req:
-                made.add((a.name, req))
-        if node.target in _STORAGE_READERS and n > 1 and not policy.shard_inputs_dim0:
-            _check_storage_read(node, best, place, policy)  # (dp, ep: presharded, every layout the capture's)
-        strategies[node.name] = best
-        place[node.name] = best.outputs if len(outs) > 1 else (best.outputs[0] if best.outputs else None)
+            if self.unplaced(a):
+                self.settle(a, req)
+            elif a.name not in self.cap.params and current[i] != req:
+                self.made.add((a.name, req))
+        if node.target in _STORAGE_READERS and self.n > 1 and not self.policy.shard_inputs_dim0:
+            # (dp, ep: presharded, every layout the capture's)
+            _check_storage_read(node, best, self.place, self.policy)
+        self.strategies[node.name] = best
+        self.place[node.name] = best.outputs if len(outs) > 1 else (best.outputs[0] if best.outputs else None)
         # a sharded dim whose static size does not divide (only from a padded vocabulary)
         for o, p in zip(outs, best.outputs):
             if isinstance(p, Shard):
                 size = o.shape[p.dim % o.ndim]
-                if isinstance(size, int) and size % n:
-                    padded[node.name] = p.dim % o.ndim
-    for node in gm.graph.nodes:  # values of parameters alone that no activation meets: whole, if they can be
-        if node.name in waiting and place[node.name] is None:
-            req = R if route(node, R) is not None else next(
-                s.outputs[0] for s in waiting[node.name][1] if s.outputs and route(node, s.outputs[0]) is not None)
-            settle(node, req)
-    for node in gm.graph.nodes:  # parameters nobody reads
-        if node.op == "placeholder" and node.name in cap.params and place[node.name] is None:
-            place[node.name] = params[node.name] = R
-    return AxisResult(place, strategies, params, padded, fallbacks, notes)
+                if isinstance(size, int) and size % self.n:
+                    self.padded[node.name] = p.dim % o.ndim
+
+    def finish(self) -> AxisResult:
+        """The values no activation met, and the parameters nobody reads, placed; the result."""
+        for node in self.cap.gm.graph.nodes:  # values of parameters alone that no activation meets: whole, if they can
+            if node.name in self.waiting and self.place[node.name] is None:
+                req = R if self.route(node, R) is not None else next(
+                    s.outputs[0] for s in self.waiting[node.name][1]
+                    if s.outputs and self.route(node, s.outputs[0]) is not None)
+                self.settle(node, req)
+        for node in self.cap.gm.graph.nodes:  # parameters nobody reads
+            if node.op == "placeholder" and node.name in self.cap.params and self.place[node.name] is None:
+                self.place[node.name] = self.params[node.name] = R
+        return AxisResult(self.place, self.strategies, self.params, self.padded, self.fallbacks, self.notes)
 
 
 def _no_strategy_message(node, policy, ins, place, info, cap) -> str:

@@ -51,36 +51,12 @@ import torch
 
 from mcompile.annotate import layer_index
 from mcompile.placements import Replicate, is_shard
+from mcompile.propagate import _weight_of
 
 __all__ = ["PlanQualityWarning", "Finding", "check_quality", "tp_exits"]
 
 aten = torch.ops.aten
-_WEIGHT_USES = {aten.linear.default: 1, aten.matmul.default: 1, aten.mm.default: 1, aten.addmm.default: 2,
-                aten.bmm.default: 1}  # bmm: experts' weights [E, in, out] (Llama-4's feed_forward.experts)
-# a library's custom op, by name (mcompile.rules.matmul.grouped_mm): transformers' grouped GEMM of experts [E, in, out]
-_WEIGHT_USES_BY_NAME = {"transformers.grouped_mm_fallback.default": 1}
-# how a weight may reach its contraction (Falcon's ``x @ self.weight.T``: numpy_T, then matmul)
 _STATISTICS = {aten.mean.dim, aten.sum.dim_IntList, aten.var.correction, aten.amax.default}
-_TO_WEIGHT = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default, aten.to.dtype,
-              aten._to_copy.default, aten.alias.default, aten.view.default,
-              aten.select.int}  # one expert's matrix of stacked experts (DBRX's w1.view(E, f, d)[e])
-
-
-def _to_weight(w) -> torch.fx.Node | None:
-    while isinstance(w, torch.fx.Node) and w.op == "call_function" and w.target in _TO_WEIGHT:
-        w = w.args[0]
-    return w if isinstance(w, torch.fx.Node) and w.op == "placeholder" else None
-
-
-def _weight_of(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The parameter placeholder a contraction multiplies by (through transposes and casts), or None."""
-    if node.target is aten.einsum.default:  # XLNet's "ibnd,hnd->ibh": an activation by a weight
-        ops = node.args[1] if len(node.args) > 1 else ()
-        return _to_weight(ops[1]) if len(ops) == 2 and _to_weight(ops[0]) is None else None
-    i = _WEIGHT_USES.get(node.target, _WEIGHT_USES_BY_NAME.get(str(node.target)))
-    if i is None or len(node.args) <= i:
-        return None
-    return _to_weight(node.args[i])
 
 
 def _activation_of(node: torch.fx.Node):

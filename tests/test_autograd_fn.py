@@ -49,7 +49,7 @@ def test_functions_keep_their_own_backward_on_one_device_dp2_and_tp2():
     """Single device (tp=1), dp=2 and tp=2 in the thread simulator: loss and every gradient equal eager
     PyTorch's, whose gradients differ from the forward-differentiated ones; each Function is one op, split
     where its forward and backward are pointwise (RoundSTE, ScaleGrad, Shift:
-    mcompile.autograd_fn.pointwise_rule) or row by row (ProductAndMax's amax over the last dim), else replicated
+    mcompile.rules.inferred.pointwise_rule) or row by row (ProductAndMax's amax over the last dim), else replicated
     and reported (Recomputed's gradient of a broadcast gain); at tp=2 the joint path (forward and backward traced
     into one graph) gives
     the autograd path's gradients to the bit, with each Function's backward traced as ops, no opaque node left."""
@@ -61,7 +61,7 @@ def test_functions_keep_their_own_backward_on_one_device_dp2_and_tp2():
             warnings.simplefilter("always")
             c = compile_plan(model, Mesh.fake(**axes), inputs)
         # not pointwise, nor row by row (a broadcast gain); the others are split (ProductAndMax: its amax over the
-        # last dim works row by row, mcompile.autograd_fn._rowwise)
+        # last dim works row by row, mcompile.rules.inferred._rowwise)
         named = {"Recomputed"}
         assert {f.__name__ for f in FUNCTIONS} > named
         assert {op.split(".")[1].rsplit("_", 1)[0] for op in c.plan.fallbacks if op.startswith("mcompile_fn.")} \

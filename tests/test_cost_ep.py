@@ -267,7 +267,7 @@ def _expert_shapes(name):
 
 
 def _gib(b):
-    from mcompile.report import _gib as g
+    from mcompile.plan import _gib as g
 
     return g(b)
 

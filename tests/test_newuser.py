@@ -182,7 +182,7 @@ def test_plan_auto_with_zero_trains_with_the_distributed_optimizer():
 @pytest.mark.timeout(180)
 def test_plan_memory_table_and_gpu_peak_count_the_same_model_state(capsys):
     from mcompile.cli import main
-    from mcompile.report import MODEL_STATE_TITLE
+    from mcompile.plan import MODEL_STATE_TITLE
 
     assert main(["plan", "gpt2-small", "--mesh", "tp=2", "--seq", "1024", "--gpu", "h100", "--json"]) == 0
     out = capsys.readouterr()
@@ -263,7 +263,8 @@ def test_near_miss_model_names_get_a_suggestion(capsys):
 
 def test_stage_cuts_print_as_layer_positions(capsys):
     from mcompile.cli import main
-    from mcompile.report import cut_position, stage_span
+    from mcompile.plan import cut_position
+    from mcompile.report import stage_span
 
     assert main(["plan", "llama3-tiny", "--mesh", "pp=2", "--microbatches", "2", "--seq", "16",
                  "--granularity", "layer"]) == 0

@@ -199,7 +199,7 @@ def test_an_exact_floor_division_of_sizes_is_a_plain_quotient():
     import sympy
     from torch.utils._sympy.functions import FloorDiv
 
-    from mcompile.rules import _exact_floordivs
+    from mcompile.rules.base import _exact_floordivs
     from mcompile.rules.views import view_groups
 
     b, s = sympy.symbols("b s", positive=True, integer=True)

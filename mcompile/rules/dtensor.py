@@ -46,7 +46,7 @@ import torch
 import torch.fx as fx
 
 from mcompile.placements import Partial, Replicate, Shard
-from mcompile.rules import OpInfo, Strategy, TensorMeta
+from mcompile.rules.base import OpInfo, Strategy, TensorMeta
 
 __all__ = ["DENIED", "bridge_rule", "bridged_ops", "dtensor_ops", "refusal"]
 
@@ -277,7 +277,7 @@ def _concrete(info: OpInfo):
 
 def _int(x, subs) -> int:
     if isinstance(x, torch.SymInt):
-        from mcompile.rules import to_expr
+        from mcompile.rules.base import to_expr
 
         x = to_expr(x)
     if isinstance(x, sympy.Expr):

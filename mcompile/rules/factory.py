@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mcompile.rules import OpInfo, R, Strategy, rule
+from mcompile.rules.base import OpInfo, R, Strategy, rule
 
 aten = torch.ops.aten
 

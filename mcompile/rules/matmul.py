@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from mcompile.placements import BlockShard, Partial, Shard
-from mcompile.rules import OpInfo, R, Strategy, divisible, rule, same
+from mcompile.rules.base import OpInfo, R, Strategy, divisible, rule, same
 
 aten = torch.ops.aten
 P = Partial()

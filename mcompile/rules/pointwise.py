@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from mcompile.placements import BlockShard
-from mcompile.rules import OpInfo, Partial, R, Shard, Strategy, rule, same
+from mcompile.rules.base import OpInfo, Partial, R, Shard, Strategy, rule, same
 
 aten = torch.ops.aten
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mcompile.placements import Partial, Shard
-from mcompile.rules import OpInfo, R, Strategy, divisible, norm_dim, rule
+from mcompile.rules.base import OpInfo, R, Strategy, divisible, norm_dim, rule
 
 aten = torch.ops.aten
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from mcompile.placements import BlockShard, Shard
-from mcompile.rules import OpInfo, R, Strategy, divisible, localizer, rule, same
+from mcompile.rules.base import OpInfo, R, Strategy, divisible, localizer, rule, same
 
 __all__ = ["ssd_scan_rule", "conv1d_rule"]
 

@@ -16,7 +16,7 @@ import sympy
 import torch
 
 from mcompile.placements import BlockShard, Partial, Replicate, Shard
-from mcompile.rules import OpInfo, R, Strategy, divisible, localizer, norm_dim, rule, same
+from mcompile.rules.base import OpInfo, R, Strategy, divisible, localizer, norm_dim, rule, same
 
 aten = torch.ops.aten
 
@@ -483,11 +483,11 @@ def cat(info: OpInfo) -> list[Strategy]:
     # parts projected apart, each split over the axis on the cat dim, joined along it and cut apart into the same
     # parts later (BailingHybrid's separate q, k, v projections concatenated for one depthwise conv): each rank's
     # pieces joined are its share of every part, the blocks of a fused projection's output (BlockShard, part
-    # sizes), which the ops on the way keep and the cut makes plain shards again (mixer_hints.cut_apart; a
+    # sizes), which the ops on the way keep and the cut makes plain shards again (channels.cut_apart; a
     # block layout read by anything else, a linear, could only be gathered whole, and nothing gathers blocks)
     sizes = [] if any(empty) else [t.shape[dim] for t in info.inputs]
     if k >= 2 and sizes and all(isinstance(s, int) and s > 0 for s in sizes) and info.node is not None:
-        from mcompile.mixer_hints import cut_apart
+        from mcompile.channels import cut_apart
 
         if not cut_apart(info.node, dim, sizes):
             sizes = []
