@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -203,9 +204,8 @@ class Config:
                 object.__setattr__(self, name, choice(value))
             except ValueError:
                 raise ValueError(f"{name}={value!r}: use {_options(name, choice)}") from None
-        from mcompile.runtime.loss_scale import DynamicLossScaler
-
-        DynamicLossScaler.from_config(self)  # the loss-scaling options checked (an error names the bad one)
+        check_loss_scale(self.initial_loss_scale, self.loss_scale_window, self.min_loss_scale,
+                         self.loss_scale_hysteresis)  # (an error names the bad option)
         if self.recompute == "auto" and (self.activation_budget is None or self.activation_budget < 0):
             raise ValueError("recompute='auto' needs activation_budget=<bytes of saved activations per rank at its "
                              "peak, shared by the microbatches a pipeline stage holds in flight> (>= 0)")
@@ -268,3 +268,22 @@ class Config:
             raise ValueError(f"fp8_amax_history_len={self.fp8_amax_history_len!r} must be a positive integer")
         if not isinstance(self.fp8_margin, int) or self.fp8_margin < 0:
             raise ValueError(f"fp8_margin={self.fp8_margin!r} must be an integer >= 0 (powers of 2 of headroom)")
+
+
+def check_loss_scale(initial: float, growth_interval: int, min_scale: float, hysteresis: int, growth: float = 2.0,
+                     backoff: float = 0.5) -> None:
+    """The dynamic loss scaler's options (runtime/loss_scale.py), checked where they are given: ``Config`` and the
+    scaler itself; the error names the option."""
+    if not (initial > 0 and math.isfinite(initial)):
+        raise ValueError(f"initial_loss_scale={initial!r} must be a finite number > 0 (2**16 is Megatron's "
+                         "usual start)")
+    if not 0 < min_scale <= initial:
+        raise ValueError(f"min_loss_scale={min_scale!r} must be > 0 and at most initial_loss_scale={initial}")
+    if not isinstance(growth_interval, int) or isinstance(growth_interval, bool) or growth_interval < 1:
+        raise ValueError(f"loss_scale_window={growth_interval!r} must be a positive integer "
+                         "(clean steps before the scale doubles; 1000 by default)")
+    if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
+        raise ValueError(f"loss_scale_hysteresis={hysteresis!r} must be a positive integer (1: every overflow "
+                         "halves the scale)")
+    if not growth > 1 or not 0 < backoff < 1:
+        raise ValueError(f"growth {growth!r} must be > 1 and backoff {backoff!r} in (0, 1)")

@@ -41,6 +41,8 @@ import math
 
 import torch
 
+from mcompile.config import check_loss_scale
+
 __all__ = ["DynamicLossScaler", "nonfinite"]
 
 
@@ -50,19 +52,7 @@ class DynamicLossScaler:
 
     def __init__(self, initial: float = 2.0**16, *, growth_interval: int = 1000, min_scale: float = 1.0,
                  hysteresis: int = 1, growth: float = 2.0, backoff: float = 0.5):
-        if not (initial > 0 and math.isfinite(initial)):
-            raise ValueError(f"initial_loss_scale={initial!r} must be a finite number > 0 (2**16 is Megatron's "
-                             "usual start)")
-        if not 0 < min_scale <= initial:
-            raise ValueError(f"min_loss_scale={min_scale!r} must be > 0 and at most initial_loss_scale={initial}")
-        if not isinstance(growth_interval, int) or isinstance(growth_interval, bool) or growth_interval < 1:
-            raise ValueError(f"loss_scale_window={growth_interval!r} must be a positive integer "
-                             "(clean steps before the scale doubles; 1000 by default)")
-        if not isinstance(hysteresis, int) or isinstance(hysteresis, bool) or hysteresis < 1:
-            raise ValueError(f"loss_scale_hysteresis={hysteresis!r} must be a positive integer (1: every overflow "
-                             "halves the scale)")
-        if not growth > 1 or not 0 < backoff < 1:
-            raise ValueError(f"growth {growth!r} must be > 1 and backoff {backoff!r} in (0, 1)")
+        check_loss_scale(initial, growth_interval, min_scale, hysteresis, growth, backoff)
         self.scale = float(initial)
         self.growth_interval, self.min_scale, self.hysteresis = growth_interval, float(min_scale), hysteresis
         self.growth, self.backoff = float(growth), float(backoff)

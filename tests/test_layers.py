@@ -70,9 +70,6 @@ LAYERS = [
 ]
 # imports against the layer order, each with why it is there; the list may shrink, never grow
 UPWARD = {
-    ("mcompile.config", "mcompile.runtime.loss_scale"):
-        "Config checks its loss-scaling options by building the runtime's DynamicLossScaler, whose constructor "
-        "validates them (one check, not two)",
     ("mcompile.cost", "mcompile.compiler"):
         "the Workload plans through the model passes (goes with the KNOWN cycle: the cost model moves above the "
         "compiler once its formulas sit below the passes)",
