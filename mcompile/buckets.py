@@ -28,13 +28,20 @@ guide). Offsets, in elements::
 Padding elements (between parameters and at the end) are zero, belong to no parameter and to no
 segment: they cost memory (under 64 elements per parameter plus ``dp * 64`` per bucket), never
 optimizer state beyond the fp32 master shard that covers the owned range.
+
+Which buckets a rank has, and which bucket a backward launches after each gradient it adds
+(passes/overlap.py ``launch_buckets``), is :func:`grad_buckets` of parameter metadata alone: the
+runtime's buffers (runtime/leaves.py, runtime/zero.py) are laid out from it, and ``mcompile show``
+places the same launches in the backward it prints, so the printed backward is the one that runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
-__all__ = ["ALIGN", "BucketLayout", "Segment", "bucket_layouts", "zero1_layouts", "zero1_memory"]
+__all__ = ["ALIGN", "BucketLayout", "GradBucket", "GradBuckets", "Segment", "bucket_layouts", "data_axes",
+           "grad_buckets", "zero1_layouts", "zero1_memory"]
 
 # elements every parameter offset and owned range start is a multiple of: 128 B of bf16 (the
 # narrowest buffer dtype), 256 B of fp32
@@ -128,6 +135,102 @@ def bucket_layouts(numels: list[tuple[str, int]], dp: int, bucket_bytes: int,
     if cur:
         out.append(cur)
     return [BucketLayout(tuple(f for f, _ in b), tuple(n for _, n in b), dp, align) for b in out]
+
+
+def data_axes(mesh) -> tuple[str, ...]:
+    """The data-parallel axes of ``mesh`` whose ranks sum each other's gradients: dp, cp and ep of size > 1, in
+    mesh order (Megatron's dp x cp gradient group, with ep folded into dp: runtime/module.py)."""
+    return tuple(a for a in mesh.axis_names if a in ("dp", "cp", "ep") and mesh.size(a) > 1)
+
+
+@dataclass(frozen=True)
+class GradBucket:
+    """One flat fp32 gradient buffer of a rank: its layout, and the data axes its gradients are summed over
+    (``()``: none, e.g. ZeRO-3's pieces at dp alone, reduce-scattered inside the backward). Under ZeRO-1/2 also
+    the communicator group that reduce-scatters it and shards its optimizer state (``"dp"``, ``"data"`` for
+    dp x ep, ...; ``""`` for none), the group's size (the layout's ``dp``) and this rank's index in it."""
+
+    layout: BucketLayout
+    axes: tuple[str, ...]
+    group: str = ""
+    size: int = 1
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class GradBuckets:
+    """A rank's gradient buckets in their order (the bucket index is the position in ``buckets``), and whether
+    they are ZeRO-1/2's sharded ones (``sharded``) or whole all-reduced ones."""
+
+    buckets: tuple[GradBucket, ...]
+    sharded: bool
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        """fqn -> the index of its bucket."""
+        return {f: i for i, b in enumerate(self.buckets) for f in b.layout.fqns}
+
+    def launched(self, fqn: str | None, counted, deferred=frozenset()) -> int | None:
+        """The index of ``fqn``'s bucket when a backward may launch it, else None: its gradient counts towards its
+        bucket's readiness (``counted``: the parameters whose gradient this rank's programs produce; ``deferred``:
+        weights tied across pipeline stages, counted after their cross-stage sum, outside any backward) and the
+        bucket is reduced over a data axis (ZeRO-1/2: every bucket, reduce-scattered). What the runtime's
+        ``Leaves.bucket_index`` answers and the overlap pass places launches for."""
+        i = self.index.get(fqn) if fqn is not None and fqn in counted and fqn not in deferred else None
+        if i is None or not (self.sharded or self.buckets[i].axes):
+            return None
+        return i
+
+
+def grad_buckets(params: list[tuple[str, int, bool]], plan, mesh, coords: dict[str, int], *, zero: int = 0,
+                 bucket_mb: float = 25.0, zero3=frozenset()) -> GradBuckets:
+    """The gradient buckets of the rank at ``coords`` of ``mesh`` (an mcompile Mesh): pure, from metadata.
+
+    ``params``: (fqn, elements of the rank's local piece, requires grad) of every parameter the rank holds (under
+    pp: its stages'), in registration order; ``plan``: the parameters' placements (``grad_partial_axes``);
+    ``zero``, ``bucket_mb``: the Config's; ``zero3``: the parameters ZeRO-3 shards over dp (their dp sum is inside
+    the backward: their buckets are reduced over the other data axes only).
+
+    zero=0 (and zero=1 at one data rank, ZeRO-3): the trainable parameters in reverse order (roughly the order
+    backward finishes them) grouped by the data axes their gradient is summed over, groups over more axes first,
+    each cut into buckets of ``bucket_mb``. ZeRO-1/2 over more than one data rank: every parameter grouped by the
+    communicator group of those axes (dp x ep dense weights over "data", routed experts over dp), in the order the
+    groups first appear, each cut into buckets of ``bucket_mb`` padded for that group's size. Raises
+    NotImplementedError for a trainable parameter no ZeRO group reduces."""
+    data = data_axes(mesh)
+    limit = int(bucket_mb * 2**20)
+    size, coord = 1, 0
+    for a in data:
+        size, coord = size * mesh.size(a), coord * mesh.size(a) + coords[a]
+    out = []
+    if zero in (1, 2) and size > 1:
+        group_of_axes = {frozenset(data): ("data" if len(data) > 1 else data[0], size, coord)}
+        for a in data:
+            group_of_axes.setdefault(frozenset([a]), (a, mesh.size(a), coords[a]))
+        group_of_axes.setdefault(frozenset(), ("", 1, 0))  # reduced over nothing (experts at dp=1)
+        orders: dict[tuple, list] = {}
+        axes_of: dict[tuple, tuple[str, ...]] = {}
+        for fqn, numel, grad in reversed(params):
+            axes = frozenset(a for a in plan.params[fqn].grad_partial_axes if mesh.size(a) > 1 and a in data)
+            if axes in group_of_axes and (axes or "ep" in data):
+                g = group_of_axes[axes]
+                orders.setdefault(g, []).append((fqn, numel))
+                axes_of[g] = tuple(a for a in data if a in axes)
+            elif grad:
+                raise NotImplementedError(f"ZeRO-1: {fqn} has a gradient that is not reduced over the data-parallel "
+                                          f"ranks ({', '.join(sorted(axes)) or 'none'})")
+        for g, order in orders.items():
+            out += [GradBucket(lay, axes_of[g], *g) for lay in bucket_layouts(order, g[1], limit)]
+        return GradBuckets(tuple(out), True)
+    by_axes: dict[tuple[str, ...], list] = {}  # the data axes a gradient is summed over -> its parameters
+    for fqn, numel, grad in reversed(params):
+        if grad:
+            partial = plan.params[fqn].grad_partial_axes
+            axes = tuple(a for a in data if a in partial and not (a == "dp" and fqn in zero3))
+            by_axes.setdefault(axes, []).append((fqn, numel))
+    for axes, numels in sorted(by_axes.items(), key=lambda kv: -len(kv[0])):
+        out += [GradBucket(lay, axes) for lay in bucket_layouts(numels, 1, limit)]
+    return GradBuckets(tuple(out), False)
 
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -912,6 +912,42 @@ def _example_args(compiled, rank: int, names: list[str], inputs: tuple, microbat
             for n in names]
 
 
+def _bucket_launches(compiled, rank: int, config, rp: RankPrograms, own: set[str]):
+    """What ``rank``'s runtime gives each of its joint runners as ``grad_buckets``: ``of(input names)`` is the
+    ``grad_buckets(position)`` of a program with those inputs, the dp bucket its backward launches after adding the
+    gradient of the parameter fed there (mcompile.buckets ``grad_buckets``, by which runtime/leaves.py and
+    runtime/zero.py lay their buffers out, on the parameters the rank holds: its stages' under pp, ``own``; in
+    capture order, the runtime's registration order for a model built with its weights). The counted parameters
+    are runtime/module.py's: the ones the program reads, or under pp every one of its stages', less the weights
+    tied across pipeline ranks (runtime/pipeline.py ``tied_groups``: counted after their cross-stage sum)."""
+    from mcompile.buckets import grad_buckets
+
+    cap, mesh = compiled.captured, compiled.mesh
+    coords, dp = mesh.coords(rank), mesh.size("dp")
+    state = compiled.local_state(rank)
+    ph_of = {}
+    for ph, fqn in cap.params.items():
+        ph_of.setdefault(fqn, ph)
+    held = [f for f in ph_of if not rp.stages or f in own]
+    pieces = {f: state[ph_of[f]].chunk(dp)[coords["dp"]] if f in rp.zero3 else state[ph_of[f]] for f in held}
+    layout = grad_buckets([(f, pieces[f].numel(), pieces[f].is_floating_point()) for f in held], compiled.plan, mesh,
+                          coords, zero=config.zero, bucket_mb=config.bucket_mb, zero3=set(rp.zero3))
+    if rp.stages:
+        pp = mesh.size("pp")
+        ranks: dict[str, set] = {}
+        for st in rp.stages:
+            for ph in st.params:
+                ranks.setdefault(cap.params[ph], set()).add(st.index % pp)
+        counted, deferred = set(held), {f for f in held if len(ranks.get(f, ())) > 1}
+    else:
+        used = {n.name for n in rp.program.graph.nodes if n.op == "placeholder" and n.users}
+        counted, deferred = {fqn for ph, fqn in cap.params.items() if ph in used}, set()
+
+    def of(names: list[str]):
+        return lambda pos: layout.launched(cap.params.get(names[pos]) if pos < len(names) else None, counted, deferred)
+    return of
+
+
 def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> str:
     """The programs of ``rank`` after pass ``after`` (and every pass before it that ``config``
     enables), as Python: the per-rank program (or, under pp, this rank's stage programs) for rank
@@ -958,19 +994,24 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     carried: list = []
     split_w = PASSES[names.index("split_weight")].enabled(config, mesh)
+    own = {compiled.captured.params[ph] for st in rp.stages if st.index % pp == pp_rank for ph in st.params}
+    launches = _bucket_launches(compiled, rank, config, rp, own)
     for label, gm, in_names, n_recv, mine in programs:
-        zero3 = zero3_placeholders(compiled, in_names) if PASSES[names.index("fsdp")].enabled(config, mesh) else set()
+        zero3 = {ph for ph in in_names if compiled.captured.params.get(ph) in rp.zero3}  # the runtime's dp pieces
         args = _example_args(compiled, rank, in_names[:len(in_names) - n_recv], inputs, config.microbatches, mode,
                              zero3)
         args += carried
-        split = list(range(len(args) - n_recv, len(args))) if split_w and n_recv else None
-        # as the runtime builds it: weight gradients added into their buffers inside backward
+        # as the runtime builds it (runtime/module.py, runtime/pipeline.py Pipeline._make_runner): weight gradients
+        # added into their buffers inside backward, a stage's received inputs apart (their gradients B's, whatever
+        # the schedule), and in the rank's own programs the dp bucket launches after their last gradient
+        split = list(range(len(in_names) - n_recv, len(in_names))) if rp.stages else None
         runner = joint_runner(gm, config, split_inputs=split, name=label, accumulate=lambda a: {},
-                              budget=budgets.get(label))
+                              grad_buckets=launches(in_names) if mine else None, budget=budgets.get(label))
         with torch.enable_grad():
             jp = runner.compile(args)
-        with mode, torch.no_grad():
-            res = jp.forward.gm(*args) if hasattr(jp.forward, "gm") else jp.forward(*args)
+        with mode, torch.no_grad():  # the program's module constants lifted after its inputs, as JointRunner.forward
+            fwd_args = list(args) + jp.joint.constants
+            res = jp.forward.gm(*fwd_args) if hasattr(jp.forward, "gm") else jp.forward(*fwd_args)
         outs = res[:jp.joint.num_outputs]
         carried = [o.detach().requires_grad_() if o.is_floating_point() else o.detach() for o in outs]
         if not mine:
@@ -984,7 +1025,7 @@ def show(compiled, rank: int, config, inputs: tuple, after: str = "codegen") -> 
                      f"{len(jp.recomputed) - views} ops and {views} views recomputed in backward, "
                      f"{jp.recompute_flops:.0f} FLOPs) ----")
         lines.append(_code(jp.forward))
-        if jp.backward_input is not None and idx >= names.index("split_weight"):
+        if split_w and jp.backward_input is not None and jp.input_grads and idx >= names.index("split_weight"):
             lines += [f"# ---- {label}: backward B (input gradients) ----", _code(jp.backward_input),
                       f"# ---- {label}: backward W (weight gradients) ----", _code(jp.backward_weight)]
         else:

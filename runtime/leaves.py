@@ -38,9 +38,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from mcompile.buckets import bucket_layouts
+from mcompile.buckets import GradBuckets, grad_buckets
 
-__all__ = ["Leaves"]
+__all__ = ["Leaves", "grad_layout"]
+
+
+def grad_layout(pm) -> GradBuckets:
+    """The gradient buckets of ParallelModule ``pm`` (:func:`mcompile.buckets.grad_buckets` of its parameters, in
+    registration order, with their local pieces' sizes): the buffers' layout here and in runtime/zero.py."""
+    params = [(f, p._local_tensor.numel(), p.requires_grad) for f, p in pm._params.items()]
+    return grad_buckets(params, pm.plan, pm.mesh, pm._coords, zero=pm.config.zero, bucket_mb=pm.config.bucket_mb,
+                        zero3=set(pm._zero3))
 
 
 class _GradBucket:
@@ -75,6 +83,7 @@ class Leaves:
         self.main: dict[str, torch.Tensor] = {}  # fqn -> flat fp32 view
         self._bucket_of: dict[str, object] = {}
         if self.zero is not None:
+            self.layout = self.zero.layout
             for zb in self.zero.buckets:
                 for fqn, off, n in zip(zb.layout.fqns, zb.layout.offsets, zb.layout.numels):
                     self.main[fqn] = zb.grad_buf[off:off + n]
@@ -99,27 +108,25 @@ class Leaves:
         # ZeRO-2: buckets are reduce-scattered after every microbatch's backward, not only the last one's
         self.every_microbatch = self.zero is not None and self.zero.per_microbatch
         self.bucket_list = list(self.zero.buckets) if self.zero is not None else list(self.buckets)
-        self._index = {id(b): i for i, b in enumerate(self.bucket_list)}
         self._build()
 
     # -- layout -----------------------------------------------------------------------------------
     def _make_buckets(self, params) -> list[_GradBucket]:
+        """The buffers of :func:`mcompile.buckets.grad_buckets` (zero=0): the trainable parameters in reverse
+        order, grouped by the data axes their gradient is summed over (dp only for an expert weight; not dp for
+        a ZeRO-3 piece, reduce-scattered inside the backward), in buckets of ``bucket_mb``: the layout by which
+        ``mcompile show`` places the backward's bucket launches too."""
         pm = self.pm
-        limit = int(pm.config.bucket_mb * 2**20)
-        order = list(reversed(self.trainable))  # roughly the order backward finishes them
-        by_axes: dict[tuple, list[str]] = {}  # the data-parallel axes a gradient is summed over -> its params
-        for f in order:
-            by_axes.setdefault(pm._bucket_axes(f), []).append(f)
+        self.layout = grad_layout(pm)
         out = []
-        for axes, fqns in sorted(by_axes.items(), key=lambda kv: -len(kv[0])):
-            numels = [(f, params[f]._local_tensor.numel()) for f in fqns]
-            for lay in bucket_layouts(numels, 1, limit):
-                b = _GradBucket(lay.fqns, lay.offsets, lay.numels, lay.padded, pm._device, bool(axes))
-                b.group = pm._reduce_group(axes) if axes else None
-                for f in lay.fqns:
-                    self._bucket_of[f] = b
-                    self.main[f] = b.views[f]
-                out.append(b)
+        for gb in self.layout.buckets:
+            lay, axes = gb.layout, gb.axes
+            b = _GradBucket(lay.fqns, lay.offsets, lay.numels, lay.padded, pm._device, bool(axes))
+            b.group = pm._reduce_group(axes) if axes else None
+            for f in lay.fqns:
+                self._bucket_of[f] = b
+                self.main[f] = b.views[f]
+            out.append(b)
         return out
 
     def _build(self) -> None:
@@ -205,12 +212,7 @@ class Leaves:
     def bucket_index(self, fqn: str | None) -> int | None:
         """The index of ``fqn``'s bucket when a backward may launch it (its gradient counts towards a
         bucket reduced over dp), else None: what the overlap pass places launches for."""
-        if fqn is None or fqn not in self.counted or fqn in self.deferred or fqn not in self._bucket_of:
-            return None
-        b = self._bucket_of[fqn]
-        if self.zero is None and not b.reduce_dp:
-            return None
-        return self._index[id(b)]
+        return self.layout.launched(fqn, self.counted, self.deferred)
 
     def grads_ready(self, bucket: int, count: int) -> None:
         """``count`` gradients of bucket ``bucket`` were added inside a backward module (the

@@ -68,9 +68,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from mcompile.buckets import BucketLayout, Segment, bucket_layouts
+from mcompile.buckets import BucketLayout, Segment
 from mcompile.placements import BlockShard, Shard
 from mcompile.runtime.comm import _ALL_GATHER, _REDUCE_SCATTER
+from mcompile.runtime.leaves import grad_layout
 
 __all__ = ["DistributedOptimizer", "ZeroBuffers"]
 
@@ -128,11 +129,6 @@ class ZeroBuffers:
         # dp x ep data ranks (the "data" group) and its state sharded over them; a routed expert's (sharded
         # over ep) over dp alone. A bucket holds parameters of one group.
         self.data_axes = list(pm._data_axes)
-        group_of_axes = {frozenset(self.data_axes): ("data" if len(self.data_axes) > 1 else self.data_axes[0],
-                                                     pm._data_size, pm._data_coord)}
-        for a in self.data_axes:
-            group_of_axes.setdefault(frozenset([a]), (a, pm.mesh.size(a), pm._coords[a]))
-        group_of_axes.setdefault(frozenset(), ("", 1, 0))  # reduced over nothing (experts at dp=1)
         self.coords = dict(pm._coords)
         self.axis_names = pm.mesh.axis_names
         self.axis_sizes = {a: pm.mesh.size(a) for a in self.axis_names}
@@ -143,18 +139,11 @@ class ZeroBuffers:
         self.stage = pm.config.zero  # 1, or 2: gradients reduce-scattered after every microbatch, kept sharded
         self.per_microbatch = self.stage == 2
         plan = pm.plan
-        orders: dict[tuple, list] = {}
-        for fqn in reversed(list(pm._params)):
-            p = pm._params[fqn]
-            axes = frozenset(a for a in plan.params[fqn].grad_partial_axes
-                             if pm.mesh.size(a) > 1 and a in self.data_axes)
-            if axes in group_of_axes and (axes or "ep" in self.data_axes):
-                orders.setdefault(group_of_axes[axes], []).append((fqn, p.to_local().numel()))
-            elif p.requires_grad:
-                raise NotImplementedError(f"ZeRO-1: {fqn} has a gradient that is not reduced over the data-parallel "
-                                          f"ranks ({', '.join(sorted(axes)) or 'none'})")
-        bucket_bytes = int(pm.config.bucket_mb * 2**20)
-        layouts = [(g, lay) for g, order in orders.items() for lay in bucket_layouts(order, g[1], bucket_bytes)]
+        # the buckets (mcompile.buckets.grad_buckets, which mcompile show places the backward's launches by): every
+        # parameter grouped by the communicator group its gradient is reduced over; the dense ones of dp x ep over
+        # "data", routed experts over dp, each group's buckets padded for its size
+        self.layout = grad_layout(pm)
+        layouts = [((gb.group, gb.size, gb.rank), gb.layout) for gb in self.layout.buckets]
         self.fqn_order = [f for f in pm._params if any(f in lay.fqns for _, lay in layouts)]
         self.buckets: list[_Bucket] = []
         # the placement of each parameter over every axis but dp: which axes its elements differ on
