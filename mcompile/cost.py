@@ -1738,6 +1738,60 @@ def layout_links(layout: Layout, st: CostSettings) -> dict:
 _STAGE_KEYS = ("f", "b", "w", "comm_f", "comm_b", "comm_f_x", "comm_b_x", "ep_f", "ep_b")
 
 
+def layer_recompute(layout: Layout, lay: dict, mix: dict | None = None) -> tuple:
+    """One layer's recompute per microbatch (module docstring, "Recompute"): (time, its exposed tp
+    communication, all of its tp communication, the fraction of the layer recomputed in full — whose cp and
+    MoE forward communication repeat too). ``mix``: recompute="auto"'s weights over the named policies on
+    the rank (:func:`auto_mix`)."""
+    kf = tp_keys(layout)[0]
+    if layout.recompute == Recompute.FULL:
+        return lay["f"], lay[kf], lay["comm_f"], 1.0
+    if layout.recompute == Recompute.SELECTIVE:
+        return lay["attn"], 0, 0, 0.0
+    if layout.recompute == Recompute.AUTO:
+        full = mix.get("full", 0.0)
+        return full * lay["f"] + mix.get("selective", 0.0) * lay["attn"], full * lay[kf], full * lay["comm_f"], full
+    return 0, 0, 0, 0.0
+
+
+def rank_times(layout: Layout, sec: Sections, n: int, extra: list[dict], mix: dict | None = None) -> dict:
+    """One microbatch on a pipeline rank with ``n`` layers and the ``extra`` sections (the embedding on the
+    first rank, the head on the last): the section times summed (``_STAGE_KEYS``), its recompute (``r``,
+    ``comm_r`` exposed, ``comm_r_total``), its cp attention communication (``cp`` exposed, ``cp_total``; the
+    layout's variant, its forward again under full recompute) and the MoE forward recomputed (``ep_r``).
+    ``mix``: the rank's recompute="auto" weights."""
+    lay = sec.lay
+    r, rc, rt, full = layer_recompute(layout, lay, mix)
+    cpc = sec.cp[layout.cp_attention] if layout.cp > 1 else _NO_CP
+    d = {k: n * lay[k] for k in _STAGE_KEYS}
+    d["r"] = n * r
+    d["comm_r"] = n * rc
+    d["comm_r_total"] = n * rt
+    d["cp"] = n * (cpc["f_x"] + cpc["b_x"] + full * cpc["f_x"])
+    d["cp_total"] = n * (cpc["f"] + cpc["b"] + full * cpc["f"])
+    d["ep_r"] = n * full * lay["ep_f"]
+    for e in extra:
+        for k in _STAGE_KEYS:
+            d[k] = d[k] + e[k]
+    return d
+
+
+def p2p_time(layout: Layout, prof: ModelProfile, st: CostSettings, links: dict):
+    """Pipeline p2p per microbatch (module docstring, "Pipeline"): v sends forward and v backward of b·s·h
+    (/tp), then an all-gather over tp unless sequence parallel; 0 without pp."""
+    if layout.pp == 1:
+        return 0
+    hw, v = st.hw, layout.virtual
+    beta, alpha = links["pp"]
+    msg = layout.microbatch_size * (st.seq / layout.cp) * prof.hidden * prof.activation_bytes / layout.tp
+    p2p = 2 * v * collective_time("send_recv", msg, 2, beta, alpha, hw.collective_call_latency)
+    if layout.tp > 1 and not layout.sequence_parallel:
+        tb, ta = links["tp"]
+        p2p = p2p + 2 * v * collective_time("all_gather", msg * layout.tp, layout.tp, tb, ta,
+                                            hw.collective_call_latency)
+    return p2p
+
+
 def step_terms(layout: Layout, prof: ModelProfile, sec: Sections, layers: tuple[int, ...], st: CostSettings,
                links: dict | None = None, auto: dict | None = None) -> tuple[dict, dict]:
     """The step-time terms (seconds) and details with ``layers[r]`` layers on pipeline rank r (module
@@ -1748,53 +1802,13 @@ def step_terms(layout: Layout, prof: ModelProfile, sec: Sections, layers: tuple[
     of ``st`` may be sympy symbols."""
     hw, eff = st.hw, st.eff
     links = links or layout_links(layout, st)
-    b, p, v = layout.microbatch_size, layout.pp, layout.virtual
+    p, v = layout.pp, layout.virtual
     m = microbatches(layout, st.global_batch)
     lay, pre, post = sec.lay, sec.pre, sec.post
     kf, kb = tp_keys(layout)
-    # recompute per layer (its exposed tp communication, and under full recompute the MoE dispatch again)
-    if layout.recompute == Recompute.FULL:
-        rec, rec_comm, rec_total = lay["f"], lay[kf], lay["comm_f"]
-    elif layout.recompute == Recompute.SELECTIVE:
-        rec, rec_comm, rec_total = lay["attn"], 0, 0
-    else:
-        rec, rec_comm, rec_total = 0, 0, 0
     if layout.recompute == Recompute.AUTO and auto is None:
         auto = layout_auto(layout, prof, sec, layers, st)
-    # context parallelism: the layout's attention variant per layer (cp_comm; full recompute repeats its forward)
-    cpc = sec.cp[layout.cp_attention] if layout.cp > 1 else _NO_CP
-
-    def stage(n: int, extra: list[dict], i: int) -> dict:
-        r, rc, rt = rec, rec_comm, rec_total
-        full = 1.0 if layout.recompute == Recompute.FULL else 0.0
-        if layout.recompute == Recompute.AUTO:  # the rank's per-layer mix of the named policies (auto_mix)
-            w = auto[i]["mix"]
-            r = w.get("full", 0.0) * lay["f"] + w.get("selective", 0.0) * lay["attn"]
-            rc = w.get("full", 0.0) * lay[kf]
-            rt = w.get("full", 0.0) * lay["comm_f"]
-            full = w.get("full", 0.0)
-        d = {k: n * lay[k] for k in _STAGE_KEYS}
-        d["r"] = n * r
-        d["comm_r"] = n * rc
-        d["comm_r_total"] = n * rt
-        d["cp"] = n * (cpc["f_x"] + cpc["b_x"] + full * cpc["f_x"])
-        d["cp_total"] = n * (cpc["f"] + cpc["b"] + full * cpc["f"])
-        d["ep_r"] = n * full * lay["ep_f"]
-        for e in extra:
-            for k in _STAGE_KEYS:
-                d[k] = d[k] + e[k]
-        return d
-
-    # pipeline p2p per microbatch: v sends forward + v backward of b·s·h (/tp), then an all-gather over tp
-    p2p = 0
-    if p > 1:
-        beta, alpha = links["pp"]
-        msg = b * (st.seq / layout.cp) * prof.hidden * prof.activation_bytes / layout.tp
-        p2p = 2 * v * collective_time("send_recv", msg, 2, beta, alpha, hw.collective_call_latency)
-        if layout.tp > 1 and not layout.sequence_parallel:
-            tb, ta = links["tp"]
-            p2p = p2p + 2 * v * collective_time("all_gather", msg * layout.tp, layout.tp, tb, ta,
-                                                hw.collective_call_latency)
+    p2p = p2p_time(layout, prof, st, links)
 
     def total(d):
         return (d["f"] + d["b"] + d["r"] + d[kf] + d[kb] + d["comm_r"] + d["cp"] + p2p
@@ -1821,7 +1835,7 @@ def step_terms(layout: Layout, prof: ModelProfile, sec: Sections, layers: tuple[
     bubbles = []
     for i in ranks_to_check(layers):
         extra = ([pre] if i == 0 else []) + ([post] if i == p - 1 else [])
-        d = stage(layers[i], extra, i)
+        d = rank_times(layout, sec, layers[i], extra, auto[i]["mix"] if auto is not None else None)
         params = layers[i] * sec.lay_params + (prof.pre.params if i == 0 else 0) + \
             (prof.post.params - (prof.tied_params if p == 1 else 0) if i == p - 1 else 0)
         dpi = dp_of(d, params, layers[i]) if per_mb else None
