@@ -5,7 +5,10 @@
 schedule, sequence parallelism, recompute, ZeRO); a :class:`Workload` is the model, captured once
 and analysed per (tp, sp); a :class:`~mcompile.hardware.Hardware` profile gives peak rates and
 links. Everything below is symbolic in the batch and the sequence length: the same functions run on
-numbers (``estimate``) and on sympy symbols (``step_time_expr``).
+numbers (``estimate``) and on sympy symbols (``step_time_expr``). They price a layout given the layers on
+each pipeline rank (:func:`price_ranks`): ``estimate`` gives ⌈L/p⌉ to every rank, the search
+(:mod:`mcompile.search`) the partitioner's cuts, reusing one :class:`Sections` for every layout that
+shares its sizes.
 
 What is analysed
 ----------------
