@@ -120,9 +120,10 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -847,6 +848,159 @@ def explain_choices(c: Candidate, choices: list[dict]) -> str:
 # --------------------------------------------------------------------------- the search
 
 
+class _Cell(NamedTuple):
+    """Layouts of a group that differ only in recompute and overlap: one (schedule, virtual, microbatch size,
+    matmul precision, cp attention variant)."""
+
+    prof: C.ModelProfile
+    sec: C.Sections
+    per: C.PerParam
+    split: StageSplit
+    schedule: str  # the cost model's schedule name
+    v: int
+    m: float  # microbatches
+    zero: int
+    precision: str
+    ep: int
+    cp: int
+    cp_attention: str
+    overlaps: list  # the overlap settings to price
+    same: set  # overlap settings that make the same layout as another one priced (not ranked)
+    layout_at: Callable  # (recompute, overlap, precision, ep, cp, cp_attention) -> Layout
+
+
+class _Pricer:
+    """The search's pricing state (module docstring, "Pruning"): the settings per matmul precision, the
+    :class:`mcompile.cost.Sections` and stage splits made so far, every layout priced (``found``: (step,
+    memory, index, layout, layers per rank, split, ranked)), the smallest footprint seen (the error when
+    nothing fits), the groups pruned whole and the counts (``stats``)."""
+
+    def __init__(self, work: SearchWorkload, space: _Space, st: C.CostSettings, precisions: tuple, exhaustive: bool):
+        self.work, self.space, self.st, self.exhaustive = work, space, st, exhaustive
+        self.precision = precisions[0]
+        self.st_of = {pr: dataclasses.replace(st, precision=pr) for pr in precisions}
+        self.limit = st.limit
+        self.sections: dict[tuple, C.Sections] = {}
+        self.splits: dict[tuple, StageSplit] = {}
+        self.found: list[tuple] = []
+        self.smallest: list = [math.inf, None]
+        self.stats = dict(space=0, groups=0, priced=0, pruned_memory=0, pruned_dominated=0, pruned_groups=0)
+        self.pruned_groups: list[tuple] = []
+        self.links: dict | None = None  # the current group's pp, tp and dp links (C.layout_links)
+
+    def sec_of(self, tp, sp, b, pr=None, ep=1, cp=1) -> C.Sections:
+        pr = pr or self.precision
+        key = (tp, sp, b, pr, ep, cp)
+        if key not in self.sections:
+            st = self.st_of.get(pr) or dataclasses.replace(self.st, precision=pr)
+            self.sections[key] = C.Sections(self.work.profile(tp, sp), b, st, pr, ep, cp)
+        return self.sections[key]
+
+    def split_of(self, pp, v) -> StageSplit:
+        if (pp, v) not in self.splits:
+            self.splits[(pp, v)] = stage_split(self.work, pp, v, self.st.seq)
+        return self.splits[(pp, v)]
+
+    def group(self, tp, sp, pp, dp, ep, z, cp) -> None:
+        """One group (tp, sp, pp, dp, ep, ZeRO, cp): its memory lower bound (pruning 1), then its (schedule,
+        virtual, microbatch size) variants, each schedule's stopping at the first microbatch size over the
+        limit (pruning 2)."""
+        space, stats, exhaustive = self.space, self.stats, self.exhaustive
+        stats["groups"] += 1
+        prof = self.work.profile(tp, sp)
+        variants = list(space.variants(pp, dp * ep, cp))
+        options = space.options(tp, z, exhaustive)
+        asked_cp = space.cp_variants(tp, cp)  # ("auto",): one layout, choose_cp_attention's variant
+        n_options = len(space.options(tp, z)) * len(asked_cp)
+        stats["space"] += len(variants) * len(space.recompute) * n_options
+        stats["pruned_dominated"] += len(variants) * len(space.recompute) * (n_options - len(options) * len(asked_cp))
+        # 1. memory lower bound of the group: model state averaged over the pipeline ranks (E/ep experts a rank)
+        per = C.state_per_param(self.st.param_dtype, self.st.grad_dtype, z, dp, ep, cp)
+        lay_params, lay_experts = C.expert_split(prof, ep)
+        total_params = self.work.depth * lay_params + prof.pre.params + prof.post.params - prof.tied_params
+        if not exhaustive and sum(per.of(total_params, self.work.depth * lay_experts)) / pp > self.limit:
+            stats["pruned_groups"] += 1
+            stats["pruned_memory"] += len(variants) * len(space.recompute) * len(options) * len(asked_cp)
+            self.pruned_groups.append((tp, sp, pp, dp, ep, z, cp))
+            return
+        over_at: dict[tuple, int] = {}  # (schedule, v) -> smallest microbatch size over the limit
+        self.links = None  # a new mesh: its links are the first layout's
+        for s, v, b in variants:
+            if not exhaustive and (s, v) in over_at:  # memory never falls as the microbatch grows (docstring)
+                stats["pruned_memory"] += len(space.recompute) * len(options) * len(asked_cp)
+                continue
+            fitted = False
+            for pr in dict.fromkeys(o[1] for o in options):
+                sec = self.sec_of(tp, sp, b, pr, ep, cp)
+                ovs = [o for o, q in options if q == pr]
+                for cpa in (sec.cp_choice if a == "auto" else a for a in asked_cp):
+                    layout_at = functools.partial(space.layout, tp, sp, pp, dp, z, s, v, b)  # (rec, overlap, ...)
+                    cell = _Cell(prof, sec, per, self.split_of(pp, v), s.value, v, self.st.global_batch / (dp * ep * b),
+                                 z, pr, ep, cp, cpa, ovs,
+                                 # overlap off where it changes nothing (tp = 1, ZeRO < 3) is the same layout twice:
+                                 # priced when exhaustive, not ranked
+                                 {False} if (tp == 1 and z < 3 and True in ovs) else set(), layout_at)
+                    fitted = self.named(cell) | fitted
+                    if Recompute.AUTO in space.recompute:  # priced wherever it fits (docstring, pruning 3)
+                        fitted = self.auto(cell) | fitted
+            if not fitted:
+                over_at[(s, v)] = b
+
+    def named(self, c: _Cell) -> bool:
+        """The named recompute modes of one cell, none → selective → full: the first that fits is the only one
+        priced (pruning 3) unless exhaustive. Whether one fits."""
+        stats, found, limit, smallest = self.stats, self.found, self.limit, self.smallest
+        named = [r for r in self.space.recompute if r != Recompute.AUTO]
+        cpb = c.sec.cp_buffers(c.cp_attention)
+        layers = c.split.layers_per_rank
+        fitted = False
+        for k, rec in enumerate(named):
+            mem, _ = C.peak_memory(c.prof, c.sec, layers, c.per, c.schedule, c.v, c.m, rec.value, detail=False,
+                                   zero=c.zero, grad_dtype=self.st.grad_dtype, cp_buffers=cpb)
+            if mem < smallest[0]:
+                smallest[:] = [mem, c.layout_at(rec, c.overlaps[0], c.precision, c.ep, c.cp, c.cp_attention)]
+            if mem > limit:
+                stats["pruned_memory"] += len(c.overlaps)
+                continue
+            for ov in c.overlaps:
+                lay = c.layout_at(rec, ov, c.precision, c.ep, c.cp, c.cp_attention)
+                self.links = self.links or C.layout_links(lay, self.st)
+                terms, _ = C.step_terms(lay, c.prof, c.sec, layers, self.st_of[c.precision], self.links)
+                stats["priced"] += 1
+                found.append((sum(terms.values()), mem, len(found), lay, layers, c.split, ov not in c.same))
+            fitted = True
+            if not self.exhaustive:  # 3. recompute dominance: the slower named modes need no pricing
+                stats["pruned_dominated"] += (len(named) - k - 1) * len(c.overlaps)
+                break
+        return fitted
+
+    def auto(self, c: _Cell) -> bool:
+        """recompute="auto" of one cell, at each overlap, wherever it fits. Whether it fits."""
+        stats, found, limit, smallest = self.stats, self.found, self.limit, self.smallest
+        cpb = c.sec.cp_buffers(c.cp_attention)
+        layers = c.split.layers_per_rank
+        fitted = False
+        for ov in c.overlaps:
+            auto = C.auto_stages(c.prof, c.sec, layers, c.per, c.schedule, c.v, c.m, limit, overlap=ov, zero=c.zero,
+                                 grad_dtype=self.st.grad_dtype, cp_attention=c.cp_attention)
+            mem, _ = C.peak_memory(c.prof, c.sec, layers, c.per, c.schedule, c.v, c.m, "auto", detail=False,
+                                   zero=c.zero, grad_dtype=self.st.grad_dtype, auto=auto, cp_buffers=cpb)
+            lay = c.layout_at(Recompute.AUTO, ov, c.precision, c.ep, c.cp, c.cp_attention)
+            if mem < smallest[0]:
+                smallest[:] = [mem, lay]
+            if mem > limit:
+                stats["pruned_memory"] += 1
+                continue
+            self.links = self.links or C.layout_links(lay, self.st)
+            terms, _ = C.step_terms(lay, c.prof, c.sec, layers, self.st_of[c.precision], self.links, auto=auto)
+            stats["priced"] += 1
+            # where it reduces to none (none fits, and is priced), the same layout twice: not ranked
+            ranked = not (C.auto_is_none(auto) and Recompute.NONE in self.space.recompute) and ov not in c.same
+            found.append((sum(terms.values()), mem, len(found), lay, layers, c.split, ranked))
+            fitted = True
+        return fitted
+
+
 def search(model, world: int | None = None, *, hardware: str | Hardware = "h100", global_batch: int,
            example_inputs: tuple = (), example_kwargs: dict | None = None, seq: int | None = None, top_k: int = 5,
            memory_limit: float | None = None, precision=DEFAULT_PRECISION, param_dtype: str = "bf16",
@@ -885,124 +1039,28 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
         raise SearchError("search() needs seq= (the model states no maximum sequence length)")
     st = C.cost_settings(hw, global_batch, seq, precisions[0], param_dtype, grad_dtype, attention_kernel, efficiency,
                          memory_limit, moe_imbalance)
-    st_of = {pr: dataclasses.replace(st, precision=pr) for pr in precisions}
-    limit = st.limit
     space = _space(work, world, global_batch, seq, schedules, recompute, zero, sequence_parallel, microbatch_sizes,
                    overlap_grad_reduce, overlap, precisions, ep, cp, cp_attention)
-    sections: dict[tuple, C.Sections] = {}
-    splits: dict[tuple, StageSplit] = {}
-    found: list[tuple] = []  # (step, memory, index, layout, layers, split, ranked)
-    smallest: list = [math.inf, None]
-    stats = dict(space=0, groups=0, priced=0, pruned_memory=0, pruned_dominated=0, pruned_groups=0)
-    pruned_groups: list[tuple] = []
-
-    def sec_of(tp, sp, b, pr=precisions[0], ep=1, cp=1):
-        key = (tp, sp, b, pr, ep, cp)
-        if key not in sections:
-            sections[key] = C.Sections(work.profile(tp, sp), b, st_of.get(pr) or dataclasses.replace(st, precision=pr),
-                                      pr, ep, cp)
-        return sections[key]
-
-    def split_of(pp, v):
-        if (pp, v) not in splits:
-            splits[(pp, v)] = stage_split(work, pp, v, seq)
-        return splits[(pp, v)]
-
-    for tp, sp, pp, dp, ep_, z, cp_ in space.groups(work.tp_error):
-        stats["groups"] += 1
-        prof = work.profile(tp, sp)
-        variants = list(space.variants(pp, dp * ep_, cp_))
-        options = space.options(tp, z, exhaustive)
-        asked_cp = space.cp_variants(tp, cp_)  # ("auto",): one layout, choose_cp_attention's variant
-        n_options = len(space.options(tp, z)) * len(asked_cp)
-        n_variants = len(variants) * len(space.recompute) * n_options
-        stats["space"] += n_variants
-        stats["pruned_dominated"] += len(variants) * len(space.recompute) * (n_options - len(options) * len(asked_cp))
-        # 1. memory lower bound of the group: model state averaged over the pipeline ranks (E/ep experts a rank)
-        per = C.state_per_param(param_dtype, grad_dtype, z, dp, ep_, cp_)
-        lay_params, lay_experts = C.expert_split(prof, ep_)
-        total_params = work.depth * lay_params + prof.pre.params + prof.post.params - prof.tied_params
-        if not exhaustive and sum(per.of(total_params, work.depth * lay_experts)) / pp > limit:
-            stats["pruned_groups"] += 1
-            stats["pruned_memory"] += len(variants) * len(space.recompute) * len(options) * len(asked_cp)
-            pruned_groups.append((tp, sp, pp, dp, ep_, z, cp_))
-            continue
-        over_at: dict[tuple, int] = {}  # (schedule, v) -> smallest microbatch size over the limit
-        links = None
-        named = [r for r in space.recompute if r != Recompute.AUTO]
-        for s, v, b in variants:
-            if not exhaustive and (s, v) in over_at:  # memory never falls as the microbatch grows (docstring)
-                stats["pruned_memory"] += len(space.recompute) * len(options) * len(asked_cp)
-                continue
-            split = split_of(pp, v)
-            layers = split.layers_per_rank
-            m = global_batch / (dp * ep_ * b)
-            fitted = False
-            for pr in dict.fromkeys(o[1] for o in options):
-                sec = sec_of(tp, sp, b, pr, ep_, cp_)
-                ovs = [o for o, q in options if q == pr]
-                # overlap off where it changes nothing (tp = 1, ZeRO < 3) is the same layout twice: priced when
-                # exhaustive, not ranked
-                same = {False} if (tp == 1 and z < 3 and True in ovs) else set()
-                for cpa in (sec.cp_choice if a == "auto" else a for a in asked_cp):
-                    cpb = sec.cp_buffers(cpa)
-                    layout_at = functools.partial(space.layout, tp, sp, pp, dp, z, s, v, b)  # (rec, overlap, ...)
-
-                    for k, rec in enumerate(named):
-                        mem, _ = C.peak_memory(prof, sec, layers, per, s.value, v, m, rec.value, detail=False,
-                                               zero=z, grad_dtype=grad_dtype, cp_buffers=cpb)
-                        if mem < smallest[0]:
-                            smallest[:] = [mem, layout_at(rec, ovs[0], pr, ep_, cp_, cpa)]
-                        if mem > limit:
-                            stats["pruned_memory"] += len(ovs)
-                            continue
-                        for ov in ovs:
-                            lay = layout_at(rec, ov, pr, ep_, cp_, cpa)
-                            links = links or C.layout_links(lay, st)
-                            terms, _ = C.step_terms(lay, prof, sec, layers, st_of[pr], links)
-                            stats["priced"] += 1
-                            found.append((sum(terms.values()), mem, len(found), lay, layers, split, ov not in same))
-                        fitted = True
-                        if not exhaustive:  # 3. recompute dominance: the slower named modes need no pricing
-                            stats["pruned_dominated"] += (len(named) - k - 1) * len(ovs)
-                            break
-                    if Recompute.AUTO in space.recompute:  # priced wherever it fits (docstring, pruning 3)
-                        for ov in ovs:
-                            auto = C.auto_stages(prof, sec, layers, per, s.value, v, m, limit, overlap=ov, zero=z,
-                                                 grad_dtype=grad_dtype, cp_attention=cpa)
-                            mem, _ = C.peak_memory(prof, sec, layers, per, s.value, v, m, "auto", detail=False, zero=z,
-                                                   grad_dtype=grad_dtype, auto=auto, cp_buffers=cpb)
-                            lay = layout_at(Recompute.AUTO, ov, pr, ep_, cp_, cpa)
-                            if mem < smallest[0]:
-                                smallest[:] = [mem, lay]
-                            if mem > limit:
-                                stats["pruned_memory"] += 1
-                                continue
-                            links = links or C.layout_links(lay, st)
-                            terms, _ = C.step_terms(lay, prof, sec, layers, st_of[pr], links, auto=auto)
-                            stats["priced"] += 1
-                            # where it reduces to none (none fits, and is priced), the same layout twice: not ranked
-                            ranked = (not (C.auto_is_none(auto) and Recompute.NONE in space.recompute)
-                                      and ov not in same)
-                            found.append((sum(terms.values()), mem, len(found), lay, layers, split, ranked))
-                            fitted = True
-            if not fitted:
-                over_at[(s, v)] = b
+    pricer = _Pricer(work, space, st, precisions, exhaustive)
+    for group in space.groups(work.tp_error):
+        pricer.group(*group)
+    stats, found, limit = pricer.stats, pricer.found, st.limit
     if stats["groups"] == 0:
         raise SearchError(_nothing_valid(work, space))
     if not found:
-        raise SearchError(_nothing_fits(work, space, pruned_groups, smallest, limit, st, sec_of, split_of))
+        raise SearchError(_nothing_fits(work, space, pricer.pruned_groups, pricer.smallest, limit, st, pricer.sec_of,
+                                        pricer.split_of))
     found.sort(key=lambda r: (r[0], r[1], r[2]))
     top = []
     for *_, lay, layers, split, _ in [r for r in found if r[6]][:max(1, top_k)]:
         prof = work.profile(lay.tp, lay.sequence_parallel)
-        sec = sec_of(lay.tp, lay.sequence_parallel, lay.microbatch_size, lay.precision, lay.ep, lay.cp)
-        est = _finish(lay, work, prof, sec, layers, split, st_of[lay.precision])
+        sec = pricer.sec_of(lay.tp, lay.sequence_parallel, lay.microbatch_size, lay.precision, lay.ep, lay.cp)
+        est = _finish(lay, work, prof, sec, layers, split, pricer.st_of[lay.precision])
         top.append(Candidate(lay, est, split if lay.pp > 1 else None))
     res = SearchResult(top, workload=work, world=world, hardware=hw, global_batch=int(global_batch), seq=int(seq),
                        memory_limit=limit, stats=stats, seconds=time.perf_counter() - t0)
     res.priced = [(r[0], r[1], r[3]) for r in found]
-    res._reprice = functools.partial(_reprice, work=work, st=st, sec_of=sec_of, split_of=split_of)
+    res._reprice = functools.partial(_reprice, work=work, st=st, sec_of=pricer.sec_of, split_of=pricer.split_of)
     return res
 
 
