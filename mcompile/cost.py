@@ -5,7 +5,10 @@
 schedule, sequence parallelism, recompute, ZeRO); a :class:`Workload` is the model, captured once
 and analysed per (tp, sp); a :class:`~mcompile.hardware.Hardware` profile gives peak rates and
 links. Everything below is symbolic in the batch and the sequence length: the same functions run on
-numbers (``estimate``) and on sympy symbols (``step_time_expr``).
+numbers (``estimate``) and on sympy symbols (``step_time_expr``). They price a layout given the layers on
+each pipeline rank (:func:`price_ranks`): ``estimate`` gives ⌈L/p⌉ to every rank, the search
+(:mod:`mcompile.search`) the partitioner's cuts, reusing one :class:`Sections` for every layout that
+shares its sizes.
 
 What is analysed
 ----------------
@@ -203,6 +206,7 @@ for the values and where they come from.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -594,7 +598,7 @@ def _min(*xs):
     return min(float(x) for x in xs)
 
 
-def _op_class(category: str) -> str:
+def op_class(category: str) -> str:
     if category == "attention":
         return "attention"
     if category in MATMUL_CATEGORIES:
@@ -765,8 +769,8 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
                 continue
             cat = node_cost(n).category if isinstance(n.target, torch._ops.OpOverload) else "other"
             k = share(n)
-            wgrad = _op_class(cat) == "gemm" and any(is_param(a) for a in n.all_input_nodes)
-            out.append(OpCost(n.name, _op_class(cat), cat, sympy.expand(f * k * weight), sympy.expand(y * k * weight),
+            wgrad = op_class(cat) == "gemm" and any(is_param(a) for a in n.all_input_nodes)
+            out.append(OpCost(n.name, op_class(cat), cat, sympy.expand(f * k * weight), sympy.expand(y * k * weight),
                               wgrad, sympy.expand(f * weight)))
         return out
 
@@ -846,7 +850,7 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
         if mode == "full":
             rec = members
         elif mode == "selective":
-            rec = [n for n in members if _op_class(_cat(n)) == "attention" or _cat(n) == "softmax"
+            rec = [n for n in members if op_class(node_category(n)) == "attention" or node_category(n) == "softmax"
                    or n.meta.get(ATTENTION_CORE)]
         keep = lambda x: BATCH in sympy.sympify(x.meta.get(OUT_BYTES, 0)).subs(sub).free_symbols  # noqa: E731
         e = MM.saved_for_backward(members, is_param=is_param, local_fraction=local_fraction, recomputed=rec,
@@ -907,7 +911,7 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
     )
 
 
-def _cat(n: fx.Node) -> str:
+def node_category(n: fx.Node) -> str:
     return node_cost(n).category if isinstance(n.target, torch._ops.OpOverload) else "other"
 
 
@@ -1257,7 +1261,7 @@ class Estimate:
         return "\n".join(lines)
 
 
-def _validate(layout: Layout, prof: ModelProfile, global_batch, seq) -> None:
+def validate_layout(layout: Layout, prof: ModelProfile, global_batch, seq) -> None:
     if prof.heads and prof.heads % layout.tp:
         ok = [t for t in range(1, prof.heads + 1) if prof.heads % t == 0 and
               (not prof.kv_heads or prof.kv_heads % t == 0)]
@@ -1302,7 +1306,7 @@ def _validate(layout: Layout, prof: ModelProfile, global_batch, seq) -> None:
                          "use a sequence length that divides by cp x tp")
 
 
-def _section_times(sec: Section, b, s, layout: Layout, hw: Hardware, eff: Efficiency, precision: str,
+def section_times(sec: Section, b, s, layout: Layout, hw: Hardware, eff: Efficiency, precision: str,
                    attention_kernel: str = "flash", head_dim: float = 1, moe_imbalance: float = 1.0) -> dict:
     """Per microbatch: forward, backward, weight-gradient, attention-forward times and tp comm, at the
     rank's own sequence ``s`` (= seq/cp). Under cp a rank's queries still meet every key: attention
@@ -1401,139 +1405,524 @@ def gather_bytes_of(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def _tp_keys(layout: Layout) -> tuple[str, str]:
+def tp_keys(layout: Layout) -> tuple[str, str]:
     """The section-time keys of the tp communication a layout pays: all of it, or what a collective
     matmul leaves exposed (``Layout.overlap``)."""
     return ("comm_f_x", "comm_b_x") if layout.overlap else ("comm_f", "comm_b")
 
 
-def _terms(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B, s, *, precision: str,
-           param_dtype: str, grad_dtype: str, attention_kernel: str, auto: dict | None = None,
-           moe_imbalance: float = 1.0) -> tuple[dict, dict]:
-    """The step-time terms (seconds) and details; B and s may be sympy symbols. ``auto``: for
-    ``recompute="auto"``, :func:`_auto_stages`'s mix per stage (0 and p−1)."""
-    b = layout.microbatch_size
-    m = B / (layout.data_ranks * b)  # microbatches per pipeline per step
-    p, v, cp = layout.pp, layout.virtual, layout.cp
-    s_loc = s / cp
-    L = prof.n_layers
-    L_stage = math.ceil(L / p)
-    kw = dict(attention_kernel=attention_kernel, head_dim=prof.hidden / (prof.heads or 1), moe_imbalance=moe_imbalance)
-    lay = _section_times(prof.layer, b, s_loc, layout, hw, eff, precision, **kw)
-    pre = _section_times(prof.pre, b, s_loc, layout, hw, eff, precision, **kw)
-    post = _section_times(prof.post, b, s_loc, layout, hw, eff, precision, **kw)
-    kf, kb = _tp_keys(layout)
+# --------------------------------------------------------------------------- pricing a layout, rank by rank
+#
+# One implementation for estimate() and the search: a layout is priced from its Sections (section times and
+# activations at one (tp, sp, ep, cp, microbatch size, precision), shared by every layout that has them) and the
+# layers on each pipeline rank — ⌈L/p⌉ on every rank for estimate(), the partitioner's cuts for the search.
 
-    # context parallelism: the layout's attention variant per layer (cp_comm; full recompute repeats its forward)
-    cpc = _cp_layer(layout, prof, hw, eff, b, s, lay)
 
-    # recompute per layer (its exposed tp communication, and under full recompute the MoE dispatch again)
-    if layout.recompute == Recompute.FULL:
-        rec, rec_comm, rec_total = lay["f"], lay[kf], lay["comm_f"]
-    elif layout.recompute == Recompute.SELECTIVE:
-        rec, rec_comm, rec_total = lay["attn"], 0, 0
-    else:
-        rec, rec_comm, rec_total = 0, 0, 0
+@dataclass(frozen=True)
+class CostSettings:
+    """What prices a layout besides the layout and the model (:func:`estimate`'s keywords): the hardware
+    and its efficiencies, the global batch and sequence length (numbers; sympy symbols for
+    :func:`step_time_expr`), the matmul precision, the storage dtypes, the attention kernel, the memory
+    limit, the MoE imbalance and where activation bytes come from."""
 
-    def stage(extra: list[dict], i: int) -> dict:
-        r, rc, rt = rec, rec_comm, rec_total
-        full = 1.0 if layout.recompute == Recompute.FULL else 0.0
-        if layout.recompute == Recompute.AUTO:  # a per-layer mix of the named policies (auto_mix)
-            w = auto[i]["mix"]
-            r = w.get("full", 0.0) * lay["f"] + w.get("selective", 0.0) * lay["attn"]
-            rc = w.get("full", 0.0) * lay[kf]
-            rt = w.get("full", 0.0) * lay["comm_f"]
-            full = w.get("full", 0.0)
-        d = {k: L_stage * lay[k] for k in _STAGE_KEYS}
-        d["r"] = L_stage * r
-        d["comm_r"] = L_stage * rc
-        d["comm_r_total"] = L_stage * rt
-        d["cp"] = L_stage * (cpc["f_x"] + cpc["b_x"] + full * cpc["f_x"])
-        d["cp_total"] = L_stage * (cpc["f"] + cpc["b"] + full * cpc["f"])
-        d["ep_r"] = L_stage * full * lay["ep_f"]
-        for e in extra:
-            for k in _STAGE_KEYS:
-                d[k] = d[k] + e[k]
-        return d
+    hw: Hardware
+    eff: Efficiency
+    global_batch: Any
+    seq: Any
+    precision: str
+    param_dtype: str
+    grad_dtype: str
+    attention_kernel: str
+    efficiency: Efficiency | None  # as given (estimate() adapts it to the hardware itself)
+    memory_limit: float | None = None  # bytes per GPU (None: the hardware's HBM): fits, and auto's budget
+    moe_imbalance: float = 1.0  # expert parallelism: the busiest ep rank's routed slots over the mean
+    activations: str = "graph"  # saved tensors of the captured graph, or "formula" (Korthikanti et al. 2022)
 
-    stages = [stage([pre, post], 0)] if p == 1 else [stage([pre], 0), stage([post], p - 1)]
+    @property
+    def limit(self) -> float:
+        return float(self.memory_limit) if self.memory_limit is not None else float(self.hw.hbm_bytes)
 
-    # pipeline p2p per microbatch: v sends forward + v backward of b·s·h (/tp), then an all-gather over tp
-    p2p = 0
+
+def cost_settings(hardware, global_batch, seq, precision: str, param_dtype: str = "bf16", grad_dtype: str = "fp32",
+                  attention_kernel: str = "flash", efficiency: Efficiency | None = None,
+                  memory_limit: float | None = None, moe_imbalance: float = 1.0,
+                  activations: str = "graph") -> CostSettings:
+    """:class:`CostSettings` from :func:`estimate`'s keywords, checked."""
+    check_imbalance(moe_imbalance)
+    if attention_kernel not in ("flash", "unfused"):
+        raise ValueError(f"attention_kernel={attention_kernel!r}: use 'flash' (fused SDPA, what mcompile runs) or "
+                         "'unfused' (bmm, softmax, dropout, bmm: s×s scores through memory)")
+    if activations not in ("graph", "formula"):
+        raise ValueError(f"activations={activations!r}: use 'graph' (saved tensors of the captured graph) or "
+                         "'formula' (Korthikanti et al. 2022)")
+    hw = get_hardware(hardware)
+    eff = (efficiency or DEFAULT_EFFICIENCY).for_hardware(hw)
+    whole = (lambda x: x if _is_symbolic(x) else int(x))  # noqa: E731
+    return CostSettings(hw, eff, whole(global_batch), whole(seq), precision, param_dtype, grad_dtype,
+                        attention_kernel, efficiency, float(memory_limit) if memory_limit is not None else None,
+                        float(moe_imbalance), activations)
+
+
+class Sections:
+    """Per (tp, sp, ep, cp, microbatch size, precision): the section times (:func:`section_times`) of a mean
+    layer, the embedding (``pre``) and the head (``post``) at the rank's seq/cp positions, their activation
+    bytes, a mean layer's parameters on a rank (E/ep of its experts), and under cp each attention variant's
+    per-layer communication and buffers (:func:`cp_comm`) and the cheapest applicable one
+    (:func:`choose_cp_attention`'s pick). Every layout with these sizes shares them: the search builds one
+    per group of layouts, :func:`estimate` one per call. The times work on sympy symbols too; the bytes,
+    the cp pick and the recompute envelopes are numbers (made when first read)."""
+
+    def __init__(self, prof: ModelProfile, b, st: CostSettings, precision: str | None = None, ep: int = 1,
+                 cp: int = 1):
+        self.precision = precision = precision or st.precision
+        self.ep, self.cp_size, self.b = ep, cp, b
+        self._prof, self._st = prof, st
+        self.lay_params, self.lay_experts = expert_split(prof, ep)
+        kw = dict(attention_kernel=st.attention_kernel, head_dim=prof.hidden / (prof.heads or 1),
+                  moe_imbalance=st.moe_imbalance)
+        # tp is innermost, ep next, then cp: their links depend on tp, ep and cp alone
+        lay = Layout(tp=prof.tp, ep=ep, cp=cp)
+        self.s_loc = s_loc = st.seq / cp
+        self.lay = section_times(prof.layer, b, s_loc, lay, st.hw, st.eff, precision, **kw)
+        self.pre = section_times(prof.pre, b, s_loc, lay, st.hw, st.eff, precision, **kw)
+        self.post = section_times(prof.post, b, s_loc, lay, st.hw, st.eff, precision, **kw)
+        # context parallelism: every variant's layer communication
+        self.cp = {v: cp_layer(lay, prof, st.hw, st.eff, b, st.seq, self.lay, v) for v in CP_VARIANTS}
+        self._envelopes = {}
+
+    @cached_property
+    def _activations(self) -> tuple[dict[str, float], float, float]:
+        prof, st, b, s_loc = self._prof, self._st, self.b, self.s_loc
+        if st.activations == "formula":
+            if not prof.heads:
+                raise ValueError("activations='formula' needs the number of heads (Workload(..., heads=...))")
+            kw = dict(tp=prof.tp, sequence_parallel=prof.sequence_parallel)
+            layer = {md: float(MM.activation_bytes_per_layer(s_loc, b, prof.hidden, prof.heads, recompute=md,
+                                                             sp_variant=prof.sp_variant, key_len=st.seq, **kw))
+                     for md in RECOMPUTE_MODES}
+            return layer, 0.0, float(MM.output_layer_activation_bytes(s_loc, b, prof.hidden, prof.vocab or 0, **kw))
+        layer = {m: float(v) for m, v in prof.layer.evaluate(b, s_loc).activations.items()}
+        return (layer, float(prof.pre.evaluate(b, s_loc).activations["none"]),
+                float(prof.post.evaluate(b, s_loc).activations["none"]))
+
+    @cached_property
+    def layer_act(self) -> dict[str, float]:
+        """Bytes one layer keeps for its backward per microbatch, by recompute mode."""
+        return self._activations[0]
+
+    @cached_property
+    def pre_act(self) -> float:
+        return self._activations[1]
+
+    @cached_property
+    def post_act(self) -> float:
+        return self._activations[2]
+
+    @cached_property
+    def cp_allowed(self) -> tuple[str, ...]:
+        return cp_variants_allowed(Layout(tp=self._prof.tp, cp=self.cp_size), self._prof.heads) \
+            if self.cp_size > 1 else CP_VARIANTS[:1]
+
+    @cached_property
+    def cp_choice(self) -> str:
+        """The cheapest applicable cp attention variant (exposed forward + backward; ties to the first)."""
+        prices = {v: float(self.cp[v]["f_x"] + self.cp[v]["b_x"]) for v in self.cp_allowed}
+        return min(prices, key=lambda v: (prices[v], CP_VARIANTS.index(v)))
+
+    @property
+    def envelope(self) -> list:
+        return self.envelope_of(True)
+
+    def envelope_of(self, overlap: bool, cp_attention: str = "ring") -> list:
+        """recompute="auto": the named policies' (bytes, recompute time) per layer and their lower envelope
+        (:func:`recompute_envelope`), with the recomputed forward's tp communication as the layout pays it
+        (all, or what collective matmul exposes) and its cp communication (exposed)."""
+        key = (overlap, cp_attention if self.cp_size > 1 else "ring")
+        if key not in self._envelopes:
+            comm = self.lay["comm_f_x"] if overlap else self.lay["comm_f"]
+            rec_time = {"none": 0.0, "selective": float(self.lay["attn"]),
+                        "full": float(self.lay["f"]) + float(comm) + float(self.cp[key[1]]["f_x"])
+                        + float(self.lay["ep_f"])}
+            self._envelopes[key] = recompute_envelope(self.layer_act, rec_time)
+        return self._envelopes[key]
+
+    def cp_buffers(self, cp_attention: str) -> float:
+        """Bytes of the cp attention variant's buffers of one layer (0 without cp)."""
+        return float(self.cp[cp_attention]["buffers"]) if self.cp_size > 1 else 0.0
+
+
+@functools.lru_cache(maxsize=4096)
+def ranks_to_check(layers: tuple[int, ...]) -> tuple[int, ...]:
+    """Pipeline ranks that can hold the most memory or take the longest: the first, the last, and the first
+    middle rank of each distinct layer count above the first rank's (in-flight microbatches never grow with
+    the rank, so a middle rank with no more layers than the first, which adds the embedding, never exceeds
+    it). ⌈L/p⌉ layers on every rank: the first and the last."""
+    p = len(layers)
+    out, seen = [0], {layers[0]}
+    for i in range(1, p - 1):
+        if layers[i] > layers[0] and layers[i] not in seen:
+            seen.add(layers[i])
+            out.append(i)
     if p > 1:
-        beta, alpha = axis_link(layout, "pp", hw, eff)
-        msg = b * s_loc * prof.hidden * prof.activation_bytes / layout.tp
-        p2p = 2 * v * collective_time("send_recv", msg, 2, beta, alpha, hw.collective_call_latency)
-        if layout.tp > 1 and not layout.sequence_parallel:
-            tb, ta = axis_link(layout, "tp", hw, eff)
-            p2p = p2p + 2 * v * collective_time("all_gather", msg * layout.tp, layout.tp, tb, ta,
-                                                hw.collective_call_latency)
+        out.append(p - 1)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=65536)
+def inflight(schedule: str, p: int, i: int, m: float, v: int) -> float:
+    """:func:`mcompile.memory_model.inflight_microbatches` as a float (cached: the search asks often)."""
+    return float(MM.inflight_microbatches(schedule, p, i, m, v))
+
+
+@dataclass(frozen=True)
+class PerParam:
+    """Model-state bytes per parameter of a layout: dense parameters (replicated over dp·ep·cp, what
+    ZeRO shards them over) and routed experts (over dp·cp); :func:`state_of` per parameter."""
+
+    dense: MM.StateBytes
+    experts: MM.StateBytes
+
+    def of(self, n_par, n_experts) -> tuple[float, float, float]:
+        """(parameters, gradients, optimizer state) bytes of ``n_par`` parameters, ``n_experts`` of them experts."""
+        d, e, n = self.dense, self.experts, n_par - n_experts
+        if not n_experts:
+            return n_par * d.params, n_par * d.grads, n_par * d.optimizer
+        return (n * d.params + n_experts * e.params, n * d.grads + n_experts * e.grads,
+                n * d.optimizer + n_experts * e.optimizer)
+
+
+@functools.lru_cache(maxsize=1024)
+def state_per_param(param_dtype: str, grad_dtype: str, zero: int, dp: int, ep: int = 1, cp: int = 1) -> PerParam:
+    """:class:`PerParam` of a layout with these ZeRO stage and dp, ep, cp sizes."""
+    return PerParam(MM.model_state_bytes_per_param(param_dtype, grad_dtype, zero, dp * cp * ep),
+                    MM.model_state_bytes_per_param(param_dtype, grad_dtype, zero, dp * cp))
+
+
+def layout_per_param(layout: Layout, st: CostSettings) -> PerParam:
+    return state_per_param(st.param_dtype, st.grad_dtype, layout.zero, layout.dp, layout.ep, layout.cp)
+
+
+def microbatches(layout: Layout, global_batch):
+    """m = B / (dp·ep·b): microbatches per pipeline per step."""
+    return global_batch / (layout.data_ranks * layout.microbatch_size)
+
+
+def rank_share(prof: ModelProfile, sec: Sections, layers: tuple[int, ...], i: int) -> tuple[float, float, float]:
+    """Pipeline rank ``i``'s parameters (its layers, the embedding on the first, the head on the last,
+    a tied weight counted once without pp), its activations outside the layers, and how many of its
+    parameters are routed experts (E/ep of each layer's)."""
+    p = len(layers)
+    n_par, extra_act = layers[i] * sec.lay_params, 0.0
+    if i == 0:
+        n_par += prof.pre.params
+        extra_act += sec.pre_act
+    if i == p - 1:
+        n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
+        extra_act += sec.post_act
+    return n_par, extra_act, layers[i] * sec.lay_experts
+
+
+def zero_buffers(zero: int, prof: ModelProfile, i: int, p: int, n_par, grad_dtype: str, compute_bytes: int,
+                 ep: int = 1):
+    """ZeRO-2/3's bytes in flight on pipeline rank ``i`` (:func:`mcompile.memory_model.zero_buffer_bytes`):
+    the largest gathered unit is a layer (its E/ep experts), or the embedding (first rank) / head (last
+    rank) if larger."""
+    if zero < 2:
+        return 0
+    unit = expert_split(prof, ep)[0]
+    if i == 0:
+        unit = max(unit, prof.pre.params)
+    if i == p - 1:
+        unit = max(unit, prof.post.params)
+    return MM.zero_buffer_bytes(zero, unit, compute_bytes, grad_bytes=n_par * MM.DTYPE_BYTES[grad_dtype])
+
+
+def auto_stages(prof: ModelProfile, sec: Sections, layers: tuple[int, ...], per: PerParam, schedule: str, v: int,
+                m: float, limit: float, *, overlap: bool = True, zero: int = 0, grad_dtype: str = "fp32",
+                cp_attention: str = "ring", one_pass: bool = False, reduce_bytes: float = 0.0) -> dict:
+    """``recompute="auto"`` on every rank :func:`peak_memory` checks: :func:`stage_auto` (the budget left
+    under ``limit``, per layer, and the envelope's mix there), by rank. ``one_pass``/``reduce_bytes``:
+    :func:`peak_memory`'s."""
+    p = len(layers)
+    out = {}
+    cp_buf = sec.cp_buffers(cp_attention)
+    cbytes = gather_bytes_of(sec.precision)
+    for i in ranks_to_check(layers):
+        n_par, extra_act, n_exp = rank_share(prof, sec, layers, i)
+        zbuf = zero_buffers(zero, prof, i, p, n_par, grad_dtype, cbytes, sec.ep)
+        sp, sg, so = per.of(n_par, n_exp)
+        out[i] = stage_auto(limit, (sp + zbuf + cp_buf, sg, so), inflight(schedule, p, i, m, v), layers[i], extra_act,
+                            sec.envelope_of(overlap, cp_attention), sec.layer_act,
+                            gradients_meet_activations=not one_pass, reduction_buffer=n_par * reduce_bytes)
+    return out
+
+
+def layout_auto(layout: Layout, prof: ModelProfile, sec: Sections, layers: tuple[int, ...],
+                st: CostSettings) -> dict | None:
+    """:func:`auto_stages` of a layout (None unless it recomputes "auto")."""
+    if layout.recompute != Recompute.AUTO:
+        return None
+    return auto_stages(prof, sec, layers, layout_per_param(layout, st), layout.schedule.value, layout.virtual,
+                       microbatches(layout, st.global_batch), st.limit, overlap=layout.overlap, zero=layout.zero,
+                       grad_dtype=st.grad_dtype, cp_attention=layout.cp_attention)
+
+
+def auto_is_none(auto: dict) -> bool:
+    """auto reduces to no recompute on every rank (the budget left holds none's activations)."""
+    return all(a["fits"] and a["mix"] == {"none": 1.0} for a in auto.values())
+
+
+def activation_budget(auto: dict) -> float | None:
+    """``Config(activation_budget=)`` every pipeline rank can take, or None: the runtime gives each of a
+    rank's forwards the budget divided by the forwards it holds in flight (runtime/pipeline.py
+    ``stage_activation_budget``, which counts what ``inflight_microbatches`` does), so the budget is
+    the smallest over the ranks of their per-microbatch budget times their in-flight microbatches."""
+    b = [None if a["budget"] is None else a["budget"] * float(a["inflight"]) for a in auto.values()]
+    return None if any(x is None for x in b) else min(b)
+
+
+def peak_memory(prof: ModelProfile, sec: Sections, layers: tuple[int, ...], per: PerParam, schedule: str, v: int,
+                m: float, mode: str, detail: bool = True, *, zero: int = 0, grad_dtype: str = "fp32",
+                auto: dict | None = None, cp_buffers: float = 0.0, one_pass: bool = False,
+                reduce_bytes: float = 0.0):
+    """The largest rank's bytes (and its breakdown when ``detail``) with ``layers[i]`` layers on pipeline
+    rank i, from its parts (:func:`mcompile.memory_model.peak_bytes`: what is live together at the peak).
+    ``mode`` "auto": ``auto`` is :func:`auto_stages`'s per-rank result (each rank's layers keep its mix's
+    bytes). ``zero``: the ZeRO stage (ZeRO-2/3's buffers in flight: :func:`zero_buffers`); ``cp_buffers``:
+    :meth:`Sections.cp_buffers`.
+
+    Lifetimes (memory_model "Lifetimes"): the runtime's gradients are persistent flat fp32 buffers
+    (runtime/leaves.py, ZeRO-1's too), reduced over dp in place: they meet the activations on every layout,
+    and no reduction copy is made — ``one_pass=False``, ``reduce_bytes=0`` (kept as parameters for a
+    runtime whose gradients come and go: ``reduce_bytes`` per parameter of the reduction's copy)."""
+    p = len(layers)
+    if mode == "auto" and auto is None:
+        raise ValueError("peak_memory(mode='auto') needs auto=auto_stages(...)")
+    layer_act = sec.layer_act[mode] if mode != "auto" else None
+    cbytes = gather_bytes_of(sec.precision)
+    best, best_d = None, None
+    for i in ranks_to_check(layers):
+        n_par, extra_act, n_exp = rank_share(prof, sec, layers, i)
+        n_inflight = inflight(schedule, p, i, m, v)
+        act_i = layer_act if auto is None else auto[i]["layer_bytes"]
+        sp, sg, so = per.of(n_par, n_exp)
+        tot, d = MM.peak_bytes(sp, sg, so, n_inflight * (layers[i] * act_i + extra_act),
+                               gradients_meet_activations=not one_pass, reduction_buffer=n_par * reduce_bytes,
+                               zero_buffers=zero_buffers(zero, prof, i, p, n_par, grad_dtype, cbytes, sec.ep),
+                               cp_buffers=cp_buffers)
+        if auto is not None and auto[i]["fits"]:  # the budget used is what is left: ≤ the limit (rounding)
+            tot = min(tot, auto[i]["limit"])
+        if best is None or tot > best:
+            best, best_d = tot, (d, i, n_inflight)
+    if not detail:
+        return float(best), None
+    d, i, n_inflight = best_d
+    return float(best), {**d, "stage": i, "inflight_microbatches": n_inflight}
+
+
+def layout_memory(layout: Layout, prof: ModelProfile, sec: Sections, layers: tuple[int, ...], st: CostSettings,
+                  auto: dict | None = None) -> tuple[float, dict]:
+    """:func:`peak_memory` of a layout (``auto``: its :func:`layout_auto`, made here when not given)."""
+    if layout.recompute == Recompute.AUTO and auto is None:
+        auto = layout_auto(layout, prof, sec, layers, st)
+    return peak_memory(prof, sec, layers, layout_per_param(layout, st), layout.schedule.value, layout.virtual,
+                       microbatches(layout, st.global_batch), layout.recompute.value, zero=layout.zero,
+                       grad_dtype=st.grad_dtype, auto=auto, cp_buffers=sec.cp_buffers(layout.cp_attention))
+
+
+def layout_links(layout: Layout, st: CostSettings) -> dict:
+    """(β, α) of the layout's pp, tp and dp axes (:func:`axis_link`)."""
+    return {a: axis_link(layout, a, st.hw, st.eff) for a in ("pp", "tp", "dp")}
+
+
+_STAGE_KEYS = ("f", "b", "w", "comm_f", "comm_b", "comm_f_x", "comm_b_x", "ep_f", "ep_b")
+
+
+def layer_recompute(layout: Layout, lay: dict, mix: dict | None = None) -> tuple:
+    """One layer's recompute per microbatch (module docstring, "Recompute"): (time, its exposed tp
+    communication, all of its tp communication, the fraction of the layer recomputed in full — whose cp and
+    MoE forward communication repeat too). ``mix``: recompute="auto"'s weights over the named policies on
+    the rank (:func:`auto_mix`)."""
+    kf = tp_keys(layout)[0]
+    if layout.recompute == Recompute.FULL:
+        return lay["f"], lay[kf], lay["comm_f"], 1.0
+    if layout.recompute == Recompute.SELECTIVE:
+        return lay["attn"], 0, 0, 0.0
+    if layout.recompute == Recompute.AUTO:
+        full = mix.get("full", 0.0)
+        return full * lay["f"] + mix.get("selective", 0.0) * lay["attn"], full * lay[kf], full * lay["comm_f"], full
+    return 0, 0, 0, 0.0
+
+
+def rank_times(layout: Layout, sec: Sections, n: int, extra: list[dict], mix: dict | None = None) -> dict:
+    """One microbatch on a pipeline rank with ``n`` layers and the ``extra`` sections (the embedding on the
+    first rank, the head on the last): the section times summed (``_STAGE_KEYS``), its recompute (``r``,
+    ``comm_r`` exposed, ``comm_r_total``), its cp attention communication (``cp`` exposed, ``cp_total``; the
+    layout's variant, its forward again under full recompute) and the MoE forward recomputed (``ep_r``).
+    ``mix``: the rank's recompute="auto" weights."""
+    lay = sec.lay
+    r, rc, rt, full = layer_recompute(layout, lay, mix)
+    cpc = sec.cp[layout.cp_attention] if layout.cp > 1 else _NO_CP
+    d = {k: n * lay[k] for k in _STAGE_KEYS}
+    d["r"] = n * r
+    d["comm_r"] = n * rc
+    d["comm_r_total"] = n * rt
+    d["cp"] = n * (cpc["f_x"] + cpc["b_x"] + full * cpc["f_x"])
+    d["cp_total"] = n * (cpc["f"] + cpc["b"] + full * cpc["f"])
+    d["ep_r"] = n * full * lay["ep_f"]
+    for e in extra:
+        for k in _STAGE_KEYS:
+            d[k] = d[k] + e[k]
+    return d
+
+
+def p2p_time(layout: Layout, prof: ModelProfile, st: CostSettings, links: dict):
+    """Pipeline p2p per microbatch (module docstring, "Pipeline"): v sends forward and v backward of b·s·h
+    (/tp), then an all-gather over tp unless sequence parallel; 0 without pp."""
+    if layout.pp == 1:
+        return 0
+    hw, v = st.hw, layout.virtual
+    beta, alpha = links["pp"]
+    msg = layout.microbatch_size * (st.seq / layout.cp) * prof.hidden * prof.activation_bytes / layout.tp
+    p2p = 2 * v * collective_time("send_recv", msg, 2, beta, alpha, hw.collective_call_latency)
+    if layout.tp > 1 and not layout.sequence_parallel:
+        tb, ta = links["tp"]
+        p2p = p2p + 2 * v * collective_time("all_gather", msg * layout.tp, layout.tp, tb, ta,
+                                            hw.collective_call_latency)
+    return p2p
+
+
+def step_terms(layout: Layout, prof: ModelProfile, sec: Sections, layers: tuple[int, ...], st: CostSettings,
+               links: dict | None = None, auto: dict | None = None) -> tuple[dict, dict]:
+    """The step-time terms (seconds) and details with ``layers[r]`` layers on pipeline rank r (module
+    docstring: per rank T_r = n_r·t_layer + [first]·t_pre + [last]·t_post + t_p2p; the slowest rank sets
+    the pipeline, the rank with most parameters the data-parallel reduction and the optimizer). ``sec``:
+    the layout's :class:`Sections` (at its precision); ``links``: :func:`layout_links`, when already known;
+    ``auto``: :func:`layout_auto` for recompute="auto" (made here when not given). The batch and sequence
+    of ``st`` may be sympy symbols."""
+    hw, eff = st.hw, st.eff
+    links = links or layout_links(layout, st)
+    p, v = layout.pp, layout.virtual
+    m = microbatches(layout, st.global_batch)
+    lay, pre, post = sec.lay, sec.pre, sec.post
+    kf, kb = tp_keys(layout)
+    if layout.recompute == Recompute.AUTO and auto is None:
+        auto = layout_auto(layout, prof, sec, layers, st)
+    p2p = p2p_time(layout, prof, st, links)
 
     def total(d):
         return (d["f"] + d["b"] + d["r"] + d[kf] + d[kb] + d["comm_r"] + d["cp"] + p2p
                 + d["ep_f"] + d["ep_b"] + d["ep_r"])
 
+    g_bytes, p_bytes = MM.DTYPE_BYTES[st.grad_dtype], MM.DTYPE_BYTES[st.param_dtype]
+    n_dp = layout.dp * layout.cp * layout.ep  # ranks replicating the dense parameters
+
+    def dp_of(d, params, n, n_experts=None):  # n_experts: the layers whose experts ``params`` holds (default n)
+        experts = (n if n_experts is None else n_experts) * sec.lay_experts
+        return data_comm(layout, hw, eff, params=params, experts=experts, layer_params=sec.lay_params,
+                         layer_experts=sec.lay_experts, layers=n, window=d["b"] + d["r"] + d[kb] + d["comm_r"],
+                         layer_forward=lay["f"],
+                         layer_backward=lay["b"] + d["r"] / max(n, 1),  # recompute runs in backward too
+                         grad_bytes=g_bytes, param_bytes=p_bytes, gather_bytes=gather_bytes_of(sec.precision))
+
     # data-parallel communication (dp x cp ranks hold the same parameters; dense ones dp x ep x cp): ZeRO-2/3's
-    # per-microbatch collectives lengthen every microbatch of their stage (each stage its own parameters); once per
-    # step, the reduction of the stage with the most parameters
-    lay_params, lay_experts = expert_split(prof, layout.ep)
-    stage_params = ([prof.pre.params + prof.post.params - prof.tied_params] if p == 1
-                    else [prof.pre.params, prof.post.params])
-    stage_params = [L_stage * lay_params + x for x in stage_params]
-    P_stage = L_stage * lay_params + (prof.pre.params + prof.post.params - prof.tied_params if p == 1
-                                      else max(prof.pre.params, prof.post.params))
-    g_bytes = MM.DTYPE_BYTES[grad_dtype]
-    p_bytes = MM.DTYPE_BYTES[param_dtype]
+    # per-microbatch collectives lengthen every microbatch of their rank (each rank its own parameters); once per
+    # step, the reduction of the rank with the most parameters. The bubble: of the rank that idles longest (the
+    # slowest one's under GPipe/1F1B/interleaved; under ZB-H1 (T - 2 t_w) per rank, so that more work on any rank
+    # never shortens the step)
+    per_mb = layout.zero >= 2 and n_dp > 1
+    slow, T, n_slow, slow_rank, P_stage, P_layers, mb = None, None, None, None, None, None, None
+    bubbles = []
+    for i in ranks_to_check(layers):
+        extra = ([pre] if i == 0 else []) + ([post] if i == p - 1 else [])
+        d = rank_times(layout, sec, layers[i], extra, auto[i]["mix"] if auto is not None else None)
+        params = layers[i] * sec.lay_params + (prof.pre.params if i == 0 else 0) + \
+            (prof.post.params - (prof.tied_params if p == 1 else 0) if i == p - 1 else 0)
+        dpi = dp_of(d, params, layers[i]) if per_mb else None
+        t = total(d) + (dpi["mb_exposed"] if per_mb else 0)
+        bubbles.append(pipeline_bubble(layout.schedule, p, v, t, d["w"]))
+        if slow is None or _gt(t, T):  # symbolic: cannot decide; the last rank (head) is usually the slower
+            slow, T, n_slow, slow_rank, mb = d, t, layers[i], i, dpi
+        if P_stage is None or params > P_stage:
+            P_stage, P_layers = params, layers[i]
+    bubble = _max(*bubbles)
 
-    def dp_of(d, params):
-        return data_comm(layout, hw, eff, params=params, experts=L_stage * lay_experts, layer_params=lay_params,
-                         layer_experts=lay_experts, layers=L_stage,
-                         window=d["b"] + d["r"] + d[kb] + d["comm_r"], layer_forward=lay["f"],
-                         layer_backward=lay["b"] + d["r"] / max(L_stage, 1),  # recompute runs in backward too
-                         grad_bytes=g_bytes, param_bytes=p_bytes, gather_bytes=gather_bytes_of(precision))
-
-    totals = [total(d) + dp_of(d, n)["mb_exposed"] for d, n in zip(stages, stage_params)]
-    slow_i = 0 if len(stages) == 1 or not _gt(totals[1], totals[0]) else 1
-    slow = stages[slow_i]
-    T = totals[slow_i]
-    mb = dp_of(slow, stage_params[slow_i])
-    dpc = {**dp_of(slow, P_stage), "mb_total": mb["mb_total"], "mb_exposed": mb["mb_exposed"]}
-    # the bubble of the stage that idles longest: the slowest stage's under GPipe/1F1B/interleaved; under ZB-H1
-    # (T - 2 t_w) per stage, so that more work on any stage never shortens the step
-    bubble = _max(*[pipeline_bubble(layout.schedule, p, v, t, d["w"]) for t, d in zip(totals, stages)])
-    opt_params = optimizer_params(layout, P_stage, L_stage * lay_experts)
-    opt_bytes = 24 + g_bytes + (p_bytes if p_bytes != 4 else 0)
-    optimizer = opt_params * opt_bytes / (hw.hbm_bandwidth * eff.memory)
-
+    dpc = dp_of(slow, P_stage, n_slow, P_layers)
+    if per_mb:
+        dpc.update(mb_total=mb["mb_total"], mb_exposed=mb["mb_exposed"])
+    opt_params = optimizer_params(layout, P_stage, P_layers * sec.lay_experts)
+    optimizer = opt_params * (24 + g_bytes + (p_bytes if p_bytes != 4 else 0)) / (hw.hbm_bandwidth * eff.memory)
     tp_exposed = m * (slow[kf] + slow[kb] + slow["comm_r"])
     tp_total = m * (slow["comm_f"] + slow["comm_b"] + slow["comm_r_total"])
-    terms = {
-        "compute": m * (slow["f"] + slow["b"]),
-        "recompute": m * slow["r"],
-        "tp_comm": tp_exposed,
-        "cp_comm": m * slow["cp"],
-        "pp_p2p": m * p2p,
-        "pp_bubble": bubble,
-        "dp_comm": m * dpc["mb_exposed"] + dpc["step_exposed"],
-        "optimizer": optimizer,
-        "ep_comm": m * (slow["ep_f"] + slow["ep_b"] + slow["ep_r"]),
-    }
-    cp_total = m * slow["cp_total"]
+    terms = {"compute": m * (slow["f"] + slow["b"]), "recompute": m * slow["r"],
+             "tp_comm": tp_exposed, "cp_comm": m * slow["cp"],
+             "pp_p2p": m * p2p, "pp_bubble": bubble, "dp_comm": m * dpc["mb_exposed"] + dpc["step_exposed"],
+             "optimizer": optimizer, "ep_comm": m * (slow["ep_f"] + slow["ep_b"] + slow["ep_r"])}
     dp_total = m * dpc["mb_total"] + dpc["step_total"]
-    details = {"microbatches": m, "layers_per_stage": L_stage, "params_per_rank": P_stage, "stage_time": T,
-               "slow_stage": 0 if slow_i == 0 else p - 1,
-               "stage_weight_grad": slow["w"],
+    cp_total = m * slow["cp_total"]
+    details = {"microbatches": m, "layers_per_stage": n_slow, "params_per_rank": P_stage, "stage_time": T,
+               "slow_stage": slow_rank, "stage_weight_grad": slow["w"],
                "dp_comm_total": dp_total, "dp_comm_hidden": dp_total - terms["dp_comm"],
                "tp_comm_total": tp_total, "tp_comm_hidden": tp_total - tp_exposed,
                "cp_comm_total": cp_total, "cp_comm_hidden": cp_total - terms["cp_comm"],
                "layer_forward": lay["f"], "layer_backward": lay["b"],
                "layer_tp_comm_forward": lay["comm_f"], "layer_tp_comm_backward": lay["comm_b"]}
     if prof.moe is not None:
-        details.update(ep_details(layout, prof, lay, moe_imbalance))
-    return terms, details
+        details.update(ep_details(layout, prof, lay, st.moe_imbalance))
+    return {k: _value(x) for k, x in terms.items()}, details
 
 
-_STAGE_KEYS = ("f", "b", "w", "comm_f", "comm_b", "comm_f_x", "comm_b_x", "ep_f", "ep_b")
+def _value(x):
+    """A float, or a sympy expression where the batch or sequence is symbolic."""
+    return x if _is_symbolic(x) else float(x)
+
+
+@dataclass(frozen=True)
+class RankPrice:
+    """:func:`price_ranks`'s answer: the step-time terms (seconds) and details, the largest rank's bytes and
+    their breakdown, and recompute="auto"'s per-rank mix (:func:`auto_stages`; None for a named mode)."""
+
+    terms: dict[str, float]
+    details: dict[str, Any]
+    memory_bytes: float
+    memory_breakdown: dict[str, Any]
+    auto: dict | None
+
+    @property
+    def step_time_s(self) -> float:
+        return sum(self.terms.values())
+
+
+def price_ranks(layout: Layout, prof: ModelProfile, sec: Sections, layers: tuple[int, ...],
+                st: CostSettings) -> RankPrice:
+    """A layout's step-time terms and memory with ``layers[r]`` layers on pipeline rank r (:func:`step_terms`,
+    :func:`layout_memory`): what :func:`estimate` prices with ⌈L/p⌉ layers on every rank and the search
+    with the partitioner's cuts."""
+    auto = layout_auto(layout, prof, sec, layers, st)
+    terms, details = step_terms(layout, prof, sec, layers, st, auto=auto)
+    mem, mem_d = layout_memory(layout, prof, sec, layers, st, auto=auto)
+    return RankPrice(terms, details, mem, mem_d, auto)
+
+
+def matmul_flops(layout: Layout, prof: ModelProfile, global_batch, seq, mix: dict | None = None) -> tuple[float, float]:
+    """(model, hardware) matmul-class FLOPs per step on all GPUs: 3 x forward, and that plus the recompute
+    forward (``mix``: recompute="auto"'s weights per named policy, applied to every layer)."""
+    b = layout.microbatch_size
+    n_seqs = global_batch / b
+    lay_v = prof.layer.evaluate(b, seq)
+    lay_mm = float(lay_v.matmul_flops) * prof.n_layers
+    out_mm = float(prof.pre.evaluate(b, seq).matmul_flops + prof.post.evaluate(b, seq).matmul_flops)
+    model_flops = n_seqs * 3 * (lay_mm + out_mm)
+    if layout.recompute == Recompute.FULL:
+        rec = lay_mm
+    elif layout.recompute == Recompute.SELECTIVE:
+        rec = float(lay_v.attention_flops) * prof.n_layers
+    elif layout.recompute == Recompute.AUTO:
+        rec = mix.get("full", 0.0) * lay_mm + mix.get("selective", 0.0) * float(lay_v.attention_flops) * prof.n_layers
+    else:
+        rec = 0.0
+    return model_flops, model_flops + n_seqs * rec
+
 
 
 def ep_details(layout: Layout, prof: ModelProfile, lay: dict, moe_imbalance: float) -> dict:
@@ -1701,7 +2090,7 @@ def cp_heads(prof: ModelProfile, tp: int) -> tuple:
     return per(H), per(KV), prof.hidden / H
 
 
-def _cp_layer(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, b, s, lay: dict,
+def cp_layer(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, b, s, lay: dict,
               variant: str | None = None) -> dict:
     """:func:`cp_comm` of one mean layer of ``prof`` under ``layout`` (its variant, or ``variant``)."""
     if layout.cp <= 1:
@@ -1760,7 +2149,7 @@ def choose_cp_attention(layout: Layout, hardware: str | Hardware = "h100", *, se
         hq, hkv, d = cp_heads(prof, layout.tp)
         activation_bytes = prof.activation_bytes
         kw = dict(attention_kernel=attention_kernel, head_dim=prof.hidden / (prof.heads or 1))
-        lay = _section_times(prof.layer, b, seq / layout.cp, layout, hw, eff, precision, **kw)
+        lay = section_times(prof.layer, b, seq / layout.cp, layout, hw, eff, precision, **kw)
         t_f, t_b = float(lay["attn"]), float(lay["attn_b"])
     else:
         if not heads or not head_dim:
@@ -1783,7 +2172,7 @@ def choose_cp_attention(layout: Layout, hardware: str | Hardware = "h100", *, se
 
 def _attention_time(b, seq, cp, hq, hkv, d, hw: Hardware, eff: Efficiency, precision: str, kernel: str,
                     e: int) -> float:
-    """One rank's attention core forward under cp, from shapes, as :func:`_section_times` prices an SDPA
+    """One rank's attention core forward under cp, from shapes, as :func:`section_times` prices an SDPA
     node: torch's FLOP count 4·b·hq·(s/cp)·s·d (no causal halving), its q, k, v and output bytes × cp."""
     s_loc = seq / cp
     fl = 4 * b * hq * s_loc * seq * d
@@ -1888,145 +2277,11 @@ def stage_auto(limit: float, fixed: tuple, inflight, n_layers: int, extra_act: f
             "limit": limit, "inflight": inflight}
 
 
-def _auto_budget(auto: dict) -> float | None:
-    """``Config(activation_budget=)`` every pipeline rank can take, or None: the runtime gives each of a
-    rank's forwards the budget divided by the forwards it holds in flight (runtime/pipeline.py
-    ``stage_activation_budget``, which counts what ``inflight_microbatches`` does), so the budget is
-    the smallest over the ranks of their per-microbatch budget times their in-flight microbatches."""
-    b = [None if a["budget"] is None else a["budget"] * float(a["inflight"]) for a in auto.values()]
-    return None if any(x is None for x in b) else min(b)
-
-
-def _auto_stages(layout: Layout, prof: ModelProfile, hw: Hardware, eff: Efficiency, B, s, *, limit: float,
-                 precision: str, param_dtype: str, grad_dtype: str, attention_kernel: str,
-                 activations: str, moe_imbalance: float = 1.0) -> dict:
-    """:func:`stage_auto` on the stages :func:`_memory` checks (0 and p−1), with ⌈L/p⌉ layers each."""
-    b, p, v = layout.microbatch_size, layout.pp, layout.virtual
-    m = B / (layout.data_ranks * b)
-    s_loc = s / layout.cp
-    L_stage = math.ceil(prof.n_layers / p)
-    kw = dict(attention_kernel=attention_kernel, head_dim=prof.hidden / (prof.heads or 1), moe_imbalance=moe_imbalance)
-    lay = _section_times(prof.layer, b, s_loc, layout, hw, eff, precision, **kw)
-    cpc = _cp_layer(layout, prof, hw, eff, b, s, lay)  # as _terms: full recompute repeats the cp forward
-    cp_f = cpc["f_x"]
-    cp_buf = float(cpc["buffers"])
-    times = {"none": 0.0, "selective": float(lay["attn"]),
-             "full": float(lay["f"]) + float(lay[_tp_keys(layout)[0]]) + float(cp_f) + float(lay["ep_f"])}
-    if activations == "formula":
-        if not prof.heads:
-            raise ValueError("activations='formula' needs the number of heads (Workload(..., heads=...))")
-        acts = {md: float(MM.activation_bytes_per_layer(s_loc, b, prof.hidden, prof.heads, tp=layout.tp,
-                                                        sequence_parallel=layout.sequence_parallel, recompute=md,
-                                                        sp_variant=prof.sp_variant, key_len=s))
-                for md in RECOMPUTE_MODES}
-        pre_act = 0.0
-        post_act = float(MM.output_layer_activation_bytes(s_loc, b, prof.hidden, prof.vocab or 0, tp=layout.tp,
-                                                          sequence_parallel=layout.sequence_parallel))
-    else:
-        acts = {md: float(x) for md, x in prof.layer.evaluate(b, s_loc).activations.items()}
-        pre_act = float(prof.pre.evaluate(b, s_loc).activations["none"])
-        post_act = float(prof.post.evaluate(b, s_loc).activations["none"])
-    env = recompute_envelope(acts, times)
-    lay_params, lay_experts = expert_split(prof, layout.ep)
-    cbytes = gather_bytes_of(precision)
-    out = {}
-    for i in ((0, p - 1) if p > 1 else (0,)):
-        n_par = L_stage * lay_params
-        extra = 0.0
-        if i == 0:
-            n_par += prof.pre.params
-            extra += pre_act
-        if i == p - 1:
-            n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
-            extra += post_act
-        inflight = float(MM.inflight_microbatches(layout.schedule.value, p, i, m, v))
-        zbuf = _zero_buffers(layout.zero, prof, i, p, n_par, grad_dtype, cbytes, ep=layout.ep)
-        st = state_of(layout, n_par, L_stage * lay_experts, param_dtype, grad_dtype)
-        out[i] = stage_auto(limit, (st.params + zbuf + cp_buf, st.grads, st.optimizer), inflight, L_stage, extra, env,
-                            acts)
-    return out
-
-
 def _gt(a, b) -> bool:
     try:
         return bool(a > b)
     except TypeError:  # symbolic: cannot decide; the last stage (head) is usually the slower
         return True
-
-
-def _zero_buffers(zero: int, prof: ModelProfile, i: int, p: int, n_par, grad_dtype: str, compute_bytes: int,
-                  ep: int = 1):
-    """ZeRO-2/3's bytes in flight on pipeline rank ``i`` (:func:`mcompile.memory_model.zero_buffer_bytes`):
-    the largest gathered unit is a layer (its E/ep experts), or the embedding (first rank) / head (last
-    rank) if larger."""
-    if zero < 2:
-        return 0
-    unit = expert_split(prof, ep)[0]
-    if i == 0:
-        unit = max(unit, prof.pre.params)
-    if i == p - 1:
-        unit = max(unit, prof.post.params)
-    return MM.zero_buffer_bytes(zero, unit, compute_bytes, grad_bytes=n_par * MM.DTYPE_BYTES[grad_dtype])
-
-
-def _memory(layout: Layout, prof: ModelProfile, B, s, *, param_dtype: str, grad_dtype: str,
-            activations: str, auto: dict | None = None, precision: str = "bf16") -> tuple[float, dict]:
-    """Bytes of the largest rank and its breakdown (module docstring of mcompile.memory_model);
-    ``auto``: :func:`_auto_stages`'s per-stage layer bytes for ``recompute="auto"``."""
-    b, p, v = layout.microbatch_size, layout.pp, layout.virtual
-    m = B / (layout.data_ranks * b)
-    s_loc = s / layout.cp
-    L_stage = math.ceil(prof.n_layers / p)
-    lay_params, lay_experts = expert_split(prof, layout.ep)
-    mode = layout.recompute.value if layout.recompute != Recompute.AUTO else "full"
-    if activations == "formula":
-        if not prof.heads:
-            raise ValueError("activations='formula' needs the number of heads (Workload(..., heads=...))")
-        layer_act = MM.activation_bytes_per_layer(s_loc, b, prof.hidden, prof.heads, tp=layout.tp,
-                                                  sequence_parallel=layout.sequence_parallel, recompute=mode,
-                                                  sp_variant=prof.sp_variant, key_len=s)
-        post_act = MM.output_layer_activation_bytes(s_loc, b, prof.hidden, prof.vocab or 0, tp=layout.tp,
-                                                    sequence_parallel=layout.sequence_parallel)
-        pre_act = 0
-    elif activations == "graph":
-        layer_act = prof.layer.evaluate(b, s_loc).activations[mode]
-        pre_act = prof.pre.evaluate(b, s_loc).activations["none"]
-        post_act = prof.post.evaluate(b, s_loc).activations["none"]
-    else:
-        raise ValueError(f"activations={activations!r}: use 'graph' (saved tensors of the captured graph) or "
-                         "'formula' (Korthikanti et al. 2022)")
-    hq, hkv, hd = cp_heads(prof, layout.tp)
-    cp_buf = cp_buffer_bytes(layout.cp_attention, cp=layout.cp, b=b, seq=s, heads=hq, kv_heads=hkv, head_dim=hd,
-                             activation_bytes=prof.activation_bytes)
-    stages = range(p) if p > 1 else [0]
-    best, best_d = None, None
-    for i in (stages[0], stages[-1]) if p > 1 else stages:
-        n_par = L_stage * lay_params
-        extra_act = 0
-        if i == 0:
-            n_par += prof.pre.params
-            extra_act += pre_act
-        if i == p - 1:
-            n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
-            extra_act += post_act
-        inflight = MM.inflight_microbatches(layout.schedule.value, p, i, m, v)
-        # lifetimes (memory_model "Lifetimes"): the gradients are persistent flat fp32 buffers
-        # (runtime/leaves.py), so they meet the activations on every layout; reduced over dp in place
-        one_pass = False
-        reduce_copy = 0
-        act_i = layer_act if auto is None else auto[i]["layer_bytes"]
-        st = state_of(layout, n_par, L_stage * lay_experts, param_dtype, grad_dtype)
-        tot, d = MM.peak_bytes(st.params, st.grads, st.optimizer,
-                               inflight * (L_stage * act_i + extra_act), gradients_meet_activations=not one_pass,
-                               reduction_buffer=reduce_copy,
-                               zero_buffers=_zero_buffers(layout.zero, prof, i, p, n_par, grad_dtype,
-                                                          gather_bytes_of(precision), ep=layout.ep),
-                               cp_buffers=cp_buf)
-        if auto is not None and auto[i]["fits"]:  # the budget used is what is left: ≤ the limit (rounding)
-            tot = min(tot, auto[i]["limit"])
-        if best is None or _gt(tot, best):
-            best, best_d = tot, {**d, "stage": i, "inflight_microbatches": inflight}
-    return best, best_d
 
 
 def _layout_of(plan_or_layout, model, overrides: dict) -> tuple[Layout, Any, Any]:
@@ -2171,18 +2426,13 @@ def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", g
     the limit under which ``recompute="auto"`` takes its activation budget (:func:`auto_mix`).
     ``moe_imbalance``: expert parallelism's load imbalance, the busiest ep rank's routed slots over the
     mean (1: uniform routing; at most ep): it scales that rank's expert compute and the token bytes of
-    its all-to-alls (:func:`_section_times`).
+    its all-to-alls (:func:`section_times`).
     """
-    check_imbalance(moe_imbalance)
-    if attention_kernel not in ("flash", "unfused"):
-        raise ValueError(f"attention_kernel={attention_kernel!r}: use 'flash' (fused SDPA, what mcompile runs) or "
-                         "'unfused' (bmm, softmax, dropout, bmm: s×s scores through memory)")
     layout, model, plan = _layout_of(plan_or_layout, model, layout_fields)
     layout = resolve_precision(layout, precision)
     precision = layout.precision
     work = _workload(model, plan)
     hw = get_hardware(hardware)
-    eff = (efficiency or DEFAULT_EFFICIENCY).for_hardware(hw)
     prof = work.profile(layout.tp, layout.sequence_parallel)
     if plan is not None:
         check_plan_matches(plan, prof)
@@ -2191,49 +2441,28 @@ def estimate(plan_or_layout, model=None, *, hardware: str | Hardware = "h100", g
     if seq is None:
         raise ValueError("estimate() needs seq= (the model states no maximum sequence length, and no example "
                          "inputs say it)")
-    _validate(layout, prof, global_batch, seq)
-    limit = float(memory_limit) if memory_limit is not None else float(hw.hbm_bytes)
-    auto = None
-    if layout.recompute == Recompute.AUTO:
-        auto = _auto_stages(layout, prof, hw, eff, global_batch, seq, limit=limit, precision=precision,
-                            param_dtype=param_dtype, grad_dtype=grad_dtype, attention_kernel=attention_kernel,
-                            activations=activations, moe_imbalance=moe_imbalance)
-    terms, details = _terms(layout, prof, hw, eff, global_batch, seq, precision=precision, param_dtype=param_dtype,
-                            grad_dtype=grad_dtype, attention_kernel=attention_kernel, auto=auto,
-                            moe_imbalance=moe_imbalance)
-    terms = {k: float(_num(v)) for k, v in terms.items()}
+    validate_layout(layout, prof, global_batch, seq)
+    st = cost_settings(hw, global_batch, seq, precision, param_dtype, grad_dtype, attention_kernel, efficiency,
+                       memory_limit, moe_imbalance, activations)
+    sec = Sections(prof, layout.microbatch_size, st, ep=layout.ep, cp=layout.cp)
+    priced = price_ranks(layout, prof, sec, (math.ceil(prof.n_layers / layout.pp),) * layout.pp, st)
+    terms, details, auto = priced.terms, priced.details, priced.auto
     step = sum(terms.values())
-    mem, mem_d = _memory(layout, prof, global_batch, seq, param_dtype=param_dtype, grad_dtype=grad_dtype,
-                         activations=activations, auto=auto, precision=precision)
-    mem = float(_num(mem))
-    mem_d = {k: (float(_num(v)) if k != "stage" else v) for k, v in mem_d.items()}
+    mem = priced.memory_bytes
+    mem_d = dict(priced.memory_breakdown)
     stage_info = {"stage": mem_d.pop("stage"), "inflight_microbatches": mem_d.pop("inflight_microbatches")}
-
-    # matmul-class FLOPs per step (all GPUs): 3x forward, + the recompute forward
-    b = layout.microbatch_size
-    n_seqs = global_batch / b
-    lay_v = prof.layer.evaluate(b, seq)
-    lay_mm = float(lay_v.matmul_flops) * prof.n_layers
-    out_mm = float(prof.pre.evaluate(b, seq).matmul_flops + prof.post.evaluate(b, seq).matmul_flops)
-    model_flops = n_seqs * 3 * (lay_mm + out_mm)
-    if layout.recompute == Recompute.FULL:
-        rec = lay_mm
-    elif layout.recompute == Recompute.SELECTIVE:
-        rec = float(lay_v.attention_flops) * prof.n_layers
-    elif layout.recompute == Recompute.AUTO:  # the slowest stage's mix on every layer (as the step time)
-        w = auto[details["slow_stage"]]["mix"]
-        rec = (w.get("full", 0.0) * lay_mm + w.get("selective", 0.0) * float(lay_v.attention_flops) * prof.n_layers)
-    else:
-        rec = 0.0
-    hardware_flops = model_flops + n_seqs * rec
+    mem_d = {k: float(v) for k, v in mem_d.items()}
+    # matmul-class FLOPs per step (all GPUs); recompute="auto": the slowest stage's mix on every layer (as the
+    # step time)
+    mix = auto[details["slow_stage"]]["mix"] if auto is not None else None
+    model_flops, hardware_flops = matmul_flops(layout, prof, global_batch, seq, mix)
     details = {k: float(_num(v)) if not isinstance(v, int) else v for k, v in details.items()}
-    details.update(stage_info, peak_flops=hw.peak_flops(precision), efficiency=eff, activations=activations,
-                   memory_limit=limit, precision=precision)
+    details.update(stage_info, peak_flops=hw.peak_flops(precision), efficiency=st.eff, activations=activations,
+                   memory_limit=st.limit, precision=precision)
     if auto is not None:
-        details.update(auto_mix={i: a["mix"] for i, a in auto.items()},
-                       activation_budget=_auto_budget(auto))
+        details.update(auto_mix={i: a["mix"] for i, a in auto.items()}, activation_budget=activation_budget(auto))
     return Estimate(layout=layout, hardware=hw, global_batch=global_batch, seq=seq, step_time_s=step,
-                    breakdown=terms, memory_bytes=mem, memory_breakdown=mem_d, fits=mem <= limit,
+                    breakdown=terms, memory_bytes=mem, memory_breakdown=mem_d, fits=mem <= st.limit,
                     hardware_flops=hardware_flops, model_flops=model_flops, tokens_per_s=global_batch * seq / step,
                     details=details)
 
@@ -2247,15 +2476,15 @@ def step_time_expr(layout: Layout, model, *, hardware: str | Hardware = "h100", 
     precision = layout.precision
     work = _workload(model)
     hw = get_hardware(hardware)
-    eff = (efficiency or DEFAULT_EFFICIENCY).for_hardware(hw)
     prof = work.profile(layout.tp, layout.sequence_parallel)
     if layout.recompute == Recompute.AUTO:
         raise ValueError("recompute='auto' takes its budget from the memory left at given sizes: price it with "
                          "estimate(), not symbolically")
-    _validate(layout, prof, GLOBAL_BATCH, SEQ)
-    check_imbalance(moe_imbalance)
-    terms, _ = _terms(layout, prof, hw, eff, GLOBAL_BATCH, SEQ, precision=precision, param_dtype=param_dtype,
-                      grad_dtype=grad_dtype, attention_kernel=attention_kernel, moe_imbalance=moe_imbalance)
+    validate_layout(layout, prof, GLOBAL_BATCH, SEQ)
+    st = cost_settings(hw, GLOBAL_BATCH, SEQ, precision, param_dtype, grad_dtype, attention_kernel, efficiency,
+                       moe_imbalance=moe_imbalance)
+    sec = Sections(prof, layout.microbatch_size, st, ep=layout.ep, cp=layout.cp)
+    terms, _ = step_terms(layout, prof, sec, (math.ceil(prof.n_layers / layout.pp),) * layout.pp, st)
     terms = {k: sympy.sympify(v) for k, v in terms.items()}
     terms["step_time"] = sympy.Add(*terms.values())
     return terms

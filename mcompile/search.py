@@ -86,12 +86,14 @@ capture that is :func:`mcompile.stages.partition` itself; with a 2-layer capture
 dynamic program (``partition._min_max``) over the depth's item weights — [embedding + layer, layer,
 …, layer + head] — read off the captured block, which is what ``partition`` computes on the full
 graph when the layers are identical. Each pipeline rank then has n_r layers (the sum over its
-virtual chunks), and the cost model's formulas are evaluated with n_r instead of ⌈L/p⌉: per rank
+virtual chunks), and the cost model's own functions price the layout with n_r layers on rank r where
+``estimate`` gives ⌈L/p⌉ (:func:`mcompile.cost.price_ranks`: ``step_terms`` and ``peak_memory``, on
+:class:`mcompile.cost.Sections` cached per (tp, sp, ep, cp, microbatch size, precision)): per rank
 T_r = n_r·t_layer + [first]·t_pre + [last]·t_post + t_p2p; the slowest rank sets the pipeline
 (m·T + bubble), the rank with most parameters sets the data-parallel reduction and the optimizer,
-and memory is the largest over all ranks (:func:`price`; with ``uniform=True`` it reproduces
-``estimate`` to rounding, which tests/test_search.py checks). ``Candidate.estimate`` is this priced
-estimate; ``estimate.details["uniform_step_time_s"]`` keeps the ⌈L/p⌉ number.
+and memory is the largest over all ranks (:func:`price`; with ``uniform=True`` it is ``estimate``
+exactly, the same functions on the same layers, which tests/test_search.py checks). ``Candidate.estimate``
+is this priced estimate; ``estimate.details["uniform_step_time_s"]`` keeps the ⌈L/p⌉ number.
 
 Placements inside a block: an exact solver
 ------------------------------------------
@@ -118,15 +120,15 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from mcompile import cost as C
-from mcompile import memory_model as MM
 from mcompile.compat import quiet_highs
 from mcompile.cost import Estimate, Layout, Recompute, Schedule, Workload
 from mcompile.hardware import Hardware, get_hardware
@@ -304,351 +306,6 @@ def _stage_split(work: SearchWorkload, pp: int, virtual: int, seq: int) -> Stage
 # --------------------------------------------------------------------------- pricing
 
 
-@dataclass(frozen=True)
-class _Settings:
-    hw: Hardware
-    eff: C.Efficiency
-    global_batch: int
-    seq: int
-    precision: str
-    param_dtype: str
-    grad_dtype: str
-    attention_kernel: str
-    efficiency: C.Efficiency | None  # as given (estimate() adapts it to the hardware itself)
-    memory_limit: float | None = None  # bytes per GPU (None: the hardware's HBM): fits, and auto's budget
-    moe_imbalance: float = 1.0  # expert parallelism: the busiest ep rank's routed slots over the mean
-
-    @property
-    def limit(self) -> float:
-        return float(self.memory_limit) if self.memory_limit is not None else float(self.hw.hbm_bytes)
-
-
-class _Sections:
-    """Per (tp, sp, ep, cp, microbatch size, precision): the cost model's section times and activation bytes
-    at the rank's seq/cp positions, a mean layer's parameters on a rank (E/ep of its experts), and under cp
-    each attention variant's per-layer communication and buffers (:func:`mcompile.cost.cp_comm`) and the
-    cheapest applicable one (:func:`mcompile.cost.choose_cp_attention`'s pick)."""
-
-    def __init__(self, prof: C.ModelProfile, b: int, st: _Settings, precision: str | None = None, ep: int = 1,
-                 cp: int = 1):
-        self.precision = precision = precision or st.precision
-        self.ep, self.cp_size = ep, cp
-        self.lay_params, self.lay_experts = C.expert_split(prof, ep)
-        kw = dict(attention_kernel=st.attention_kernel, head_dim=prof.hidden / (prof.heads or 1),
-                  moe_imbalance=st.moe_imbalance)
-        # tp is innermost, ep next, then cp: their links depend on tp, ep and cp alone
-        lay = Layout(tp=prof.tp, ep=ep, cp=cp)
-        s_loc = st.seq / cp
-        self.lay = C._section_times(prof.layer, b, s_loc, lay, st.hw, st.eff, precision, **kw)
-        self.pre = C._section_times(prof.pre, b, s_loc, lay, st.hw, st.eff, precision, **kw)
-        self.post = C._section_times(prof.post, b, s_loc, lay, st.hw, st.eff, precision, **kw)
-        self.layer_act = {m: float(v) for m, v in prof.layer.evaluate(b, s_loc).activations.items()}
-        self.pre_act = float(prof.pre.evaluate(b, s_loc).activations["none"])
-        self.post_act = float(prof.post.evaluate(b, s_loc).activations["none"])
-        # context parallelism: every variant's layer communication; the applicable ones; the cheapest
-        self.cp = {v: C._cp_layer(lay, prof, st.hw, st.eff, b, st.seq, self.lay, v) for v in C.CP_VARIANTS}
-        self.cp_allowed = C.cp_variants_allowed(lay, prof.heads) if cp > 1 else C.CP_VARIANTS[:1]
-        prices = {v: float(self.cp[v]["f_x"] + self.cp[v]["b_x"]) for v in self.cp_allowed}
-        self.cp_choice = min(prices, key=lambda v: (prices[v], C.CP_VARIANTS.index(v)))
-        # recompute="auto": the named policies' (bytes, recompute time) per layer and their lower envelope, with
-        # the recomputed forward's tp communication as the layout pays it (all, or what collective matmul exposes),
-        # and its cp communication (exposed)
-        self._envelopes = {}
-        self.envelopes = {o: self.envelope_of(o) for o in (False, True)}
-        self.envelope = self.envelopes[True]
-
-    def envelope_of(self, overlap: bool, cp_attention: str = "ring") -> list:
-        key = (overlap, cp_attention if self.cp_size > 1 else "ring")
-        if key not in self._envelopes:
-            comm = self.lay["comm_f_x"] if overlap else self.lay["comm_f"]
-            rec_time = {"none": 0.0, "selective": float(self.lay["attn"]),
-                        "full": float(self.lay["f"]) + float(comm) + float(self.cp[key[1]]["f_x"])
-                        + float(self.lay["ep_f"])}
-            self._envelopes[key] = C.recompute_envelope(self.layer_act, rec_time)
-        return self._envelopes[key]
-
-    def cp_buffers(self, cp_attention: str) -> float:
-        """Bytes of the cp attention variant's buffers of one layer (0 without cp)."""
-        return float(self.cp[cp_attention]["buffers"]) if self.cp_size > 1 else 0.0
-
-
-@functools.lru_cache(maxsize=4096)
-def _ranks_to_check(layers: tuple[int, ...]) -> tuple[int, ...]:
-    """Pipeline ranks that can hold the most memory: the first, the last, and the first middle rank of
-    each distinct layer count (in-flight microbatches never grow with the rank)."""
-    p = len(layers)
-    out, seen = [0], set()
-    for i in range(1, p - 1):
-        if layers[i] not in seen:
-            seen.add(layers[i])
-            out.append(i)
-    if p > 1:
-        out.append(p - 1)
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=65536)
-def _inflight(schedule: str, p: int, i: int, m: float, v: int) -> float:
-    return float(MM.inflight_microbatches(schedule, p, i, m, v))
-
-
-@dataclass(frozen=True)
-class _PerParam:
-    """Model-state bytes per parameter of a layout: dense parameters (replicated over dp·ep·cp, what
-    ZeRO shards them over) and routed experts (over dp·cp); :func:`mcompile.cost.state_of`."""
-
-    dense: MM.StateBytes
-    experts: MM.StateBytes
-
-    def of(self, n_par, n_experts) -> tuple[float, float, float]:
-        """(parameters, gradients, optimizer state) bytes of ``n_par`` parameters, ``n_experts`` of them experts."""
-        d, e, n = self.dense, self.experts, n_par - n_experts
-        if not n_experts:
-            return n_par * d.params, n_par * d.grads, n_par * d.optimizer
-        return (n * d.params + n_experts * e.params, n * d.grads + n_experts * e.grads,
-                n * d.optimizer + n_experts * e.optimizer)
-
-
-@functools.lru_cache(maxsize=1024)
-def _per(param_dtype: str, grad_dtype: str, zero: int, dp: int, ep: int, cp: int = 1) -> _PerParam:
-    return _PerParam(MM.model_state_bytes_per_param(param_dtype, grad_dtype, zero, dp * cp * ep),
-                     MM.model_state_bytes_per_param(param_dtype, grad_dtype, zero, dp * cp))
-
-
-def _per_of(layout: Layout, st: _Settings) -> _PerParam:
-    return _per(st.param_dtype, st.grad_dtype, layout.zero, layout.dp, layout.ep, layout.cp)
-
-
-def _memory(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[int, ...], st: _Settings,
-            auto: dict | None = None):
-    """:func:`mcompile.cost._memory` (graph activations) with ``layers[i]`` layers on pipeline rank i."""
-    per = _per_of(layout, st)
-    m = st.global_batch / (layout.data_ranks * layout.microbatch_size)
-    one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
-    zb = _zero_of(layout.zero, st, sec)
-    if layout.recompute == Recompute.AUTO and auto is None:
-        auto = _auto_of(prof, sec, layers, per, layout.schedule.value, layout.virtual, m, st.limit,
-                        one_pass=one_pass, reduce_bytes=reduce_bytes, overlap=layout.overlap, zero=zb,
-                        cp_attention=layout.cp_attention)
-    return _memory_of(prof, sec, layers, per, layout.schedule.value, layout.virtual, m, layout.recompute.value,
-                      one_pass=one_pass, reduce_bytes=reduce_bytes, auto=auto, zero=zb,
-                      cp_buffers=sec.cp_buffers(layout.cp_attention))
-
-
-def _zero_of(zero: int, st: _Settings, sec: _Sections) -> tuple:
-    """(ZeRO stage, gradient dtype, bytes of a gathered parameter, ep): what ZeRO-2/3's buffers in flight
-    depend on (:func:`mcompile.cost._zero_buffers`)."""
-    return zero, st.grad_dtype, C.gather_bytes_of(sec.precision), sec.ep
-
-
-def _zero_buffers(zero: tuple, prof, layers: tuple[int, ...], i: int, n_par) -> float:
-    z, grad_dtype, cbytes, ep = zero
-    return C._zero_buffers(z, prof, i, len(layers), n_par, grad_dtype, cbytes, ep=ep) if z >= 2 else 0
-
-
-def _auto_of(prof, sec: _Sections, layers: tuple[int, ...], per: _PerParam, schedule: str, v: int, m: float,
-             limit: float, *, one_pass: bool = False, reduce_bytes: float = 0.0, overlap: bool = True,
-             zero: tuple = (0, "", 2, 1), cp_attention: str = "ring") -> dict:
-    """``recompute="auto"`` on every rank :func:`_memory_of` checks: :func:`mcompile.cost.stage_auto`
-    (the budget left under ``limit``, per layer, and the envelope's mix there), by rank."""
-    p = len(layers)
-    out = {}
-    cp_buf = sec.cp_buffers(cp_attention)
-    for i in _ranks_to_check(layers):
-        n_par, extra_act, n_exp = _rank_share(prof, sec, layers, i)
-        zbuf = _zero_buffers(zero, prof, layers, i, n_par)
-        sp, sg, so = per.of(n_par, n_exp)
-        out[i] = C.stage_auto(limit, (sp + zbuf + cp_buf, sg, so),
-                              _inflight(schedule, p, i, m, v), layers[i], extra_act,
-                              sec.envelope_of(overlap, cp_attention),
-                              sec.layer_act, gradients_meet_activations=not one_pass,
-                              reduction_buffer=n_par * reduce_bytes)
-    return out
-
-
-def _rank_share(prof, sec: _Sections, layers: tuple[int, ...], i: int) -> tuple[float, float, float]:
-    """Pipeline rank ``i``'s parameters (its layers, the embedding on the first, the head on the last,
-    a tied weight counted once without pp), its activations outside the layers, and how many of its
-    parameters are routed experts (E/ep of each layer's)."""
-    p = len(layers)
-    n_par, extra_act = layers[i] * sec.lay_params, 0.0
-    if i == 0:
-        n_par += prof.pre.params
-        extra_act += sec.pre_act
-    if i == p - 1:
-        n_par += prof.post.params - (prof.tied_params if p == 1 else 0)
-        extra_act += sec.post_act
-    return n_par, extra_act, layers[i] * sec.lay_experts
-
-
-def _auto_is_none(auto: dict) -> bool:
-    """auto reduces to no recompute on every rank (the budget left holds none's activations)."""
-    return all(a["fits"] and a["mix"] == {"none": 1.0} for a in auto.values())
-
-
-def _lifetimes(layers: tuple[int, ...], m: float, zero: int, dp: int) -> tuple[bool, float]:
-    """As :func:`mcompile.cost._memory`: the runtime's gradients are persistent flat fp32 buffers
-    (runtime/leaves.py, ZeRO-1's too), reduced over dp in place: they meet the activations on every
-    layout, and no reduction copy is made. (``(one_pass, reduce_bytes)``, kept as parameters of
-    :func:`_memory_of` for a runtime whose gradients come and go.)"""
-    return False, 0.0
-
-
-def _memory_of(prof, sec: _Sections, layers: tuple[int, ...], per: _PerParam, schedule: str, v: int, m: float,
-               mode: str, detail: bool = True, *, one_pass: bool = False, reduce_bytes: float = 0.0,
-               auto: dict | None = None, zero: tuple = (0, "", 2, 1), cp_buffers: float = 0.0):
-    """The largest rank's bytes (and its breakdown when ``detail``), from its parts
-    (:func:`mcompile.memory_model.peak_bytes`: what is live together at the peak). ``mode`` "auto":
-    ``auto`` is :func:`_auto_of`'s per-rank result (each rank's layers keep its mix's bytes). ``zero``:
-    :func:`_zero_of` (ZeRO-2/3's buffers in flight); ``cp_buffers``: :meth:`_Sections.cp_buffers`."""
-    p = len(layers)
-    if mode == "auto" and auto is None:
-        raise ValueError("_memory_of(mode='auto') needs auto=_auto_of(...)")
-    layer_act = sec.layer_act[mode] if mode != "auto" else None
-    best, best_d = None, None
-    for i in _ranks_to_check(layers):
-        n_par, extra_act, n_exp = _rank_share(prof, sec, layers, i)
-        inflight = _inflight(schedule, p, i, m, v)
-        act_i = layer_act if auto is None else auto[i]["layer_bytes"]
-        sp, sg, so = per.of(n_par, n_exp)
-        tot, d = MM.peak_bytes(sp, sg, so, inflight * (layers[i] * act_i + extra_act),
-                               gradients_meet_activations=not one_pass, reduction_buffer=n_par * reduce_bytes,
-                               zero_buffers=_zero_buffers(zero, prof, layers, i, n_par), cp_buffers=cp_buffers)
-        if auto is not None and auto[i]["fits"]:  # the budget used is what is left: ≤ the limit (rounding)
-            tot = min(tot, auto[i]["limit"])
-        if best is None or tot > best:
-            best, best_d = tot, (d, i, inflight)
-    if not detail:
-        return float(best), None
-    d, i, inflight = best_d
-    return float(best), {**d, "stage": i, "inflight_microbatches": inflight}
-
-
-def _links(layout: Layout, st: _Settings) -> dict:
-    """(β, α) of the layout's pp, tp and dp axes (:func:`mcompile.cost.axis_link`)."""
-    return {a: C.axis_link(layout, a, st.hw, st.eff) for a in ("pp", "tp", "dp")}
-
-
-def _terms(layout: Layout, prof: C.ModelProfile, sec: _Sections, layers: tuple[int, ...], st: _Settings,
-           links: dict | None = None, auto: dict | None = None):
-    """:func:`mcompile.cost._terms` with ``layers[r]`` layers on pipeline rank r; ``links``:
-    :func:`_links` of the layout, when already known; ``auto``: :func:`_auto_of` for recompute="auto"
-    (computed here when not given). ``sec`` holds the section times at the layout's precision."""
-    hw, eff = st.hw, st.eff
-    links = links or _links(layout, st)
-    b, p, v = layout.microbatch_size, layout.pp, layout.virtual
-    m = st.global_batch / (layout.data_ranks * b)
-    lay, pre, post = sec.lay, sec.pre, sec.post
-    kf, kb = C._tp_keys(layout)
-    if layout.recompute == Recompute.FULL:
-        rec, rec_comm, rec_total = lay["f"], lay[kf], lay["comm_f"]
-    elif layout.recompute == Recompute.SELECTIVE:
-        rec, rec_comm, rec_total = lay["attn"], 0, 0
-    else:
-        rec, rec_comm, rec_total = 0, 0, 0
-    if layout.recompute == Recompute.AUTO and auto is None:
-        per = _per_of(layout, st)
-        one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
-        auto = _auto_of(prof, sec, layers, per, layout.schedule.value, v, m, st.limit, one_pass=one_pass,
-                        reduce_bytes=reduce_bytes, overlap=layout.overlap, zero=_zero_of(layout.zero, st, sec),
-                        cp_attention=layout.cp_attention)
-    cpc = sec.cp[layout.cp_attention] if layout.cp > 1 else C._NO_CP
-
-    def stage(n: int, extra: list[dict], i: int) -> dict:
-        r, rc, rt = rec, rec_comm, rec_total
-        full = 1.0 if layout.recompute == Recompute.FULL else 0.0
-        if auto is not None and layout.recompute == Recompute.AUTO:  # the rank's per-layer mix (cost.auto_mix)
-            w = auto[i]["mix"]
-            r = w.get("full", 0.0) * lay["f"] + w.get("selective", 0.0) * lay["attn"]
-            rc = w.get("full", 0.0) * lay[kf]
-            rt = w.get("full", 0.0) * lay["comm_f"]
-            full = w.get("full", 0.0)
-        keys = C._STAGE_KEYS
-        d = {k: n * lay[k] for k in keys}
-        d["r"] = n * r
-        d["comm_r"] = n * rc
-        d["comm_r_total"] = n * rt
-        d["cp"] = n * (cpc["f_x"] + cpc["b_x"] + full * cpc["f_x"])
-        d["cp_total"] = n * (cpc["f"] + cpc["b"] + full * cpc["f"])
-        d["ep_r"] = n * full * lay["ep_f"]
-        for e in extra:
-            for k in keys:
-                d[k] = d[k] + e[k]
-        return d
-
-    p2p = 0
-    if p > 1:
-        beta, alpha = links["pp"]
-        msg = b * (st.seq / layout.cp) * prof.hidden * prof.activation_bytes / layout.tp
-        p2p = 2 * v * C.collective_time("send_recv", msg, 2, beta, alpha, st.hw.collective_call_latency)
-        if layout.tp > 1 and not layout.sequence_parallel:
-            tb, ta = links["tp"]
-            p2p = p2p + 2 * v * C.collective_time("all_gather", msg * layout.tp, layout.tp, tb, ta,
-                                                    st.hw.collective_call_latency)
-
-    def total(d):
-        return (d["f"] + d["b"] + d["r"] + d[kf] + d[kb] + d["comm_r"] + d["cp"] + p2p
-                + d["ep_f"] + d["ep_b"] + d["ep_r"])
-
-    g_bytes, p_bytes = MM.DTYPE_BYTES[st.grad_dtype], MM.DTYPE_BYTES[st.param_dtype]
-    n_dp = layout.dp * layout.cp * layout.ep  # ranks replicating the dense parameters
-
-    def dp_of(d, params, n, n_experts=None):  # n_experts: the layers whose experts ``params`` holds (default n)
-        experts = (n if n_experts is None else n_experts) * sec.lay_experts
-        return C.data_comm(layout, hw, eff, params=params, experts=experts, layer_params=sec.lay_params,
-                           layer_experts=sec.lay_experts, layers=n, window=d["b"] + d["r"] + d[kb] + d["comm_r"],
-                           layer_forward=lay["f"],
-                           layer_backward=lay["b"] + d["r"] / max(n, 1),  # recompute runs in backward too
-                           grad_bytes=g_bytes, param_bytes=p_bytes, gather_bytes=C.gather_bytes_of(sec.precision))
-
-    per_mb = layout.zero >= 2 and n_dp > 1  # ZeRO-2/3: per-microbatch collectives in every rank's stage time
-    slow, T, n_slow, P_stage, P_layers, mb = None, None, None, None, None, None
-    bubble = 0
-    for i in _ranks_to_check(layers):
-        extra = ([pre] if i == 0 else []) + ([post] if i == p - 1 else [])
-        d = stage(layers[i], extra, i)
-        params = layers[i] * sec.lay_params + (prof.pre.params if i == 0 else 0) + \
-            (prof.post.params - (prof.tied_params if p == 1 else 0) if i == p - 1 else 0)
-        dpi = dp_of(d, params, layers[i]) if per_mb else None
-        t = total(d) + (dpi["mb_exposed"] if per_mb else 0)
-        bubble = max(bubble, C.pipeline_bubble(layout.schedule, p, v, t, d["w"]))  # as cost._terms: the longest
-        if slow is None or t > T:
-            slow, T, n_slow, slow_rank, mb = d, t, layers[i], i, dpi
-        if P_stage is None or params > P_stage:
-            P_stage, P_layers = params, layers[i]
-
-    dpc = dp_of(slow, P_stage, n_slow, P_layers)
-    if per_mb:
-        dpc.update(mb_total=mb["mb_total"], mb_exposed=mb["mb_exposed"])
-    opt_params = C.optimizer_params(layout, P_stage, P_layers * sec.lay_experts)
-    optimizer = opt_params * (24 + g_bytes + (p_bytes if p_bytes != 4 else 0)) / (hw.hbm_bandwidth * eff.memory)
-    tp_exposed = m * (slow[kf] + slow[kb] + slow["comm_r"])
-    tp_total = m * (slow["comm_f"] + slow["comm_b"] + slow["comm_r_total"])
-    terms = {"compute": m * (slow["f"] + slow["b"]), "recompute": m * slow["r"],
-             "tp_comm": tp_exposed, "cp_comm": m * slow["cp"],
-             "pp_p2p": m * p2p, "pp_bubble": bubble, "dp_comm": m * dpc["mb_exposed"] + dpc["step_exposed"],
-             "optimizer": optimizer, "ep_comm": m * (slow["ep_f"] + slow["ep_b"] + slow["ep_r"])}
-    dp_total = m * dpc["mb_total"] + dpc["step_total"]
-    cp_total = m * slow["cp_total"]
-    details = {"microbatches": m, "layers_per_stage": n_slow, "params_per_rank": P_stage, "stage_time": T,
-               "stage_weight_grad": slow["w"], "dp_comm_total": dp_total,
-               "dp_comm_hidden": dp_total - terms["dp_comm"], "tp_comm_total": tp_total,
-               "tp_comm_hidden": tp_total - tp_exposed, "cp_comm_total": cp_total,
-               "cp_comm_hidden": cp_total - terms["cp_comm"], "slow_stage": slow_rank}
-    if prof.moe is not None:
-        details.update(C.ep_details(layout, prof, lay, st.moe_imbalance))
-    return {k: float(x) for k, x in terms.items()}, details
-
-
-def _settings(hardware, global_batch, seq, precision, param_dtype, grad_dtype, attention_kernel, efficiency,
-              memory_limit=None, moe_imbalance: float = 1.0):
-    hw = get_hardware(hardware)
-    eff = (efficiency or C.DEFAULT_EFFICIENCY).for_hardware(hw)
-    C.check_imbalance(moe_imbalance)
-    return _Settings(hw, eff, int(global_batch), int(seq), precision, param_dtype, grad_dtype, attention_kernel,
-                     efficiency, float(memory_limit) if memory_limit is not None else None, float(moe_imbalance))
-
-
 def price(layout: Layout, model, *, hardware: str | Hardware = "h100", global_batch: int, seq: int | None = None,
           precision: str | None = None, param_dtype: str = "bf16", grad_dtype: str = "fp32",
           attention_kernel: str = "flash", efficiency: C.Efficiency | None = None, uniform: bool = False,
@@ -665,39 +322,32 @@ def price(layout: Layout, model, *, hardware: str | Hardware = "h100", global_ba
     work = SearchWorkload.of(model, example_inputs, example_kwargs, dtype=dtype)
     prof = work.profile(layout.tp, layout.sequence_parallel)
     seq = seq or prof.seq_len
-    st = _settings(hardware, global_batch, seq, layout.precision, param_dtype, grad_dtype, attention_kernel,
-                   efficiency, memory_limit, moe_imbalance)
-    C._validate(layout, prof, global_batch, seq)
+    st = C.cost_settings(hardware, global_batch, seq, layout.precision, param_dtype, grad_dtype, attention_kernel,
+                         efficiency, memory_limit, moe_imbalance)
+    C.validate_layout(layout, prof, global_batch, seq)
     if uniform:
         split = None
         layers = (math.ceil(work.depth / layout.pp),) * layout.pp
     else:
         split = stages or stage_split(work, layout.pp, layout.virtual, seq)
         layers = split.layers_per_rank
-    sec = _Sections(prof, layout.microbatch_size, st, ep=layout.ep, cp=layout.cp)
+    sec = C.Sections(prof, layout.microbatch_size, st, ep=layout.ep, cp=layout.cp)
     return _finish(layout, work, prof, sec, layers, split, st)
 
 
-def _finish(layout, work, prof, sec, layers, split, st) -> Estimate:
-    """The full Estimate: cost.estimate's (FLOPs, throughput) with the step time and memory priced on
-    the given per-rank layer counts."""
+def _finish(layout, work, prof, sec, layers, split, st: C.CostSettings) -> Estimate:
+    """The full Estimate: cost.estimate's with the step time, memory and FLOPs priced on the given per-rank
+    layer counts (:func:`mcompile.cost.price_ranks`)."""
     base = C.estimate(layout, work, hardware=st.hw, global_batch=st.global_batch, seq=st.seq,
                       precision=st.precision, param_dtype=st.param_dtype, grad_dtype=st.grad_dtype,
                       attention_kernel=st.attention_kernel, efficiency=st.efficiency, memory_limit=st.limit,
                       moe_imbalance=st.moe_imbalance)
-    auto = None
-    if layout.recompute == Recompute.AUTO:
-        per = _per_of(layout, st)
-        m = st.global_batch / (layout.data_ranks * layout.microbatch_size)
-        one_pass, reduce_bytes = _lifetimes(layers, m, layout.zero, layout.dp * layout.cp)
-        auto = _auto_of(prof, sec, layers, per, layout.schedule.value, layout.virtual, m, st.limit,
-                        one_pass=one_pass, reduce_bytes=reduce_bytes, overlap=layout.overlap,
-                        zero=_zero_of(layout.zero, st, sec), cp_attention=layout.cp_attention)
-    terms, det = _terms(layout, prof, sec, layers, st, auto=auto)
-    mem, mem_d = _memory(layout, prof, sec, layers, st, auto=auto)
+    priced = C.price_ranks(layout, prof, sec, layers, st)
+    terms, det, auto = priced.terms, priced.details, priced.auto
     step = sum(terms.values())
-    mem_d = {k: float(v) if k != "stage" else v for k, v in mem_d.items()}
-    info = {"stage": mem_d.pop("stage"), "inflight_microbatches": mem_d.pop("inflight_microbatches")}
+    mem, mem_d = priced.memory_bytes, dict(priced.memory_breakdown)
+    info = {"stage": mem_d.pop("stage"), "inflight_microbatches": float(mem_d.pop("inflight_microbatches"))}
+    mem_d = {k: float(v) for k, v in mem_d.items()}
     details = {**base.details, **{k: float(v) for k, v in det.items()}, **info,
                "uniform_step_time_s": base.step_time_s, "uniform_memory_bytes": base.memory_bytes,
                "layers_per_rank": list(layers),
@@ -705,13 +355,9 @@ def _finish(layout, work, prof, sec, layers, split, st) -> Estimate:
     hardware_flops = base.hardware_flops
     if auto is not None:
         details["auto_mix"] = {i: a["mix"] for i, a in auto.items()}
-        details["activation_budget"] = C._auto_budget(auto)
+        details["activation_budget"] = C.activation_budget(auto)
         # the recompute FLOPs of the slowest rank's mix on every layer (as cost.estimate does)
-        w = auto[det["slow_stage"]]["mix"]
-        lay_v = prof.layer.evaluate(layout.microbatch_size, st.seq)
-        n_seqs = st.global_batch / layout.microbatch_size
-        hardware_flops = base.model_flops + n_seqs * prof.n_layers * (
-            w.get("full", 0.0) * float(lay_v.matmul_flops) + w.get("selective", 0.0) * float(lay_v.attention_flops))
+        hardware_flops = C.matmul_flops(layout, prof, st.global_batch, st.seq, auto[det["slow_stage"]]["mix"])[1]
     return dataclasses.replace(base, step_time_s=step, breakdown=terms, memory_bytes=mem, memory_breakdown=mem_d,
                                fits=mem <= st.limit, tokens_per_s=st.global_batch * st.seq / step,
                                hardware_flops=hardware_flops, details=details)
@@ -1007,7 +653,7 @@ class Candidate:
             out["fp8"] = "current"
         if lay.cp > 1:  # the variant priced (Config(cp_attention="auto") picks the same: choose_cp_attention)
             out["cp_attention"] = lay.cp_attention
-        if lay.recompute == Recompute.AUTO:  # the activation bytes every rank can hold (cost._auto_budget)
+        if lay.recompute == Recompute.AUTO:  # the activation bytes every rank can hold (cost.activation_budget)
             budget = self.estimate.details.get("activation_budget")
             out["activation_budget"] = int(budget) if budget is not None else 0
         if lay.pp > 1:
@@ -1202,6 +848,159 @@ def explain_choices(c: Candidate, choices: list[dict]) -> str:
 # --------------------------------------------------------------------------- the search
 
 
+class _Cell(NamedTuple):
+    """Layouts of a group that differ only in recompute and overlap: one (schedule, virtual, microbatch size,
+    matmul precision, cp attention variant)."""
+
+    prof: C.ModelProfile
+    sec: C.Sections
+    per: C.PerParam
+    split: StageSplit
+    schedule: str  # the cost model's schedule name
+    v: int
+    m: float  # microbatches
+    zero: int
+    precision: str
+    ep: int
+    cp: int
+    cp_attention: str
+    overlaps: list  # the overlap settings to price
+    same: set  # overlap settings that make the same layout as another one priced (not ranked)
+    layout_at: Callable  # (recompute, overlap, precision, ep, cp, cp_attention) -> Layout
+
+
+class _Pricer:
+    """The search's pricing state (module docstring, "Pruning"): the settings per matmul precision, the
+    :class:`mcompile.cost.Sections` and stage splits made so far, every layout priced (``found``: (step,
+    memory, index, layout, layers per rank, split, ranked)), the smallest footprint seen (the error when
+    nothing fits), the groups pruned whole and the counts (``stats``)."""
+
+    def __init__(self, work: SearchWorkload, space: _Space, st: C.CostSettings, precisions: tuple, exhaustive: bool):
+        self.work, self.space, self.st, self.exhaustive = work, space, st, exhaustive
+        self.precision = precisions[0]
+        self.st_of = {pr: dataclasses.replace(st, precision=pr) for pr in precisions}
+        self.limit = st.limit
+        self.sections: dict[tuple, C.Sections] = {}
+        self.splits: dict[tuple, StageSplit] = {}
+        self.found: list[tuple] = []
+        self.smallest: list = [math.inf, None]
+        self.stats = dict(space=0, groups=0, priced=0, pruned_memory=0, pruned_dominated=0, pruned_groups=0)
+        self.pruned_groups: list[tuple] = []
+        self.links: dict | None = None  # the current group's pp, tp and dp links (C.layout_links)
+
+    def sec_of(self, tp, sp, b, pr=None, ep=1, cp=1) -> C.Sections:
+        pr = pr or self.precision
+        key = (tp, sp, b, pr, ep, cp)
+        if key not in self.sections:
+            st = self.st_of.get(pr) or dataclasses.replace(self.st, precision=pr)
+            self.sections[key] = C.Sections(self.work.profile(tp, sp), b, st, pr, ep, cp)
+        return self.sections[key]
+
+    def split_of(self, pp, v) -> StageSplit:
+        if (pp, v) not in self.splits:
+            self.splits[(pp, v)] = stage_split(self.work, pp, v, self.st.seq)
+        return self.splits[(pp, v)]
+
+    def group(self, tp, sp, pp, dp, ep, z, cp) -> None:
+        """One group (tp, sp, pp, dp, ep, ZeRO, cp): its memory lower bound (pruning 1), then its (schedule,
+        virtual, microbatch size) variants, each schedule's stopping at the first microbatch size over the
+        limit (pruning 2)."""
+        space, stats, exhaustive = self.space, self.stats, self.exhaustive
+        stats["groups"] += 1
+        prof = self.work.profile(tp, sp)
+        variants = list(space.variants(pp, dp * ep, cp))
+        options = space.options(tp, z, exhaustive)
+        asked_cp = space.cp_variants(tp, cp)  # ("auto",): one layout, choose_cp_attention's variant
+        n_options = len(space.options(tp, z)) * len(asked_cp)
+        stats["space"] += len(variants) * len(space.recompute) * n_options
+        stats["pruned_dominated"] += len(variants) * len(space.recompute) * (n_options - len(options) * len(asked_cp))
+        # 1. memory lower bound of the group: model state averaged over the pipeline ranks (E/ep experts a rank)
+        per = C.state_per_param(self.st.param_dtype, self.st.grad_dtype, z, dp, ep, cp)
+        lay_params, lay_experts = C.expert_split(prof, ep)
+        total_params = self.work.depth * lay_params + prof.pre.params + prof.post.params - prof.tied_params
+        if not exhaustive and sum(per.of(total_params, self.work.depth * lay_experts)) / pp > self.limit:
+            stats["pruned_groups"] += 1
+            stats["pruned_memory"] += len(variants) * len(space.recompute) * len(options) * len(asked_cp)
+            self.pruned_groups.append((tp, sp, pp, dp, ep, z, cp))
+            return
+        over_at: dict[tuple, int] = {}  # (schedule, v) -> smallest microbatch size over the limit
+        self.links = None  # a new mesh: its links are the first layout's
+        for s, v, b in variants:
+            if not exhaustive and (s, v) in over_at:  # memory never falls as the microbatch grows (docstring)
+                stats["pruned_memory"] += len(space.recompute) * len(options) * len(asked_cp)
+                continue
+            fitted = False
+            for pr in dict.fromkeys(o[1] for o in options):
+                sec = self.sec_of(tp, sp, b, pr, ep, cp)
+                ovs = [o for o, q in options if q == pr]
+                for cpa in (sec.cp_choice if a == "auto" else a for a in asked_cp):
+                    layout_at = functools.partial(space.layout, tp, sp, pp, dp, z, s, v, b)  # (rec, overlap, ...)
+                    cell = _Cell(prof, sec, per, self.split_of(pp, v), s.value, v, self.st.global_batch / (dp * ep * b),
+                                 z, pr, ep, cp, cpa, ovs,
+                                 # overlap off where it changes nothing (tp = 1, ZeRO < 3) is the same layout twice:
+                                 # priced when exhaustive, not ranked
+                                 {False} if (tp == 1 and z < 3 and True in ovs) else set(), layout_at)
+                    fitted = self.named(cell) | fitted
+                    if Recompute.AUTO in space.recompute:  # priced wherever it fits (docstring, pruning 3)
+                        fitted = self.auto(cell) | fitted
+            if not fitted:
+                over_at[(s, v)] = b
+
+    def named(self, c: _Cell) -> bool:
+        """The named recompute modes of one cell, none → selective → full: the first that fits is the only one
+        priced (pruning 3) unless exhaustive. Whether one fits."""
+        stats, found, limit, smallest = self.stats, self.found, self.limit, self.smallest
+        named = [r for r in self.space.recompute if r != Recompute.AUTO]
+        cpb = c.sec.cp_buffers(c.cp_attention)
+        layers = c.split.layers_per_rank
+        fitted = False
+        for k, rec in enumerate(named):
+            mem, _ = C.peak_memory(c.prof, c.sec, layers, c.per, c.schedule, c.v, c.m, rec.value, detail=False,
+                                   zero=c.zero, grad_dtype=self.st.grad_dtype, cp_buffers=cpb)
+            if mem < smallest[0]:
+                smallest[:] = [mem, c.layout_at(rec, c.overlaps[0], c.precision, c.ep, c.cp, c.cp_attention)]
+            if mem > limit:
+                stats["pruned_memory"] += len(c.overlaps)
+                continue
+            for ov in c.overlaps:
+                lay = c.layout_at(rec, ov, c.precision, c.ep, c.cp, c.cp_attention)
+                self.links = self.links or C.layout_links(lay, self.st)
+                terms, _ = C.step_terms(lay, c.prof, c.sec, layers, self.st_of[c.precision], self.links)
+                stats["priced"] += 1
+                found.append((sum(terms.values()), mem, len(found), lay, layers, c.split, ov not in c.same))
+            fitted = True
+            if not self.exhaustive:  # 3. recompute dominance: the slower named modes need no pricing
+                stats["pruned_dominated"] += (len(named) - k - 1) * len(c.overlaps)
+                break
+        return fitted
+
+    def auto(self, c: _Cell) -> bool:
+        """recompute="auto" of one cell, at each overlap, wherever it fits. Whether it fits."""
+        stats, found, limit, smallest = self.stats, self.found, self.limit, self.smallest
+        cpb = c.sec.cp_buffers(c.cp_attention)
+        layers = c.split.layers_per_rank
+        fitted = False
+        for ov in c.overlaps:
+            auto = C.auto_stages(c.prof, c.sec, layers, c.per, c.schedule, c.v, c.m, limit, overlap=ov, zero=c.zero,
+                                 grad_dtype=self.st.grad_dtype, cp_attention=c.cp_attention)
+            mem, _ = C.peak_memory(c.prof, c.sec, layers, c.per, c.schedule, c.v, c.m, "auto", detail=False,
+                                   zero=c.zero, grad_dtype=self.st.grad_dtype, auto=auto, cp_buffers=cpb)
+            lay = c.layout_at(Recompute.AUTO, ov, c.precision, c.ep, c.cp, c.cp_attention)
+            if mem < smallest[0]:
+                smallest[:] = [mem, lay]
+            if mem > limit:
+                stats["pruned_memory"] += 1
+                continue
+            self.links = self.links or C.layout_links(lay, self.st)
+            terms, _ = C.step_terms(lay, c.prof, c.sec, layers, self.st_of[c.precision], self.links, auto=auto)
+            stats["priced"] += 1
+            # where it reduces to none (none fits, and is priced), the same layout twice: not ranked
+            ranked = not (C.auto_is_none(auto) and Recompute.NONE in self.space.recompute) and ov not in c.same
+            found.append((sum(terms.values()), mem, len(found), lay, layers, c.split, ranked))
+            fitted = True
+        return fitted
+
+
 def search(model, world: int | None = None, *, hardware: str | Hardware = "h100", global_batch: int,
            example_inputs: tuple = (), example_kwargs: dict | None = None, seq: int | None = None, top_k: int = 5,
            memory_limit: float | None = None, precision=DEFAULT_PRECISION, param_dtype: str = "bf16",
@@ -1238,133 +1037,34 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
     seq = seq or prof1.seq_len or _input_seq(example_inputs)
     if not seq:
         raise SearchError("search() needs seq= (the model states no maximum sequence length)")
-    st = _settings(hw, global_batch, seq, precisions[0], param_dtype, grad_dtype, attention_kernel, efficiency,
-                   memory_limit, moe_imbalance)
-    st_of = {pr: dataclasses.replace(st, precision=pr) for pr in precisions}
-    limit = st.limit
+    st = C.cost_settings(hw, global_batch, seq, precisions[0], param_dtype, grad_dtype, attention_kernel, efficiency,
+                         memory_limit, moe_imbalance)
     space = _space(work, world, global_batch, seq, schedules, recompute, zero, sequence_parallel, microbatch_sizes,
                    overlap_grad_reduce, overlap, precisions, ep, cp, cp_attention)
-    sections: dict[tuple, _Sections] = {}
-    splits: dict[tuple, StageSplit] = {}
-    found: list[tuple] = []  # (step, memory, index, layout, layers, split, ranked)
-    smallest: list = [math.inf, None]
-    stats = dict(space=0, groups=0, priced=0, pruned_memory=0, pruned_dominated=0, pruned_groups=0)
-    pruned_groups: list[tuple] = []
-
-    def sec_of(tp, sp, b, pr=precisions[0], ep=1, cp=1):
-        key = (tp, sp, b, pr, ep, cp)
-        if key not in sections:
-            sections[key] = _Sections(work.profile(tp, sp), b, st_of.get(pr) or dataclasses.replace(st, precision=pr),
-                                      pr, ep, cp)
-        return sections[key]
-
-    def split_of(pp, v):
-        if (pp, v) not in splits:
-            splits[(pp, v)] = stage_split(work, pp, v, seq)
-        return splits[(pp, v)]
-
-    for tp, sp, pp, dp, ep_, z, cp_ in space.groups(work.tp_error):
-        stats["groups"] += 1
-        prof = work.profile(tp, sp)
-        variants = list(space.variants(pp, dp * ep_, cp_))
-        options = space.options(tp, z, exhaustive)
-        asked_cp = space.cp_variants(tp, cp_)  # ("auto",): one layout, choose_cp_attention's variant
-        n_options = len(space.options(tp, z)) * len(asked_cp)
-        n_variants = len(variants) * len(space.recompute) * n_options
-        stats["space"] += n_variants
-        stats["pruned_dominated"] += len(variants) * len(space.recompute) * (n_options - len(options) * len(asked_cp))
-        # 1. memory lower bound of the group: model state averaged over the pipeline ranks (E/ep experts a rank)
-        per = _per(param_dtype, grad_dtype, z, dp, ep_, cp_)
-        lay_params, lay_experts = C.expert_split(prof, ep_)
-        total_params = work.depth * lay_params + prof.pre.params + prof.post.params - prof.tied_params
-        if not exhaustive and sum(per.of(total_params, work.depth * lay_experts)) / pp > limit:
-            stats["pruned_groups"] += 1
-            stats["pruned_memory"] += len(variants) * len(space.recompute) * len(options) * len(asked_cp)
-            pruned_groups.append((tp, sp, pp, dp, ep_, z, cp_))
-            continue
-        over_at: dict[tuple, int] = {}  # (schedule, v) -> smallest microbatch size over the limit
-        links = None
-        named = [r for r in space.recompute if r != Recompute.AUTO]
-        for s, v, b in variants:
-            if not exhaustive and (s, v) in over_at:  # memory never falls as the microbatch grows (docstring)
-                stats["pruned_memory"] += len(space.recompute) * len(options) * len(asked_cp)
-                continue
-            split = split_of(pp, v)
-            layers = split.layers_per_rank
-            m = global_batch / (dp * ep_ * b)
-            fitted = False
-            one_pass, reduce_bytes = _lifetimes(layers, m, z, dp * cp_)
-            for pr in dict.fromkeys(o[1] for o in options):
-                sec = sec_of(tp, sp, b, pr, ep_, cp_)
-                zb = _zero_of(z, st_of[pr], sec)
-                ovs = [o for o, q in options if q == pr]
-                # overlap off where it changes nothing (tp = 1, ZeRO < 3) is the same layout twice: priced when
-                # exhaustive, not ranked
-                same = {False} if (tp == 1 and z < 3 and True in ovs) else set()
-                for cpa in (sec.cp_choice if a == "auto" else a for a in asked_cp):
-                    cpb = sec.cp_buffers(cpa)
-                    layout_at = functools.partial(space.layout, tp, sp, pp, dp, z, s, v, b)  # (rec, overlap, ...)
-
-                    for k, rec in enumerate(named):
-                        mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, rec.value, detail=False,
-                                            one_pass=one_pass, reduce_bytes=reduce_bytes, zero=zb, cp_buffers=cpb)
-                        if mem < smallest[0]:
-                            smallest[:] = [mem, layout_at(rec, ovs[0], pr, ep_, cp_, cpa)]
-                        if mem > limit:
-                            stats["pruned_memory"] += len(ovs)
-                            continue
-                        for ov in ovs:
-                            lay = layout_at(rec, ov, pr, ep_, cp_, cpa)
-                            links = links or _links(lay, st)
-                            terms, _ = _terms(lay, prof, sec, layers, st_of[pr], links)
-                            stats["priced"] += 1
-                            found.append((sum(terms.values()), mem, len(found), lay, layers, split, ov not in same))
-                        fitted = True
-                        if not exhaustive:  # 3. recompute dominance: the slower named modes need no pricing
-                            stats["pruned_dominated"] += (len(named) - k - 1) * len(ovs)
-                            break
-                    if Recompute.AUTO in space.recompute:  # priced wherever it fits (docstring, pruning 3)
-                        for ov in ovs:
-                            auto = _auto_of(prof, sec, layers, per, s.value, v, m, limit, one_pass=one_pass,
-                                            reduce_bytes=reduce_bytes, overlap=ov, zero=zb, cp_attention=cpa)
-                            mem, _ = _memory_of(prof, sec, layers, per, s.value, v, m, "auto", detail=False,
-                                                one_pass=one_pass, reduce_bytes=reduce_bytes, auto=auto, zero=zb,
-                                                cp_buffers=cpb)
-                            lay = layout_at(Recompute.AUTO, ov, pr, ep_, cp_, cpa)
-                            if mem < smallest[0]:
-                                smallest[:] = [mem, lay]
-                            if mem > limit:
-                                stats["pruned_memory"] += 1
-                                continue
-                            links = links or _links(lay, st)
-                            terms, _ = _terms(lay, prof, sec, layers, st_of[pr], links, auto=auto)
-                            stats["priced"] += 1
-                            # where it reduces to none (none fits, and is priced), the same layout twice: not ranked
-                            ranked = (not (_auto_is_none(auto) and Recompute.NONE in space.recompute)
-                                      and ov not in same)
-                            found.append((sum(terms.values()), mem, len(found), lay, layers, split, ranked))
-                            fitted = True
-            if not fitted:
-                over_at[(s, v)] = b
+    pricer = _Pricer(work, space, st, precisions, exhaustive)
+    for group in space.groups(work.tp_error):
+        pricer.group(*group)
+    stats, found, limit = pricer.stats, pricer.found, st.limit
     if stats["groups"] == 0:
         raise SearchError(_nothing_valid(work, space))
     if not found:
-        raise SearchError(_nothing_fits(work, space, pruned_groups, smallest, limit, st, sec_of, split_of))
+        raise SearchError(_nothing_fits(work, space, pricer.pruned_groups, pricer.smallest, limit, st, pricer.sec_of,
+                                        pricer.split_of))
     found.sort(key=lambda r: (r[0], r[1], r[2]))
     top = []
     for *_, lay, layers, split, _ in [r for r in found if r[6]][:max(1, top_k)]:
         prof = work.profile(lay.tp, lay.sequence_parallel)
-        sec = sec_of(lay.tp, lay.sequence_parallel, lay.microbatch_size, lay.precision, lay.ep, lay.cp)
-        est = _finish(lay, work, prof, sec, layers, split, st_of[lay.precision])
+        sec = pricer.sec_of(lay.tp, lay.sequence_parallel, lay.microbatch_size, lay.precision, lay.ep, lay.cp)
+        est = _finish(lay, work, prof, sec, layers, split, pricer.st_of[lay.precision])
         top.append(Candidate(lay, est, split if lay.pp > 1 else None))
     res = SearchResult(top, workload=work, world=world, hardware=hw, global_batch=int(global_batch), seq=int(seq),
                        memory_limit=limit, stats=stats, seconds=time.perf_counter() - t0)
     res.priced = [(r[0], r[1], r[3]) for r in found]
-    res._reprice = functools.partial(_reprice, work=work, st=st, sec_of=sec_of, split_of=split_of)
+    res._reprice = functools.partial(_reprice, work=work, st=st, sec_of=pricer.sec_of, split_of=pricer.split_of)
     return res
 
 
-def _reprice(layout: Layout, *, work, st: _Settings, sec_of, split_of) -> Estimate:
+def _reprice(layout: Layout, *, work, st: C.CostSettings, sec_of, split_of) -> Estimate:
     """Price a layout of a finished search (its counterfactuals: :meth:`SearchResult.choices`) on the
     search's own settings, stage cuts and cached sections."""
     layout = C.resolve_precision(layout, layout.precision or st.precision)
@@ -1408,7 +1108,7 @@ def _nothing_fits(work, space, pruned_groups, smallest, limit, st, sec_of, split
             sec = sec_of(tp, sp, b, ep=ep, cp=cp)
             lay = space.layout(tp, sp, pp, dp, z, s, v, b, _most_saving(space.recompute), ep=ep, cp=cp,
                                cp_attention=sec.cp_choice)
-            mem, _ = _memory(lay, prof, sec, split_of(pp, v).layers_per_rank, st)
+            mem, _ = C.layout_memory(lay, prof, sec, split_of(pp, v).layers_per_rank, st)
             if mem < smallest[0]:
                 smallest[:] = [mem, lay]
     mem, lay = smallest
@@ -1641,8 +1341,8 @@ def block_placements(model, tp: int, *, sequence_parallel: bool = False, hardwar
     def node_time(n) -> float:
         f = float(sympy_sub(n.meta.get(FLOPS, 0), sub))
         y = float(sympy_sub(n.meta.get(BYTES_READ, 0), sub)) + float(sympy_sub(n.meta.get(BYTES_WRITTEN, 0), sub))
-        cat = C._cat(n)
-        cls = C._op_class(cat)
+        cat = C.node_category(n)
+        cls = C.op_class(cat)
         bw = hw.hbm_bandwidth * eff.memory
         if cls == "gemm":
             t = max(f / (hw.peak_flops(precision) * eff.gemm), y / bw)

@@ -25,12 +25,12 @@ from mcompile.cost import (
     DEFAULT_EFFICIENCY,
     Layout,
     Workload,
-    _section_times,
     axis_link,
     choose_cp_attention,
     collective_time,
     cp_comm,
     estimate,
+    section_times,
 )
 from mcompile.hardware import get_hardware
 from mcompile.models.llama import LlamaConfig
@@ -169,7 +169,7 @@ def _link(layout):
 def _attn(work, cp, seq, phase):
     """One layer's attention core time on a rank (forward or backward): what ring attention hides behind."""
     prof = work.profile(1, False)
-    t = _section_times(prof.layer, 1, seq / cp, Layout(cp=cp), H100, DEFAULT_EFFICIENCY.for_hardware(H100), "bf16",
+    t = section_times(prof.layer, 1, seq / cp, Layout(cp=cp), H100, DEFAULT_EFFICIENCY.for_hardware(H100), "bf16",
                        head_dim=prof.hidden / prof.heads)
     return t["attn" if phase == "f" else "attn_b"]
 

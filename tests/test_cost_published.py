@@ -14,7 +14,7 @@ source, where in the source):
 Each row is priced by the model's own code with the hardware profile and ``DEFAULT_EFFICIENCY``:
 a collective by ``axis_link`` + ``collective_time``; a kernel as one node whose FLOPs and bytes come
 from ``mcompile.annotate.node_cost`` (the aten op on meta tensors), classed and timed by
-``mcompile.cost`` exactly as a node of an analysed layer (``_section_times``).
+``mcompile.cost`` exactly as a node of an analysed layer (``section_times``).
 
 Rows marked ``"expect": "gap"`` are published figures the model does NOT meet for a reason no
 constant can fix (NVLink SHARP all-reduce, FlashAttention-2 on Hopper, FP8 GEMMs): they are kept
@@ -75,11 +75,11 @@ def _node(target, out_shape, dtype, *in_shapes) -> fx.Node:
 def _priced(n: fx.Node, hw, eff: Efficiency, precision: str) -> dict:
     """Forward and backward seconds of node ``n`` as the cost model prices a node of a layer."""
     c = node_cost(n)
-    op = cost.OpCost(n.name, cost._op_class(c.category), c.category, sympy.sympify(c.flops),
+    op = cost.OpCost(n.name, cost.op_class(c.category), c.category, sympy.sympify(c.flops),
                      sympy.sympify(c.bytes_read + c.bytes_written), False, sympy.sympify(c.flops))
     sec = cost.Section(ops=(op,), comms=(), params=0,
                        activations=dict.fromkeys(cost.RECOMPUTE_MODES, sympy.Integer(0)))
-    t = cost._section_times(sec, 1, 1, Layout(), hw, eff, precision)
+    t = cost.section_times(sec, 1, 1, Layout(), hw, eff, precision)
     return {"f": float(t["f"]), "b": float(t["b"]), "flops": float(c.flops),
             "bytes": float(c.bytes_read + c.bytes_written), "class": op.op_class}
 

@@ -82,6 +82,59 @@ def test_search_and_estimate_price_alike(preset, world, seq, axis):
         assert (p.step_time_s, p.memory_bytes) == (e.step_time_s, e.memory_bytes), lay
 
 
+@pytest.mark.timeout(120)
+def test_random_layouts_price_alike_in_search_and_estimate():
+    """One cost model (issue 39, item 4): 20 layouts drawn field by field (seeded: tp, pp, dp, cp, sequence
+    parallel, ZeRO, recompute, microbatch size, schedule, virtual stages, overlap, precision, memory limit),
+    valid ones kept, on llama3-tiny's block 8 layers deep (captured once, 2 layers). The search's price with
+    ⌈L/p⌉ layers per rank and ``estimate`` run the same functions (``cost.price_ranks``: ``step_terms``,
+    ``peak_memory``) on the same ``Sections``, so step time, bytes, both breakdowns and FLOPs are equal
+    exactly, not approximately: a difference means one of them priced with other settings or layers."""
+    import dataclasses
+    import random
+
+    from mcompile.models.presets import get_preset
+
+    work = SearchWorkload.of(Preset("llama3-tiny-8", "llama", dataclasses.replace(get_preset("llama3-tiny").config,
+                                                                                  n_layers=8)))
+    rng = random.Random(39)
+    kw = dict(hardware="h100", global_batch=32, seq=128)
+    drawn = []
+    for _ in range(2000):
+        sched = rng.choice(["1f1b", "zb-h1", "interleaved", "gpipe"])
+        pp = rng.choice([1, 2, 4, 8])
+        tp = rng.choice([1, 2, 4])
+        try:
+            lay = Layout(tp=tp, pp=pp, dp=rng.choice([1, 2, 4]), cp=rng.choice([1, 1, 2]),
+                         sequence_parallel=tp > 1 and rng.random() < 0.5, zero=rng.choice([0, 1, 2, 3]),
+                         recompute=rng.choice(["none", "selective", "full", "auto"]),
+                         microbatch_size=rng.choice([1, 2, 4]), schedule=sched if pp > 1 else "1f1b",
+                         virtual=rng.choice([1, 2]) if sched == "interleaved" and pp > 1 else 1,
+                         overlap=rng.random() < 0.5, precision=rng.choice(["bf16", "fp8"]))
+            # a limit between 0.5x and 1.1x the layout's footprint without recompute: auto takes a real budget
+            unlimited = estimate(dataclasses.replace(lay, recompute="none"), work, **kw).memory_bytes
+        except ValueError:  # a field the others rule out (tp over the kv heads, pp x v over the layers, ...)
+            continue
+        limit = unlimited * rng.uniform(0.5, 1.1)
+        e = estimate(lay, work, memory_limit=limit, **kw)
+        p = price(lay, work, memory_limit=limit, uniform=True, **kw)
+        assert (p.step_time_s, p.memory_bytes) == (e.step_time_s, e.memory_bytes), lay
+        assert (p.breakdown, p.memory_breakdown) == (e.breakdown, e.memory_breakdown), lay
+        assert (p.hardware_flops, p.fits) == (e.hardware_flops, e.fits), lay
+        drawn.append((lay, e))
+        if len(drawn) == 20:
+            break
+    assert len(drawn) == 20
+    # the draw reaches what differs between ranks and modes (a test that covers none of it could not fail)
+    lays = [lay for lay, _ in drawn]
+    assert {lay.recompute.value for lay in lays} == {"none", "selective", "full", "auto"}
+    assert {lay.zero for lay in lays} == {0, 1, 2, 3}
+    assert any(lay.pp > 2 for lay in lays) and any(lay.virtual > 1 for lay in lays)
+    assert any(lay.tp > 1 and lay.sequence_parallel for lay in lays) and any(lay.cp > 1 for lay in lays)
+    assert any(e.details["auto_mix"][0] not in ({"none": 1.0}, {"full": 1.0}) for lay, e in drawn
+               if lay.recompute.value == "auto")
+
+
 def test_gpt2_xl_on_64_gpus(capsys):
     """The suite's search: GPT-2 XL (1.5B, 48 layers, 25 heads) on 64 H100s, capture included."""
     t = time.perf_counter()
