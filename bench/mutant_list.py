@@ -155,7 +155,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="runtime-full-grads-alias-replicated",
-        file="runtime/module.py",
+        file="runtime/state.py",
         old="                out[fqn] = t.clone() if copy and t is pieces.get(fqn) else t",
         new="                out[fqn] = t",
         description="full_grads() returns a replicated parameter's .grad itself: a later clip rescales it",
@@ -212,7 +212,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="lower-gathered-vocab-padding-kept",
         file="passes/lower.py",
-        old="                    val = g.call_function(aten.narrow.default, (val, d, 0, size))\n",
+        old="                val = g.call_function(aten.narrow.default, (val, d, 0, size))\n",
         new="",
         description="logits of a padded vocabulary gathered to the user keep the padding columns (512 for 257)",
         targets=("tests/test_alignment.py::test_logits_of_a_padded_vocabulary_have_the_true_width[tp=2-2-256]",),
@@ -246,8 +246,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="lower-sp-gather-backward-not-reduce-scattered",
         file="passes/lower.py",
-        old='                mode = "reduce_scatter" if need_f else "split"',
-        new='                mode = "split"',
+        old='            mode = "reduce_scatter" if need_f else "split"',
+        new='            mode = "split"',
         description="SP: the all-gather entering a tp region keeps the local gradient chunk in backward "
                     "instead of reduce-scattering the partial gradients (f fused into it lost)",
         targets=(_BWD_SP,),
@@ -272,7 +272,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="runtime-grads-not-divided-by-token-count",
-        file="runtime/module.py",
+        file="runtime/step.py",
         old="        leaves.finish(1.0 / (stats[1] * self._loss_scale()), self._tp_partial)",
         new="        leaves.finish(torch.ones_like(stats[1]), self._tp_partial)",
         description="gradients are not divided by the global token count: every gradient ~59x too large "
@@ -281,7 +281,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="demo-grads-not-divided-by-token-count",
-        file="runtime/module.py",
+        file="runtime/step.py",
         old="        leaves.finish(1.0 / (stats[1] * self._loss_scale()), self._tp_partial)",
         new="        leaves.finish(torch.ones_like(stats[1]), self._tp_partial)",
         description="the same bug seen by the demo (found blind: its test only read a heading): the "
@@ -290,7 +290,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="runtime-grads-divided-by-local-token-count",
-        file="runtime/module.py",
+        file="runtime/step.py",
         old='        stats = torch.stack([total, count])\n'
             '        if self._data_size > 1:\n'
             '            with self._comm.timed("all_reduce", "dp", stats):\n'
@@ -311,7 +311,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="runtime-dp-bucket-reduced-after-first-microbatch",
-        file="runtime/module.py",
+        file="runtime/step.py",
         old="                leaves.armed = i == len(pieces) - 1",
         new="                leaves.armed = True",
         description="the dp gradient buckets are armed on every microbatch: reduced after the first one, "
@@ -598,8 +598,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="train-resume-optimizer-state-dropped",
         file="mcompile/train/loop.py",
-        old="            extra = pm.load_checkpoint(resumed, opt)",
-        new="            extra = pm.load_checkpoint(resumed)",
+        old="        extra = pm.load_checkpoint(resumed, opt)",
+        new="        extra = pm.load_checkpoint(resumed)",
         description="mcompile train resumes the model but not the optimizer state: AdamW restarts its moments",
         targets=("tests/test_train.py::test_resume_without_fault_equals_uninterrupted",),
     ),
@@ -634,12 +634,11 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="zero-ep-experts-sharded-over-data",
-        file="runtime/zero.py",
-        old="            if axes in group_of_axes and (axes or \"ep\" in self.data_axes):\n"
-            "                orders.setdefault(group_of_axes[axes], []).append((fqn, p.to_local().numel()))",
-        new="            if axes in group_of_axes and (axes or \"ep\" in self.data_axes):\n"
-            "                orders.setdefault(group_of_axes[frozenset(self.data_axes)], []).append("
-            "(fqn, p.to_local().numel()))",
+        file="mcompile/buckets.py",
+        old="            if axes in group_of_axes and (axes or \"ep\" in data):\n"
+            "                g = group_of_axes[axes]\n",
+        new="            if axes in group_of_axes and (axes or \"ep\" in data):\n"
+            "                g = group_of_axes[frozenset(data)]\n",
         description="ZeRO under ep reduce-scatters the experts' gradients over the dp x ep data ranks like the "
                     "dense ones: other ep ranks' experts' gradients are summed into each shard",
         targets=("tests/test_moe_parallel.py::test_zero_with_expert_parallel_parity",),
