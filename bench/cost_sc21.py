@@ -29,9 +29,10 @@ from pathlib import Path
 
 import _results
 
-from mcompile.cost import DEFAULT_EFFICIENCY, Layout, Workload, estimate
+from mcompile.cost import DEFAULT_EFFICIENCY, Layout
 from mcompile.models.gpt import GPTConfig
 from mcompile.models.presets import Preset
+from mcompile.workload import Workload, estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "megatron_sc21_a100.json"

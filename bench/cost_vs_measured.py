@@ -27,7 +27,7 @@ How it is measured
    until other processes used < 0.1 cores on average while it ran (all CPU time of the machine from
    /proc/stat minus our processes'), waiting for a quiet machine before each try; the load seen is
    recorded per row.
-3. Predict each layout with ``mcompile.cost.estimate`` on the profile of its world size: fp32
+3. Predict each layout with ``mcompile.workload.estimate`` on the profile of its world size: fp32
    compute, parameters and gradients (the runtime's default), the Layout that matches the run (dp,
    tp, pp, sequence parallelism, recompute, microbatch size = B / (dp · microbatches), 1F1B, the
    gradient all-reduce launched during backward — hidden only where a core is free for it:
@@ -221,7 +221,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def predict(cfg: dict, layouts: list, profiles: dict) -> dict:
-    from mcompile.cost import Layout, Workload, estimate
+    from mcompile.cost import Layout
+    from mcompile.workload import Workload, estimate
 
     model = build_model(cfg, "meta")
     work = Workload(model, batch_of(cfg, "meta"), dtype=torch.float32, n_layers=cfg["n_layers"], seq_len=cfg["seq"])

@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _WHERE = {"compile_plan": "mcompile.api", "parallelize": "mcompile.api", "plan": "mcompile.api",
           "CaptureError": "mcompile.capture", "CaptureWarning": "mcompile.capture",
           "OutputWarning": "mcompile.capture", "Config": "mcompile.config", "Estimate": "mcompile.cost",
-          "Layout": "mcompile.cost", "Workload": "mcompile.cost", "estimate": "mcompile.cost",
+          "Layout": "mcompile.cost", "Workload": "mcompile.workload", "estimate": "mcompile.workload",
           "Mesh": "mcompile.mesh", "Plan": "mcompile.plan", "PlanError": "mcompile.plan",
           "search": "mcompile.search"}
 __all__ = ["CaptureError", "CaptureWarning", "OutputWarning", "Config", "Estimate", "Layout", "Mesh", "Plan",

@@ -209,10 +209,10 @@ def cmd_plan(args) -> int:
 
 
 def _fit_text(c, args) -> str:
-    """``--gpu``: the cost model (mcompile.cost.estimate) on this plan — predicted step time and the
+    """``--gpu``: the cost model (mcompile.workload.estimate) on this plan — predicted step time and the
     largest rank's peak memory against the device's, and whether it fits."""
-    from mcompile.cost import estimate
     from mcompile.hardware import get_hardware
+    from mcompile.workload import estimate
 
     try:
         hw = get_hardware(args.gpu)

@@ -15,7 +15,7 @@ defaults, never change the meaning of these.
 - ``stage_cuts`` (captured nodes where pipeline stages 1..K-1 begin), ``schedule``, ``pipeline``
   (the stage table); ``recompute`` (the recomputed nodes).
 - ``inputs``: the example inputs it was planned with, shapes and dtypes only (what
-  :func:`mcompile.cost.estimate` needs to price the plan with the model: the sequence length, and a
+  :func:`mcompile.workload.estimate` needs to price the plan with the model: the sequence length, and a
   template to capture the model at another tp). Absent from plans saved before it existed: empty.
 
 ``str(plan)`` is its tables (:func:`plan_text`, what ``mcompile plan`` prints): parameters, collectives per layer,
@@ -36,7 +36,7 @@ from mcompile.placements import format_placement, parse_placement
 
 SCHEMA_VERSION = 1
 
-# What the plan's memory table counts, and what it leaves to `--gpu` (mcompile.cost.estimate's peak)
+# What the plan's memory table counts, and what it leaves to `--gpu` (mcompile.workload.estimate's peak)
 MODEL_STATE_TITLE = ("Memory per rank: model state only (parameters, fp32 gradients, AdamW state; no activations: "
                      "--gpu adds them at --batch/--seq)")
 

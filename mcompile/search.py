@@ -79,7 +79,7 @@ print what each choice saves in step time and memory.
 
 Stage cuts: the partitioner's, priced by the cost model
 ------------------------------------------------------
-:func:`mcompile.cost.estimate` assumes ⌈L/p⌉ layers on every pipeline rank. The search instead
+:func:`mcompile.workload.estimate` assumes ⌈L/p⌉ layers on every pipeline rank. The search instead
 takes the cuts the runtime would make: :mod:`mcompile.stages`'s exact min-max split at layer
 granularity (its roofline cost proxy at the search's sequence length, microbatch 1). With a full-depth
 capture that is :func:`mcompile.stages.partition` itself; with a 2-layer capture it is the same
@@ -130,8 +130,9 @@ import torch
 
 from mcompile import cost as C
 from mcompile.compat import quiet_highs
-from mcompile.cost import Estimate, Layout, Recompute, Schedule, Workload
+from mcompile.cost import Estimate, Layout, Recompute, Schedule
 from mcompile.hardware import Hardware, get_hardware
+from mcompile.workload import Workload, estimate
 
 __all__ = ["search", "price", "Candidate", "SearchResult", "SearchError", "SearchWorkload", "enumerate_layouts",
            "StageSplit", "stage_split", "auto_layout", "explain_pair", "explain_choices", "block_placements",
@@ -158,7 +159,7 @@ class SearchError(ValueError):
 
 
 class SearchWorkload(Workload):
-    """A :class:`mcompile.cost.Workload` (captured ONCE, re-planned for each (tp, sequence parallel): the same
+    """A :class:`mcompile.workload.Workload` (captured ONCE, re-planned for each (tp, sequence parallel): the same
     profiles ``estimate`` prices with) and what the search adds: the blocks of the captured graph, the
     divisibility checks per tp and the stage splits per pipeline shape."""
 
@@ -196,7 +197,7 @@ class SearchWorkload(Workload):
     @classmethod
     def of(cls, model, example_inputs=(), example_kwargs=None, *, dtype=torch.bfloat16,
            capture_layers: int = 2) -> SearchWorkload:
-        """:meth:`mcompile.cost.Workload.of`, its refusals as :class:`SearchError`."""
+        """:meth:`mcompile.workload.Workload.of`, its refusals as :class:`SearchError`."""
         try:
             return super().of(model, example_inputs, example_kwargs, dtype=dtype, capture_layers=capture_layers)
         except TypeError as e:
@@ -312,12 +313,12 @@ def price(layout: Layout, model, *, hardware: str | Hardware = "h100", global_ba
           stages: StageSplit | None = None, example_inputs: tuple = (), example_kwargs: dict | None = None,
           dtype: torch.dtype = torch.bfloat16, memory_limit: float | None = None,
           moe_imbalance: float = 1.0) -> Estimate:
-    """Price one layout as the search does: :func:`mcompile.cost.estimate` with the partitioner's
+    """Price one layout as the search does: :func:`mcompile.workload.estimate` with the partitioner's
     stage cuts (``uniform=True``: the cost model's ⌈L/p⌉ layers on every rank instead). ``model`` as
     for :func:`search`; reuse a :class:`SearchWorkload` to price many layouts. ``memory_limit``: bytes
     per GPU (default the hardware's HBM): ``fits``, and the budget ``recompute="auto"`` gets.
     ``precision``: the matmul precision (default: the layout's, else "bf16"). ``moe_imbalance``:
-    :func:`mcompile.cost.estimate`'s."""
+    :func:`mcompile.workload.estimate`'s."""
     layout = C.resolve_precision(layout, precision)
     work = SearchWorkload.of(model, example_inputs, example_kwargs, dtype=dtype)
     prof = work.profile(layout.tp, layout.sequence_parallel)
@@ -336,9 +337,9 @@ def price(layout: Layout, model, *, hardware: str | Hardware = "h100", global_ba
 
 
 def _finish(layout, work, prof, sec, layers, split, st: C.CostSettings) -> Estimate:
-    """The full Estimate: cost.estimate's with the step time, memory and FLOPs priced on the given per-rank
+    """The full Estimate: workload.estimate's with the step time, memory and FLOPs priced on the given per-rank
     layer counts (:func:`mcompile.cost.price_ranks`)."""
-    base = C.estimate(layout, work, hardware=st.hw, global_batch=st.global_batch, seq=st.seq,
+    base = estimate(layout, work, hardware=st.hw, global_batch=st.global_batch, seq=st.seq,
                       precision=st.precision, param_dtype=st.param_dtype, grad_dtype=st.grad_dtype,
                       attention_kernel=st.attention_kernel, efficiency=st.efficiency, memory_limit=st.limit,
                       moe_imbalance=st.moe_imbalance)
@@ -356,7 +357,7 @@ def _finish(layout, work, prof, sec, layers, split, st: C.CostSettings) -> Estim
     if auto is not None:
         details["auto_mix"] = {i: a["mix"] for i, a in auto.items()}
         details["activation_budget"] = C.activation_budget(auto)
-        # the recompute FLOPs of the slowest rank's mix on every layer (as cost.estimate does)
+        # the recompute FLOPs of the slowest rank's mix on every layer (as workload.estimate does)
         hardware_flops = C.matmul_flops(layout, prof, st.global_batch, st.seq, auto[det["slow_stage"]]["mix"])[1]
     return dataclasses.replace(base, step_time_s=step, breakdown=terms, memory_bytes=mem, memory_breakdown=mem_d,
                                fits=mem <= st.limit, tokens_per_s=st.global_batch * st.seq / step,
@@ -1013,16 +1014,16 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
     per GPU (default: the hardware's HBM), ranked by predicted step time (module docstring).
 
     ``model``: a module with ``example_inputs`` (a meta-device one is fine), a preset name or Preset,
-    or a :class:`mcompile.cost.Workload`. ``seq`` defaults to the model's maximum sequence length.
+    or a :class:`mcompile.workload.Workload`. ``seq`` defaults to the model's maximum sequence length.
     ``precision``: the matmul precisions to search (a name or a tuple; those the hardware cannot run —
     FP8 before Hopper — are left out); each candidate's ``layout.precision`` says which it takes.
-    ``param_dtype``/``grad_dtype``/``attention_kernel``/``efficiency`` are :func:`mcompile.cost.estimate`'s.
+    ``param_dtype``/``grad_dtype``/``attention_kernel``/``efficiency`` are :func:`mcompile.workload.estimate`'s.
     ``schedules``, ``recompute``, ``zero``, ``overlap``, ``sequence_parallel``, ``microbatch_sizes``
     and ``ep`` (expert-parallel sizes, MoE models only) restrict the space, as do ``cp`` (context-parallel
     sizes; None: every one for which 2·cp divides ``seq``) and ``cp_attention`` ("auto": each cp layout
     with :func:`mcompile.cost.choose_cp_attention`'s pick, what ``Config(cp_attention="auto")`` runs; or
     the variants to price, a name or a tuple). ``moe_imbalance``: the busiest
-    ep rank's routed tokens over the mean (:func:`mcompile.cost.estimate`). ``exhaustive``: price every
+    ep rank's routed tokens over the mean (:func:`mcompile.workload.estimate`). ``exhaustive``: price every
     layout, no pruning (tests)."""
     t0 = time.perf_counter()
     hw = get_hardware(hardware)  # an unknown name: the error lists the known profiles

@@ -22,18 +22,7 @@ import sympy
 import torch
 
 import mcompile as mc
-from mcompile.cost import (
-    BATCH,
-    GLOBAL_BATCH,
-    SEQ,
-    Efficiency,
-    Layout,
-    Workload,
-    axis_link,
-    collective_time,
-    estimate,
-    step_time_expr,
-)
+from mcompile.cost import BATCH, GLOBAL_BATCH, SEQ, Efficiency, Layout, axis_link, collective_time
 from mcompile.hardware import HARDWARE, calibrate, fit_alpha_beta, get_hardware, measure_collective
 from mcompile.memory_model import (
     activation_bytes_per_layer,
@@ -43,6 +32,7 @@ from mcompile.memory_model import (
 )
 from mcompile.models.gpt import GPTConfig
 from mcompile.models.presets import Preset
+from mcompile.workload import Workload, estimate, step_time_expr
 
 SC21 = json.loads((Path(__file__).parent / "data" / "megatron_sc21_a100.json").read_text())
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 import pytest
 
 from mcompile.config import Config
-from mcompile.cost import Layout, Recompute, Workload, auto_mix, estimate, recompute_envelope
+from mcompile.cost import Layout, Recompute, auto_mix, recompute_envelope
 from mcompile.models.gpt import GPTConfig
 from mcompile.models.presets import Preset
 from mcompile.search import SearchWorkload, price, search
+from mcompile.workload import Workload, estimate
 
 KW = dict(global_batch=16, seq=1024, hardware="a100")
 CFG = GPTConfig(vocab_size=512, block_size=1024, n_layer=8, n_head=8, n_embd=256, dropout=0.1)
@@ -138,7 +139,7 @@ def test_auto_per_pipeline_stage(gpt):
     assert a.step_time_s <= full.step_time_s
     assert a.details["activation_budget"] > 0
     with pytest.raises(ValueError, match="auto"):
-        from mcompile.cost import step_time_expr
+        from mcompile.workload import step_time_expr
 
         step_time_expr(Layout(recompute="auto"), gpt)
 

@@ -24,18 +24,17 @@ from mcompile.cost import (
     CP_VARIANTS,
     DEFAULT_EFFICIENCY,
     Layout,
-    Workload,
     axis_link,
     choose_cp_attention,
     collective_time,
     cp_comm,
-    estimate,
     section_times,
 )
 from mcompile.hardware import get_hardware
 from mcompile.models.llama import LlamaConfig
 from mcompile.models.presets import Preset
 from mcompile.search import SearchError, SearchWorkload, enumerate_layouts, price, search
+from mcompile.workload import Workload, estimate
 
 # 8 query heads over 1 kv head (GQA): tp > 1 cannot split the kv head, so on 2 GPUs the search chooses
 # between dp, pp and cp alone

@@ -23,10 +23,11 @@ import math
 
 import pytest
 
-from mcompile.cost import BATCH, DEFAULT_EFFICIENCY, SEQ, Layout, Workload, estimate
+from mcompile.cost import BATCH, DEFAULT_EFFICIENCY, SEQ, Layout
 from mcompile.hardware import get_hardware
 from mcompile.models import get_preset
 from mcompile.search import SearchWorkload, enumerate_layouts, price, search
+from mcompile.workload import Workload, estimate
 
 H100 = get_hardware("h100")
 

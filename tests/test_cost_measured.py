@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcompile.cost import Layout, Workload, estimate
+from mcompile.cost import Layout
 from mcompile.hardware import Hardware
+from mcompile.workload import Workload, estimate
 
 from conftest import pool
 

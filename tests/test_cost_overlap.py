@@ -22,12 +22,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcompile.cost import Layout, Workload, axis_link, collective_time, estimate, overlapped
+from mcompile.cost import Layout, axis_link, collective_time, overlapped
 from mcompile.hardware import GPU_OVERLAP_SLOWDOWN, HARDWARE, NCCL_PUBLISHED, get_hardware
 from mcompile.memory_model import ZERO_BUCKET_BYTES, model_state_bytes_per_param
 from mcompile.models.gpt import GPTConfig
 from mcompile.models.presets import Preset
 from mcompile.search import SearchError, SearchWorkload, price, search
+from mcompile.workload import Workload, estimate
 
 GPT_WIDE = GPTConfig(vocab_size=512, block_size=2048, n_layer=8, n_head=16, n_embd=2048, dropout=0.0)
 # 5 heads: no tp > 1 divides them on 8 GPUs, so a search over 8 GPUs is data- (and pipeline-) parallel only

@@ -6,7 +6,7 @@ loss). Every rank's program runs one training step in threads (the simulated com
 :class:`mcompile.runtime.memory.MemoryTracker` (a dispatch mode: every storage an op makes, uncounted
 when freed), as :func:`mcompile.report.measure_per_rank` does; the helper here also reads the
 activations still live after the forward, i.e. what autograd saved for the backward (plus the outputs),
-split by dtype. The model's figure is ``mcompile.cost.estimate(compiled, ...).memory_breakdown
+split by dtype. The model's figure is ``mcompile.workload.estimate(compiled, ...).memory_breakdown
 ["activations"]`` (the graph path: :func:`mcompile.memory_model.saved_for_backward` over the captured
 graph, every section evaluated at seq/cp).
 
@@ -115,7 +115,7 @@ def tiny():
 def measured(tiny):
     import mcompile
     from mcompile.api import compile_plan
-    from mcompile.cost import estimate
+    from mcompile.workload import estimate
 
     inputs = tiny.example_inputs(batch=1, seq=SEQ, seed=0)
     out = {}
@@ -178,7 +178,7 @@ def test_matches_the_memory_model(measured, tiny):
     measured ones do; and, per cp, the model is the measured figure plus what the graph rules of
     memory_model.saved_for_backward over-count on this model (fp32, s_loc = seq/cp): the shared cos / sin
     tables, computed once outside the layers and kept by every layer's ``q * cos`` (the operand q's
-    gradient needs), are counted in every layer's section (cost.analyse sums the layers' sections):
+    gradient needs), are counted in every layer's section (workload.analyse sums the layers' sections):
     (n_layers − 1) · 2 · s_loc · head_dim · 4 B. (The rules once also kept q, k and rotate_half(q) beside
     cos / sin, and cos's input: 15 % over here; ``needs_grad`` in memory_model._saved_by fixed that.)
     Compared on floating-point bytes: the model's int64 token ids (idx, 8·s_loc B) are what the tracker

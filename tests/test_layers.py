@@ -15,11 +15,13 @@ functions), read with ``ast`` through the ``package-dir`` mapping of pyproject.t
        bytes, the bucket layout, the moe_ffn op, dropout masks, the timeline), kernels, the reference models
        <  runtime  <  capture  <  sharding (rules, propagation, planner, quality, block repetition, stages) and
        lowering (passes/canonicalize, attention, lower; compiled: a capture planned and lowered)
-       <  cost (its Workload plans a captured model itself)  <  the other passes (and cp planning)
-       <  search  <  compiler  <  API  <  applications (cli, report, train, generate, ...)
+       <  cost (what is priced and the formulas: layouts, profiles' types, collective / pipeline / memory terms)
+       <  the other passes (and cp planning; the two that price a choice use cost)  <  compiler (the pass list
+       and its runners)  <  estimate (mcompile.workload: a model profiled through the compiler's model passes,
+       and estimate)  <  search  <  API  <  applications (cli, report, train, generate, ...)
 
    The runtime imports the IR (and kernels) alone, so what it runs (the moe_ffn op, the gradient buckets, dropout
-   masks, the timeline) is IR; compiled sits with the planner because the cost model plans through it. An import
+   masks, the timeline) is IR; compiled sits with the planner (the compiler's model passes build it). An import
    against the order fails unless ``UPWARD`` lists it (with why), a list that may shrink, never grow.
 """
 
@@ -36,11 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"mcompile": "mcompile", "mcompile.passes": "passes", "mcompile.runtime": "runtime",
             "mcompile.kernels": "kernels", "mcompile.models": "models"}
 # the cycles left to untangle (issue 39): their members; a component may shrink or vanish, never grow. None left
-KNOWN: list[set[str]] = [
-    # the model passes joined the list: the cost model's Workload plans through them, and two passes price with
-    # cost.py's formulas (cp attention, collective matmul); goes when the formulas move below the passes
-    {"mcompile.compiler", "mcompile.cost", "mcompile.cp_plan", "mcompile.passes.collective_matmul"},
-]
+KNOWN: list[set[str]] = []
 # the layer order (module docstring, 3.): each layer's modules, "x.*" for x and every module under it
 LAYERS = [
     ("IR", ["mcompile",  # the package: its version; its names load on first use (importlib), it imports nothing
@@ -62,18 +60,15 @@ LAYERS = [
                           "mcompile.passes.fuse", "mcompile.passes.joint", "mcompile.passes.kv_cache",
                           "mcompile.passes.overlap", "mcompile.passes.pipeline_split", "mcompile.passes.recompute",
                           "mcompile.passes.remat", "mcompile.passes.fp8_linears", "mcompile.cp_plan"]),
-    ("search", ["mcompile.search"]),
     ("compiler", ["mcompile.compiler"]),
+    ("estimate", ["mcompile.workload"]),
+    ("search", ["mcompile.search"]),
     ("API", ["mcompile.api"]),
     ("applications", ["mcompile.cli", "mcompile.demo", "mcompile.report", "mcompile.generate", "mcompile.evaluate",
                       "mcompile.hf_io", "mcompile.train.*", "mcompile.data.*"]),
 ]
 # imports against the layer order, each with why it is there; the list may shrink, never grow
-UPWARD = {
-    ("mcompile.cost", "mcompile.compiler"):
-        "the Workload plans through the model passes (goes with the KNOWN cycle: the cost model moves above the "
-        "compiler once its formulas sit below the passes)",
-}
+UPWARD: dict[tuple[str, str], str] = {}
 # what the runtime must not import (module 1 above): the compiler's side
 COMPILER_SIDE = ("mcompile.passes", "mcompile.compiler", "mcompile.api", "mcompile.compiled", "mcompile.planner",
                  "mcompile.propagate", "mcompile.rules", "mcompile.capture", "mcompile.repeat", "mcompile.annotate",

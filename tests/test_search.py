@@ -23,7 +23,7 @@ from test_cost import SC21, SC21_SETTINGS, sc21_layout
 
 import mcompile as mc
 from mcompile.config import Config
-from mcompile.cost import Layout, estimate
+from mcompile.cost import Layout
 from mcompile.hardware import get_hardware
 from mcompile.models.gpt import GPTConfig
 from mcompile.models.presets import Preset
@@ -38,6 +38,7 @@ from mcompile.search import (
     search,
     stage_split,
 )
+from mcompile.workload import estimate
 
 from conftest import build, pool
 
@@ -68,7 +69,7 @@ def test_pricing_with_uniform_stages_is_the_cost_model(medium, settings):
 def test_search_and_estimate_price_alike(preset, world, seq, axis):
     """One cost model (issue 39): 20 layouts drawn from the search's space (ep or cp, pp, ZeRO, recompute, overlap
     all varied) priced by the search and by ``estimate``: identical step times and bytes. Both take their
-    profiles from the same captured graph (``cost.Workload``: the search's workload is one), so a module priced
+    profiles from the same captured graph (``workload.Workload``: the search's workload is one), so a module priced
     by ``estimate(layout, module)`` and by the search is planned once, alike."""
     import random
 
