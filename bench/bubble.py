@@ -31,9 +31,9 @@ def measure(name: str, p: int, m: int, v: int, t_f: float, t_b: float, t_w: floa
     bubble with the measured action durations and 2 ms per message."""
     from pipeline_cases import sleep_pipeline
 
+    from mcompile.ir.timeline import bubble, chrome_trace
     from mcompile.runtime.launch import spawn
     from mcompile.runtime.schedules import build_schedule, simulate
-    from mcompile.timeline import bubble, chrome_trace
 
     events = [e for r in spawn(sleep_pipeline, p, name, m, v, t_f, t_b, t_w) for e in r]
     b = bubble(chrome_trace(events))

@@ -130,9 +130,9 @@ def _median_times(fn_a, fn_b, args, calls):
 def bench_model(name, mesh_spec, calls, sp=True):
     from test_codegen import _clone, capture_fw_bw
 
-    from mcompile import ops
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir import ops
+    from mcompile.ir.mesh import Mesh
     from mcompile.passes.codegen import clear_cache, compile_graph
     from mcompile.runtime.sim import ThreadedWorld, run_threads
 

@@ -6,7 +6,7 @@ another environment's Python (``scripts/compat.sh`` builds one with torch 2.11 a
 1. **imports**: every module of the package — the packages ``pyproject.toml`` lists
    (``[tool.setuptools] packages``) and every module in each, as installed — imported one after another
    in this process; ``--block a,b`` first makes those packages unimportable (``sys.modules[name] = None``),
-   as on a machine without them (``tests/test_compat.py`` blocks :data:`mcompile.compat.OPTIONAL`);
+   as on a machine without them (``tests/test_compat.py`` blocks :data:`mcompile.ir.compat.OPTIONAL`);
 2. **tests**: a parity case of each capability (:data:`TESTS`, existing CI-tier tests), run by pytest
    under this Python, each test's outcome read from pytest's JUnit XML.
 

@@ -3,7 +3,7 @@ A100s).
 
     python bench/cost_sc21.py
 
-A calibration, not a validation: the default efficiency constants (mcompile.cost.Efficiency) were
+A calibration, not a validation: the default efficiency constants (mcompile.cost.model.Efficiency) were
 chosen against this table as a whole, and it cannot pin them one by one (−30 % on the NVLink,
 InfiniBand or attention constant alone still leaves every row within ±15 %). Each constant is
 validated against published figures it was not fitted to in tests/test_cost_published.py
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import _results
 
-from mcompile.cost import DEFAULT_EFFICIENCY, Layout
+from mcompile.cost.model import DEFAULT_EFFICIENCY, Layout
+from mcompile.cost.workload import Workload, estimate
 from mcompile.models.gpt import GPTConfig
 from mcompile.models.presets import Preset
-from mcompile.workload import Workload, estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "megatron_sc21_a100.json"

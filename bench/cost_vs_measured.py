@@ -6,7 +6,7 @@
 How it is measured
 ------------------
 1. Calibrate, in the same run, one profile per world size W (1, 2, 4 processes) with
-   ``mcompile.hardware.calibrate(processes=W)``: its microbenchmarks run inside W concurrent
+   ``mcompile.cost.hardware.calibrate(processes=W)``: its microbenchmarks run inside W concurrent
    single-threaded processes, each timed as a mean over a window (square 1024 fp32/bf16 matmuls,
    a 64 MB copy, the host overhead per aten call forward and backward), and for W ≥ 2 the mean time
    of gloo all-reduce, all-gather and reduce-scatter calls of 4 KB-16 MB in pairs of processes,
@@ -27,7 +27,7 @@ How it is measured
    until other processes used < 0.1 cores on average while it ran (all CPU time of the machine from
    /proc/stat minus our processes'), waiting for a quiet machine before each try; the load seen is
    recorded per row.
-3. Predict each layout with ``mcompile.workload.estimate`` on the profile of its world size: fp32
+3. Predict each layout with ``mcompile.cost.workload.estimate`` on the profile of its world size: fp32
    compute, parameters and gradients (the runtime's default), the Layout that matches the run (dp,
    tp, pp, sequence parallelism, recompute, microbatch size = B / (dp · microbatches), 1F1B, the
    gradient all-reduce launched during backward — hidden only where a core is free for it:
@@ -221,8 +221,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def predict(cfg: dict, layouts: list, profiles: dict) -> dict:
-    from mcompile.cost import Layout
-    from mcompile.workload import Workload, estimate
+    from mcompile.cost.model import Layout
+    from mcompile.cost.workload import Workload, estimate
 
     model = build_model(cfg, "meta")
     work = Workload(model, batch_of(cfg, "meta"), dtype=torch.float32, n_layers=cfg["n_layers"], seq_len=cfg["seq"])
@@ -245,7 +245,7 @@ def predict(cfg: dict, layouts: list, profiles: dict) -> dict:
 
 def run(quick: bool = False, rounds: int = 3, warmup: int = 2, steps: int = 5, max_wait: float = 120.0,
         out: Path | None = None, log=print) -> dict:
-    from mcompile.hardware import calibrate
+    from mcompile.cost.hardware import calibrate
     from mcompile.runtime.launch import WorkerPool
 
     cfg = QUICK if quick else FULL
@@ -328,7 +328,7 @@ def run(quick: bool = False, rounds: int = 3, warmup: int = 2, steps: int = 5, m
         "method": {"threads_per_process": 1, "warmup_steps": warmup, "timed_steps": steps, "rounds": rounds,
                    "step": "barrier, train_step + AdamW step + zero_grad, barrier; median of the timed steps, "
                            "lowest over rounds",
-                   "profile": "mcompile.hardware.calibrate(processes=W) in this run, one per world size W",
+                   "profile": "mcompile.cost.hardware.calibrate(processes=W) in this run, one per world size W",
                    "fitted_to_layouts": False},
         "profiles": {str(w): json.loads(hw.to_json()) for w, hw in profiles.items()},
         "calibration_other_load_cores": {str(w): round(v, 3) for w, v in calib_load.items()},

@@ -4,7 +4,7 @@ the naive contiguous split, counted by the kernel itself.
     python bench/cp_balance.py [--cp 2 4 8] [--seq 1024 4096] [--variants ring allgather]
                                [--batch 1] [--heads 4] [--head-dim 16] [--write] [--out PATH]
 
-For every variant, sequence length s and cp = n, ``mcompile.cp.cp_attention`` (causal, forward) runs on
+For every variant, sequence length s and cp = n, ``mcompile.passes.cp.ops.cp_attention`` (causal, forward) runs on
 n simulated ranks in one process (:class:`mcompile.runtime.sim.ThreadedWorld`, one thread a rank, each
 with its communicator bound), every rank holding its tokens of random global q, k, v (batch ``--batch``,
 ``--heads`` query heads = kv heads, ``--head-dim``) in
@@ -13,7 +13,7 @@ with its communicator bound), every rank holding its tokens of random global q, 
   2n − 1 − r), and
 - the contiguous split (``balanced=False``: rank r holds tokens [r s/n, (r + 1) s/n)).
 
-The count is the kernel's own (:class:`mcompile.cp.CPStats`, reset per rank before the call, read after):
+The count is the kernel's own (:class:`mcompile.passes.cp.ops.CPStats`, reset per rank before the call, read after):
 the (query, key) score pairs each rank computed, at chunk granularity — a fully visible chunk pair c·c,
 a diagonal one c(c + 1)/2 (causal inside the chunk), an invisible one nothing, as a kernel that skips
 masked tiles does — times batch × heads (``CPStats.elements``). Attention FLOPs = 4 · head_dim · that:
@@ -68,8 +68,9 @@ def count(variant: str, seq: int, n: int, balanced: bool, *, batch: int, heads: 
     """Run causal ``cp_attention`` (forward) on n simulated ranks: per rank (pairs, elements) from CPStats."""
     import torch
 
-    from mcompile import cp, ops
-    from mcompile.mesh import Mesh
+    from mcompile.ir import ops
+    from mcompile.ir.mesh import Mesh
+    from mcompile.passes.cp import ops as cp
     from mcompile.runtime.sim import ThreadedWorld, run_threads
 
     g = torch.Generator().manual_seed(seed)
@@ -181,7 +182,8 @@ def main(argv=None) -> dict:
                      "heads": args.heads, "kv_heads": args.heads, "head_dim": args.head_dim, "causal": True,
                      "dtype": "float32"},
         "method": {
-            "count": "mcompile.cp.CPStats per rank (reset before, read after one causal cp_attention forward on "
+            "count": "mcompile.passes.cp.ops.CPStats per rank (reset before, read after one causal cp_attention "
+                     "forward on "
                      "the threaded simulator): the kernel's own count of (query, key) pairs per (batch, head) at "
                      "chunk granularity (full chunk pair c*c, diagonal c(c+1)/2, invisible 0); elements = pairs x "
                      "batch x heads",

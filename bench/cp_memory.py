@@ -4,7 +4,7 @@
                               [--kv-heads 2] [--head-dim 64] [--dtype float32] [--baseline PATH]
                               [--write] [--out PATH]
 
-For every variant, ``mcompile.cp.cp_attention`` (causal; forward, then backward through a random output
+For every variant, ``mcompile.passes.cp.ops.cp_attention`` (causal; forward, then backward through a random output
 gradient) runs on ``cp`` simulated ranks in one process (:class:`mcompile.runtime.sim.ThreadedWorld`, a
 thread a rank), every rank holding its tokens of random global q / k / v in the load-balanced layout.
 Each rank runs under its own :class:`mcompile.runtime.memory.MemoryTracker` (a dispatch mode: every
@@ -59,8 +59,8 @@ def measure_one(variant: str, seq: int, n: int, *, batch: int = 1, heads: int = 
     """Peak attention bytes per rank (forward; forward + backward) of causal ``cp_attention``."""
     import torch
 
-    from mcompile import cp
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
+    from mcompile.passes.cp import ops as cp
     from mcompile.runtime.memory import OpenOpsTracker
     from mcompile.runtime.sim import ThreadedWorld, run_threads
 
@@ -96,7 +96,7 @@ def measure_one(variant: str, seq: int, n: int, *, batch: int = 1, heads: int = 
 
 
 def _cp_file() -> str:
-    from mcompile import cp
+    from mcompile.passes.cp import ops as cp
 
     return cp.__file__
 

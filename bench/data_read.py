@@ -36,7 +36,7 @@ SEQ, BATCH, VOCAB = 2048, 8, 50257
 
 
 def make(prefix: Path, tokens: int, seed: int) -> None:
-    from mcompile.data import write_indexed
+    from mcompile.apps.data import write_indexed
 
     rng = np.random.default_rng(seed)
 
@@ -69,7 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from mcompile.data import IndexedDataset, SampleDataset, preprocess, tiny_corpus, tiny_tokenizer
+    from mcompile.apps.data import IndexedDataset, SampleDataset, preprocess, tiny_corpus, tiny_tokenizer
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="mcompile-data-read-") as tmp:

@@ -5,7 +5,7 @@
 llama3-tiny (2 layers, dim 64, ffn 128, kv 32: every linear but the LM head has dims that are
 multiples of 16, so 14 of 15 convert) is trained through the public runtime — ``mc.parallelize`` on a
 1-process gloo group, Mesh(tp=1) — for ``--steps`` AdamW steps (lr 3e-3, clipping 1.0) on the same
-batches (``mcompile.demo.batches``: 8 x 64 bytes of a generated corpus), once per recipe:
+batches (``mcompile.apps.demo.batches``: 8 x 64 bytes of a generated corpus), once per recipe:
 
 - ``fp32``: no FP8;
 - ``current``: ``Config(fp8="current")``, per-tensor scales from each tensor's own amax;
@@ -46,7 +46,7 @@ def _run(rank, world, steps: int, seeds: list[int], threads: int) -> dict:
     import torch
 
     import mcompile as mc
-    from mcompile.demo import batches
+    from mcompile.apps.demo import batches
     from mcompile.kernels import fp8
     from mcompile.models import get_preset
 
@@ -107,7 +107,7 @@ def main() -> None:
         "benchmark": "fp8_curve",
         "setup": {"model": "llama3-tiny", "mesh": "tp=1 (mc.parallelize, 1 gloo process)", "steps": args.steps,
                   "batch": BATCH, "seq": SEQ, "lr": LR, "optimizer": "AdamW, clip_grad_norm 1.0",
-                  "data": "mcompile.demo.batches(seed=0)", "seeds": seeds, "threads": args.threads,
+                  "data": "mcompile.apps.demo.batches(seed=0)", "seeds": seeds, "threads": args.threads,
                   "final_loss": f"mean training loss of the last {TAIL} steps"},
         "fp8_pass": res["report"],
         "curves_seed0": seed0,

@@ -44,7 +44,7 @@ Each model item records (``items.<name>``):
   ``mfu``: 6·N·tokens / step_s / peak (N every parameter, tied ones once; peak 989 TFLOP/s, H100 /
   H200 SXM dense bf16, on CUDA; on CPU the cpu-gloo profile's, a check of the formula only);
   ``mfu_model_flops``: the cost model's matmul FLOPs of the step (attention included) instead of 6·N·tokens;
-  ``predicted_step_s``: the cost model's step time for the plan (``mcompile.workload.estimate``) on the
+  ``predicted_step_s``: the cost model's step time for the plan (``mcompile.cost.workload.estimate``) on the
   device's profile (h100 / h200; cpu-gloo under --smoke).
 - ``host_s``: the host's time per step — from the call to its return, each step started on an idle
   device (synchronized before), median: the time to issue the step's launches (and any host wait
@@ -291,10 +291,10 @@ def peak_memory(step, params, opt, device) -> dict:
 
 
 def _predict(pm, hw: str | None, seq: int, precision: str) -> dict:
-    """The cost and memory models' figures for the plan (mcompile.workload.estimate)."""
+    """The cost and memory models' figures for the plan (mcompile.cost.workload.estimate)."""
     if hw is None:
         return {"skipped": "no cost-model profile for this device (h100 / h200 are named)"}
-    from mcompile.workload import estimate
+    from mcompile.cost.workload import estimate
 
     est = estimate(pm._compiled, hardware=hw, global_batch=1, seq=seq, microbatch_size=1, precision=precision,
                    param_dtype="fp32", grad_dtype="fp32")
@@ -462,7 +462,7 @@ def run(args, out: Path) -> dict:
     if device.type == "cuda":
         peak, peak_src = PEAK_BF16, "989 TFLOP/s: H100 / H200 SXM dense bf16 (issue 38's denominator)"
     else:
-        from mcompile.hardware import get_hardware
+        from mcompile.cost.hardware import get_hardware
 
         peak, peak_src = get_hardware("cpu-gloo").peak_flops("bf16"), "the cpu-gloo profile's bf16 peak (smoke)"
     n_params = sum(p.numel() for p in build_meta(cfg).parameters())

@@ -44,11 +44,12 @@ its message (a later stage whose input is missing is ``skipped``):
 
 1. ``builds``: the config shrinks, the model instantiates (fp32) and its eager forward returns a scalar loss
    (so a later failure is mcompile's, not the call's).
-2. ``captures``: ``mcompile.capture.capture(model, (), kwargs)`` (the capture step alone, the cheapest public
+2. ``captures``: ``mcompile.capture.export.capture(model, (), kwargs)`` (the capture step alone, the cheapest public
    way) captures a scalar loss.
 3. ``plans_tp2``: ``compile_plan(model, Mesh.fake(tp=2), (), kwargs)`` with ``plan.fallbacks == []`` and no
    ``FallbackWarning`` (an op without a sharding rule runs replicated).
-4. ``megatron_layout``: that plan raised no ``PlanQualityWarning`` and ``c.quality == []`` (mcompile/quality.py).
+4. ``megatron_layout``: that plan raised no ``PlanQualityWarning`` and ``c.quality == []``
+(mcompile/sharding/quality.py).
 5. ``parity_tp2``: 3 AdamW steps at tp=2 in the in-process thread simulator (mcompile.runtime.sim, as
    tests/sim_harness.py runs it), fp32, against the single-device model at the same parameters (below): every
    step's loss and every parameter's unclipped gradient within 1e-5 relative (the loss ``|l - l_ref| / |l_ref|``;
@@ -590,10 +591,10 @@ def run_one(name: str, kind: str, path: Path, dtype: str = "float32") -> None:
     prog.end("builds", True)
 
     from mcompile.api import compile_plan
-    from mcompile.capture import capture
-    from mcompile.mesh import Mesh
-    from mcompile.propagate import FallbackWarning
-    from mcompile.quality import PlanQualityWarning
+    from mcompile.capture.export import capture
+    from mcompile.ir.mesh import Mesh
+    from mcompile.sharding.propagate import FallbackWarning
+    from mcompile.sharding.quality import PlanQualityWarning
 
     prog.start("captures")
     try:

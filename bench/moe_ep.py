@@ -13,7 +13,7 @@ batch of random tokens and targets) with one AdamW each, then, in one run:
   ``time.perf_counter`` (``train_s``: ``train_step`` alone). Per rank the median over rounds, then
   the median over ranks.
 - ``--recorded`` more steps of each with ``pm.start_timeline()``: the runtime's recorder
-  (:mod:`mcompile.timeline`) logs every collective with its kind, axis, source and bytes; the JSON
+  (:mod:`mcompile.ir.timeline`) logs every collective with its kind, axis, source and bytes; the JSON
   keeps, per rank, the last recorded step's bytes and counts by kind (and by kind/source/axis). Bytes
   are the recorder's convention: an all-to-all's *received* buffer (it includes the rows a rank sends
   to itself, which gloo copies locally), an all-reduce's whole buffer (a ring all-reduce moves about
@@ -321,7 +321,7 @@ def main() -> None:
             "step_s": "per rank the median over the timed rounds of barrier-to-end of train_step + AdamW step + "
                       "zero_grad (time.perf_counter), timeline off, ep and dp interleaved per round; median over "
                       "ranks",
-            "bytes": "mcompile.timeline Recorder (pm.start_timeline()) over the last recorded step, per rank: "
+            "bytes": "mcompile.ir.timeline Recorder (pm.start_timeline()) over the last recorded step, per rank: "
                      "every collective of the programs, the dp gradient buckets and the step's loss/token-count "
                      "all-reduce; all_to_all = received buffer (own rows included), all_reduce = whole buffer",
             "expert_param_bytes": "sum of p.to_local().nbytes over parameters named '*.experts.*'",

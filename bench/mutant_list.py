@@ -51,10 +51,10 @@ _ARGS = "tests/test_op_args.py::test_padding_idx_on_either_rank_and_label_smooth
 _ARGS_DRAWN = "tests/test_op_args.py::test_non_default_arguments_forward_and_backward"
 
 MUTANTS: list[Mutant] = [
-    # ---- collectives' forward and backward (mcompile/ops.py) ----------------------------------------
+    # ---- collectives' forward and backward (mcompile/ir/ops.py) ----------------------------------------
     Mutant(
         name="ops-all-reduce-backward-reduces-again",
-        file="mcompile/ops.py",
+        file="mcompile/ir/ops.py",
         old='    "mcompile::all_reduce", lambda ctx, g: (g, None, None), '
             'setup_context=lambda ctx, inputs, output: None',
         new='    "mcompile::all_reduce", lambda ctx, g: (all_reduce(g, ctx.axis, ctx.n), None, None),\n'
@@ -66,7 +66,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="ops-copy-ar-backward-skips-all-reduce",
-        file="mcompile/ops.py",
+        file="mcompile/ir/ops.py",
         old='"mcompile::copy_ar_bwd", lambda ctx, g: (all_reduce(g, ctx.axis, ctx.n), None, None), '
             'setup_context=_f_setup',
         new='"mcompile::copy_ar_bwd", lambda ctx, g: (g, None, None), setup_context=_f_setup',
@@ -75,7 +75,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="ops-reduce-scatter-backward-tiles-local-grad",
-        file="mcompile/ops.py",
+        file="mcompile/ir/ops.py",
         old='    "mcompile::reduce_scatter",\n'
             '    lambda ctx, g: (all_gather(g, ctx.dim, ctx.axis, ctx.n, "split"), None, None, None),',
         new='    "mcompile::reduce_scatter",\n'
@@ -86,7 +86,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="ops-all-gather-backward-modes-swapped",
-        file="mcompile/ops.py",
+        file="mcompile/ir/ops.py",
         old='    if ctx.grad == "reduce_scatter":\n        gi = reduce_scatter(g, ctx.dim, ctx.axis, ctx.n)',
         new='    if ctx.grad == "split":\n        gi = reduce_scatter(g, ctx.dim, ctx.axis, ctx.n)',
         description="all_gather's backward reduce-scatters where it should keep the local chunk and vice versa",
@@ -94,7 +94,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="ops-all-gather-split-backward-rank0-chunk",
-        file="mcompile/ops.py",
+        file="mcompile/ir/ops.py",
         old='    """The local chunk, used as a backward (of all_gather(split)); its own backward is not needed."""\n'
             '    return _chunk(x, dim, axis, n)',
         new='    """The local chunk, used as a backward (of all_gather(split)); its own backward is not needed."""\n'
@@ -139,7 +139,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="rules-embedding-freq-shards-ids",
-        file="mcompile/rules/matmul.py",
+        file="mcompile/sharding/rules/matmul.py",
         old="    if embedding_args(info)[1]:",
         new="    if False:",
         description="scale_grad_by_freq offered id-sharded and vocab-parallel lookups (counts per piece)",
@@ -147,7 +147,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="arguments-max-norm-not-refused",
-        file="mcompile/arguments.py",
+        file="mcompile/sharding/arguments.py",
         old="        if node.target is aten.embedding_renorm_.default and mesh.size() > 1:",
         new="        if False:",
         description="nn.Embedding(max_norm) planned: the in-place renorm hits a gathered copy, silently",
@@ -328,7 +328,7 @@ MUTANTS: list[Mutant] = [
         description="sequence-parallel norm weights' gradients (Partial over tp) are not all-reduced over tp",
         targets=(_RT_SP,),
     ),
-    # ---- ZeRO-1 buffers (runtime/zero.py, mcompile/buckets.py) -----------------------------------------
+    # ---- ZeRO-1 buffers (runtime/zero.py, mcompile/ir/buckets.py) -----------------------------------------
     Mutant(
         name="zero-grads-not-divided-by-token-count",
         file="runtime/zero.py",
@@ -347,7 +347,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="buckets-padding-rounds-down",
-        file="mcompile/buckets.py",
+        file="mcompile/ir/buckets.py",
         old="        return _round_up(end, self.dp * self.align)",
         new="        return end // (self.dp * self.align) * (self.dp * self.align)",
         description="a bucket's flat buffer is rounded down to a multiple of dp * 64 instead of padded up",
@@ -355,7 +355,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="buckets-offsets-not-aligned",
-        file="mcompile/buckets.py",
+        file="mcompile/ir/buckets.py",
         old="            acc = _round_up(acc, self.align)\n",
         new="",
         description="parameters are laid end to end: their offsets are not rounded up to 64 elements (128 B)",
@@ -370,7 +370,7 @@ MUTANTS: list[Mutant] = [
                     "the ranks' boxes overlap and leave holes",
         targets=("tests/test_checkpoint_reshard.py::test_zero1_async_save_resumes_under_zero0_with_sp",),
     ),
-    # ---- pipeline schedules (runtime/schedules.py) and the split (passes/pipeline_split.py) -------------
+    # ---- pipeline schedules (runtime/schedules.py) and the split (passes/pp/pipeline_split.py) -------------
     Mutant(
         name="schedule-1f1b-one-more-warmup-forward",
         file="runtime/schedules.py",
@@ -442,16 +442,16 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="pipeline-split-sends-values-used-only-here",
-        file="passes/pipeline_split.py",
+        file="passes/pp/pipeline_split.py",
         old="                                   and last_use.get(n.name, -1) > t]",
         new="                                   and last_use.get(n.name, -1) >= t]",
         description="a stage also sends the activations whose last use is its own (off by one at the cut)",
         targets=("tests/test_pipeline.py::test_pipeline_parity[llama3-tiny-pp=2-microbatches=2]",),
     ),
-    # ---- memory model (mcompile/memory_model.py) -----------------------------------------------------------
+    # ---- memory model (mcompile/ir/memory_model.py) -----------------------------------------------------------
     Mutant(
         name="memory-fp32-master-counted-for-fp32-params",
-        file="mcompile/memory_model.py",
+        file="mcompile/ir/memory_model.py",
         old="    opt = 8 + (4 if p != 4 else 0)",
         new="    opt = 8 + 4",
         description="bytes per parameter count an fp32 master copy even when the parameters are fp32 (20 B, not 16)",
@@ -459,7 +459,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="memory-inflight-1f1b-ignores-stage",
-        file="mcompile/memory_model.py",
+        file="mcompile/ir/memory_model.py",
         old="        return _min(p - i, m)",
         new="        return _min(p, m)",
         description="1F1B: every stage is taken to hold p microbatches (p - i on stage i)",
@@ -467,16 +467,16 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="memory-inflight-interleaved-off-by-one",
-        file="mcompile/memory_model.py",
+        file="mcompile/ir/memory_model.py",
         old="        return _min(sympy.Rational(2 * (p - i - 1) + (v - 1) * p + 1, v), m)",
         new="        return _min(sympy.Rational(2 * (p - i - 1) + (v - 1) * p, v), m)",
         description="interleaved 1F1B: in-flight chunks = the warm-up count, without the one in steady state",
         targets=("tests/test_cost.py::test_inflight_microbatches", f"{_SCHED_MEM} -k memory_model"),
     ),
-    # ---- cost model (mcompile/cost.py) ----------------------------------------------------------------------
+    # ---- cost model (mcompile/cost/model.py) ----------------------------------------------------------------------
     Mutant(
         name="cost-intra-node-efficiency-30pct-low",
-        file="mcompile/cost.py",
+        file="mcompile/cost/model.py",
         old="    intra_node: float = 0.75",
         new="    intra_node: float = 0.525",
         description="NVLink collective efficiency 30% low (0.525 instead of 0.75)",
@@ -484,7 +484,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cost-inter-node-efficiency-30pct-low",
-        file="mcompile/cost.py",
+        file="mcompile/cost/model.py",
         old="    inter_node: float = 0.85",
         new="    inter_node: float = 0.595",
         description="InfiniBand collective efficiency 30% low (0.595 instead of 0.85)",
@@ -492,7 +492,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cost-attention-efficiency-30pct-low",
-        file="mcompile/cost.py",
+        file="mcompile/cost/model.py",
         old="    attention: float = 0.50",
         new="    attention: float = 0.35",
         description="attention kernel efficiency 30% low (0.35 instead of 0.50)",
@@ -500,7 +500,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="cost-all-reduce-without-factor-2",
-        file="mcompile/cost.py",
+        file="mcompile/cost/model.py",
         old="_ratio(2 * (n - 1), n, nbytes) * nbytes / bandwidth",
         new="_ratio(n - 1, n, nbytes) * nbytes / bandwidth",
         description="ring all-reduce moves (n-1)/n of the bytes instead of 2(n-1)/n",
@@ -597,7 +597,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="train-resume-optimizer-state-dropped",
-        file="mcompile/train/loop.py",
+        file="mcompile/apps/train/loop.py",
         old="        extra = pm.load_checkpoint(resumed, opt)",
         new="        extra = pm.load_checkpoint(resumed)",
         description="mcompile train resumes the model but not the optimizer state: AdamW restarts its moments",
@@ -634,7 +634,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="zero-ep-experts-sharded-over-data",
-        file="mcompile/buckets.py",
+        file="mcompile/ir/buckets.py",
         old="            if axes in group_of_axes and (axes or \"ep\" in data):\n"
             "                g = group_of_axes[axes]\n",
         new="            if axes in group_of_axes and (axes or \"ep\" in data):\n"
@@ -645,7 +645,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         name="blocks-no-side-values",
-        file="mcompile/blocks.py",
+        file="mcompile/sharding/blocks.py",
         old="    return _symbolic(main) or v.numel() == 1",
         new="    return False",
         description="nothing may cross a stage cut beside the residual stream: Mixtral's per-layer aux losses "

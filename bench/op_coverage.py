@@ -1,5 +1,5 @@
 """Op coverage: aten ops with a sharding rule of ours (hand-written, or DTensor's through the bridge
-in mcompile/rules/dtensor.py) against the ops torch's DTensor has a strategy for.
+in mcompile/sharding/rules/dtensor.py) against the ops torch's DTensor has a strategy for.
 
     python bench/op_coverage.py [--write] [--list]
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from mcompile.rules import bridged_ops, registered_ops
-from mcompile.rules.dtensor import dtensor_ops, refusal
+from mcompile.sharding.rules import bridged_ops, registered_ops
+from mcompile.sharding.rules.dtensor import dtensor_ops, refusal
 
 
 def _kind(why: str) -> str:

@@ -23,12 +23,12 @@ step untimed), so a change in the machine's load hits both modes alike. Per rank
 rounds of the wall time (``time.perf_counter``) and process CPU time of ``train_step``; the JSON
 keeps their median over ranks and the ratio on/off. Then each module records ``--recorded`` more
 steps with ``pm.start_timeline()`` (recording stays off during the timed rounds) and
-:func:`mcompile.timeline.overlap_stats` gives per rank and step the communication time (union of the
+:func:`mcompile.ir.timeline.overlap_stats` gives per rank and step the communication time (union of the
 comm intervals), the part under compute (compute = forward and backward module calls minus the host's
 time blocked in synchronous collectives and waits) and their ratio; the JSON keeps the median over
 steps of each rank's figures, and their mean over ranks.
 
-``--counts``: no processes and no timing — what collective matmul (``passes/collective_matmul.py``)
+``--counts``: no processes and no timing — what collective matmul (``passes/tp/collective_matmul.py``)
 rewrites: per model, at tp=2 with and without sequence parallelism, at batch 1 and at the model's batch,
 rank 0's partitioned forward and backward modules (``recompute="none"``) are rewritten with
 ``tp_overlap=2`` (every eligible op, as the cost model would on a machine where chunking pays), and the
@@ -98,7 +98,7 @@ def worker(rank, world, model_name, steps, warmup, recorded, layouts, lr=1e-4):
     import torch.distributed as dist
 
     import mcompile as mc
-    from mcompile.timeline import overlap_stats
+    from mcompile.ir.timeline import overlap_stats
 
     torch.set_num_threads(1)
     keys = [(lay, mode) for lay in layouts for mode in MODES]
@@ -161,7 +161,7 @@ def _layers(gm, names: dict) -> dict:
     """Per tp collective of a partitioned module, the transformer block its GEMMs belong to (None: the LM
     head, the embedding, the loss): the block of a weight the matched matmuls read (``names``: placeholder
     -> block, for parameters and saved activations), else the collective's own ``mc_layer``."""
-    from mcompile.passes import collective_matmul as CM
+    from mcompile.passes.tp import collective_matmul as CM
 
     out = {}
     for n in gm.graph.nodes:
@@ -183,9 +183,9 @@ def tp_counts(name: str, sp: bool, batch: int, tp_overlap=2) -> dict:
     """Collective matmul's decisions on rank 0's forward and backward modules of ``name`` at tp=2 (module
     docstring, ``--counts``)."""
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
-    from mcompile.passes.collective_matmul import rewrite
+    from mcompile.ir.mesh import Mesh
     from mcompile.passes.joint import partition, saved_for_policy, trace_joint
+    from mcompile.passes.tp.collective_matmul import rewrite
 
     spec = dict(MODELS[name], batch=batch)
     model, inputs = _model(spec)
@@ -233,7 +233,7 @@ def counts_main(args) -> None:
                       f"{time.perf_counter() - t:.0f} s)", flush=True)
     counts = {"commit": _results.commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "method": "python bench/overlap.py --counts: rank 0's partitioned forward / backward modules at tp=2 "
-                        "(recompute none) rewritten by passes/collective_matmul.py with tp_overlap=2; overlapped = "
+                        "(recompute none) rewritten by passes/tp/collective_matmul.py with tp_overlap=2; overlapped = "
                         "tp collectives split into chunks whose communication runs under other chunks' GEMMs; "
                         "per layer: those inside the transformer blocks / n_layers",
               "rows": rows}
@@ -327,7 +327,7 @@ def main():
         "steps": args.steps, "warmup": args.warmup, "recorded_steps": args.recorded,
         "method": "step_s: median over rounds (per rank) of train_step wall time, median over ranks, timeline "
                   "off; on/off interleaved per round. hidden_fraction: per rank median over the recorded steps "
-                  "of |comm ∩ (compute - blocked)| / |comm| (mcompile.timeline.overlap_stats), mean over ranks.",
+                  "of |comm ∩ (compute - blocked)| / |comm| (mcompile.ir.timeline.overlap_stats), mean over ranks.",
         "caveat": f"{os.cpu_count()} CPU cores for 4 ranks: gloo's communication threads compete with the ranks' "
                   "compute for the same cores, so communication hidden under compute still costs CPU time and "
                   "overlap need not shorten a step here; the figures say what the runtime overlaps, the step "

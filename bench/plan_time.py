@@ -4,7 +4,7 @@
 
 Prints the figures (machine, commit); with ``--write`` writes bench/results/plan_time.json. Each case
 runs in a fresh process so RSS is its own. Deep models are planned from two captured blocks repeated
-(mcompile/repeat.py); ``--full-capture`` adds the 80-layer HF case captured whole, for comparison.
+(mcompile/sharding/repeat.py); ``--full-capture`` adds the 80-layer HF case captured whole, for comparison.
 """
 
 from __future__ import annotations

@@ -84,11 +84,11 @@ def timed_cases() -> list[dict]:
 
 
 def sc21_rows() -> list[dict]:
-    from mcompile.cost import Layout
+    from mcompile.cost.model import Layout
+    from mcompile.cost.workload import estimate
     from mcompile.models.gpt import GPTConfig
     from mcompile.models.presets import Preset
     from mcompile.search import SearchWorkload, price, search
-    from mcompile.workload import estimate
 
     table = json.loads(SC21.read_text())
     s, V = table["common"]["seq_len"], table["common"]["vocab"]

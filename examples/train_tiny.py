@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import mcompile as mc
-from mcompile.demo import batches
+from mcompile.apps.demo import batches
 from mcompile.models import get_preset
 from mcompile.runtime.launch import init_distributed, shutdown_distributed
 

@@ -408,7 +408,7 @@ torch.library.register_autograd("mcompile::grouped_mm", _grouped_mm_bwd, setup_c
 
 
 # ---- the PyTorch path as its own op -------------------------------------------------------------
-# The MoE runtime (mcompile/moe.py) runs the local experts through these on CPU: the same loop-free
+# The MoE runtime (mcompile/ir/moe.py) runs the local experts through these on CPU: the same loop-free
 # PyTorch path (torch._grouped_mm, padded), never Triton's interpreter, whose launches are not
 # thread-safe (the in-process simulator runs ranks as threads) and which is for correctness tests only.
 @torch.library.custom_op("mcompile::grouped_mm_torch", mutates_args=())

@@ -16,7 +16,7 @@ One op, ``mcompile::ssd_scan(x, dt, A, B, C, D) -> y``, a ``torch.library.custom
 (meta) kernel and a registered autograd whose backward is itself a custom op,
 ``mcompile::ssd_scan_backward(dy, x, dt, A, B, C, D) -> (dx, ddt, dA, dB, dC, dD)``: torch.export
 and AOTAutograd see one opaque node each way, and the planner shards the node by heads
-(mcompile/rules/ssm.py). Heads are independent, so a head-sharded scan is exact; the sequence is
+(mcompile/sharding/rules/ssm.py). Heads are independent, so a head-sharded scan is exact; the sequence is
 never split inside it.
 
 Reference (:func:`ssd_scan_reference`): the chunked SSD form of the paper's Listing 1 (``ssd_minimal``)

@@ -4,7 +4,7 @@
     plan = mc.plan(model, mc.Mesh.fake(dp=64, tp=8), example_inputs=(tokens, targets))
     print(plan)
 
-The names below are imported on first use, so ``import mcompile.cli`` (the ``mcompile`` command's
+The names below are imported on first use, so ``import mcompile.apps.cli`` (the ``mcompile`` command's
 ``--help`` and argument errors) imports neither torch nor the compiler.
 """
 
@@ -15,10 +15,10 @@ import types
 
 __version__ = "0.1.0"
 _WHERE = {"compile_plan": "mcompile.api", "parallelize": "mcompile.api", "plan": "mcompile.api",
-          "CaptureError": "mcompile.capture", "CaptureWarning": "mcompile.capture",
-          "OutputWarning": "mcompile.capture", "Config": "mcompile.config", "Estimate": "mcompile.cost",
-          "Layout": "mcompile.cost", "Workload": "mcompile.workload", "estimate": "mcompile.workload",
-          "Mesh": "mcompile.mesh", "Plan": "mcompile.plan", "PlanError": "mcompile.plan",
+          "CaptureError": "mcompile.capture.export", "CaptureWarning": "mcompile.capture.export",
+          "OutputWarning": "mcompile.capture.export", "Config": "mcompile.ir.config", "Estimate": "mcompile.cost.model",
+          "Layout": "mcompile.cost.model", "Workload": "mcompile.cost.workload", "estimate": "mcompile.cost.workload",
+          "Mesh": "mcompile.ir.mesh", "Plan": "mcompile.ir.plan", "PlanError": "mcompile.ir.plan",
           "search": "mcompile.search"}
 __all__ = ["CaptureError", "CaptureWarning", "OutputWarning", "Config", "Estimate", "Layout", "Mesh", "Plan",
            "PlanError", "Workload", "compile_plan", "estimate", "parallelize", "plan", "search", "__version__"]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from mcompile.compiled import Compiled  # noqa: F401  (re-exported)
 from mcompile.compiler import SequenceParallelWarning  # noqa: F401  (re-exported)
-from mcompile.mesh import Mesh
-from mcompile.plan import Plan
+from mcompile.ir.mesh import Mesh
+from mcompile.ir.plan import Plan
+from mcompile.sharding.compiled import Compiled  # noqa: F401  (re-exported)
 
 __all__ = ["Compiled", "SequenceParallelWarning", "compile_plan", "plan"]
 
@@ -45,11 +45,11 @@ def compile_plan(
     ``meta_dtype``: capture on the meta device with parameters in this dtype (the runtime's compute
     dtype). ``token_weighted_loss``: rewrite a mean cross-entropy output into (sum, count)
     (:mod:`mcompile.passes.loss`). ``for_runtime``: the programs will run (``parallelize``), so what
-    the runtime cannot do yet is refused too (:func:`mcompile.arguments.check_arguments`).
+    the runtime cannot do yet is refused too (:func:`mcompile.sharding.arguments.check_arguments`).
     ``repeat_blocks``: capture, plan and lower two groups of each run of alike blocks and repeat them
-    (mcompile.repeat: the same plan and programs as the whole model's capture, at any depth's cost);
+    (mcompile.sharding.repeat: the same plan and programs as the whole model's capture, at any depth's cost);
     False captures the whole model. ``capture_cache``: look the capture up in / add it to the on-disk
-    cache (mcompile.capture_cache); ``share(produce)``: runs ``produce`` on one rank and returns its result
+    cache (mcompile.capture.cache); ``share(produce)``: runs ``produce`` on one rank and returns its result
     on every rank (parallelize: rank 0 captures, every rank plans from the same serialised program). The model passes of
     :data:`mcompile.compiler.PASSES` do the work (:func:`mcompile.compiler.plan_model`)."""
     from mcompile.compiler import ModelState, PlanRequest, plan_model
@@ -123,7 +123,7 @@ def parallelize(
 
     import torch.distributed as dist
 
-    from mcompile.config import Config
+    from mcompile.ir.config import Config
     from mcompile.runtime.launch import device_mesh, init_distributed, rank_device
     from mcompile.runtime.module import ParallelModule
 
@@ -204,7 +204,7 @@ def _auto_plan(model, world, example_inputs, example_kwargs, config, options, ha
 
     import torch.distributed as dist
 
-    from mcompile.config import Config
+    from mcompile.ir.config import Config
     from mcompile.runtime.launch import uses_nccl
     from mcompile.search import auto_layout
 

@@ -68,10 +68,10 @@ def _req(flag: str) -> Callable[[object, object], bool]:
 
 PASSES: list[Pass] = [
     # -- model scope: once per model and mesh (compile_plan; the cost model's Workload; generation's graphs)
-    Pass("check_mesh", "model", (), ("mesh checked",), lambda r, m: m.size("cp") > 1, "mcompile/cp_plan.py",
+    Pass("check_mesh", "model", (), ("mesh checked",), lambda r, m: m.size("cp") > 1, "passes/cp/plan.py",
          lambda st: _model_check_mesh(st),
          what="a cp mesh the model cannot use is refused before minutes of capture"),
-    Pass("capture", "model", (), ("captured",), _always, "mcompile/capture.py", lambda st: _model_capture(st),
+    Pass("capture", "model", (), ("captured",), _always, "mcompile/capture/export.py", lambda st: _model_capture(st),
          what="torch.export of the model (of two groups of each run of alike blocks while block repetition is on)"),
     Pass("canonicalize", "model", ("captured",), ("canonical",), _always, "passes/canonicalize.py",
          lambda st: _model_canonicalize(st),
@@ -82,38 +82,41 @@ PASSES: list[Pass] = [
     Pass("canonicalize_attention", "model", ("canonical",), ("attention canonical",), _req("attention"),
          "passes/attention.py", lambda st: _model_attention(st),
          what="causal masks made from sizes -> is_causal; under cp GQA's repeat_kv undone"),
-    Pass("find_block", "model", ("canonical",), ("blocks located",), _req("repeat_blocks"), "mcompile/repeat.py",
+    Pass("find_block", "model", ("canonical",), ("blocks located",), _req("repeat_blocks"),
+         "mcompile/sharding/repeat.py",
          lambda st: _model_find_block(st),
          what="each run's repeated group located; a run not found is captured whole (capture runs again)"),
-    Pass("check_model", "model", ("canonical",), ("model checked",), _req("checks"), "mcompile/cp_plan.py",
+    Pass("check_model", "model", ("canonical",), ("model checked",), _req("checks"), "passes/cp/plan.py",
          lambda st: _model_check_model(st),
          what="a loss output (else a warning); what cp needs of the model"),
     Pass("mean_loss", "model", ("canonical",), ("token-weighted loss",), _req("token_weighted_loss"),
          "passes/loss.py", lambda st: _model_mean_loss(st),
          what="a mean loss -> (sum, count) for token weighting"),
     Pass("check_arguments", "model", ("canonical",), ("arguments checked",), _req("checks"),
-         "mcompile/arguments.py", lambda st: _model_check_arguments(st),
+         "mcompile/sharding/arguments.py", lambda st: _model_check_arguments(st),
          what="op arguments no layout keeps (and, for parallelize, what the runtime cannot run) refused"),
-    Pass("annotate", "model", ("canonical",), ("annotated",), _always, "mcompile/annotate.py",
+    Pass("annotate", "model", ("canonical",), ("annotated",), _always, "mcompile/ir/annotate.py",
          lambda st: _model_annotate(st),
          what="FLOPs and bytes per node"),
-    Pass("plan_axes", "model", ("annotated",), ("placements per axis",), _always, "mcompile/planner.py",
+    Pass("plan_axes", "model", ("annotated",), ("placements per axis",), _always, "mcompile/sharding/planner.py",
          lambda st: _model_plan_axes(st),
          what="each mesh axis's placements per node (Megatron's policies, redistribution priced)"),
-    Pass("repeat", "model", ("placements per axis",), ("full depth",), _req("repeat_blocks"), "mcompile/repeat.py",
+    Pass("repeat", "model", ("placements per axis",), ("full depth",), _req("repeat_blocks"),
+         "mcompile/sharding/repeat.py",
          lambda st: _model_repeat(st),
          what="the short model's capture and placements grown to the real depth"),
-    Pass("assemble", "model", ("placements per axis",), ("placements",), _always, "mcompile/planner.py",
+    Pass("assemble", "model", ("placements per axis",), ("placements",), _always, "mcompile/sharding/planner.py",
          lambda st: _model_assemble(st),
          what="the plan: parameters' and activations' placements, options, cp attention variant"),
     Pass("record_collectives", "model", ("placements",), ("collectives recorded",), _req("lower"),
          "passes/lower.py", lambda st: _model_record_collectives(st),
          what="rank 0's program lowered, its collectives recorded in the plan"),
-    Pass("quality", "model", ("collectives recorded",), ("quality checked",), _req("checks"), "mcompile/quality.py",
+    Pass("quality", "model", ("collectives recorded",), ("quality checked",), _req("checks"),
+         "mcompile/sharding/quality.py",
          lambda st: _model_quality(st),
          what="Megatron's layout, or a PlanQualityWarning naming what is not"),
     Pass("plan_stages", "model", ("placements",), ("stage partition",),
-         lambda r, m: bool(r.stages) and m.size("pp") > 1, "mcompile/stages.py", lambda st: _model_plan_stages(st),
+         lambda r, m: bool(r.stages) and m.size("pp") > 1, "passes/pp/stages.py", lambda st: _model_plan_stages(st),
          what="pipeline stage partition and schedule (a pp axis)"),
     # -- rank scope: the programs of one rank (rank_programs)
     Pass("lower", "rank", ("placements",), ("per-rank program", "collectives explicit"), _always,
@@ -126,10 +129,10 @@ PASSES: list[Pass] = [
          lambda st: _rank_fp8(st),
          what="FP8 linears (Config(fp8=...))"),
     Pass("pipeline_split", "rank", ("per-rank program",), ("stage programs",), lambda c, m: m.size("pp") > 1,
-         "passes/pipeline_split.py", lambda st: _rank_pipeline_split(st),
+         "passes/pp/pipeline_split.py", lambda st: _rank_pipeline_split(st),
          what="stage programs (a pp axis)"),
     Pass("fsdp", "rank", ("per-rank program",), ("parameters gathered over dp",), lambda c, m: c.zero == 3,
-         "passes/fsdp.py", lambda st: _rank_fsdp(st),
+         "passes/dp/fsdp.py", lambda st: _rank_fsdp(st),
          what="ZeRO-3: parameters sharded over dp, gathered before use (in each stage program under pp)"),
     Pass("recompute", "rank", ("per-rank program",), ("recompute recorded",), _always, "passes/recompute.py",
          lambda st: _rank_recompute(st),
@@ -148,19 +151,19 @@ PASSES: list[Pass] = [
          lambda st: _sig_accumulate(st),
          what="weight gradients added into the caller's fp32 buffers inside backward"),
     Pass("launch_buckets", "signature", ("gradients into buffers",), ("dp buckets launched in backward",),
-         lambda c, m: c.execution == "joint" and bool(c.overlap), "passes/overlap.py",
+         lambda c, m: c.execution == "joint" and bool(c.overlap), "passes/dp/overlap.py",
          lambda st: _sig_launch_buckets(st),
          what="dp gradient buckets launched inside backward (overlap)"),
     Pass("prefetch", "signature", ("forward module", "backward module"), ("ZeRO-3 gathers prefetched",),
-         lambda c, m: c.execution == "joint" and bool(c.overlap) and c.zero == 3, "passes/fsdp.py",
+         lambda c, m: c.execution == "joint" and bool(c.overlap) and c.zero == 3, "passes/dp/fsdp.py",
          lambda st: _sig_prefetch(st),
          what="ZeRO-3's gathers one layer ahead, reduce-scatters behind (overlap)"),
     Pass("collective_matmul", "signature", ("forward module", "backward module"), ("tp collectives chunked",),
          lambda c, m: c.execution == "joint" and bool(c.overlap) and c.tp_overlap != "off" and m.size("tp") > 1,
-         "passes/collective_matmul.py", lambda st: _sig_collective_matmul(st),
+         "passes/tp/collective_matmul.py", lambda st: _sig_collective_matmul(st),
          what="tp collectives chunked against their matmuls (tp_overlap)"),
     Pass("inplace_all_reduces", "signature", ("forward module", "backward module"), ("all-reduces in place",),
-         lambda c, m: c.execution == "joint" and c.codegen == "eager", "passes/overlap.py",
+         lambda c, m: c.execution == "joint" and c.codegen == "eager", "passes/dp/overlap.py",
          lambda st: _sig_inplace_all_reduces(st),
          what="all-reduces of values read nowhere else, in place (eager modules)"),
     Pass("codegen", "signature", ("forward module", "backward module"), ("compiled modules",),
@@ -246,7 +249,7 @@ class PlanRequest:
     stage_cuts: tuple | list | None = None
     pipeline_seq: int | None = None
     for_runtime: bool = False  # check_arguments: refuse what the runtime cannot run yet, too
-    repeat_blocks: bool = True  # find_block, repeat (mcompile.repeat)
+    repeat_blocks: bool = True  # find_block, repeat (mcompile.sharding.repeat)
     capture_cache: bool = False  # capture: through the on-disk cache
     share: Callable | None = None  # capture: share(produce) runs produce on one rank, its result on every rank
     moe_dispatcher: str = "alltoall"
@@ -256,13 +259,13 @@ class PlanRequest:
     checks: bool = True  # check_model, check_arguments, quality (a plan to run or to read, not to price)
     lower: bool = True  # record_collectives: rank 0's program lowered, its collectives in the plan
     stages: bool = True  # plan_stages when the mesh has pp (generation partitions its own graphs)
-    kv_cache: bool = False  # kv_cache: generation's prefill and decode graphs (mcompile.generate)
+    kv_cache: bool = False  # kv_cache: generation's prefill and decode graphs (mcompile.apps.generate)
 
 
 @dataclass
 class ModelState:
     """What the model passes read and write. ``candidate``: the model with two groups of each run of alike blocks
-    and those runs (mcompile.repeat.truncate_runs), captured instead of ``model`` while block repetition is on;
+    and those runs (mcompile.sharding.repeat.truncate_runs), captured instead of ``model`` while block repetition is on;
     find_block narrows it (or drops it) and asks for the capture again (``again``)."""
 
     model: torch.nn.Module | None
@@ -280,7 +283,7 @@ class ModelState:
     hints: dict | None = None
     axes: dict | None = None
     short: object = None  # the short model's capture, when blocks were repeated
-    compiled: object = None  # mcompile.compiled.Compiled
+    compiled: object = None  # mcompile.sharding.compiled.Compiled
     kv_graphs: object = None  # kv_cache: passes/kv_cache.py's CacheGraphs
     have: set = field(default_factory=set)
     ran: list = field(default_factory=list)
@@ -299,7 +302,7 @@ def plan_model(st: ModelState, *, start: str | None = None, upto: str | None = N
     the annotation, each axis's placements, the repeated blocks, the assembled plan, rank 0's collectives, the
     plan's quality and the pipeline stages. The capture passes run again (capture to find_block) while
     find_block declines a run: it is then captured whole."""
-    from mcompile.repeat import truncate_runs
+    from mcompile.sharding.repeat import truncate_runs
 
     names = pass_names()
     first = names.index(start) if start is not None else 0
@@ -321,7 +324,7 @@ def plan_model(st: ModelState, *, start: str | None = None, upto: str | None = N
 
 
 def _model_check_mesh(st: ModelState) -> None:
-    from mcompile.cp_plan import check_cp_mesh
+    from mcompile.passes.cp.plan import check_cp_mesh
 
     check_cp_mesh(st.mesh)  # before minutes of capture
 
@@ -337,7 +340,7 @@ def _model_capture(st: ModelState) -> None:
     fresh capture's graph carries details serialising drops: the ranks' plans must agree to the digest)."""
     import logging
 
-    from mcompile.capture import CaptureError, capture, from_packed
+    from mcompile.capture.export import CaptureError, capture, from_packed
 
     r = st.config
 
@@ -388,7 +391,7 @@ def _model_find_block(st: ModelState) -> None:
     (never a wrong program): the capture passes run again with the others (``again``)."""
     import logging
 
-    from mcompile.repeat import find_block, truncate_runs
+    from mcompile.sharding.repeat import find_block, truncate_runs
 
     if st.candidate is None:
         return  # the whole model was captured: nothing repeats
@@ -407,11 +410,11 @@ def _model_find_block(st: ModelState) -> None:
 
 
 def _model_check_model(st: ModelState) -> None:
-    from mcompile.capture import warn_unless_loss
+    from mcompile.capture.export import warn_unless_loss
 
     warn_unless_loss(st.cap)  # a plan of logits or several outputs is no training plan (forward still serves them)
     if st.mesh.size("cp") > 1:
-        from mcompile.cp_plan import check_cp_model
+        from mcompile.passes.cp.plan import check_cp_model
 
         check_cp_model(st.cap, st.mesh)
 
@@ -423,22 +426,22 @@ def _model_mean_loss(st: ModelState) -> None:
 
 
 def _model_check_arguments(st: ModelState) -> None:
-    from mcompile.arguments import check_arguments
+    from mcompile.sharding.arguments import check_arguments
 
     check_arguments(st.cap.gm, st.mesh, st.config.microbatches, runtime=st.config.for_runtime)
 
 
 def _model_annotate(st: ModelState) -> None:
-    from mcompile.annotate import annotate
+    from mcompile.ir.annotate import annotate
 
     st.annotation = annotate(st.cap.gm)
 
 
 def _model_plan_axes(st: ModelState) -> None:
-    """Each mesh axis's placements (mcompile.planner.plan_axes), redistribution priced at the example sizes (or
+    """Each mesh axis's placements (mcompile.sharding.planner.plan_axes), redistribution priced at the example sizes (or
     ``seq`` / ``batch``)."""
-    from mcompile.compiled import plan_hints
-    from mcompile.planner import plan_axes
+    from mcompile.sharding.compiled import plan_hints
+    from mcompile.sharding.planner import plan_axes
 
     r = st.config
     if st.hints is None:
@@ -447,9 +450,9 @@ def _model_plan_axes(st: ModelState) -> None:
 
 
 def _model_repeat(st: ModelState) -> None:
-    """The short model's capture and placements grown to the real depth (mcompile.repeat)."""
-    from mcompile.annotate import annotate
-    from mcompile.repeat import repeat_axes, repeat_captured
+    """The short model's capture and placements grown to the real depth (mcompile.sharding.repeat)."""
+    from mcompile.ir.annotate import annotate
+    from mcompile.sharding.repeat import repeat_axes, repeat_captured
 
     if st.blocks is None:
         return
@@ -459,16 +462,16 @@ def _model_repeat(st: ModelState) -> None:
 
 
 def _model_assemble(st: ModelState) -> None:
-    from mcompile.compiled import Compiled
-    from mcompile.plan import PlanOptions, SPVariant, input_specs
-    from mcompile.planner import assemble_plan
+    from mcompile.ir.plan import PlanOptions, SPVariant, input_specs
+    from mcompile.sharding.compiled import Compiled
+    from mcompile.sharding.planner import assemble_plan
 
     r, mesh = st.config, st.mesh
     options = PlanOptions(sequence_parallel=r.sequence_parallel and mesh.size("tp") > 1,
                           sp_variant=SPVariant.SAVE_GATHERED, vocab_pad_multiple=r.vocab_pad_multiple,
                           moe_dispatcher=r.moe_dispatcher, moe_capacity_factor=r.moe_capacity_factor)
     if mesh.size("cp") > 1:
-        from mcompile.cp_plan import resolve_cp_attention
+        from mcompile.passes.cp.plan import resolve_cp_attention
 
         options.cp_attention = resolve_cp_attention(r.cp_attention, st.cap, mesh, st.hints)
     plan = assemble_plan(st.cap, mesh, st.axes, options, r.overrides)
@@ -481,7 +484,7 @@ def _model_assemble(st: ModelState) -> None:
 def _model_record_collectives(st: ModelState) -> None:
     """Rank 0's program lowered (kept: rank_programs' lower pass starts from it) and its collectives recorded in
     the plan (what the cost model and the quality check read)."""
-    from mcompile.compiled import _lower
+    from mcompile.sharding.compiled import _lower
 
     gm, specs = _lower(st.compiled, 0)
     st.compiled._programs[(0, None)] = (gm, specs)
@@ -498,7 +501,7 @@ def _model_quality(st: ModelState) -> None:
     plan_model, compile_plan)."""
     import warnings
 
-    from mcompile.quality import warn_quality
+    from mcompile.sharding.quality import warn_quality
 
     st.compiled.quality = warn_quality(st.compiled, stacklevel=7)
     sp = st.config.sequence_parallel and st.mesh.size("tp") > 1
@@ -509,8 +512,8 @@ def _model_quality(st: ModelState) -> None:
 
 
 def _model_plan_stages(st: ModelState) -> None:
-    from mcompile.capture import SEQ
-    from mcompile.stages import plan_stages
+    from mcompile.capture.export import SEQ
+    from mcompile.passes.pp.stages import plan_stages
 
     r = st.config
     plan_stages(st.compiled, r.schedule, r.virtual_stages, r.microbatches, r.pipeline_granularity,
@@ -531,8 +534,8 @@ class RankPrograms:
     zero3_replicated: list = field(default_factory=list)  # ZeRO-3: the parameters kept whole over dp, and why
     recompute: list = field(default_factory=list)  # the captured nodes a named recompute policy recomputes
     executed: fx.GraphModule | None = None  # without pp, eager execution: the program with recompute applied
-    partition: object = None  # pp: the stage partition (mcompile.stages)
-    stages: list = field(default_factory=list)  # pp: every stage's program (passes/pipeline_split.py), ZeRO-3's
+    partition: object = None  # pp: the stage partition (mcompile.passes.pp.stages)
+    stages: list = field(default_factory=list)  # pp: every stage's program (passes/pp/pipeline_split.py), ZeRO-3's
     #                                             gathers in each; eager execution: recompute applied
     stage_groups: dict = field(default_factory=dict)  # pp: stage -> the recompute groups of its program
     build: Callable = None  # the signature passes: build_joint
@@ -597,8 +600,8 @@ def _rank_fp8(st: _RankState) -> None:
 
 
 def _rank_pipeline_split(st: _RankState) -> None:
-    from mcompile.passes.pipeline_split import split_stages
-    from mcompile.stages import partition
+    from mcompile.passes.pp.pipeline_split import split_stages
+    from mcompile.passes.pp.stages import partition
 
     cap, config, out = st.compiled.captured, st.config, st.out
     out.partition = st.compiled.partition or partition(
@@ -611,7 +614,7 @@ def _rank_pipeline_split(st: _RankState) -> None:
 def _rank_fsdp(st: _RankState) -> None:
     """ZeRO-3: which parameters are sharded over dp (the runtime holds those as dp pieces), and a gather before
     each one's first use: in each stage program under pp, else in the program when dp > 1."""
-    from mcompile.passes import fsdp
+    from mcompile.passes.dp import fsdp
 
     out, dp = st.out, st.mesh.size("dp")
     specs = fsdp.shard_specs(st.compiled.plan, st.mesh)
@@ -632,7 +635,7 @@ def _rank_recompute(st: _RankState) -> None:
     """The captured nodes a named recompute policy recomputes (the plan's record; recompute="auto" chooses on the
     joint graph), and under eager execution the policy applied inside the programs (every stage: as its owner
     runs it). Under joint execution it only records: the saved set is the signature passes' choice."""
-    from mcompile import meta as M
+    from mcompile.ir import meta as M
     from mcompile.passes.recompute import apply_recompute, recompute_nodes
 
     config, out = st.config, st.out
@@ -654,8 +657,8 @@ def _rank_recompute(st: _RankState) -> None:
 
 def zero3_placeholders(compiled, placeholders) -> set[str]:
     """The parameter placeholders among ``placeholders`` (name -> fqn, or names with ``compiled``'s
-    captured params) whose parameter ZeRO-3 shards (passes/fsdp.py ``shard_specs``)."""
-    from mcompile.passes.fsdp import shard_specs
+    captured params) whose parameter ZeRO-3 shards (passes/dp/fsdp.py ``shard_specs``)."""
+    from mcompile.passes.dp.fsdp import shard_specs
 
     specs = shard_specs(compiled.plan, compiled.mesh)
     fqn_of = compiled.captured.params
@@ -703,8 +706,8 @@ def build_joint(program: fx.GraphModule, args: list, config, *, name: str = "", 
 
 
 def _sig_joint(st: _SignatureState) -> None:
-    from mcompile.passes import fsdp
     from mcompile.passes import joint as J
+    from mcompile.passes.dp import fsdp
 
     st.jg = J.trace_joint(st.program, st.args)
     st.gathered = fsdp.gathered_values(st.jg.gm)  # ZeRO-3: gathered parameters are gathered again, never saved
@@ -755,7 +758,7 @@ def _sig_launch_buckets(st: _SignatureState) -> None:
 
 
 def _sig_prefetch(st: _SignatureState) -> None:
-    from mcompile.passes import fsdp
+    from mcompile.passes.dp import fsdp
 
     if st.gathered and getattr(st.config, "overlap", False):  # ZeRO-3 gathers one layer ahead, reduce-scatters behind
         st.jp.prefetch = {part: fsdp.prefetch(getattr(st.jp, part), f"{st.name} {part}") for part in st.parts()}
@@ -765,7 +768,7 @@ def _sig_collective_matmul(st: _SignatureState) -> None:
     tp_overlap = getattr(st.config, "tp_overlap", "off")
     if not getattr(st.config, "overlap", False) or tp_overlap == "off":
         return
-    from mcompile.passes.collective_matmul import rewrite
+    from mcompile.passes.tp.collective_matmul import rewrite
 
     hw = runtime_hardware(st.args)
     st.jp.tp_overlap = []
@@ -778,7 +781,7 @@ def _sig_inplace_all_reduces(st: _SignatureState) -> None:
     """All-reduces of values read nowhere else: in place, without the runtime's copy (the eager modules)."""
     if getattr(st.config, "codegen", "eager") != "eager":
         return
-    from mcompile.passes.overlap import inplace_all_reduces
+    from mcompile.passes.dp.overlap import inplace_all_reduces
 
     for part in st.parts():
         inplace_all_reduces(getattr(st.jp, part))
@@ -828,7 +831,7 @@ def _launch_buckets(jp, grad_buckets) -> None:
     """The dp bucket launches inside the backward (or W) module: jp.launches, and the input positions whose
     readiness those count (jp.ready_positions: the caller must not count them). ``grad_buckets(position)``:
     the bucket of an accumulated input reduced over dp, or None."""
-    from mcompile.passes.overlap import launch_buckets
+    from mcompile.passes.dp.overlap import launch_buckets
 
     gp = jp.joint.grad_primals
     whole = {j: grad_buckets(gp[j]) for j in range(len(gp))}
@@ -843,13 +846,13 @@ def _launch_buckets(jp, grad_buckets) -> None:
 
 
 def _acc_outputs(gm: fx.GraphModule) -> set[int]:
-    from mcompile.meta import ACC_OUTPUT
+    from mcompile.ir.meta import ACC_OUTPUT
 
     return {n.meta[ACC_OUTPUT] for n in gm.graph.nodes if ACC_OUTPUT in n.meta}
 
 
 def runtime_hardware(args: list) -> str:
-    """The hardware profile (mcompile.hardware) the overlap passes price this machine with: the GPU's,
+    """The hardware profile (mcompile.cost.hardware) the overlap passes price this machine with: the GPU's,
     by its name, or the CPU/gloo one."""
     dev = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     if dev.type != "cuda":
@@ -894,9 +897,9 @@ def _example_args(compiled, rank: int, names: list[str], inputs: tuple, microbat
         if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == batch:
             t = t.chunk(dp)[coords.get("dp", 0)].chunk(microbatches)[0]
         user[name] = t
-    from mcompile.dropout import RNG_INPUT, rng_state
+    from mcompile.ir.dropout import RNG_INPUT, rng_state
 
-    user[RNG_INPUT] = rng_state(0, 0)  # a program with dropout reads (seed, step, batch offset) (mcompile.dropout)
+    user[RNG_INPUT] = rng_state(0, 0)  # a program with dropout reads (seed, step, batch offset) (mcompile.ir.dropout)
 
     def fake(t, grad: bool):
         if not isinstance(t, torch.Tensor):
@@ -905,7 +908,7 @@ def _example_args(compiled, rank: int, names: list[str], inputs: tuple, microbat
             x = torch.empty(t.shape, dtype=t.dtype)
         return x.requires_grad_() if grad else x
 
-    def piece(n):  # ZeRO-3: this dp rank's piece of the parameter (passes/fsdp.py)
+    def piece(n):  # ZeRO-3: this dp rank's piece of the parameter (passes/dp/fsdp.py)
         return state[n].chunk(dp)[coords["dp"]] if n in zero3 else state[n]
 
     return [fake(piece(n), n in cap.params and state[n].is_floating_point()) if n in state else fake(user[n], False)
@@ -915,12 +918,12 @@ def _example_args(compiled, rank: int, names: list[str], inputs: tuple, microbat
 def _bucket_launches(compiled, rank: int, config, rp: RankPrograms, own: set[str]):
     """What ``rank``'s runtime gives each of its joint runners as ``grad_buckets``: ``of(input names)`` is the
     ``grad_buckets(position)`` of a program with those inputs, the dp bucket its backward launches after adding the
-    gradient of the parameter fed there (mcompile.buckets ``grad_buckets``, by which runtime/leaves.py and
+    gradient of the parameter fed there (mcompile.ir.buckets ``grad_buckets``, by which runtime/leaves.py and
     runtime/zero.py lay their buffers out, on the parameters the rank holds: its stages' under pp, ``own``; in
     capture order, the runtime's registration order for a model built with its weights). The counted parameters
     are runtime/module.py's: the ones the program reads, or under pp every one of its stages', less the weights
     tied across pipeline ranks (runtime/pipeline.py ``tied_groups``: counted after their cross-stage sum)."""
-    from mcompile.buckets import grad_buckets
+    from mcompile.ir.buckets import grad_buckets
 
     cap, mesh = compiled.captured, compiled.mesh
     coords, dp = mesh.coords(rank), mesh.size("dp")

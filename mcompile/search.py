@@ -13,12 +13,12 @@ Capture costs seconds and grows with depth (DESIGN §10: ~10 s for GPT-3's 96 la
 longest ``nn.ModuleList`` of identical blocks is cut to 2 in a shallow copy (the user's module is
 untouched; if that capture fails the whole model is captured) — canonicalises and annotates it once,
 and re-plans that one graph per (tp, sequence parallel) (~0.1 s each) instead of re-capturing.
-:mod:`mcompile.cost` then prices one layer and scales by the real depth.
+:mod:`mcompile.cost.model` then prices one layer and scales by the real depth.
 
 The space (only what the runtime executes)
 ------------------------------------------
 - mesh ``dp x pp x cp x ep x tp = world`` (mesh order dp, pp, cp, ep, tp: tp on neighbouring GPUs); tp passes the
-  planner's divisibility checks (:func:`mcompile.planner.check_divisibility`: heads, kv heads,
+  planner's divisibility checks (:func:`mcompile.sharding.planner.check_divisibility`: heads, kv heads,
   every contraction weight); pp <= the layers found; dp x ep divides the global batch; ep only for a
   model with MoE layers, dividing their expert count and the dp x ep data-parallel ranks (Megatron folds
   expert parallelism into data parallelism: ep takes ranks from dp, never from tp or pp); cp (context
@@ -29,7 +29,7 @@ The space (only what the runtime executes)
   sequence alone such as RoPE tables, the layout with dp·cp data-parallel ranks and microbatch b/cp:
   the same tokens per rank and microbatch, without the cp communication), sequence parallelism needs tp
   to divide seq/cp, ZeRO shards over dp·cp, and each cp layout takes the attention variant
-  :func:`mcompile.cost.choose_cp_attention` picks for it (``cp_attention="auto"``, what
+  :func:`mcompile.cost.model.choose_cp_attention` picks for it (``cp_attention="auto"``, what
   ``Config(cp_attention="auto")`` runs; the pick does not depend on recompute or overlap, nor on bf16
   vs FP8 matmuls — attention runs in bf16 either way —, so the pruning below keeps the same variant)
   or each variant asked for (``cp_attention=``); activations fall as
@@ -42,7 +42,7 @@ The space (only what the runtime executes)
   selective / full / auto; ZeRO 0/1/2/3 when dp > 1 (``Config(zero=)``); communication overlap on/off
   (``Layout.overlap``: tp collective matmul and ZeRO-3 prefetch, ``Config(overlap=, tp_overlap=)``);
   matmul precision bf16 / FP8 where the hardware has FP8 (``Layout.precision``, ``Config(fp8="current")``).
-  ``auto`` (``Config(recompute="auto")``, passes/remat.py) is priced by :func:`mcompile.cost.stage_auto`:
+  ``auto`` (``Config(recompute="auto")``, passes/remat.py) is priced by :func:`mcompile.cost.model.stage_auto`:
   each pipeline rank gets the activation budget the memory model leaves under the limit, and the
   recompute time of the named policies' lower envelope at that budget; its memory is the budget used,
   so it fits exactly where full recompute fits.
@@ -57,13 +57,13 @@ Pruning (exact: never discards a layout that could rank first)
    b is skipped.
 3. Recompute dominance: for fixed everything else, recompute none → selective → full strictly adds
    time (m·t_r; an overlapped region it lengthens — the dp buckets', ZeRO-3's gathers — exposes at most
-   (2 − κ)·t_r less: :func:`mcompile.cost.overlapped`) and
+   (2 − κ)·t_r less: :func:`mcompile.cost.model.overlapped`) and
    removes memory, so the first named mode that fits is the only named one priced. ``auto`` is
    priced beside it wherever it fits (it is never slower than that mode: the envelope at the budget
    left is at most the mode's point); where none fits, auto IS none (same time and memory) and is
    kept out of the ranking (``SearchResult.priced`` still lists it).
 4. Overlap and precision: overlap on is never slower than off at the same memory (an overlapped region
-   costs at most what the two cost in turn: :func:`mcompile.cost.overlapped`), and FP8 matmuls never
+   costs at most what the two cost in turn: :func:`mcompile.cost.model.overlapped`), and FP8 matmuls never
    slower than bf16 at the same memory; so only overlap on (where allowed) and the fastest allowed
    precision are priced. Where overlap changes nothing (tp = 1 and ZeRO < 3) its off twin is the same
    layout: priced only when exhaustive, never ranked.
@@ -79,16 +79,16 @@ print what each choice saves in step time and memory.
 
 Stage cuts: the partitioner's, priced by the cost model
 ------------------------------------------------------
-:func:`mcompile.workload.estimate` assumes ⌈L/p⌉ layers on every pipeline rank. The search instead
-takes the cuts the runtime would make: :mod:`mcompile.stages`'s exact min-max split at layer
+:func:`mcompile.cost.workload.estimate` assumes ⌈L/p⌉ layers on every pipeline rank. The search instead
+takes the cuts the runtime would make: :mod:`mcompile.passes.pp.stages`'s exact min-max split at layer
 granularity (its roofline cost proxy at the search's sequence length, microbatch 1). With a full-depth
-capture that is :func:`mcompile.stages.partition` itself; with a 2-layer capture it is the same
+capture that is :func:`mcompile.passes.pp.stages.partition` itself; with a 2-layer capture it is the same
 dynamic program (``partition._min_max``) over the depth's item weights — [embedding + layer, layer,
 …, layer + head] — read off the captured block, which is what ``partition`` computes on the full
 graph when the layers are identical. Each pipeline rank then has n_r layers (the sum over its
 virtual chunks), and the cost model's own functions price the layout with n_r layers on rank r where
-``estimate`` gives ⌈L/p⌉ (:func:`mcompile.cost.price_ranks`: ``step_terms`` and ``peak_memory``, on
-:class:`mcompile.cost.Sections` cached per (tp, sp, ep, cp, microbatch size, precision)): per rank
+``estimate`` gives ⌈L/p⌉ (:func:`mcompile.cost.model.price_ranks`: ``step_terms`` and ``peak_memory``, on
+:class:`mcompile.cost.model.Sections` cached per (tp, sp, ep, cp, microbatch size, precision)): per rank
 T_r = n_r·t_layer + [first]·t_pre + [last]·t_post + t_p2p; the slowest rank sets the pipeline
 (m·T + bubble), the rank with most parameters sets the data-parallel reduction and the optimizer,
 and memory is the largest over all ranks (:func:`price`; with ``uniform=True`` it is ``estimate``
@@ -98,7 +98,7 @@ is this priced estimate; ``estimate.details["uniform_step_time_s"]`` keeps the �
 Placements inside a block: an exact solver
 ------------------------------------------
 :func:`block_placements` chooses, for every node of ONE repeated block on one tp axis, a strategy
-among the rule registry's candidates (the same ones :mod:`mcompile.propagate` scores greedily),
+among the rule registry's candidates (the same ones :mod:`mcompile.sharding.propagate` scores greedily),
 minimising compute + communication time exactly, as an integer program solved by HiGHS (its
 docstring states the program). At training sizes it returns Megatron's layout — the planner's — for
 Llama and GPT blocks, at an objective equal to the greedy's; where the cost model prefers otherwise
@@ -128,11 +128,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from mcompile import cost as C
-from mcompile.compat import quiet_highs
-from mcompile.cost import Estimate, Layout, Recompute, Schedule
-from mcompile.hardware import Hardware, get_hardware
-from mcompile.workload import Workload, estimate
+from mcompile.cost import model as C
+from mcompile.cost.hardware import Hardware, get_hardware
+from mcompile.cost.model import Estimate, Layout, Recompute, Schedule
+from mcompile.cost.workload import Workload, estimate
+from mcompile.ir.compat import quiet_highs
 
 __all__ = ["search", "price", "Candidate", "SearchResult", "SearchError", "SearchWorkload", "enumerate_layouts",
            "StageSplit", "stage_split", "auto_layout", "explain_pair", "explain_choices", "block_placements",
@@ -159,7 +159,7 @@ class SearchError(ValueError):
 
 
 class SearchWorkload(Workload):
-    """A :class:`mcompile.workload.Workload` (captured ONCE, re-planned for each (tp, sequence parallel): the same
+    """A :class:`mcompile.cost.workload.Workload` (captured ONCE, re-planned for each (tp, sequence parallel): the same
     profiles ``estimate`` prices with) and what the search adds: the blocks of the captured graph, the
     divisibility checks per tp and the stage splits per pipeline shape."""
 
@@ -170,7 +170,7 @@ class SearchWorkload(Workload):
 
     @cached_property
     def trunk(self):
-        from mcompile.blocks import analyse
+        from mcompile.sharding.blocks import analyse
 
         return analyse(self.captured.gm, self.captured.params)
 
@@ -185,8 +185,8 @@ class SearchWorkload(Workload):
 
     def tp_error(self, tp: int) -> str | None:
         """Why tp cannot shard this model (the planner's divisibility checks), or None."""
-        from mcompile.planner import check_divisibility
-        from mcompile.propagate import PlanError
+        from mcompile.sharding.planner import check_divisibility
+        from mcompile.sharding.propagate import PlanError
 
         try:
             check_divisibility(self.captured, tp)
@@ -197,7 +197,7 @@ class SearchWorkload(Workload):
     @classmethod
     def of(cls, model, example_inputs=(), example_kwargs=None, *, dtype=torch.bfloat16,
            capture_layers: int = 2) -> SearchWorkload:
-        """:meth:`mcompile.workload.Workload.of`, its refusals as :class:`SearchError`."""
+        """:meth:`mcompile.cost.workload.Workload.of`, its refusals as :class:`SearchError`."""
         try:
             return super().of(model, example_inputs, example_kwargs, dtype=dtype, capture_layers=capture_layers)
         except TypeError as e:
@@ -248,7 +248,7 @@ def _bytes(x: float) -> str:
 
 def _layer_weights(work: SearchWorkload, seq: int) -> tuple[float, float, float]:
     """(pre, one layer, post) in the partitioner's cost proxy, read off the captured blocks."""
-    from mcompile.stages import _cost_arrays
+    from mcompile.passes.pp.stages import _cost_arrays
 
     cache = work._weights
     if seq in cache:
@@ -283,7 +283,7 @@ def _stage_split(work: SearchWorkload, pp: int, virtual: int, seq: int) -> Stage
     k = pp * virtual
     if k == 1:
         return StageSplit((L,), (L,), 0.0)
-    from mcompile.stages import _min_max, partition
+    from mcompile.passes.pp.stages import _min_max, partition
 
     if work.full_depth:
         part = partition(work.captured, pp, virtual, seq=seq, trunk=work.trunk)
@@ -313,12 +313,12 @@ def price(layout: Layout, model, *, hardware: str | Hardware = "h100", global_ba
           stages: StageSplit | None = None, example_inputs: tuple = (), example_kwargs: dict | None = None,
           dtype: torch.dtype = torch.bfloat16, memory_limit: float | None = None,
           moe_imbalance: float = 1.0) -> Estimate:
-    """Price one layout as the search does: :func:`mcompile.workload.estimate` with the partitioner's
+    """Price one layout as the search does: :func:`mcompile.cost.workload.estimate` with the partitioner's
     stage cuts (``uniform=True``: the cost model's ⌈L/p⌉ layers on every rank instead). ``model`` as
     for :func:`search`; reuse a :class:`SearchWorkload` to price many layouts. ``memory_limit``: bytes
     per GPU (default the hardware's HBM): ``fits``, and the budget ``recompute="auto"`` gets.
     ``precision``: the matmul precision (default: the layout's, else "bf16"). ``moe_imbalance``:
-    :func:`mcompile.workload.estimate`'s."""
+    :func:`mcompile.cost.workload.estimate`'s."""
     layout = C.resolve_precision(layout, precision)
     work = SearchWorkload.of(model, example_inputs, example_kwargs, dtype=dtype)
     prof = work.profile(layout.tp, layout.sequence_parallel)
@@ -338,7 +338,7 @@ def price(layout: Layout, model, *, hardware: str | Hardware = "h100", global_ba
 
 def _finish(layout, work, prof, sec, layers, split, st: C.CostSettings) -> Estimate:
     """The full Estimate: workload.estimate's with the step time, memory and FLOPs priced on the given per-rank
-    layer counts (:func:`mcompile.cost.price_ranks`)."""
+    layer counts (:func:`mcompile.cost.model.price_ranks`)."""
     base = estimate(layout, work, hardware=st.hw, global_batch=st.global_batch, seq=st.seq,
                       precision=st.precision, param_dtype=st.param_dtype, grad_dtype=st.grad_dtype,
                       attention_kernel=st.attention_kernel, efficiency=st.efficiency, memory_limit=st.limit,
@@ -575,7 +575,7 @@ def enumerate_layouts(model, world: int, *, global_batch: int, seq: int, schedul
     """Every layout of the search space, unpruned (what :func:`search` ranks, before pruning).
     ``precision``: None (layouts without one: priced at estimate()'s) or the precisions to enumerate.
     ``cp``/``cp_attention`` as for :func:`search`; ``hardware`` and ``attention_kernel``: what
-    ``cp_attention="auto"`` picks the variant of a cp layout on (:func:`mcompile.cost.choose_cp_attention`)."""
+    ``cp_attention="auto"`` picks the variant of a cp layout on (:func:`mcompile.cost.model.choose_cp_attention`)."""
     work = SearchWorkload.of(model, example_inputs, example_kwargs)
     sp = _space(work, world, global_batch, seq, schedules, recompute, zero, sequence_parallel, microbatch_sizes,
                 overlap_grad_reduce, overlap, precision, ep, cp, cp_attention)
@@ -634,7 +634,7 @@ class Candidate:
 
     def mesh(self, fake: bool = False):
         """The :class:`mcompile.Mesh` (axes of size 1 dropped; dp, pp, cp, ep, tp in that order)."""
-        from mcompile.mesh import Mesh
+        from mcompile.ir.mesh import Mesh
 
         lay = self.layout
         axes = {a: n for a, n in (("dp", lay.dp), ("pp", lay.pp), ("cp", lay.cp), ("ep", lay.ep), ("tp", lay.tp))
@@ -872,7 +872,7 @@ class _Cell(NamedTuple):
 
 class _Pricer:
     """The search's pricing state (module docstring, "Pruning"): the settings per matmul precision, the
-    :class:`mcompile.cost.Sections` and stage splits made so far, every layout priced (``found``: (step,
+    :class:`mcompile.cost.model.Sections` and stage splits made so far, every layout priced (``found``: (step,
     memory, index, layout, layers per rank, split, ranked)), the smallest footprint seen (the error when
     nothing fits), the groups pruned whole and the counts (``stats``)."""
 
@@ -1014,16 +1014,16 @@ def search(model, world: int | None = None, *, hardware: str | Hardware = "h100"
     per GPU (default: the hardware's HBM), ranked by predicted step time (module docstring).
 
     ``model``: a module with ``example_inputs`` (a meta-device one is fine), a preset name or Preset,
-    or a :class:`mcompile.workload.Workload`. ``seq`` defaults to the model's maximum sequence length.
+    or a :class:`mcompile.cost.workload.Workload`. ``seq`` defaults to the model's maximum sequence length.
     ``precision``: the matmul precisions to search (a name or a tuple; those the hardware cannot run —
     FP8 before Hopper — are left out); each candidate's ``layout.precision`` says which it takes.
-    ``param_dtype``/``grad_dtype``/``attention_kernel``/``efficiency`` are :func:`mcompile.workload.estimate`'s.
+    ``param_dtype``/``grad_dtype``/``attention_kernel``/``efficiency`` are :func:`mcompile.cost.workload.estimate`'s.
     ``schedules``, ``recompute``, ``zero``, ``overlap``, ``sequence_parallel``, ``microbatch_sizes``
     and ``ep`` (expert-parallel sizes, MoE models only) restrict the space, as do ``cp`` (context-parallel
     sizes; None: every one for which 2·cp divides ``seq``) and ``cp_attention`` ("auto": each cp layout
-    with :func:`mcompile.cost.choose_cp_attention`'s pick, what ``Config(cp_attention="auto")`` runs; or
+    with :func:`mcompile.cost.model.choose_cp_attention`'s pick, what ``Config(cp_attention="auto")`` runs; or
     the variants to price, a name or a tuple). ``moe_imbalance``: the busiest
-    ep rank's routed tokens over the mean (:func:`mcompile.workload.estimate`). ``exhaustive``: price every
+    ep rank's routed tokens over the mean (:func:`mcompile.cost.workload.estimate`). ``exhaustive``: price every
     layout, no pruning (tests)."""
     t0 = time.perf_counter()
     hw = get_hardware(hardware)  # an unknown name: the error lists the known profiles
@@ -1150,7 +1150,7 @@ def auto_layout(model, world: int, example_inputs: tuple, example_kwargs: dict |
 
     Context parallelism is not chosen here yet (cp = 1: :data:`AUTO_LAYOUT_CP`): ``plan="auto"`` has not
     been run end to end with a cp mesh; :func:`search` explores it."""
-    from mcompile.config import Config, Inputs
+    from mcompile.ir.config import Config, Inputs
 
     given = [k for k in _CHOSEN_OPTIONS if k in options]
     if given:
@@ -1208,7 +1208,7 @@ class BlockSolution:
     nodes: list[str]
     strategies: dict[str, object]  # node name -> the chosen rule Strategy
     params: dict[str, object]  # parameter FQN -> placement, exact
-    greedy_params: dict[str, object]  # parameter FQN -> placement, the planner's (mcompile.propagate)
+    greedy_params: dict[str, object]  # parameter FQN -> placement, the planner's (mcompile.sharding.propagate)
     objective_s: float
     greedy_objective_s: float
     compute_s: float
@@ -1243,11 +1243,11 @@ def block_placements(model, tp: int, *, sequence_parallel: bool = False, hardwar
                      require_sharded_weights: bool = True, efficiency: C.Efficiency | None = None,
                      example_inputs: tuple = (), example_kwargs: dict | None = None) -> BlockSolution:
     """Choose a rule strategy for every node of ONE repeated block (the first layer that
-    :mod:`mcompile.blocks` finds; every layer has its signature) on one tp axis, exactly, by an
+    :mod:`mcompile.sharding.blocks` finds; every layer has its signature) on one tp axis, exactly, by an
     integer program solved with HiGHS (Alpa's intra-operator pass, Zheng et al. 2022, on our rules).
 
-    Variables: s[v,k] ∈ {0,1} — node v runs strategy k of its rule (:mod:`mcompile.rules`, filtered as
-    :mod:`mcompile.propagate` filters them: a tp axis never shards the batch, the sequence only under
+    Variables: s[v,k] ∈ {0,1} — node v runs strategy k of its rule (:mod:`mcompile.sharding.rules`, filtered as
+    :mod:`mcompile.sharding.propagate` filters them: a tp axis never shards the batch, the sequence only under
     SP, Partial never flows through a non-contraction op, a fused projection keeps its block layout;
     with ``require_sharded_weights`` every contraction weight is sharded, the planner's tp policy);
     x[w,q] ∈ {0,1} — parameter w has placement q; y[e,p,q] ∈ [0,1] — edge e (value u into input i of
@@ -1261,18 +1261,18 @@ def block_placements(model, tp: int, *, sequence_parallel: bool = False, hardwar
     the one leaving it (the residual stream) keep the planner's placements, so blocks chain.
 
     Objective (seconds per microbatch on one rank, forward + backward, the cost model's constants):
-    Σ s[v,k]·t_v·share_k + Σ z[u,p,q]·c(p→q), t_v the node's roofline time (:mod:`mcompile.cost`),
+    Σ s[v,k]·t_v·share_k + Σ z[u,p,q]·c(p→q), t_v the node's roofline time (:mod:`mcompile.cost.model`),
     share_k = 1/tp when strategy k shards the node's work; c: R→S a slice (its backward all-gathers the
     gradient), P→R an all-reduce, P→S a reduce-scatter (+ all-gather back), S→R an all-gather
     (+ reduce-scatter back), on the tp link of ``hardware``; tensors at ``microbatch_size`` × ``seq``.
 
     The planner's greedy choice is priced by the same objective (``greedy_objective_s``): the exact
     optimum can only be lower or equal."""
-    from mcompile.annotate import BACKWARD_MULTIPLIER
-    from mcompile.meta import BYTES_READ, BYTES_WRITTEN, FLOPS
-    from mcompile.placements import BlockShard, Partial, Replicate, Shard
-    from mcompile.propagate import CONTRACTION_WEIGHT_ARGS, _out_metas, requires_grad_nodes
-    from mcompile.rules import OpInfo, TensorMeta, get_rule, replicate_all, tensor_input_nodes
+    from mcompile.ir.annotate import BACKWARD_MULTIPLIER
+    from mcompile.ir.meta import BYTES_READ, BYTES_WRITTEN, FLOPS
+    from mcompile.ir.placements import BlockShard, Partial, Replicate, Shard
+    from mcompile.sharding.propagate import CONTRACTION_WEIGHT_ARGS, _out_metas, requires_grad_nodes
+    from mcompile.sharding.rules import OpInfo, TensorMeta, get_rule, replicate_all, tensor_input_nodes
 
     t0 = time.perf_counter()
     work = SearchWorkload.of(model, example_inputs, example_kwargs)
@@ -1309,7 +1309,7 @@ def block_placements(model, tp: int, *, sequence_parallel: bool = False, hardwar
         d = meta.shape[dim % meta.ndim]
         return not getattr(d, "free_symbols", None)
 
-    def shard_allowed(meta: TensorMeta, p) -> bool:  # mcompile.propagate's rule for a tp axis
+    def shard_allowed(meta: TensorMeta, p) -> bool:  # mcompile.sharding.propagate's rule for a tp axis
         if not isinstance(p, Shard | BlockShard):
             return True
         d = meta.shape[p.dim % meta.ndim]

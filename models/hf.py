@@ -2,7 +2,7 @@
 
 A bare ``PreTrainedModel`` works too: mcompile reads its positional example inputs as
 ``(input_ids, labels)`` and captures its ``ModelOutput``'s loss with ``use_cache=False``
-(mcompile/capture.py); this wrapper keeps the model's own ``use_cache`` default.
+(mcompile/capture/export.py); this wrapper keeps the model's own ``use_cache`` default.
 """
 
 from __future__ import annotations

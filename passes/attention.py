@@ -8,7 +8,8 @@ Rewrites of ``aten.scaled_dot_product_attention`` nodes, each exact:
   attention takes no ``attn_mask``: PyTorch's SDPA backend selection falls back to the memory-efficient
   or math kernel, and the ``[b, 1, s, s]`` mask itself is quadratic memory); with ``is_causal=True`` it
   can. Under cp a rank holds a load-balanced piece of the queries and of the keys, so a whole-sequence
-  mask has no meaning on it; causality does (mcompile.cp computes it from the tokens' global positions). A mask is
+  mask has no meaning on it; causality does (mcompile.passes.cp.ops computes it from the tokens' global positions). A
+  mask is
   recognised as causal from how it is built, not from its name: it must be computed from no parameter
   and read no input's values (only sizes), and evaluating its subgraph at two sizes must give exactly
   the causal pattern (boolean: keep where key <= query; additive float: 0 there, <= the dtype's
@@ -30,7 +31,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from mcompile.capture import BATCH, SEQ, Captured
+from mcompile.capture.export import BATCH, SEQ, Captured
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default

@@ -35,7 +35,7 @@
 - ``transposed_weight_to_linear``: ``matmul(x, W.T)`` (``numpy_T``, ``t``, ``transpose(0, 1)`` of a 2-D
   parameter; Falcon's ``FalconLinear``) -> ``linear(x, W)``: the weight is then a direct argument of the
   contraction, placed by it (column- or row-parallel), not by the transpose that reads it first.
-- ``unmerge_heads`` (passes/heads.py): attention computed on (batch x heads, ...) values (``bmm`` after
+- ``unmerge_heads`` (passes/tp/heads.py): attention computed on (batch x heads, ...) values (``bmm`` after
   ``reshape(b * h, s, d)``) -> the same ops on (b, h, ...) values, so the heads are a dim tp can shard.
 - ``view_as_to_view``: ``x.view_as(other)`` -> ``x.view(sizes of other)``, one rule (view's) for both.
 - ``unflatten_rowwise``: a norm run on rows flattened from (token, head) pairs and reshaped back (a
@@ -61,9 +61,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from mcompile import meta as M
-from mcompile.grad_regions import inline_grad_regions  # noqa: F401 - a pass of this module (moved: capture uses it)
-from mcompile.meta import ATTENTION_CORE
+from mcompile.capture.grad_regions import inline_grad_regions  # noqa: F401 - a pass of this module (moved: capture uses it)
+from mcompile.ir import meta as M
+from mcompile.ir.meta import ATTENTION_CORE
 from mcompile.passes.nodes import _fake_call, _new, _product_value  # noqa: F401  (re-exported)
 
 aten = torch.ops.aten
@@ -206,7 +206,7 @@ def as_strided_of_storage(gm: fx.GraphModule) -> int:
     the wrong elements: a silently wrong value and gradient. Read from a contiguous copy of the storage's owner,
     the strides mean what they meant in the capture in any program. Left as it is where the owner was not
     contiguous from offset 0 in the capture or ``x``'s offset is not a constant: the planner then refuses to run
-    it on any value a rank program may lay out differently (``mcompile.propagate``)."""
+    it on any value a rank program may lay out differently (``mcompile.sharding.propagate``)."""
     count = 0
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target not in _STORAGE_READERS or not isinstance(n.args[0], fx.Node):
@@ -617,7 +617,7 @@ def attention_dropout_to_math(gm: fx.GraphModule) -> int:
     ``aten.dropout`` of the probabilities: ``dropout(softmax(q kᵀ · scale + mask), p) v``.
 
     A fused attention draws its dropout mask inside the kernel from torch's generator; mcompile's masks
-    come from a counter over global indices (mcompile/dropout.py), so the probabilities must be a value
+    come from a counter over global indices (mcompile/ir/dropout.py), so the probabilities must be a value
     of the graph (torch's own math backend computes the same expression). Models in eval mode pass
     dropout_p=0 and keep their fused attention."""
     count = 0
@@ -700,12 +700,12 @@ def _canonicalize(gm: fx.GraphModule) -> dict[str, int]:
 
 
 def _unmerge_heads(gm: fx.GraphModule) -> int:
-    from mcompile.passes.heads import unmerge_heads
+    from mcompile.passes.tp.heads import unmerge_heads
 
     return unmerge_heads(gm)
 
 
 def _moe_layers(gm: fx.GraphModule) -> int:
-    from mcompile.passes.find_moe import find_moe_layers
+    from mcompile.passes.ep.find_moe import find_moe_layers
 
     return find_moe_layers(gm)

@@ -24,17 +24,17 @@ and outputs:
     one tuple-valued forward output and backward input — is compiled over the tensor leaves, and the
     wrapper flattens the arguments and rebuilds the outputs' structure around each call.
 
-What stays opaque: every ``torch.ops.mcompile.*`` op — the collectives of :mod:`mcompile.ops` and
+What stays opaque: every ``torch.ops.mcompile.*`` op — the collectives of :mod:`mcompile.ir.ops` and
 the fused / FP8 kernels of :mod:`mcompile.kernels` — is a ``torch.library.custom_op`` with no
 decomposition, so Inductor keeps it as a fallback kernel: the generated wrapper calls
 ``torch.ops.mcompile.all_reduce.default(buf, 'tp', 2)`` and the communicator bound with
-:func:`mcompile.ops.bind` does the work at run time, as in eager. Inductor only fuses around such
+:func:`mcompile.ir.ops.bind` does the work at run time, as in eager. Inductor only fuses around such
 calls and keeps their order (no compute/communication reordering is enabled), so every rank issues
 the same collectives in the same order as the fx graph does. ``CompiledGraph.source_code`` holds
 the generated wrapper for inspection.
 
-Started collectives (the overlap passes' ``mcompile.start_*`` / ``wait``, passes/overlap.py): the
-start's input is an argument of its wait (mcompile.ops), so Inductor's memory planning keeps it live
+Started collectives (the overlap passes' ``mcompile.start_*`` / ``wait``, passes/dp/overlap.py): the
+start's input is an argument of its wait (mcompile.ir.ops), so Inductor's memory planning keeps it live
 and unwritten until the wait — before, it counted the input dead after the start and reused its memory
 for the next kernel's output (a collective matmul's next chunk GEMM written over the partial sums the
 reduce-scatter was still sending). A graph holding started collectives is compiled with Inductor's
@@ -185,7 +185,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: list, label: str) -> CompiledG
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    import mcompile.ops  # noqa: F401 - the collectives must be registered (with fake impls) to re-trace
+    import mcompile.ir.ops  # noqa: F401 - the collectives must be registered (with fake impls) to re-trace
 
     t0 = time.perf_counter()
     # Inductor takes flat tensors and returns flat values: a graph whose inputs or outputs nest (the joint
@@ -222,7 +222,7 @@ def _inductor(gm: fx.GraphModule, example_inputs: list, label: str) -> CompiledG
 
 
 def has_started_collectives(gm: fx.GraphModule) -> bool:
-    import mcompile.ops as ops
+    import mcompile.ir.ops as ops
 
     starts = set(ops.STARTS.values())
     return any(n.op == "call_function" and n.target in starts for n in gm.graph.nodes)

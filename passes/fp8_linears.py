@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from mcompile import meta as M
+from mcompile.ir import meta as M
 
 aten = torch.ops.aten
 FP8 = M.FP8  # str on converted nodes: the scaling recipe ("current" | "delayed")

@@ -40,7 +40,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from mcompile import meta as M
+from mcompile.ir import meta as M
 
 aten = torch.ops.aten
 FUSED = M.FUSED

@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from mcompile import meta as M
+from mcompile.ir import meta as M
 
 __all__ = ["JointGraph", "JointProgram", "JointTraceError", "trace_joint", "partition", "split_weight",
            "forward_nodes", "saved_for_policy", "VIEW_OPS", "is_alias", "accumulate_outputs", "ACC_OUTPUT"]
@@ -550,14 +550,14 @@ class JointProgram:
     weight_grads: list[int] = field(default_factory=list)  # positions computed by W
     acc_full: list[int] = field(default_factory=list)  # primal indices backward adds into buffers (in order)
     acc_positions: list[int] = field(default_factory=list)  # the same for W
-    # overlap (passes/overlap.py launch_buckets): dp buckets launched inside backward / W, and the primal
+    # overlap (passes/dp/overlap.py launch_buckets): dp buckets launched inside backward / W, and the primal
     # indices whose bucket readiness those launches count
     launches: list = field(default_factory=list)
     ready_positions: set = field(default_factory=set)
     launches_w: list = field(default_factory=list)
     ready_positions_w: set = field(default_factory=set)
-    prefetch: dict = field(default_factory=dict)  # module -> passes/fsdp.py PrefetchReport (ZeRO-3, overlap)
-    tp_overlap: list = field(default_factory=list)  # passes/collective_matmul.py Decisions (one per tp collective)
+    prefetch: dict = field(default_factory=dict)  # module -> passes/dp/fsdp.py PrefetchReport (ZeRO-3, overlap)
+    tp_overlap: list = field(default_factory=list)  # passes/tp/collective_matmul.py Decisions (one per tp collective)
 
 
 def _copy_nodes(src_nodes: list[fx.Node], inputs: list[fx.Node], outputs: list, gm_src: fx.GraphModule,

@@ -208,7 +208,7 @@ def add_kv_cache(gm: fx.GraphModule, ids_name: str, user_inputs: set[str] | None
     """Prefill and decode graphs of the captured logits graph ``gm`` (see the module docstring).
     ``ids_name``: the token-ids placeholder; ``user_inputs``: every user-input placeholder name
     (default: just ``ids_name``). The graphs' node metadata is the captured graph's, stale where
-    the rewrite changed shapes: re-capture them before planning (mcompile.generate does)."""
+    the rewrite changed shapes: re-capture them before planning (mcompile.apps.generate does)."""
     user_inputs = set(user_inputs or ()) | {ids_name}
     src_sdpa = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _SDPA]
     if not src_sdpa:
@@ -318,7 +318,7 @@ def keep_cache_local(program: fx.GraphModule, cache_inputs: list[str], cache_out
     that feeds it (the rank is handed its own heads); per cache output (positions in the output
     tuple), drop the ``all_gather`` on dim 1 over ``axis`` that produces it (the rank keeps its
     heads). Returns (inputs made local, outputs made local), each a flag per cache."""
-    from mcompile.ops import OPS
+    from mcompile.ir.ops import OPS
 
     slices = {OPS[k] for k in ("shard_slice", "shard_slice_nograd") if k in OPS}
     g = program.graph
@@ -356,7 +356,7 @@ def keep_cache_local(program: fx.GraphModule, cache_inputs: list[str], cache_out
 def drop_backward_only(program: fx.GraphModule) -> int:
     """Inference rank pass: Megatron's *f* (``copy_ar_bwd``) is a copy forward and an all-reduce
     backward; a program that never runs backward needs neither. Returns how many were removed."""
-    from mcompile.ops import OPS
+    from mcompile.ir.ops import OPS
 
     n = 0
     for node in list(program.graph.nodes):

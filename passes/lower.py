@@ -2,7 +2,7 @@
 
 For every node, in order:
 1. fetch each tensor input in the placement the chosen strategy needs, axis by axis, inserting a
-   collective (:mod:`mcompile.ops`) where the current placement differs — reused when the same value
+   collective (:mod:`mcompile.ir.ops`) where the current placement differs — reused when the same value
    is needed in the same placement again (one all-gather feeds q, k and v);
 2. on an axis where the loss is replicated (tp), a replicated input that requires grad and feeds
    an op with a non-replicated output gets Megatron's *f* (copy forward, all-reduce backward): its
@@ -27,17 +27,17 @@ import sympy
 import torch
 import torch.fx as fx
 
-from mcompile import meta as M
-from mcompile.annotate import layer_index
-from mcompile.capture import Captured
-from mcompile.ops import OPS
+from mcompile.capture.export import Captured
+from mcompile.ir import meta as M
+from mcompile.ir.annotate import layer_index
+from mcompile.ir.ops import OPS
+from mcompile.ir.placements import BlockShard, Partial, Replicate, Shard
+from mcompile.ir.plan import CollectiveKind, CollectiveSpec
 from mcompile.passes.lower_dropout import is_random, is_training_dropout, lower_dropout, lower_random
-from mcompile.placements import BlockShard, Partial, Replicate, Shard
-from mcompile.plan import CollectiveKind, CollectiveSpec
-from mcompile.planner import vocab_local_size
-from mcompile.propagate import AxisResult, requires_grad_nodes, writes_first_arg
-from mcompile.rules import get_localizer, tensor_input_nodes, to_expr
-from mcompile.rules.matmul import embedding_args
+from mcompile.sharding.planner import vocab_local_size
+from mcompile.sharding.propagate import AxisResult, requires_grad_nodes, writes_first_arg
+from mcompile.sharding.rules import get_localizer, tensor_input_nodes, to_expr
+from mcompile.sharding.rules.matmul import embedding_args
 
 aten = torch.ops.aten
 R = Replicate()
@@ -70,12 +70,12 @@ class AxisInfo:
     loss_replicated: bool  # grads of replicated values are exact (tp), not partial (dp)
     vocab_pad_multiple: int = 1  # a Shard dim that does not divide: padded to size * this (PlanOptions)
     moe: tuple = ("alltoall", 0.0)  # MoE layers over this axis (ep): dispatcher, capacity factor (PlanOptions)
-    context_parallel: bool = False  # cp: the tokens split (mcompile.cp), the loss the ranks' sum
+    context_parallel: bool = False  # cp: the tokens split (mcompile.passes.cp.ops), the loss the ranks' sum
     cp_attention: str = "ring"  # cp: the attention variant (PlanOptions)
 
     def local_size(self, size: int, p) -> int:
         """This rank's share of a static dim of ``size`` placed ``p`` (Shard or BlockShard) on this
-        axis: the plan's padded local size (:func:`mcompile.planner.vocab_local_size`)."""
+        axis: the plan's padded local size (:func:`mcompile.sharding.planner.vocab_local_size`)."""
         return vocab_local_size(size, self.size, self.vocab_pad_multiple if isinstance(p, Shard) else 1)
 
 
@@ -235,8 +235,8 @@ class _Collectives:
 
     def __call__(self, op_name, args, origin: fx.Node, axis_i: int, fwd, bwd, dim, purpose, meta_val, pl):
         """Append the collective ``op_name`` on ``args`` to the program, tagged with its spec (for ``origin``)."""
-        if op_name not in OPS:  # the context-parallel ones (mcompile.cp registers them)
-            import mcompile.cp  # noqa: F401
+        if op_name not in OPS:  # the context-parallel ones (mcompile.passes.cp.ops registers them)
+            import mcompile.passes.cp.ops  # noqa: F401
         node = self.g.call_function(OPS[op_name] if op_name in OPS else getattr(torch.ops.mcompile, op_name).default,
                                     args)
         spec = CollectiveSpec(
@@ -279,7 +279,7 @@ class _Lowering:
         self.rg = requires_grad_nodes(src, set(cap.params))
         sources = self._placeholders()
         # training-mode dropout draws its masks from (seed, step, batch offset): one small input of the program,
-        # the same tensor for every dropout (passes/lower_dropout.py, mcompile/dropout.py)
+        # the same tensor for every dropout (passes/lower_dropout.py, mcompile/ir/dropout.py)
         self.rng = _rng_input(g, src) if any(is_training_dropout(n) or is_random(n) for n in src.graph.nodes) else None
         self.sym = _Sym(g, sources, _made_sizes(src), self.env, self.place)
         self.bsym = cap.symbols.get("batch")
@@ -326,7 +326,7 @@ class _Lowering:
         """The program as a GraphModule (dead code dropped), and the collective specs in program order."""
         self.g.eliminate_dead_code()
         gm = fx.GraphModule(torch.nn.Module(), self.g)
-        gm.meta[M.EMITTED_FOR] = self.emitted  # for mcompile.repeat: which captured node each node implements
+        gm.meta[M.EMITTED_FOR] = self.emitted  # for mcompile.sharding.repeat: which captured node each node implements
         gm.meta[M.VALUE_OF] = {k: v.name for k, v in self.env.items() if isinstance(v, fx.Node)}
         return gm, self.emit.specs
 
@@ -451,7 +451,7 @@ class _Lowering:
         return val
 
     def _fetch_cp(self, a: fx.Node, val, cur: tuple, i: int, w, meta_val):
-        """Redistribute along a context-parallel axis (mcompile.cp). A Shard there is the tokens' split:
+        """Redistribute along a context-parallel axis (mcompile.passes.cp.ops). A Shard there is the tokens' split:
         on the sequence dim, or on batch*seq flattened (the sequence innermost), each rank holding its
         load-balanced chunks. The loss is the ranks' sum, so every adjoint is a partial sum's: a slice's is
         local (the gradient scattered into zeros), a gather's is a reduce-scatter, and a reduced statistic's
@@ -626,7 +626,7 @@ def _written(node: fx.Node) -> fx.Node | None:
 
 def _rng_input(g: fx.Graph, src: fx.Graph) -> fx.Node:
     """The program input ``mc_rng`` (int64 [3]: seed, step, batch offset), after the captured ones."""
-    from mcompile.dropout import RNG_INPUT
+    from mcompile.ir.dropout import RNG_INPUT
 
     node = g.placeholder(RNG_INPUT)
     mode = next((n.meta["val"].fake_mode for n in src.graph.nodes if n.op == "placeholder"
@@ -780,11 +780,11 @@ def _meta_like(x_node: fx.Node, keep_last):
 
 def moe_expert_parallel(g, node, want, ax: AxisInfo, emit, ax_i, place, device):
     """An MoE layer over ``ep``: this rank's tokens dispatched to the ranks of their experts and back
-    (mcompile.moe.moe_ep). The plan records its collectives, bytes as this rank's input: for the
+    (mcompile.ir.moe.moe_ep). The plan records its collectives, bytes as this rank's input: for the
     all-to-all dispatcher the counts (E int64), the dispatch and the combine (every routed slot's token
     row, its own experts' share included), each an all-to-all forward and backward; for the all-gather
     one the tokens, routing and weights gathered and the outputs reduce-scattered."""
-    from mcompile.moe import moe_ep_call
+    from mcompile.ir.moe import moe_ep_call
 
     ins = tensor_input_nodes(node)
     x, idx = (a.meta["val"] for a in ins[:2])
@@ -809,10 +809,10 @@ def moe_expert_parallel(g, node, want, ax: AxisInfo, emit, ax_i, place, device):
 
 
 def context_parallel_attention(g, node, want, ax: AxisInfo, emit, ax_i, place, device):
-    """Attention over cp (mcompile.cp): this rank's queries against every rank's keys, by the plan's
+    """Attention over cp (mcompile.passes.cp.ops): this rank's queries against every rank's keys, by the plan's
     variant. The plan records its communication: per variant what moves (K/V around the ring in cp - 1
     steps, K/V all-gathered, or q/k/v/out all-to-all), bytes as this rank's tensors."""
-    import mcompile.cp  # noqa: F401  (registers mcompile::cp_attention)
+    import mcompile.passes.cp.ops  # noqa: F401  (registers mcompile::cp_attention)
 
     ins = tensor_input_nodes(node)
     q, k, v = (want[a.name] for a in ins[:3])

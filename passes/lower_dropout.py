@@ -1,4 +1,4 @@
-"""Lowering of training-mode dropout to ``mcompile::dropout`` with global element indices (mcompile/dropout.py).
+"""Lowering of training-mode dropout to ``mcompile::dropout`` with global element indices (mcompile/ir/dropout.py).
 
 A rank's local piece of the dropout's input is a box (or, for block shards and context-parallel chunks, a
 union of boxes) of the single-device tensor. Its elements' global coordinates are found dim by dim the way
@@ -27,10 +27,10 @@ import sympy
 import torch
 import torch.fx as fx
 
-from mcompile.dropout import dropout as dropout_op
-from mcompile.dropout import node_key, random_like
-from mcompile.placements import BlockShard, Shard
-from mcompile.rules import to_expr
+from mcompile.ir.dropout import dropout as dropout_op
+from mcompile.ir.dropout import node_key, random_like
+from mcompile.ir.placements import BlockShard, Shard
+from mcompile.sharding.rules import to_expr
 
 aten = torch.ops.aten
 OP = torch.ops.mcompile.dropout.default
@@ -72,7 +72,7 @@ def lower_random(g: fx.Graph, node: fx.Node, x: fx.Node, in_pl: tuple, axes, sym
                  device) -> fx.Node:
     """Emit ``mcompile::random_like`` for the captured random op ``node`` whose (shape-giving) input is the local
     value ``x``: the numbers of each element depend on its place in the single-device tensor only, as dropout's
-    masks (mcompile/dropout.py random_like)."""
+    masks (mcompile/ir/dropout.py random_like)."""
     assert random_like is not None  # registers the op
     index, sizes, row_dim, row_scale = _global_index(g, node, "random numbers", in_pl, axes, sym, batch_sym, seq_sym,
                                                      device)
@@ -87,7 +87,7 @@ def lower_random(g: fx.Graph, node: fx.Node, x: fx.Node, in_pl: tuple, axes, sym
 
 def _global_index(g: fx.Graph, node: fx.Node, what: str, in_pl: tuple, axes, sym, batch_sym, seq_sym, device):
     """(index, sizes, row_dim, row_scale): the global coordinates of the local piece of ``node``'s first input
-    (placed ``in_pl``), as :func:`mcompile.dropout.keep_mask` reads them (the module docstring)."""
+    (placed ``in_pl``), as :func:`mcompile.ir.dropout.keep_mask` reads them (the module docstring)."""
     xv = node.args[0].meta["val"]
     shape = [to_expr(s) for s in xv.shape]
     where = _where(node)
@@ -141,7 +141,7 @@ def _global_index(g: fx.Graph, node: fx.Node, what: str, in_pl: tuple, axes, sym
 
 def rekey(gm: fx.GraphModule, origin_key: str) -> int:
     """Give every ``mcompile::dropout`` / ``mcompile::random_like`` node the key of the captured node it implements
-    (``node.meta[origin_key]``): the copies of repeated blocks (mcompile.repeat) carry their group's
+    (``node.meta[origin_key]``): the copies of repeated blocks (mcompile.sharding.repeat) carry their group's
     name there, and must not reuse the first group's masks. Returns how many changed."""
     changed = 0
     for n in gm.graph.nodes:
@@ -158,7 +158,7 @@ def rekey(gm: fx.GraphModule, origin_key: str) -> int:
 
 
 def _where(node: fx.Node) -> str:
-    from mcompile.planner import _where as source_line
+    from mcompile.sharding.planner import _where as source_line
 
     line = source_line(node)
     return f" (at {line})" if line else ""

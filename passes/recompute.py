@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 from torch.utils.checkpoint import checkpoint
 
-from mcompile import meta as M
+from mcompile.ir import meta as M
 
 aten = torch.ops.aten
 

@@ -54,8 +54,8 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from mcompile import meta as M
-from mcompile.compat import optimization_hint, require
+from mcompile.ir import meta as M
+from mcompile.ir.compat import optimization_hint, require
 
 __all__ = ["RematSolution", "BudgetError", "classify", "node_cost", "solve", "exhaustive", "min_budget", "report"]
 
@@ -361,7 +361,7 @@ def _highspy():
 
 
 def _highs():
-    from mcompile.compat import quiet_highs
+    from mcompile.ir.compat import quiet_highs
 
     h = quiet_highs(_NEEDS_HIGHS)
     h.setOptionValue("mip_rel_gap", 0.0)  # proven optima: HiGHS stops at a 1e-4 relative gap by default

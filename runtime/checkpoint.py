@@ -104,7 +104,7 @@ def _runs(pm, fqn: str) -> list[list[tuple[int, int, int]]]:
     indices in this rank's local piece as held (padding left out). Each dim is computed alone from an
     index vector put through the same cuts as the tensor (:meth:`ParamPlan.local_piece`'s
     ``shard_tensor``, ZeRO-3's dim-0 chunk): every cut acts on one dim only."""
-    from mcompile.placements import Partial, is_shard, shard_tensor
+    from mcompile.ir.placements import Partial, is_shard, shard_tensor
 
     pp = pm.plan.params[fqn]
     nd = len(pp.shape)

@@ -1,9 +1,9 @@
 """The communicator of a real run: mcompile's collective ops on torch.distributed process groups.
 
 One process group per mesh axis, from a torch ``DeviceMesh`` (NCCL on CUDA, gloo on CPU; the same
-programs run on both). Bound around each program run with :func:`mcompile.ops.bind`.
+programs run on both). Bound around each program run with :func:`mcompile.ir.ops.bind`.
 
-``recorder`` (None unless ``pm.start_timeline()``: a :class:`mcompile.timeline.Recorder`) times every
+``recorder`` (None unless ``pm.start_timeline()``: a :class:`mcompile.ir.timeline.Recorder`) times every
 collective: a synchronous one from its call to its return, a started one from its launch to its
 completion (the work's future), and the host's wait for it. Off, each collective pays one
 attribute check.
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mcompile.ops import Pending
+from mcompile.ir.ops import Pending
 
 __all__ = ["DistCommunicator"]
 
@@ -33,8 +33,8 @@ class DistCommunicator:
         self.groups = {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
         self.ranks = {name: mesh.get_local_rank(name) for name in mesh.mesh_dim_names}
         self.sizes = {name: mesh.size(i) for i, name in enumerate(mesh.mesh_dim_names)}
-        self.pending = Pending()  # started collectives (mcompile.ops start_* / wait)
-        self.recorder = None  # a mcompile.timeline.Recorder while a timeline is recorded
+        self.pending = Pending()  # started collectives (mcompile.ir.ops start_* / wait)
+        self.recorder = None  # a mcompile.ir.timeline.Recorder while a timeline is recorded
         self._kinds: dict[int, tuple[str, str]] = {}  # started buffer -> (kind, axis), while recording
 
     def rank(self, axis: str) -> int:
@@ -48,7 +48,7 @@ class DistCommunicator:
 
     def all_reduce(self, x: torch.Tensor, axis: str, op: str, inplace: bool = False) -> torch.Tensor:
         """``x`` summed (or max) over ``axis``: a new tensor, or ``x`` itself reduced in place when ``inplace``
-        (``mcompile::all_reduce_`` — the caller's program reads ``x`` nowhere else: ``passes/overlap.py
+        (``mcompile::all_reduce_`` — the caller's program reads ``x`` nowhere else: ``passes/dp/overlap.py
         inplace_all_reduces``), which saves the copy."""
         out = x if inplace else x.clone()
         rec = self.recorder

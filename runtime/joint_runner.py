@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from mcompile.meta import W_INPUTS
+from mcompile.ir.meta import W_INPUTS
 
 __all__ = ["JointRunner", "JointCtx", "signature", "ActivationBudget", "RecomputeChoice"]
 
@@ -95,7 +95,7 @@ class JointRunner:
         at a time is live, not a copy of every weight's.
         ``grad_buckets(position) -> bucket index | None``: the dp gradient bucket of an accumulated
         input whose bucket is reduced over dp; with ``Config(overlap=True)`` the backward launches each
-        bucket right after its last gradient is added (passes/overlap.py ``launch_buckets``).
+        bucket right after its last gradient is added (passes/dp/overlap.py ``launch_buckets``).
         ``budget``: ``recompute="auto"``'s share of ``Config(activation_budget=)`` per call (default:
         all of it, one call in flight)."""
         self.program = program

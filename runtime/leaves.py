@@ -38,13 +38,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from mcompile.buckets import GradBuckets, grad_buckets
+from mcompile.ir.buckets import GradBuckets, grad_buckets
 
 __all__ = ["Leaves", "grad_layout"]
 
 
 def grad_layout(pm) -> GradBuckets:
-    """The gradient buckets of ParallelModule ``pm`` (:func:`mcompile.buckets.grad_buckets` of its parameters, in
+    """The gradient buckets of ParallelModule ``pm`` (:func:`mcompile.ir.buckets.grad_buckets` of its parameters, in
     registration order, with their local pieces' sizes): the buffers' layout here and in runtime/zero.py."""
     params = [(f, p._local_tensor.numel(), p.requires_grad) for f, p in pm._params.items()]
     return grad_buckets(params, pm.plan, pm.mesh, pm._coords, zero=pm.config.zero, bucket_mb=pm.config.bucket_mb,
@@ -102,7 +102,7 @@ class Leaves:
         self._ptrs: dict[str, int] = {}
         self._kept: set[str] = set()
         # per bucket reduced early this step: launched while a backward ran (an autograd hook, or the
-        # backward module's own grads_ready: passes/overlap.py), not after it returned?
+        # backward module's own grads_ready: passes/dp/overlap.py), not after it returned?
         self.launches: list[bool] = []
         self._inside = False
         # ZeRO-2: buckets are reduce-scattered after every microbatch's backward, not only the last one's
@@ -112,7 +112,7 @@ class Leaves:
 
     # -- layout -----------------------------------------------------------------------------------
     def _make_buckets(self, params) -> list[_GradBucket]:
-        """The buffers of :func:`mcompile.buckets.grad_buckets` (zero=0): the trainable parameters in reverse
+        """The buffers of :func:`mcompile.ir.buckets.grad_buckets` (zero=0): the trainable parameters in reverse
         order, grouped by the data axes their gradient is summed over (dp only for an expert weight; not dp for
         a ZeRO-3 piece, reduce-scattered inside the backward), in buckets of ``bucket_mb``: the layout by which
         ``mcompile show`` places the backward's bucket launches too."""
@@ -216,7 +216,7 @@ class Leaves:
 
     def grads_ready(self, bucket: int, count: int) -> None:
         """``count`` gradients of bucket ``bucket`` were added inside a backward module (the
-        ``mcompile.grads_ready`` op, passes/overlap.py): counted in the step's last microbatch."""
+        ``mcompile.grads_ready`` op, passes/dp/overlap.py): counted in the step's last microbatch."""
         if self.armed or self.every_microbatch:
             self._inside = True
             try:

@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from mcompile.config import check_loss_scale
+from mcompile.ir.config import check_loss_scale
 
 __all__ = ["DynamicLossScaler", "nonfinite"]
 

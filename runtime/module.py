@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mcompile.config import Config
+from mcompile.ir.config import Config
 from mcompile.runtime.comm import DistCommunicator
 from mcompile.runtime.state import RankState
 from mcompile.runtime.step import StepRunner
@@ -73,7 +73,7 @@ class ParallelModule(RankState, StepRunner, torch.nn.Module):
         # parallelism: the batch is split over dp x ep, dense gradients are summed over both)
         # Context parallelism (cp) joins them for the reductions (each cp rank's loss and gradients are
         # partial sums over its tokens, Megatron's dp x cp group) but not for the batch split: every cp rank
-        # takes the same batch rows, and its program slices its own tokens (mcompile.cp).
+        # takes the same batch rows, and its program slices its own tokens (mcompile.passes.cp.ops).
         self._data_axes = tuple(a for a in self.mesh.axis_names if a in ("dp", "cp", "ep") and self.mesh.size(a) > 1)
         self._batch_axes = tuple(a for a in self._data_axes if a != "cp")
         self._cp = self.mesh.size("cp")
@@ -115,7 +115,7 @@ class ParallelModule(RankState, StepRunner, torch.nn.Module):
                             "mcompile.compiler.rank_programs(compiled, rank, config, device)")
         self._programs = programs
         program = programs.program
-        # ZeRO-3 (passes/fsdp.py): which parameters are sharded over dp; their gathers are in the program (under pp:
+        # ZeRO-3 (passes/dp/fsdp.py): which parameters are sharded over dp; their gathers are in the program (under pp:
         # in each stage program)
         config.check_mesh(self.mesh)  # parallelize checked it before planning: a ParallelModule made otherwise
         self._zero3 = dict(programs.zero3)

@@ -2,7 +2,7 @@
 
 :class:`PipelineExecutor` is generic: a *stage* is anything with ``forward(mb, inputs)``,
 ``backward(mb, grads)`` and ``backward_weight(mb)`` (:class:`FxStage` wraps a stage program of
-:mod:`mcompile.passes.pipeline_split`; tests drive it with synthetic stages that sleep). For every
+:mod:`mcompile.passes.pp.pipeline_split`; tests drive it with synthetic stages that sleep). For every
 action of the rank's list (:mod:`mcompile.runtime.schedules`):
 
 - ``F(s, i)``: stage ``s-1``'s tensors of microbatch ``i`` (from the rank holding it), run the
@@ -39,8 +39,8 @@ until the peer joins, so the groups are exercised once when they are made
 (:meth:`Pipeline._make_p2p_groups`).
 
 With ``record=True`` every action and every wait is timed for the Chrome-trace timeline
-(:mod:`mcompile.timeline`): wall clock on CPU, comparable across processes on one machine; on a GPU
-CUDA events anchored to the host clock (:class:`mcompile.timeline.DeviceClock`), since a NCCL
+(:mod:`mcompile.ir.timeline`): wall clock on CPU, comparable across processes on one machine; on a GPU
+CUDA events anchored to the host clock (:class:`mcompile.ir.timeline.DeviceClock`), since a NCCL
 ``wait()`` does not block the host.
 """
 
@@ -51,10 +51,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mcompile.dropout import RNG_INPUT
+from mcompile.ir.dropout import RNG_INPUT
+from mcompile.ir.timeline import clock_for
 from mcompile.runtime.launch import process_group
 from mcompile.runtime.schedules import Action, Post, Wait, p2p_plan  # noqa: F401  (Post, Wait, p2p_plan: re-exported)
-from mcompile.timeline import clock_for
 
 __all__ = ["PipelineExecutor", "FxStage", "MessageSpec", "Event", "Post", "Wait", "p2p_plan"]
 
@@ -70,7 +70,7 @@ class MessageSpec:
 class Event:
     """One timed span of a rank's step: an action (F/B/W), a wait for a message, or the whole step.
     ``start``/``end`` are seconds on the wall clock once the step has ended; during the step they hold
-    the clock's marks (:mod:`mcompile.timeline`: host times, or CUDA events resolved at the end)."""
+    the clock's marks (:mod:`mcompile.ir.timeline`: host times, or CUDA events resolved at the end)."""
 
     rank: int
     name: str
@@ -97,7 +97,7 @@ class PipelineExecutor:
     transport completes sends as their receives are posted).
 
     ``clock`` (``record=True``): where the timeline's times come from
-    (:func:`mcompile.timeline.clock_for` the device when None: CUDA events on a GPU, host time on CPU)."""
+    (:func:`mcompile.ir.timeline.clock_for` the device when None: CUDA events on a GPU, host time on CPU)."""
 
     def __init__(self, *, rank: int, pp_rank: int, num_stages: int, actions: list[list[Action]], microbatches: int,
                  peer_of_stage, stages: dict, send_specs: dict[int, list[MessageSpec]], record: bool = False,
@@ -269,7 +269,7 @@ class PipelineExecutor:
 
 
 class FxStage:
-    """One stage program (:class:`~mcompile.passes.pipeline_split.StageProgram`) made runnable.
+    """One stage program (:class:`~mcompile.passes.pp.pipeline_split.StageProgram`) made runnable.
 
     Zero-bubble split (``split_weight``): B computes the gradients of the received inputs only and
     keeps the autograd intermediates the weight gradients need; W finishes them (torch's
@@ -427,7 +427,8 @@ def _expand(grads, outputs):
 _COMM_OPS = {"all_reduce": 1, "all_reduce_max": 1, "reduce_scatter": 2, "all_gather": 2,  # op -> axis arg
              "start_all_reduce": 1, "start_reduce_scatter": 1, "start_all_gather": 1,  # (recorded as the collective)
              "all_reduce_inplace": 1,  # (recorded as all_reduce: passes/overlap.inplace_all_reduces)
-             # ops that communicate inside (mcompile.cp, mcompile.moe): each a sequence of exchanges that every
+             # ops that communicate inside (mcompile.passes.cp.ops, mcompile.ir.moe): each a sequence of exchanges that
+             # every
              # rank of the group runs the same way, recorded as one step of that group
              "cp_gather": 2, "cp_gather_backward": 2, "cp_attention": 4, "cp_attention_backward": 8,
              "moe_ep": 6, "moe_ep_backward": 4}
@@ -539,7 +540,7 @@ class Pipeline:
         of microbatch i (1F1B's warm-up, GPipe) would recompute j's forward from a history that i's
         backward has moved on: other scales than j's forward used (autograd's saved-tensor version
         check stops it, obscurely). Refused here, on every rank alike (all stages are checked)."""
-        from mcompile import meta as M
+        from mcompile.ir import meta as M
 
         if config.fp8 != "delayed":
             return
@@ -919,7 +920,7 @@ class Pipeline:
             named = dict(zip(cap.user_inputs, user))
             named.update(pm._extra)
             named.update(params)
-            named[RNG_INPUT] = rngs[mb]  # the microbatch's dropout input (mcompile/dropout.py)
+            named[RNG_INPUT] = rngs[mb]  # the microbatch's dropout input (mcompile/ir/dropout.py)
             return named
 
         return fn

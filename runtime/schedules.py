@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mcompile.config import PipelineSchedule
+from mcompile.ir.config import PipelineSchedule
 
 __all__ = ["Action", "SCHEDULES", "build_schedule", "bubble_fraction", "simulate", "ScheduleError", "Post", "Wait",
            "p2p_plan"]

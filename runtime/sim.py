@@ -1,6 +1,6 @@
 """Run the per-rank programs of a mesh together in one process, one thread per rank.
 
-A small simulator of mcompile's collective ops (:mod:`mcompile.ops`): each rank's thread binds a
+A small simulator of mcompile's collective ops (:mod:`mcompile.ir.ops`): each rank's thread binds a
 :class:`ThreadedCommunicator`, and every collective exchanges tensors with the other ranks of its
 mesh-axis group through a barrier. Used to prove a plan before any process is started (and in
 tests); the real runtime binds torch.distributed groups instead.
@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from mcompile import ops
-from mcompile.mesh import Mesh
+from mcompile.ir import ops
+from mcompile.ir.mesh import Mesh
 
 __all__ = ["ThreadedWorld", "ThreadedCommunicator", "run_threads"]
 

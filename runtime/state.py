@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from mcompile.placements import BlockShard, Partial, unshard_tensors
+from mcompile.ir.placements import BlockShard, Partial, unshard_tensors
 
 __all__ = ["RankState"]
 
@@ -151,7 +151,7 @@ class RankState:
                     local.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
                 local = local.clone()  # a view of a shard would keep the whole tensor alive
         if fqn in self._zero3 and tuple(local.shape) == tuple(pp.local_shape):  # ZeRO-3: this dp rank's piece
-            from mcompile.placements import local_piece
+            from mcompile.ir.placements import local_piece
 
             local = local_piece(local, self.mesh.size("dp"), self._coords["dp"])
         shape = torch.Size(pp.padded_shape or pp.shape)
@@ -170,7 +170,7 @@ class RankState:
         pp = self.plan.params[fqn]
         if fqn not in self._zero3:
             return tuple(pp.placements)
-        from mcompile.placements import dp_placements
+        from mcompile.ir.placements import dp_placements
 
         return dp_placements(pp.placements, list(self.mesh.axis_names), self._zero3[fqn])
 
@@ -178,7 +178,7 @@ class RankState:
         """This rank's piece of the full tensor ``fqn`` as this module holds it."""
         local = self.plan.params[fqn].local_piece(full, self.mesh, self._coords)
         if fqn in self._zero3:
-            from mcompile.placements import local_piece
+            from mcompile.ir.placements import local_piece
 
             local = local_piece(local, self.mesh.size("dp"), self._coords["dp"])
         return local

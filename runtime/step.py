@@ -34,10 +34,10 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from mcompile import ops
-from mcompile.config import Config, Inputs
-from mcompile.dropout import RNG_INPUT, rng_state
-from mcompile.ops import grad_sink
+from mcompile.ir import ops
+from mcompile.ir.config import Config, Inputs
+from mcompile.ir.dropout import RNG_INPUT, rng_state
+from mcompile.ir.ops import grad_sink
 
 __all__ = ["StepRunner"]
 
@@ -50,7 +50,7 @@ class StepRunner:
     def _init_step(self, config: Config) -> None:
         """What the steps keep between calls: the dropout step counter (saved in checkpoints), fp16's dynamic loss
         scaler (runtime/loss_scale.py; bf16 and fp32 need none), the last step's skip flag and MoE drop count."""
-        # training-mode dropout (mcompile/dropout.py): the programs read (seed, step, batch offset) from an input;
+        # training-mode dropout (mcompile/ir/dropout.py): the programs read (seed, step, batch offset) from an input;
         # the step counts train_step and forward calls, and is saved in checkpoints
         self._uses_rng = RNG_INPUT in self._placeholders
         self.dropout_step = 0
@@ -84,7 +84,7 @@ class StepRunner:
         elif batch % m:
             raise ValueError(f"the local batch of {batch} does not divide by microbatches={m}")
         if self._cp > 1:
-            from mcompile.mesh import check_sequence
+            from mcompile.ir.mesh import check_sequence
 
             for t in flat:
                 if _batched(t, batch) and t.ndim >= 2:
@@ -102,7 +102,7 @@ class StepRunner:
         return pieces
 
     def _rng_states(self, pieces: list) -> list:
-        """Per piece of this step's batch, the dropout program input (mcompile/dropout.py): the seed, this step,
+        """Per piece of this step's batch, the dropout program input (mcompile/ir/dropout.py): the seed, this step,
         and the piece's first row in the global batch — this data rank's slice (dp x ep, in rank order; a
         ``inputs="local"`` slice counts as one of equal slices), then the microbatch within it. Advances the
         step. Empty when no program draws dropout masks."""
@@ -220,7 +220,7 @@ class StepRunner:
         if self.loss_scaler is not None and self.loss_scaler.tokens_per_piece is None:
             self._first_tokens_per_piece(args, kwargs)
         if self._has_moe_ep:
-            from mcompile.moe import clear_stash
+            from mcompile.ir.moe import clear_stash
 
             clear_stash(self._comm)  # what a forward without backward (evaluation) left
         leaves = self._leaves
@@ -264,7 +264,7 @@ class StepRunner:
         if self.loss_scaler is not None:
             self.step_skipped = self._check_overflow(stats[1])
         if self._has_moe_ep:
-            from mcompile.moe import MoEStats
+            from mcompile.ir.moe import MoEStats
 
             self.moe_dropped = MoEStats.of(self._comm)  # routed slots this rank's capacity dropped in this step
         return (stats[0] / stats[1]).detach()
@@ -357,13 +357,13 @@ class StepRunner:
 
     # -- timeline ---------------------------------------------------------------------------------
     def start_timeline(self):
-        """Record the timeline of the following steps (mcompile.timeline), on any layout: per rank each
+        """Record the timeline of the following steps (mcompile.ir.timeline), on any layout: per rank each
         forward and backward (under pp: every pipeline action and message wait), every collective
         (the programs', the dp gradient buckets', ZeRO's parameter all-gathers, the step's own) and
         every wait for a started one; the latest step is kept. Returns this rank's
-        :class:`mcompile.timeline.Recorder` (``.events()``: its events in seconds, e.g. for
-        :func:`mcompile.timeline.overlap_stats`). Recording stays on for this module's life."""
-        from mcompile.timeline import Recorder, clock_for
+        :class:`mcompile.ir.timeline.Recorder` (``.events()``: its events in seconds, e.g. for
+        :func:`mcompile.ir.timeline.overlap_stats`). Recording stays on for this module's life."""
+        from mcompile.ir.timeline import Recorder, clock_for
 
         rec = Recorder(self._rank, clock_for(self._device))
         self._comm.recorder = rec
@@ -375,7 +375,7 @@ class StepRunner:
     def save_timeline(self, path) -> dict | None:
         """Gather every rank's recorded events; rank 0 writes a Chrome trace to ``path`` and returns
         it (other ranks return None). Collective: call it on every rank."""
-        from mcompile import timeline
+        from mcompile.ir import timeline
 
         rec = self._comm.recorder
         if rec is None and self._pipe is None:

@@ -11,7 +11,7 @@ it to the parameter dtype (fp32; bf16/fp16 -> fp32 is exact) and drops everythin
   folder is taken too);
 - a single ``.safetensors`` file;
 - a source object with the interface of this module's (``entries``, ``read``, ``sliceable``, ``what``,
-  ``path``): :func:`mcompile.hf_io.hf_source` reads a Hugging Face Llama / GPT-2 checkpoint under a
+  ``path``): :func:`mcompile.apps.hf_io.hf_source` reads a Hugging Face Llama / GPT-2 checkpoint under a
   preset's names and layouts (renamed; GPT-2's Conv1D weights transposed, slices too);
 - an mcompile checkpoint folder (``pm.save_checkpoint``: torch.distributed.checkpoint shards and
   ``mcompile_plan.json``): its model parameters and persistent buffers, under any plan (the mesh it was
@@ -261,7 +261,7 @@ def _torch_dtype(name: str) -> torch.dtype:
 def open_weights(path) -> _Safetensors | _Mcompile:
     """The checkpoint at ``path``, its headers / metadata read and checked (no value read). A source
     already open — an object with this module's source interface (``entries``, ``read``, ``sliceable``,
-    ``what``, ``path``), such as :func:`mcompile.hf_io.hf_source`'s — is taken as it is."""
+    ``what``, ``path``), such as :func:`mcompile.apps.hf_io.hf_source`'s — is taken as it is."""
     if hasattr(path, "entries") and hasattr(path, "read"):
         return path
     path = Path(os.fspath(path))

@@ -3,7 +3,7 @@
 Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
 (stage 1, optimizer-state partitioning), laid out as Megatron-LM's distributed optimizer does:
 flat buffers per gradient bucket, each dp rank owning one contiguous range of each
-(:mod:`mcompile.buckets`).
+(:mod:`mcompile.ir.buckets`).
 
 Memory per parameter with AdamW (Megatron's table; d = dp size)::
 
@@ -16,11 +16,11 @@ Under ``Config(dtype=bfloat16, zero=1)`` the model's parameters are held in bf16
 dtype) and the fp32 masters live only as this rank's shard; under fp32 the parameters are the fp32
 weights and the master shard *is* this rank's range of the parameter buffer (no copy). Exactly:
 every parameter starts on a multiple of 64 elements (128 bytes of bf16) and the buffers are padded
-to a multiple of d x 64 (:mod:`mcompile.buckets`), so owned ranges and segments are aligned too;
+to a multiple of d x 64 (:mod:`mcompile.ir.buckets`), so owned ranges and segments are aligned too;
 the master shard covers the padding of its range; torch's optimizer allocates its state per owned
 parameter segment (padding excluded) and AdamW a 4-byte step count per segment
-(:func:`mcompile.buckets.zero1_memory` predicts all of it to the byte;
-:func:`mcompile.report.memory_per_rank` with ``zero=1`` is the per-tensor table without the layout).
+(:func:`mcompile.ir.buckets.zero1_memory` predicts all of it to the byte;
+:func:`mcompile.apps.report.memory_per_rank` with ``zero=1`` is the per-tensor table without the layout).
 Everything here is local to the parameters this rank holds, so under pipeline parallelism each
 stage shards its own parameters.
 
@@ -68,8 +68,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from mcompile.buckets import BucketLayout, Segment
-from mcompile.placements import BlockShard, Shard
+from mcompile.ir.buckets import BucketLayout, Segment
+from mcompile.ir.placements import BlockShard, Shard
 from mcompile.runtime.comm import _ALL_GATHER, _REDUCE_SCATTER
 from mcompile.runtime.leaves import grad_layout
 
@@ -139,7 +139,7 @@ class ZeroBuffers:
         self.stage = pm.config.zero  # 1, or 2: gradients reduce-scattered after every microbatch, kept sharded
         self.per_microbatch = self.stage == 2
         plan = pm.plan
-        # the buckets (mcompile.buckets.grad_buckets, which mcompile show places the backward's launches by): every
+        # the buckets (mcompile.ir.buckets.grad_buckets, which mcompile show places the backward's launches by): every
         # parameter grouped by the communicator group its gradient is reduced over; the dense ones of dp x ep over
         # "data", routed experts over dp, each group's buckets padded for its size
         self.layout = grad_layout(pm)

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from mcompile.train.config import reference_markdown
+from mcompile.apps.train.config import reference_markdown
 
 if __name__ == "__main__":
     out = Path(__file__).resolve().parent.parent / "docs" / "config.md"

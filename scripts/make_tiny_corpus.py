@@ -1,4 +1,4 @@
-"""Make the tiny corpus, its tokenizer and a LAMBADA-style last-word set shipped in mcompile/data/assets/.
+"""Make the tiny corpus, its tokenizer and a LAMBADA-style last-word set shipped in mcompile/apps/data/assets/.
 
     python scripts/make_tiny_corpus.py            # rewrites the three files (deterministic)
     python scripts/make_tiny_corpus.py --check    # regenerates in memory and fails if the files differ
@@ -10,7 +10,7 @@ across sentences (who has which thing, how many apples) so that a model must loo
 word, which is what the last-word set measures (the idea of LAMBADA: Paperno et al., 2016,
 arXiv:1606.06031; the texts here are our own synthetic ones).
 
-Outputs (under mcompile/data/assets/):
+Outputs (under mcompile/apps/data/assets/):
 
 - ``tiny_corpus.jsonl``: one ``{"text": story}`` per line;
 - ``tokenizer.json``: a BPE trained on the corpus with Hugging Face ``tokenizers``: vocabulary exactly
@@ -30,7 +30,7 @@ import string
 import sys
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parents[1] / "mcompile" / "data" / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "mcompile" / "apps" / "data" / "assets"
 VOCAB = 256
 EOS, UNK = "<|endoftext|>", "<unk>"
 

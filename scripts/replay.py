@@ -52,7 +52,7 @@ def ranks_of(mesh: str) -> int:
 
 def show(model: str, mesh: str, flags: list[str], rank: int) -> str:
     """``mcompile show`` in this process; its stdout, or the error it raised."""
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     out = io.StringIO()
     argv = ["show", model, "--mesh", mesh, "--rank", str(rank), "--after", "codegen", "--seq", SEQ, "--batch",

@@ -78,7 +78,7 @@ def build_hf_dropout(seed: int = 0, batch: int = 4, seq: int = 16):
 
 def train_dropout(rank, world, mesh, options, steps=3, batch=4):
     """runtime_cases.train_model of :func:`build_hf_dropout`: masks from mcompile's counter-based generator
-    (mcompile/dropout.py), so every layout, one rank included, draws the same ones."""
+    (mcompile/ir/dropout.py), so every layout, one rank included, draws the same ones."""
     from runtime_cases import train_model
 
     return train_model(rank, *build_hf_dropout(batch=batch), mesh, options, steps)

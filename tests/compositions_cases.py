@@ -333,7 +333,7 @@ def names(feature: str, text: str) -> bool:
 
 # features a model refuses alone, whatever they are paired with: their refusal names them, not the partner.
 # The encoder's padding mask is not the causal pattern, which ring and a2a attention under cp require (allgather
-# applies any mask: mcompile/cp_plan.py)
+# applies any mask: passes/cp/plan.py)
 REFUSED_ALONE = {("encoder", "cp-ring"), ("encoder", "cp-a2a")}
 
 

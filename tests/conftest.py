@@ -23,7 +23,7 @@ sys.path[:] = _importable(sys.path)
 # Triton reads TRITON_INTERPRET once, at its first import (torch.utils.flop_counter imports it):
 # the kernel tests run the Triton kernels on CPU tensors through the interpreter (DESIGN §8).
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# parallelize's capture cache (mcompile.capture_cache) in a folder of this session's own, inherited by
+# parallelize's capture cache (mcompile.capture.cache) in a folder of this session's own, inherited by
 # the worker processes: tests never read captures a previous run left, nor fill the user's cache
 if "MCOMPILE_CACHE" not in os.environ:
     import tempfile
@@ -57,13 +57,15 @@ def build(name: str, seed: int = 0, device=None, batch: int = 2):
                                 num_attention_heads=4, max_position_embeddings=40, type_vocab_size=2,
                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
             model = HFLoss(RobertaForMaskedLM(cfg))
-        elif name in ("hf-llama", "hf-llama-deep"):  # deep: 4 layers, planned from 2 captured (mcompile.repeat)
+        elif name in ("hf-llama", "hf-llama-deep"):  # deep: 4 layers, planned from 2 captured
+                                                     # (mcompile.sharding.repeat)
             cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                               num_hidden_layers=4 if name == "hf-llama-deep" else 2,
                               num_attention_heads=8, num_key_value_heads=4)
             model = HFLoss(LlamaForCausalLM(cfg))
         elif name.startswith(("hf-llama-4l", "hf-qwen3-4l", "hf-mistral-4l")):
-            # RoPE + GQA causal LMs of 4 layers (planned from 2 captured, mcompile.repeat), 4 heads over 2 K/V heads:
+            # RoPE + GQA causal LMs of 4 layers (planned from 2 captured, mcompile.sharding.repeat), 4 heads over 2 K/V
+            # heads:
             # under cp their causal mask and repeat_kv are rewritten (passes/attention). "-nocache": use_cache=False;
             # else the default call, whose DynamicCache lifts empty tensors inside each layer
             import transformers
@@ -92,7 +94,7 @@ def build(name: str, seed: int = 0, device=None, batch: int = 2):
                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
             model = HFLoss(GPT2LMHeadModel(cfg))
         vocab = cfg.vocab_size
-    elif name == "llama3-tiny-deep":  # 4 layers: planned from 2 captured blocks, repeated (mcompile.repeat)
+    elif name == "llama3-tiny-deep":  # 4 layers: planned from 2 captured blocks, repeated (mcompile.sharding.repeat)
         import dataclasses
 
         from mcompile.models import get_preset
@@ -126,7 +128,7 @@ _CACHE: dict = {}
 def compiled(name: str, mesh_spec: str, sp: bool):
     """compile_plan of a tiny model, cached across tests (planning costs ~1 s)."""
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     key = (name, mesh_spec, sp)
     if key not in _CACHE:

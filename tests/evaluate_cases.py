@@ -1,13 +1,13 @@
 """Functions the gloo worker processes run for tests/test_evaluate.py: fn(rank, world, *args), and the
 stand-ins they share with the test: a byte-level tokenizer and a held-out split with the interface of
-``mcompile.data.SampleDataset(..., split="valid")`` (``len``, ``batch(first, n) -> (tokens, targets)``)."""
+``mcompile.apps.data.SampleDataset(..., split="valid")`` (``len``, ``batch(first, n) -> (tokens, targets)``)."""
 
 from __future__ import annotations
 
 import torch
 
 import mcompile as mc
-from mcompile.evaluate import last_word_accuracy, perplexity
+from mcompile.apps.evaluate import last_word_accuracy, perplexity
 
 
 class Bytes:
@@ -58,8 +58,8 @@ def preset(seed: int = 0, state=None, sharp: bool = False):
 def evaluate(rank, world, mesh, ppl_args, state, jsonl, export_to):
     """Perplexity of a llama3-tiny loss program and the last-word accuracy of a memorising one, both
     parallelized over ``mesh``: every rank's numbers. The first is also exported to ``export_to``
-    (mcompile.hf_io.export_hf under data parallelism)."""
-    from mcompile.hf_io import export_hf
+    (mcompile.apps.hf_io.export_hf under data parallelism)."""
+    from mcompile.apps.hf_io import export_hf
 
     model = preset(seed=1, sharp=True)
     tokens, targets = Split(256, 4, 16).batch(0, 4)

@@ -12,8 +12,8 @@ from conftest import build
 def memory(rank, world, name, mesh, options):
     """One fp32 AdamW step under the memory tracker (ZeRO-3, or ZeRO-2 through DistributedOptimizer):
     what this rank holds at rest by category, its prediction, the local parameter elements, and the
-    largest bytes of gathered parameters live at once in the forward module (passes/fsdp.py)."""
-    from mcompile.buckets import bucket_layouts
+    largest bytes of gathered parameters live at once in the forward module (passes/dp/fsdp.py)."""
+    from mcompile.ir.buckets import bucket_layouts
     from mcompile.runtime.memory import MemoryTracker
     from mcompile.runtime.zero import DistributedOptimizer
 
@@ -40,7 +40,7 @@ def memory(rank, world, name, mesh, options):
         predicted = {"parameters": 4 * sum(local.values()), "gradients": 4 * padded,
                      "optimizer": sum(8 * n + 4 for n in local.values())}
     else:  # ZeRO-2: the owned fp32 shards of the gradient buckets only (the full buffers are released)
-        from mcompile.buckets import zero1_memory
+        from mcompile.ir.buckets import zero1_memory
 
         z = pm._zero
         pred = zero1_memory(pm.plan, "float32", pm.config.bucket_mb, pm._coords["dp"])

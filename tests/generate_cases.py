@@ -1,6 +1,6 @@
 """Functions the gloo worker processes run for tests/test_generate.py: fn(rank, world, *args).
 
-Each builds a :class:`mcompile.generate.Generator` on its rank (the same model, seeded the same, on
+Each builds a :class:`mcompile.apps.generate.Generator` on its rank (the same model, seeded the same, on
 every rank) and returns what the test compares against the single-device model: generated tokens,
 the decode logits of every step next to the no-cache logits of the same prefix, the collectives of
 one decode step, and the errors raised.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import mcompile as mc
-from mcompile.generate import Generator
+from mcompile.apps.generate import Generator
 
 
 def tiny(name: str):
@@ -103,7 +103,7 @@ def from_trained(rank, world, name, mesh, prompt, n, path):
 
 class _CountComm:
     """Counts what one rank communicates while active: the torch.distributed point-to-point and
-    broadcast calls (patched on the module, as mcompile.generate calls them), and the mcompile
+    broadcast calls (patched on the module, as mcompile.apps.generate calls them), and the mcompile
     collectives the programs run (a dispatch mode, as runtime/pipeline.py records them)."""
 
     def __enter__(self):

@@ -1,8 +1,8 @@
 """Functions the gloo worker processes run for tests/test_hf_io.py: fn(rank, world, *args).
 
 Hugging Face checkpoints imported into parallelized models (``weights=``: a folder for a Hugging Face
-model, :func:`mcompile.hf_io.hf_source` for a preset), trained, and exported back with
-:func:`mcompile.hf_io.export_hf`.
+model, :func:`mcompile.apps.hf_io.hf_source` for a preset), trained, and exported back with
+:func:`mcompile.apps.hf_io.export_hf`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 import mcompile as mc
-from mcompile.hf_io import export_hf, hf_source
+from mcompile.apps.hf_io import export_hf, hf_source
 
 
 def hf_config(kind: str):
@@ -69,7 +69,7 @@ def train_and_export(rank, world, folder, out, mesh):
     logits_pm = mc.parallelize(bare, mc.Mesh.parse(mesh), (ids,), weights=out)
     logits = logits_pm.forward(ids)
     # greedy generation from the exported folder under the same mesh (the compiler's KV cache)
-    from mcompile.generate import Generator
+    from mcompile.apps.generate import Generator
 
     gen = Generator(hf_model("llama", wrapped=False), mc.Mesh.parse(mesh), weights=out)
     tokens = gen.generate(ids[:2, :5], 10)

@@ -4,7 +4,7 @@ tests/test_op_args.py."""
 
 from __future__ import annotations
 
-from mcompile.placements import Replicate, unshard_tensors
+from mcompile.ir.placements import Replicate, unshard_tensors
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
 

@@ -2,7 +2,7 @@
 
 What is isolated:
 
-- :class:`mcompile.buckets.BucketLayout` alone (pure arithmetic, hypothesis over sizes and dp): every
+- :class:`mcompile.ir.buckets.BucketLayout` alone (pure arithmetic, hypothesis over sizes and dp): every
   parameter offset, segment start and owned range start is a multiple of 64 elements — 128 B of the
   bf16 parameter buffer, 256 B of the fp32 gradient buffer; the padding belongs to no parameter and
   no segment; the dp ranks' segments cover each parameter exactly once. Then the layouts of realistic
@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mcompile as mc
-from mcompile.buckets import ALIGN, BucketLayout, bucket_layouts, zero1_layouts
+from mcompile.ir.buckets import ALIGN, BucketLayout, bucket_layouts, zero1_layouts
 
 from conftest import pool
 
@@ -120,7 +120,7 @@ def test_odd_sizes_are_padded_to_alignment():
     """Hidden 18, vocabulary 103 at dp=4 (tests/test_zero.py's "odd-llama"): parameters of 18, 324,
     540, 1854 elements; each offset rounded up to 64, each buffer to 256; zero1_memory counts the
     padding (the runtime holds it: tests/test_zero.py's byte-exact test)."""
-    from mcompile.buckets import zero1_memory
+    from mcompile.ir.buckets import zero1_memory
     from mcompile.models.llama import Llama, LlamaConfig
 
     model = Llama(LlamaConfig(vocab_size=103, dim=18, n_layers=1, n_heads=1, n_kv_heads=1, ffn_hidden=30,
@@ -177,7 +177,7 @@ def test_config_defaults_and_validation():
     import inspect
 
     from mcompile.api import compile_plan
-    from mcompile.plan import PlanOptions
+    from mcompile.ir.plan import PlanOptions
 
     assert mc.Config().vocab_pad_multiple == 128 == PlanOptions().vocab_pad_multiple
     assert inspect.signature(compile_plan).parameters["vocab_pad_multiple"].default == 128
@@ -185,7 +185,7 @@ def test_config_defaults_and_validation():
         with pytest.raises(ValueError, match="vocab_pad_multiple"):
             mc.Config(vocab_pad_multiple=bad)
     assert mc.Config(vocab_pad_multiple=1).vocab_pad_multiple == 1
-    from mcompile.planner import vocab_local_size
+    from mcompile.sharding.planner import vocab_local_size
 
     assert (vocab_local_size(50257, 8, 128), vocab_local_size(50257, 8, 1), vocab_local_size(128256, 8, 128)) == (
         6400, 6283, 16032)

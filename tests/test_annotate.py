@@ -1,4 +1,4 @@
-"""mcompile.annotate: symbolic FLOPs / bytes of captured graphs.
+"""mcompile.ir.annotate: symbolic FLOPs / bytes of captured graphs.
 
 The models are captured with dynamic batch and sequence (``torch.export.Dim``), so every count is
 a sympy expression in the two captured symbols; the tests compare those expressions with the
@@ -21,8 +21,8 @@ from torch.export import Dim, export
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from mcompile import meta
-from mcompile.annotate import (
+from mcompile.ir import meta
+from mcompile.ir.annotate import (
     BACKWARD_MULTIPLIER,
     AnnotationSummary,
     annotate,
@@ -543,7 +543,7 @@ def test_training_matmul_flops_of_presets_are_6_n_tokens_plus_attention(name):
     parameters taking part in matmuls (all linears incl. the LM head; not embeddings' lookups, norms,
     biases); attention's QKᵀ and PV not halved for causality (torch's convention)."""
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
     from mcompile.models import get_preset
 
     pre = get_preset(name)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from test_layout_quality import NormLM, _forward_tp_per_layer, _GemmaRMSNorm, _parity, _plan
 
-from mcompile.placements import BlockShard, Replicate, Shard
+from mcompile.ir.placements import BlockShard, Replicate, Shard
 
 
 class _Attention(torch.nn.Module):
@@ -240,7 +240,7 @@ class CastSumLM(NormLM):
 def test_exits_summed_through_a_cast_count_once():
     """Megatron adds the two partial sums and reduces once, as the plan does: the quality check counts one exit for
     both (2 a layer). It counted 3 when a dtype check (``_assert_tensor_metadata``) also read one exit's output."""
-    from mcompile.quality import tp_exits
+    from mcompile.sharding.quality import tp_exits
 
     torch.manual_seed(0)
     c, _, quality = _plan(CastSumLM(), 64, tp=2)

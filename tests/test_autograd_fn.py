@@ -1,4 +1,4 @@
-"""Custom torch.autograd.Functions are captured with their own backward (mcompile/autograd_fn.py).
+"""Custom torch.autograd.Functions are captured with their own backward (mcompile/capture/autograd_fn.py).
 
 The Functions of tests/autofn_cases.py have backwards that are not their forwards' derivatives (a
 straight-through estimator, a scaled gradient, a hand-written recompute that triples its result, a halved
@@ -19,12 +19,12 @@ from autofn_cases import FUNCTIONS, forward_differentiated, quant_case, train_st
 from sim_harness import combine_grads, rank_args, run_sim
 
 from mcompile.api import compile_plan
-from mcompile.capture import CaptureError, capture
+from mcompile.capture.export import CaptureError, capture
 from mcompile.compiler import joint_runner
-from mcompile.config import Config
-from mcompile.mesh import Mesh
-from mcompile.propagate import FallbackWarning
+from mcompile.ir.config import Config
+from mcompile.ir.mesh import Mesh
 from mcompile.runtime.sim import ThreadedWorld, run_threads
+from mcompile.sharding.propagate import FallbackWarning
 
 from conftest import pool
 
@@ -49,7 +49,8 @@ def test_functions_keep_their_own_backward_on_one_device_dp2_and_tp2():
     """Single device (tp=1), dp=2 and tp=2 in the thread simulator: loss and every gradient equal eager
     PyTorch's, whose gradients differ from the forward-differentiated ones; each Function is one op, split
     where its forward and backward are pointwise (RoundSTE, ScaleGrad, Shift:
-    mcompile.rules.inferred.pointwise_rule) or row by row (ProductAndMax's amax over the last dim), else replicated
+    mcompile.sharding.rules.inferred.pointwise_rule) or row by row (ProductAndMax's amax over the last dim), else
+    replicated
     and reported (Recomputed's gradient of a broadcast gain); at tp=2 the joint path (forward and backward traced
     into one graph) gives
     the autograd path's gradients to the bit, with each Function's backward traced as ops, no opaque node left."""
@@ -61,7 +62,7 @@ def test_functions_keep_their_own_backward_on_one_device_dp2_and_tp2():
             warnings.simplefilter("always")
             c = compile_plan(model, Mesh.fake(**axes), inputs)
         # not pointwise, nor row by row (a broadcast gain); the others are split (ProductAndMax: its amax over the
-        # last dim works row by row, mcompile.rules.inferred._rowwise)
+        # last dim works row by row, mcompile.sharding.rules.inferred._rowwise)
         named = {"Recomputed"}
         assert {f.__name__ for f in FUNCTIONS} > named
         assert {op.split(".")[1].rsplit("_", 1)[0] for op in c.plan.fallbacks if op.startswith("mcompile_fn.")} \

@@ -2,7 +2,7 @@
 committed record (``bench/results/cp_balance.json``, written by ``--write``).
 
 What is checked, against numbers derived here, not taken from the script: the per-rank counts come from
-the kernel (``mcompile.cp.CPStats``, cp_attention run on the threaded simulator). Balanced (rank r holds
+the kernel (``mcompile.passes.cp.ops.CPStats``, cp_attention run on the threaded simulator). Balanced (rank r holds
 chunks r and 2n-1-r of 2n): every rank's FLOPs equal (spread <= 1 %; in fact exactly equal). Contiguous
 (chunks of L = s/n tokens): rank i computes i·L² + L(L+1)/2 pairs (i whole blocks before its diagonal
 one), so max/min = ((n-1)·L² + L(L+1)/2) / (L(L+1)/2). Both layouts sum to the causal total s(s+1)/2

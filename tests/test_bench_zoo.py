@@ -111,7 +111,7 @@ def test_a_capture_refusal_in_the_record_names_the_models_line():
     first line longer than the whole reason)."""
     import importlib.util
 
-    from mcompile.capture import CaptureError
+    from mcompile.capture.export import CaptureError
 
     spec = importlib.util.spec_from_file_location("hf_zoo_under_test", ROOT / "bench" / "hf_zoo.py")
     zoo = importlib.util.module_from_spec(spec)
@@ -160,7 +160,7 @@ def _zoo_parity_tp2(model):
     import torch
 
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     spec = importlib.util.spec_from_file_location("hf_zoo_under_test", ROOT / "bench" / "hf_zoo.py")
     zoo = importlib.util.module_from_spec(spec)

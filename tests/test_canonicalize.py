@@ -15,8 +15,8 @@ import warnings
 import pytest
 import torch
 
+from mcompile.ir.placements import Shard
 from mcompile.passes.canonicalize import functional_inplace, view_as_to_view
-from mcompile.placements import Shard
 
 aten = torch.ops.aten
 
@@ -89,7 +89,7 @@ class _Model(torch.nn.Module):
 @pytest.mark.timeout(120)
 def test_falcon_style_layer_plans_megatron_at_tp2():
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:

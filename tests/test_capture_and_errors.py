@@ -7,12 +7,12 @@ import torch
 
 from mcompile import Mesh
 from mcompile.api import compile_plan, plan
-from mcompile.capture import CaptureError, capture
+from mcompile.capture.export import CaptureError, capture
+from mcompile.ir.placements import Shard
+from mcompile.ir.plan import Plan
 from mcompile.models import get_preset
-from mcompile.placements import Shard
-from mcompile.plan import Plan
-from mcompile.propagate import PlanError
 from mcompile.runtime.sim import ThreadedWorld, run_threads
+from mcompile.sharding.propagate import PlanError
 
 from conftest import build
 

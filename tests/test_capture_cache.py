@@ -1,4 +1,4 @@
-"""Capture once (mcompile.capture_cache): across runs through the on-disk cache, across ranks by
+"""Capture once (mcompile.capture.cache): across runs through the on-disk cache, across ranks by
 broadcasting rank 0's capture."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from mcompile import capture_cache
-from mcompile.capture import capture
+from mcompile.capture import cache as capture_cache
+from mcompile.capture.export import capture
 from mcompile.models import get_preset
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,5 +1,5 @@
 """Value checks in forward (``assert t.all()``, ``if t.any(): raise``) captured as runtime assertions of the
-program (mcompile/checks.py); a branch on values whose both sides run on is still refused, naming its line."""
+program (mcompile/capture/checks.py); a branch on values whose both sides run on is still refused, naming its line."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from checks_cases import Checked, D, V
 
-from mcompile.capture import CaptureError, capture
+from mcompile.capture.export import CaptureError, capture
 
 aten = torch.ops.aten
 
@@ -44,7 +44,7 @@ def test_value_checks_become_runtime_assertions_naming_their_line():
     with pytest.raises(RuntimeError, match=r"checks_cases.py:\d+: assert torch.all\(ids >= 0\)"):
         prog(torch.full((2, 6), -1))
     # the serialised capture (what parallelize sends to the other ranks) keeps them
-    from mcompile.capture import from_packed
+    from mcompile.capture.export import from_packed
 
     again = from_packed(cap.packed, m)
     assert len([n for n in again.gm.graph.nodes if n.target is aten._assert_async.msg]) == 4
@@ -56,7 +56,7 @@ def test_value_checks_run_at_tp2_at_parity():
     from sim_harness import assert_sim_parity
 
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     torch.manual_seed(0)
     m = Checked()
@@ -87,7 +87,8 @@ def test_branch_on_values_is_refused_not_specialised():
 
 
 def test_values_of_shapes_and_constants_are_captured_exactly():
-    """A size computed as a 0-d tensor and a branch on a mask forward builds from constants (mcompile/values.py):
+    """A size computed as a 0-d tensor and a branch on a mask forward builds from constants
+    (mcompile/capture/values.py):
     captured without an item node, the size symbolic (the program runs at another sequence length), equal to eager
     mode; the same branch on a mask given as an input is refused, never fixed to the example's side."""
     from checks_cases import WindowedMask
@@ -134,7 +135,7 @@ def test_function_with_a_config_dict_keeps_its_backward():
     (one op per value), the Function's own backward runs, and the serialised capture carries it."""
     from checks_cases import Configured
 
-    from mcompile.capture import from_packed
+    from mcompile.capture.export import from_packed
 
     torch.manual_seed(0)
     m = Configured([{"fwd": 2.0, "bwd": 0.5, "name": "a"}, {"fwd": 1.5, "bwd": -1.0, "name": "b"}])
@@ -175,8 +176,8 @@ def test_view_of_sizes_that_depend_on_values_offers_no_shard():
     sharded strategy, saying why, instead of failing the planner with an IndexError."""
     import sympy
 
-    from mcompile.placements import Shard
-    from mcompile.rules.views import map_view_placement
+    from mcompile.ir.placements import Shard
+    from mcompile.sharding.rules.views import map_view_placement
 
     u0, u1, u2 = sympy.symbols("u0 u1 u2", integer=True, positive=True)
     notes: list[str] = []

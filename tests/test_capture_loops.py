@@ -1,5 +1,5 @@
 """Constructs of eager mixture-of-experts code that torch.export alone refuses, captured with their meaning:
-Python loops over the indices a mask selects (``for e in hit.nonzero()``: mcompile/loops.py), a no-op
+Python loops over the indices a mask selects (``for e in hit.nonzero()``: mcompile/capture/loops.py), a no-op
 ``module.to(dtype)`` in forward, and a Hugging Face stack that builds its default mask only outside compile."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mcompile.capture import CaptureError, capture
+from mcompile.capture.export import CaptureError, capture
 
 E, D, H = 4, 8, 16
 

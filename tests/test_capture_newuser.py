@@ -13,7 +13,7 @@ import torch
 
 from mcompile import Mesh
 from mcompile.api import compile_plan
-from mcompile.capture import CaptureError, CaptureWarning, OutputWarning, capture, warn_unless_loss
+from mcompile.capture.export import CaptureError, CaptureWarning, OutputWarning, capture, warn_unless_loss
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
 pytestmark = pytest.mark.timeout(120)
@@ -175,7 +175,7 @@ def test_hf_positional_inputs_that_cannot_be_read_are_refused():
 
 
 def test_cli_factory_returning_a_bare_hf_model_plans_its_loss():
-    from mcompile.cli import load_model
+    from mcompile.apps.cli import load_model
 
     model, inputs, _ = load_model("test_capture_newuser:tiny_qwen3", "meta", 2, 16)
     c = compile_plan(model, Mesh.fake(tp=2), inputs)

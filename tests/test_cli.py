@@ -9,11 +9,11 @@ import textwrap
 
 import pytest
 
-from mcompile.cli import main
+from mcompile.apps.cli import main
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:
-    proc = subprocess.run([sys.executable, "-m", "mcompile.cli", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "mcompile.apps.cli", *args], capture_output=True, text=True,
                           timeout=170)
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -26,7 +26,7 @@ def test_plan_llama3_70b_on_512_fake_ranks_is_cheap_and_its_memory_matches_a_han
     script = tmp_path / "measure.py"
     script.write_text(textwrap.dedent("""
         import json, resource, sys, time, io, contextlib
-        from mcompile.cli import main
+        from mcompile.apps.cli import main
         t = time.perf_counter()
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
@@ -122,7 +122,7 @@ def test_plan_measure_equals_prediction_to_the_byte(capsys):
 
 
 def test_plan_says_whether_a_layout_fits_the_device(capsys):
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     assert main(["plan", "llama3-tiny", "--mesh", "tp=2", "--seq", "16", "--gpu", "h100"]) == 0
     out = capsys.readouterr().out

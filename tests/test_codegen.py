@@ -26,10 +26,10 @@ import torch.utils._pytree as pytree
 from sim_harness import rank_args
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from mcompile import ops
 from mcompile.compiler import joint_runner
-from mcompile.config import Config
-from mcompile.mesh import Mesh
+from mcompile.ir import ops
+from mcompile.ir.config import Config
+from mcompile.ir.mesh import Mesh
 from mcompile.passes.codegen import CodegenError, cache_size, clear_cache, compile_graph
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
@@ -182,8 +182,8 @@ def _overlapped_program(n: int, k: int, b: int, s: int, h: int, f: int):
     chunk's reduce-scatter started under the next chunk's GEMM)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from mcompile.passes import collective_matmul as CM
-    from mcompile.passes.overlap import check_waits, make_async
+    from mcompile.passes.dp.overlap import check_waits, make_async
+    from mcompile.passes.tp import collective_matmul as CM
 
     def prog(a, w1, w2):
         z = torch.mm(a, w1.t())

@@ -1,4 +1,4 @@
-"""Collective matmul (passes/collective_matmul.py): tp all-gather -> matmul and matmul -> reduce-scatter
+"""Collective matmul (passes/tp/collective_matmul.py): tp all-gather -> matmul and matmul -> reduce-scatter
 decomposed into chunks whose communication overlaps the other chunks' GEMMs.
 
 What is isolated: the rewrite of one module, run against the same module unrewritten, on in-process
@@ -29,10 +29,10 @@ from sim_harness import combine_grads, rank_args
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from mcompile import ops
-from mcompile.mesh import Mesh
-from mcompile.passes import collective_matmul as CM
-from mcompile.passes.overlap import OverlapError, check_waits, is_start, is_wait
+from mcompile.ir import ops
+from mcompile.ir.mesh import Mesh
+from mcompile.passes.dp.overlap import OverlapError, check_waits, is_start, is_wait
+from mcompile.passes.tp import collective_matmul as CM
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
 from conftest import build, compiled
@@ -188,7 +188,7 @@ def test_batch_one_chunks_each_ranks_sequence_shard_and_equals_unrewritten(n, k)
 
 @pytest.mark.timeout(60)
 def test_check_waits_rejects_a_wait_without_the_start_input():
-    """The wait takes the start's input (mcompile.ops): read there, it stays live and unwritten while the
+    """The wait takes the start's input (mcompile.ir.ops): read there, it stays live and unwritten while the
     backend sends it; a wait without it lets a compiler reuse the memory (tests/test_codegen.py)."""
     gm = _trace(2, _shapes(4, 4, 8, 12))
     CM.rewrite(gm, tp_overlap=2)
@@ -370,7 +370,7 @@ def _two_all_reduces(n: int):
 
 @pytest.mark.timeout(60)
 def test_all_reduce_in_place_only_where_nothing_else_reads_its_input():
-    from mcompile.passes.overlap import inplace_all_reduces
+    from mcompile.passes.dp.overlap import inplace_all_reduces
 
     shapes = [(4, 6), (4, 6), (6, 8)]
     with FakeTensorMode() as mode:

@@ -1,4 +1,4 @@
-"""mcompile's collective ops (mcompile/ops.py), each forward and backward against its definition.
+"""mcompile's collective ops (mcompile/ir/ops.py), each forward and backward against its definition.
 
 What is isolated: one op on one mesh axis of n ranks, run in n threads (mcompile.runtime.sim), with
 a different input and a different output gradient on every rank, so that taking another rank's
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcompile import ops
-from mcompile.mesh import Mesh
+from mcompile.ir import ops
+from mcompile.ir.mesh import Mesh
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
 F64 = torch.float64

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcompile.compat import OPTIONAL, MissingDependency, optimization_hint, require
+from mcompile.ir.compat import OPTIONAL, MissingDependency, optimization_hint, require
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,7 +100,7 @@ def test_canonicalize_keeps_batch_and_seq_symbolic(name):
     """The canonical rewrites make linear / matmul nodes (a bias split off, HF's Conv1D as a matmul) and need
     their values: run in the fake mode, torch 2.11's kernels specialised batch and seq to the example's sizes,
     and every program was then one of that batch size (the compat run's dp, pp, ep and checkpoint failures)."""
-    from mcompile.capture import capture
+    from mcompile.capture.export import capture
     from mcompile.passes import canonicalize
 
     from conftest import build

@@ -1,6 +1,6 @@
 """Where features meet: every pair of {tp, SP, pp x 4 schedules, cp x 3 attentions, ep, dp, ZeRO-1/2/3,
 recompute selective/full/auto, overlap=False, fuse, microbatches} on a dense decoder (HF Llama), an MoE decoder (the
-Mixtral preset) and an encoder (HF BERT masked LM), 4 layers each (2 captured, repeated: mcompile.repeat).
+Mixtral preset) and an encoder (HF BERT masked LM), 4 layers each (2 captured, repeated: mcompile.sharding.repeat).
 
 Each pair is either accepted, and then trains at parity with the single-device model (3 AdamW steps: every rank's
 losses and clip norms, rank 0's every unclipped gradient, fp32, relative 1e-5: DESIGN §7), or refused by

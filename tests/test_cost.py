@@ -1,4 +1,4 @@
-"""The cost model (mcompile.cost), the memory model (mcompile.memory_model) and hardware profiles.
+"""The cost model (mcompile.cost.model), the memory model (mcompile.ir.memory_model) and hardware profiles.
 
 The SC'21 *calibration* check prices Megatron-LM's own layouts of Narayanan et al. SC'21 Table 1
 (tests/data/megatron_sc21_a100.json) with ONE set of efficiency constants and compares the
@@ -22,9 +22,10 @@ import sympy
 import torch
 
 import mcompile as mc
-from mcompile.cost import BATCH, GLOBAL_BATCH, SEQ, Efficiency, Layout, axis_link, collective_time
-from mcompile.hardware import HARDWARE, calibrate, fit_alpha_beta, get_hardware, measure_collective
-from mcompile.memory_model import (
+from mcompile.cost.hardware import HARDWARE, calibrate, fit_alpha_beta, get_hardware, measure_collective
+from mcompile.cost.model import BATCH, GLOBAL_BATCH, SEQ, Efficiency, Layout, axis_link, collective_time
+from mcompile.cost.workload import Workload, estimate, step_time_expr
+from mcompile.ir.memory_model import (
     activation_bytes_per_layer,
     inflight_microbatches,
     memory_per_rank,
@@ -32,7 +33,6 @@ from mcompile.memory_model import (
 )
 from mcompile.models.gpt import GPTConfig
 from mcompile.models.presets import Preset
-from mcompile.workload import Workload, estimate, step_time_expr
 
 SC21 = json.loads((Path(__file__).parent / "data" / "megatron_sc21_a100.json").read_text())
 
@@ -113,7 +113,7 @@ def test_graph_activations_equal_korthikanti(gpt_dropout, tp, sp):
     """Saved-for-backward bytes read off the captured graph (GPT with dropout 0.1) equal Korthikanti's
     Table 2 but for the dropout masks: attention dropout runs Megatron's unfused attention (s×s softmax
     output and dropout output kept: passes/canonicalize.attention_dropout_to_math), and mcompile keeps no
-    mask (recomputed from its counter in backward, mcompile/dropout.py) where Megatron keeps 1 byte per
+    mask (recomputed from its counter in backward, mcompile/ir/dropout.py) where Megatron keeps 1 byte per
     element: the attention's as²b/t (none of it with selective recompute: the written-out attention is
     the attention core it recomputes) and the two hidden dropouts' sbh (sbh/t under sp). Full recompute
     keeps the layer input only: equal."""
@@ -357,7 +357,7 @@ def test_unknown_hardware_lists_known():
 
 
 def test_every_number_has_a_source():
-    from mcompile.hardware import _NUMBER_FIELDS
+    from mcompile.cost.hardware import _NUMBER_FIELDS
 
     for name, hw in HARDWARE.items():
         for f in _NUMBER_FIELDS:

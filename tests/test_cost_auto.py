@@ -1,4 +1,4 @@
-"""recompute="auto" in the cost model and the search (mcompile.cost.auto_mix, mcompile.search).
+"""recompute="auto" in the cost model and the search (mcompile.cost.model.auto_mix, mcompile.search).
 
 auto gets, per pipeline stage, the activation budget the memory model leaves under the memory limit,
 and is priced on the lower envelope of the named policies' (bytes per layer, recompute time per layer)
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import pytest
 
-from mcompile.config import Config
-from mcompile.cost import Layout, Recompute, auto_mix, recompute_envelope
+from mcompile.cost.model import Layout, Recompute, auto_mix, recompute_envelope
+from mcompile.cost.workload import Workload, estimate
+from mcompile.ir.config import Config
 from mcompile.models.gpt import GPTConfig
 from mcompile.models.presets import Preset
 from mcompile.search import SearchWorkload, price, search
-from mcompile.workload import Workload, estimate
 
 KW = dict(global_batch=16, seq=1024, hardware="a100")
 CFG = GPTConfig(vocab_size=512, block_size=1024, n_layer=8, n_head=8, n_embd=256, dropout=0.1)
@@ -139,7 +139,7 @@ def test_auto_per_pipeline_stage(gpt):
     assert a.step_time_s <= full.step_time_s
     assert a.details["activation_budget"] > 0
     with pytest.raises(ValueError, match="auto"):
-        from mcompile.workload import step_time_expr
+        from mcompile.cost.workload import step_time_expr
 
         step_time_expr(Layout(recompute="auto"), gpt)
 

@@ -1,7 +1,7 @@
-"""Context parallelism in the cost model, the memory model and the search (mcompile.cost, memory_model, search).
+"""Context parallelism in the cost model, the memory model and the search (mcompile.cost.model, memory_model, search).
 
 What each test isolates:
-- the three attention variants are priced by their formulas (mcompile.cost "Context parallelism"): ring's
+- the three attention variants are priced by their formulas (mcompile.cost.model "Context parallelism"): ring's
   cp−1 p2p steps beside the attention blocks, allgather's gather / re-gather + reduce-scatter, a2a's four
   all-to-alls per phase with kv heads repeated when cp does not divide them; asserted as relations
   between the bytes and calls, not as hard-coded seconds;
@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from mcompile.config import Config
-from mcompile.cost import (
+from mcompile.cost.hardware import get_hardware
+from mcompile.cost.model import (
     CP_VARIANTS,
     DEFAULT_EFFICIENCY,
     Layout,
@@ -30,11 +30,11 @@ from mcompile.cost import (
     cp_comm,
     section_times,
 )
-from mcompile.hardware import get_hardware
+from mcompile.cost.workload import Workload, estimate
+from mcompile.ir.config import Config
 from mcompile.models.llama import LlamaConfig
 from mcompile.models.presets import Preset
 from mcompile.search import SearchError, SearchWorkload, enumerate_layouts, price, search
-from mcompile.workload import Workload, estimate
 
 # 8 query heads over 1 kv head (GQA): tp > 1 cannot split the kv head, so on 2 GPUs the search chooses
 # between dp, pp and cp alone

@@ -23,11 +23,11 @@ import math
 
 import pytest
 
-from mcompile.cost import BATCH, DEFAULT_EFFICIENCY, SEQ, Layout
-from mcompile.hardware import get_hardware
+from mcompile.cost.hardware import get_hardware
+from mcompile.cost.model import BATCH, DEFAULT_EFFICIENCY, SEQ, Layout
+from mcompile.cost.workload import Workload, estimate
 from mcompile.models import get_preset
 from mcompile.search import SearchWorkload, enumerate_layouts, price, search
-from mcompile.workload import Workload, estimate
 
 H100 = get_hardware("h100")
 
@@ -247,7 +247,7 @@ def test_search_includes_ep_for_mixtral_not_for_llama(capsys):
 
 @pytest.mark.timeout(300)
 def test_cli_plan_prints_experts_per_rank_and_all_to_all(capsys):
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     cfg = _cfg()
     assert main(["plan", "mixtral-tiny", "--mesh", "dp=2,ep=2,tp=2", "--batch", "2", "--seq", "64"]) == 0
@@ -268,7 +268,7 @@ def _expert_shapes(name):
 
 
 def _gib(b):
-    from mcompile.plan import _gib as g
+    from mcompile.ir.plan import _gib as g
 
     return g(b)
 
@@ -276,7 +276,7 @@ def _gib(b):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cli_plan_mixtral_8x7b(capsys):
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     assert main(["plan", "mixtral-8x7b", "--mesh", "dp=8,ep=8,tp=8"]) == 0
     out = capsys.readouterr().out

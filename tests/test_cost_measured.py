@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mcompile.cost import Layout
-from mcompile.hardware import Hardware
-from mcompile.workload import Workload, estimate
+from mcompile.cost.hardware import Hardware
+from mcompile.cost.model import Layout
+from mcompile.cost.workload import Workload, estimate
 
 from conftest import pool
 
@@ -120,7 +120,7 @@ def test_fit_collectives_separates_per_call_and_per_step_latency():
     """Synthetic times of all-reduce (2 ring steps at n=2), all-gather and reduce-scatter (1 step each)
     give back L, α, β; times that say "per call only" (a small all-gather as slow as an all-reduce)
     give α = 0 rather than a negative one."""
-    from mcompile.hardware import COLLECTIVE_KINDS, _ring_factors, fit_collectives
+    from mcompile.cost.hardware import COLLECTIVE_KINDS, _ring_factors, fit_collectives
 
     sizes = [1 << k for k in range(12, 25, 3)]
     for L, alpha, beta in ((1e-3, 2e-4, 1.5e9), (9e-4, 0.0, 1.3e9)):
@@ -133,7 +133,7 @@ def test_fit_collectives_separates_per_call_and_per_step_latency():
 def test_peak_bytes_lifetimes():
     """memory_model "Lifetimes": one microbatch on one stage (zero=0) never holds gradients and
     activations together; otherwise they meet, and the reduction's copy comes after the activations."""
-    from mcompile.memory_model import peak_bytes
+    from mcompile.ir.memory_model import peak_bytes
 
     P, G, Opt, A = 100, 100, 200, 300
     assert peak_bytes(P, G, Opt, A, gradients_meet_activations=True)[0] == P + G + Opt + A
@@ -171,7 +171,7 @@ def test_memory_model_predicts_the_measured_peak(tiny_fp32, mesh, options, layou
     zero_grad, with the optimizer state of the step before), measured by the tracker on 4 gloo
     processes, within 10 % of the memory model's prediction. The gradients are persistent flat fp32
     buffers reduced in place (runtime/leaves.py), so every layout peaks with them next to the kept
-    activations (pp: of the in-flight microbatches) — the model's lifetimes (mcompile.memory_model,
+    activations (pp: of the in-flight microbatches) — the model's lifetimes (mcompile.ir.memory_model,
     "Lifetimes"). The rest is backward's working set (a few %)."""
     from cost_cases import memory_peak
 

@@ -22,13 +22,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcompile.cost import Layout, axis_link, collective_time, overlapped
-from mcompile.hardware import GPU_OVERLAP_SLOWDOWN, HARDWARE, NCCL_PUBLISHED, get_hardware
-from mcompile.memory_model import ZERO_BUCKET_BYTES, model_state_bytes_per_param
+from mcompile.cost.hardware import GPU_OVERLAP_SLOWDOWN, HARDWARE, NCCL_PUBLISHED, get_hardware
+from mcompile.cost.model import Layout, axis_link, collective_time, overlapped
+from mcompile.cost.workload import Workload, estimate
+from mcompile.ir.memory_model import ZERO_BUCKET_BYTES, model_state_bytes_per_param
 from mcompile.models.gpt import GPTConfig
 from mcompile.models.presets import Preset
 from mcompile.search import SearchError, SearchWorkload, price, search
-from mcompile.workload import Workload, estimate
 
 GPT_WIDE = GPTConfig(vocab_size=512, block_size=2048, n_layer=8, n_head=16, n_embd=2048, dropout=0.0)
 # 5 heads: no tp > 1 divides them on 8 GPUs, so a search over 8 GPUs is data- (and pipeline-) parallel only
@@ -130,7 +130,7 @@ def test_zero2_reduces_every_microbatch(wide):
     """ZeRO-2: a reduce-scatter of the gradients after every microbatch, one all-gather of the parameters
     after the optimizer (the per-microbatch ones inside the backward when overlap_grad_reduce)."""
     hw = get_hardware("h100")
-    from mcompile.cost import DEFAULT_EFFICIENCY
+    from mcompile.cost.model import DEFAULT_EFFICIENCY
 
     eff = DEFAULT_EFFICIENCY.for_hardware(hw)
     lay = Layout(dp=8, zero=2, microbatch_size=2, overlap_grad_reduce=False)
@@ -257,7 +257,7 @@ def test_explain_says_what_each_choice_saves(fsdp, capsys):
 
 @pytest.mark.timeout(600)
 def test_cli_explain_prints_the_choices(capsys):
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     args = ["gpt2-medium", "--gpus", "16", "--gpu", "h100", "--global-batch", "32", "--seq", "1024", "--top", "2"]
     assert main(["explain", *args]) == 0
@@ -280,8 +280,8 @@ MARGIN = 0.15  # as tests/test_cost_published.py: one efficiency constant per li
 def test_profile_bandwidth_within_band_of_published_nccl(fig):
     """Each GPU profile's effective bandwidth as the cost model prices a ring (line rate x efficiency:
     the bus bandwidth of a large all-reduce) lies within ±15 % of the published nccl-tests figure cited
-    next to the profiles (mcompile/hardware.py)."""
-    from mcompile.cost import DEFAULT_EFFICIENCY
+    next to the profiles (mcompile/cost/hardware.py)."""
+    from mcompile.cost.model import DEFAULT_EFFICIENCY
 
     hw = HARDWARE[fig.profile]
     eff = DEFAULT_EFFICIENCY.for_hardware(hw)

@@ -13,8 +13,8 @@ source, where in the source):
 
 Each row is priced by the model's own code with the hardware profile and ``DEFAULT_EFFICIENCY``:
 a collective by ``axis_link`` + ``collective_time``; a kernel as one node whose FLOPs and bytes come
-from ``mcompile.annotate.node_cost`` (the aten op on meta tensors), classed and timed by
-``mcompile.cost`` exactly as a node of an analysed layer (``section_times``).
+from ``mcompile.ir.annotate.node_cost`` (the aten op on meta tensors), classed and timed by
+``mcompile.cost.model`` exactly as a node of an analysed layer (``section_times``).
 
 Rows marked ``"expect": "gap"`` are published figures the model does NOT meet for a reason no
 constant can fix (NVLink SHARP all-reduce, FlashAttention-2 on Hopper, FP8 GEMMs): they are kept
@@ -32,10 +32,10 @@ import sympy
 import torch
 import torch.fx as fx
 
-from mcompile import cost
-from mcompile.annotate import node_cost
-from mcompile.cost import DEFAULT_EFFICIENCY, Efficiency, Layout, axis_link, collective_time
-from mcompile.hardware import get_hardware
+from mcompile.cost import model as cost
+from mcompile.cost.hardware import get_hardware
+from mcompile.cost.model import DEFAULT_EFFICIENCY, Efficiency, Layout, axis_link, collective_time
+from mcompile.ir.annotate import node_cost
 
 DATA = json.loads((Path(__file__).parent / "data" / "published_perf.json").read_text())
 ROWS = DATA["rows"]
@@ -60,7 +60,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 
 def _node(target, out_shape, dtype, *in_shapes) -> fx.Node:
-    """One aten call on meta tensors, with the meta values mcompile.annotate reads."""
+    """One aten call on meta tensors, with the meta values mcompile.ir.annotate reads."""
     g = fx.Graph()
     ins = []
     for i, shape in enumerate(in_shapes):

@@ -5,7 +5,8 @@ losses, the clip norms and the unclipped gradients of the last step with the sin
 relative (fp32), as tests/test_runtime.py does for tp/dp. The CI tier keeps each attention variant once
 (ring, allgather, Ulysses a2a) on llama3-tiny, cp x tp with sequence parallelism, dp x cp and unmodified
 Hugging Face Llama (causal mask and GQA repeat_kv recognised) under ring; cp=4, "auto" and HF Llama under
-allgather run with -m slow. 4-layer HF Llama / Qwen3 / Mistral, planned from 2 captured layers (mcompile.repeat),
+allgather run with -m slow. 4-layer HF Llama / Qwen3 / Mistral, planned from 2 captured layers
+(mcompile.sharding.repeat),
 train at parity in threads (HF Llama cp=2 in CI, every layout with -m slow) and on the pool with -m slow. The
 attention kernels themselves (every variant against torch's SDPA, the load-balanced chunks) are
 tests/test_cp_attention.py.
@@ -18,7 +19,7 @@ import torch
 from runtime_cases import check_parity, forward_loss
 
 import mcompile as mc
-from mcompile.placements import Replicate
+from mcompile.ir.placements import Replicate
 
 from conftest import build, pool, tiered
 
@@ -37,7 +38,8 @@ CASES = [("llama3-tiny", "cp=2", {"cp_attention": v}) for v in ("ring", "allgath
     ("llama3-tiny", "pp=2,cp=2", {"cp_attention": "a2a", "microbatches": 2, "schedule": "gpipe"}),
 ]
 _CI = CASES[:3] + [CASES[4], CASES[5], CASES[8], CASES[9]]  # + cp x tp (SP), dp x cp, HF Llama ring, pp x cp
-# unmodified HF RoPE + GQA causal LMs of 4 layers, planned from 2 captured layers and repeated (mcompile.repeat), their
+# unmodified HF RoPE + GQA causal LMs of 4 layers, planned from 2 captured layers and repeated
+# (mcompile.sharding.repeat), their
 # causal mask and repeat_kv rewritten for cp (passes/attention) before the repeated group is located (a KeyError in
 # repeat_captured when the rewrite came after it). On the worker pool with -m slow (the runtime's whole path); every
 # layout in threads below (test_repeated_rope_models_train_at_parity_in_threads), HF Llama cp=2 in CI
@@ -186,7 +188,7 @@ def test_cli_plans_llama3_8b_at_128k_tokens_on_cp8_tp8_with_memory_per_rank(caps
     loss is planned on each rank's own tokens: no logits gathered over cp."""
     import json
 
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     args = ["plan", "llama3-8b", "--mesh", "cp=8,tp=8", "--sp", "--seq", "131072", "--max-seq", "131072",
             "--dtype", "bfloat16", "--gpu", "h100", "--json"]
@@ -210,7 +212,7 @@ def test_cli_plans_llama3_8b_at_128k_tokens_on_cp8_tp8_with_memory_per_rank(caps
 
 @pytest.mark.timeout(300)
 def test_max_seq_is_refused_for_a_factory_model_and_a_longer_sequence_still_needs_it(capsys):
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     assert main(["plan", "llama3-8b", "--mesh", "cp=8", "--seq", "16384"]) == 2
     assert "exceeds the max sequence length 8192" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Context parallelism's runtime ops (mcompile/cp.py), each against single-device attention.
+"""Context parallelism's runtime ops (passes/cp/ops.py), each against single-device attention.
 
 What is isolated: the ops on one ``cp`` axis of n ranks run in n threads (mcompile.runtime.sim), every
 rank holding its tokens of random global q / k / v in the load-balanced layout (chunks r and 2n-1-r)
@@ -17,8 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mcompile import cp, ops
-from mcompile.mesh import Mesh
+from mcompile.ir import ops
+from mcompile.ir.mesh import Mesh
+from mcompile.passes.cp import ops as cp
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
 TOL = 1e-5
@@ -463,7 +464,8 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from mcompile import cp, ops
+from mcompile.passes.cp import ops as cp
+from mcompile.ir import ops
 from mcompile.runtime.comm import DistCommunicator
 
 rank, world, tmp = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

@@ -4,10 +4,10 @@ llama3-tiny (dim 64, 2 layers, 8 query / 4 kv heads of 8, vocab 256; fp32) with 
 4096, batch 1 x seq 4096, compiled for cp = 1 (Mesh(dp=1)), 2 and 4 (ring attention, token-weighted
 loss). Every rank's program runs one training step in threads (the simulated communicator) under
 :class:`mcompile.runtime.memory.MemoryTracker` (a dispatch mode: every storage an op makes, uncounted
-when freed), as :func:`mcompile.report.measure_per_rank` does; the helper here also reads the
+when freed), as :func:`mcompile.apps.report.measure_per_rank` does; the helper here also reads the
 activations still live after the forward, i.e. what autograd saved for the backward (plus the outputs),
-split by dtype. The model's figure is ``mcompile.workload.estimate(compiled, ...).memory_breakdown
-["activations"]`` (the graph path: :func:`mcompile.memory_model.saved_for_backward` over the captured
+split by dtype. The model's figure is ``mcompile.cost.workload.estimate(compiled, ...).memory_breakdown
+["activations"]`` (the graph path: :func:`mcompile.ir.memory_model.saved_for_backward` over the captured
 graph, every section evaluated at seq/cp).
 
 What each test isolates:
@@ -74,7 +74,7 @@ class _Tracker(MemoryTracker):
 
 def _measure(compiled, inputs) -> list[dict]:
     """One training step of every rank's program (threads, simulated communicator), as
-    mcompile.report.measure_per_rank, reading also the activations live after the forward."""
+    mcompile.apps.report.measure_per_rank, reading also the activations live after the forward."""
     from mcompile.runtime.sim import ThreadedWorld, run_threads
 
     state = compiled.captured.state_values()
@@ -115,7 +115,7 @@ def tiny():
 def measured(tiny):
     import mcompile
     from mcompile.api import compile_plan
-    from mcompile.workload import estimate
+    from mcompile.cost.workload import estimate
 
     inputs = tiny.example_inputs(batch=1, seq=SEQ, seed=0)
     out = {}

@@ -1,4 +1,4 @@
-"""The data layer (mcompile.data): the indexed dataset, preprocess, tokenizers, sampling, blends.
+"""The data layer (mcompile.apps.data): the indexed dataset, preprocess, tokenizers, sampling, blends.
 
 What each test isolates:
 
@@ -29,7 +29,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcompile.data import (
+from mcompile.apps.data import (
     DataError,
     IndexedDataset,
     SampleDataset,
@@ -40,8 +40,8 @@ from mcompile.data import (
     tiny_tokenizer,
     write_indexed,
 )
-from mcompile.data.assets import tiny_lambada
-from mcompile.data.sampling import PERIOD, split_documents
+from mcompile.apps.data.assets import tiny_lambada
+from mcompile.apps.data.sampling import PERIOD, split_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -279,7 +279,7 @@ def test_blend_weights(tmp_path):
         counts = np.bincount(source[:, 0], minlength=3)
         want = np.asarray(weights) / sum(weights) * n
         assert np.all(np.abs(counts - want) <= 0.01 * want), (weights, counts, want)
-        # the schedule's bound (mcompile.data.sampling): 1/2 + S/2 samples, plus n/(2P) from rounding weights
+        # the schedule's bound (mcompile.apps.data.sampling): 1/2 + S/2 samples, plus n/(2P) from rounding weights
         assert np.abs(counts - want).max() < 0.5 + 3 / 2 + n / (2 * PERIOD)
     with pytest.raises(DataError, match="too small"):
         SampleDataset([(prefixes[0], 1.0), (prefixes[1], 1e-6)], 8)
@@ -399,7 +399,7 @@ def test_errors(tmp_path):
 def test_cli_in_process(tmp_path, capsys):
     import argparse
 
-    from mcompile.data import cli
+    from mcompile.apps.data import cli
 
     parser = argparse.ArgumentParser(prog="mcompile")
     cli.add_parser(parser.add_subparsers(dest="command", required=True))
@@ -418,7 +418,7 @@ def test_cli_in_process(tmp_path, capsys):
     assert cli.run(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("mcompile: error: no tokenizer file at") and "\n" == err[-1]
-    # python -m mcompile.data.cli: the same command
+    # python -m mcompile.apps.data.cli: the same command
     (tmp_path / "t.txt").write_text("Tom has a cup.\nAnna has a hat.\n")
     assert cli.main([str(tmp_path / "t.txt"), "--tokenizer", str(tiny_tokenizer()), "--output",
                      str(tmp_path / "t"), "--txt-split", "line", "--no-progress"]) == 0
@@ -429,7 +429,7 @@ def test_cli_in_process(tmp_path, capsys):
 def test_tiny_corpus_is_learnable(tmp_path):
     """The shipped corpus is what the trainer's demo learns from: llama3-tiny's loss falls clearly in 60
     steps on it (Adam, lr 3e-3, batch 8 x 64; about 5.5 = ln 256 at the start)."""
-    from mcompile.data import tiny_dataset
+    from mcompile.apps.data import tiny_dataset
     from mcompile.models import get_preset
 
     prefix = tiny_dataset(tmp_path)

@@ -1,4 +1,4 @@
-"""Dropout under every layout (mcompile/dropout.py, passes/lower_dropout.py): masks are a function of (seed, step,
+"""Dropout under every layout (mcompile/ir/dropout.py, passes/lower_dropout.py): masks are a function of (seed, step,
 captured node, the element's index in the single-device tensor), so a model trained with dropout gives the
 same losses and gradients on every layout as mcompile's own 1-rank run with the same seed — the parity oracle
 (eager PyTorch's stateful generator cannot be matched by any counter-based scheme).
@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcompile.dropout import keep_mask, node_key, philox4x32, rng_state
+from mcompile.ir.dropout import keep_mask, node_key, philox4x32, rng_state
 
 from conftest import pool, tiered
 
@@ -98,8 +98,8 @@ class _Drop(torch.nn.Module):
 def test_eval_mode_keeps_its_program():
     """model.eval(): no mask, no program input; model.train(): mcompile::dropout and the ``mc_rng`` input."""
     from mcompile.api import compile_plan
-    from mcompile.dropout import RNG_INPUT
-    from mcompile.mesh import Mesh
+    from mcompile.ir.dropout import RNG_INPUT
+    from mcompile.ir.mesh import Mesh
 
     x = torch.randn(4, 8, 16)
     for training in (False, True):
@@ -129,7 +129,7 @@ def test_bert_tp2_equals_one_rank_in_the_simulator(tmp_path, monkeypatch):
     from sim_harness import combine_grads, run_sim
 
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     monkeypatch.setenv("MCOMPILE_CACHE", str(tmp_path))  # captured once, for both meshes
     model, inputs = build_hf_dropout()
@@ -204,10 +204,10 @@ def test_random_ops_draw_the_one_rank_numbers_on_a_sharded_layout():
     from sim_harness import combine_grads, run_sim
 
     from mcompile.api import compile_plan
-    from mcompile.dropout import draws
-    from mcompile.mesh import Mesh
-    from mcompile.placements import Shard
-    from mcompile.propagate import FallbackWarning
+    from mcompile.ir.dropout import draws
+    from mcompile.ir.mesh import Mesh
+    from mcompile.ir.placements import Shard
+    from mcompile.sharding.propagate import FallbackWarning
 
     torch.manual_seed(0)
     model, x = _Sampler().train(), torch.randn(4, 8, 16)

@@ -1,4 +1,4 @@
-"""Evaluation (mcompile.evaluate) against single-device references computed here, independently.
+"""Evaluation (mcompile.apps.evaluate) against single-device references computed here, independently.
 
 Perplexity: a llama3-tiny at dp=2 x tp=2 over a held-out split whose samples ignore different numbers of
 targets gives the single-device token-weighted mean cross-entropy (one sum over every counted token,
@@ -10,7 +10,7 @@ trained here) gets those right and gets wrong four more whose last word differs 
 three of them only in the word's last byte, which a criterion on the first target token alone would count
 as right: 8/12 exactly, on one device, at dp=2 x tp=2, and as counted here passage by passage.
 
-The dp=2 x tp=2 loss program is also exported with mcompile.hf_io.export_hf: LlamaForCausalLM loads it
+The dp=2 x tp=2 loss program is also exported with mcompile.apps.hf_io.export_hf: LlamaForCausalLM loads it
 with the single-device model's logits (export under data parallelism; test_hf_io.py covers tp and pp).
 """
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from evaluate_cases import Bytes, Split, evaluate, preset
 
-from mcompile.evaluate import last_word_accuracy, perplexity, split_last_word
+from mcompile.apps.evaluate import last_word_accuracy, perplexity, split_last_word
 
 from conftest import pool
 
@@ -115,12 +115,12 @@ def test_perplexity_on_one_device_is_token_weighted():
 
 
 def test_perplexity_of_a_sample_dataset_valid_split(tmp_path):
-    """The real held-out split (mcompile.data: the shipped tiny corpus and tokenizer), one device."""
-    data = pytest.importorskip("mcompile.data")
+    """The real held-out split (mcompile.apps.data: the shipped tiny corpus and tokenizer), one device."""
+    data = pytest.importorskip("mcompile.apps.data")
     try:
         split = data.SampleDataset(data.tiny_dataset(tmp_path), seq_len=32, seed=0, split="valid")
-    except AttributeError as e:  # mcompile.data without its samples yet
-        pytest.skip(f"mcompile.data has no SampleDataset / tiny_dataset: {e}")
+    except AttributeError as e:  # mcompile.apps.data without its samples yet
+        pytest.skip(f"mcompile.apps.data has no SampleDataset / tiny_dataset: {e}")
     model = preset(seed=1, sharp=True)
     r = perplexity(model, split, batch_size=8, max_batches=3)
     tokens, targets = split.batch(0, 24)

@@ -23,9 +23,9 @@ import torch
 from runtime_cases import grad_errors, reference, train
 
 from mcompile.api import compile_plan
-from mcompile.mesh import Mesh
-from mcompile.placements import BlockShard, Replicate, Shard
-from mcompile.propagate import PlanError
+from mcompile.ir.mesh import Mesh
+from mcompile.ir.placements import BlockShard, Replicate, Shard
+from mcompile.sharding.propagate import PlanError
 
 from conftest import build, pool, tiered
 
@@ -212,7 +212,7 @@ def test_sequence_parallel_plan_has_megatrons_minimum_and_is_exact():
 
 @pytest.mark.timeout(300)
 def test_deep_bert_is_planned_from_two_captured_layers():
-    """A 4-layer bert-tiny: captured as 2 layers and repeated (mcompile.repeat), as GPT and Llama are."""
+    """A 4-layer bert-tiny: captured as 2 layers and repeated (mcompile.sharding.repeat), as GPT and Llama are."""
     import dataclasses
 
     from mcompile.models import get_preset
@@ -221,7 +221,7 @@ def test_deep_bert_is_planned_from_two_captured_layers():
     pre = get_preset("bert-tiny")
     model = Bert(dataclasses.replace(pre.config, n_layers=4)).eval()
     c = compile_plan(model, Mesh.fake(tp=2), pre.example_inputs(2, 16, seed=1))
-    assert getattr(c.captured, "blocks", ()) != ()  # a repeated capture (mcompile.repeat) has its runs
+    assert getattr(c.captured, "blocks", ()) != ()  # a repeated capture (mcompile.sharding.repeat) has its runs
 
 
 # ---- parity on gloo processes ---------------------------------------------------------------------------
@@ -273,7 +273,7 @@ def test_cli_plans_bert_large_at_tp8_in_seconds(capsys):
     process on 2 shared cores: 10 s lightly loaded, 39-65 s under a load of 10 -- all 24 layers are
     captured today (test_deep_bert_is_planned_from_two_captured_layers); gpt2-medium, 24 layers repeated
     from 2, took 11.7 s under the same load as bert-large's 65 s."""
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
     from mcompile.models import get_preset
 
     t0 = time.perf_counter()
@@ -299,7 +299,7 @@ def test_tp_not_dividing_the_heads_is_refused_with_the_valid_sizes(tp):
 
 @pytest.mark.timeout(300)
 def test_cli_refuses_bert_base_at_tp8(capsys):
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     assert main(["plan", "bert-base", "--mesh", "tp=8"]) == 2
     err = capsys.readouterr().err

@@ -29,7 +29,7 @@ from runtime_cases import grad_errors, reference, train
 from sim_harness import combine_grads, run_sim
 
 import mcompile as mc
-from mcompile.placements import Replicate, Shard
+from mcompile.ir.placements import Replicate, Shard
 
 from conftest import build, pool, tiered
 
@@ -190,7 +190,7 @@ def test_sequence_parallel_that_splits_nothing_warns():
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "sequence_parallel=True is a no-op here (it warns: SequenceParallelWarning): mcompile/planner.py::"
+    "sequence_parallel=True is a no-op here (it warns: SequenceParallelWarning): mcompile/sharding/planner.py::"
     "megatron_policies lets SP shard only dims whose size IS the captured SEQ symbol (allowed_symbols={SEQ}); "
     "the LM's sequence is seq + 16 (patches + text) and the ViT's is the constant 17, so no activation is "
     "sequence-sharded, no reduce-scatter / all-gather pair is planned. Fix: allow sizes affine in SEQ (and "
@@ -287,7 +287,7 @@ def test_pinned_vision_lm_split_puts_each_stack_on_its_own_stage():
 
 @pytest.mark.timeout(600)
 def test_partitioner_balances_at_least_as_well_as_the_vision_lm_split():
-    """The partitioner's candidates are the narrow points of every stack (mcompile.blocks finds the vision
+    """The partitioner's candidates are the narrow points of every stack (mcompile.sharding.blocks finds the vision
     tower's run and the LM's), so its own split is no worse than the pinned vision | LM one (before issue 19
     the LM was all 'head' and the cut fell inside vision layer 1: imbalance 0.35 against 0.077)."""
     auto = _pp_plan().plan.pipeline
@@ -317,7 +317,7 @@ def test_tp_dividing_the_lm_heads_but_not_the_vision_heads_is_refused_naming_the
 def _cli_plan(capsys, mesh: str) -> tuple[dict, float]:
     import json
 
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     t0 = time.perf_counter()
     main(["plan", "llava-1.5-13b", "--mesh", mesh, "--json"])
@@ -325,7 +325,7 @@ def _cli_plan(capsys, mesh: str) -> tuple[dict, float]:
     return json.loads(capsys.readouterr().out), elapsed
 
 
-@pytest.mark.slow  # 2 + 2 of 23 + 40 layers captured (mcompile.repeat): 16 s on an idle 2-core machine
+@pytest.mark.slow  # 2 + 2 of 23 + 40 layers captured (mcompile.sharding.repeat): 16 s on an idle 2-core machine
 @pytest.mark.timeout(1200)
 def test_cli_plans_llava_1_5_13b_on_a_fake_tp4_mesh(capsys):
     """Megatron's layout at the published size: 23 ViT + 40 LM layers, 2 forward all-reduces each, no op

@@ -1,7 +1,7 @@
 """Mamba-2 hybrid (models/mamba.py, issue 19): the planner's tensor-parallel layout, parity through the
 runtime, the published 8B preset planned on a fake mesh, and a tp that does not divide a component.
 
-Layout (Megatron Core's MambaMixer, mcompile/rules/ssm.py): in_proj (z, x, B, C, dt) column-parallel,
+Layout (Megatron Core's MambaMixer, mcompile/sharding/rules/ssm.py): in_proj (z, x, B, C, dt) column-parallel,
 the depthwise conv1d per channel and the SSD scan per head on each rank's own channels / heads, the gated
 per-group RMSNorm on the rank's own groups, out_proj row-parallel. Parity: the runtime over gloo
 processes (tests/runtime_cases.py), losses, clip norms and unclipped gradients against one device at
@@ -19,7 +19,7 @@ import torch
 from runtime_cases import grad_errors, reference, train
 from sim_harness import combine_grads, run_sim
 
-from mcompile.placements import Replicate, Shard
+from mcompile.ir.placements import Replicate, Shard
 
 from conftest import build, pool, tiered
 
@@ -31,7 +31,7 @@ _PLANS: dict = {}
 
 def planned(mesh: str, name: str = TINY):
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     if (mesh, name) not in _PLANS:
         model, inputs = build(name, batch=4)
@@ -112,7 +112,7 @@ def test_sim_parity_tp2():
 
 def train_sharded(rank, world, *args, **kwargs):
     """runtime_cases.train, refusing any op left replicated (the scan's and the depthwise conv's rules are
-    mcompile/rules/ssm.py)."""
+    mcompile/sharding/rules/ssm.py)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = train(rank, world, *args, **kwargs)
@@ -160,9 +160,9 @@ def test_published_8b_plans_on_a_fake_mesh(capsys):
     """``mcompile plan mamba2-hybrid-8b --mesh tp=8 --json``: the 56-layer hybrid planned with memory per
     rank and no op replicated. Measured on the shared 2-core machine: 25.8 s in this test, 35.6-47.7 s
     standalone under other users' load (tp=8; dp=64,tp=8 alike) — not a Llama's 3 s: the hybrid's layers are
-    not one repeated block, so the core's two-layer shortcut (mcompile/repeat.py) does not apply, and
+    not one repeated block, so the core's two-layer shortcut (mcompile/sharding/repeat.py) does not apply, and
     torch.export of all 56 layers is ~85% of the time (cProfile)."""
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     t0 = time.perf_counter()
     rc = main(["plan", "mamba2-hybrid-8b", "--mesh", "tp=8", "--json"])
@@ -182,8 +182,8 @@ def test_published_8b_plans_on_a_fake_mesh(capsys):
 def test_a_tp_that_does_not_divide_the_groups_is_refused_naming_the_scan():
     """Acceptance (5): tp=4 with 2 B/C groups must be refused naming the component and the valid sizes."""
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
-    from mcompile.propagate import PlanError
+    from mcompile.ir.mesh import Mesh
+    from mcompile.sharding.propagate import PlanError
 
     model, inputs = build(TINY, batch=2)
     with pytest.raises(PlanError, match=r"(?s)tp=4.*(ssd_scan|Mamba).*valid tp sizes: 1, 2"):
@@ -194,8 +194,8 @@ def test_a_tp_that_does_not_divide_the_groups_is_refused_naming_the_scan():
 def test_a_tp_that_does_not_divide_the_kv_heads_is_refused():
     """tp=8 on the tiny model: its attention's 4 kv heads do not divide; the core refuses by name today."""
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
-    from mcompile.propagate import PlanError
+    from mcompile.ir.mesh import Mesh
+    from mcompile.sharding.propagate import PlanError
 
     model, inputs = build(TINY, batch=2)
     with pytest.raises(PlanError, match="num_kv_heads=4"):
@@ -211,10 +211,10 @@ def test_one_group_at_tp2_is_planned_or_refused_by_name():
     import dataclasses
 
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
     from mcompile.models import get_preset
     from mcompile.models.mamba import MambaHybrid
-    from mcompile.propagate import PlanError
+    from mcompile.sharding.propagate import PlanError
 
     pre = get_preset(TINY)
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ import pytest
 import torch
 from runtime_cases import check_parity
 
-from mcompile.placements import Replicate, Shard
+from mcompile.ir.placements import Replicate, Shard
 
 from conftest import build, tiered
 
@@ -37,7 +37,7 @@ OVERRIDES = {f"layers.{i}.attention.{w}.weight": "tp=R" for i in range(2) for w 
 
 def _plan(tp: int = 2, overrides=None, name: str = "mla-tiny"):
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     model, inputs = build(name, batch=2)
     with warnings.catch_warnings(record=True) as caught:
@@ -165,7 +165,7 @@ def test_mla_parity(name, mesh, options):
 def _cli_plan(capsys, name, extra=()):
     import json
 
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     start = time.perf_counter()
     assert main(["plan", name, "--mesh", "tp=8", "--json", *extra]) in (0, None)
@@ -196,7 +196,7 @@ def test_cli_plans_deepseek_v3_mla_dense(capsys):
 def test_tp_not_dividing_heads_is_refused_with_valid_sizes():
     """tp=3 over 8 heads: refused before planning, naming num_heads, the valid sizes and the attention's
     source line."""
-    from mcompile.propagate import PlanError
+    from mcompile.sharding.propagate import PlanError
 
     with pytest.raises(PlanError, match=r"tp=3 does not divide num_heads=8; valid tp sizes: 1, 2, 4\b") as e:
         _plan(3, OVERRIDES)

@@ -23,7 +23,7 @@ import pytest
 import torch
 from runtime_cases import check_parity
 
-from mcompile.placements import Replicate, Shard
+from mcompile.ir.placements import Replicate, Shard
 
 from conftest import build, tiered
 
@@ -32,7 +32,7 @@ REL = 1e-5  # fp32, another summation order over the tp pieces: ~1e-7 measured
 
 def _plan(tp: int = 2, model=None, inputs=None, **kw):
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     if model is None:
         model, inputs = build("retro-tiny", batch=2)
@@ -143,13 +143,13 @@ def test_retro_parity(name, mesh, options):
     assert local["layers.1.cca.wo.weight"] == 64 * 64 // 2
 
 
-@pytest.mark.slow  # 8 of 32 layers captured (mcompile.repeat: plain x 5, then (retro, plain, plain) x 9): ~8 s
+@pytest.mark.slow  # 8 of 32 layers captured (mcompile.sharding.repeat: plain x 5, then (retro, plain, plain) x 9): ~8 s
 @pytest.mark.timeout(300)
 def test_cli_plans_retro_7_5b(capsys):
     """The CLI captures at whole chunks (the config's seq_multiple: 64 tokens) and plans the published shape."""
     import json
 
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     assert main(["plan", "retro-7.5b", "--mesh", "tp=8", "--json"]) in (0, None)
     plan = json.loads(capsys.readouterr().out)
@@ -161,10 +161,10 @@ def test_cli_plans_retro_7_5b(capsys):
 def test_plan_retro_7_5b_on_meta():
     """What ``mcompile plan retro-7.5b --mesh tp=8`` would do, captured at seq 128 (2 chunks): memory per
     rank and 2 / 3 forward all-reduces per decoder / RETRO layer. 8 of the 32 layers are captured and the
-    runs repeated (mcompile.repeat: plain x 5, then (retro, plain, plain) x 9; 55-100 s wall when every
+    runs repeated (mcompile.sharding.repeat: plain x 5, then (retro, plain, plain) x 9; 55-100 s wall when every
     layer was captured)."""
+    from mcompile.apps.report import memory_per_rank
     from mcompile.models import get_preset
-    from mcompile.report import memory_per_rank
 
     pre = get_preset("retro-7.5b")
     start = time.perf_counter()
@@ -182,7 +182,7 @@ def test_plan_retro_7_5b_on_meta():
 def test_tp_not_dividing_heads_is_refused_with_valid_sizes():
     """tp=3: refused, naming the part and its attention (the first in the graph is the encoder's, 4 heads), the
     valid sizes (1, 2, 4: the encoder's 4 heads and the decoder's 4 kv heads bound them) and the source line."""
-    from mcompile.propagate import PlanError
+    from mcompile.sharding.propagate import PlanError
 
     with pytest.raises(PlanError, match=r"tp=3 does not divide num_heads=4 in 'encoder' \(attention "
                        r"encoder\.0\.attention; .*\); valid tp sizes: 1, 2, 4\b") as e:
@@ -206,7 +206,7 @@ def _two_head_encoder():
 def test_tp_not_dividing_encoder_heads_is_refused_naming_the_encoder():
     """tp=4 fits the decoder (8 heads, 4 kv heads) but not a 2-head encoder: the error names the encoder, its
     attention and the sizes the encoder alone allows."""
-    from mcompile.propagate import PlanError
+    from mcompile.sharding.propagate import PlanError
 
     model, inputs = _two_head_encoder()
     with pytest.raises(PlanError, match=r"tp=4 does not divide num_heads=2 in 'encoder' \(attention "

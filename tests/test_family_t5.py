@@ -24,7 +24,7 @@ from runtime_cases import grad_errors, reference
 from t5_cases import hf_t5, reference_hf, train_hf, train_t5
 
 import mcompile as mc
-from mcompile.placements import Replicate, Shard
+from mcompile.ir.placements import Replicate, Shard
 
 from conftest import build, pool, tiered
 
@@ -201,7 +201,7 @@ def test_hf_t5_plan_is_megatrons_layout():
     from the graph: planner.position_bias_hints; HF's empty cross-attention cache cat dropped
     (canonicalize.drop_empty_cats); its zero position bias for cross-attention sliced by heads."""
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     model, inputs = hf_t5()
     with warnings.catch_warnings():
@@ -279,7 +279,7 @@ def test_pipeline_parity_at_pp2():
 
 @pytest.mark.timeout(600)
 def test_pipeline_stages_are_the_encoder_and_the_decoder():
-    """pp=2 with ``layers_per_stage=[2, 2]`` (the layers of both stacks count, mcompile.blocks.Trunk.runs): the
+    """pp=2 with ``layers_per_stage=[2, 2]`` (the layers of both stacks count, mcompile.sharding.blocks.Trunk.runs): the
     encoder (with the shared embedding) one stage, the decoder's layers the other; the encoder output, the
     decoder's position bias and the padding mask cross the cut with each microbatch. The partitioner's own
     split is no worse: its candidates include the cuts inside the decoder, which the encoder memory and the
@@ -300,13 +300,13 @@ def test_pipeline_stages_are_the_encoder_and_the_decoder():
 
 # --- the CLI on the published size, and a bad tp -----------------------------------------------------------
 
-@pytest.mark.slow  # 2 + 2 of 24 + 24 layers captured (mcompile.repeat): 16 s on an idle 2-core machine
+@pytest.mark.slow  # 2 + 2 of 24 + 24 layers captured (mcompile.sharding.repeat): 16 s on an idle 2-core machine
 @pytest.mark.timeout(900)
 def test_cli_plans_t5_11b_at_tp8(capsys):
     """``mcompile plan t5-11b --mesh tp=8``: no fallbacks, memory per rank."""
     import json
 
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     t0 = time.perf_counter()
     main(["plan", "t5-11b", "--mesh", "tp=8", "--json"])
@@ -322,7 +322,7 @@ def test_cli_plans_t5_11b_at_tp8(capsys):
 
 
 def _refusal(tp: int) -> str:
-    from mcompile.planner import PlanError
+    from mcompile.sharding.planner import PlanError
 
     model, inputs = build("t5-tiny")
     with pytest.raises(PlanError) as e:

@@ -50,7 +50,7 @@ from hypothesis import strategies as st  # noqa: E402
 from kernel_paths import reference_kernels  # noqa: E402
 from runtime_cases import train_steps  # noqa: E402
 
-from mcompile import ops  # noqa: E402
+from mcompile.ir import ops  # noqa: E402
 from mcompile.kernels import fp8  # noqa: E402
 from mcompile.kernels.fp8 import E4M3, E5M2  # noqa: E402
 from mcompile.passes.fp8_linears import FP8, convert_fp8  # noqa: E402
@@ -468,7 +468,7 @@ def test_pass_on_hf_gpt2_conv1d_and_tied_head():
 
 
 def test_config_and_backend_errors():
-    from mcompile.config import Config
+    from mcompile.ir.config import Config
 
     with pytest.raises(ValueError, match="'current' or 'delayed'"):
         Config(fp8="e4m3")
@@ -488,7 +488,7 @@ def test_config_and_backend_errors():
 
 
 def test_cli_shows_the_fp8_linears(capsys):
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     assert main(["show", "llama3-tiny", "--mesh", "tp=2", "--fp8", "delayed"]) == 0
     out = capsys.readouterr().out
@@ -738,7 +738,7 @@ def _train_curve(c, data, recipe, seed):
 @pytest.mark.slow  # the CI tier keeps the cheaper checks of this capability (README: -m slow)
 @pytest.mark.timeout(300)
 def test_fp8_training_tracks_fp32(monkeypatch):
-    """llama3-tiny, 200 steps of 8 x 64 bytes of mcompile.demo's corpus, fp32 vs FP8 (current scaling),
+    """llama3-tiny, 200 steps of 8 x 64 bytes of mcompile.apps.demo's corpus, fp32 vs FP8 (current scaling),
     for 4 initialisations; "final loss" = mean training loss of the last 20 steps (the same batches
     in both runs).
 
@@ -755,7 +755,7 @@ def test_fp8_training_tracks_fp32(monkeypatch):
     these 4 seeds (measured with fp8.compute_scale patched to return 1). bench/fp8_curve.py runs the
     same comparison through mc.parallelize over 8 seeds (current: +0.13%, delayed: -0.5%).
     """
-    from mcompile.demo import batches
+    from mcompile.apps.demo import batches
 
     # the Triton kernel is bit-identical to its reference (test_triton_cast_amax_matches_torch); the
     # interpreter would take minutes for 2 x 4 x 200 steps

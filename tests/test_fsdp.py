@@ -107,7 +107,8 @@ def test_zero2_parity(name, mesh, options):
     _parity2(name, mesh, options)
 
 
-# unmodified Hugging Face causal LMs at 4 layers (2 captured, repeated: mcompile.repeat), dp=2 x pp=2, every ZeRO
+# unmodified Hugging Face causal LMs at 4 layers (2 captured, repeated: mcompile.sharding.repeat), dp=2 x pp=2, every
+# ZeRO
 # level under every schedule. ZeRO-3 failed here: the pipeline's ranks derive each other's stage programs to verify
 # the step, and built the others' without in-graph gradient accumulation, which fsdp.prefetch orders the dp
 # reduce-scatters by (runtime/pipeline.py Pipeline._make_runner)
@@ -155,7 +156,7 @@ def test_zero_memory_per_rank_equals_the_prediction(zero, mesh):
 def _show(mesh, **kw):
     import mcompile as mc
     from mcompile import compiler
-    from mcompile.config import Config
+    from mcompile.ir.config import Config
 
     from conftest import build
 
@@ -270,8 +271,8 @@ def test_zero3_checkpoint_resumes_bit_identically(tmp_path):
 
 def test_zero3_specs_say_what_stays_replicated():
     import mcompile as mc
-    from mcompile.passes.fsdp import shard_specs
-    from mcompile.placements import BlockShard, Shard
+    from mcompile.ir.placements import BlockShard, Shard
+    from mcompile.passes.dp.fsdp import shard_specs
 
     from conftest import build
 
@@ -301,8 +302,8 @@ def test_zero3_gathered_parameters_in_flight_are_at_most_two_layers():
     import mcompile as mc
     from mcompile import compiler
     from mcompile.compiler import joint_runner
-    from mcompile.config import Config
-    from mcompile.passes.fsdp import gathered_in_flight, gathered_values
+    from mcompile.ir.config import Config
+    from mcompile.passes.dp.fsdp import gathered_in_flight, gathered_values
 
     from conftest import build
 

@@ -162,7 +162,7 @@ def test_bf16_programs_fuse_the_same_patterns():
     """Captured in bf16 (the runtime's compute dtype, meta device) the casts are real: the patterns
     still match, with the same counts (each pattern returns its input's dtype, as the ops do)."""
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     from conftest import build
 

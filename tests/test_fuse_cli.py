@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from mcompile.cli import main
-from mcompile.report import fused_summary
+from mcompile.apps.cli import main
+from mcompile.apps.report import fused_summary
 
 
 def _show(capsys, *args):

@@ -1,4 +1,4 @@
-"""Generation with a compiler-made KV cache (mcompile.generate, passes/kv_cache.py).
+"""Generation with a compiler-made KV cache (mcompile.apps.generate, passes/kv_cache.py).
 
 What each test isolates:
 
@@ -35,7 +35,7 @@ import torch
 from generate_cases import decode_parity, greedy_hf, pp_parity, sampling
 
 import mcompile as mc
-from mcompile.generate import GenerateError, Generator, compile_generation, rank_program, sample_next
+from mcompile.apps.generate import GenerateError, Generator, compile_generation, rank_program, sample_next
 from mcompile.passes.kv_cache import KVCacheError
 
 from conftest import build, pool
@@ -150,8 +150,8 @@ def test_decode_graph_has_no_full_sequence_op(llama_plan_tp2):
 
 
 def test_cache_is_head_sharded_at_tp2(llama_plan_tp2):
-    from mcompile.config import Config
-    from mcompile.placements import Shard
+    from mcompile.ir.config import Config
+    from mcompile.ir.placements import Shard
 
     dec = llama_plan_tp2.decode
     cats = [u.name for c in dec.captured.user_inputs[1:] for u in dec.captured.placeholder(c).users

@@ -1,4 +1,4 @@
-"""Attention whose heads are merged into the batch dim (passes/heads.py) plans Megatron's layout.
+"""Attention whose heads are merged into the batch dim (passes/tp/heads.py) plans Megatron's layout.
 
 What is isolated: plain PyTorch blocks in the BART/XLM-era form, q/k/v reshaped to (b*h, s, d) and multiplied
 with ``torch.bmm`` (the mask added between a view to (b, h, s, s) and one back, softmax and dropout on the
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from sim_harness import assert_sim_parity
 
 from mcompile.api import compile_plan
-from mcompile.mesh import Mesh
-from mcompile.placements import Replicate, Shard
-from mcompile.quality import PlanQualityWarning
+from mcompile.ir.mesh import Mesh
+from mcompile.ir.placements import Replicate, Shard
+from mcompile.sharding.quality import PlanQualityWarning
 
 aten = torch.ops.aten
 
@@ -124,7 +124,7 @@ def test_merged_heads_attention_plans_megatrons_layout_at_parity(form):
 @pytest.mark.timeout(300)
 def test_without_the_rewrite_merged_heads_gather_and_the_check_says_so(monkeypatch):
     """The rewrite is what makes the layout: planted out, q, k and v are gathered every layer (as before)."""
-    import mcompile.passes.heads as heads
+    import mcompile.passes.tp.heads as heads
 
     monkeypatch.setattr(heads, "unmerge_heads", lambda gm: 0)
     torch.manual_seed(0)
@@ -135,7 +135,7 @@ def test_without_the_rewrite_merged_heads_gather_and_the_check_says_so(monkeypat
 def test_unmerge_heads_keeps_the_value_and_leaves_other_merges():
     """The rewritten graph computes the exported one's value (the attention of one block); a region whose
     merged value reaches an op the pass does not know (a sum over the merged dim) is left as it is."""
-    from mcompile.passes.heads import unmerge_heads
+    from mcompile.passes.tp.heads import unmerge_heads
 
     class Odd(torch.nn.Module):
         def forward(self, q, k):
@@ -197,7 +197,7 @@ def test_one_key_value_head_fused_with_the_queries_keeps_megatrons_exits():
     """1 key/value head at tp=2: the fused q/k/v weight stays whole on every rank (the check accepts it, for that
     reason), each rank slices its query heads from it and attends them with the whole key/value head: 2 forward
     all-reduces a layer, at parity. (Before, the weight was split by blocks and the head gathered each layer.)"""
-    from mcompile.planner import kv_hints
+    from mcompile.sharding.planner import kv_hints
 
     torch.manual_seed(0)
     model = MQALM()

@@ -87,7 +87,7 @@ _PLANS: dict = {}
 def planned(family: str, call: str, tp: int):
     """compile_plan at tp, with the sharding-rule warnings it raised (cached: planning costs ~1 s)."""
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     key = (family, call, tp)
     if key not in _PLANS:
@@ -164,7 +164,7 @@ def test_megatron_layout_and_parity_tp2(family):
     """OLMo-2 and Falcon (new decoder architecture) at tp=2: no op left replicated, every layer's weights
     in Megatron's layout with its forward all-reduces and no all-gather (a layout the planner fell back
     from would gather), and the single-device loss and gradients."""
-    from mcompile.placements import Replicate, Shard
+    from mcompile.ir.placements import Replicate, Shard
 
     model, inputs, c, reported = planned(family, "loss", 2)
     assert not reported, reported

@@ -1,4 +1,4 @@
-"""Hugging Face weights in and out (mcompile.hf_io).
+"""Hugging Face weights in and out (mcompile.apps.hf_io).
 
 Presets -> Hugging Face (one process): a llama3-tiny (untied and tied) and a gpt2-tiny exported with
 ``export_hf`` load with ``from_pretrained`` with no missing, unexpected or mismatched key, and give the
@@ -24,7 +24,7 @@ import torch
 from hf_io_cases import batch, hf_model, hf_round_trip, preset_import, train_and_export
 from safetensors.torch import load_file
 
-from mcompile.hf_io import HFSource, config_from_hf, export_hf, hf_config_for, hf_source
+from mcompile.apps.hf_io import HFSource, config_from_hf, export_hf, hf_config_for, hf_source
 from mcompile.models import get_preset
 from mcompile.models.llama import Llama
 from mcompile.runtime.weights import WeightsError, open_weights

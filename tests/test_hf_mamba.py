@@ -1,5 +1,5 @@
 """An unmodified Hugging Face Mamba (v1) causal LM at tp=2, its torch path (no CUDA kernels): Megatron Core's
-MambaMixer layout (mcompile/mixer_hints.py), counted per layer, and the single-device loss and gradients.
+MambaMixer layout (mcompile/sharding/mixer_hints.py), counted per layer, and the single-device loss and gradients.
 
 Layout: in_proj column-parallel with its channels-first x | z halves as blocks (each rank its channels of
 both), the depthwise conv1d, dt_proj, A_log and D by channel, x_proj and out_proj row-parallel. Mamba v1's
@@ -18,7 +18,7 @@ import pytest
 import torch
 from sim_harness import assert_sim_parity
 
-from mcompile.placements import BlockShard, Shard
+from mcompile.ir.placements import BlockShard, Shard
 
 
 class MambaLoss(torch.nn.Module):
@@ -40,7 +40,7 @@ def planned():
     from transformers.utils import logging
 
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     if not _PLAN:
         logging.set_verbosity_error()

@@ -1,6 +1,6 @@
 """An unmodified Hugging Face Mamba-2 causal LM at tp=2, its torch path (no CUDA kernels): the nested cut of its
 fused in_proj ([z | xBC | dt], then xBC through the depthwise conv into [x | B | C]) found from the graph
-(mcompile/mixer_hints.py), counted per layer, and the single-device loss and gradients.
+(mcompile/sharding/mixer_hints.py), counted per layer, and the single-device loss and gradients.
 
 - ``n_groups`` divisible by tp (2 groups): Megatron Core's MambaMixer layout. in_proj column-parallel as the
   blocks z | x | B | C | dt (each rank its heads of z, x, dt and its groups of B, C), the conv as x | B | C,
@@ -25,7 +25,7 @@ import pytest
 import torch
 from sim_harness import assert_sim_parity
 
-from mcompile.placements import BlockShard, Replicate, Shard
+from mcompile.ir.placements import BlockShard, Replicate, Shard
 
 
 class Mamba2Loss(torch.nn.Module):
@@ -47,7 +47,7 @@ def planned(groups: int):
     from transformers.utils import logging
 
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     if groups not in _PLANS:
         logging.set_verbosity_error()

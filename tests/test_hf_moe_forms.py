@@ -1,4 +1,4 @@
-"""Expert forms the MoE recognition (passes/find_moe.py) finds beyond SwiGLU over 3-D weights (issue 37): each is
+"""Expert forms the MoE recognition (passes/ep/find_moe.py) finds beyond SwiGLU over 3-D weights (issue 37): each is
 replaced by the one ``moe_ffn`` node, so tp (expert-TP) and ep plan it unchanged.
 
 * gpt-oss (``GptOssForCausalLM``, unmodified, tiny): gate/up fused with *interleaved* output features
@@ -19,9 +19,9 @@ import pytest
 import torch
 from sim_harness import assert_sim_parity, run_sim_token_weighted
 
+from mcompile.ir.moe import ExpertForm, moe_layers_of, moe_local, moe_reference
+from mcompile.ir.placements import BlockShard, Replicate, Shard
 from mcompile.models.hf import CausalLMLoss
-from mcompile.moe import ExpertForm, moe_layers_of, moe_local, moe_reference
-from mcompile.placements import BlockShard, Replicate, Shard
 
 OAI = "oai:1.702:7.0/fused_il/io+b"
 
@@ -107,8 +107,8 @@ def gpt_oss(seed: int = 0):
 
 def _plan(model, inputs, **mesh):
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
-    from mcompile.propagate import FallbackWarning
+    from mcompile.ir.mesh import Mesh
+    from mcompile.sharding.propagate import FallbackWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", FallbackWarning)  # no op left replicated
@@ -283,7 +283,7 @@ def test_gpt_oss_experts_parity(mesh):
             "ep": {"gate_up_proj": Shard(0), "gate_up_proj_bias": Shard(0), "down_proj": Shard(0)}}[mesh]
     for name, pl in want.items():
         assert c.plan.params["experts." + name].placements == (pl,), name
-    from mcompile.report import moe_summary
+    from mcompile.apps.report import moe_summary
 
     facts = moe_summary(c)  # the expert width is read from the down projection, not from a bias after it
     assert (facts["expert_hidden"], facts["expert_hidden_per_rank"]) == ((32, 16) if mesh == "tp" else (32, 32))
@@ -365,7 +365,7 @@ def test_a_sampling_router_without_topk_is_recognised_and_trains_at_tp2():
     from transformers.utils import logging
 
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     logging.set_verbosity_error()
     cfg = hf.PhimoeConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
@@ -397,7 +397,7 @@ def test_experts_with_a_norm_each_run_expert_tp_without_moe_recognition():
     from transformers.utils import logging
 
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     logging.set_verbosity_error()
     cfg = hf.ErgoConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,

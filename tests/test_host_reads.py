@@ -1,6 +1,6 @@
 """Host reads of device values (issue 38 item 6): on a GPU each one stalls the host until the stream drains.
 
-mcompile.host_reads counts them on the CPU, op by op. The MoE dispatch makes none dropless without expert
+mcompile.ir.host_reads counts them on the CPU, op by op. The MoE dispatch makes none dropless without expert
 parallelism, and exactly one per layer per microbatch (its forward; none in backward) over an ep axis of
 two or more ranks: all_to_all_single takes host split sizes, read in one transfer. The oracles: the
 layers' own eager experts (the Mixtral preset's GroupedExperts, Hugging Face's MixtralExperts).
@@ -12,8 +12,8 @@ import moe_cases
 import pytest
 import torch
 
-from mcompile.host_reads import count_host_reads
-from mcompile.moe import ExpertForm, moe_ep_call, moe_local
+from mcompile.ir.host_reads import count_host_reads
+from mcompile.ir.moe import ExpertForm, moe_ep_call, moe_local
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.overrides, "redispatch_function"),
                                 reason="count_host_reads needs torch >= 2.12 (torch.overrides.redispatch_function)")
@@ -71,7 +71,7 @@ def _layer(kind: str):
 def test_moe_dispatch_without_ep_reads_nothing_from_the_host(kind):
     """Dropless, every expert local (the ``moe_ffn`` node's lowering off ep: moe_local, and moe_ep on an ep
     axis of one rank): forward and backward make no host read, and compute the layer's own experts."""
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
     from mcompile.runtime.sim import ThreadedWorld, run_threads
 
     experts, ws, form, x, idx, weights = _layer(kind)
@@ -103,7 +103,7 @@ def test_moe_dispatch_over_ep_reads_the_host_once_per_layer(kind):
     """ep=2 (ranks as threads), both dispatchers, dropless and under a capacity: each rank's forward reads
     the host exactly once (the split sizes, with the dropped count, in one transfer), its backward never;
     dropless, the outputs are the layer's own experts on each rank's tokens."""
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
     from mcompile.runtime.sim import ThreadedWorld, run_threads
 
     experts, ws, form, x, idx, weights = _layer(kind)
@@ -136,7 +136,7 @@ def test_a_compiled_moe_model_reads_the_host_once_per_moe_layer_over_ep(kind):
     """The whole compiled program, forward and backward, per rank (threads): no host read at ep=1, one per MoE
     layer (2) at ep=2 — nothing else in the program reads the host either."""
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
     from mcompile.runtime.sim import ThreadedWorld, run_threads
 
     for mesh, want in (("ep=1", 0), ("ep=2", 2)):

@@ -1,7 +1,7 @@
 """DeepSeek sparse attention's lightning indexer under tp (issue 37: DeepseekV32, Dots3Note, GlmMoeDsa, HYV4 in
 the Hugging Face zoo). The indexer scores every key per query with its own small heads, sums the heads' scores
 with per-head weights and keeps the top-k keys for the main attention (Liu et al. 2025, "DeepSeek-V3.2").
-:func:`mcompile.planner.selector_hints` keeps its projections whole on every tp rank, as DeepSeek's own
+:func:`mcompile.sharding.planner.selector_hints` keeps its projections whole on every tp rank, as DeepSeek's own
 tensor-parallel inference does: its inputs are whole there already, so the selection costs no collective and
 the layer keeps Megatron's two exits. Before, the propagator split the shared key's features and gathered them
 back: 5 forward tp collectives a layer where Megatron runs 2."""
@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from sim_harness import assert_sim_parity
 
 from mcompile.api import compile_plan
-from mcompile.capture import capture
-from mcompile.mesh import Mesh
+from mcompile.capture.export import capture
+from mcompile.ir.mesh import Mesh
+from mcompile.ir.placements import Replicate, Shard
 from mcompile.passes import canonicalize
-from mcompile.placements import Replicate, Shard
-from mcompile.planner import selector_hints
-from mcompile.quality import PlanQualityWarning
+from mcompile.sharding.planner import selector_hints
+from mcompile.sharding.quality import PlanQualityWarning
 
 D, HEADS, IDX_HEADS, IDX_DIM, TOPK, VOCAB = 64, 4, 4, 16, 4, 64
 

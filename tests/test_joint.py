@@ -23,9 +23,9 @@ import torch
 from sim_harness import rank_args
 
 from mcompile import compiler
-from mcompile.cli import main
+from mcompile.apps.cli import main
 from mcompile.compiler import joint_runner
-from mcompile.config import Config
+from mcompile.ir.config import Config
 from mcompile.runtime.memory import MemoryTracker
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
@@ -174,7 +174,7 @@ def test_recomputed_forward_runs_just_before_its_backward():
     """Full recompute: the backward module re-runs each layer's forward when that layer's backward is
     reached — the last layer's first, layer 0's last — never all of them at the start (which would
     hold every recomputed activation at once)."""
-    from mcompile import meta as M
+    from mcompile.ir import meta as M
     from mcompile.passes.joint import partition, saved_for_policy, trace_joint
 
     _, inputs, c, _ = compiled("llama3-tiny", "tp=2", True)
@@ -295,7 +295,7 @@ def test_a_value_overwritten_in_place_keeps_its_old_value_for_backward(policy):
     depends on no forward output, so it once counted as backward work and was recomputed there from
     the overwritten v: the router's gradient came out 3.7x wrong with no error. It runs in forward now."""
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     torch.manual_seed(0)
     model, x, y = _InPlaceRouting(), torch.randn(4, 6, 8), torch.randn(4, 6)
@@ -342,7 +342,7 @@ def test_copies_into_a_fresh_tensor_are_differentiated_by_the_joint_graph():
     DeepSeek-V3 failed (JointTraceError: derivative for aten::copy is not implemented). The copy's value is
     src cast, broadcast and cloned now: gradients equal eager autograd's."""
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     torch.manual_seed(0)
     model, x, y = _CopyIntoFresh(), torch.randn(2, 6, 8), torch.randn(2, 6)

@@ -91,7 +91,7 @@ def kernels_take_the_triton_path():
     """Guard: a silent fallback to the references would make every test here compare them with
     themselves. Triton fixes interpreter or compiler for its own library functions (tl.sum, tl.sigmoid)
     when it is first imported — and torch.utils.flop_counter imports it — so TRITON_INTERPRET=1 has to
-    be set before the first test module that imports torch's flop counter or mcompile.annotate."""
+    be set before the first test module that imports torch's flop counter or mcompile.ir.annotate."""
     import triton.language as tl
 
     for mod in (activations, rope, cross_entropy):

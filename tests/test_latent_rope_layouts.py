@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from sim_harness import assert_sim_parity
 
 from mcompile.api import compile_plan
-from mcompile.mesh import Mesh
-from mcompile.placements import BlockShard, Replicate, Shard
-from mcompile.quality import PlanQualityWarning
+from mcompile.ir.mesh import Mesh
+from mcompile.ir.placements import BlockShard, Replicate, Shard
+from mcompile.sharding.quality import PlanQualityWarning
 
 DIM, HEADS, HD, ROPE, LORA, FFN, VOCAB = 32, 4, 8, 4, 16, 64, 64
 

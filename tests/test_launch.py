@@ -43,7 +43,7 @@ def test_torchrun_example_trains_and_matches_one_device(tmp_path):
     # the same four steps on one device
     from runtime_cases import grad_errors
 
-    from mcompile.demo import _train, batches
+    from mcompile.apps.demo import _train, batches
     from mcompile.models import get_preset
 
     torch.manual_seed(0)
@@ -69,7 +69,7 @@ def test_demo_command():
     several steps, but the loss and the norm are sums over every element: measured 1.0e-7 (loss) and
     3.4e-7 (norm) over the 4 steps, ~30x below the bound. A gradient wrong by a constant factor leaves
     the loss almost unchanged (clipping to 1, AdamW) but not the norm."""
-    proc = subprocess.run([sys.executable, "-m", "mcompile.cli", "demo", "--steps", "4"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "mcompile.apps.cli", "demo", "--steps", "4"], capture_output=True,
                           text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Plan for Llama" in proc.stdout

@@ -17,7 +17,7 @@ functions), read with ``ast`` through the ``package-dir`` mapping of pyproject.t
        lowering (passes/canonicalize, attention, lower; compiled: a capture planned and lowered)
        <  cost (what is priced and the formulas: layouts, profiles' types, collective / pipeline / memory terms)
        <  the other passes (and cp planning; the two that price a choice use cost)  <  compiler (the pass list
-       and its runners)  <  estimate (mcompile.workload: a model profiled through the compiler's model passes,
+       and its runners)  <  estimate (mcompile.cost.workload: a model profiled through the compiler's model passes,
        and estimate)  <  search  <  API  <  applications (cli, report, train, generate, ...)
 
    The runtime imports the IR (and kernels) alone, so what it runs (the moe_ffn op, the gradient buckets, dropout
@@ -42,38 +42,37 @@ KNOWN: list[set[str]] = []
 # the layer order (module docstring, 3.): each layer's modules, "x.*" for x and every module under it
 LAYERS = [
     ("IR", ["mcompile",  # the package: its version; its names load on first use (importlib), it imports nothing
-            "mcompile.config", "mcompile.mesh", "mcompile.placements", "mcompile.plan", "mcompile.meta",
-            "mcompile.ops", "mcompile.annotate", "mcompile.memory_model", "mcompile.buckets", "mcompile.moe",
-            "mcompile.dropout", "mcompile.timeline", "mcompile.compat", "mcompile.patches", "mcompile.host_reads",
-            "mcompile.kernels.*", "mcompile.models.*"]),
+            "mcompile.ir.*", "mcompile.kernels.*", "mcompile.models.*"]),
     ("runtime", ["mcompile.runtime.*"]),
-    ("capture", ["mcompile.capture", "mcompile.capture_cache", "mcompile.autograd_fn", "mcompile.loops",
-                 "mcompile.grad_regions", "mcompile.checks", "mcompile.values"]),
-    ("sharding and lowering", ["mcompile.rules.*", "mcompile.channels", "mcompile.propagate", "mcompile.mixer_hints",
-                               "mcompile.planner", "mcompile.quality", "mcompile.repeat", "mcompile.blocks",
-                               "mcompile.stages", "mcompile.cp", "mcompile.compiled", "mcompile.passes",
-                               "mcompile.passes.attention", "mcompile.passes.canonicalize", "mcompile.passes.lower",
-                               "mcompile.passes.lower_dropout", "mcompile.passes.heads", "mcompile.passes.nodes",
-                               "mcompile.passes.find_moe", "mcompile.passes.loss", "mcompile.arguments"]),
-    ("cost", ["mcompile.cost", "mcompile.hardware"]),
-    ("the other passes", ["mcompile.passes.codegen", "mcompile.passes.collective_matmul", "mcompile.passes.fsdp",
-                          "mcompile.passes.fuse", "mcompile.passes.joint", "mcompile.passes.kv_cache",
-                          "mcompile.passes.overlap", "mcompile.passes.pipeline_split", "mcompile.passes.recompute",
-                          "mcompile.passes.remat", "mcompile.passes.fp8_linears", "mcompile.cp_plan"]),
+    ("capture", ["mcompile.capture.*"]),
+    ("sharding and lowering", ["mcompile.sharding.*", "mcompile.passes", "mcompile.passes.attention",
+                               "mcompile.passes.canonicalize", "mcompile.passes.lower", "mcompile.passes.lower_dropout",
+                               "mcompile.passes.nodes", "mcompile.passes.loss", "mcompile.passes.tp",
+                               "mcompile.passes.tp.heads", "mcompile.passes.pp", "mcompile.passes.pp.stages",
+                               "mcompile.passes.ep", "mcompile.passes.ep.find_moe", "mcompile.passes.cp",
+                               "mcompile.passes.cp.ops", "mcompile.passes.dp"]),
+    ("cost", ["mcompile.cost", "mcompile.cost.model", "mcompile.cost.hardware"]),
+    ("the other passes", ["mcompile.passes.codegen", "mcompile.passes.fuse", "mcompile.passes.fp8_linears",
+                          "mcompile.passes.joint", "mcompile.passes.remat", "mcompile.passes.recompute",
+                          "mcompile.passes.kv_cache", "mcompile.passes.tp.collective_matmul",
+                          "mcompile.passes.pp.pipeline_split", "mcompile.passes.cp.plan", "mcompile.passes.dp.fsdp",
+                          "mcompile.passes.dp.overlap"]),
     ("compiler", ["mcompile.compiler"]),
-    ("estimate", ["mcompile.workload"]),
+    ("estimate", ["mcompile.cost.workload"]),
     ("search", ["mcompile.search"]),
     ("API", ["mcompile.api"]),
-    ("applications", ["mcompile.cli", "mcompile.demo", "mcompile.report", "mcompile.generate", "mcompile.evaluate",
-                      "mcompile.hf_io", "mcompile.train.*", "mcompile.data.*"]),
+    ("applications", ["mcompile.apps.*"]),
 ]
 # imports against the layer order, each with why it is there; the list may shrink, never grow
 UPWARD: dict[tuple[str, str], str] = {}
 # what the runtime must not import (module 1 above): the compiler's side
-COMPILER_SIDE = ("mcompile.passes", "mcompile.compiler", "mcompile.api", "mcompile.compiled", "mcompile.planner",
-                 "mcompile.propagate", "mcompile.rules", "mcompile.capture", "mcompile.repeat", "mcompile.annotate",
-                 "mcompile.stages", "mcompile.cp_plan", "mcompile.cp", "mcompile.cost", "mcompile.search",
-                 "mcompile.quality", "mcompile.blocks")
+COMPILER_SIDE = ("mcompile.passes", "mcompile.compiler", "mcompile.api", "mcompile.sharding.compiled",
+                 "mcompile.sharding.planner",
+                 "mcompile.sharding.propagate", "mcompile.sharding.rules", "mcompile.capture.export",
+                 "mcompile.sharding.repeat", "mcompile.ir.annotate",
+                 "mcompile.passes.pp.stages", "mcompile.passes.cp.plan", "mcompile.passes.cp.ops",
+                 "mcompile.cost.model", "mcompile.search",
+                 "mcompile.sharding.quality", "mcompile.sharding.blocks")
 
 
 def modules() -> dict[str, Path]:
@@ -160,11 +159,11 @@ def layer_of(module: str) -> int | None:
 @pytest.mark.timeout(120)
 def test_every_module_has_a_layer():
     """A new module is placed in ``LAYERS`` (and the check of the check: modules land where they should)."""
-    assert [LAYERS[layer_of(m)][0] for m in ("mcompile", "mcompile.rules.moe", "mcompile.passes.fuse",
+    assert [LAYERS[layer_of(m)][0] for m in ("mcompile", "mcompile.sharding.rules.moe", "mcompile.passes.fuse",
                                              "mcompile.passes.lower", "mcompile.runtime.module",
                                              "mcompile.models.llama")] == [
         "IR", "sharding and lowering", "the other passes", "sharding and lowering", "runtime", "IR"]
-    assert layer_of("mcompile.passes.new_pass") is None and layer_of("mcompile.rulesx") is None
+    assert layer_of("mcompile.passes.new_pass") is None and layer_of("mcompile.irx") is None and layer_of("mcompile.capturex.y") is None
     missing = sorted(m for m in import_graph() if layer_of(m) is None)
     assert not missing, f"modules without a layer (place them in LAYERS): {missing}"
 
@@ -198,14 +197,14 @@ def _meta_key_literals(tree: ast.AST) -> list[tuple[int, str]]:
 
 @pytest.mark.timeout(120)
 def test_every_meta_key_of_mcompile_is_named_in_one_module():
-    """mcompile's own ``node.meta`` / ``GraphModule.meta`` keys are constants of ``mcompile/meta.py`` (the channel
+    """mcompile's own ``node.meta`` / ``GraphModule.meta`` keys are constants of ``mcompile/ir/meta.py`` (the channel
     between passes, documented there); nowhere else is one written as a string. The check of the check: a key
     written as a string is found."""
     assert _meta_key_literals(ast.parse('n.meta["mc_x"] = 1\nn.meta.get("_mc_y")\nn.meta["val"]')) == [
         (1, "mc_x"), (2, "_mc_y")]
     found = []
     for name, f in modules().items():
-        if name != "mcompile.meta":
+        if name != "mcompile.ir.meta":
             keys = _meta_key_literals(ast.parse(f.read_text()))
             found += [f"{f.relative_to(ROOT)}:{line}: {key}" for line, key in keys]
-    assert not found, "meta keys written as strings (name them in mcompile/meta.py): " + "; ".join(found)
+    assert not found, "meta keys written as strings (name them in mcompile/ir/meta.py): " + "; ".join(found)

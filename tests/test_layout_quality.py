@@ -1,5 +1,5 @@
-"""Megatron's tensor-parallel layout, or a warning that names what is not (mcompile.quality), and fused
-projections of unequal parts sharded part-wise (mcompile.placements.BlockShard with size ratios).
+"""Megatron's tensor-parallel layout, or a warning that names what is not (mcompile.sharding.quality), and fused
+projections of unequal parts sharded part-wise (mcompile.ir.placements.BlockShard with size ratios).
 
 What is isolated: a fused projection cut into parts along its features — Phi-3's ``qkv_proj`` sliced into 4
 query and 2 + 2 key/value heads and its ``gate_up_proj`` chunked in two, a plain PyTorch block whose fused
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from sim_harness import assert_sim_parity
 
 from mcompile.api import compile_plan
-from mcompile.mesh import Mesh
-from mcompile.placements import BlockShard, Replicate, Shard
-from mcompile.quality import PlanQualityWarning
+from mcompile.ir.mesh import Mesh
+from mcompile.ir.placements import BlockShard, Replicate, Shard
+from mcompile.sharding.quality import PlanQualityWarning
 
 
 def phi3(layers: int = 4, kv_heads: int = 2):
@@ -155,7 +155,7 @@ def test_the_quality_check_warns_when_fused_parts_are_split_as_plain_rows(monkey
     """The layout as it was before part-wise sharding (no block hints: the fused weights split as plain rows,
     rank 0 holding all of q): it trains at parity, so only the quality check can see it. It must warn, per layer,
     with the extra collectives and the nodes they move."""
-    import mcompile.planner as planner
+    import mcompile.sharding.planner as planner
 
     monkeypatch.setattr(planner, "block_hints", lambda cap: {})
     c, _, quality = _plan(phi3(), 128, tp=2)
@@ -377,7 +377,7 @@ def test_a_layer_norm_over_all_heads_reduces_its_statistics_and_attention_keeps_
     a [b, s, 1] (as OLMo-2's RMSNorm over all heads): attention keeps its heads split and the layer leaves tp
     twice, Megatron's count. Before, the one layer_norm op gathered q and k and ran the attention whole: 5
     forward tp collectives a layer (ESM-C in the zoo)."""
-    from mcompile.quality import _STATISTICS
+    from mcompile.sharding.quality import _STATISTICS
 
     torch.manual_seed(0)
     model = _WideQKNormLM()
@@ -470,7 +470,7 @@ def test_a_router_in_its_own_class_stays_whole_and_shared_and_routed_experts_red
     hidden state: no gather of scores, group masks or sigmoids), and the routed experts' and the shared
     expert's row-parallel partial sums added before one all-reduce: 2 forward collectives a layer
     (attention's exit, the MoE layer's), and the quality check holds the plan to those 2."""
-    from mcompile.quality import tp_exits
+    from mcompile.sharding.quality import tp_exits
 
     torch.manual_seed(0)
     model = MoELM()
@@ -543,7 +543,7 @@ def test_a_gated_shared_expert_is_scaled_while_partial_and_reduced_once_with_the
     The scale's gradient is a partial sum on each rank, so it enters the tp region with Megatron's f
     (backward all-reduce): parity holds the gate's gradient."""
     torch.manual_seed(0)
-    from mcompile.quality import tp_exits
+    from mcompile.sharding.quality import tp_exits
 
     model = MoELM(gated=True)
     c, inputs, quality = _plan(model, 64, tp=2)
@@ -593,7 +593,7 @@ def test_an_einsum_output_projection_is_a_tp_region_exit():
     """An attention whose output projection is an einsum by a [h, heads, d] weight (XLNet) leaves a tp region
     as attention's ``linear`` does: the quality check counts 2 exits a layer (attention's, the MLP's) and the
     plan's 2 forward all-reduces pass it (the check counted 1 exit before and warned on Megatron's layout)."""
-    from mcompile.quality import tp_exits
+    from mcompile.sharding.quality import tp_exits
 
     torch.manual_seed(0)
     c, _, quality = _plan(EinsumLM(), 64, tp=2)
@@ -638,7 +638,7 @@ def test_an_attention_summed_from_two_products_is_one_tp_region_exit():
     """An attention output added from two probability-times-value products is the attention's output, not a
     residual sum: its out_proj is an exit (2 a layer with the MLP's), and Megatron's layout (2 all-reduces a
     layer) passes the check (it counted 1 exit and warned before)."""
-    from mcompile.quality import tp_exits
+    from mcompile.sharding.quality import tp_exits
 
     torch.manual_seed(0)
     model = TwoPartAttentionLM()
@@ -681,7 +681,7 @@ def test_an_attention_plus_a_per_head_conv_of_its_values_is_one_tp_region_exit()
     """Attention's output plus a per-head term of its shape (a depthwise conv of the values, as Nyströmformer) is
     the attention's output, not a residual sum: out_proj is an exit (2 a layer with the MLP's) and Megatron's
     layout (2 all-reduces a layer, the conv split by heads) passes the check (it counted 1 exit and warned)."""
-    from mcompile.quality import tp_exits
+    from mcompile.sharding.quality import tp_exits
 
     torch.manual_seed(0)
     c, inputs, quality = _plan(ValueConvLM(), 64, tp=2)
@@ -782,7 +782,7 @@ def test_a_gate_projected_from_the_stream_onto_an_exit_is_one_more_exit():
     """A projection of the stream gating an MLP's output elementwise (RWKV's receptance) is a tp region of its
     own, sharded like every weight: it leaves at the product (all-gathered), so the check counts 3 exits a layer
     and every weight is sharded (it counted 2 and warned before)."""
-    from mcompile.quality import tp_exits
+    from mcompile.sharding.quality import tp_exits
 
     torch.manual_seed(0)
     c, inputs, quality = _plan(GatedExitLM(), 64, tp=2)

@@ -26,7 +26,7 @@ def test_a_skipped_step_does_not_advance_the_learning_rate_schedule():
     is the scaler's, which a checkpoint saves, so a resumed run is at the same position."""
     from types import SimpleNamespace
 
-    from mcompile.train.loop import applied_updates
+    from mcompile.apps.train.loop import applied_updates
 
     pm = SimpleNamespace(loss_scaler=DynamicLossScaler(2.0**16))
     assert [applied_updates(s, pm) for s in (1, 2)] == [1, 2]

@@ -1,4 +1,4 @@
-"""Convolutional linear-attention mixers at tp=2 (mcompile/mixer_hints.py, passes/canonicalize.py
+"""Convolutional linear-attention mixers at tp=2 (mcompile/sharding/mixer_hints.py, passes/canonicalize.py
 ``unflatten_rowwise``), on a miniature of a gated delta net (Qwen3.5, OLMo-hybrid): a fused q | k | v
 projection through a depthwise causal conv, split into heads, a per-head mix, a gated RMSNorm over rows
 flattened from (token, head) pairs, the output projection.
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from sim_harness import assert_sim_parity
 
-from mcompile.placements import BlockShard, Shard
+from mcompile.ir.placements import BlockShard, Shard
 
 aten = torch.ops.aten
 
@@ -106,7 +106,7 @@ def test_unflatten_rowwise_keeps_the_value(flat_gate):
 @pytest.mark.parametrize("flat_gate", [False, True], ids=["gate_by_heads", "gate_flat_features"])
 def test_gated_delta_like_mixer_layout_and_parity_tp2(flat_gate):
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     torch.manual_seed(0)
     model = Net(flat_gate=flat_gate)
@@ -154,9 +154,9 @@ class ScaledNested(torch.nn.Module):
 def test_nested_scaled_cut_blocks_or_whole(groups):
     """The nested cut is found through the per-channel scale: in_proj as z | x | B | C | dt blocks and the conv as
     x | B | C where tp divides the groups; both whole (and in mixer_hints.few_groups) where it does not."""
-    from mcompile.capture import capture
-    from mcompile.mixer_hints import few_groups, mixer_hints
-    from mcompile.placements import Replicate
+    from mcompile.capture.export import capture
+    from mcompile.ir.placements import Replicate
+    from mcompile.sharding.mixer_hints import few_groups, mixer_hints
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -190,7 +190,7 @@ class StreamConvBlock(torch.nn.Module):
 def _plan_tp2(model):
     """``model`` planned at tp=2 on a batch of token ids and labels (vocabulary 32), with no fallback."""
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     g = torch.Generator().manual_seed(1)
     inputs = (torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g))
@@ -292,7 +292,7 @@ def test_float64_token_weighted_loss_stays_float64_tp2():
     from sim_harness import run_sim_token_weighted
 
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32, bias=False)).double()
@@ -361,7 +361,7 @@ def test_hint_the_propagation_cannot_honour_is_dropped_not_a_plan_error():
     out_proj whole. The hint is dropped and out_proj placed by its reader like any weight (PlanError before:
     "no rule strategy fits the inputs' placements"); the model trains at parity. Not Megatron's layout (the loop
     gathers the heads): the layout check says so."""
-    from mcompile.propagate import PlanError
+    from mcompile.sharding.propagate import PlanError
 
     torch.manual_seed(0)
     model = HeadLoopNet()
@@ -417,7 +417,7 @@ def test_low_rank_gate_pairs_keep_the_factor_whole_and_the_heads_split():
     gates) stays whole (planner.latent_hints), the up-projection column-parallel by heads: one all-reduce a
     layer, the mixer's exit (before: the pairs row-parallel, each gate all-reduced and the heads gathered for
     it, 3 forward collectives a layer), at parity."""
-    from mcompile.placements import Replicate
+    from mcompile.ir.placements import Replicate
 
     torch.manual_seed(0)
     model = LowRankGateNet()

@@ -2,7 +2,7 @@
 
 Transformers' Switch Transformers and NLLB-MoE keep each expert as its own ``nn.Linear`` pair in a ModuleList /
 ModuleDict and dispatch with the eager loop ``for e in expert_hit: t = torch.where(mask[e]); ... index_add_``
-(unrolled by mcompile/loops.py); DBRX keeps its experts stacked in 2-D parameters ``[E * f, d]`` read as
+(unrolled by mcompile/capture/loops.py); DBRX keeps its experts stacked in 2-D parameters ``[E * f, d]`` read as
 ``w.view(E, f, d)[e]`` in the same loop. The routing (``argmax``, ``one_hot``, one-argument ``torch.where``,
 ``torch.greater``) runs replicated by its own rules, each expert's fc1 column-parallel and fc2 row-parallel over
 the tokens it got (a data-dependent count), one tp exit for the whole MoE block (Megatron Core's layout of
@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from sim_harness import assert_sim_parity
 
-from mcompile.placements import BlockShard, Shard
+from mcompile.ir.placements import BlockShard, Shard
 
 D, F_HID, E, VOCAB = 64, 128, 4, 128
 
@@ -102,8 +102,8 @@ class Tiny(nn.Module):
 
 def _plan(model):
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
-    from mcompile.propagate import FallbackWarning
+    from mcompile.ir.mesh import Mesh
+    from mcompile.sharding.propagate import FallbackWarning
 
     g = torch.Generator().manual_seed(1)
     inputs = (torch.randint(0, VOCAB, (2, 8), generator=g), torch.randint(0, VOCAB, (2, 8), generator=g))
@@ -117,8 +117,8 @@ def _plan(model):
     assert fwd == ["all_reduce"], fwd
     # and the quality check's bar is that one exit: the experts' down projections summed into one running sum
     # count once, their input projections (reading x[token_idx], rows chosen by the router) are no exit
-    from mcompile.planner import latent_hints, router_hints
-    from mcompile.quality import tp_exits
+    from mcompile.sharding.planner import latent_hints, router_hints
+    from mcompile.sharding.quality import tp_exits
 
     exits = tp_exits(c.captured.gm, frozenset(latent_hints(c.captured)) | frozenset(router_hints(c.captured)))
     assert len(exits[0]) == 1, exits
@@ -183,7 +183,7 @@ def test_zero_experts_dispatched_on_derived_indices_tp2_parity():
     """The experts' region reads indices derived from top-k's (identity slots remapped): it is still found as one
     ``moe_ffn`` (on the derived indices), expert-TP at tp=2 (gate/up by blocks, down by its input), the identity
     term beside it, one forward tp collective for the layer, single-device parity."""
-    from mcompile.moe import moe_layers_of
+    from mcompile.ir.moe import moe_layers_of
 
     torch.manual_seed(0)
     model = Tiny(layers=1, moe=ZeroExpertMoE)

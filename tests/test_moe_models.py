@@ -112,8 +112,8 @@ def test_published_presets_shapes_and_sizes(name):
 def test_trainer_builds_the_preset_class_with_overrides():
     """mcompile train's build_model goes through the preset's class; an override the config refuses is a
     ConfigError naming model.overrides."""
-    from mcompile.train.config import ConfigError, parse_config
-    from mcompile.train.loop import build_model
+    from mcompile.apps.train.config import ConfigError, parse_config
+    from mcompile.apps.train.loop import build_model
 
     def tree(preset, **overrides):
         return {"model": {"preset": preset, "overrides": overrides, "init": "eager"},
@@ -420,7 +420,7 @@ def test_meta_build_initialises_every_tensor():
 def test_capture_with_symbolic_batch_and_seq(name):
     """mcompile's capture (torch.export, symbolic batch and seq) runs at other sizes with eager's loss and
     gradients; DeepSeek's load count (training mode) is an in-place buffer update the program carries."""
-    from mcompile.capture import capture
+    from mcompile.capture.export import capture
 
     torch.manual_seed(6)
     cfg = _tiny(name)
@@ -456,11 +456,11 @@ _PLANNED = [("mixtral-tiny", "tp=2"), ("deepseek-tiny", "tp=2"), ("deepseek-tiny
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mesh", _PLANNED)
 def test_planner_today_forward_parity(name, mesh):
-    """The MoE models planned without ep: each MoE region is one moe_ffn node (passes/find_moe.py), every op
+    """The MoE models planned without ep: each MoE region is one moe_ffn node (passes/ep/find_moe.py), every op
     without a sharding rule runs replicated and is reported in plan.fallbacks; the forward loss equals
     eager (threads, fp32) — under dp too, where the load-balancing loss's batch statistics are reduced."""
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
     from mcompile.runtime.sim import ThreadedWorld, run_threads
 
     torch.manual_seed(7)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import mcompile as mc
-from mcompile.capture import capture
-from mcompile.moe import moe_ffn
+from mcompile.capture.export import capture
+from mcompile.ir.moe import moe_ffn
 from mcompile.passes import canonicalize
 
 from conftest import build, pool, tiered
@@ -82,7 +82,7 @@ PIPELINE = [("pp=2,ep=2", "2", "8"), ("pp=2,ep=2", "1", "4"), ("pp=2,ep=2", "4",
 @pytest.mark.parametrize("mesh,microbatches,batch", tiered(PIPELINE, PIPELINE[:1]))
 def test_pipeline_with_expert_parallel_parity(mesh, microbatches, batch):
     """pp x ep: the stage cut carries the residual stream and each earlier layer's scalar aux and z
-    losses (side values: mcompile/blocks.py). The oracle is the single-device model accumulating
+    losses (side values: mcompile/sharding/blocks.py). The oracle is the single-device model accumulating
     gradients over the runtime's global microbatches: a batch statistic (the load-balancing loss's
     tokens per expert) is one microbatch's, over every data rank (ep_reference)."""
     _check("mixtral", mesh, 2, microbatches=int(microbatches), batch=int(batch))
@@ -103,7 +103,7 @@ def test_zero_with_expert_parallel_parity(mesh, zero, microbatches, batch):
 
 @pytest.mark.timeout(60)
 def test_zero3_with_ep_is_refused_before_anything_runs():
-    from mcompile.config import Config
+    from mcompile.ir.config import Config
     from mcompile.runtime.module import _check_ep_config
 
     with pytest.raises(ValueError, match=r"zero=3\) with ep=2.*use zero=1 or zero=2"):
@@ -148,8 +148,8 @@ def test_dispatchers_and_capacity_against_a_loop_over_experts(dispatcher, factor
     """Two ranks (threads) each route their own tokens, skewed towards expert 0, to 4 experts held 2 a
     rank; every output and gradient equals the loop oracle on the slots the capacity keeps (the
     dropped slots' weights zeroed), and the dropped count equals the oracle's."""
-    from mcompile.mesh import Mesh
-    from mcompile.moe import ExpertForm, MoEStats, moe_ep_call, moe_reference
+    from mcompile.ir.mesh import Mesh
+    from mcompile.ir.moe import ExpertForm, MoEStats, moe_ep_call, moe_reference
     from mcompile.runtime.sim import ThreadedWorld, run_threads
 
     E, d, h, k, T, n = 4, 8, 6, 2, 12, 2

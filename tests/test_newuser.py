@@ -70,7 +70,7 @@ def test_estimate_of_the_guides_compiled_plan_takes_its_inputs_sequence():
 
 
 def test_plan_json_carries_the_inputs_and_loads_plans_saved_before():
-    from mcompile.plan import InputSpec, Plan, input_specs
+    from mcompile.ir.plan import InputSpec, Plan, input_specs
 
     model, inputs = _tiny()
     compiled = mc.compile_plan(model, mc.Mesh(tp=2), inputs)
@@ -89,7 +89,7 @@ def test_plan_json_carries_the_inputs_and_loads_plans_saved_before():
 # --------------------------------------------------------------------------- 2. search results are pairs
 @pytest.mark.timeout(120)
 def test_search_results_are_layout_estimate_pairs():
-    from mcompile.cost import Estimate, Layout
+    from mcompile.cost.model import Estimate, Layout
 
     res = mc.search("gpt2-small", world=8, hardware="a100", global_batch=64, seq=1024, top_k=3)
     layout, est = res[0]
@@ -181,8 +181,8 @@ def test_plan_auto_with_zero_trains_with_the_distributed_optimizer():
 # --------------------------------------------------------------------------- 4. memory: table and --gpu agree
 @pytest.mark.timeout(180)
 def test_plan_memory_table_and_gpu_peak_count_the_same_model_state(capsys):
-    from mcompile.cli import main
-    from mcompile.plan import MODEL_STATE_TITLE
+    from mcompile.apps.cli import main
+    from mcompile.ir.plan import MODEL_STATE_TITLE
 
     assert main(["plan", "gpt2-small", "--mesh", "tp=2", "--seq", "1024", "--gpu", "h100", "--json"]) == 0
     out = capsys.readouterr()
@@ -204,7 +204,7 @@ def test_a_factory_in_the_current_folder_is_found_in_process(tmp_path, monkeypat
     """The rule the console script needs, in this process: with neither '' nor the current folder on
     sys.path (a console script's sys.path[0] is its bin/ folder), `plan pkg.models:make_model` run from
     the folder holding pkg/ finds it."""
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     pkg = tmp_path / "mypkg_in_cwd"
     pkg.mkdir()
@@ -239,7 +239,7 @@ def test_console_script_finds_a_factory_in_the_current_folder(tmp_path):
 
 
 def test_duplicate_mesh_axes_are_refused(capsys):
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     with pytest.raises(ValueError, match="gives axis 'tp' twice"):
         mc.Mesh.parse("tp=2,tp=4")
@@ -248,7 +248,7 @@ def test_duplicate_mesh_axes_are_refused(capsys):
 
 
 def test_near_miss_model_names_get_a_suggestion(capsys):
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     with pytest.raises(ValueError, match=r"unknown model preset 'llama3-8B' \(did you mean 'llama3-8b'\?\)"):
         get_preset("llama3-8B")
@@ -262,9 +262,9 @@ def test_near_miss_model_names_get_a_suggestion(capsys):
 
 
 def test_stage_cuts_print_as_layer_positions(capsys):
-    from mcompile.cli import main
-    from mcompile.plan import cut_position
-    from mcompile.report import stage_span
+    from mcompile.apps.cli import main
+    from mcompile.apps.report import stage_span
+    from mcompile.ir.plan import cut_position
 
     assert main(["plan", "llama3-tiny", "--mesh", "pp=2", "--microbatches", "2", "--seq", "16",
                  "--granularity", "layer"]) == 0
@@ -280,13 +280,13 @@ def test_stage_cuts_print_as_layer_positions(capsys):
 
 
 def test_cli_help_imports_no_torch():
-    """``--help`` and argument errors answer before anything heavy is imported: mcompile/cli.py imports
+    """``--help`` and argument errors answer before anything heavy is imported: mcompile/apps/cli.py imports
     torch and the compiler inside its subcommands only (the package's __init__ is left out here)."""
     probe = textwrap.dedent(f"""
         import sys, types, importlib.util
         pkg = types.ModuleType("mcompile"); pkg.__path__ = [{str(ROOT / "mcompile")!r}]
         sys.modules["mcompile"] = pkg   # not mcompile/__init__.py: this checks cli.py alone
-        spec = importlib.util.spec_from_file_location("mcompile.cli", {str(ROOT / "mcompile" / "cli.py")!r})
+        spec = importlib.util.spec_from_file_location("mcompile.apps.cli", {str(ROOT / "mcompile/apps/cli.py")!r})
         cli = importlib.util.module_from_spec(spec); spec.loader.exec_module(cli)
         for argv in (["--help"], ["plan", "--mesh"]):
             try:
@@ -300,9 +300,10 @@ def test_cli_help_imports_no_torch():
 
 
 def test_mcompile_help_through_the_package_imports_no_torch():
-    """The same through ``import mcompile.cli`` (the console script): mcompile/__init__.py must import its
+    """The same through ``import mcompile.apps.cli`` (the console script): mcompile/__init__.py must import its
     names lazily."""
-    probe = ("import sys\nfrom mcompile.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+    probe = ("import sys\nfrom mcompile.apps.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    "
+             "pass\n"
              "print('torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip().splitlines()[-1] == "False", proc.stdout[-500:] + proc.stderr[-500:]

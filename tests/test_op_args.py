@@ -17,7 +17,7 @@ Tolerance: fp32, loss 1e-6 relative (tp changes only the summation order: measur
 1e-5 relative per tensor; the key-projection bias, whose true gradient is exactly 0 (softmax is
 shift-invariant) and whose computed one is rounding noise, within 1e-6 of the largest gradient norm.
 
-Arguments no placement can keep are refused by name (mcompile/arguments.py): ``max_norm``,
+Arguments no placement can keep are refused by name (mcompile/sharding/arguments.py): ``max_norm``,
 ``scale_grad_by_freq`` with the batch split, training-mode dropout drawn from torch's generator under tp
 (``AlphaDropout``, ``Dropout2d``; ``nn.Dropout`` draws layout-independent masks: tests/test_dropout.py).
 """
@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 from sim_harness import combine_grads, run_sim
 
 from mcompile.api import compile_plan
-from mcompile.mesh import Mesh
-from mcompile.propagate import PlanError
+from mcompile.ir.mesh import Mesh
+from mcompile.sharding.propagate import PlanError
 
 VOCAB, HIDDEN, HEADS, SEQ, BATCH = 18, 16, 4, 8, 2
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pipeline_cases import recompute_choices, sleep_pipeline
 
-from mcompile.annotate import layer_index
-from mcompile.blocks import analyse
+from mcompile.ir.annotate import layer_index
+from mcompile.passes.pp.stages import PartitionError, _min_max, min_max_reference, partition
 from mcompile.runtime.schedules import (
     SCHEDULES,
     ScheduleError,
@@ -21,7 +21,7 @@ from mcompile.runtime.schedules import (
     simulate,
 )
 from mcompile.runtime.verify import CommOp, VerificationError, rank_ops, verify
-from mcompile.stages import PartitionError, _min_max, min_max_reference, partition
+from mcompile.sharding.blocks import analyse
 
 from conftest import build, compiled, pool, tiered
 
@@ -62,7 +62,7 @@ def test_min_max_dp_equals_the_exhaustive_optimum(weights, k):
 def test_sublayer_partition_is_the_exhaustive_optimum(name, k):
     _, _, c, _ = compiled(name, "tp=1", False)
     part = partition(c.captured, k, granularity="sublayer", seq=16)
-    from mcompile.stages import _candidates, _cost_arrays
+    from mcompile.passes.pp.stages import _candidates, _cost_arrays
 
     cost, _ = _cost_arrays(part.trunk, c.captured.symbols, 1, 16, 300.0)
     cand = _candidates(part.trunk, "sublayer")
@@ -103,10 +103,10 @@ def _bisect_reference(weights: list[float], k: int) -> float:
 def test_llama3_70b_over_pp8_is_optimal_and_reports_its_imbalance():
     """80 layers over 8 stages: the most expensive stage equals the min-max optimum (an independent
     bisection reference) at layer and sublayer granularity; cutting inside layers balances better."""
-    from mcompile.annotate import annotate
-    from mcompile.capture import capture
+    from mcompile.capture.export import capture
+    from mcompile.ir.annotate import annotate
     from mcompile.models import get_preset
-    from mcompile.stages import _candidates, _cost_arrays
+    from mcompile.passes.pp.stages import _candidates, _cost_arrays
 
     pre = get_preset("llama3-70b")
     model = pre.build(device="meta", dtype=torch.bfloat16)
@@ -330,7 +330,7 @@ def test_state_dict_forward_timeline_and_checkpoint_under_pp(tmp_path):
     trace = json.loads((tmp_path / "trace.json").read_text())
     kinds = {e["cat"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert {"F", "B"} <= kinds
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     assert main(["timeline", str(tmp_path / "trace.json"), "-o", str(tmp_path / "t.png")]) == 0
     assert (tmp_path / "t.png").stat().st_size > 1000
@@ -344,7 +344,7 @@ def test_microbatches_must_divide_the_batch():
 
 
 def test_plan_cli_shows_the_stages(capsys):
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     assert main(["plan", "llama3-tiny", "--mesh", "pp=2,tp=2", "--microbatches", "4", "--granularity",
                  "sublayer", "--seq", "16"]) == 0
@@ -362,7 +362,7 @@ def test_memory_limit_constrains_the_split(p):
     fits in is an error."""
     import itertools
 
-    from mcompile.stages import _candidates
+    from mcompile.passes.pp.stages import _candidates
 
     _, _, c, _ = compiled("llama3-tiny", "tp=1", False)
     kw = {"granularity": "sublayer", "seq": 16, "microbatch": 64}  # activations weigh: microbatches of 64
@@ -392,8 +392,8 @@ def test_memory_limit_constrains_the_split(p):
 
 def test_memory_per_rank_counts_the_largest_stage():
     from mcompile.api import compile_plan
-    from mcompile.memory_model import memory_per_rank
-    from mcompile.mesh import Mesh
+    from mcompile.ir.memory_model import memory_per_rank
+    from mcompile.ir.mesh import Mesh
 
     model, inputs = build("gpt2-tiny")
     c = compile_plan(model, Mesh(pp=2, tp=2), inputs, microbatches=2)
@@ -428,7 +428,7 @@ def test_auto_recompute_per_stage_parity(name, mesh, options):
     reports what its stages chose, each within its share."""
     from runtime_cases import grad_errors, reference, train, world_of
 
-    from mcompile.memory_model import inflight_microbatches
+    from mcompile.ir.memory_model import inflight_microbatches
 
     budget = AUTO_BUDGET[name]
     options = {**options, "recompute": "auto", "activation_budget": budget}
@@ -462,8 +462,8 @@ def test_auto_recompute_budget_too_small_names_the_stage_and_the_shortfall():
 
     from mcompile import compiler
     from mcompile.api import compile_plan
-    from mcompile.config import Config
-    from mcompile.mesh import Mesh
+    from mcompile.ir.config import Config
+    from mcompile.ir.mesh import Mesh
     from mcompile.models import get_preset
     from mcompile.models.gpt import GPT
     from mcompile.passes.remat import BudgetError

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from sim_harness import assert_sim_parity
 
 from mcompile.api import compile_plan
-from mcompile.mesh import Mesh
-from mcompile.placements import Partial, Replicate, Shard
+from mcompile.ir.mesh import Mesh
+from mcompile.ir.placements import Partial, Replicate, Shard
 
 VOCAB, DIM, FFN = 64, 32, 64
 
@@ -176,8 +176,8 @@ def test_sizes_clamped_by_min_and_max_are_rebuilt_per_rank():
 def test_a_layer_whose_ops_are_not_one_stretch_is_not_repeated():
     """repeat_graph copies one contiguous stretch of the program: find_block must decline (and the capture passes then
     capture the whole model) rather than assert later."""
-    from mcompile.capture import capture
-    from mcompile.repeat import find_block, truncate_runs
+    from mcompile.capture.export import capture
+    from mcompile.sharding.repeat import find_block, truncate_runs
 
     torch.manual_seed(0)
     root, runs = truncate_runs(LM(GatedMlpBlock), keep=2)
@@ -199,8 +199,8 @@ def test_an_exact_floor_division_of_sizes_is_a_plain_quotient():
     import sympy
     from torch.utils._sympy.functions import FloorDiv
 
-    from mcompile.rules.base import _exact_floordivs
-    from mcompile.rules.views import view_groups
+    from mcompile.sharding.rules.base import _exact_floordivs
+    from mcompile.sharding.rules.views import view_groups
 
     b, s = sympy.symbols("b s", positive=True, integer=True)
     assert _exact_floordivs(FloorDiv(s * s, s)) == s
@@ -406,7 +406,7 @@ class ClippedQkvBlock(torch.nn.Module):
 def test_a_fused_projection_clamped_before_its_split_keeps_its_blocks():
     """An entrywise op between a fused projection and its split (a clamp) keeps the weight's block layout: each
     rank its heads of q, k and v, no all-gather before the split, one all-reduce per layer."""
-    from mcompile.placements import BlockShard
+    from mcompile.ir.placements import BlockShard
 
     torch.manual_seed(0)
     model = LM(ClippedQkvBlock, layers=2)

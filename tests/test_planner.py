@@ -14,8 +14,8 @@ import pytest
 import torch
 from sim_harness import combine_grads, run_sim
 
-from mcompile.ops import OPS
-from mcompile.placements import BlockShard, Shard
+from mcompile.ir.ops import OPS
+from mcompile.ir.placements import BlockShard, Shard
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
 from conftest import MODELS, compiled
@@ -32,7 +32,7 @@ MEGATRON_SP = {("all_gather", "all_gather", "reduce_scatter"): 2,
 
 def _weights(c):
     """FQNs of parameters used as the weight of a linear / matmul / embedding."""
-    from mcompile.propagate import CONTRACTION_WEIGHT_ARGS
+    from mcompile.sharding.propagate import CONTRACTION_WEIGHT_ARGS
 
     out = set()
     for n in c.captured.gm.graph.nodes:

@@ -16,14 +16,14 @@ from pathlib import Path
 import torch
 
 import mcompile as mc
-from mcompile.hardware import fp32_matmul_precision, get_hardware
+from mcompile.cost.hardware import fp32_matmul_precision, get_hardware
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_mcompile_train_defaults_to_bf16_with_fp32_masters():
-    from mcompile.train.config import load_config, parse_config
-    from mcompile.train.loop import _options
+    from mcompile.apps.train.config import load_config, parse_config
+    from mcompile.apps.train.loop import _options
 
     base = {"model": {"preset": "llama3-tiny"}, "data": {"factory": "x:y"}, "parallel": {"mesh": "dp=2"}}
     cfg = parse_config(base, "test")

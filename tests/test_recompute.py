@@ -12,8 +12,8 @@ import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from mcompile import meta as M
-from mcompile.annotate import MATMUL_CATEGORIES, node_cost
+from mcompile.ir import meta as M
+from mcompile.ir.annotate import MATMUL_CATEGORIES, node_cost
 from mcompile.passes.recompute import apply_recompute, recompute_nodes
 from mcompile.runtime.sim import ThreadedWorld, run_threads
 
@@ -156,7 +156,7 @@ def _kept_and_peak(attention, mode, b, s):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
     from mcompile.runtime.memory import MemoryTracker
 
     from conftest import build

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import mcompile.ops  # noqa: F401  (registers torch.ops.mcompile.*)
+import mcompile.ir.ops  # noqa: F401  (registers torch.ops.mcompile.*)
 from mcompile.passes.remat import RematSolution, classify, exhaustive, min_budget, node_cost, report, solve
 
 aten = torch.ops.aten

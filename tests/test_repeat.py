@@ -1,4 +1,4 @@
-"""Plans at any depth (mcompile.repeat): two blocks captured, planned and lowered, then repeated, give
+"""Plans at any depth (mcompile.sharding.repeat): two blocks captured, planned and lowered, then repeated, give
 the plan and the per-rank programs the whole model's capture gives — checked node by node on deep
 tiny models — and train with single-device parity."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mcompile.api import compile_plan
-from mcompile.mesh import Mesh
-from mcompile.meta import COLLECTIVE, PARAM_FQN
+from mcompile.ir.mesh import Mesh
+from mcompile.ir.meta import COLLECTIVE, PARAM_FQN
 
 from conftest import tiered
 
@@ -255,7 +255,7 @@ def test_repeated_program_trains_with_single_device_parity(name):
 def test_blocks_that_differ_are_captured_whole():
     """A list whose blocks differ in more than their index (a per-layer attribute the forward reads)
     is not repeated: the whole model is captured, and its plan is right for every layer."""
-    from mcompile.repeat import uniform
+    from mcompile.sharding.repeat import uniform
 
     model, inputs = deep("llama3-tiny")
     assert uniform(model.layers) is None

@@ -1,4 +1,4 @@
-"""Sharding rules (mcompile.rules) against single-device execution, Partial inputs included.
+"""Sharding rules (mcompile.sharding.rules) against single-device execution, Partial inputs included.
 
 What is isolated: ONE rule on ONE mesh axis of size n in {2, 3, 4}, simulated in one process (no
 process groups, no propagator, no lowering pass). For a drawn op, shapes and current placements
@@ -40,9 +40,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mcompile.placements import BlockShard, Partial, Replicate, Shard, parse_placement, shard_tensor, unshard_tensors
-from mcompile.rules import OpInfo, Strategy, TensorMeta, get_localizer, get_rule, registered_ops
-from mcompile.rules.views import map_view_placement, view_groups
+from mcompile.ir.placements import BlockShard, Partial, Replicate, Shard, parse_placement, shard_tensor, unshard_tensors
+from mcompile.sharding.rules import OpInfo, Strategy, TensorMeta, get_localizer, get_rule, registered_ops
+from mcompile.sharding.rules.views import map_view_placement, view_groups
 
 aten = torch.ops.aten
 F64, F32 = torch.float64, torch.float32
@@ -659,7 +659,7 @@ def test_where_scalar(data):
     op = getattr(aten.where, kind)
     args = (c, scalar, x) if kind == "ScalarSelf" else (c, x, scalar)
     current = tuple(draw_current(data, t, n) for t in (c, x))
-    # where(c, x, 0) keeps or zeroes x's entries: linear in x (an unrolled loop's rows, mcompile/loops.py)
+    # where(c, x, 0) keeps or zeroes x's entries: linear in x (an unrolled loop's rows, mcompile/capture/loops.py)
     partial = [((R, P), (P,))] if kind == "ScalarOther" and scalar == 0.0 else []
     check(op, args, n=n, current=current, gen=gen, expect=pointwise_expect(shapes, op(*args).shape, n) + partial)
 
@@ -1450,7 +1450,7 @@ def test_einsum(data):
     eq = ",".join(texts) + ("" if implicit else "->" + ("..." if ell is not None else "") + out)
     xs = [make(shp, "f", gen) for shp in shapes]
     cur = tuple(draw_current(data, x, n, blocks=False) for x in xs)
-    from mcompile.rules.matmul import einsum_letters
+    from mcompile.sharding.rules.matmul import einsum_letters
     ops, out_letters = einsum_letters(eq, [x.ndim for x in xs])
     expect = []
     for c in used:
@@ -1888,7 +1888,7 @@ def test_assert_tensor_metadata(data):
 @hyp(15)
 @given(data=st.data())
 def test_assert_async(data):
-    """A value check of forward (mcompile.checks: ``assert t.all()``) reads its whole bool value: the input is
+    """A value check of forward (mcompile.capture.checks: ``assert t.all()``) reads its whole bool value: the input is
     replicated wherever it was (a shard or a Partial would check a piece), and the op has no output."""
     n = data.draw(st.sampled_from(NS), label="n")
     gen = new_gen(data)
@@ -1996,7 +1996,7 @@ def test_view_indivisible_note():
 
 
 # ---------------------------------------------------------------------------------------------
-# the Mamba-2 block's own ops (mcompile/rules/ssm.py)
+# the Mamba-2 block's own ops (mcompile/sharding/rules/ssm.py)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -2218,8 +2218,8 @@ class _RowSoftmax(torch.autograd.Function):
 
 
 def _function_op(cls, *args):
-    """The mcompile_fn op a capture makes of ``cls`` for these arguments (mcompile.autograd_fn)."""
-    from mcompile import autograd_fn
+    """The mcompile_fn op a capture makes of ``cls`` for these arguments (mcompile.capture.autograd_fn)."""
+    from mcompile.capture import autograd_fn
 
     with autograd_fn.wrapping():
         cls.apply(*args)
@@ -2340,12 +2340,12 @@ TESTED_OPS = (
     | set(FACTORIES) | set(NEW_FACTORIES) | {aten.tensor.default, aten._assert_tensor_metadata.default}
     | {aten._assert_async.default, aten._assert_async.msg, aten._is_all_true.default, aten._is_any_true.default}
     | {aten.all.dim, aten.any.dim, aten.all.dims, aten.any.dims, aten.all.default, aten.any.default}
-    | {"transformers.grouped_mm_fallback.default"}  # test_grouped_mm: registered by name (mcompile.rules.rule)
+    | {"transformers.grouped_mm_fallback.default"}  # test_grouped_mm: registered by name (mcompile.sharding.rules.rule)
     | {aten.chunk.default, aten.diff.default}  # tested in tests/test_rules_dtensor.py (test_chunk, test_diff)
     | {aten.conv1d.default, aten.conv2d.default, aten.im2col.default, aten.unfold.default, _SSD_SCAN} | set(FFTS)
 )
 # Registered ops deliberately without a test here (with the reason).
-from mcompile.moe import moe_ffn  # noqa: E402
+from mcompile.ir.moe import moe_ffn  # noqa: E402
 
 EXCLUDED: set = {
     moe_ffn,  # a whole MoE layer, not an aten op: its strategies are proven by tests/test_moe_parallel.py's parity

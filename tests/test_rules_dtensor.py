@@ -1,4 +1,4 @@
-"""Rules borrowed from DTensor (mcompile.rules.dtensor) and the hand-written ``chunk`` / ``diff``,
+"""Rules borrowed from DTensor (mcompile.sharding.rules.dtensor) and the hand-written ``chunk`` / ``diff``,
 against single-device execution, with tests/test_rules.py's harness (``check``): every strategy a
 rule returns that fits the drawn shapes runs the op on local pieces and must combine into the
 single-device output, and (for differentiable ops) its gradients into single-device autograd's.
@@ -42,9 +42,9 @@ from test_rules import (
     new_gen,
 )
 
-from mcompile.placements import BlockShard, Partial, Replicate, Shard
-from mcompile.rules import bridged_ops, get_rule, registered_ops, rule_source
-from mcompile.rules.dtensor import DENIED, dtensor_ops, refusal
+from mcompile.ir.placements import BlockShard, Partial, Replicate, Shard
+from mcompile.sharding.rules import bridged_ops, get_rule, registered_ops, rule_source
+from mcompile.sharding.rules.dtensor import DENIED, dtensor_ops, refusal
 
 aten = torch.ops.aten
 
@@ -382,8 +382,8 @@ class _RenormModel(torch.nn.Module):
 @pytest.mark.parametrize("on_activation", [False, True], ids=["input_only", "activation"])
 def test_input_only_fallback_is_silent(on_activation):
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
-    from mcompile.propagate import FallbackWarning
+    from mcompile.ir.mesh import Mesh
+    from mcompile.sharding.propagate import FallbackWarning
 
     model = _RenormModel(on_activation)
     inputs = (torch.randn(2, 16, 8), torch.randint(0, 5, (2, 16)))
@@ -497,7 +497,7 @@ def test_every_bridged_op_against_single_device():
     """Every op the bridge offers (and chunk / diff / cumsum), on every OpInfo sample that reaches it,
     as given (n = 2, 3) and tiled so that its dims divide (n = 2): all strategies correct, and at
     least one sharded or Partial strategy verified per op. An op that fails, has no sample, or never
-    fits a sharded strategy belongs in mcompile.rules.dtensor.DENIED with the reason."""
+    fits a sharded strategy belongs in mcompile.sharding.rules.dtensor.DENIED with the reason."""
     targets = set(bridged_ops()) | {aten.chunk.default, aten.diff.default, aten.cumsum.default}
     samples = collect_samples(targets)
     failures, verified = {}, collections.Counter()

@@ -17,9 +17,9 @@ import torch
 from scale_cases import _KeepSends, _Stage
 
 import mcompile.runtime.pipeline as pipeline_mod
+from mcompile.ir.timeline import DeviceClock, HostClock, clock_for
 from mcompile.runtime.pipeline import MessageSpec, PipelineExecutor
 from mcompile.runtime.schedules import build_schedule
-from mcompile.timeline import DeviceClock, HostClock, clock_for
 
 
 # ---- a rendezvous transport: NCCL's completion rule, threads for ranks ------------------------------------
@@ -144,7 +144,7 @@ class _FakeEvent:
 
 
 def test_device_clock_converts_events_to_anchored_seconds(monkeypatch):
-    import mcompile.timeline as tl
+    import mcompile.ir.timeline as tl
 
     syncs = []
     monkeypatch.setattr(tl.time, "time", lambda: 1000.0)
@@ -167,7 +167,7 @@ def test_device_clock_converts_events_to_anchored_seconds(monkeypatch):
 def test_executor_times_come_from_the_injected_clock(monkeypatch):
     """A one-stage pipeline recorded with the fake CUDA clock: every event's times are the device
     times (ms -> s after the anchor), not the host's; the CPU default is the host clock."""
-    import mcompile.timeline as tl
+    import mcompile.ir.timeline as tl
 
     monkeypatch.setattr(tl.time, "time", lambda: 50.0)
     _FakeEvent.now_ms, _FakeEvent.synced = 0.0, []

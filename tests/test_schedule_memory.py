@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcompile.memory_model import inflight_microbatches
+from mcompile.ir.memory_model import inflight_microbatches
 from mcompile.runtime.schedules import SCHEDULES, Action, build_schedule, peak_activation_bytes
 
 V = 2  # virtual stages per rank for the interleaved schedule

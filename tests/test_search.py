@@ -22,12 +22,13 @@ import torch
 from test_cost import SC21, SC21_SETTINGS, sc21_layout
 
 import mcompile as mc
-from mcompile.config import Config
-from mcompile.cost import Layout
-from mcompile.hardware import get_hardware
+from mcompile.cost.hardware import get_hardware
+from mcompile.cost.model import Layout
+from mcompile.cost.workload import estimate
+from mcompile.ir.config import Config
+from mcompile.ir.placements import BlockShard, Replicate, Shard
 from mcompile.models.gpt import GPTConfig
 from mcompile.models.presets import Preset
-from mcompile.placements import BlockShard, Replicate, Shard
 from mcompile.search import (
     SearchError,
     SearchWorkload,
@@ -38,7 +39,6 @@ from mcompile.search import (
     search,
     stage_split,
 )
-from mcompile.workload import estimate
 
 from conftest import build, pool
 
@@ -185,7 +185,7 @@ def test_pruning_is_exact(medium, limit_gib):
 
 
 def test_stage_cuts_are_the_partitioners():
-    """A 10-layer GPT captured whole (mcompile.stages.partition on its graph) and captured with 2
+    """A 10-layer GPT captured whole (mcompile.passes.pp.stages.partition on its graph) and captured with 2
     layers (the same dynamic program over the depth's layer weights) gives the same cuts; an uneven
     split is priced with its own layer counts, not ⌈L/p⌉."""
     cfg = GPTConfig(vocab_size=512, block_size=256, n_layer=10, n_head=4, n_embd=128)
@@ -369,7 +369,7 @@ def test_parallelize_needs_a_mesh_or_auto():
 def test_cli_search_and_explain(capsys):
     import json
 
-    from mcompile.cli import main
+    from mcompile.apps.cli import main
 
     args = ["gpt2-medium", "--gpus", "32", "--gpu", "a100", "--global-batch", "64", "--seq", "1024", "--top", "3"]
     assert main(["search", *args, "--json"]) == 0

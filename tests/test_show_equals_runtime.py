@@ -6,7 +6,7 @@ What show built differently before (tests/show_cases.py runs both): its backward
 (``grads_ready``) the runtime's has under ``overlap`` (no ``grad_buckets``); a pipeline stage outside zbh1 added its
 received activations' gradient into a buffer instead of returning it (no ``split_inputs``); FP8's delayed scaling
 failed (the lifted amax histories not passed to the forward). Both sides now take the buckets from
-``mcompile.buckets.grad_buckets``."""
+``mcompile.ir.buckets.grad_buckets``."""
 
 from __future__ import annotations
 

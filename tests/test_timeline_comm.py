@@ -1,4 +1,4 @@
-"""The communication track of the timeline (mcompile.timeline): interval arithmetic and a gloo run.
+"""The communication track of the timeline (mcompile.ir.timeline): interval arithmetic and a gloo run.
 
 - :func:`overlap_stats` on hand-made events, exact numbers (every time a multiple of 1/4: exact in
   binary, so the sums compare with ``==``);
@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
-from mcompile.timeline import bubble, chrome_trace, overlap_stats, trace_events
+from mcompile.ir.timeline import bubble, chrome_trace, overlap_stats, trace_events
 
 from conftest import pool
 
@@ -76,7 +76,7 @@ def test_chrome_trace_comm_lanes_and_round_trip(tmp_path):
     assert overlap_stats(trace) == overlap_stats(EVENTS)  # the trace keeps what the stats need
     assert len(trace_events(trace)) == len(EVENTS)
     assert bubble(trace) == {0: 1 - 9.0 / 10.0, 1: 1 - 1.0 / 10.0}  # comm and waits are not compute
-    from mcompile.timeline import draw
+    from mcompile.ir.timeline import draw
 
     assert draw(trace, tmp_path / "t.png").stat().st_size > 1000  # comm drawn as a strip under each row
 
@@ -84,7 +84,7 @@ def test_chrome_trace_comm_lanes_and_round_trip(tmp_path):
 # ---- a recorded step on gloo -------------------------------------------------------------------------------
 def _kind(n):
     """(kind, axis, asynchronous) of a communicating node of a program module, else None."""
-    from mcompile import ops
+    from mcompile.ir import ops
 
     if n.op != "call_function" or getattr(n.target, "namespace", None) != "mcompile":
         return None

@@ -8,7 +8,7 @@
   the losses and ends with the weights of the uninterrupted run, exactly (fp32; the same programs on the
   same data in the same order: any lost, repeated or reordered sample, a learning rate or an optimizer
   state not restored changes them). JSONL metrics have the documented keys.
-- Acceptance (issue 17, #3): ``python -m mcompile.train.cli`` starts 4 processes under torch's elastic
+- Acceptance (issue 17, #3): ``python -m mcompile.apps.train.cli`` starts 4 processes under torch's elastic
   agent; rank 1 SIGKILLs itself at step 7 (a checkpoint of step 5 exists); the agent restarts every
   rank, the run resumes from step 5 and ends with weights equal to an uninterrupted run's, exactly.
 - Acceptance (issue 17, #1, the train part): the tiny Llama trains 200 steps on the shipped corpus
@@ -27,8 +27,8 @@ import pytest
 import torch
 from train_cases import run_train
 
-from mcompile.train import schedule as S
-from mcompile.train.config import ConfigError, load_config, parse_config, parse_override
+from mcompile.apps.train import schedule as S
+from mcompile.apps.train.config import ConfigError, load_config, parse_config, parse_override
 
 from conftest import pool
 
@@ -130,7 +130,7 @@ def test_cross_field_errors(tmp_path, extra, match):
 def test_example_config_and_cli_error(tmp_path, capsys):
     cfg = load_config(ROOT / "examples" / "train" / "llama3-tiny.toml")
     assert cfg.model.preset == "llama3-tiny" and cfg.train.steps == 200 and cfg.parallel.mesh == "dp=2,tp=2"
-    from mcompile.train.cli import main
+    from mcompile.apps.train.cli import main
 
     (tmp_path / "bad.toml").write_text(BASE + "lr = 1\n")
     assert main([str(tmp_path / "bad.toml")]) == 2
@@ -267,7 +267,7 @@ def _run_cli(config: Path, *extra: str, timeout: float = 240) -> subprocess.Comp
     # one thread per process, as the pool's workers run the reference: the same float sums
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "mcompile.train.cli", str(config), *extra], cwd=config.parent,
+    return subprocess.run([sys.executable, "-m", "mcompile.apps.train.cli", str(config), *extra], cwd=config.parent,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -28,8 +28,8 @@ import pytest
 import torch
 from train_hf_cases import VOCAB, save_hf, train_then_read
 
-from mcompile.train.config import ConfigError, parse_config
-from mcompile.train.objective import Objective
+from mcompile.apps.train.config import ConfigError, parse_config
+from mcompile.apps.train.objective import Objective
 
 from conftest import pool
 
@@ -38,7 +38,7 @@ SEQ, BATCH = 32, 4
 
 
 def _tree(tmp: Path, hf: Path, name: str, **sections) -> dict:
-    from mcompile.data import tiny_dataset
+    from mcompile.apps.data import tiny_dataset
 
     tree = {
         "model": {"hf": str(hf), "init_from": str(hf)},
@@ -64,7 +64,7 @@ def _hf_loss(model, inputs) -> float:
 
 def _valid_loss(model, cfg, objective) -> float:
     """The token-weighted loss of the Hugging Face model itself over the run's eval batches."""
-    from mcompile.train.loop import _dataset
+    from mcompile.apps.train.loop import _dataset
 
     valid, bs = _dataset(cfg, "valid"), cfg.eval.batch_size or cfg.train.global_batch
     total = count = 0.0
@@ -77,7 +77,7 @@ def _valid_loss(model, cfg, objective) -> float:
 
 
 def _first_batch(cfg):
-    from mcompile.train.loop import _dataset
+    from mcompile.apps.train.loop import _dataset
 
     return _dataset(cfg, "train").batch(0, cfg.train.global_batch)
 
@@ -128,7 +128,7 @@ def test_hf_decoder_export_loads_and_matches_mcompile_eval_and_generate(decoder)
     # the export's tokenizer and greedy generate give mcompile generate's tokens
     tok = AutoTokenizer.from_pretrained(folder)
     ids = torch.tensor([tok.encode("The old dog")])
-    from mcompile.data import load_tokenizer, tiny_tokenizer
+    from mcompile.apps.data import load_tokenizer, tiny_tokenizer
 
     assert ids[0].tolist() == load_tokenizer(tiny_tokenizer()).encode("The old dog")
     with torch.no_grad():
@@ -184,7 +184,7 @@ def test_objectives_hand_each_family_its_own_labels():
 
 
 def test_auto_objective_reads_the_hf_config(tmp_path):
-    from mcompile.train.objective import hf_kind
+    from mcompile.apps.train.objective import hf_kind
 
     assert hf_kind({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}) == "causal-lm"
     assert hf_kind({"model_type": "bert", "architectures": ["BertForMaskedLM"]}) == "masked-lm"
@@ -209,7 +209,7 @@ def _write(tmp: Path, tree: dict) -> Path:
 
 def _cli_error(tmp_path, tree, monkeypatch, capsys) -> str:
     """``mcompile train`` on ``tree``: it returns 2 with one line on stderr, and starts no process."""
-    import mcompile.train.cli as cli
+    import mcompile.apps.train.cli as cli
 
     def no_launch(*a, **k):
         raise AssertionError("a process was started")
@@ -255,7 +255,7 @@ def test_missing_optional_package_is_named_with_its_install_line(tmp_path, monke
 
 
 def test_masked_lm_without_a_mask_token(tmp_path):
-    from mcompile.train.objective import resolve
+    from mcompile.apps.train.objective import resolve
 
     bert = save_hf("bert", tmp_path / "bert")
     with pytest.raises(ConfigError, match="model.mask_token_id"):
@@ -265,8 +265,8 @@ def test_masked_lm_without_a_mask_token(tmp_path):
 def test_shipped_examples_need_only_what_the_readme_set_up_installs():
     """The README's set-up (``bash scripts/env.sh``) installs the project's base dependencies: every optional
     package a shipped example's keys need is among them."""
-    from mcompile.train.config import load_config
-    from mcompile.train.preflight import required_packages
+    from mcompile.apps.train.config import load_config
+    from mcompile.apps.train.preflight import required_packages
 
     base = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     names = {d.split(">")[0].split("=")[0].split(";")[0].strip() for d in base}
@@ -295,7 +295,7 @@ def test_a_bare_model_reads_its_wrappers_checkpoint(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- docs, logs
 def test_config_reference_is_generated_from_the_dataclasses():
-    from mcompile.train.config import reference_markdown, valid_keys
+    from mcompile.apps.train.config import reference_markdown, valid_keys
 
     page = (ROOT / "docs" / "config.md").read_text()
     assert page == reference_markdown(), "docs/config.md is stale: run python scripts/config_reference.py"
@@ -307,7 +307,7 @@ def test_config_reference_is_generated_from_the_dataclasses():
 def test_progress_bar_fits_80_columns():
     from rich.console import Console
 
-    from mcompile.train.metrics import Metrics
+    from mcompile.apps.train.metrics import Metrics
 
     cfg = parse_config({"model": {"preset": "llama3-tiny"}, "data": {"factory": "x:y"},
                         "logging": {"progress": "on"}, "train": {"steps": 200}}, "test")

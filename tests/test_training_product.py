@@ -3,7 +3,7 @@ Llama on 4 CPU processes through ``mcompile train`` (stopped at step 100 with a 
 evaluate under another layout, generate (issue 17, acceptance 1).
 
 The commands are read from the documentation's bash block and run in a copy of the folders they read
-(``examples/train``), ``mcompile`` being this interpreter's ``-m mcompile.cli``."""
+(``examples/train``), ``mcompile`` being this interpreter's ``-m mcompile.apps.cli``."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def documented_commands() -> list[list[str]]:
     lines = block.group(1).replace("\\\n", " ").splitlines()
     commands = [shlex.split(line, comments=True) for line in lines if line.strip()]
     assert all(c[0] == "mcompile" for c in commands), commands
-    return [[sys.executable, "-m", "mcompile.cli", *c[1:]] for c in commands]
+    return [[sys.executable, "-m", "mcompile.apps.cli", *c[1:]] for c in commands]
 
 
 # ~260 s on the 2-core CI machine (200 steps on 4 processes, then eval and generate): the slow tier. Each step

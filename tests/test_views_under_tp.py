@@ -11,7 +11,7 @@ has a wrong loss. The rewrite reads a contiguous copy of the storage's owner; on
 An in-place op run on a copy of its destination (an op with no rule runs replicated: its sharded destination is
 all-gathered into a temporary) wrote the temporary only, so the tensor the destination views never saw it (a
 wrong loss). passes/lower.py puts the written value back into the rank's piece of the destination; in-place
-arithmetic has a rule that writes each rank's piece where it lies (mcompile/rules/pointwise.py).
+arithmetic has a rule that writes each rank's piece where it lies (mcompile/sharding/rules/pointwise.py).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_as_strided_over_a_view_of_a_sharded_projection_keeps_parity_at_tp2():
     """The query projection is column-parallel (split by features); the chunks are cut from a contiguous copy
     of its whole output, so every rank reads the elements the single-device model reads: loss and gradients."""
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
+    from mcompile.ir.mesh import Mesh
 
     torch.manual_seed(0)
     model, x = _Chunks(), torch.randn(2, 8, 16)
@@ -65,8 +65,8 @@ def test_as_strided_over_a_view_of_a_sharded_projection_keeps_parity_at_tp2():
 @pytest.mark.timeout(120)
 def test_as_strided_whose_layout_cannot_be_proved_is_refused_under_tp():
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
-    from mcompile.propagate import PlanError
+    from mcompile.ir.mesh import Mesh
+    from mcompile.sharding.propagate import PlanError
 
     torch.manual_seed(0)
     with pytest.raises(PlanError, match=r"reads the memory of .*Tensor.unfold"):
@@ -101,8 +101,8 @@ def test_a_write_into_a_view_of_a_split_tensor_reaches_the_viewed_tensor(op):
     import warnings
 
     from mcompile.api import compile_plan
-    from mcompile.mesh import Mesh
-    from mcompile.placements import Shard
+    from mcompile.ir.mesh import Mesh
+    from mcompile.ir.placements import Shard
 
     torch.manual_seed(0)
     model, inputs = _WriteThroughView(op), (torch.randn(2, 8, 16), torch.randn(2, 16, 8))

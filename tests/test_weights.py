@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from weights_cases import hf_model, load_cases, load_errors, round_trip
 
-from mcompile.mesh import Mesh
-from mcompile.placements import BlockShard, Replicate, Shard
-from mcompile.plan import ParamPlan
+from mcompile.ir.mesh import Mesh
+from mcompile.ir.placements import BlockShard, Replicate, Shard
+from mcompile.ir.plan import ParamPlan
 from mcompile.runtime.weights import Stored, WeightsError, _read_piece, open_weights, slice_of
 
 from conftest import pool

@@ -102,14 +102,14 @@ def test_zero1_gradients_accumulate_like_backward_and_norms_count_each_element_o
                                                  pytest.param("odd-llama", "dp=4", 25.0, marks=pytest.mark.slow)])
 def test_zero1_memory_equals_the_table_to_the_byte(name, mesh, bucket_mb):
     """bf16 parameters, fp32 gradients, AdamW, one step. Every rank holds exactly what
-    mcompile.buckets.zero1_memory predicts for its layout, measured by the MemoryTracker and by
+    mcompile.ir.buckets.zero1_memory predicts for its layout, measured by the MemoryTracker and by
     summing tensors: parameters 2 B and gradients 4 B per element of the padded buffers; optimizer
     state 4 B of fp32 master per element of the owned range (padding included) and 8 B of Adam
     moments per owned parameter element, plus AdamW's 4-byte step per owned segment. Summed over the
     dp ranks, the optimizer state is 12 B per parameter plus 4 B per padding element: Megatron's
-    6 + 12/d. The padding is the layout's alignment (mcompile.buckets: parameters start on multiples
+    6 + 12/d. The padding is the layout's alignment (mcompile.ir.buckets: parameters start on multiples
     of 64 elements, buffers end on multiples of dp * 64; tests/test_alignment.py).
-    mcompile.report.memory_per_rank(zero=1) counts per parameter tensor without the layout (no
+    mcompile.apps.report.memory_per_rank(zero=1) counts per parameter tensor without the layout (no
     padding, 12n/d + 4 per tensor): for parameters and gradients it is the measured bytes less
     exactly 2 B and 4 B per padding element; within 1% of every category for llama3-tiny, whose sizes
     are multiples of 64 (padding only at the ends of its 10 KB buckets, 0.6%; the step counts differ
@@ -117,7 +117,7 @@ def test_zero1_memory_equals_the_table_to_the_byte(name, mesh, bucket_mb):
     by up to 38% (1 KB buckets)."""
     from zero_cases import memory
 
-    from mcompile.buckets import ALIGN
+    from mcompile.ir.buckets import ALIGN
 
     dp = int(mesh.split("dp=")[1].split(",")[0])
     out = pool(4).run(memory, name, mesh, {}, bucket_mb)
@@ -174,7 +174,7 @@ def test_zero1_misuse_is_a_clear_error():
 
 
 def test_config_zero_is_validated():
-    from mcompile.config import Config
+    from mcompile.ir.config import Config
 
     for ok in (0, 1, 2, 3):
         assert Config(zero=ok).zero == ok

@@ -35,8 +35,8 @@ def random_samples(seq_len: int, seed: int, split: str) -> RandomSamples:
 
 
 def run_train(rank, world, tree: dict):
-    """mcompile.train.loop.train on a pool worker (its process group already initialised)."""
-    from mcompile.train.config import parse_config
-    from mcompile.train.loop import train
+    """mcompile.apps.train.loop.train on a pool worker (its process group already initialised)."""
+    from mcompile.apps.train.config import parse_config
+    from mcompile.apps.train.loop import train
 
     return train(parse_config(tree, "test"))

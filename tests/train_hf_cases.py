@@ -42,9 +42,9 @@ def save_hf(kind: str, folder: Path, seed: int = 0) -> Path:
 def train_then_read(rank, world, tree: dict, read: bool):
     """Train as ``tree`` says; with ``read``, then ``mcompile eval`` and a greedy ``mcompile generate`` of the
     run's newest checkpoint under the run's mesh (the commands' own entry functions)."""
-    from mcompile.train.commands import _eval_entry, _generate_entry
-    from mcompile.train.config import parse_config
-    from mcompile.train.loop import latest_checkpoint, train
+    from mcompile.apps.train.commands import _eval_entry, _generate_entry
+    from mcompile.apps.train.config import parse_config
+    from mcompile.apps.train.loop import latest_checkpoint, train
 
     cfg = parse_config(tree, "test")
     summary = train(cfg)

@@ -100,9 +100,9 @@ def accumulate(rank, world, name, mesh, options):
 def memory(rank, world, name, mesh, options, bucket_mb):
     """One bf16 AdamW step under the memory tracker: what this rank holds, by category, measured two
     ways (tracker; summing tensors); the exact prediction for this rank's layout
-    (mcompile.buckets.zero1_memory) and the per-tensor table (mcompile.report.memory_per_rank)."""
-    from mcompile.buckets import zero1_memory
-    from mcompile.report import memory_per_rank
+    (mcompile.ir.buckets.zero1_memory) and the per-tensor table (mcompile.apps.report.memory_per_rank)."""
+    from mcompile.apps.report import memory_per_rank
+    from mcompile.ir.buckets import zero1_memory
     from mcompile.runtime.memory import MemoryTracker
 
     model, inputs = build_model(name, batch=4)
