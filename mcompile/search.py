@@ -119,11 +119,12 @@ import dataclasses
 import functools
 import logging
 import math
+import operator
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -133,6 +134,9 @@ from mcompile.cost.hardware import Hardware, get_hardware
 from mcompile.cost.model import Estimate, Layout, Recompute, Schedule
 from mcompile.cost.workload import Workload, estimate
 from mcompile.ir.compat import quiet_highs
+
+if TYPE_CHECKING:
+    from mcompile.sharding.rules import TensorMeta
 
 __all__ = ["search", "price", "Candidate", "SearchResult", "SearchError", "SearchWorkload", "enumerate_layouts",
            "StageSplit", "stage_split", "auto_layout", "explain_pair", "explain_choices", "block_placements",
@@ -1268,67 +1272,108 @@ def block_placements(model, tp: int, *, sequence_parallel: bool = False, hardwar
 
     The planner's greedy choice is priced by the same objective (``greedy_objective_s``): the exact
     optimum can only be lower or equal."""
-    from mcompile.ir.annotate import BACKWARD_MULTIPLIER
-    from mcompile.ir.meta import BYTES_READ, BYTES_WRITTEN, FLOPS
-    from mcompile.ir.placements import BlockShard, Partial, Replicate, Shard
-    from mcompile.sharding.propagate import CONTRACTION_WEIGHT_ARGS, _out_metas, requires_grad_nodes
-    from mcompile.sharding.rules import OpInfo, TensorMeta, get_rule, replicate_all, tensor_input_nodes
-
     t0 = time.perf_counter()
     work = SearchWorkload.of(model, example_inputs, example_kwargs)
-    cap, trunk = work.captured, work.trunk
-    if not trunk.layer_starts:
-        raise SearchError("no repeated blocks found in the graph: nothing to solve per block")
-    sp = bool(sequence_parallel and tp > 1)
-    compiled = work.compiled(tp, sp)
-    greedy = compiled.axes[0].result if tp > 1 else None
-    if greedy is None:
-        raise SearchError("block_placements needs tp > 1 (one tp axis to place on)")
-    policy = compiled.axes[0].policy
-    hw = get_hardware(hardware)
-    eff = (efficiency or C.DEFAULT_EFFICIENCY).for_hardware(hw)
-    prof = work.profile(1, False)
-    seq = seq or prof.seq_len or 2048
-    sub = {cap.symbols[k]: v for k, v in (("batch", microbatch_size), ("seq", seq)) if k in cap.symbols}
-    beta, alpha = C.axis_link(Layout(tp=tp), "tp", hw, eff)
-    rg = requires_grad_nodes(cap.gm, set(cap.params))
-    lo = trunk.layer_starts[0]
-    hi = trunk.layer_starts[1] if len(trunk.layer_starts) > 1 else (trunk.layers_end or len(trunk.nodes))
-    block = trunk.nodes[lo:hi]
-    in_block = {n.name for n in block}
-    seq_sym = cap.symbols.get("seq")
-    batch_sym = cap.symbols.get("batch")
+    prog = _BlockProgram(work, tp, sequence_parallel=sequence_parallel, hardware=hardware,
+                         microbatch_size=microbatch_size, seq=seq, precision=precision,
+                         require_sharded_weights=require_sharded_weights, efficiency=efficiency)
+    prog.candidates()
+    prog.node_columns()
+    prog.edge_rows()
+    prog.exit_rows()
+    return prog.solution(prog.solve(), t0)
 
-    def nbytes(meta: TensorMeta) -> float:
+
+class _BlockProgram:
+    """The integer program of :func:`block_placements`, built in the order its columns and rows are numbered.
+
+    One object because every part reads the same block, planner result and link constants, and adds to
+    the same columns (``cols_cost``, ``cols_int``) and rows: :meth:`candidates` (each node's strategies),
+    :meth:`node_columns` (s and x), :meth:`edge_rows` (y and z), :meth:`exit_rows` (the residual stream
+    keeps its placement), :meth:`solve` (HiGHS), :meth:`solution` (the exact and the greedy assignment
+    priced alike). The cost helpers (:meth:`redistribute`, :meth:`node_time`) are the objective's terms."""
+
+    def __init__(self, work: SearchWorkload, tp: int, *, sequence_parallel: bool, hardware: str | Hardware,
+                 microbatch_size: int, seq: int | None, precision: str, require_sharded_weights: bool,
+                 efficiency: C.Efficiency | None):
+        from mcompile.sharding.propagate import requires_grad_nodes
+
+        self.work, self.tp, self.precision = work, tp, precision
+        self.require_sharded_weights = require_sharded_weights
+        cap, trunk = work.captured, work.trunk
+        self.cap = cap
+        if not trunk.layer_starts:
+            raise SearchError("no repeated blocks found in the graph: nothing to solve per block")
+        self.sp = sp = bool(sequence_parallel and tp > 1)
+        compiled = work.compiled(tp, sp)
+        self.greedy = compiled.axes[0].result if tp > 1 else None
+        if self.greedy is None:
+            raise SearchError("block_placements needs tp > 1 (one tp axis to place on)")
+        self.policy = compiled.axes[0].policy
+        self.hw = hw = get_hardware(hardware)
+        self.eff = eff = (efficiency or C.DEFAULT_EFFICIENCY).for_hardware(hw)
+        prof = work.profile(1, False)
+        seq = seq or prof.seq_len or 2048
+        self.sub = {cap.symbols[k]: v for k, v in (("batch", microbatch_size), ("seq", seq)) if k in cap.symbols}
+        self.beta, self.alpha = C.axis_link(Layout(tp=tp), "tp", hw, eff)
+        self.rg = requires_grad_nodes(cap.gm, set(cap.params))
+        lo = trunk.layer_starts[0]
+        hi = trunk.layer_starts[1] if len(trunk.layer_starts) > 1 else (trunk.layers_end or len(trunk.nodes))
+        self.block = trunk.nodes[lo:hi]
+        self.in_block = {n.name for n in self.block}
+        self.seq_sym = cap.symbols.get("seq")
+        self.batch_sym = cap.symbols.get("batch")
+        # the program, filled by the parts in order
+        self.producers: list = []
+        self.params_in: dict = {}
+        self.cands: dict[str, list] = {}
+        self.inputs_of: dict[str, list] = {}
+        self.cols_cost: list[float] = []
+        self.cols_int: list[bool] = []
+        self.rows: list[tuple[float, float, list[int], list[float]]] = []
+        self.svar: dict = {}
+        self.xvar: dict = {}
+        self.zvar: dict[tuple, int] = {}
+
+    # -- the objective's terms: bytes, redistributions and node times at microbatch_size x seq
+
+    def nbytes(self, meta: TensorMeta) -> float:
         numel = 1
         for d in meta.shape:
-            numel *= int(d.subs(sub)) if hasattr(d, "subs") else int(d)
+            numel *= int(d.subs(self.sub)) if hasattr(d, "subs") else int(d)
         return float(numel * meta.dtype.itemsize)
 
+    @staticmethod
     def static(meta: TensorMeta, dim: int) -> bool:
         d = meta.shape[dim % meta.ndim]
         return not getattr(d, "free_symbols", None)
 
-    def shard_allowed(meta: TensorMeta, p) -> bool:  # mcompile.sharding.propagate's rule for a tp axis
+    def shard_allowed(self, meta: TensorMeta, p) -> bool:  # mcompile.sharding.propagate's rule for a tp axis
+        from mcompile.ir.placements import BlockShard, Shard
+
         if not isinstance(p, Shard | BlockShard):
             return True
         d = meta.shape[p.dim % meta.ndim]
         free = getattr(d, "free_symbols", set())
         if not free:
-            return policy.allow_static_dims
-        if batch_sym in free:
+            return self.policy.allow_static_dims
+        if self.batch_sym in free:
             return False
-        return sp and d == seq_sym
+        return self.sp and d == self.seq_sym
 
-    def coll(kind: str, b: float) -> float:
-        return float(C.collective_time(kind, b, tp, beta, alpha))
+    def coll(self, kind: str, b: float) -> float:
+        return float(C.collective_time(kind, b, self.tp, self.beta, self.alpha))
 
-    def redistribute(src: str, p, q, meta: TensorMeta) -> float:
+    def redistribute(self, src: str, p, q, meta: TensorMeta) -> float:
+        """Seconds to turn value ``src`` from placement p into q, forward and backward (inf: not lowered)."""
+        from mcompile.ir.placements import Partial, Replicate, Shard
+
         if p == q:
             return 0.0
-        if isinstance(q, Shard) and static(meta, q.dim):
+        if isinstance(q, Shard) and self.static(meta, q.dim):
             return math.inf  # static dims are sharded by contractions, never by a collective
-        b, grad = nbytes(meta), src in rg
+        b, grad = self.nbytes(meta), src in self.rg
+        coll = self.coll
         if isinstance(p, Replicate) and isinstance(q, Shard):
             return 1e-9 + (coll("all_gather", b) if grad else 0.0)
         if isinstance(p, Partial) and isinstance(q, Replicate) and (p.reduce_op == "sum" or not grad):
@@ -1339,7 +1384,12 @@ def block_placements(model, tp: int, *, sequence_parallel: bool = False, hardwar
             return coll("all_gather", b) + (coll("reduce_scatter", b) if grad else 0.0)
         return math.inf
 
-    def node_time(n) -> float:
+    def node_time(self, n) -> float:
+        """The node's roofline time on one rank, unsharded, forward and backward."""
+        from mcompile.ir.annotate import BACKWARD_MULTIPLIER
+        from mcompile.ir.meta import BYTES_READ, BYTES_WRITTEN, FLOPS
+
+        sub, hw, eff, precision = self.sub, self.hw, self.eff, self.precision
         f = float(sympy_sub(n.meta.get(FLOPS, 0), sub))
         y = float(sympy_sub(n.meta.get(BYTES_READ, 0), sub)) + float(sympy_sub(n.meta.get(BYTES_WRITTEN, 0), sub))
         cat = C.node_category(n)
@@ -1353,184 +1403,222 @@ def block_placements(model, tp: int, *, sequence_parallel: bool = False, hardwar
             return t * (1 + BACKWARD_MULTIPLIER.get(cat, 2))
         return y / bw * (1 + C.BACKWARD_BYTES.get(cat, 1))
 
+    @staticmethod
     def sharded(pl) -> bool:
+        from mcompile.ir.placements import BlockShard, Partial, Shard
+
         return isinstance(pl, Shard | BlockShard | Partial)
 
-    # -- values, placements of what enters the block, and the candidate strategies of each node
-    import operator
+    # -- values and the placements of what enters the block
 
+    @staticmethod
     def value(a) -> tuple[str, int]:
+        """(producer, output index) of the value an argument reads (through a getitem)."""
         if a.op == "call_function" and a.target is operator.getitem:
             return a.args[0].name, a.args[1]
         return a.name, 0
 
-    def fixed_placement(name: str, idx: int):
-        pl = greedy.placements.get(name, Replicate())
+    def fixed_placement(self, name: str, idx: int):
+        """The planner's placement of value (name, idx): what enters or leaves the block keeps it."""
+        from mcompile.ir.placements import Replicate
+
+        pl = self.greedy.placements.get(name, Replicate())
         return pl[idx] if isinstance(pl, tuple) else (pl if pl is not None else Replicate())
 
-    producers = [n for n in block if n.target is not operator.getitem and _out_metas(n)]
-    params_in = {}
-    cands: dict[str, list] = {}
-    inputs_of: dict[str, list] = {}
-    for n in producers:
-        ins = tensor_input_nodes(n)
-        metas = [TensorMeta.of(a.meta["val"]) for a in ins]
-        outs = _out_metas(n)
-        current = tuple(greedy.params.get(a.name) if a.name in cap.params else fixed_placement(*value(a))
-                        for a in ins)
-        info = OpInfo(n, n.target, tuple(n.args), dict(n.kwargs), metas, outs, tp, current)
-        rule = get_rule(n.target)
-        options = (rule(info) if rule is not None else []) or [replicate_all(info)]
-        weight_args = CONTRACTION_WEIGHT_ARGS.get(n.target, ())
-        keep = []
-        for s in options:
-            ok = all(shard_allowed(o, p) for o, p in zip(outs, s.outputs))
-            ok = ok and not (any(isinstance(p, Partial) for p in s.inputs) and any(isinstance(p, Partial)
-                                                                                  for p in s.outputs))
-            for i, (a, req) in enumerate(zip(ins, s.inputs)):
-                if a.name in cap.params:
-                    hint = policy.param_hints.get(a.name)
-                    if isinstance(req, Partial) or (isinstance(hint, BlockShard) and req != hint) or \
-                            (require_sharded_weights and i in weight_args and isinstance(req, Replicate)):
-                        ok = False
-                    params_in.setdefault(a.name, set()).add(req)
-            if ok and s not in keep:
-                keep.append(s)
-        if not keep:
-            raise SearchError(f"{n.name} ({n.target}): no strategy fits a tp axis")
-        cands[n.name] = keep
-        inputs_of[n.name] = list(zip(ins, metas))
+    # -- the candidate strategies of each node
 
-    # -- the integer program
-    cols_cost: list[float] = []
-    cols_int: list[bool] = []
+    def candidates(self) -> None:
+        """Each producing node's rule strategies, filtered as the planner filters them on a tp axis
+        (``cands``), its tensor inputs (``inputs_of``) and every placement a strategy reads each parameter
+        in (``params_in``, rejected strategies included: x has a column per placement any rule asks for)."""
+        from mcompile.ir.placements import BlockShard, Partial, Replicate
+        from mcompile.sharding.propagate import CONTRACTION_WEIGHT_ARGS, _out_metas
+        from mcompile.sharding.rules import OpInfo, TensorMeta, get_rule, replicate_all, tensor_input_nodes
 
-    def var(cost: float = 0.0, integer: bool = False) -> int:
-        cols_cost.append(cost)
-        cols_int.append(integer)
-        return len(cols_cost) - 1
+        cap, greedy, policy, params_in = self.cap, self.greedy, self.policy, self.params_in
+        self.producers = [n for n in self.block if n.target is not operator.getitem and _out_metas(n)]
+        for n in self.producers:
+            ins = tensor_input_nodes(n)
+            metas = [TensorMeta.of(a.meta["val"]) for a in ins]
+            outs = _out_metas(n)
+            current = tuple(greedy.params.get(a.name) if a.name in cap.params else self.fixed_placement(*self.value(a))
+                            for a in ins)
+            info = OpInfo(n, n.target, tuple(n.args), dict(n.kwargs), metas, outs, self.tp, current)
+            rule = get_rule(n.target)
+            options = (rule(info) if rule is not None else []) or [replicate_all(info)]
+            weight_args = CONTRACTION_WEIGHT_ARGS.get(n.target, ())
+            keep = []
+            for s in options:
+                ok = all(self.shard_allowed(o, p) for o, p in zip(outs, s.outputs))
+                ok = ok and not (any(isinstance(p, Partial) for p in s.inputs) and any(isinstance(p, Partial)
+                                                                                      for p in s.outputs))
+                for i, (a, req) in enumerate(zip(ins, s.inputs)):
+                    if a.name in cap.params:
+                        hint = policy.param_hints.get(a.name)
+                        if isinstance(req, Partial) or (isinstance(hint, BlockShard) and req != hint) or \
+                                (self.require_sharded_weights and i in weight_args and isinstance(req, Replicate)):
+                            ok = False
+                        params_in.setdefault(a.name, set()).add(req)
+                if ok and s not in keep:
+                    keep.append(s)
+            if not keep:
+                raise SearchError(f"{n.name} ({n.target}): no strategy fits a tp axis")
+            self.cands[n.name] = keep
+            self.inputs_of[n.name] = list(zip(ins, metas))
 
-    rows: list[tuple[float, float, list[int], list[float]]] = []
-    svar = {}
-    for n in producers:  # compute: the node's time, 1/tp of it where the strategy shards the work
-        t = node_time(n)
-        svar[n.name] = [var(t / (tp if any(sharded(p) for p in (*s.inputs, *s.outputs)) else 1), True)
-                        for s in cands[n.name]]
-        rows.append((1, 1, svar[n.name], [1.0] * len(svar[n.name])))
-    xvar = {}
-    for ph, places in params_in.items():
-        xvar[ph] = {q: var(0.0, True) for q in sorted(places, key=repr)}
-        rows.append((1, 1, list(xvar[ph].values()), [1.0] * len(xvar[ph])))
+    # -- the integer program's columns and rows
 
-    def out_indicator(u: str, idx: int) -> dict:
+    def var(self, cost: float = 0.0, integer: bool = False) -> int:
+        self.cols_cost.append(cost)
+        self.cols_int.append(integer)
+        return len(self.cols_cost) - 1
+
+    def node_columns(self) -> None:
+        """s[v,k] (cost: the node's time, 1/tp of it where the strategy shards the work) and x[w,q], one
+        choice each."""
+        tp, rows, var = self.tp, self.rows, self.var
+        for n in self.producers:
+            t = self.node_time(n)
+            self.svar[n.name] = [var(t / (tp if any(self.sharded(p) for p in (*s.inputs, *s.outputs)) else 1), True)
+                                 for s in self.cands[n.name]]
+            rows.append((1, 1, self.svar[n.name], [1.0] * len(self.svar[n.name])))
+        for ph, places in self.params_in.items():
+            self.xvar[ph] = {q: var(0.0, True) for q in sorted(places, key=repr)}
+            rows.append((1, 1, list(self.xvar[ph].values()), [1.0] * len(self.xvar[ph])))
+
+    def out_indicator(self, u: str, idx: int) -> dict:
         """placement -> [(column, coefficient)] saying value (u, idx) has that placement (fixed: {})."""
-        if u not in cands:
-            return {fixed_placement(u, idx): []}
+        if u not in self.cands:
+            return {self.fixed_placement(u, idx): []}
         out: dict = {}
-        for s, c in zip(cands[u], svar[u]):
+        for s, c in zip(self.cands[u], self.svar[u]):
             out.setdefault(s.outputs[idx], []).append(c)
         return out
 
-    zvar: dict[tuple, int] = {}
-    for name in cands:
-        for i, (a, meta) in enumerate(inputs_of[name]):
-            if a.name in cap.params:
-                for s, c in zip(cands[name], svar[name]):
-                    rows.append((-math.inf, 0, [c, xvar[a.name][s.inputs[i]]], [1.0, -1.0]))
-                continue
-            u, idx = value(a)
-            src = out_indicator(u, idx)
-            need: dict = {}
-            for s, c in zip(cands[name], svar[name]):
-                need.setdefault(s.inputs[i], []).append(c)
-            y = {}
-            for p in src:
-                for q in need:
-                    cost = redistribute(u, p, q, meta)
-                    if math.isfinite(cost):
-                        y[(p, q)] = var()
-                        if p != q:
-                            key = (u, idx, p, q)
-                            if key not in zvar:
-                                zvar[key] = var(cost)
-                            rows.append((0, math.inf, [zvar[key], y[(p, q)]], [1.0, -1.0]))
-            for p, cs in src.items():  # Σ_q y[p,q] = [u is p]
-                yc = [y[(p, q)] for q in need if (p, q) in y]
-                if cs:
+    def edge_rows(self) -> None:
+        """Every input of every node: a parameter read as q needs x[w,q]; a value gets y[e,p,q] for each
+        pair the lowering can do, and z[u,p,q] (the redistribution's cost, paid once per value) above them."""
+        rows, var, zvar = self.rows, self.var, self.zvar
+        for name in self.cands:
+            cands, svar = self.cands[name], self.svar[name]
+            for i, (a, meta) in enumerate(self.inputs_of[name]):
+                if a.name in self.cap.params:
+                    for s, c in zip(cands, svar):
+                        rows.append((-math.inf, 0, [c, self.xvar[a.name][s.inputs[i]]], [1.0, -1.0]))
+                    continue
+                u, idx = self.value(a)
+                src = self.out_indicator(u, idx)
+                need: dict = {}
+                for s, c in zip(cands, svar):
+                    need.setdefault(s.inputs[i], []).append(c)
+                y = {}
+                for p in src:
+                    for q in need:
+                        cost = self.redistribute(u, p, q, meta)
+                        if math.isfinite(cost):
+                            y[(p, q)] = var()
+                            if p != q:
+                                key = (u, idx, p, q)
+                                if key not in zvar:
+                                    zvar[key] = var(cost)
+                                rows.append((0, math.inf, [zvar[key], y[(p, q)]], [1.0, -1.0]))
+                for p, cs in src.items():  # Σ_q y[p,q] = [u is p]
+                    yc = [y[(p, q)] for q in need if (p, q) in y]
+                    if cs:
+                        rows.append((0, 0, yc + cs, [1.0] * len(yc) + [-1.0] * len(cs)))
+                    else:
+                        rows.append((1, 1, yc, [1.0] * len(yc)))
+                for q, cs in need.items():  # Σ_p y[p,q] = [v needs q]
+                    yc = [y[(p, q)] for p in src if (p, q) in y]
                     rows.append((0, 0, yc + cs, [1.0] * len(yc) + [-1.0] * len(cs)))
-                else:
-                    rows.append((1, 1, yc, [1.0] * len(yc)))
-            for q, cs in need.items():  # Σ_p y[p,q] = [v needs q]
-                yc = [y[(p, q)] for p in src if (p, q) in y]
-                rows.append((0, 0, yc + cs, [1.0] * len(yc) + [-1.0] * len(cs)))
-    # values leaving the block keep the planner's placement (the next block expects it)
-    for n in producers:
-        for idx in range(len(_out_metas(n))):
-            users = [u for u in n.users if u.name not in in_block or
-                     (u.target is operator.getitem and any(w.name not in in_block for w in u.users))]
-            if users:
-                want = fixed_placement(n.name, idx)
-                cs = out_indicator(n.name, idx).get(want, [])
-                if not cs:
-                    raise SearchError(f"{n.name}: no strategy produces the placement {want!r} the next block reads")
-                rows.append((1, 1, cs, [1.0] * len(cs)))
 
-    h = quiet_highs("the exact per-block placement solver (mcompile.search.block_placements)")
-    import highspy  # importable: quiet_highs required it
+    def exit_rows(self) -> None:
+        """Values leaving the block keep the planner's placement (the next block expects it)."""
+        from mcompile.sharding.propagate import _out_metas
 
-    n_cols = len(cols_cost)
-    h.addVars(n_cols, np.zeros(n_cols), np.ones(n_cols))
-    h.changeColsCost(n_cols, np.arange(n_cols, dtype=np.int32), np.array(cols_cost, dtype=np.float64))
-    ints = np.array([i for i, b in enumerate(cols_int) if b], dtype=np.int32)
-    h.changeColsIntegrality(len(ints), ints, np.array([highspy.HighsVarType.kInteger] * len(ints)))
-    for lo_, hi_, idx, val in rows:
-        h.addRow(lo_ if math.isfinite(lo_) else -highspy.kHighsInf, hi_ if math.isfinite(hi_) else highspy.kHighsInf,
-                 len(idx), np.array(idx, dtype=np.int32), np.array(val, dtype=np.float64))
-    h.run()
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        raise SearchError(f"the block's integer program was not solved to optimality: {h.getModelStatus()}")
-    sol = np.array(h.getSolution().col_value)
+        in_block = self.in_block
+        for n in self.producers:
+            for idx in range(len(_out_metas(n))):
+                users = [u for u in n.users if u.name not in in_block or
+                         (u.target is operator.getitem and any(w.name not in in_block for w in u.users))]
+                if users:
+                    want = self.fixed_placement(n.name, idx)
+                    cs = self.out_indicator(n.name, idx).get(want, [])
+                    if not cs:
+                        raise SearchError(f"{n.name}: no strategy produces the placement {want!r} the next block reads")
+                    self.rows.append((1, 1, cs, [1.0] * len(cs)))
 
-    chosen = {name: cands[name][int(np.argmax(sol[svar[name]]))] for name in cands}
-    params = {cap.params[ph]: max(xs, key=lambda q: sol[xs[q]]) for ph, xs in xvar.items()}
-    greedy_params = {cap.params[ph]: greedy.params[ph] for ph in xvar}
+    def solve(self) -> np.ndarray:
+        """The columns and rows handed to HiGHS, solved to optimality: the columns' values."""
+        h = quiet_highs("the exact per-block placement solver (mcompile.search.block_placements)")
+        import highspy  # importable: quiet_highs required it
 
-    def price_assignment(strategies: dict, param_pl: dict) -> tuple[float, float]:
+        n_cols = len(self.cols_cost)
+        h.addVars(n_cols, np.zeros(n_cols), np.ones(n_cols))
+        h.changeColsCost(n_cols, np.arange(n_cols, dtype=np.int32), np.array(self.cols_cost, dtype=np.float64))
+        ints = np.array([i for i, b in enumerate(self.cols_int) if b], dtype=np.int32)
+        h.changeColsIntegrality(len(ints), ints, np.array([highspy.HighsVarType.kInteger] * len(ints)))
+        inf = highspy.kHighsInf
+        for lo_, hi_, idx, val in self.rows:
+            h.addRow(lo_ if math.isfinite(lo_) else -inf, hi_ if math.isfinite(hi_) else inf,
+                     len(idx), np.array(idx, dtype=np.int32), np.array(val, dtype=np.float64))
+        h.run()
+        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            raise SearchError(f"the block's integer program was not solved to optimality: {h.getModelStatus()}")
+        return np.array(h.getSolution().col_value)
+
+    # -- the answer, and the planner's greedy assignment priced by the same objective
+
+    def price_assignment(self, strategies: dict, param_pl: dict) -> tuple[float, float]:
+        """(compute, comm) seconds of one strategy per node: the objective at that assignment."""
+        cands, svar, cols_cost = self.cands, self.svar, self.cols_cost
         compute = sum(cols_cost[svar[name][cands[name].index(s)]] for name, s in strategies.items())
         paid = set()
         comm = 0.0
         for name, s in strategies.items():
-            for i, (a, meta) in enumerate(inputs_of[name]):
-                if a.name in cap.params:
+            for i, (a, meta) in enumerate(self.inputs_of[name]):
+                if a.name in self.cap.params:
                     continue
-                u, idx = value(a)
-                p = strategies[u].outputs[idx] if u in strategies else fixed_placement(u, idx)
+                u, idx = self.value(a)
+                p = strategies[u].outputs[idx] if u in strategies else self.fixed_placement(u, idx)
                 q = s.inputs[i]
                 if p != q and (u, idx, q) not in paid:
                     paid.add((u, idx, q))
-                    comm += redistribute(u, p, q, meta)
+                    comm += self.redistribute(u, p, q, meta)
         return compute, comm
 
-    compute, comm = price_assignment(chosen, params)
-    g_strats = {}
-    for name in cands:
-        g = greedy.strategies.get(name)
-        match = [s for s in cands[name] if g is not None and s.inputs == g.inputs and s.outputs == g.outputs]
-        g_strats[name] = match[0] if match else None
-    if any(s is None for s in g_strats.values()):
-        g_compute = g_comm = math.inf  # the planner chose outside the space (cannot happen with the same filters)
-    else:
-        g_compute, g_comm = price_assignment(g_strats, greedy_params)
-    names = {}
-    for name in cands:
-        for a, _ in inputs_of[name]:
-            if a.name in cap.params and cap.params[a.name] not in names:
-                names[cap.params[a.name]] = chosen[name].name or "local"
-    return BlockSolution(
-        tp=tp, sequence_parallel=sp, layer=0, nodes=[n.name for n in block], strategies=chosen, params=params,
-        greedy_params=greedy_params, objective_s=compute + comm, greedy_objective_s=g_compute + g_comm,
-        compute_s=compute, comm_s=comm, greedy_compute_s=g_compute, greedy_comm_s=g_comm, variables=n_cols,
-        constraints=len(rows), solve_s=time.perf_counter() - t0, strategy_names=names)
+    def greedy_strategies(self) -> dict:
+        """node name -> the candidate the planner chose (None where it chose outside the candidates)."""
+        g_strats = {}
+        for name in self.cands:
+            g = self.greedy.strategies.get(name)
+            match = [s for s in self.cands[name] if g is not None and s.inputs == g.inputs and s.outputs == g.outputs]
+            g_strats[name] = match[0] if match else None
+        return g_strats
+
+    def solution(self, sol: np.ndarray, t0: float) -> BlockSolution:
+        """The chosen strategies and parameter placements, each assignment priced, as a BlockSolution."""
+        cap, cands, xvar, greedy = self.cap, self.cands, self.xvar, self.greedy
+        chosen = {name: cands[name][int(np.argmax(sol[self.svar[name]]))] for name in cands}
+        params = {cap.params[ph]: max(xs, key=lambda q: sol[xs[q]]) for ph, xs in xvar.items()}
+        greedy_params = {cap.params[ph]: greedy.params[ph] for ph in xvar}
+        compute, comm = self.price_assignment(chosen, params)
+        g_strats = self.greedy_strategies()
+        if any(s is None for s in g_strats.values()):
+            g_compute = g_comm = math.inf  # the planner chose outside the space (cannot happen with the same filters)
+        else:
+            g_compute, g_comm = self.price_assignment(g_strats, greedy_params)
+        names = {}
+        for name in cands:
+            for a, _ in self.inputs_of[name]:
+                if a.name in cap.params and cap.params[a.name] not in names:
+                    names[cap.params[a.name]] = chosen[name].name or "local"
+        return BlockSolution(
+            tp=self.tp, sequence_parallel=self.sp, layer=0, nodes=[n.name for n in self.block], strategies=chosen,
+            params=params, greedy_params=greedy_params, objective_s=compute + comm,
+            greedy_objective_s=g_compute + g_comm, compute_s=compute, comm_s=comm, greedy_compute_s=g_compute,
+            greedy_comm_s=g_comm, variables=len(self.cols_cost), constraints=len(self.rows),
+            solve_s=time.perf_counter() - t0, strategy_names=names)
 
 
 def sympy_sub(x, sub) -> float:
