@@ -86,118 +86,161 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
     multiplied back: ep is applied per layout); their all-to-all dispatch and combine are the plan's
     ``ep`` collectives, or — a plan without ep — what passes/lower.py's all-to-all dispatcher inserts:
     the E int64 counts (forward), and per direction the T·k token rows of d elements (forward and
-    backward)."""
-    from mcompile.ir.annotate import to_sympy
-    from mcompile.ir.moe import ExpertForm, moe_ffn
+    backward).
 
-    cap, plan = compiled.captured, compiled.plan
-    gm: fx.GraphModule = cap.gm
-    tp = plan.mesh.get("tp", 1)
-    tp_index = list(plan.mesh).index("tp") if "tp" in plan.mesh else None
-    ep_plan = plan.mesh.get("ep", 1)
-    ep_index = list(plan.mesh).index("ep") if "ep" in plan.mesh else None
-    sub = {cap.symbols[k]: v for k, v in (("batch", BATCH), ("seq", SEQ)) if k in cap.symbols}
-    params_ph = set(cap.params) | set(cap.buffers) | set(cap.constants)
-    is_param = lambda n: n.op == "placeholder" and n.name in params_ph  # noqa: E731
+    The work is :class:`_Analysis`'s, in its parts: where each node belongs (sections, layer weights),
+    each node's share on one tp rank, the routed experts' facts, ops, collectives, parameters and saved
+    activations per section, then the profile."""
+    return _Analysis(compiled, n_layers=n_layers, layer_counts=layer_counts).profile(
+        name=name, heads=heads, kv_heads=kv_heads, seq_len=seq_len)
 
-    # where each node belongs: a layer index, or before ("pre") / after ("post") the layers
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    layer_of = {n: layer_index(n) for n in nodes}
-    layered = [i for i, n in enumerate(nodes) if layer_of[n] is not None]
-    if not layered:
-        raise ValueError("the captured model has no numbered layers (modules like `layers.0`, `h.0`): the cost "
-                         "model analyses one transformer block and scales it by the layer count")
-    first = layered[0]
-    section_of = {}
-    for i, n in enumerate(nodes):
-        section_of[n] = layer_of[n] if layer_of[n] is not None else ("pre" if i < first else "post")
-    layer_ids = sorted({v for v in layer_of.values() if v is not None})
-    n_cap = len(layer_ids)
-    n_layers = n_layers or n_cap
-    # the share of the real model's mean layer each captured layer stands for
-    if layer_counts is None:
-        lw = dict.fromkeys(layer_ids, sympy.Rational(1, n_cap))
-    else:
-        if set(layer_counts) != set(layer_ids) or sum(layer_counts.values()) != n_layers:
-            raise ValueError(f"layer_counts={layer_counts} must give every captured layer {layer_ids} a count, "
-                             f"summing to n_layers={n_layers}")
-        lw = {i: sympy.Rational(Fraction(c).numerator, Fraction(c).denominator) / n_layers
-              for i, c in layer_counts.items()}
 
-    def weight_of(n: fx.Node):
-        return lw[section_of[n]] if isinstance(section_of[n], int) else sympy.Integer(1)
+class _Analysis:
+    """One :func:`analyse` of a planned model: the facts every part shares (the graph's nodes, the section
+    and layer weight of each, the tp and ep axes, the routed experts, the parameters per section), gathered
+    once at construction, and the parts that price a section from them (:meth:`section`) and assemble the
+    profile (:meth:`profile`)."""
 
-    gathered = {c.origin for c in plan.collectives if c.forward == "all_gather"}
-    by_name = {n.name: n for n in nodes}
+    def __init__(self, compiled, *, n_layers: int | None, layer_counts: dict[int, int] | None):
+        cap, plan = compiled.captured, compiled.plan
+        self.cap, self.plan = cap, plan
+        self.tp = plan.mesh.get("tp", 1)
+        self.tp_index = list(plan.mesh).index("tp") if "tp" in plan.mesh else None
+        self.ep_plan = plan.mesh.get("ep", 1)
+        self.ep_index = list(plan.mesh).index("ep") if "ep" in plan.mesh else None
+        self.sub = {cap.symbols[k]: v for k, v in (("batch", BATCH), ("seq", SEQ)) if k in cap.symbols}
+        self.params_ph = set(cap.params) | set(cap.buffers) | set(cap.constants)
+        self._place_nodes(cap.gm)
+        self._weigh_layers(n_layers, layer_counts)
+        self.gathered = {c.origin for c in plan.collectives if c.forward == "all_gather"}
+        self.by_name = {n.name: n for n in self.nodes}
+        self._find_experts()
+        self._count_params()
+        self._find_differentiable()
 
-    def placement_of(n: fx.Node):
+    # ------------------------------------------------------------------ where each node belongs
+
+    def _place_nodes(self, gm: fx.GraphModule) -> None:
+        """Where each node belongs: a layer index, or before ("pre") / after ("post") the layers (``nodes``,
+        ``layer_of``, ``section_of``, ``layer_ids``)."""
+        nodes = self.nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+        layer_of = self.layer_of = {n: layer_index(n) for n in nodes}
+        layered = [i for i, n in enumerate(nodes) if layer_of[n] is not None]
+        if not layered:
+            raise ValueError("the captured model has no numbered layers (modules like `layers.0`, `h.0`): the cost "
+                             "model analyses one transformer block and scales it by the layer count")
+        first = layered[0]
+        section_of = self.section_of = {}
+        for i, n in enumerate(nodes):
+            section_of[n] = layer_of[n] if layer_of[n] is not None else ("pre" if i < first else "post")
+        self.layer_ids = sorted({v for v in layer_of.values() if v is not None})
+
+    def _weigh_layers(self, n_layers: int | None, layer_counts: dict[int, int] | None) -> None:
+        """The share of the real model's mean layer each captured layer stands for (``lw``), and the real
+        model's depth (``n_layers``)."""
+        layer_ids = self.layer_ids
+        n_cap = self.n_cap = len(layer_ids)
+        n_layers = self.n_layers = n_layers or n_cap
+        if layer_counts is None:
+            self.lw = dict.fromkeys(layer_ids, sympy.Rational(1, n_cap))
+        else:
+            if set(layer_counts) != set(layer_ids) or sum(layer_counts.values()) != n_layers:
+                raise ValueError(f"layer_counts={layer_counts} must give every captured layer {layer_ids} a count, "
+                                 f"summing to n_layers={n_layers}")
+            self.lw = {i: sympy.Rational(Fraction(c).numerator, Fraction(c).denominator) / n_layers
+                       for i, c in layer_counts.items()}
+
+    def weight_of(self, n: fx.Node):
+        """The weight of node n's work in its section: its layer's share of the mean layer, or 1."""
+        return self.lw[self.section_of[n]] if isinstance(self.section_of[n], int) else sympy.Integer(1)
+
+    def is_param(self, n: fx.Node) -> bool:
+        """A parameter, buffer or constant placeholder."""
+        return n.op == "placeholder" and n.name in self.params_ph
+
+    # ------------------------------------------------------------------ one tp rank's share
+
+    def placement_of(self, n: fx.Node):
+        """Node n's placement along tp (a parameter's, or an activation's), or None."""
+        plan, tp_index = self.plan, self.tp_index
         if n.op == "placeholder":
-            fqn = cap.params.get(n.name)
+            fqn = self.cap.params.get(n.name)
             if fqn is None or tp_index is None:
                 return None
             return plan.params[fqn].placements[tp_index]
         placements = plan.activations.get(n.name)
         return None if placements is None or tp_index is None else placements[tp_index]
 
-    def share(n: fx.Node) -> sympy.Expr:
+    def share(self, n: fx.Node) -> sympy.Expr:
         """The share of node n's work one tp rank does."""
+        tp = self.tp
         if tp == 1:
             return sympy.Integer(1)
-        out = placement_of(n)
+        out = self.placement_of(n)
         if _is_sharded(out) or _is_partial(out):
             return sympy.Rational(1, tp)
         for a in n.all_input_nodes:
-            if _is_sharded(placement_of(a)) and a.name not in gathered:
+            if _is_sharded(self.placement_of(a)) and a.name not in self.gathered:
                 return sympy.Rational(1, tp)
         return sympy.Integer(1)
 
-    def local_fraction(x: fx.Node, consumer: fx.Node):
+    def local_fraction(self, x: fx.Node, consumer: fx.Node):
+        """The share of value x one tp rank holds (for the memory model's saved bytes)."""
+        tp, gathered = self.tp, self.gathered
         if tp == 1:
             return sympy.Integer(1)
-        if _is_sharded(placement_of(x)) and x.name not in gathered:
+        if _is_sharded(self.placement_of(x)) and x.name not in gathered:
             return sympy.Rational(1, tp)
-        if _is_sharded(placement_of(x)) and x.name in gathered and plan.options.sp_variant == "regather":
+        if _is_sharded(self.placement_of(x)) and x.name in gathered and self.plan.options.sp_variant == "regather":
             return sympy.Rational(1, tp)
         return sympy.Integer(1)
 
-    def local_numel(fqn: str) -> int:
+    def local_numel(self, fqn: str) -> int:
         """A parameter's elements on one tp rank, all of them along ep (ep is applied per layout), at the
         experts' real width."""
-        pp = plan.params[fqn]
+        pp = self.plan.params[fqn]
         n = pp.local_numel
-        if ep_index is not None and _is_sharded(pp.placements[ep_index]):
-            n *= ep_plan
+        if self.ep_index is not None and _is_sharded(pp.placements[self.ep_index]):
+            n *= self.ep_plan
         return n
 
-    # the routed experts: moe_ffn nodes, their expert weights, and the shape facts of each
-    moe_nodes = [n for n in nodes if n.target is moe_ffn]
-    expert_fqns: set[str] = set()
-    moe_facts: dict[fx.Node, dict] = {}
-    for n in moe_nodes:
-        x, idx, _w, *ws = n.args
-        xv, iv = x.meta["val"], idx.meta["val"]
-        wv = [w.meta["val"] for w in ws]
-        form = ExpertForm.parse(n.kwargs["form"])
-        E, k, d = int(wv[0].shape[0]), int(iv.shape[1]), int(xv.shape[1])
-        f = int(wv[form.n_matrices - 1].shape[form.hidden_dims()[form.n_matrices - 1]])  # the down projection's
-        slot = 2 * sum(math.prod(int(s) for s in v.shape[1:]) for v in wv)
-        T = sympy.sympify(to_sympy(xv.shape[0])).subs(sub)
-        fqns = [cap.params.get(w.name) for w in ws]
-        expert_fqns.update(q for q in fqns if q)
-        moe_facts[n] = dict(E=E, k=k, d=d, f=f, slot=slot, T=T, form=form, fqns=fqns, elt=xv.element_size(),
-                            full_params=sum(math.prod(int(s) for s in v.shape) for v in wv))
+    # ------------------------------------------------------------------ the routed experts
 
-    def moe_op(n: fx.Node, weight) -> OpCost:
+    def _find_experts(self) -> None:
+        """The routed experts: moe_ffn nodes (``moe_nodes``), their expert weights (``expert_fqns``), and the
+        shape facts of each (``moe_facts``)."""
+        from mcompile.ir.annotate import to_sympy
+        from mcompile.ir.moe import ExpertForm, moe_ffn
+
+        cap = self.cap
+        self.moe_nodes = [n for n in self.nodes if n.target is moe_ffn]
+        self.expert_fqns: set[str] = set()
+        self.moe_facts: dict[fx.Node, dict] = {}
+        for n in self.moe_nodes:
+            x, idx, _w, *ws = n.args
+            xv, iv = x.meta["val"], idx.meta["val"]
+            wv = [w.meta["val"] for w in ws]
+            form = ExpertForm.parse(n.kwargs["form"])
+            E, k, d = int(wv[0].shape[0]), int(iv.shape[1]), int(xv.shape[1])
+            f = int(wv[form.n_matrices - 1].shape[form.hidden_dims()[form.n_matrices - 1]])  # the down projection's
+            slot = 2 * sum(math.prod(int(s) for s in v.shape[1:]) for v in wv)
+            T = sympy.sympify(to_sympy(xv.shape[0])).subs(self.sub)
+            fqns = [cap.params.get(w.name) for w in ws]
+            self.expert_fqns.update(q for q in fqns if q)
+            self.moe_facts[n] = dict(E=E, k=k, d=d, f=f, slot=slot, T=T, form=form, fqns=fqns, elt=xv.element_size(),
+                                     full_params=sum(math.prod(int(s) for s in v.shape) for v in wv))
+
+    def moe_op(self, n: fx.Node, weight) -> OpCost:
         """A moe_ffn node on one tp rank (module docstring of :func:`analyse`)."""
-        m = moe_facts[n]
+        m = self.moe_facts[n]
         T, k, d, elt = m["T"], m["k"], m["d"], m["elt"]
-        annotated = sympy.sympify(n.meta.get(FLOPS, 0)).subs(sub)
+        annotated = sympy.sympify(n.meta.get(FLOPS, 0)).subs(self.sub)
         flops = annotated if annotated != 0 else T * k * m["slot"]
-        sh = share(n)
+        sh = self.share(n)
         f_l = m["f"] * sh  # expert-TP shards each expert's hidden units
         n_first = 1 if m["form"].kind != "sep" else 2  # projections reading the gathered rows
         width = 2 * f_l if m["form"].kind != "plain" else f_l  # what the first projection(s) write
-        w_bytes = sum(local_numel(q) for q in m["fqns"] if q) * elt
+        w_bytes = sum(self.local_numel(q) for q in m["fqns"] if q) * elt
         acts = (T * k * d * 2  # gather the slots' rows: read, write
                 + T * k * (n_first * d + width)  # first projection(s): read rows, write gate/up
                 + T * k * (width + f_l)  # activation (× up): read, write
@@ -207,29 +250,45 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
         return OpCost(n.name, "gemm", "moe", sympy.expand(flops * sh * weight), sympy.expand(y * weight), True,
                       sympy.expand(flops * weight), float(w_bytes * weight))
 
-    def ops_of(members: list[fx.Node]) -> list[OpCost]:
-        out = []
+    def moe_profile(self) -> MoEProfile | None:
+        """The routed experts' shape, over the real model's layers (None: no moe_ffn node)."""
+        moe_nodes, moe_facts, lw, section_of = self.moe_nodes, self.moe_facts, self.lw, self.section_of
+        if not moe_nodes:
+            return None
+        m0 = moe_facts[moe_nodes[0]]
+        layers_real = float(sum(lw[section_of[n]] for n in moe_nodes if isinstance(section_of[n], int))) * self.n_layers
+        full = float(sum(moe_facts[n]["full_params"] * lw[section_of[n]] for n in moe_nodes
+                         if isinstance(section_of[n], int))) * self.n_layers
+        return MoEProfile(experts=m0["E"], top_k=m0["k"], hidden=m0["d"], expert_hidden=m0["f"],
+                          layers=round(layers_real, 6), expert_params=full, slot_flops=m0["slot"],
+                          form=m0["form"].text())
+
+    # ------------------------------------------------------------------ a section's ops and collectives
+
+    def ops_of(self, members: list[fx.Node]) -> list[OpCost]:
+        """The OpCost of each member with work, on one tp rank, weighted by its layer."""
+        sub, out = self.sub, []
         for n in members:
-            weight = weight_of(n)
-            if n in moe_facts:
-                out.append(moe_op(n, weight))
+            weight = self.weight_of(n)
+            if n in self.moe_facts:
+                out.append(self.moe_op(n, weight))
                 continue
             f = sympy.sympify(n.meta.get(FLOPS, 0)).subs(sub)
             y = sympy.sympify(n.meta.get(BYTES_READ, 0) + n.meta.get(BYTES_WRITTEN, 0)).subs(sub)
             if f == 0 and y == 0:
                 continue
             cat = node_cost(n).category if isinstance(n.target, torch._ops.OpOverload) else "other"
-            k = share(n)
-            wgrad = op_class(cat) == "gemm" and any(is_param(a) for a in n.all_input_nodes)
+            k = self.share(n)
+            wgrad = op_class(cat) == "gemm" and any(self.is_param(a) for a in n.all_input_nodes)
             out.append(OpCost(n.name, op_class(cat), cat, sympy.expand(f * k * weight), sympy.expand(y * k * weight),
                               wgrad, sympy.expand(f * weight)))
         return out
 
-    def ep_comms() -> list[tuple]:
+    def ep_comms(self) -> list[tuple]:
         """(layer, kind, bytes, phase, purpose) of every MoE collective over ep (docstring)."""
         out = []
-        if ep_index is not None:
-            for c in plan.collectives:
+        if self.ep_index is not None:
+            for c in self.plan.collectives:
                 if c.axis != "ep" or not c.purpose.startswith("moe"):
                     continue
                 b = sympy.sympify(c.bytes, locals={"batch": BATCH, "seq": SEQ})
@@ -237,9 +296,9 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
                     if kind in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce"):
                         out.append((c.layer, kind, b, phase, c.purpose))
             return out
-        for n in moe_nodes:
-            m = moe_facts[n]
-            layer = section_of[n]
+        for n in self.moe_nodes:
+            m = self.moe_facts[n]
+            layer = self.section_of[n]
             rows = m["T"] * m["k"] * m["d"] * m["elt"]
             out.append((layer, "all_to_all", sympy.Integer(8 * m["E"]), "forward", "moe: tokens per expert"))
             for purpose in ("moe: dispatch", "moe: combine"):
@@ -247,13 +306,14 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
                     out.append((layer, "all_to_all", sympy.expand(rows), phase, purpose))
         return out
 
-    def comms_of(key) -> list[CommOp]:
-        out = []
-        for c in plan.collectives:
+    def comms_of(self, key) -> list[CommOp]:
+        """The tp collectives, then the ep ones, of section ``key`` ("layer": weighted by their layer)."""
+        lw, n_cap, out = self.lw, self.n_cap, []
+        for c in self.plan.collectives:
             if c.axis != "tp":
                 continue
-            origin = by_name.get(c.origin)
-            where = c.layer if c.layer is not None else (section_of.get(origin, "post") if origin else "post")
+            origin = self.by_name.get(c.origin)
+            where = c.layer if c.layer is not None else (self.section_of.get(origin, "post") if origin else "post")
             if (key == "layer" and not isinstance(where, int)) or (key != "layer" and where != key):
                 continue
             b = sympy.sympify(c.bytes, locals={"batch": BATCH, "seq": SEQ})
@@ -262,41 +322,64 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
                 kind = {"all_reduce_max": "all_reduce"}.get(kind, kind)
                 if kind in ("all_reduce", "all_gather", "reduce_scatter"):
                     out.append(CommOp(kind, "tp", b, phase, c.purpose, w))
-        for layer, kind, b, phase, purpose in ep_comms():
+        for layer, kind, b, phase, purpose in self.ep_comms():
             if (key == "layer") != isinstance(layer, int) or (key != "layer" and layer != key):
                 continue
             w = lw.get(layer, sympy.Rational(1, n_cap)) if key == "layer" else sympy.Integer(1)
             out.append(CommOp(kind, "ep", b, phase, purpose, w))
         return out
 
-    # parameters per section: layers by module path, the rest by the section that uses them
-    layer_paths = {i: {layer_path(n) for n in nodes if layer_of[n] == i} for i in layer_ids}
-    used_by: dict[str, set] = {}
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a.op == "placeholder" and a.name in cap.params:
-                used_by.setdefault(cap.params[a.name], set()).add("layer" if isinstance(section_of[n], int)
-                                                                  else section_of[n])
-    layer_sum = layer_experts_sum = sympy.Integer(0)  # exact: the mean layer's parameters
-    pre_params = post_params = tied = 0
-    for fqn in plan.params:
-        n_local = local_numel(fqn)
-        owner = next((i for i, ps in layer_paths.items() if any(p and fqn.startswith(p + ".") for p in ps)), None)
-        if owner is not None:
-            layer_sum += n_local * lw[owner]
-            if fqn in expert_fqns:
-                layer_experts_sum += n_local * lw[owner]
-            continue
-        users = used_by.get(fqn, {"post"})
-        if "pre" in users:
-            pre_params += n_local
-        if "post" in users or "layer" in users:
-            post_params += n_local
-        if "pre" in users and ("post" in users or "layer" in users):
-            tied += n_local
-    layer_params, layer_experts = float(layer_sum), float(layer_experts_sum)
+    # ------------------------------------------------------------------ parameters
 
-    def acts(members: list[fx.Node], weight, mode: str) -> sympy.Expr:
+    def _count_params(self) -> None:
+        """Parameters per section, on one tp rank: layers by module path (the mean layer's ``layer_params``,
+        ``layer_experts`` of them the routed experts'), the rest by the section that uses them (``pre_params``,
+        ``post_params``; ``tied``: used both before and after the layers)."""
+        cap, nodes, section_of, lw = self.cap, self.nodes, self.section_of, self.lw
+        layer_paths = {i: {layer_path(n) for n in nodes if self.layer_of[n] == i} for i in self.layer_ids}
+        used_by: dict[str, set] = {}
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a.op == "placeholder" and a.name in cap.params:
+                    used_by.setdefault(cap.params[a.name], set()).add("layer" if isinstance(section_of[n], int)
+                                                                      else section_of[n])
+        layer_sum = layer_experts_sum = sympy.Integer(0)  # exact: the mean layer's parameters
+        pre_params = post_params = tied = 0
+        for fqn in self.plan.params:
+            n_local = self.local_numel(fqn)
+            owner = next((i for i, ps in layer_paths.items() if any(p and fqn.startswith(p + ".") for p in ps)), None)
+            if owner is not None:
+                layer_sum += n_local * lw[owner]
+                if fqn in self.expert_fqns:
+                    layer_experts_sum += n_local * lw[owner]
+                continue
+            users = used_by.get(fqn, {"post"})
+            if "pre" in users:
+                pre_params += n_local
+            if "post" in users or "layer" in users:
+                post_params += n_local
+            if "pre" in users and ("post" in users or "layer" in users):
+                tied += n_local
+        self.layer_params, self.layer_experts = float(layer_sum), float(layer_experts_sum)
+        self.pre_params, self.post_params, self.tied = pre_params, post_params, tied
+
+    # ------------------------------------------------------------------ saved activations, node counts
+
+    def _find_differentiable(self) -> None:
+        """The aten calls autograd records (an input is a parameter or such a node): ``differentiable``."""
+        self.differentiable: set = set()
+        for n in self.nodes:
+            if any((a.op == "placeholder" and a.name in self.cap.params) or a in self.differentiable
+                   for a in n.all_input_nodes):
+                self.differentiable.add(n)
+
+    def needs_grad(self, a: fx.Node) -> bool:
+        """A value autograd records a gradient for."""
+        return (a.op == "placeholder" and a.name in self.cap.params) or a in self.differentiable
+
+    def acts(self, members: list[fx.Node], weight, mode: str) -> sympy.Expr:
+        """The bytes members save for backward under recompute ``mode``, weighted."""
+        sub = self.sub
         rec = ()
         if mode == "full":
             rec = members
@@ -304,62 +387,53 @@ def analyse(compiled, *, n_layers: int | None = None, name: str = "", heads: int
             rec = [n for n in members if op_class(node_category(n)) == "attention" or node_category(n) == "softmax"
                    or n.meta.get(ATTENTION_CORE)]
         keep = lambda x: BATCH in sympy.sympify(x.meta.get(OUT_BYTES, 0)).subs(sub).free_symbols  # noqa: E731
-        e = MM.saved_for_backward(members, is_param=is_param, local_fraction=local_fraction, recomputed=rec,
-                                  keep_input=keep, needs_grad=needs_grad)
+        e = MM.saved_for_backward(members, is_param=self.is_param, local_fraction=self.local_fraction,
+                                  recomputed=rec, keep_input=keep, needs_grad=self.needs_grad)
         if mode != "full":  # what the experts keep (saved_for_backward sees the moe_ffn node as one opaque call)
-            e = e + sympy.Add(*[MM.moe_saved_bytes(n, hidden_share=share(n))
-                                for n in members if n in moe_facts])
+            e = e + sympy.Add(*[MM.moe_saved_bytes(n, hidden_share=self.share(n))
+                                for n in members if n in self.moe_facts])
         return sympy.expand(e.subs(sub) * weight)
 
-    # aten calls, and which of them autograd records (an input is a parameter or such a node)
-    differentiable: set = set()
-    for n in nodes:
-        if any((a.op == "placeholder" and a.name in cap.params) or a in differentiable for a in n.all_input_nodes):
-            differentiable.add(n)
-
-    def needs_grad(a: fx.Node) -> bool:  # a value autograd records a gradient for
-        return (a.op == "placeholder" and a.name in cap.params) or a in differentiable
-
-    def node_counts(members: list[fx.Node]) -> tuple[float, float]:
+    def node_counts(self, members: list[fx.Node]) -> tuple[float, float]:
+        """The members' aten calls, and those autograd records, weighted by their layer."""
         calls = [n for n in members if isinstance(n.target, torch._ops.OpOverload)]
-        return (float(sum(weight_of(n) for n in calls)),
-                float(sum(weight_of(n) for n in calls if n in differentiable)))
+        return (float(sum(self.weight_of(n) for n in calls)),
+                float(sum(self.weight_of(n) for n in calls if n in self.differentiable)))
 
-    def section(key) -> Section:
+    # ------------------------------------------------------------------ the profile
+
+    def section(self, key) -> Section:
+        """Section ``key`` ("layer": the real model's mean layer, "pre", "post")."""
+        nodes, section_of, layer_ids = self.nodes, self.section_of, self.layer_ids
         if key == "layer":
             members = [n for n in nodes if isinstance(section_of[n], int)]
             # each layer on its own: a recomputed region is one layer (its input kept), never two
             groups = [[n for n in members if section_of[n] == i] for i in layer_ids]
-            a = {m: sympy.Add(*[acts(g, lw[i], m) for i, g in zip(layer_ids, groups)]) for m in RECOMPUTE_MODES}
+            a = {m: sympy.Add(*[self.acts(g, self.lw[i], m) for i, g in zip(layer_ids, groups)])
+                 for m in RECOMPUTE_MODES}
         else:
             members = [n for n in nodes if section_of[n] == key]
-            a = dict.fromkeys(RECOMPUTE_MODES, acts(members, sympy.Integer(1), "none"))
-        params = {"layer": layer_params, "pre": pre_params, "post": post_params}[key]
-        return Section(tuple(ops_of(members)), tuple(comms_of(key)), params, a, *node_counts(members),
-                       expert_params=layer_experts if key == "layer" else 0)
+            a = dict.fromkeys(RECOMPUTE_MODES, self.acts(members, sympy.Integer(1), "none"))
+        params = {"layer": self.layer_params, "pre": self.pre_params, "post": self.post_params}[key]
+        return Section(tuple(self.ops_of(members)), tuple(self.comms_of(key)), params, a, *self.node_counts(members),
+                       expert_params=self.layer_experts if key == "layer" else 0)
 
-    moe = None
-    if moe_nodes:
-        m0 = moe_facts[moe_nodes[0]]
-        layers_real = float(sum(lw[section_of[n]] for n in moe_nodes if isinstance(section_of[n], int))) * n_layers
-        full = float(sum(moe_facts[n]["full_params"] * lw[section_of[n]] for n in moe_nodes
-                         if isinstance(section_of[n], int))) * n_layers
-        moe = MoEProfile(experts=m0["E"], top_k=m0["k"], hidden=m0["d"], expert_hidden=m0["f"],
-                         layers=round(layers_real, 6), expert_params=full, slot_flops=m0["slot"],
-                         form=m0["form"].text())
-
-    hidden, vocab, q_heads, k_heads = _shapes(nodes, cap, plan)
-    # bytes per element of the residual stream (pipeline messages): the embedding output's dtype
-    emb = next((n for n in nodes if getattr(n.target, "overloadpacket", None) is torch.ops.aten.embedding), None)
-    val = emb.meta.get("val") if emb is not None else None
-    act_bytes = val.element_size() if isinstance(val, torch.Tensor) else 2
-    return ModelProfile(
-        name=name or cap.model_name or plan.model, n_layers=n_layers, hidden=hidden,
-        heads=heads or q_heads, kv_heads=kv_heads or k_heads or heads or q_heads, vocab=vocab, seq_len=seq_len,
-        tp=tp, sequence_parallel=plan.options.sequence_parallel, sp_variant=str(plan.options.sp_variant),
-        layer=section("layer"), pre=section("pre"), post=section("post"), tied_params=tied,
-        activation_bytes=act_bytes, param_shapes={f: tuple(p.shape) for f, p in plan.params.items()}, moe=moe,
-    )
+    def profile(self, *, name: str, heads: int | None, kv_heads: int | None, seq_len: int | None) -> ModelProfile:
+        """The ModelProfile: the three sections, the routed experts, and the model's shape."""
+        cap, plan, nodes = self.cap, self.plan, self.nodes
+        moe = self.moe_profile()
+        hidden, vocab, q_heads, k_heads = _shapes(nodes, cap, plan)
+        # bytes per element of the residual stream (pipeline messages): the embedding output's dtype
+        emb = next((n for n in nodes if getattr(n.target, "overloadpacket", None) is torch.ops.aten.embedding), None)
+        val = emb.meta.get("val") if emb is not None else None
+        act_bytes = val.element_size() if isinstance(val, torch.Tensor) else 2
+        return ModelProfile(
+            name=name or cap.model_name or plan.model, n_layers=self.n_layers, hidden=hidden,
+            heads=heads or q_heads, kv_heads=kv_heads or k_heads or heads or q_heads, vocab=vocab, seq_len=seq_len,
+            tp=self.tp, sequence_parallel=plan.options.sequence_parallel, sp_variant=str(plan.options.sp_variant),
+            layer=self.section("layer"), pre=self.section("pre"), post=self.section("post"), tied_params=self.tied,
+            activation_bytes=act_bytes, param_shapes={f: tuple(p.shape) for f, p in plan.params.items()}, moe=moe,
+        )
 
 
 def _shapes(nodes, cap, plan) -> tuple[int, int | None, int | None, int | None]:
