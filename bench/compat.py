@@ -130,15 +130,25 @@ def source_modules() -> list[str]:
     its folder), found from the files, not from imports: what :func:`module_names` must cover."""
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     dirs = cfg.get("package-dir", {})
+
+    def folder_of(pkg: str) -> Path:
+        """As setuptools resolves it: the longest mapped prefix's folder, then the rest as subfolders
+        (``mcompile.passes.cp`` is ``passes/cp``)."""
+        parts = pkg.split(".")
+        for i in range(len(parts), 0, -1):
+            if ".".join(parts[:i]) in dirs:
+                return ROOT / dirs[".".join(parts[:i])] / "/".join(parts[i:])
+        return ROOT / pkg.replace(".", "/")
+
     names = []
     for pkg in cfg["packages"]:
-        folder = ROOT / dirs.get(pkg, pkg.replace(".", "/"))
+        folder = folder_of(pkg)
         names.append(pkg)
         names += [f"{pkg}.{p.stem}" for p in sorted(folder.glob("*.py")) if p.stem != "__init__"]
     # a folder of modules that is no listed package would be missing from an install
-    listed = {(ROOT / dirs.get(p, p.replace(".", "/"))).resolve() for p in cfg["packages"]}
+    listed = {folder_of(p).resolve() for p in cfg["packages"]}
     for pkg in cfg["packages"]:
-        for sub in (ROOT / dirs.get(pkg, pkg.replace(".", "/"))).iterdir():
+        for sub in folder_of(pkg).iterdir():
             if sub.is_dir() and (sub / "__init__.py").exists() and sub.resolve() not in listed:
                 names.append(f"{pkg}.{sub.name}")
     return names
