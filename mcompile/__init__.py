@@ -24,13 +24,31 @@ __all__ = ["CaptureError", "CaptureWarning", "OutputWarning", "Config", "Estimat
            "PlanError", "Workload", "compile_plan", "estimate", "parallelize", "plan", "search", "__version__"]
 
 
+def lazy_exports(namespace: dict, where: dict[str, str]) -> None:
+    """Give a package (its ``globals()``) the names of ``where`` (name -> the module defining it), each imported on
+    first use: ``mcompile.capture`` and ``mcompile.cost`` keep their former modules' public names this way."""
+
+    def __getattr__(name: str):
+        if name in where:
+            value = getattr(importlib.import_module(where[name]), name)
+            namespace[name] = value  # once: later lookups are plain attribute reads
+            return value
+        raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
+
+    def __dir__():
+        return sorted({*namespace, *where})
+
+    namespace.update(__getattr__=__getattr__, __dir__=__dir__, __all__=list(where))
+
+
 def _load(name: str):
     return getattr(importlib.import_module(_WHERE[name]), name)
 
 
 class _Package(types.ModuleType):
-    """``mcompile.plan`` and ``mcompile.search`` name a submodule and a function: the function wins (a
-    property of the package's class outranks the attribute the import system sets for a submodule)."""
+    """``mcompile.search`` names a submodule and a function (``mcompile.plan`` did, before the Plan IR moved to
+    ``mcompile.ir.plan``): the function wins (a property of the package's class outranks the attribute the import
+    system sets for a submodule)."""
 
     plan = property(lambda self: _load("plan"), lambda self, value: None)
     search = property(lambda self: _load("search"), lambda self, value: None)

@@ -7,7 +7,7 @@ The names of the old module mcompile.capture (its __all__) load from mcompile.ca
 first use: ``from mcompile.capture import capture`` keeps working.
 """
 
-import importlib
+from mcompile import lazy_exports
 
 _WHERE = {
     "CaptureError": "mcompile.capture.export",
@@ -17,17 +17,4 @@ _WHERE = {
     "capture": "mcompile.capture.export",
     "warn_unless_loss": "mcompile.capture.export",
 }
-__all__ = list(_WHERE)
-
-
-def __getattr__(name: str):
-    """The old modules' names, from their new modules on first use."""
-    if name in _WHERE:
-        value = getattr(importlib.import_module(_WHERE[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted({*globals(), *__all__})
+lazy_exports(globals(), _WHERE)

@@ -9,7 +9,7 @@ The public names (the __all__ of model and workload) load from their module on f
 ``from mcompile.cost import estimate, Layout`` keeps working.
 """
 
-import importlib
+from mcompile import lazy_exports
 
 _WHERE = {
     "Schedule": "mcompile.cost.model",
@@ -38,17 +38,4 @@ _WHERE = {
     "check_plan_matches": "mcompile.cost.workload",
     "example_seq": "mcompile.cost.workload",
 }
-__all__ = list(_WHERE)
-
-
-def __getattr__(name: str):
-    """The old modules' names, from their new modules on first use."""
-    if name in _WHERE:
-        value = getattr(importlib.import_module(_WHERE[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted({*globals(), *__all__})
+lazy_exports(globals(), _WHERE)
