@@ -6,14 +6,18 @@ here, with **the model's own initialisation**, and keeps only this rank's piece 
 
 Design (and why):
 
-- **Per tensor, seeded by its name.** Before a tensor is computed, the CPU generator is seeded
+- **On the rank's device.** A GPU rank computes each tensor on its GPU with the GPU's generator (seeded
+  the same way), so a 70B stage is not drawn element by element on the host; the values are then the same on
+  every GPU layout, but not those a CPU run draws (another generator): ``materialize(model, seed,
+  device="cuda")`` is the GPU runs' one-process reference. A simulated rank (meta device) computes nothing.
+- **Per tensor, seeded by its name.** Before a tensor is computed, the generator is seeded
   from ``(seed, FQN)`` (a SHA-256 of both): never from the rank, the mesh or the order in which
   ranks or stages visit tensors. So a value depends only on the seed, the tensor's name and its
   initialiser, and ``full_state_dict()`` is bit-identical at tp=1, tp=2, dp×tp and pp (and to
   :func:`materialize` in one process). Seeding per tensor rather than per module also keeps a
   weight's values when a sibling (a bias) is added or dropped. The caller's RNG state is restored.
 - **One module materialised at a time.** To compute a tensor owned by module ``M``, ``M``'s own
-  parameters and buffers (``recurse=False``) are swapped for fresh CPU tensors, the initialisers
+  parameters and buffers (``recurse=False``) are swapped for fresh tensors (on the rank's device), the initialisers
   run, the wanted tensor is taken and ``M`` gets its meta tensors back. Every other module stays on
   meta, so no rank holds more than one module's own tensors in full (plus its local pieces); the
   caller cuts the rank's piece (``plan.params[fqn].local_piece``) and drops the full tensor. No
@@ -46,7 +50,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 __all__ = ["MetaInitError", "is_meta", "meta_names", "check_initialisers", "init_tensors", "materialize",
-           "tensor_seed"]
+           "tensor_seed", "lookup"]
 
 
 class MetaInitError(ValueError):
@@ -65,7 +69,7 @@ def is_meta(t) -> bool:
 
 def meta_names(model: torch.nn.Module, names: Iterable[str]) -> list[str]:
     """Those of ``names`` (parameter / buffer FQNs of ``model``) that are on the meta device."""
-    return [n for n in names if is_meta(_lookup(model, n))]
+    return [n for n in names if is_meta(lookup(model, n))]
 
 
 def _split(fqn: str) -> tuple[str, str]:
@@ -73,7 +77,7 @@ def _split(fqn: str) -> tuple[str, str]:
     return path, attr
 
 
-def _lookup(model: torch.nn.Module, fqn: str) -> torch.Tensor:
+def lookup(model: torch.nn.Module, fqn: str) -> torch.Tensor:
     path, attr = _split(fqn)
     mod = model.get_submodule(path)
     if attr in mod._parameters:
@@ -123,8 +127,8 @@ def check_initialisers(model: torch.nn.Module, names: Iterable[str]) -> None:
             "_init_weights(module) method (Hugging Face's), or build the model with real values")
 
 
-def _sentinel(t: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(t, device="cpu")
+def _sentinel(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    out = torch.empty_like(t, device=device)
     if out.is_floating_point() or out.is_complex():
         out.fill_(float("nan"))
     elif out.dtype != torch.bool:
@@ -140,8 +144,8 @@ def _unset(t: torch.Tensor) -> bool:
     return bool((t == torch.iinfo(t.dtype).max).all())
 
 
-def _compute(model: torch.nn.Module, fqn: str, seed: int) -> torch.Tensor:
-    """The full value of one meta tensor (CPU, its own dtype), by its module's initialisation."""
+def _compute(model: torch.nn.Module, fqn: str, seed: int, device: torch.device) -> torch.Tensor:
+    """The full value of one meta tensor (on ``device``, its own dtype), by its module's initialisation."""
     path, attr = _split(fqn)
     mod = model.get_submodule(path)
     saved_p, saved_b = dict(mod._parameters), dict(mod._buffers)
@@ -149,17 +153,21 @@ def _compute(model: torch.nn.Module, fqn: str, seed: int) -> torch.Tensor:
         with torch.no_grad():
             for k, p in saved_p.items():
                 if p is not None:
-                    mod._parameters[k] = torch.nn.Parameter(_sentinel(p), requires_grad=p.requires_grad)
+                    mod._parameters[k] = torch.nn.Parameter(_sentinel(p, device), requires_grad=p.requires_grad)
             for k, b in saved_b.items():
                 if b is not None:
-                    mod._buffers[k] = _sentinel(b)
-            with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+                    mod._buffers[k] = _sentinel(b, device)
+            cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
+                if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda), torch.device(device):
                 torch.default_generator.manual_seed(tensor_seed(seed, fqn))
+                if cuda:  # the GPU's own generator draws what is made on it
+                    torch.cuda.manual_seed(tensor_seed(seed, fqn))
                 for call in _initialisers(model, path):
                     call()
             value = mod._parameters[attr] if attr in mod._parameters else mod._buffers[attr]
             value = value.detach()
-            if value.is_meta or value.device.type != "cpu":
+            if value.is_meta or value.device.type != device.type:
                 raise MetaInitError(f"the initialiser of {fqn} replaced it by a tensor on {value.device}")
             if _unset(value):
                 raise MetaInitError(
@@ -173,26 +181,29 @@ def _compute(model: torch.nn.Module, fqn: str, seed: int) -> torch.Tensor:
         mod._buffers.update(saved_b)
 
 
-def init_tensors(model: torch.nn.Module, names: Iterable[str], seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def init_tensors(model: torch.nn.Module, names: Iterable[str], seed: int = 0, device=None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(fqn, full value)`` for each meta tensor of ``names``, one at a time (take what you need of
-    each before asking for the next: the previous one is not kept). Checks every initialiser first."""
+    each before asking for the next: the previous one is not kept), computed on ``device`` (default CPU).
+    Checks every initialiser first."""
     names = list(names)
+    device = torch.device(device if device is not None else "cpu")
     check_initialisers(model, names)
     for fqn in names:
-        yield fqn, _compute(model, fqn, seed)
+        yield fqn, _compute(model, fqn, seed, device)
 
 
-def materialize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Give every meta parameter and buffer of ``model`` its values, in place, on CPU, exactly as
-    ``parallelize`` computes them on any layout (the one-process reference). Tied parameters stay
-    tied. Returns the model."""
+def materialize(model: torch.nn.Module, seed: int = 0, device=None) -> torch.nn.Module:
+    """Give every meta parameter and buffer of ``model`` its values, in place, on ``device`` (default CPU),
+    exactly as ``parallelize`` computes them on any layout on that kind of device (the one-process
+    reference). Tied parameters stay tied. Returns the model."""
     names = [n for n, t in model.named_parameters(remove_duplicate=True) if t.is_meta]
     names += [n for n, t in model.named_buffers(remove_duplicate=True) if t.is_meta]
-    values = dict(init_tensors(model, names, seed))
-    old = [_lookup(model, fqn) for fqn in names]  # alive until replaced: their ids stay theirs
+    values = dict(init_tensors(model, names, seed, device))
+    old = [lookup(model, fqn) for fqn in names]  # alive until replaced: their ids stay theirs
     by_id = {}
     for fqn in names:
-        by_id.setdefault(id(_lookup(model, fqn)), values[fqn])
+        by_id.setdefault(id(lookup(model, fqn)), values[fqn])
     for mod in model.modules():  # every alias of a tied parameter gets the same new Parameter
         for k, p in list(mod._parameters.items()):
             if p is not None and id(p) in by_id:

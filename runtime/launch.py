@@ -109,7 +109,10 @@ def rank_device() -> torch.device:
     """The device this rank's programs run on, for an initialised default group. On NCCL it is also
     made the current CUDA device: a user who called ``init_process_group`` without ``set_device``
     would otherwise put every rank's tensors (and NCCL's communicators) on GPU 0."""
-    if not uses_nccl(dist.get_backend()):
+    backend = dist.get_backend()
+    if backend == "fake":  # a simulated rank (torch's fake process group, runtime/sim.py): shapes, no memory
+        return torch.device("meta")
+    if not uses_nccl(backend):
         return torch.device("cpu")
     index = _local_cuda_index(dist.get_rank())
     if torch.cuda.current_device() != index:

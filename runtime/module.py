@@ -91,8 +91,11 @@ class ParallelModule(RankState, StepRunner, torch.nn.Module):
             elif axes:
                 self._comm.add_group(name, self._comm.groups[axes[0]])
         self._has_moe_ep = self.mesh.size("ep") > 1
-        self._device = torch.device("cuda", torch.cuda.current_device()) if device_mesh.device_type == "cuda" \
-            else torch.device("cpu")
+        from mcompile.runtime.launch import rank_device
+
+        self._device = rank_device()  # CUDA (the current device), CPU, or meta for a simulated rank
+        # the agreements read on the host (verification's flags and digests): a simulated rank's on CPU
+        self._control_device = torch.device("cpu") if self._device.type == "meta" else self._device
 
     def _warn_batch_statistics(self, compiled, config: Config) -> None:
         """Rank 0 warns when a loss's batch statistics are computed per microbatch rather than over the batch."""

@@ -644,41 +644,93 @@ class Pipeline:
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             trace_error = e
         self._agree_on_trace(trace_error)
+        traced, mismatch = self._gather_stage_ops(*traced)
         send_specs = traced[0]
         group_of = _group_lookup(self.pm.mesh)
         self.derived_ops = self._derive_rank_ops(*traced, group_of)
-        self._verify_everywhere(self.derived_ops, group_of)
+        self._verify_everywhere(self.derived_ops, group_of, mismatch)
         self._probed[key] = send_specs
         return send_specs
 
     def _trace_stages(self, piece_inputs: dict[str, torch.Tensor]) -> tuple[dict, dict, dict, dict]:
-        """Under fake tensors, every stage in order as its owner runs it, forward and backward, each fed the
-        previous stage's outputs: per stage the messages it sends (:class:`MessageSpec`, the last stage none)
-        and the collectives of its forward, its backward and (joint execution, zero-bubble W) its
-        weight-gradient graph. Returns ``(send_specs, fwd_ops, bwd_ops, wgt_ops)``, each by stage index."""
+        """Under fake tensors: every stage's forward in order, each fed the previous stage's outputs, for the
+        messages it sends (:class:`MessageSpec`; the last stage none) — a forward without autograd, cheap next to
+        a trace; then this rank's own stages only, forward and backward as they will run, for the collectives of
+        their forward, their backward and (joint execution, zero-bubble W) their weight-gradient graph. The
+        other stages' collectives are their owners' (:meth:`_gather_stage_ops`): no rank traces a stage it does
+        not run, so start-up per rank does not grow with the pipeline's depth. Returns ``(send_specs, fwd_ops,
+        bwd_ops, wgt_ops)``, the last three for the own stages, by stage index."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         send_specs: dict[int, list[MessageSpec]] = {}
+        received: dict[int, list] = {}  # own stage -> the fake activations it receives
         fwd_ops: dict[int, list] = {}
         bwd_ops: dict[int, list] = {}
         wgt_ops: dict[int, list] = {}  # joint execution, zero-bubble W: the weight-gradient graph's collectives
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode, torch.enable_grad():  # the backward's collectives too, even when called under no_grad
+        with mode:
             named = self._fake_inputs(mode, piece_inputs)
             carried: list = []
-            for st in self.stages:
-                recv = [x.detach().requires_grad_() if x.is_floating_point() else x.detach() for x in carried]
-                args = [named[n] for n in st.inputs[:len(st.inputs) - len(recv)]] + recv
-                if self.runners is not None:  # the joint programs, as they will run
-                    out, ops_ = self._probe_joint(st, args)
-                    fwd_ops[st.index], bwd_ops[st.index], wgt_ops[st.index] = ops_
-                else:
-                    out, fwd_ops[st.index], bwd_ops[st.index] = self._probe_eager(st, args)
-                if not st.is_last:
-                    send_specs[st.index] = [MessageSpec(tuple(int(s) for s in o.shape), o.dtype,
-                                                        o.is_floating_point()) for o in out]
-                carried = [] if st.is_last else [o.detach() for o in out]
+            with torch.no_grad():
+                for st in self.stages:
+                    if st.index in self.own:
+                        received[st.index] = carried
+                    if st.index > max(self.own):
+                        break  # what comes after our last stage is its owners' to trace
+                    out = st.gm(*self._stage_args(st, named, carried))
+                    if not st.is_last:
+                        out = tuple(out)
+                        send_specs[st.index] = [MessageSpec(tuple(int(s) for s in o.shape), o.dtype,
+                                                            o.is_floating_point()) for o in out]
+                        carried = list(out)
+            with torch.enable_grad():  # the backward's collectives too, even when called under no_grad
+                for s in self.own:
+                    st = self.stages[s]
+                    recv = [torch.empty(x.shape, dtype=x.dtype, device=x.device).requires_grad_(x.is_floating_point())
+                            for x in received[s]]
+                    args = self._stage_args(st, named, recv)
+                    if self.runners is not None:  # the joint programs, as they will run
+                        _, ops_ = self._probe_joint(st, args)
+                        fwd_ops[s], bwd_ops[s], wgt_ops[s] = ops_
+                    else:
+                        _, fwd_ops[s], bwd_ops[s] = self._probe_eager(st, args)
         return send_specs, fwd_ops, bwd_ops, wgt_ops
+
+    @staticmethod
+    def _stage_args(st, named: dict, received: list) -> list:
+        return [named[n] for n in st.inputs[:len(st.inputs) - len(received)]] + list(received)
+
+    def _gather_stage_ops(self, send_specs: dict, fwd_ops: dict, bwd_ops: dict, wgt_ops: dict) -> tuple:
+        # returns ((send_specs, fwd_ops, bwd_ops, wgt_ops) of every stage, a disagreement or None): raised on
+        # every rank by _verify_everywhere, never here alone (the others would wait in its exchanges)
+        """Every stage's messages and collectives, from their owners: one object all-gather over the pipeline
+        group (each member sends its own stages' lists, a few hundred entries). The messages each member
+        derived for the stages up to its own must agree with the owners' (a rank fed other inputs, or planned
+        otherwise, is named). On a simulated rank (torch's fake process group, nothing exchanged) the other
+        stages' collectives are taken to be the rank's own first stage's: what a middle stage of a uniform
+        model runs; verification then covers this rank's sends and receives but not its peers' lists."""
+        from mcompile.runtime.verify import VerificationError
+
+        pm = self.pm
+        mine = {s: (send_specs.get(s), fwd_ops[s], bwd_ops[s], wgt_ops.get(s, [])) for s in self.own}
+        box: list = [None] * self.pp
+        dist.all_gather_object(box, mine, group=pm._comm.groups["pp"])
+        everyone: dict = {}
+        for got in box:
+            everyone.update(got or {})
+        if dist.get_backend() == "fake":
+            for s in range(self.k):
+                everyone.setdefault(s, (send_specs.get(s), *mine[self.own[0]][1:]))
+        specs, fwd, bwd, wgt, error = {}, {}, {}, {}, None
+        for s in range(self.k):
+            sent, fwd[s], bwd[s], wgt[s] = everyone[s]
+            if sent is not None:
+                specs[s] = sent
+            if s in send_specs and send_specs[s] != sent and error is None:
+                error = VerificationError(
+                    f"pipeline rank {self.pp_rank} computed stage {s}'s messages as {send_specs[s]} but its owner "
+                    f"(pipeline rank {s % self.pp}) sends {sent}: the ranks were given different inputs or plans")
+        return (specs, fwd, bwd, wgt), error
 
     def _fake_inputs(self, mode, piece_inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The stage programs' inputs by placeholder name, as fake tensors of ``mode`` (entered by the caller):
@@ -744,7 +796,7 @@ class Pipeline:
                                      lookahead=self.lookahead)
         return derived
 
-    def _verify_everywhere(self, derived: dict, group_of) -> None:
+    def _verify_everywhere(self, derived: dict, group_of, error: Exception | None = None) -> None:
         """Verify the derived lists (:func:`~mcompile.runtime.verify.verify`), compare this rank's collectives on
         the other axes' groups and the pipeline group's derived lists by digest, then one int64 ``all_reduce``
         (MIN over the world): every rank raises when any rank found an error (:meth:`_probe`)."""
@@ -752,21 +804,20 @@ class Pipeline:
 
         pm, mesh = self.pm, self.pm.mesh
         mine = derived[pm._rank] + [op for op in self.step_end_ops() if op.axis != "pp"]
-        error = None
         try:
             verify(derived)
         except VerificationError as e:
-            error = e
+            error = error or e
         groups = [(pm._comm.groups[a], group_of(a, pm._rank)) for a in mesh.axis_names
                   if a != "pp" and mesh.size(a) > 1]
         if len(pm._data_axes) > 1:  # dp x cp (x ep): the gradient buckets' and the loss's group
             groups.append((pm._comm.groups["data"], self._data_members()))
-        error = check_collectives_across(mine, groups, device=pm._device) or error
+        error = check_collectives_across(mine, groups, device=pm._control_device) or error
         if self.pp > 1:  # the pipeline's members derived the same lists (plans or inputs could differ)
             error = check_derived_across(pm._rank, derived, pm._comm.groups["pp"], group_of("pp", pm._rank),
-                                         device=pm._device) or error
+                                         device=pm._control_device) or error
         world = dist.get_world_size()
-        first = torch.tensor([pm._rank if error is not None else world], dtype=torch.int64, device=pm._device)
+        first = torch.tensor([pm._rank if error is not None else world], dtype=torch.int64, device=pm._control_device)
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
         if error is not None:
             raise error
@@ -850,7 +901,7 @@ class Pipeline:
         and its message (gathered only then), instead of waiting in the exchanges that follow."""
         pm = self.pm
         world = dist.get_world_size()
-        first = torch.tensor([pm._rank if error is not None else world], dtype=torch.int64, device=pm._device)
+        first = torch.tensor([pm._rank if error is not None else world], dtype=torch.int64, device=pm._control_device)
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
         if int(first) == world:
             return

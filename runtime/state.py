@@ -123,7 +123,10 @@ class RankState:
         made, error = {}, None
         try:
             init.check_initialisers(model, params + list(buffers))  # every rank: the same answer
-            for fqn, t in init.init_tensors(model, mine + list(buffers), self.config.init_seed):
+            names = mine + list(buffers)
+            values = ((f, init.lookup(model, f)) for f in names) if self._device.type == "meta" \
+                else init.init_tensors(model, names, self.config.init_seed, self._device)  # a simulated rank: none
+            for fqn, t in values:
                 if fqn in buffers:
                     made[buffers[fqn]] = t.to(self._device).clone()
                     continue

@@ -80,7 +80,8 @@ def pipe_forward_outputs(rank, world, mesh, opts):
 
 
 def derived_lists(rank, world, name, mesh, opts):
-    """After one train step: the op lists this rank derived for every member of its pipeline group."""
+    """After one train step: the op lists this rank derived for every member of its pipeline group, the stages
+    it traced (built a joint runner for) and the stages it owns."""
     import mcompile as mc
 
     from conftest import build
@@ -88,7 +89,7 @@ def derived_lists(rank, world, name, mesh, opts):
     model, inputs = build(name, batch=4)
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **opts)
     pm.train_step(*inputs)
-    return pm._pipe.derived_ops
+    return pm._pipe.derived_ops, sorted(pm._pipe.runners), pm._pipe.own
 
 
 def seeded_collective_mismatch(rank, world, seed_rank, seed_op):

@@ -205,16 +205,18 @@ def test_each_rank_derives_its_peers_lists_as_they_derive_their_own(options):
     from the plan for each member of its pipeline group is exactly what that member derives for
     itself (with recompute, a peer's backward re-issues its forward's tp collectives: the peer's
     stage programs are derived with recompute applied, as their owner runs them); each rank's own
-    list holds its sends, receives and stage collectives on its own groups."""
+    list holds its sends, receives and stage collectives on its own groups. A rank traces only the stages it
+    owns (its peers' collectives come from them), so start-up per rank does not grow with the pipeline."""
     from scale_cases import derived_lists
 
     from conftest import pool
 
     out = pool(4).run(derived_lists, "gpt2-tiny", "pp=2,tp=2", options)
-    for r, lists in enumerate(out):
+    for r, (lists, traced, own) in enumerate(out):
+        assert traced == own and len(own) == 1, (r, traced, own)
         assert r in lists and len(lists) == 2  # its pipeline group: pp=2
         for q, ops in lists.items():
-            assert ops == out[q][q], (r, q)
+            assert ops == out[q][0][q], (r, q)
         mine = lists[r]
         assert any(op.kind == "send" for op in mine) and any(op.kind == "recv" for op in mine)
         tp = [op for op in mine if op.kind == "coll" and op.axis == "tp"]
@@ -309,8 +311,9 @@ def test_a_rank_that_cannot_trace_its_stages_fails_every_rank():
 
     from conftest import pool
 
-    out = pool(4).run(one_rank_fails_to_trace, "gpt2-tiny", "pp=2,tp=2", {"microbatches": 2}, 1, timeout=100)
-    assert out[1] == "RuntimeError: the last stage returned no scalar loss"
-    for r in (0, 2, 3):
-        assert out[r] is not None and "rank 1 failed to trace" in out[r], (r, out[r])
+    # rank 3 (pp 1, tp 1) runs the last stage: a rank traces only the stages it owns
+    out = pool(4).run(one_rank_fails_to_trace, "gpt2-tiny", "pp=2,tp=2", {"microbatches": 2}, 3, timeout=100)
+    assert out[3] == "RuntimeError: the last stage returned no scalar loss"
+    for r in (0, 1, 2):
+        assert out[r] is not None and "rank 3 failed to trace" in out[r], (r, out[r])
         assert "the last stage returned no scalar loss" in out[r]
