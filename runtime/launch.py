@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["init_distributed", "shutdown_distributed", "spawn", "WorkerPool", "free_port", "rank_device",
-           "uses_nccl", "device_mesh", "process_group"]
+           "uses_nccl", "device_mesh", "process_group", "subgroups", "splits_world"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)  # the test pools and spawn: a hang fails fast
 
@@ -50,9 +50,17 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta = d
             "`torchrun --nproc-per-node N script.py`, or use mcompile.runtime.launch.spawn"
         )
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if uses_nccl(backend):
-        torch.cuda.set_device(_local_cuda_index(int(os.environ["RANK"])))
-    dist.init_process_group(backend, timeout=timeout)
+    if not uses_nccl(backend):
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    index = _local_cuda_index(int(os.environ["RANK"]))
+    torch.cuda.set_device(index)
+    # NCCL alone: bound to the device, the world's communicator is made now (it would be at the first collective)
+    # and later groups are split from it (splits_world: a call per kind of group, not per group; DeviceMesh's
+    # axes too). A mixed "cpu:gloo,cuda:nccl" stays unbound: splits_world is NCCL's alone, and bound, every group
+    # still made by new_group would become a split of the whole world for the ranks outside it.
+    bind = {"device_id": torch.device("cuda", index)} if backend == "nccl" else {}
+    dist.init_process_group(backend, timeout=timeout, **bind)
 
 
 # Process groups made once per process and default group, as Megatron makes its groups once at start-up: a
@@ -89,6 +97,46 @@ def process_group(ranks: list[int] | None = None, backend: str | None = None, ta
     two directions of a pair of ranks)."""
     key = ("group", tuple(ranks) if ranks is not None else None, backend, tag)
     return _cached(key, lambda: dist.new_group(ranks, backend=backend) if backend else dist.new_group(ranks))
+
+
+def splits_world() -> bool:
+    """Whether new process groups are split from the world's communicator (``dist.split_group``: one NCCL
+    ``ncclCommSplit`` makes every group of a partition at once, no store rendezvous): on NCCL alone, with the
+    default group bound to a device (:func:`init_distributed` binds it), whose communicator then exists already.
+    Otherwise torch cannot split, and every group is a ``new_group`` that every rank of the world calls; a bound
+    NCCL group also turns each of those into a world-wide split for the ranks outside it."""
+    if not (dist.is_initialized() and hasattr(dist, "split_group")) or dist.get_backend() != "nccl":
+        return False
+    return getattr(dist.group.WORLD, "bound_device_id", None) is not None
+
+
+def subgroups(partition: list[tuple[int, ...]], tag: str):
+    """One kind of process group: the groups of ``partition`` (disjoint lists of global ranks; ranks of no group
+    get None), this rank's group returned, made once per process for the same (partition, tag) (see ``_GROUPS``).
+    Every rank of the world calls it with the same arguments in the same order (torch.distributed's rule).
+
+    Split from the world's communicator where it can be (:func:`splits_world`): one world-wide call makes the
+    whole kind, so the calls per rank grow with the kinds of groups, not with their number. Otherwise each group
+    is a ``new_group`` every rank calls (``new_subgroups_by_enumeration`` loops over them): for a rank outside
+    the group only a name is taken, no store access and no communicator (unless ``TORCH_DIST_INIT_BARRIER=1``).
+    Not ``use_local_synchronization=True``, which would spare the ranks outside a group even that call: torch
+    (2.13 and before) names such a group by a hash salted with how many groups the *calling* rank belongs to,
+    and the pipeline's groups leave ranks with different counts (a tied weight's group holds the first and last
+    pipeline ranks only), so two members would pick different store prefixes and wait for each other forever.
+
+    ``tag`` tells apart kinds of the same rank sets that must not share a communicator (the pipeline's two
+    directions between two ranks)."""
+    parts = [tuple(sorted(g)) for g in partition]
+    if len({r for g in parts for r in g}) != sum(len(g) for g in parts):
+        raise ValueError(f"subgroups {tag!r}: a rank is in two groups of one kind: {parts}")
+
+    def make():
+        if splits_world():
+            return dist.split_group(split_ranks=[list(g) for g in parts], group_desc=tag)
+        mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in parts])
+        return mine
+
+    return _cached(("subgroups", tag, tuple(parts)), make)
 
 
 def uses_nccl(backend: str) -> bool:

@@ -33,10 +33,10 @@ with the next one's receives) deadlocks interleaved schedules (63 of 84 configur
 pp=8, v=4, m=4pp; GPipe, 1F1B and ZB-H1 pass), and Megatron's fix for them, one exchange per
 forward/backward pair, sends each activation a backward late (one measurement of the interleaved
 bubble at pp=4, m=8 on gloo: 0.28 against 0.16). The cost of the choice: two communicators per
-neighbour pair instead of one (NCCL buffers, and a group every rank creates); for pipelines of a
-few neighbours, small. NCCL creates a communicator at its first operation, blocking the host
-until the peer joins, so the groups are exercised once when they are made
-(:meth:`Pipeline._make_p2p_groups`).
+neighbour pair instead of one (NCCL buffers); the groups are made a kind at a time, not one world-wide
+call per group (:mod:`mcompile.runtime.pipeline_groups`: 4 calls at pp=8 for any dp × tp). NCCL creates
+a communicator at its first operation, blocking the host until the peer joins, so the groups are
+exercised once when they are made (:meth:`Pipeline._make_p2p_groups`).
 
 With ``record=True`` every action and every wait is timed for the Chrome-trace timeline
 (:mod:`mcompile.ir.timeline`): wall clock on CPU, comparable across processes on one machine; on a GPU
@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from mcompile.ir.dropout import RNG_INPUT
 from mcompile.ir.timeline import clock_for
-from mcompile.runtime.launch import process_group
+from mcompile.runtime.pipeline_groups import make_p2p_groups, make_tied_groups, p2p_directions
 from mcompile.runtime.schedules import Action, Post, Wait, p2p_plan  # noqa: F401  (Post, Wait, p2p_plan: re-exported)
 
 __all__ = ["PipelineExecutor", "FxStage", "MessageSpec", "Event", "Post", "Wait", "p2p_plan"]
@@ -561,49 +561,20 @@ class Pipeline:
 
     # -- groups ---------------------------------------------------------------------------------------
     def _make_tied_groups(self, mesh) -> dict[str, object]:
-        """A process group per set of pipeline ranks sharing a parameter, for each (dp, tp, ...)
-        coordinate; every rank creates every group in the same order (torch.distributed's rule)."""
-        out = {}
-        sets = sorted({tuple(sorted(r)) for r in self.param_ranks.values() if len(r) > 1})
-        coords = self.pm._coords
-        others = [a for a in mesh.axis_names if a != "pp"]
-        import itertools
-
-        for ranks in sets:
-            for combo in itertools.product(*[range(mesh.size(a)) for a in others]):
-                c = dict(zip(others, combo))
-                members = [mesh.rank_of(**{**c, "pp": r}) for r in ranks]
-                g = process_group(members, tag="pipeline parameter sync")  # made once per process
-                if all(coords[a] == c[a] for a in others) and self.pp_rank in ranks:
-                    for fqn, r in self.param_ranks.items():
-                        if tuple(sorted(r)) == ranks:
-                            out[fqn] = (g, members)
-        return out
+        """A process group per set of pipeline ranks sharing a parameter, for each (dp, tp, ...) coordinate:
+        ``{fqn: (group, members)}`` for this rank's (:func:`mcompile.runtime.pipeline_groups.make_tied_groups`)."""
+        return make_tied_groups(mesh, self.pm._coords, self.param_ranks)
 
     def _make_p2p_groups(self, mesh) -> dict[tuple[int, int], object]:
         """A process group per direction of every pair of pipeline ranks that exchange messages (for
         each (dp, tp, ...) coordinate), so that on NCCL each direction has its own communicator and
-        stream (module docstring); created by every rank in the same order."""
-        import itertools
-
-        pairs = set()
-        for a in (a for acts in self.actions for a in acts):
-            if a.kind == "F" and a.stage < self.k - 1:
-                pairs.add((a.stage % self.pp, (a.stage + 1) % self.pp))
-            elif a.kind == "B" and a.stage > 0:
-                pairs.add((a.stage % self.pp, (a.stage - 1) % self.pp))
+        stream (module docstring); made a kind at a time (:mod:`mcompile.runtime.pipeline_groups`)."""
         coords = self.pm._coords
-        others = [a for a in mesh.axis_names if a != "pp"]
-        out = {}
-        for src, dst in sorted(p for p in pairs if p[0] != p[1]):
-            for combo in itertools.product(*[range(mesh.size(a)) for a in others]):
-                c = dict(zip(others, combo))
-                g = process_group([mesh.rank_of(**{**c, "pp": r}) for r in (src, dst)], tag=f"p2p {src}->{dst}")
-                if all(coords[a] == c[a] for a in others) and self.pp_rank in (src, dst):
-                    out[(src, dst)] = g
+        out = make_p2p_groups(mesh, coords, p2p_directions(self.actions, self.k, self.pp))
         # NCCL creates a communicator at its first operation, blocking until the peer joins: a
         # first send would then wait on the host for its receive. One element over every direction,
-        # in one global order, creates them all now (each rank blocks only where both peers meet).
+        # in one global order, creates them all now (each rank blocks only where both peers meet);
+        # groups split from the world's communicator (launch.splits_world) exist already.
         one = torch.zeros(1, device=self.pm._device)
         for (src, dst), g in sorted(out.items()):
             if self.pp_rank == src:

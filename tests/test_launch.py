@@ -106,17 +106,20 @@ def test_init_distributed_takes_the_device_from_local_rank_and_a_long_timeout(mo
 
     calls = {}
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout: calls.update(backend=backend,
-                                                                                          timeout=timeout))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, timeout, **bind: calls.update(
+        backend=backend, timeout=timeout, **bind))
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.update(device=i))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setenv("RANK", "13")
     monkeypatch.setenv("LOCAL_RANK", "5")
     launch.init_distributed("nccl", timeout=datetime.timedelta(seconds=Config().collective_timeout_s))
-    assert calls == {"backend": "nccl", "timeout": datetime.timedelta(minutes=30), "device": 5}
+    # NCCL alone is bound to the device: later groups are split from the world's communicator (test_groups.py)
+    assert calls == {"backend": "nccl", "timeout": datetime.timedelta(minutes=30), "device": 5,
+                     "device_id": torch.device("cuda", 5)}
     monkeypatch.delenv("LOCAL_RANK")
+    calls.clear()
     launch.init_distributed("cpu:gloo,cuda:nccl")
-    assert calls["device"] == 13 % 8 and calls["backend"] == "cpu:gloo,cuda:nccl"
+    assert calls["device"] == 13 % 8 and calls["backend"] == "cpu:gloo,cuda:nccl" and "device_id" not in calls
     with pytest.raises(ValueError, match="collective_timeout_s"):
         Config(collective_timeout_s=0)
 
