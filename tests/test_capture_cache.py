@@ -4,6 +4,7 @@ broadcasting rank 0's capture."""
 from __future__ import annotations
 
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -127,3 +128,138 @@ def test_unpacking_the_same_bytes_again_is_a_fresh_copy_of_the_program():
     finally:
         torch.export.load = load
         capture_cache._UNPACKED.clear()
+
+
+def _helper_package(root, scale: str) -> str:
+    """A user's package in ``root``: ``model.py``'s forward calls ``scaled`` from ``ops.py`` (outside the
+    model's class file, so outside the cache key); its name, unique to this test."""
+    import uuid
+
+    name = f"mc_cache_helpers_{uuid.uuid4().hex[:8]}"
+    (root / name).mkdir()
+    (root / name / "__init__.py").write_text("")
+    (root / name / "ops.py").write_text(f"def scaled(x):\n    return x * {scale}\n")
+    (root / name / "model.py").write_text(
+        "import torch\n\n"
+        f"from {name}.ops import scaled\n\n\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(4, 4)\n\n"
+        "    def forward(self, x):\n"
+        "        return scaled(self.lin(x)).sum()\n")
+    return name
+
+
+def _import_net(name: str):
+    """``Net()`` from the package's current source (its modules imported afresh)."""
+    import importlib
+    import sys
+
+    for mod in (f"{name}.model", f"{name}.ops", name):
+        sys.modules.pop(mod, None)
+    importlib.invalidate_caches()
+    return importlib.import_module(f"{name}.model").Net()
+
+
+def _scales(cap) -> set:
+    return {a for n in cap.gm.graph.nodes if n.target == torch.ops.aten.mul.Tensor for a in n.args
+            if isinstance(a, float | int)}
+
+
+@pytest.mark.timeout(180)
+def test_an_edited_helper_outside_the_models_classes_is_captured_again(tmp_path, monkeypatch, caplog):
+    """The key cannot see ``ops.py`` (only the model's class file, ``model.py``); the entry lists the files the
+    trace ran, and an entry whose ``ops.py`` changed is a miss: captured again, with the edit, and replaced.
+    Unchanged, the next capture is a hit; a file touched but equal is still a hit."""
+    import logging
+    import sys
+
+    monkeypatch.setenv("MCOMPILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # an edit in the same second: no stale .pyc read
+    name = _helper_package(tmp_path, "2.0")
+    exports = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or real(*a, **k))
+    x = torch.randn(2, 4)
+    try:
+        first = capture(_import_net(name), (x,), meta_dtype=torch.float32, cache=True)
+        (entry,) = (tmp_path / "cache" / "captures").glob("*.pt2")
+        listed = capture_cache._info(entry.read_bytes())["sources"]
+        assert str(tmp_path / name / "ops.py") in listed and str(tmp_path / name / "model.py") in listed
+        assert not any("/torch/" in p for p in listed)  # torch's files: its version is in the key
+        per = len(exports)  # torch.export calls of one capture
+        assert per >= 1 and _scales(first) == {2.0}
+        capture(_import_net(name), (x,), meta_dtype=torch.float32, cache=True)
+        assert len(exports) == per  # unchanged: a hit
+
+        ops = tmp_path / name / "ops.py"
+        ops.write_text(ops.read_text().replace("2.0", "3.0"))
+        with caplog.at_level(logging.INFO, logger="mcompile.capture_cache"):
+            edited = capture(_import_net(name), (x,), meta_dtype=torch.float32, cache=True)
+        assert len(exports) == 2 * per and _scales(edited) == {3.0}
+        assert f"{ops} changed" in caplog.text
+        assert list((tmp_path / "cache" / "captures").glob("*.pt2")) == [entry]  # the same key, replaced
+        again = capture(_import_net(name), (x,), meta_dtype=torch.float32, cache=True)
+        assert len(exports) == 2 * per and _scales(again) == {3.0}
+
+        stat = ops.stat()
+        import os
+
+        os.utime(ops, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched, equal bytes: hashed, a hit
+        capture(_import_net(name), (x,), meta_dtype=torch.float32, cache=True)
+        assert len(exports) == 2 * per
+    finally:
+        for mod in (f"{name}.model", f"{name}.ops", name):
+            sys.modules.pop(mod, None)
+
+
+def test_a_changed_or_missing_listed_file_makes_an_entry_stale(tmp_path):
+    f = tmp_path / "helper.py"
+    f.write_text("x = 1\n")
+    st = f.stat()
+    listed = {str(f): [st.st_size, st.st_mtime_ns, capture_cache._digest(str(f))]}
+    assert capture_cache.changed(listed) is None
+    f.write_text("x = 22\n")
+    assert capture_cache.changed(listed) == f"{f} changed"
+    f.unlink()
+    assert capture_cache.changed(listed) == f"{f} is gone"
+    assert "older mcompile" in capture_cache.changed(None)
+
+
+@pytest.mark.timeout(180)
+def test_an_entry_from_before_the_source_list_is_captured_again(tmp_path, monkeypatch):
+    """An entry written without ``sources`` (mcompile's format 3, or any writer that did not list them) could be
+    stale in a way no one can tell now: it is a miss, captured again and replaced by one that lists them."""
+    import json
+    import sys
+    import zipfile
+
+    monkeypatch.setenv("MCOMPILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = _helper_package(tmp_path, "2.0")
+    try:
+        model, x = _import_net(name), torch.randn(2, 4)
+        capture(model, (x,), meta_dtype=torch.float32, cache=True)
+        (entry,) = (tmp_path / "cache" / "captures").glob("*.pt2")
+        new, old = zipfile.ZipFile(io.BytesIO(entry.read_bytes())), io.BytesIO()
+        with zipfile.ZipFile(old, "w") as z:
+            for item in new.infolist():
+                body = new.read(item)
+                if item.filename.endswith("extra/mcompile.json"):
+                    body = json.dumps({k: v for k, v in json.loads(body).items() if k != "sources"}).encode()
+                z.writestr(item, body)
+        entry.write_bytes(old.getvalue())
+        capture_cache.unpack(old.getvalue())  # a program that would load: served, were it not for the check
+        k = entry.stem
+        assert capture_cache.load(k) is None
+        exports = []
+        real = torch.export.export
+        monkeypatch.setattr(torch.export, "export", lambda *a, **kw: exports.append(1) or real(*a, **kw))
+        capture(model, (x,), meta_dtype=torch.float32, cache=True)
+        assert exports and "sources" in capture_cache._info(entry.read_bytes())
+        assert capture_cache.load(k) is not None
+    finally:
+        for mod in (f"{name}.model", f"{name}.ops", name):
+            sys.modules.pop(mod, None)

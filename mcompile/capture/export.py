@@ -253,7 +253,9 @@ def capture(
     failed: Exception | None = None
     for default_mask in (False, True):
         try:
-            ep, caught = _export(model, args, kwargs, shapes_named, dynamic, what, printed, default_mask)
+            # the source files the trace ran: the cache entry lists them, its lookups check them
+            with capture_cache.recording() if cache else contextlib.nullcontext(set()) as ran:
+                ep, caught = _export(model, args, kwargs, shapes_named, dynamic, what, printed, default_mask)
             _drop_scratch(model, attrs)
             _refuse_side_effects(model, ep, before, caught)
             break
@@ -280,7 +282,7 @@ def capture(
     if cache or pack:
         from mcompile.capture import cache as capture_cache
 
-        packed = capture_cache.pack(ep, what[-1] if what else "", prints, aliases)
+        packed = capture_cache.pack(ep, what[-1] if what else "", prints, aliases, ran)
         if cache and all(t.is_meta for t in list(ep.state_dict.values()) + list(ep.constants.values())
                if isinstance(t, torch.Tensor)):
             capture_cache.store(key, packed)  # no weights in it: a meta-device capture
