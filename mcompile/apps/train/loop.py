@@ -4,7 +4,7 @@ One step: the learning rate of the step (mcompile.apps.train.schedule) is set on
 batch is samples ``consumed .. consumed + global_batch - 1`` of the deterministic sample dataset, and each
 rank reads only its rows of it (``data.read = "local"``, :class:`_Reader`): the data-parallel ranks (dp x ep)
 ``global_batch / (dp x ep)`` consecutive samples each (``pm.batch_rows``), the tp, cp and pp ranks of those
-rows the same ones, a pipeline rank whose stages take no input nothing. ``pm`` runs with
+rows the same ones, a pipeline rank whose stages read only the inputs' shapes nothing. ``pm`` runs with
 ``inputs="local"`` and splits its rows into microbatches: the same tensors on every rank as when each reads
 the whole batch and ``pm.train_step`` picks the rows (``data.read = "global"``), so the same losses bit for
 bit. The gradients are clipped to a global norm (``pm.clip_grad_norm_``, or the ``DistributedOptimizer``'s
@@ -153,8 +153,8 @@ class _Reader:
         """(the model inputs for samples ``start .. start + n - 1``, the tokens read; None where none were).
 
         Local: the rows ``pm.batch_rows(n)`` (consecutive samples), read as ``data.batch(start + first row,
-        rows)``; a pipeline rank none of whose stages takes an input (``pm.reads_inputs`` False) reads nothing
-        and passes zeros of the inputs' shapes, which its stages never read."""
+        rows)``; a pipeline rank whose stages read no more of the inputs than their shapes (``pm.reads_inputs``
+        False: a middle stage) reads nothing and passes zeros of the inputs' shapes."""
         pm, objective = self.pm, self.objective
         if not self.local:
             tokens, targets = data.batch(start, n)
@@ -173,7 +173,7 @@ class _Reader:
         """The targets the model's mean averages over in the whole batch of ``n`` samples. Local: each rank
         counts its rows (0 where it read nothing) and one all-reduce over the world sums (count, read): every data
         rank has the same number R of ranks that read its rows (its tp and cp ranks, its pipeline ranks whose
-        stages take inputs), so the sum of the counts is R times the batch's, R the readers' sum over the data
+        stages read inputs), so the sum of the counts is R times the batch's, R the readers' sum over the data
         ranks."""
         read = tokens is not None
         count = self.objective.counted(inputs) if read else 0
