@@ -12,7 +12,10 @@ log-normal lengths around 600 tokens, like web text) is written to a temporary f
   another epoch's shuffles: the worst case; a trainer builds one per epoch);
 - ``blend``: sequential over a blend of two such datasets (weights 0.7 / 0.3);
 - ``first_epoch_s``: building one epoch's document and window shuffles (once per epoch);
-- ``preprocess``: tokens per second of ``preprocess`` on the shipped tiny corpus with its tokenizer.
+- ``preprocess``: tokens per second of ``preprocess`` on the shipped tiny corpus with its tokenizer;
+- ``per_rank``: what one rank of ``mcompile train`` reads per step of a global batch of 256 samples, counted at
+  the ``.bin``'s memory map, at dp = 1, 8, 64: its own rows (``data.read = "local"``, the default) against the
+  whole batch every rank read before (``global``, the dp = 1 row's figures at any dp).
 
 The files were just written, so reads come from the page cache: this measures the sampler's own
 cost (index arithmetic, gathers, tensor copies), not a disk. samples/s counts samples of 2048 tokens,
@@ -33,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
 
 SEQ, BATCH, VOCAB = 2048, 8, 50257
+GLOBAL_BATCH, DPS, STEPS = 256, (1, 8, 64), 4  # per_rank
 
 
 def make(prefix: Path, tokens: int, seed: int) -> None:
@@ -59,6 +63,39 @@ def rate(fn, calls: int) -> dict:
     samples = calls * BATCH / s
     return {"calls": calls, "seconds": round(s, 3), "samples_per_s": round(samples, 1),
             "tokens_per_s": round(samples * SEQ)}
+
+
+def per_rank(sd, ds) -> list[dict]:
+    """Per dp: the samples, token ids and bytes one data rank reads per step (the last rank's rows of each of
+    STEPS global batches, as mcompile train's loop reads them: ``batch(consumed + first row, rows)``), counted
+    through a view over the dataset's memory map, and the seconds per step."""
+
+    class Counted:
+        def __init__(self, array):
+            self.array, self.ids = array, 0
+
+        def __getitem__(self, index):
+            out = self.array[index]
+            self.ids += int(np.size(out))
+            return out
+
+    memmap, ds.tokens = ds.tokens, Counted(ds.tokens)
+    try:
+        out = []
+        for dp in DPS:
+            rows = GLOBAL_BATCH // dp
+            first = (dp - 1) * rows
+            ds.tokens.ids = 0
+            t = time.perf_counter()
+            for k in range(STEPS):
+                sd.batch(k * GLOBAL_BATCH + first, rows)
+            s = time.perf_counter() - t
+            ids = ds.tokens.ids // STEPS
+            out.append({"dp": dp, "samples": rows, "ids": ids, "bytes": ids * ds.dtype.itemsize,
+                        "seconds": round(s / STEPS, 4)})
+        return out
+    finally:
+        ds.tokens = memmap
 
 
 def main() -> None:
@@ -97,6 +134,9 @@ def main() -> None:
         }
         blend = SampleDataset([(a, 0.7), (b, 0.3)], SEQ, seed=0)
         result["blend"] = rate(lambda k: blend.batch(k * BATCH, BATCH), args.calls)
+        one = SampleDataset(a, SEQ, seed=0)
+        one.batch(0, 1)  # the first epoch's shuffles built
+        result["per_rank"] = {"global_batch": GLOBAL_BATCH, "local": per_rank(one, one.datasets[0])}
         stats = preprocess([tiny_corpus()], Path(tmp) / "tiny", tiny_tokenizer(), progress=False)
         result["preprocess"] = {"tokens": stats["tokens"], "seconds": stats["seconds"],
                                 "tokens_per_s": stats["tokens_per_s"], "input": "tiny_corpus.jsonl"}

@@ -63,6 +63,31 @@ class StepRunner:
             self.loss_scaler = DynamicLossScaler.from_config(config)
         self.step_skipped = False  # the last train_step's gradients overflowed (fp16): its optimizer step is skipped
 
+    # -- what a data loader passes ----------------------------------------------------------------
+    def batch_rows(self, n: int) -> range:
+        """The rows of a global batch of ``n`` samples that this rank's steps run on, what it passes under
+        ``inputs="local"``: the data-parallel ranks (dp x ep, in rank order) take ``n / (dp x ep)`` consecutive
+        rows each (``train_step`` on the global batch picks the same ones); the tp, pp and cp ranks of one data
+        rank take the same rows (cp's programs slice their tokens of each sequence: the rows hold whole
+        sequences)."""
+        k = self._batch_size
+        if n < 0 or n % k:
+            raise ValueError(f"a batch of {n} samples does not split over the {k} data-parallel ranks "
+                             f"({' x '.join(f'{a}={self.mesh.size(a)}' for a in self._batch_axes)}): use a "
+                             f"multiple of {k}")
+        rows = n // k
+        return range(self._batch_coord * rows, (self._batch_coord + 1) * rows)
+
+    @property
+    def reads_inputs(self) -> bool:
+        """Whether this rank's programs read the values of the model's inputs: False on a pipeline rank none of
+        whose stages reads more of one than its shape (a middle stage receives activations from its neighbour and
+        may take the sequence length from the token ids), which may then pass tensors of the inputs' shapes
+        holding anything."""
+        if self._pipe is None:
+            return True
+        return any(_reads_values(self._pipe.stages[s].gm, self._pipe.stages[s].user_inputs) for s in self._pipe.own)
+
     # -- running --------------------------------------------------------------------------------
     def _split(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
         dp = self._batch_size
@@ -177,13 +202,15 @@ class StepRunner:
     def _first_tokens_per_piece(self, args: tuple, kwargs: dict) -> None:
         """fp16, the first step (no count seen yet): the tokens per piece of a token-weighted loss estimated
         from the shapes of the global batch, the same on every rank — the largest integer input (token ids,
-        labels) over data ranks x microbatches, ignored targets included; 1 for a mean loss or local inputs."""
-        if not self._token_weighted or self.config.inputs != Inputs.GLOBAL:
+        labels) over data ranks x microbatches, ignored targets included (a ``inputs="local"`` slice counts as
+        one of equal slices: the same estimate); 1 for a mean loss."""
+        if not self._token_weighted:
             self.loss_scaler.tokens_per_piece = 1.0
             return
         ints = [t.numel() for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)
                 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool]
-        self.loss_scaler.observe_tokens(max(ints, default=0) / (self._data_size * self.config.microbatches))
+        slices = self._batch_size if self.config.inputs == Inputs.LOCAL else 1
+        self.loss_scaler.observe_tokens(max(ints, default=0) * slices / (self._data_size * self.config.microbatches))
 
     @torch.no_grad()
     def _check_overflow(self, count: torch.Tensor) -> bool:
@@ -408,6 +435,17 @@ class StepRunner:
 
     def program_code(self) -> str:
         return self._program.code
+
+
+_SHAPE_ONLY = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_size.default, torch.ops.aten.sym_numel.default,
+               torch.ops.aten.sym_stride.int, torch.ops.aten.sym_stride.default}
+
+
+def _reads_values(gm, names) -> bool:
+    """Whether program ``gm`` uses any of its placeholders ``names`` other than through its shape."""
+    names = set(names)
+    return any(n.op == "placeholder" and n.name in names and any(u.target not in _SHAPE_ONLY for u in n.users)
+               for n in gm.graph.nodes)
 
 
 def _batched(t, batch) -> bool:

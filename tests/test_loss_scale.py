@@ -74,6 +74,28 @@ def test_scaler_rule_backoff_growth_floor_hysteresis():
     assert nonfinite([torch.ones(3), torch.zeros(0)], "cpu") == 0
 
 
+@pytest.mark.parametrize("dp,cp,microbatches", [(2, 1, 1), (4, 2, 2)])
+def test_first_step_estimate_is_the_same_for_local_and_global_inputs(dp, cp, microbatches):
+    """Before the first step's count, the tokens per piece come from the batch's shapes: a rank's rows under
+    ``inputs="local"`` (1/dp of the batch, what ``mcompile train`` passes) give the estimate the whole batch gives,
+    so the first step's sum scale is the same (with no estimate it was tokens-per-piece times the global run's: an
+    overflow, a skipped step, the global run does not have)."""
+    from types import SimpleNamespace
+
+    from mcompile.ir.config import Inputs
+    from mcompile.runtime.step import StepRunner
+
+    tokens = torch.zeros(16, 64, dtype=torch.int64)
+    got = {}
+    for inputs, rows in ((Inputs.GLOBAL, 16), (Inputs.LOCAL, 16 // dp)):
+        rank = SimpleNamespace(_token_weighted=True, _batch_size=dp, _data_size=dp * cp,
+                               config=SimpleNamespace(inputs=inputs, microbatches=microbatches),
+                               loss_scaler=DynamicLossScaler(2.0**16))
+        StepRunner._first_tokens_per_piece(rank, (tokens[:rows], tokens[:rows]), {})
+        got[inputs] = rank.loss_scaler.tokens_per_piece
+    assert got[Inputs.LOCAL] == got[Inputs.GLOBAL] == 16 * 64 / (dp * cp * microbatches), got
+
+
 @pytest.mark.parametrize("options,message", [
     ({"initial_loss_scale": 0.0}, "initial_loss_scale=0.0"),
     ({"min_loss_scale": 2.0**20}, "min_loss_scale"),

@@ -40,3 +40,46 @@ def run_train(rank, world, tree: dict):
     from mcompile.apps.train.loop import train
 
     return train(parse_config(tree, "test"))
+
+
+def run_train_counting(rank, world, tree: dict):
+    """:func:`run_train`, counting what this rank reads: (summary, calls), a call per ``SampleDataset.batch``
+    (``{"split", "start", "n", "tokens", "read"}``: its first sample, its number of samples, the tokens it returned
+    and the token ids it read from the dataset's ``.bin``, through a counting view over every opened dataset's
+    memory map). The patches are undone after the run (the pool's workers live on)."""
+    import numpy as np
+
+    from mcompile.apps.data import indexed, sampling
+
+    tally, calls = [0], []
+
+    class Counted:  # the .bin memory map, counting the ids each index reads
+        def __init__(self, array):
+            self.array = array
+
+        def __getitem__(self, index):
+            out = self.array[index]
+            tally[0] += int(np.size(out))
+            return out
+
+        def __len__(self):
+            return len(self.array)
+
+    init, batch = indexed.IndexedDataset.__init__, sampling.SampleDataset.batch
+
+    def counting_init(self, prefix):
+        init(self, prefix)
+        self.tokens = Counted(self.tokens)
+
+    def counting_batch(self, start, n):
+        before = tally[0]
+        out = batch(self, start, n)
+        calls.append({"split": self.split, "start": int(start), "n": int(n), "tokens": out.tokens.clone(),
+                      "read": tally[0] - before})
+        return out
+
+    indexed.IndexedDataset.__init__, sampling.SampleDataset.batch = counting_init, counting_batch
+    try:
+        return run_train(rank, world, tree), calls
+    finally:
+        indexed.IndexedDataset.__init__, sampling.SampleDataset.batch = init, batch

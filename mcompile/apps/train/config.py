@@ -62,6 +62,11 @@ class DataConfig:
     tokenizer: str = ""  # for `tokenize`: tokenizer.json, *.tiktoken or *.model ("tiny": the shipped one)
     text_key: str = "text"  # JSONL field holding the text
     factory: str = ""  # "package.module:function"(seq_len=, seed=, split=) -> an object with .batch(start, n)
+    #                    (samples start .. start+n-1, row by row: row k is sample start+k)
+    read: str = "local"  # "local": each rank reads only its data-parallel rows of each batch (1/(dp x ep); the
+    #                      tp, cp and pp ranks of those rows read them too, but pipeline ranks whose stages take no
+    #                      input read nothing); "global": every rank reads the whole batch (for a factory whose
+    #                      batch(start, n) is not row by row)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -189,6 +194,7 @@ _TYPES: dict[str, Any] = {"betas": "floats", "overrides": "table", "kwargs": "ta
                           "tokenize": "strings", "export_hf": "path_or_bool"}
 _CHOICES = {
     "model.init": ("meta", "eager"),
+    "data.read": ("local", "global"),
     "model.objective": ("auto", "next-token", "causal-lm", "masked-lm", "seq2seq"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zbh1"),
     "parallel.recompute": ("none", "full", "selective"),

@@ -1,10 +1,14 @@
 """The training loop of ``mcompile train``: run on every rank with the same TrainConfig.
 
 One step: the learning rate of the step (mcompile.apps.train.schedule) is set on the optimizer; the global
-batch of samples ``consumed .. consumed + global_batch - 1`` is read from the deterministic sample
-dataset on every rank and passed whole to ``pm.train_step`` (mcompile splits it over dp and
-microbatches); the gradients are clipped to a global norm (``pm.clip_grad_norm_``, or the
-``DistributedOptimizer``'s under ZeRO-1/2); the optimizer steps.
+batch is samples ``consumed .. consumed + global_batch - 1`` of the deterministic sample dataset, and each
+rank reads only its rows of it (``data.read = "local"``, :class:`_Reader`): the data-parallel ranks (dp x ep)
+``global_batch / (dp x ep)`` consecutive samples each (``pm.batch_rows``), the tp, cp and pp ranks of those
+rows the same ones, a pipeline rank whose stages read only the inputs' shapes nothing. ``pm`` runs with
+``inputs="local"`` and splits its rows into microbatches: the same tensors on every rank as when each reads
+the whole batch and ``pm.train_step`` picks the rows (``data.read = "global"``), so the same losses bit for
+bit. The gradients are clipped to a global norm (``pm.clip_grad_norm_``, or the ``DistributedOptimizer``'s
+under ZeRO-1/2); the optimizer steps.
 
 Resuming: a checkpoint ``checkpoint.dir/step-XXXXXXX`` holds the model, the optimizer and, in its
 ``extra``, the step and the number of samples consumed. A checkpoint is complete when its folder has
@@ -92,6 +96,8 @@ def _options(cfg: TrainConfig) -> dict:
             value = getattr(cfg.parallel, name)
             out[name] = None if name == "fp8" and value == "none" else value
     out.update(dtype=_DTYPES[cfg.train.dtype], init_seed=cfg.train.seed)
+    if cfg.data.read == "local":  # each rank passes its own rows of the batch (_Reader)
+        out["inputs"] = "local"
     if cfg.train.dtype == "fp16":  # dynamic loss scaling (mcompile.runtime.loss_scale)
         out.update({k: getattr(cfg.train, k) for k in ("initial_loss_scale", "loss_scale_window", "min_loss_scale",
                                                        "loss_scale_hysteresis")})
@@ -133,6 +139,54 @@ def _dataset(cfg: TrainConfig, split: str):
 
     sources = d.sources if isinstance(d.sources, str) else [(p, w) for p, w in d.sources]
     return SampleDataset(sources, t.seq_len, seed=t.seed, split=split, valid_fraction=d.valid_fraction)
+
+
+class _Reader:
+    """Each batch's model inputs on this rank: under ``data.read = "local"`` only its rows of the batch, read
+    alone, else the whole batch (from which ``pm`` picks the rows)."""
+
+    def __init__(self, pm, objective, seq_len: int, local: bool):
+        self.pm, self.objective, self.seq_len, self.local = pm, objective, seq_len, local
+        self.blanks: dict[int, tuple] = {}  # a rank that reads nothing: its inputs' zeros, by batch size
+
+    def read(self, data, start: int, n: int) -> tuple[tuple, torch.Tensor | None]:
+        """(the model inputs for samples ``start .. start + n - 1``, the tokens read; None where none were).
+
+        Local: the rows ``pm.batch_rows(n)`` (consecutive samples), read as ``data.batch(start + first row,
+        rows)``; a pipeline rank whose stages read no more of the inputs than their shapes (``pm.reads_inputs``
+        False: a middle stage) reads nothing and passes zeros of the inputs' shapes."""
+        pm, objective = self.pm, self.objective
+        if not self.local:
+            tokens, targets = data.batch(start, n)
+            return objective.inputs(tokens, targets, start), tokens
+        rows = pm.batch_rows(n)
+        if not pm.reads_inputs:
+            if n not in self.blanks:
+                zeros = torch.zeros((len(rows), self.seq_len), dtype=torch.int64)
+                self.blanks[n] = tuple(torch.zeros_like(t) for t in objective.inputs(zeros, zeros, start, rows=rows,
+                                                                                     batch=n))
+            return self.blanks[n], None
+        tokens, targets = data.batch(start + rows.start, len(rows))
+        return objective.inputs(tokens, targets, start, rows=rows, batch=n), tokens
+
+    def counted(self, inputs: tuple, tokens: torch.Tensor | None, n: int) -> int:
+        """The targets the model's mean averages over in the whole batch of ``n`` samples. Local: each rank
+        counts its rows (0 where it read nothing) and one all-reduce over the world sums (count, read): every data
+        rank has the same number R of ranks that read its rows (its tp and cp ranks, its pipeline ranks whose
+        stages read inputs), so the sum of the counts is R times the batch's, R the readers' sum over the data
+        ranks."""
+        read = tokens is not None
+        count = self.objective.counted(inputs) if read else 0
+        if not self.local or dist.get_world_size() == 1:
+            return count
+        data_ranks = n // len(self.pm.batch_rows(n))
+        from mcompile.runtime.launch import uses_nccl
+
+        device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl(dist.get_backend()) else "cpu"
+        t = torch.tensor([count, int(read)], dtype=torch.int64, device=device)
+        dist.all_reduce(t)
+        counts, readers = t.tolist()
+        return counts // (readers // data_ranks)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -188,14 +242,13 @@ def _optimizer(cfg: TrainConfig, pm):
     return cls([g for g in groups if g["params"]], **kwargs), pm.clip_grad_norm_
 
 
-def _evaluate(pm, valid, batches: int, batch_size: int, objective) -> tuple[float, int]:
+def _evaluate(pm, valid, batches: int, batch_size: int, reader: _Reader) -> tuple[float, int]:
     """Token-weighted mean loss over the fixed valid batches (each batch's mean times its token count), each
-    batch given to the model as the run's objective says."""
+    batch given to the model as the run's objective says; each rank reads its rows as in training (``reader``)."""
     total, count = 0.0, 0
     for i in range(batches):
-        tokens, targets = valid.batch(i * batch_size, batch_size)
-        inputs = objective.inputs(tokens, targets, i * batch_size)
-        n = objective.counted(inputs)
+        inputs, tokens = reader.read(valid, i * batch_size, batch_size)
+        n = reader.counted(inputs, tokens, batch_size)  # the whole batch's: the same on every rank
         if n == 0:
             continue
         total += float(pm.forward(*inputs)) * n
@@ -279,14 +332,17 @@ def _check_batches(cfg: TrainConfig, pm) -> int:
     """The evaluation batch size, once the global batch divides over dp x microbatches and the evaluation batch
     over dp (and evaluation, which runs ``pm.forward``, has no microbatches to split without pp)."""
     tc = cfg.train
-    dp, m = pm.mesh.size("dp"), pm.config.microbatches
+    # the batch splits over dp x ep (mcompile folds expert parallelism into data parallelism)
+    dp, m = pm.mesh.size("dp") * pm.mesh.size("ep"), pm.config.microbatches
+    dp_name = "dp" if pm.mesh.size("ep") == 1 else "dp x ep"
     if tc.global_batch % (dp * m):
-        raise ConfigError(f"train.global_batch = {tc.global_batch} does not divide by dp={dp} x "
+        raise ConfigError(f"train.global_batch = {tc.global_batch} does not divide by {dp_name}={dp} x "
                           f"parallel.microbatches={m}: use a multiple of {dp * m}")
     eval_bs = cfg.eval.batch_size or tc.global_batch
     if cfg.eval.interval:
         if eval_bs % dp:
-            raise ConfigError(f"eval.batch_size = {eval_bs} does not divide by dp={dp}: use a multiple of {dp}")
+            raise ConfigError(f"eval.batch_size = {eval_bs} does not divide by {dp_name}={dp}: use a multiple of "
+                              f"{dp}")
         if m > 1 and pm.mesh.size("pp") == 1:
             raise ConfigError("eval runs pm.forward, which takes the local batch at once: without pipeline "
                               f"parallelism it needs parallel.microbatches = 1 (got {m}); set eval.interval = 0 "
@@ -342,6 +398,7 @@ class _Run:
         self.save_kw = self._save_options()
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.pending = None
+        self.reader = _Reader(self.pm, self.objective, self.tc.seq_len, cfg.data.read == "local")
         self.losses: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, grad norm) of this attempt
         self.eval_loss, self.best_eval, self.last_log, self.last_time = None, None, self.start_step, time.perf_counter()
         self.row, self.first_step_s = {}, None
@@ -409,12 +466,11 @@ class _Run:
         lr = lr_at(applied_updates(step, self.pm), cfg)
         for group in opt.param_groups:
             group["lr"] = lr
-        tokens, targets = self.data.batch(self.consumed, tc.global_batch)
-        if self.vocab is not None and int(tokens.max()) >= self.vocab:
+        inputs, tokens = self.reader.read(self.data, self.consumed, tc.global_batch)
+        if tokens is not None and self.vocab is not None and int(tokens.max()) >= self.vocab:
             raise ValueError(f"the data holds token id {int(tokens.max())} but the model's vocabulary has "
                              f"{self.vocab} entries: preprocess with the model's tokenizer, or set "
                              "model.overrides.vocab_size")
-        inputs = self.objective.inputs(tokens, targets, self.consumed)
         self.consumed += tc.global_batch
         loss = self.pm.train_step(*inputs)
         if getattr(self.pm, "step_skipped", False):  # fp16: a gradient overflowed on some rank; every rank skips the
@@ -469,7 +525,7 @@ class _Run:
         ``checkpoint.interval``."""
         cfg, tc, cc = self.cfg, self.tc, self.cc
         if cfg.eval.interval and (step % cfg.eval.interval == 0 or step == tc.steps):
-            self.eval_loss, n_tokens = _evaluate(self.pm, self.valid, cfg.eval.batches, self.eval_bs, self.objective)
+            self.eval_loss, n_tokens = _evaluate(self.pm, self.valid, cfg.eval.batches, self.eval_bs, self.reader)
             self.best_eval = self.eval_loss if self.best_eval is None else min(self.best_eval, self.eval_loss)
             if self.metrics is not None:
                 self.metrics.record({"step": step, "eval_loss": self.eval_loss, "eval_tokens": n_tokens})

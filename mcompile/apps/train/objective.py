@@ -17,8 +17,9 @@ not agree on what they want from that:
 - ``masked-lm`` (a Hugging Face encoder such as BERT / RoBERTa): BERT's masking (Devlin et al. 2019,
   §3.1): 15% of the positions are chosen, of those 80% become the mask token, 10% a random token and 10%
   stay; ``labels`` holds the original token at the chosen positions and ``-100`` elsewhere. The choice
-  is drawn from a generator seeded by ``(train.seed, the batch's first sample index)``, so a resumed run
-  and every rank mask the same positions.
+  is drawn from a generator seeded by ``(train.seed, the batch's first sample index)`` for the whole global
+  batch's shape, so a resumed run and every rank mask the same positions (a rank given only its rows of the
+  batch cuts its rows out of the whole batch's draws).
 - ``seq2seq`` (a Hugging Face encoder-decoder such as T5): the window's first half is the encoder's
   input and the next as many tokens the decoder's labels (the model makes its decoder inputs by
   shifting them right): continuation of a prefix.
@@ -107,11 +108,15 @@ class Objective:
                 "masked-lm": f"masked tokens ({self.mask_prob:.0%} of positions, mask id {self.mask_token_id})",
                 "seq2seq": "continuation (encoder: first half of each window, labels: second half)"}[self.kind]
 
-    def inputs(self, tokens, targets, start: int = 0) -> tuple:
+    def inputs(self, tokens, targets, start: int = 0, *, rows: range | None = None, batch: int | None = None) -> tuple:
         """``(inputs, labels)`` for ``pm.train_step`` / ``pm.forward`` from one batch of the data, whose
-        first sample is number ``start`` (seeds the masked-LM draw)."""
+        first sample is number ``start`` (seeds the masked-LM draw). ``rows``, ``batch``: the given tokens are
+        only rows ``rows`` of that batch of ``batch`` samples (one data rank's slice); the result is those rows
+        of the whole batch's (each kind is row by row, the masked-LM draw made for the whole batch's shape)."""
         import torch
 
+        if rows is not None and (len(rows) != tokens.shape[0] or batch is None or rows.stop > batch):
+            raise ValueError(f"inputs: rows {rows} of a batch of {batch} do not match {tokens.shape[0]} rows of tokens")
         if self.kind == "next-token":
             return tokens, targets
         if self.kind == "causal-lm":
@@ -121,19 +126,23 @@ class Objective:
         if self.kind == "seq2seq":
             half = tokens.shape[1] // 2  # labels = tokens[:, half:2 half] where not ignored: as long as the input
             return tokens[:, :half].contiguous(), targets[:, half - 1:2 * half - 1].contiguous()
-        # masked-lm
+        # masked-lm: every draw is made for the whole batch's shape, then cut to the given rows (the same masks
+        # whichever rows a rank holds)
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(start))
-        shape = tokens.shape
+        shape = (tokens.shape[0] if rows is None else batch, *tokens.shape[1:])
+        cut = slice(0, shape[0]) if rows is None else slice(rows.start, rows.stop)
         chosen = torch.rand(shape, generator=g) < self.mask_prob
         # at least one chosen position per sample: the loss of a sample with none would be 0/0 for a batch of one
         first = torch.rand(shape, generator=g).argmin(dim=1)
         chosen[torch.arange(shape[0]), first] = True
-        labels = torch.where(chosen, tokens, torch.full_like(tokens, IGNORE))
         how = torch.rand(shape, generator=g)
+        random_ids = torch.randint(0, max(self.vocab_size, 1), shape, generator=g)
+        chosen, how, random_ids = chosen[cut], how[cut], random_ids[cut]
+        labels = torch.where(chosen, tokens, torch.full_like(tokens, IGNORE))
         ids = tokens.clone()
         ids[chosen & (how < 0.8)] = self.mask_token_id
         swap = chosen & (how >= 0.8) & (how < 0.9)
-        ids[swap] = torch.randint(0, max(self.vocab_size, 1), shape, generator=g)[swap]
+        ids[swap] = random_ids[swap]
         return ids, labels
 
     def counted(self, inputs: tuple) -> int:
