@@ -214,7 +214,7 @@ def test_unreachable_endpoint_and_missing_node_fail_plainly_within_the_timeout(t
     assert rc1 == 1 and "Traceback" not in err1, err1[-3000:]
     assert "error: could not reach the rendezvous at 127.0.0.1:" in err1 and "--rdzv-timeout 3 s" in err1, err1
     waited = float(err1.split("(waited ")[1].split(" s)")[0])
-    assert 3.0 <= waited < 10.0, err1  # connection attempts until the timeout, then the error
+    assert 3.0 <= waited < 15.0, err1  # connection attempts until the timeout (not torch's 60 s), then the error
     assert rc0 == 1 and "Traceback" not in err0, err0[-3000:]
     assert "did not gather all 2 nodes within --rdzv-timeout 3 s" in err0, err0[-3000:]
 
@@ -240,7 +240,7 @@ def test_two_nodes_train_as_one(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- a node lost
-@pytest.mark.slow  # ~3.5 min on 2 shared cores: the rendezvous waits ~15 s to call node 1 dead and 15 s more
+@pytest.mark.slow  # 246 s on 2 shared cores (load ~25): the rendezvous waits ~15 s to call node 1 dead and 15 s more
 @pytest.mark.timeout(600)  # (last call) before node 0 goes on alone, then the restarted processes compile again
 def test_node_lost_the_run_goes_on_at_half_dp_from_the_checkpoint(tmp_path):
     """--nnodes 1:2, --max-restarts 1: node 1 (its agent and both its processes) is SIGKILLed at the start of step 5
