@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_cases import run_train
+from train_cases import run_train, toml_text
 
 from mcompile.apps.train import schedule as S
 from mcompile.apps.train.config import ConfigError, load_config, parse_config, parse_override
@@ -271,14 +271,6 @@ def _run_cli(config: Path, *extra: str, timeout: float = 240) -> subprocess.Comp
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _toml(tree: dict) -> str:
-    def value(v):
-        return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
-
-    return "\n".join(f"[{name}]\n" + "\n".join(f"{k} = {value(v)}" for k, v in table.items())
-                     for name, table in tree.items()) + "\n"
-
-
 def test_killed_rank_restarts_and_resumes_exactly(tmp_path):
     """Acceptance 3: a rank killed mid-run; the elastic agent restarts all; the weights equal an
     uninterrupted run's. On 2 processes (dp=2: each rank its own slice of the data to resume at): what is
@@ -292,7 +284,7 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path):
                  logging={"jsonl": str(tmp_path / "killed" / "metrics.jsonl")})
     (tmp_path / "killed").mkdir()
     config = tmp_path / "killed" / "run.toml"
-    config.write_text(_toml(tree))
+    config.write_text(toml_text(tree))
     out = _run_cli(config)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert "resumed from" in out.stdout and "step-0000005" in out.stdout, out.stdout[-2000:]

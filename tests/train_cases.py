@@ -34,6 +34,17 @@ def random_samples(seq_len: int, seed: int, split: str) -> RandomSamples:
     return RandomSamples(seq_len, seed, split)
 
 
+def toml_text(tree: dict) -> str:
+    """A config tree ({table: {key: value}}) as TOML text, for runs of the ``mcompile train`` command."""
+    import json
+
+    def value(v):
+        return json.dumps(v) if not isinstance(v, bool) else str(v).lower()
+
+    return "\n".join(f"[{name}]\n" + "\n".join(f"{k} = {value(v)}" for k, v in table.items())
+                     for name, table in tree.items()) + "\n"
+
+
 def run_train(rank, world, tree: dict):
     """mcompile.apps.train.loop.train on a pool worker (its process group already initialised)."""
     from mcompile.apps.train.config import parse_config

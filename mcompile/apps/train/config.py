@@ -157,6 +157,14 @@ class LoggingConfig:
 class LaunchConfig:
     nproc: int = 0  # processes to start on this machine without torchrun; 0: the mesh's size
     max_restarts: int = 0  # the elastic agent restarts every process this many times after a failure
+    nnodes: str = ""  # nodes, "N" or "MIN:MAX" (elastic: goes on with MIN..MAX nodes, dp re-planned); "": Slurm's
+    #                   SLURM_NNODES under Slurm, else 1 (mcompile.apps.train.elastic)
+    node_rank: int = -1  # this node's rank; node 0 hosts the rendezvous store; -1: SLURM_NODEID, else torch guesses
+    rdzv_endpoint: str = ""  # HOST:PORT of the c10d rendezvous (node 0's address); "": MASTER_ADDR or the first
+    #                          host of SLURM_JOB_NODELIST (port 29500) under Slurm
+    rdzv_id: str = ""  # the run's rendezvous id, the same on every node; "": SLURM_JOB_ID, else "mcompile"
+    rdzv_timeout: int = 600  # seconds for every node to join (and for this node to reach the endpoint)
+    rdzv_last_call: int = 30  # seconds a rendezvous that has MIN of MIN:MAX nodes waits for more
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -165,6 +173,8 @@ class DebugConfig:
     # rank `kill_rank` SIGKILLs itself at the start of step `kill_step`; 0: never
     kill_step: int = 0  # the step rank kill_rank kills itself at (first attempt only); 0: never
     kill_rank: int = 0  # the rank that kill_step kills
+    kill_node: int = -1  # >= 0: kill_step takes down the node of this launch.node_rank instead: its agent and every
+    #                      process it started (a node lost); -1: off
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -460,6 +470,17 @@ def _check(cfg: TrainConfig, where: str) -> None:
     mesh = cfg.parallel.mesh.strip()
     if mesh != "auto":
         _check_mesh(mesh, where)
+    for key, value in (("launch.node_rank", cfg.launch.node_rank), ("debug.kill_node", cfg.debug.kill_node)):
+        if value < -1:
+            raise ConfigError(f"{key} = {value} in {where}: give a rank >= 0, or -1 (unset)")
+    for key, value in (("launch.rdzv_timeout", cfg.launch.rdzv_timeout),
+                       ("launch.rdzv_last_call", cfg.launch.rdzv_last_call)):
+        if value < 1:
+            raise ConfigError(f"{key} = {value} in {where}: give a number of seconds >= 1")
+    if cfg.launch.nnodes:
+        from mcompile.apps.train.elastic import parse_nnodes
+
+        parse_nnodes(cfg.launch.nnodes, "launch.nnodes", where)
     if cfg.checkpoint.interval and not cfg.checkpoint.dir:
         raise ConfigError(f"checkpoint.interval = {cfg.checkpoint.interval} in {where} needs checkpoint.dir")
     if cfg.checkpoint.export_hf is True and not cfg.checkpoint.dir:

@@ -66,6 +66,11 @@ def train(cfg: TrainConfig) -> dict:
                     "previous attempt's addresses and fail to connect (pytorch/pytorch#135712); launch with "
                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
     init_distributed()
+    from mcompile.apps.train.elastic import fit_world
+
+    cfg, note = fit_world(cfg, dist.get_world_size())  # an elastic run on fewer (or more) nodes: dp re-planned
+    if note and dist.get_rank() == 0:
+        print(note, flush=True)
     summary = _train(cfg)  # returns first: the model and its process groups are freed before shutdown
     if own_group:
         gc.collect()
@@ -271,6 +276,18 @@ def _wait(pending) -> None:
         (getattr(pending, "wait", None) or pending.result)()
 
 
+def _lose_node() -> None:
+    """debug.kill_node: this node is lost. The agent (this process's parent) and, where the agent leads its own
+    process group (a Slurm task, the tests' agents), every process of that group die by SIGKILL; otherwise the
+    agent and this process, and the node's other processes fail at their next collective."""
+    sys.stdout.flush()
+    agent = os.getppid()
+    if os.getpgid(0) == agent:
+        os.killpg(agent, signal.SIGKILL)
+    os.kill(agent, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _train(cfg: TrainConfig) -> dict:
     """The run on this rank (module docstring): compiled and resumed by :class:`_Run`, its steps, then its final
     saves; returns the summary."""
@@ -460,9 +477,13 @@ class _Run:
         """One step (module docstring): its learning rate, its global batch, the train step, the clip and the
         optimizer's step; then its log row, the evaluation and the checkpoint where they are due."""
         cfg, tc, opt = self.cfg, self.tc, self.opt
-        if cfg.debug.kill_step == step and cfg.debug.kill_rank == self.rank and self.restart == 0:
-            sys.stdout.flush()
-            os.kill(os.getpid(), signal.SIGKILL)  # fault injection (tests): the elastic agent restarts all
+        if cfg.debug.kill_step == step and self.restart == 0:  # fault injection (tests), first attempt only
+            if cfg.debug.kill_node < 0 and cfg.debug.kill_rank == self.rank:
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL)  # the elastic agent restarts all
+            elif cfg.debug.kill_node >= 0 and cfg.debug.kill_node == cfg.launch.node_rank \
+                    and os.environ.get("LOCAL_RANK") == "0":
+                _lose_node()
         lr = lr_at(applied_updates(step, self.pm), cfg)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -513,7 +534,7 @@ class _Run:
             "step": step, "loss": loss_v, "lr": lr, "grad_norm": norm_v,
             "tokens_per_s": n * tc.global_batch * tc.seq_len / dt, "step_time_s": dt / n,
             "mfu": (flops * n / dt / self.world / self.peak) if flops else None, "consumed_samples": self.consumed,
-            "restart": self.restart, "mem_gib": round(_peak_memory_gib(), 3)}
+            "restart": self.restart, "world_size": self.world, "mem_gib": round(_peak_memory_gib(), 3)}
         if getattr(pm, "loss_scaler", None) is not None:  # fp16
             row.update(loss_scale=pm.loss_scaler.scale, skipped_steps=pm.loss_scaler.skipped_steps)
         if self.metrics is not None:
