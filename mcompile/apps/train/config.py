@@ -478,8 +478,6 @@ def _check(cfg: TrainConfig, where: str) -> None:
         if value < 1:
             raise ConfigError(f"{key} = {value} in {where}: give a number of seconds >= 1")
     if cfg.launch.nnodes:
-        from mcompile.apps.train.elastic import parse_nnodes
-
         parse_nnodes(cfg.launch.nnodes, "launch.nnodes", where)
     if cfg.checkpoint.interval and not cfg.checkpoint.dir:
         raise ConfigError(f"checkpoint.interval = {cfg.checkpoint.interval} in {where} needs checkpoint.dir")
@@ -489,6 +487,21 @@ def _check(cfg: TrainConfig, where: str) -> None:
     if m.objective not in ("auto", "next-token") and not m.hf:
         raise ConfigError(f"model.objective = {m.objective!r} in {where} is for Hugging Face models (model.hf); "
                           "presets and factories take (tokens, targets) as they are: use \"next-token\" or \"auto\"")
+
+
+def parse_nnodes(text: str, key: str = "--nnodes", where: str = "") -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4). ``key`` and ``where`` (a file) name it in errors."""
+    where = f"{key} = {text!r}" + (f" in {where}" if where else "")
+    low, colon, high = str(text).strip().partition(":")
+    try:
+        lo = int(low)
+        hi = int(high) if colon else lo
+    except ValueError:
+        raise ConfigError(f"{where}: give the number of nodes N, or MIN:MAX for an elastic run "
+                          "(e.g. 2, or 1:2)") from None
+    if lo < 1 or hi < lo:
+        raise ConfigError(f"{where}: the node counts must satisfy 1 <= MIN <= MAX (e.g. 2, or 1:2)")
+    return lo, hi
 
 
 def _check_mesh(mesh: str, where: str) -> None:

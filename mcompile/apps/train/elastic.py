@@ -31,7 +31,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from mcompile.apps.train.config import ConfigError, mesh_size
+from mcompile.apps.train.config import ConfigError, mesh_size, parse_nnodes  # noqa: F401  (parse_nnodes: re-exported)
 
 __all__ = ["Nodes", "parse_nnodes", "first_slurm_host", "resolve_nodes", "nproc_per_node", "replan", "fit_world",
            "eval_needs_one", "DEFAULT_PORT"]
@@ -61,21 +61,6 @@ class Nodes:
     def spec(self) -> str:
         """The ``--nnodes`` form: "N" or "MIN:MAX"."""
         return str(self.max_nodes) if not self.elastic else f"{self.min_nodes}:{self.max_nodes}"
-
-
-def parse_nnodes(text: str, key: str = "--nnodes", where: str = "") -> tuple[int, int]:
-    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4). ``key`` and ``where`` (a file) name it in errors."""
-    where = f"{key} = {text!r}" + (f" in {where}" if where else "")
-    low, colon, high = str(text).strip().partition(":")
-    try:
-        lo = int(low)
-        hi = int(high) if colon else lo
-    except ValueError:
-        raise ConfigError(f"{where}: give the number of nodes N, or MIN:MAX for an elastic run "
-                          "(e.g. 2, or 1:2)") from None
-    if lo < 1 or hi < lo:
-        raise ConfigError(f"{where}: the node counts must satisfy 1 <= MIN <= MAX (e.g. 2, or 1:2)")
-    return lo, hi
 
 
 def first_slurm_host(nodelist: str) -> str:
