@@ -232,3 +232,14 @@ def test_a_reported_call_that_fails_raises_collective_hang_from_the_process_grou
             raise RuntimeError("unreported")
     assert log.oldest_unfinished() is None
 
+
+def test_train_config_passes_the_watchdog_options():
+    from mcompile.apps.train.config import parse_config
+    from mcompile.apps.train.loop import _options
+
+    base = {"model": {"preset": "llama3-tiny"}, "data": {"sources": "x"}, "parallel": {"mesh": "dp=2"}}
+    hang = lambda cfg: {k: v for k, v in _options(parse_config(cfg)).items() if k.startswith("hang")}  # noqa: E731
+    assert hang(base) == {}  # $MCOMPILE_HANG_TIMEOUT, else 300, when the config leaves it
+    assert hang({**base, "debug": {"hang_timeout_s": 60, "hang_abort": True}, "checkpoint": {"dir": "/r/ck"}}) == \
+        {"hang_timeout_s": 60.0, "hang_dump_dir": "/r/ck/hangs", "hang_abort": True}
+    assert hang({**base, "debug": {"hang_dir": "/r/hangs"}}) == {"hang_dump_dir": "/r/hangs"}
