@@ -61,7 +61,7 @@ class DistCommunicator:
         self.pending = Pending()  # started collectives (mcompile.ir.ops start_* / wait)
         self.recorder = None  # a mcompile.ir.timeline.Recorder while a timeline is recorded
         self._kinds: dict[int, tuple[str, str]] = {}  # started buffer -> (kind, axis), while recording
-        self.log = process_log(hang) if hang is not None else None
+        self.log = process_log(hang, device_events=mesh.device_type == "cuda") if hang is not None else None
         self._labels: dict[str, str] = {}  # axis (or group name) -> its group's label in the log
         if self.log is not None:
             for name, group in self.groups.items():

@@ -537,11 +537,12 @@ def _dump_flight_recorder(folder: Path, rank: int, nccl: bool) -> Path | None:
 _PROCESS: dict = {}  # "log" -> (the default group it watches, CollectiveLog, _Watchdog)
 
 
-def process_log(settings: HangSettings | None = None) -> CollectiveLog | None:
+def process_log(settings: HangSettings | None = None, device_events: bool = False) -> CollectiveLog | None:
     """This process's record, its watchdog started on first use for the current default group, with
     ``settings`` applied (the latest call's apply: one watchdog per process, as its groups are; None: as they
     are, or from the environment on first use); None when the timeout is 0 (the caller records nothing; a
-    watchdog already running goes on for the others)."""
+    watchdog already running goes on for the others). ``device_events``: the collectives run on CUDA (NCCL),
+    where a call returns before it completes (:class:`CollectiveLog`)."""
     world = dist.group.WORLD
     if settings is None:
         held = _PROCESS.get("log")
@@ -550,9 +551,7 @@ def process_log(settings: HangSettings | None = None) -> CollectiveLog | None:
     if held is None or held[0] is not world:
         if settings.timeout_s == 0:
             return None
-        from mcompile.runtime.launch import uses_nccl
-
-        log = CollectiveLog(dist.get_rank(), device_events=uses_nccl(dist.get_backend()))
+        log = CollectiveLog(dist.get_rank(), device_events=device_events)
         stop()  # the watchdog of a destroyed default group, if its thread has not noticed yet
         store = _watch_store()
         dog = _Watchdog(log, world, store)
