@@ -256,18 +256,18 @@ class CollectiveLog:
     def end(self, e: _Entry, failed: bool = False) -> None:
         """``e``'s call returned (or raised: ``failed``, never waited for again)."""
         if e.check is None:
-            if self.device_events and not failed:
+            if self.device_events and not failed and not torch.cuda.is_current_stream_capturing():
                 event = torch.cuda.Event()
                 event.record()
                 e.check = event.query
-            else:
+            else:  # gloo; or a CUDA graph's capture, whose events pass only when the graph is replayed
                 e.done = True
         self._retire()
 
     def waited(self, e: _Entry) -> None:
         """The host waited for ``e``'s work: finished on gloo; on NCCL when the stream passes an event recorded
         after the wait (the wait made it wait for the collective)."""
-        if self.device_events:
+        if self.device_events and not torch.cuda.is_current_stream_capturing():
             event = torch.cuda.Event()
             event.record()
             e.check = event.query

@@ -206,6 +206,7 @@ def test_on_nccl_a_returned_call_is_finished_when_the_stream_passes_it(monkeypat
             return self.passed
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     log = CollectiveLog(0, device_events=True)
     with log.collective("all_reduce", "tp[0,1]"):
         pass
