@@ -79,19 +79,22 @@ class DistCommunicator:
             self._label(name, group)
 
     # -- the hang watchdog's record ---------------------------------------------------------------
-    def _label(self, name: str, group) -> str:
-        """The log's label of ``group`` (named ``name`` here): one per process group, so that two names of one
-        group ("dp" and "data" without cp or ep) count its collectives in one sequence."""
+    def _label(self, name: str, group=None) -> str:
+        """The log's label of ``group`` (default: the one named ``name`` here, or the default group for "world"):
+        one per process group, so that two names of one group ("dp" and "data" without cp or ep) count its
+        collectives in one sequence."""
+        if group is None:
+            group = self.groups.get(name) or dist.group.WORLD
+        key = name if self.groups.get(name) is group else f"{name}#{id(group)}"
         for other, g in self.groups.items():
             if g is group and other in self._labels:
-                label = self._labels[other]
+                self._labels[key] = self._labels[other]
                 break
-        else:
+        if key not in self._labels:
             ranks = dist.get_process_group_ranks(group)
-            label = group_label(name, ranks)
+            self._labels[key] = label = group_label(name, ranks)
             self.log.groups[label] = ranks
-        self._labels[name] = label
-        return label
+        return self._labels[key]
 
     def watch(self, kind: str, axis: str, group=None):
         """A context around one collective ``kind`` over ``axis`` (or over the process group ``group``, named
@@ -101,9 +104,7 @@ class DistCommunicator:
         if log is None:
             return UNWATCHED
         label = self._labels.get(axis) if group is None else None
-        if label is None:
-            label = self._group_label(axis, group)
-        return log.collective(kind, label)
+        return log.collective(kind, label or self._label(axis, group))
 
     def watch_messages(self, ops: list[tuple[str, int]], axis: str):
         """A context around one batch of point-to-point messages, ``ops`` as ("send" | "recv", global peer rank),
@@ -112,19 +113,6 @@ class DistCommunicator:
         if log is None:
             return UNWATCHED
         return log.messages(ops, self._labels.get(axis, axis))
-
-    def _group_label(self, axis: str, group) -> str:
-        if group is None:
-            group = self.groups.get(axis) or dist.group.WORLD
-        for name, g in self.groups.items():
-            if g is group and name in self._labels:
-                return self._labels[name]
-        key = f"{axis}#{id(group)}"
-        if key not in self._labels:
-            ranks = dist.get_process_group_ranks(group)
-            self._labels[key] = label = group_label(axis, ranks)
-            self.log.groups[label] = ranks
-        return self._labels[key]
 
     def all_reduce(self, x: torch.Tensor, axis: str, op: str, inplace: bool = False) -> torch.Tensor:
         """``x`` summed (or max) over ``axis``: a new tensor, or ``x`` itself reduced in place when ``inplace``
