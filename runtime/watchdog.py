@@ -44,10 +44,11 @@ ranks disagree on the order), and each that did not answer within the grace.
 
 **The report** goes to stderr and is appended to ``<dump dir>/rank<r>.txt`` (``Config.hang_dump_dir``,
 else ``$MCOMPILE_HANG_DIR``, else ``mcompile-hangs`` in the system's temporary folder). Where torch's
-flight recorder is on (``TORCH_FR_BUFFER_SIZE=N`` before the process group is made;
-``TORCH_NCCL_TRACE_BUFFER_SIZE`` on older torch), its trace is written beside it, to
-``flight_recorder/rank_<r>``, which torch's analyser reads (``torchfrtrace <dump dir>/flight_recorder
---prefix rank_``; https://docs.pytorch.org/docs/stable/torch_nccl_flight_recorder.html). With
+flight recorder recorded anything (torch 2.13 records gloo's unasked; ``TORCH_FR_BUFFER_SIZE=N`` before the
+process group is made, ``TORCH_NCCL_TRACE_BUFFER_SIZE`` on older torch), its trace is written beside it, to
+``flight_recorder/rank_<r>``: torch's analyser reads NCCL's (``torchfrtrace <dump dir>/flight_recorder
+--prefix rank_``; https://docs.pytorch.org/docs/stable/torch_nccl_flight_recorder.html), gloo's name no
+process group in torch 2.13 (read them with ``pickle.load``). With
 ``hang_abort`` a rank that waits exits with :data:`EXIT_CODE` after its report, its last line
 ``CollectiveHang: ...``: neither ``ProcessGroup.abort`` nor anything else releases a thread waiting in a
 gloo collective, and a launcher (torchrun) then stops the other ranks, restarting them if asked.
