@@ -7,17 +7,22 @@ programs run on both). Bound around each program run with :func:`mcompile.ir.ops
 collective: a synchronous one from its call to its return, a started one from its launch to its
 completion (the work's future), and the host's wait for it. Off, each collective pays one
 attribute check.
+
+``log`` (None when the hang watchdog is off: ``Config.hang_timeout_s=0``): this process's
+:class:`mcompile.runtime.watchdog.CollectiveLog`. Every collective and message goes through :meth:`watch`
+(or :meth:`watch_messages`): an entry numbered per group (per peer and direction for a message), finished when
+the call returns (gloo), when the stream passes it (NCCL) or when a started one's work completes; the
+watchdog thread reports an entry that stays unfinished past the hang timeout (runtime/watchdog.py).
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from mcompile.ir.ops import Pending
+from mcompile.runtime.watchdog import HangSettings, group_label, process_log
 
 __all__ = ["DistCommunicator"]
 
@@ -27,8 +32,28 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class _Unwatched:
+    """What :meth:`DistCommunicator.watch` gives with the watchdog off: a context that records nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def started(self, *works):
+        return works[0] if len(works) == 1 else None
+
+
+UNWATCHED = _Unwatched()
+
+
 class DistCommunicator:
-    def __init__(self, mesh: DeviceMesh):
+    log = None  # the hang watchdog's record (runtime/watchdog.py), None when off
+
+    def __init__(self, mesh: DeviceMesh, hang: HangSettings | None = None):
         self.mesh = mesh
         self.groups = {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
         self.ranks = {name: mesh.get_local_rank(name) for name in mesh.mesh_dim_names}
@@ -36,6 +61,11 @@ class DistCommunicator:
         self.pending = Pending()  # started collectives (mcompile.ir.ops start_* / wait)
         self.recorder = None  # a mcompile.ir.timeline.Recorder while a timeline is recorded
         self._kinds: dict[int, tuple[str, str]] = {}  # started buffer -> (kind, axis), while recording
+        self.log = process_log(hang, device_events=mesh.device_type == "cuda") if hang is not None else None
+        self._labels: dict[str, str] = {}  # axis (or group name) -> its group's label in the log
+        if self.log is not None:
+            for name, group in self.groups.items():
+                self._label(name, group)
 
     def rank(self, axis: str) -> int:
         return self.ranks[axis]
@@ -45,6 +75,44 @@ class DistCommunicator:
         self.groups[name] = group
         self.ranks[name] = dist.get_rank(group)
         self.sizes[name] = dist.get_world_size(group)
+        if self.log is not None:
+            self._label(name, group)
+
+    # -- the hang watchdog's record ---------------------------------------------------------------
+    def _label(self, name: str, group=None) -> str:
+        """The log's label of ``group`` (default: the one named ``name`` here, or the default group for "world"):
+        one per process group, so that two names of one group ("dp" and "data" without cp or ep) count its
+        collectives in one sequence."""
+        if group is None:
+            group = self.groups.get(name) or dist.group.WORLD
+        key = name if self.groups.get(name) is group else f"{name}#{id(group)}"
+        for other, g in self.groups.items():
+            if g is group and other in self._labels:
+                self._labels[key] = self._labels[other]
+                break
+        if key not in self._labels:
+            ranks = dist.get_process_group_ranks(group)
+            self._labels[key] = label = group_label(name, ranks)
+            self.log.groups[label] = ranks
+        return self._labels[key]
+
+    def watch(self, kind: str, axis: str, group=None):
+        """A context around one collective ``kind`` over ``axis`` (or over the process group ``group``, named
+        ``axis`` in reports; ``"world"``: the default group): its entry in the hang watchdog's record, whose
+        ``started(work)`` says the call only launched it. A no-op context when the watchdog is off."""
+        log = self.log
+        if log is None:
+            return UNWATCHED
+        label = self._labels.get(axis) if group is None else None
+        return log.collective(kind, label or self._label(axis, group))
+
+    def watch_messages(self, ops: list[tuple[str, int]], axis: str):
+        """A context around one batch of point-to-point messages, ``ops`` as ("send" | "recv", global peer rank),
+        over ``axis`` (a name for reports): one entry per message."""
+        log = self.log
+        if log is None:
+            return UNWATCHED
+        return log.messages(ops, self._labels.get(axis, axis))
 
     def all_reduce(self, x: torch.Tensor, axis: str, op: str, inplace: bool = False) -> torch.Tensor:
         """``x`` summed (or max) over ``axis``: a new tensor, or ``x`` itself reduced in place when ``inplace``
@@ -53,7 +121,8 @@ class DistCommunicator:
         out = x if inplace else x.clone()
         rec = self.recorder
         t0 = rec.mark() if rec is not None else None
-        dist.all_reduce(out, op=_OPS[op], group=self.groups[axis])
+        with self.watch("all_reduce" if op == "sum" else f"all_reduce_{op}", axis):
+            dist.all_reduce(out, op=_OPS[op], group=self.groups[axis])
         if rec is not None:
             rec.collective("all_reduce" if op == "sum" else f"all_reduce_{op}", axis, out.nbytes, t0)
         return out
@@ -66,7 +135,8 @@ class DistCommunicator:
         buf = src.new_empty((n * src.shape[0], *src.shape[1:]))
         rec = self.recorder
         t0 = rec.mark() if rec is not None else None
-        _ALL_GATHER(buf, src, group=self.groups[axis])
+        with self.watch("all_gather", axis):
+            _ALL_GATHER(buf, src, group=self.groups[axis])
         if rec is not None:
             rec.collective("all_gather", axis, buf.nbytes, t0)
         if dim == 0:
@@ -84,7 +154,8 @@ class DistCommunicator:
         out = blocks.new_empty(blocks.shape[1:])
         rec = self.recorder
         t0 = rec.mark() if rec is not None else None
-        _REDUCE_SCATTER(out, blocks.flatten(0, 1), group=self.groups[axis])
+        with self.watch("reduce_scatter", axis):
+            _REDUCE_SCATTER(out, blocks.flatten(0, 1), group=self.groups[axis])
         if rec is not None:
             rec.collective("reduce_scatter", axis, blocks.nbytes, t0)
         return out
@@ -95,8 +166,9 @@ class DistCommunicator:
         out = x.new_empty((sum(out_rows), *x.shape[1:]))
         rec = self.recorder
         t0 = rec.mark() if rec is not None else None
-        dist.all_to_all_single(out, x, output_split_sizes=out_rows, input_split_sizes=in_rows,
-                               group=self.groups[axis])
+        with self.watch("all_to_all", axis):
+            dist.all_to_all_single(out, x, output_split_sizes=out_rows, input_split_sizes=in_rows,
+                                   group=self.groups[axis])
         if rec is not None:
             rec.collective("all_to_all", axis, out.nbytes, t0)
         return out
@@ -107,21 +179,23 @@ class DistCommunicator:
         n, group = self.sizes[axis], self.groups[axis]
         rec = self.recorder
         t0 = rec.mark() if rec is not None else None
-        if kind == "all_gather":
-            out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-            work = _ALL_GATHER(out, x, group=group, async_op=True)
-        elif kind == "reduce_scatter":
-            out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-            work = _REDUCE_SCATTER(out, x, group=group, async_op=True)
-        elif kind == "all_reduce":
-            out = x.clone()
-            work = dist.all_reduce(out, group=group, async_op=True)
-        else:
+        if kind not in ("all_gather", "reduce_scatter", "all_reduce"):
             raise ValueError(f"start: unknown collective {kind!r}")
+        with self.watch(kind, axis) as watched:
+            if kind == "all_gather":
+                out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+                work = _ALL_GATHER(out, x, group=group, async_op=True)
+            elif kind == "reduce_scatter":
+                out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+                work = _REDUCE_SCATTER(out, x, group=group, async_op=True)
+            else:
+                out = x.clone()
+                work = dist.all_reduce(out, group=group, async_op=True)
+            watched_work = watched.started(work)
         if rec is not None:
             rec.launched(kind, axis, max(out.nbytes, x.nbytes), work, t0)
             self._kinds[out.data_ptr()] = (kind, axis)
-        return self.pending.put(out, work, x)
+        return self.pending.put(out, watched_work, x)
 
     def wait(self, buf: torch.Tensor) -> None:
         rec = self.recorder
@@ -143,18 +217,20 @@ class DistCommunicator:
         outs = [torch.empty_like(t) for t in sends]
         p2p = [dist.P2POp(dist.isend, t, nxt, group) for t in sends] + [
             dist.P2POp(dist.irecv, o, prv, group) for o in outs]
-        return sends, outs, p2p
+        watched = self.watch_messages([("send", nxt)] * len(sends) + [("recv", prv)] * len(outs), axis)
+        return sends, outs, p2p, watched
 
     def sendrecv_ring(self, tensors: list[torch.Tensor], axis: str) -> list[torch.Tensor]:
         """Send each tensor to rank (r + 1) % n of ``axis`` and receive the same shapes from (r - 1) % n
         (one ``batch_isend_irecv``); returns the received tensors."""
         if self.sizes[axis] == 1:
             return [t.clone() for t in tensors]
-        _, outs, p2p = self._ring_p2p(tensors, axis)
+        _, outs, p2p, watched = self._ring_p2p(tensors, axis)
         rec = self.recorder
         t0 = rec.mark() if rec is not None else None
-        for work in dist.batch_isend_irecv(p2p):
-            work.wait()
+        with watched:
+            for work in dist.batch_isend_irecv(p2p):
+                work.wait()
         if rec is not None:
             rec.collective("sendrecv", axis, sum(o.nbytes for o in outs), t0)
         return outs
@@ -165,28 +241,40 @@ class DistCommunicator:
         until then."""
         if self.sizes[axis] == 1:
             return _RingRecv([], [t.clone() for t in tensors], [], None, axis)
-        sends, outs, p2p = self._ring_p2p(tensors, axis)
+        sends, outs, p2p, watched = self._ring_p2p(tensors, axis)
         rec = self.recorder
         t0 = rec.mark() if rec is not None else None
-        works = dist.batch_isend_irecv(p2p)
+        with watched:
+            works = dist.batch_isend_irecv(p2p)
+            watched.started(*works)
         if rec is not None and works:
             rec.launched("sendrecv", axis, sum(o.nbytes for o in outs), works[-1], t0)
         return _RingRecv(works, outs, sends, rec, axis)
 
-    def timed(self, kind: str, axis: str, x: torch.Tensor, source: str = "step"):
+    def timed(self, kind: str, axis: str, x: torch.Tensor, source: str = "step", group=None):
         """A context for a synchronous collective the runtime calls on ``x`` itself (not through this
-        communicator): recorded while a timeline is on, a no-op context otherwise."""
+        communicator): in the hang watchdog's record (over ``group`` when given, else ``axis``'s), and on the
+        timeline while one is recorded."""
+        watched = self.watch(kind, axis, group)
         rec = self.recorder
         if rec is None:
-            return contextlib.nullcontext()
-        return _Timed(rec, kind, axis, x.nbytes, source)
+            return watched
+        return _Timed(rec, kind, axis, x.nbytes, source, watched)
 
-    def launched(self, kind: str, axis: str, x: torch.Tensor, work, source: str = "bucket") -> None:
-        """Record an asynchronous collective on ``x`` that the runtime launched itself (a dp bucket),
-        if a timeline is on; its launch is marked now, right after the launch call returned."""
+    def launched(self, kind: str, axis: str, x: torch.Tensor, work, source: str = "bucket", group=None):
+        """Record an asynchronous collective on ``x`` that the runtime launched itself (a dp bucket): in
+        the hang watchdog's record (over ``group`` when given, else ``axis``'s), finished when ``work`` is, and on
+        the timeline if one is on; its launch is marked now, right after the launch call returned. Returns the
+        work to wait on (``work`` itself, or wrapped so that its ``wait()`` tells the watchdog)."""
+        if work is None:
+            return None
         rec = self.recorder
-        if rec is not None and work is not None:
+        if rec is not None:
             rec.launched(kind, axis, x.nbytes, work, source=source)
+        if self.log is not None:
+            with self.watch(kind, axis, group) as watched:
+                work = watched.started(work)
+        return work
 
 
 class _RingRecv:
@@ -206,14 +294,17 @@ class _RingRecv:
 
 
 class _Timed:
-    __slots__ = ("rec", "kind", "axis", "nbytes", "source", "t0")
+    __slots__ = ("rec", "kind", "axis", "nbytes", "source", "t0", "watched")
 
-    def __init__(self, rec, kind, axis, nbytes, source):
+    def __init__(self, rec, kind, axis, nbytes, source, watched):
         self.rec, self.kind, self.axis, self.nbytes, self.source = rec, kind, axis, nbytes, source
+        self.watched = watched
 
     def __enter__(self):
+        self.watched.__enter__()
         self.t0 = self.rec.mark()
 
     def __exit__(self, *exc):
         self.rec.collective(self.kind, self.axis, self.nbytes, self.t0, self.source)
+        self.watched.__exit__(*exc)
         return False

@@ -177,6 +177,9 @@ def shutdown_distributed() -> None:
     """
     if not dist.is_initialized():
         return
+    from mcompile.runtime import watchdog
+
+    watchdog.stop()  # its thread polls the store, which the first rank to leave takes with it
     dist.barrier()
     gc.collect()
     dist.destroy_process_group()

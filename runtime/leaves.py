@@ -237,10 +237,11 @@ class Leaves:
             return
         if self.zero is not None:
             self.zero.launch(b)
-            self.pm._comm.launched("reduce_scatter", "dp", b.grad_buf, b.work)  # the timeline, if on
+            b.work = self.pm._comm.launched("reduce_scatter", "dp", b.grad_buf, b.work,  # watchdog, timeline
+                                            group=self.zero.groups[b.group])
         elif b.reduce_dp:
             b.work = dist.all_reduce(b.buf, group=b.group, async_op=True)
-            self.pm._comm.launched("all_reduce", "dp", b.buf, b.work)  # the timeline, if on
+            b.work = self.pm._comm.launched("all_reduce", "dp", b.buf, b.work, group=b.group)  # watchdog, timeline
         else:
             return
         self.launches.append(self._inside)
@@ -298,7 +299,7 @@ class Leaves:
             if b.work is not None:
                 b.work.wait()
             elif b.reduce_dp:  # not every hook fired in the last microbatch: reduce now
-                with pm._comm.timed("all_reduce", "dp", b.buf, "bucket"):
+                with pm._comm.timed("all_reduce", "dp", b.buf, "bucket", group=b.group):
                     dist.all_reduce(b.buf, group=b.group)
             b.work, b.ready = None, 0
         if tp_partial:  # sequence-parallel norm weights: one coalesced all-reduce over tp per step

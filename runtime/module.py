@@ -53,7 +53,7 @@ class ParallelModule(RankState, StepRunner, torch.nn.Module):
         self.config = config
         self.mesh = compiled.mesh
         self.device_mesh = device_mesh
-        self._init_rank(device_mesh)
+        self._init_rank(device_mesh, config)
         self._warn_batch_statistics(compiled, config)
         self._init_programs(programs, config)
         self._init_captured(compiled)
@@ -63,10 +63,14 @@ class ParallelModule(RankState, StepRunner, torch.nn.Module):
         self._init_step(config)  # runtime/step.py
 
     # -- construction -----------------------------------------------------------------------------
-    def _init_rank(self, device_mesh: DeviceMesh) -> None:
-        """This rank's place in the mesh, its device and its process groups: one per mesh axis (DistCommunicator),
-        and the data and batch groups over the data-parallel axes."""
-        self._comm = DistCommunicator(device_mesh)
+    def _init_rank(self, device_mesh: DeviceMesh, config: Config) -> None:
+        """This rank's place in the mesh, its device and its process groups: one per mesh axis (DistCommunicator,
+        its collectives watched for hangs as ``config`` says: runtime/watchdog.py), and the data and batch groups
+        over the data-parallel axes."""
+        from mcompile.runtime.watchdog import HangSettings
+
+        hang = HangSettings.resolve(config.hang_timeout_s, config.hang_dump_dir, config.hang_abort)
+        self._comm = DistCommunicator(device_mesh, hang)
         self._rank = dist.get_rank()
         self._coords = self.mesh.coords(self._rank)
         # the data-parallel ranks: dp, and ep too (Megatron folds expert parallelism into data

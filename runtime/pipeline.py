@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from mcompile.ir.dropout import RNG_INPUT
 from mcompile.ir.timeline import clock_for
+from mcompile.runtime.comm import UNWATCHED
 from mcompile.runtime.pipeline_groups import make_p2p_groups, make_tied_groups, p2p_directions
 from mcompile.runtime.schedules import Action, Post, Wait, p2p_plan  # noqa: F401  (Post, Wait, p2p_plan: re-exported)
 
@@ -101,7 +102,7 @@ class PipelineExecutor:
 
     def __init__(self, *, rank: int, pp_rank: int, num_stages: int, actions: list[list[Action]], microbatches: int,
                  peer_of_stage, stages: dict, send_specs: dict[int, list[MessageSpec]], record: bool = False,
-                 groups: dict | None = None, clock=None, lookahead: int = 0):
+                 groups: dict | None = None, clock=None, lookahead: int = 0, watch=None):
         self.rank = rank
         self.lookahead = lookahead  # receives of the next actions posted early (p2p_plan)
         self.pp_rank = pp_rank
@@ -120,6 +121,8 @@ class PipelineExecutor:
         self.clock = clock
         self.peak_held_sends = 0
         self._width = max([len(v) for v in send_specs.values()] + [1])
+        # DistCommunicator.watch_messages: each posting's messages in the hang watchdog's record
+        self._watch = watch
 
     # -- message bookkeeping ------------------------------------------------------------------------
     def _tag(self, kind: str, stage: int, mb: int, j: int) -> int:
@@ -149,11 +152,15 @@ class PipelineExecutor:
                 t = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
                 self._inbox[msg] = t
                 ops.append(dist.P2POp(dist.irecv, t, self.peer_of_stage(stage), group, self._tag(*msg)))
-        if post.batched:
-            works = dist.batch_isend_irecv(ops)
-        else:
-            (o,) = ops
-            works = [o.op(o.tensor, o.peer, o.group, o.tag)]
+        watched = self._watch([("send" if o.op is dist.isend else "recv", o.peer) for o in ops], "pp") \
+            if self._watch is not None else UNWATCHED
+        with watched:
+            if post.batched:
+                works = dist.batch_isend_irecv(ops)
+            else:
+                (o,) = ops
+                works = [o.op(o.tensor, o.peer, o.group, o.tag)]
+            watched.started(*works)
         return works, [o.tensor for o in ops]  # the tensors stay alive until the wait (NCCL: one work per group)
 
     def _wait(self, post_id: int) -> None:
@@ -980,7 +987,7 @@ class Pipeline:
         ex = PipelineExecutor(rank=pm._rank, pp_rank=self.pp_rank, num_stages=self.k, actions=self.actions,
                               microbatches=len(pieces), peer_of_stage=self.peer_of_stage, stages=stages,
                               send_specs=specs, record=self.record, groups=self.p2p_groups,
-                              lookahead=self.lookahead)
+                              lookahead=self.lookahead, watch=pm._comm.watch_messages)
         if len(pieces) != self.m:
             raise ValueError(f"the schedule was built for {self.m} microbatches, got {len(pieces)}")
         if forward_only:
@@ -1003,7 +1010,8 @@ class Pipeline:
             loss_sum, c = pm._loss_parts(out)
             stats += torch.stack([loss_sum.detach(), c])
         last = self.peer_of_stage(self.k - 1)
-        dist.broadcast(stats, src=last, group=pm._comm.groups["pp"])
+        with pm._comm.watch("broadcast", "pp"):
+            dist.broadcast(stats, src=last, group=pm._comm.groups["pp"])
         return stats
 
     def push_grads(self) -> None:
@@ -1013,6 +1021,7 @@ class Pipeline:
         leaves = self.pm._leaves
         leaves.armed = False  # the schedule is over
         for fqn, (g, _) in sorted(self.tied_groups.items()):
-            dist.all_reduce(leaves.main[fqn].view(self.pm._params[fqn]._local_tensor.shape), group=g)
+            with self.pm._comm.watch("all_reduce", "pp-tied", group=g):
+                dist.all_reduce(leaves.main[fqn].view(self.pm._params[fqn]._local_tensor.shape), group=g)
         for fqn in sorted(self.tied_groups):
             leaves.ready(fqn)

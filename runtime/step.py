@@ -319,7 +319,8 @@ class StepRunner:
             total, count = self._loss_parts(out)
             stats = torch.stack([total, count])
             if self._data_size > 1:
-                dist.all_reduce(stats, group=self._comm.groups["data"])
+                with self._comm.watch("all_reduce", "data"):
+                    dist.all_reduce(stats, group=self._comm.groups["data"])
             return stats[0] / stats[1]
         outs = out if isinstance(out, tuple | list) else (out,)
         if self._batch_size > 1:  # the batch dim of each output, gathered over dp (and ep; cp's are whole)
@@ -339,7 +340,8 @@ class StepRunner:
         if self._token_weighted:
             stats = self._pipe.reduce_results(results)
             if self._data_size > 1:  # every data rank's tokens: dp, cp (each rank's share of a sequence) and ep
-                dist.all_reduce(stats, group=self._comm.groups["data"])
+                with self._comm.watch("all_reduce", "data"):
+                    dist.all_reduce(stats, group=self._comm.groups["data"])
             return stats[0] / stats[1]
         dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
                   torch.int16, torch.int8, torch.uint8, torch.bool)  # the wire codes: indices here
@@ -358,25 +360,29 @@ class StepRunner:
             size = torch.tensor([-1 if bad else header.numel()], **i64)
         else:
             bad, size = [], torch.zeros(1, **i64)
-        dist.broadcast(size, src=src, group=group)
+        with self._comm.watch("broadcast", "pp"):
+            dist.broadcast(size, src=src, group=group)
         if int(size) < 0:  # every rank raises, none waits for a broadcast that will not come
             raise TypeError(f"forward under pipeline parallelism: {'; '.join(bad) or 'an output (see the last rank)'}"
                             f" of the model; outputs are broadcast as tensors of {', '.join(map(str, dtypes))}")
         if not results:
             header = torch.empty(int(size), **i64)
-        dist.broadcast(header, src=src, group=group)
+        with self._comm.watch("broadcast", "pp"):
+            dist.broadcast(header, src=src, group=group)
         spec, at, bufs = header.tolist(), 1, []
         for j in range(spec[0]):
             code, ndim = spec[at], spec[at + 1]
             shape, at = spec[at + 2:at + 2 + ndim], at + 2 + ndim
             buf = outs[j].to(self._device).contiguous() if results else \
                 torch.empty(shape, dtype=dtypes[code], device=self._device)
-            dist.broadcast(buf, src=src, group=group)
+            with self._comm.watch("broadcast", "pp"):
+                dist.broadcast(buf, src=src, group=group)
             bufs.append(buf)
         outs = tuple(bufs)
         if self.mesh.size("dp") > 1 and len(outs) == 1 and outs[0].ndim == 0:  # a loss: the mean over dp too
             loss = outs[0].float().clone()
-            dist.all_reduce(loss, group=self._comm.groups["dp"])
+            with self._comm.watch("all_reduce", "dp"):
+                dist.all_reduce(loss, group=self._comm.groups["dp"])
             return loss / self.mesh.size("dp")
         if self.mesh.size("dp") > 1:
             outs = tuple(self._comm.all_gather(o.contiguous(), 0, "dp") if o.ndim else o for o in outs)

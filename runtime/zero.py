@@ -348,11 +348,13 @@ class ZeroBuffers:
         if norm_type == float("inf"):  # a maximum may see a replicated element any number of times
             for ax in self.axis_names:
                 if self.axis_sizes[ax] > 1:
-                    dist.all_reduce(parts, op=dist.ReduceOp.MAX, group=self.groups[ax])
+                    with self.comm.watch("all_reduce_max", ax):
+                        dist.all_reduce(parts, op=dist.ReduceOp.MAX, group=self.groups[ax])
             return parts.max() if parts.numel() else torch.zeros(())
         # the owned ranges partition each bucket over its group; summed over all data ranks, an expert's
         # (sharded over ep, owned over dp) is counted once too
-        dist.all_reduce(parts, group=self.groups["data" if "data" in self.groups else "dp"])
+        with self.comm.watch("all_reduce", "data" if "data" in self.groups else "dp"):
+            dist.all_reduce(parts, group=self.groups["data" if "data" in self.groups else "dp"])
         for ax in self.axis_names:
             if ax in ("dp", *self.data_axes) or self.axis_sizes[ax] == 1:
                 continue
@@ -360,7 +362,8 @@ class ZeroBuffers:
                 for k, i in index.items():
                     if ax not in k:
                         parts[i] = 0.0
-            dist.all_reduce(parts, group=self.groups[ax])
+            with self.comm.watch("all_reduce", ax):
+                dist.all_reduce(parts, group=self.groups[ax])
         return parts.sum() ** (1.0 / norm_type)
 
     def scale_grads(self, factor: torch.Tensor) -> None:
@@ -378,7 +381,7 @@ class ZeroBuffers:
                 b.param_buf[b.lo:b.hi].copy_(b.master)
             works.append(self._all_gather(b, b.param_buf, b.param_buf[b.lo:b.hi], async_op=True))
             if b.n > 1:
-                self.comm.launched("all_gather", b.group, b.param_buf, works[-1], source="publish")
+                works[-1] = self.comm.launched("all_gather", b.group, b.param_buf, works[-1], source="publish")
         for w in works:
             w.wait()
 

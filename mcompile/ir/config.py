@@ -168,6 +168,15 @@ class Config:
     # torch.distributed itself: planning, the first step's compilation and checkpoint I/O happen between
     # collectives, so it is long (torch's NCCL default is 10 minutes)
     collective_timeout_s: float = 1800.0
+    # the hang watchdog (mcompile.runtime.watchdog): a collective or message of this rank still unfinished after
+    # hang_timeout_s makes every rank report what it waits in, and the waiting ranks which ranks have not arrived
+    # (rank, op, group, sequence number), long before collective_timeout_s. None: $MCOMPILE_HANG_TIMEOUT, else
+    # 300; 0: off. Reports go to stderr and to hang_dump_dir/rank<r>.txt (None: $MCOMPILE_HANG_DIR, else
+    # mcompile-hangs in the temporary folder); hang_abort: a waiting rank then exits (code 75) instead of waiting
+    # on. One watchdog per process: the latest parallelize's settings apply
+    hang_timeout_s: float | None = None
+    hang_dump_dir: str | None = None
+    hang_abort: bool = False
     # a model built on the meta device is initialised with its own initialisation, each tensor's generator
     # seeded from (init_seed, its name): the same values on every layout (mcompile.runtime.init)
     init_seed: int = 0
@@ -244,6 +253,17 @@ class Config:
                              "of 128)")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} must be a positive number of seconds")
+        if self.hang_timeout_s is not None:
+            h = self.hang_timeout_s
+            if isinstance(h, bool) or not isinstance(h, int | float) or not h >= 0:
+                raise ValueError(f"hang_timeout_s={h!r}: use a number of seconds >= 0 (0: no hang watchdog; None: "
+                                 "$MCOMPILE_HANG_TIMEOUT, else 300)")
+            if 0 < self.collective_timeout_s <= self.hang_timeout_s:
+                raise ValueError(f"hang_timeout_s={self.hang_timeout_s!r} must be below collective_timeout_s="
+                                 f"{self.collective_timeout_s!r}: the watchdog reports a hang before the process "
+                                 "group gives up on it")
+        if not isinstance(self.hang_abort, bool):
+            raise ValueError(f"hang_abort={self.hang_abort!r} must be True or False")
         if not isinstance(self.init_seed, int) or isinstance(self.init_seed, bool) or self.init_seed < 0:
             raise ValueError(f"init_seed={self.init_seed!r} must be an integer >= 0")
         if not isinstance(self.dropout_seed, int) or isinstance(self.dropout_seed, bool) or \

@@ -175,6 +175,13 @@ class DebugConfig:
     kill_rank: int = 0  # the rank that kill_step kills
     kill_node: int = -1  # >= 0: kill_step takes down the node of this launch.node_rank instead: its agent and every
     #                      process it started (a node lost); -1: off
+    hang_timeout_s: float = 300.0  # a collective unfinished this long: every rank reports what it waits in, the
+    #                                waiting ones name the ranks that have not arrived (docs/guide.md, "When a run
+    #                                hangs"); 0: off; not set: $MCOMPILE_HANG_TIMEOUT, else 300
+    hang_abort: bool = False  # after its report a waiting rank exits (code 75): the launcher stops the run, or
+    #                           restarts it (launch.max_restarts)
+    hang_dir: str = ""  # the reports' folder; "": checkpoint.dir/hangs when checkpoint.dir is set, else
+    #                     $MCOMPILE_HANG_DIR, else mcompile-hangs in the temporary folder
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -450,7 +457,8 @@ def _check(cfg: TrainConfig, where: str) -> None:
                        ("checkpoint.keep", cfg.checkpoint.keep), ("launch.nproc", cfg.launch.nproc),
                        ("launch.max_restarts", cfg.launch.max_restarts), ("schedule.warmup", cfg.schedule.warmup),
                        ("schedule.min_lr", cfg.schedule.min_lr), ("optimizer.weight_decay", cfg.optimizer.weight_decay),
-                       ("debug.kill_step", cfg.debug.kill_step), ("debug.kill_rank", cfg.debug.kill_rank)):
+                       ("debug.kill_step", cfg.debug.kill_step), ("debug.kill_rank", cfg.debug.kill_rank),
+                       ("debug.hang_timeout_s", cfg.debug.hang_timeout_s)):
         if value < 0:
             raise ConfigError(f"{key} = {value} in {where} must be >= 0")
     if cfg.parallel.zero not in (0, 1, 2, 3):

@@ -108,6 +108,15 @@ def _options(cfg: TrainConfig) -> dict:
                                                        "loss_scale_hysteresis")})
     if not auto:
         out["pipeline_seq"] = cfg.train.seq_len
+    # the hang watchdog: the timeout only when set (else $MCOMPILE_HANG_TIMEOUT), reports beside the checkpoints
+    d = cfg.debug
+    if "debug.hang_timeout_s" in cfg.explicit:
+        out["hang_timeout_s"] = d.hang_timeout_s
+    hang_dir = d.hang_dir or (str(Path(cfg.checkpoint.dir) / "hangs") if cfg.checkpoint.dir else "")
+    if hang_dir:
+        out["hang_dump_dir"] = hang_dir
+    if d.hang_abort:
+        out["hang_abort"] = True
     return out
 
 
