@@ -52,12 +52,9 @@ t_import = time.perf_counter()
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
-import transformers as T
-from transformers.utils import logging
 import mcompile as mc
 import mcompile.api as api
-logging.set_verbosity_error()
-layers, mesh_s, rank, seq, micro, hidden, inter, heads, kv, vocab = sys.argv[1:11]
+bench_file, layers, mesh_s, rank, seq, micro, hidden, inter, heads, kv, vocab = sys.argv[1:12]
 layers, rank, seq, micro, hidden, inter, heads, kv, vocab = map(int, (layers, rank, seq, micro, hidden, inter, heads,
                                                                       kv, vocab))
 mesh = mc.Mesh.parse(mesh_s)
@@ -69,18 +66,12 @@ def _all_gather_object(out, obj, group=None):
         out[i] = obj
 dist.all_gather_object = _all_gather_object
 
-class Loss(torch.nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, ids, labels):
-        return self.m(input_ids=ids, labels=labels, use_cache=False).loss
-
-cfg = T.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                    num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=max(seq, 256))
+import importlib.util
+spec = importlib.util.spec_from_file_location("startup_scale", bench_file)
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
 with torch.device("meta"):
-    model = Loss(T.LlamaForCausalLM(cfg))
+    model = bench.hf_llama(layers, hidden, inter, heads, kv, vocab, max(seq, 256))
 ids = torch.zeros(mesh.size("dp") * micro, seq, dtype=torch.long, device="meta")
 c0, w0 = time.process_time(), time.perf_counter()
 pm = mc.parallelize(model, mesh, (ids, ids), microbatches=micro, dtype=torch.bfloat16)
@@ -94,6 +85,27 @@ print(json.dumps({"parallelize_cpu_s": c1 - c0, "parallelize_wall_s": w1 - w0, "
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
+def hf_llama(layers: int, hidden: int, inter: int, heads: int, kv: int, vocab: int, positions: int):
+    """An unmodified Hugging Face ``LlamaForCausalLM`` of this shape, called as training code calls it (a loss)."""
+    import torch
+    import transformers as T
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+
+    class Loss(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids, labels):
+            return self.m(input_ids=ids, labels=labels, use_cache=False).loss
+
+    cfg = T.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=positions)
+    return Loss(T.LlamaForCausalLM(cfg))
+
+
 LLAMA_70B = {"layers": 80, "hidden": 8192, "inter": 28672, "heads": 64, "kv": 8, "vocab": 128256, "seq": 4096}
 
 
@@ -104,7 +116,7 @@ def simulated(cache: str, shape: dict, mesh: str, rank: int, micro: int) -> dict
     script = Path(cache) / "simulated_rank.py"  # a file: the capture cache keys the model's classes by their source
     script.write_text(SIMULATED)
     t = time.perf_counter()
-    out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, str(script), __file__, *args], capture_output=True, text=True, env=env,
                          cwd=tempfile.gettempdir())  # not the checkout: its kernels/ would shadow the Hub's
     if out.returncode != 0:
         raise RuntimeError(f"simulated rank failed:\n{out.stderr[-4000:]}")
@@ -115,26 +127,12 @@ def depth_worker(rank, world, layers, cache, launched):
     import time
 
     import torch
-    import transformers as T
-    from transformers.utils import logging
 
     import mcompile as mc
 
-    logging.set_verbosity_error()
     os.environ["MCOMPILE_CACHE"] = cache
-
-    class Loss(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids, labels):
-            return self.m(input_ids=ids, labels=labels, use_cache=False).loss
-
-    cfg = T.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
-    model = Loss(T.LlamaForCausalLM(cfg))
+    model = hf_llama(layers, 128, 256, 4, 2, 256, 256)
     ids = torch.randint(0, 256, (4, 32))
     parallelize, mesh = mc.parallelize, mc.Mesh.parse("pp=2,tp=2")
     c0, t0 = time.process_time(), time.perf_counter()

@@ -168,21 +168,10 @@ def test_lr_at_follows_the_config(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- the loop
 def _tree(tmp_path, name: str, **sections) -> dict:
-    tree = {
-        "model": {"preset": "llama3-tiny"},
-        "data": {"factory": "train_cases:random_samples"},
-        "parallel": {"mesh": "dp=2,tp=2", "sequence_parallel": True},
-        "optimizer": {"lr": 3e-3},
-        "schedule": {"kind": "cosine", "warmup": 2, "min_lr": 1e-4},
-        # fp32 (set: the default is bf16): the resumed and other-layout runs are compared exactly / at 1e-5
-        "train": {"steps": 6, "global_batch": 8, "seq_len": 16, "seed": 3, "dtype": "fp32"},
-        "checkpoint": {"dir": str(tmp_path / name / "ckpt"), "interval": 3,
-                       "final_state_dict": str(tmp_path / name / "final.pt")},
-        "logging": {"interval": 1, "progress": "off"},
-    }
-    for k, v in sections.items():
-        tree[k] = {**tree.get(k, {}), **v}
-    return tree
+    from train_cases import tiny_tree
+
+    return tiny_tree(6, {"checkpoint": {"dir": str(tmp_path / name / "ckpt"), "interval": 3,
+                                        "final_state_dict": str(tmp_path / name / "final.pt")}}, **sections)
 
 
 def _state(path) -> dict:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_cases import run_train, toml_text
+from train_cases import run_train, tiny_tree, toml_text
 
 from mcompile.apps.train.config import ConfigError, LaunchConfig, parse_config
 from mcompile.apps.train.elastic import first_slurm_host, fit_world, nproc_per_node, replan, resolve_nodes
@@ -41,18 +41,7 @@ TESTS = Path(__file__).resolve().parent
 
 def _tree(tmp_path, name: str, **sections) -> dict:
     """The tiny Llama at dp=2 x tp=2 with SP, fp32 (exact comparisons), random samples with a learnable rule."""
-    tree = {
-        "model": {"preset": "llama3-tiny"},
-        "data": {"factory": "train_cases:random_samples"},
-        "parallel": {"mesh": "dp=2,tp=2", "sequence_parallel": True},
-        "optimizer": {"lr": 3e-3},
-        "schedule": {"kind": "cosine", "warmup": 2, "min_lr": 1e-4},
-        "train": {"steps": 3, "global_batch": 8, "seq_len": 16, "seed": 3, "dtype": "fp32"},
-        "logging": {"interval": 1, "progress": "off", "jsonl": str(tmp_path / name / "metrics.jsonl")},
-    }
-    for k, v in sections.items():
-        tree[k] = {**tree.get(k, {}), **v}
-    return tree
+    return tiny_tree(3, {"logging": {"jsonl": str(tmp_path / name / "metrics.jsonl")}}, **sections)
 
 
 def _write(tmp_path, name: str, tree: dict) -> Path:

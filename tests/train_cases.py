@@ -34,6 +34,25 @@ def random_samples(seq_len: int, seed: int, split: str) -> RandomSamples:
     return RandomSamples(seq_len, seed, split)
 
 
+def tiny_tree(steps: int, *overlays: dict, **sections) -> dict:
+    """The tests' ``mcompile train`` config: the tiny Llama at dp=2 x tp=2 with SP, fp32 (set: the default is bf16;
+    the resumed, other-layout and other-node runs are compared exactly / at 1e-5), random samples with a learnable
+    rule, ``steps`` steps; each of ``overlays`` (a tree), then ``sections``, update its sections key by key."""
+    tree = {
+        "model": {"preset": "llama3-tiny"},
+        "data": {"factory": "train_cases:random_samples"},
+        "parallel": {"mesh": "dp=2,tp=2", "sequence_parallel": True},
+        "optimizer": {"lr": 3e-3},
+        "schedule": {"kind": "cosine", "warmup": 2, "min_lr": 1e-4},
+        "train": {"steps": steps, "global_batch": 8, "seq_len": 16, "seed": 3, "dtype": "fp32"},
+        "logging": {"interval": 1, "progress": "off"},
+    }
+    for layer in (*overlays, sections):
+        for k, v in layer.items():
+            tree[k] = {**tree.get(k, {}), **v}
+    return tree
+
+
 def toml_text(tree: dict) -> str:
     """A config tree ({table: {key: value}}) as TOML text, for runs of the ``mcompile train`` command."""
     import json
