@@ -385,11 +385,13 @@ def test_loop_over_heads_is_one_op_over_the_heads_megatron_layout_tp2():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["heads", "stack_last", "scan_in_each", "recurrence", "index_read_outside"])
+@pytest.mark.parametrize("case", ["heads", "stack_last", "scan_in_each", "recurrence", "index_read_outside",
+                                  "first_entries_of_a_dynamic_dim"])
 def test_vectorize_index_loops_keeps_the_value_or_leaves_the_loop(case):
     """The rewrite keeps the program's value (at the captured sizes and at others: batch and sequence dynamic), and
-    leaves as they are a recurrence (copy i reads copy i-1: not copies of one body) and a loop whose per-entry
-    value is read outside it."""
+    leaves as they are a recurrence (copy i reads copy i-1: not copies of one body), a loop whose per-entry value is
+    read outside it, and a loop over the first entries of a dynamic dim whose captured size happens to be the loop's
+    length (``x.select(1, i)`` for i < 3 at a sequence of 3: a symbolic size is never taken for the loop's)."""
     from mcompile.passes.tp.loops import vectorize_index_loops
 
     class Loop(torch.nn.Module):
@@ -421,18 +423,21 @@ def test_vectorize_index_loops_keeps_the_value_or_leaves_the_loop(case):
                     state = state * 0.5 + xs[i] * self.w[i]
                     outs.append(state)
                 return torch.cat(outs, -1)
+            if case == "first_entries_of_a_dynamic_dim":
+                return torch.cat([x.select(1, i).tanh() for i in range(3)], -1)
             picked = [xs[i].tanh() for i in range(3)]
             return torch.cat(picked, -1) + picked[0].sum()
 
-    dims = ({0: torch.export.Dim("b"), 1: torch.export.Dim("s")},)
-    gm = torch.export.export(Loop(), (torch.randn(2, 5, 3, 8),), strict=False, dynamic_shapes=dims).module()
+    dims = ({0: torch.export.Dim("b"), 1: torch.export.Dim("s", min=3)},)
+    example = torch.randn(2, 3 if case == "first_entries_of_a_dynamic_dim" else 5, 3, 8)
+    gm = torch.export.export(Loop(), (example,), strict=False, dynamic_shapes=dims).module()
     xs = [torch.randn(2, 5, 3, 8), torch.randn(3, 7, 3, 8)]
     want = [gm(x) for x in xs]
     done = vectorize_index_loops(gm)
     assert done == (1 if case in ("heads", "stack_last", "scan_in_each") else 0)
     moved = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.permute.default)
     picks = [u for u in moved.users if u.target is aten.select.int and u.args[1] == 0]  # x[i] of the loop
-    assert (not picks) if done else len(picks) >= 3
+    assert (not picks) if done else len(picks) >= 3 or case == "first_entries_of_a_dynamic_dim"
     for x, w in zip(xs, want):
         torch.testing.assert_close(gm(x), w, rtol=1e-6, atol=1e-7)
 

@@ -79,6 +79,15 @@ def _norm(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
+def _static_size(x, d) -> int | None:
+    """Dim ``d`` of ``x`` where it is a plain int (a symbolic size is never compared: that would guard on it)."""
+    v = _val(x)
+    if not isinstance(v, torch.Tensor) or not isinstance(d, int) or not -v.ndim <= d < v.ndim:
+        return None
+    size = v.shape[d]
+    return size if isinstance(size, int) else None
+
+
 def _ancestors(node: fx.Node) -> set[fx.Node]:
     seen, todo = {node}, [node]
     while todo:
@@ -93,8 +102,7 @@ def _iteration(y: fx.Node, i: int, n: int, order: dict) -> tuple[list[fx.Node], 
     """``(roots, body)`` of copy ``i``, whose result is ``y`` (module docstring), body in graph order."""
     anc = _ancestors(y)
     picks = [a for a in anc if a.op == "call_function" and a.target is aten.select.int and a.args[2] == i and
-             isinstance(_val(a.args[0]), torch.Tensor) and a.args[0].meta["val"].ndim > 0 and
-             a.args[0].meta["val"].shape[a.args[1]] == n]
+             _static_size(a.args[0], a.args[1]) == n]
     if not picks:
         return None
     below = set()  # what a pick's value reaches within anc, the picks excluded
@@ -319,8 +327,8 @@ def _vectorize(g: fx.Graph, cat: fx.Node, order: dict) -> bool:
     ys = cat.args[0]
     n = len(ys)
     if n < 2 or not all(isinstance(y, fx.Node) for y in ys) or len(set(ys)) != n or \
-            any(len(y.users) != 1 for y in ys):
-        return False
+            any(len(y.users) != 1 for y in ys) or len({y.target for y in ys}) != 1:
+        return False  # (copies of one body end in the same op: a cheap test before their ancestors are walked)
     copies = []
     for i, y in enumerate(ys):
         it = _iteration(y, i, n, order)
