@@ -37,6 +37,9 @@
   contraction, placed by it (column- or row-parallel), not by the transpose that reads it first.
 - ``unmerge_heads`` (passes/tp/heads.py): attention computed on (batch x heads, ...) values (``bmm`` after
   ``reshape(b * h, s, d)``) -> the same ops on (b, h, ...) values, so the heads are a dim tp can shard.
+- ``vectorize_index_loops`` (passes/tp/loops.py): a Python loop over the entries of a dim, captured as one copy
+  of its body per entry (``select(x, d, i)``; Zamba's per-head scans), concatenated -> one copy over that dim,
+  which tp shards (an op that picks one head survives no tp placement of the heads: they were gathered).
 - ``view_as_to_view``: ``x.view_as(other)`` -> ``x.view(sizes of other)``, one rule (view's) for both.
 - ``unflatten_rowwise``: a norm run on rows flattened from (token, head) pairs and reshaped back (a
   linear-attention mixer's gated per-head RMSNorm) runs on the unflattened tensor, so the heads stay
@@ -691,6 +694,7 @@ def _canonicalize(gm: fx.GraphModule) -> dict[str, int]:
         "drop_noop_slices": drop_noop_slices(gm),
         "drop_empty_cats": drop_empty_cats(gm),
         "drop_squeeze_unsqueeze": drop_squeeze_unsqueeze(gm),
+        "vectorize_index_loops": _vectorize_index_loops(gm),
         "unflatten_rowwise": unflatten_rowwise(gm),
         "conv1d_to_matmul": conv1d_to_matmul(gm),
         "projection_norm_statistics": projection_norm_statistics(gm),
@@ -703,6 +707,12 @@ def _unmerge_heads(gm: fx.GraphModule) -> int:
     from mcompile.passes.tp.heads import unmerge_heads
 
     return unmerge_heads(gm)
+
+
+def _vectorize_index_loops(gm: fx.GraphModule) -> int:
+    from mcompile.passes.tp.loops import vectorize_index_loops
+
+    return vectorize_index_loops(gm)
 
 
 def _moe_layers(gm: fx.GraphModule) -> int:

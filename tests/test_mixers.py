@@ -321,23 +321,31 @@ def test_float64_token_weighted_loss_stays_float64_tp2():
 
 
 class HeadLoopMixer(torch.nn.Module):
-    """Zamba's Mamba mixer: in_proj, a depthwise conv over the channels, then a Python loop over the heads, each
-    picked by its index (``x.reshape(b, heads, d, s).transpose(0, 1)[i]``) for its own scan, the results
-    concatenated for out_proj."""
+    """Zamba's Mamba mixer: in_proj to the channels and their gate, a depthwise conv over the channels, then a
+    Python loop over the heads, each picked by its index (``x.reshape(b, heads, d, s).transpose(0, 1)[i]``) for
+    its own scan with per-head weights (``x_proj[i] @ x[i]``, a time step from ``dt_proj[i]``), gated, the
+    results concatenated for out_proj."""
 
-    def __init__(self, dim=16, heads=2, kernel=4):
+    def __init__(self, dim=16, heads=2, kernel=4, rank=4):
         super().__init__()
-        self.heads = heads
-        self.in_proj = torch.nn.Linear(dim, 2 * dim, bias=False)
+        self.heads, d = heads, 2 * dim // heads
+        self.in_proj = torch.nn.Linear(dim, 4 * dim, bias=False)
         self.conv1d = torch.nn.Conv1d(2 * dim, 2 * dim, kernel, groups=2 * dim, padding=kernel - 1)
-        self.D = torch.nn.Parameter(torch.rand(heads, 2 * dim // heads) + 0.5)
+        self.x_proj = torch.nn.Parameter(torch.randn(heads, rank, d) / d ** 0.5)
+        self.dt_proj = torch.nn.Parameter(torch.randn(heads, d, rank) / rank ** 0.5)
+        self.D = torch.nn.Parameter(torch.rand(heads, d) + 0.5)
         self.out_proj = torch.nn.Linear(2 * dim, dim, bias=False)
 
     def forward(self, h):
         b, s, _ = h.shape
-        u = F.silu(self.conv1d(self.in_proj(h).transpose(1, 2))[..., :s])
-        u = u.reshape(b, self.heads, -1, s).transpose(0, 1)
-        outs = [torch.cumsum(u[i], -1) * 0.1 + u[i] * self.D[i, :, None] for i in range(self.heads)]
+        u, z = self.in_proj(h).transpose(1, 2).chunk(2, 1)
+        u = F.silu(self.conv1d(u)[..., :s])
+        u = u.reshape(b, self.heads, -1, s).transpose(0, 1)  # (heads, b, d, s)
+        z = z.reshape(b, self.heads, -1, s).transpose(0, 1)
+        outs = []
+        for i in range(self.heads):
+            dt = F.softplus(self.dt_proj[i] @ (self.x_proj[i] @ u[i]))  # (b, d, s)
+            outs.append((torch.cumsum(u[i] * dt, -1) * 0.1 + u[i] * self.D[i, :, None]) * F.silu(z[i]))
         return self.out_proj(torch.cat(outs, 1).transpose(1, 2))
 
 
@@ -355,25 +363,83 @@ class HeadLoopNet(Net):
 
 
 @pytest.mark.timeout(60)
-def test_hint_the_propagation_cannot_honour_is_dropped_not_a_plan_error():
-    """out_proj reads the conv's channels, so mixer_hints.conv_readers hints it row-parallel; but the heads are
-    indexed one by one in a Python loop (Zamba), which no placement of the heads survives, so the channels reach
-    out_proj whole. The hint is dropped and out_proj placed by its reader like any weight (PlanError before:
-    "no rule strategy fits the inputs' placements"); the model trains at parity. Not Megatron's layout (the loop
-    gathers the heads): the layout check says so."""
-    from mcompile.sharding.propagate import PlanError
-
+def test_loop_over_heads_is_one_op_over_the_heads_megatron_layout_tp2():
+    """The heads indexed one by one in a Python loop and concatenated (Zamba's Mamba mixer): captured unrolled,
+    one copy of the body per head, each picking its head, which no tp placement of the heads survives (the plan
+    gathered them: out_proj read the channels whole). passes/tp/loops.py makes the copies one computation over the
+    heads dim: in_proj column-parallel (the channels and their gate as two blocks), the conv and the per-head
+    weights by heads, out_proj row-parallel, one forward all-reduce a layer and nothing gathered; and the model
+    trains at parity (loss and every gradient)."""
     torch.manual_seed(0)
     model = HeadLoopNet()
-    try:
-        c, inputs = _plan_tp2(model)
-    except PlanError as e:
-        pytest.fail(f"PlanError: {str(e)[:300]}")
+    c, inputs = _plan_tp2(model)
+    assert c.canonical.get("vectorize_index_loops") == 2, c.canonical
     for i in range(2):
-        assert c.plan.params[f"layers.{i}.1.out_proj.weight"].placements[0] != Shard(1), i
-    assert c.quality, "a per-head loop gathers the heads: the layout check must report it"
-    assert any("indexed one entry at a time along the split dim" in str(f) for f in c.quality), c.quality
+        for name, want in {"in_proj.weight": BlockShard(0, 2), "conv1d.weight": Shard(0), "x_proj": Shard(0),
+                           "dt_proj": Shard(0), "D": Shard(0), "out_proj.weight": Shard(1)}.items():
+            assert c.plan.params[f"layers.{i}.1.{name}"].placements == (want,), (i, name)
+    forward = [s for s in c.plan.collectives if s.axis == "tp" and s.forward != "none" and s.layer is not None]
+    assert [s.forward for s in forward] == ["all_reduce"] * 2, [(s.forward, s.origin) for s in forward]
+    assert c.quality == []
     assert_sim_parity(c, model, inputs, "per-head loop mixer")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["heads", "stack_last", "scan_in_each", "recurrence", "index_read_outside",
+                                  "first_entries_of_a_dynamic_dim"])
+def test_vectorize_index_loops_keeps_the_value_or_leaves_the_loop(case):
+    """The rewrite keeps the program's value (at the captured sizes and at others: batch and sequence dynamic), and
+    leaves as they are a recurrence (copy i reads copy i-1: not copies of one body), a loop whose per-entry value is
+    read outside it, and a loop over the first entries of a dynamic dim whose captured size happens to be the loop's
+    length (``x.select(1, i)`` for i < 3 at a sequence of 3: a symbolic size is never taken for the loop's)."""
+    from mcompile.passes.tp.loops import vectorize_index_loops
+
+    class Loop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3, 8) * 0.3)
+
+        def forward(self, x):  # x: (b, s, 3, 8)
+            xs = x.permute(2, 0, 1, 3)
+            if case == "heads":
+                outs = [torch.softmax(xs[i] * self.w[i], -1) @ self.w[i].unsqueeze(-1) for i in range(3)]
+                return torch.cat(outs, -1)
+            if case == "stack_last":
+                # each copy makes its own zeros (from outside the loop: alike copies of one value)
+                return torch.stack([(xs[i].cumsum(1) + x.new_zeros(x.shape[0], x.shape[1], 8)).sum(-1)
+                                    for i in range(3)], -1)
+            if case == "scan_in_each":  # a recurrence over another dim inside each copy (Mamba's scan per head)
+                outs = []
+                for i in range(3):
+                    state, steps = torch.zeros_like(xs[i][..., 0]), []
+                    for t in range(4):
+                        state = state * self.w[i, t] + xs[i][..., t]
+                        steps.append(state)
+                    outs.append(torch.stack(steps, -1))
+                return torch.cat(outs, -1)
+            if case == "recurrence":
+                state, outs = torch.zeros_like(xs[0]), []
+                for i in range(3):
+                    state = state * 0.5 + xs[i] * self.w[i]
+                    outs.append(state)
+                return torch.cat(outs, -1)
+            if case == "first_entries_of_a_dynamic_dim":
+                return torch.cat([x.select(1, i).tanh() for i in range(3)], -1)
+            picked = [xs[i].tanh() for i in range(3)]
+            return torch.cat(picked, -1) + picked[0].sum()
+
+    dims = ({0: torch.export.Dim("b"), 1: torch.export.Dim("s", min=3)},)
+    example = torch.randn(2, 3 if case == "first_entries_of_a_dynamic_dim" else 5, 3, 8)
+    gm = torch.export.export(Loop(), (example,), strict=False, dynamic_shapes=dims).module()
+    xs = [torch.randn(2, 5, 3, 8), torch.randn(3, 7, 3, 8)]
+    want = [gm(x) for x in xs]
+    done = vectorize_index_loops(gm)
+    assert done == (1 if case in ("heads", "stack_last", "scan_in_each") else 0)
+    moved = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.permute.default)
+    picks = [u for u in moved.users if u.target is aten.select.int and u.args[1] == 0]  # x[i] of the loop
+    assert (not picks) if done else len(picks) >= 3 or case == "first_entries_of_a_dynamic_dim"
+    for x, w in zip(xs, want):
+        torch.testing.assert_close(gm(x), w, rtol=1e-6, atol=1e-7)
 
 
 class LowRankGateMixer(torch.nn.Module):
