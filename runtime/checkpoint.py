@@ -59,6 +59,7 @@ only under the same plan; under another layout loading refuses with a clear mess
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -67,6 +68,7 @@ import itertools
 import json
 import math
 import os
+import pickle
 import shutil
 import sys
 import threading
@@ -272,7 +274,7 @@ class _Window(io.RawIOBase):
     first and last ``EDGE`` bytes read once: a record's zip directory is at its end, its pickle and small
     entries at its start, the tensor's bytes between (never read through this)."""
 
-    EDGE = 1 << 16
+    EDGE = 1 << 12
 
     def __init__(self, file, offset: int, length: int):
         self._fd, self._start, self._length, self._pos = file.fileno(), offset, length, 0
@@ -310,6 +312,43 @@ class _Window(io.RawIOBase):
         memoryview(b)[:len(chunk)] = chunk
         self._pos += len(chunk)
         return len(chunk)
+
+
+class _Header(tuple):
+    """``(dtype, storage key, storage numel, storage offset, size, stride)`` of a saved tensor."""
+
+
+def _saved_tensor(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    dtype, key, numel = storage
+    return _Header((dtype, key, numel, storage_offset, tuple(size), tuple(stride)))
+
+
+class _TensorHeader(pickle.Unpickler):
+    """The pickle of one tensor saved by ``torch.save`` (its record's ``data.pkl``) read for its header alone:
+    ``(dtype, storage key, storage numel, storage offset, size, stride)``, no tensor made, no data read.
+    Only what torch.save writes for a plain tensor is accepted (the weights-only unpickler's rule: no
+    other class can be named); anything else raises, and DCP's own path reads that record."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _saved_tensor
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            return torch.serialization.StorageType(name)
+        raise pickle.UnpicklingError(f"{module}.{name} in a tensor record")
+
+    def load(self) -> _Header:
+        out = super().load()
+        if not isinstance(out, _Header):
+            raise pickle.UnpicklingError(f"a {type(out).__name__} record, not a tensor")
+        return out
+
+    def persistent_load(self, pid):
+        kind, storage_type, key, _location, numel = pid
+        if kind != "storage" or not isinstance(storage_type, torch.serialization.StorageType):
+            raise pickle.UnpicklingError(f"persistent id {pid!r} in a tensor record")
+        return storage_type.dtype, key, numel
 
 
 class _Reader(FileSystemReader):
@@ -358,24 +397,25 @@ class _Reader(FileSystemReader):
         target = planner.resolve_tensor(req).detach()
         if target.device.type != "cpu" or not target.is_contiguous():
             return False
-        window = _Window(f, info.offset, info.length)
         try:
-            # the record's header: dtype, shape, strides (a meta tensor: no data read), the data's place
-            saved = torch.load(window, map_location="meta", weights_only=True)
-            at = saved.untyped_storage()._checkpoint_offset
-            window.seek(0)
-            if torch._C.PyTorchFileReader(window).get_record("byteorder") != b"little":
+            zf = torch._C.PyTorchFileReader(_Window(f, info.offset, info.length))
+            if zf.get_record("byteorder") != b"little":
                 return False
+            dtype, key, numel, offset, size, stride = _TensorHeader(io.BytesIO(zf.get_record("data.pkl"))).load()
+            at = zf.get_record_offset(f"data/{key}")
         except Exception:  # noqa: BLE001 - any record this does not understand: DCP's path reads it
             return False
-        if not isinstance(saved, torch.Tensor) or saved.dtype != target.dtype or not isinstance(at, int):
+        if dtype != target.dtype or not isinstance(at, int):
             return False
-        part = saved
+        part = torch.empty_strided(size, stride, dtype=dtype, device="meta")  # no memory: the saved layout
+        if math.prod(size) and offset + sum((n - 1) * st for n, st in zip(size, stride)) >= numel:
+            return False  # it would reach past its storage: not a record this understands
         for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
             part = part.narrow(d, o, n)
         if part.shape != target.shape or not part.is_contiguous():
             return False
-        pos = info.offset + at + part.storage_offset() * part.element_size()
+        part_offset = offset + sum(o * st for o, st in zip(req.storage_offsets, stride))
+        pos = info.offset + at + part_offset * part.element_size()
         if target.nbytes:
             view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
             done = 0

@@ -15,6 +15,8 @@ with ``no_dist`` through mcompile's writer, reader and planners.
 
 from __future__ import annotations
 
+import io
+import pickle
 import threading
 from types import SimpleNamespace
 
@@ -25,6 +27,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mcompile.runtime import checkpoint as C
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # no_dist: meant
 
 
 def _save(path, state):
@@ -71,6 +75,32 @@ def test_boxes_are_read_straight_into_their_tensors_where_contiguous(tmp_path, m
     assert torch.equal(target.t(), full) and len(fallback) == 1
     fallback = _load(tmp_path, {"w": C._Pieces((8, 6), [((0, 0), (8, 6), whole)])}, monkeypatch)
     assert torch.equal(whole, full) and fallback == []
+
+
+def _record(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    zf = torch._C.PyTorchFileReader(io.BytesIO(buf.getvalue()))
+    return zf.get_record("data.pkl")
+
+
+def test_a_records_header_is_read_without_its_data():
+    base = torch.arange(20, dtype=torch.bfloat16)
+    assert C._TensorHeader(io.BytesIO(_record(base[2:14].view(3, 4)))).load() == (
+        torch.bfloat16, "0", 20, 2, (3, 4), (4, 1))  # a view: the whole storage is saved, at an offset
+    assert C._TensorHeader(io.BytesIO(_record(torch.ones(2, 3).t()))).load()[4:] == ((3, 2), (1, 3))
+    assert C._TensorHeader(io.BytesIO(_record(torch.tensor(7.0)))).load() == (torch.float32, "0", 1, 0, (), ())
+    for other in ({"a": torch.ones(1)}, [torch.ones(1)], torch.nn.Parameter(torch.ones(2))):
+        with pytest.raises(pickle.UnpicklingError):  # anything but a plain tensor: DCP's own path reads it
+            C._TensorHeader(io.BytesIO(_record(other))).load()
+
+
+def test_a_saved_tensor_with_strides_is_read_by_dcps_path(tmp_path, monkeypatch):
+    full = torch.randn(6, 8)
+    _save(tmp_path, {"t": full.t()})  # a plain tensor whose storage is exactly its bytes: saved transposed
+    out = torch.zeros(8, 6)
+    fallback = _load(tmp_path, {"t": out}, monkeypatch)
+    assert torch.equal(out, full.t()) and fallback == [("t", (0, 0))]
 
 
 def test_a_box_of_a_larger_buffer_is_written_from_its_own_bytes_without_a_copy(tmp_path, monkeypatch):
