@@ -747,11 +747,14 @@ def _read_meta(path: Path) -> tuple[dict, object]:
 def short_data(path: Path, md, keys=None) -> str | None:
     """What is wrong with the first data file of DCP metadata ``md`` (of the tensors ``keys``; all if None)
     that is missing or shorter than the metadata says, or None."""
+    sizes: dict[str, int] = {}  # a file holds many records: one stat each
     for idx, info in md.storage_data.items():
         if keys is not None and idx.fqn not in keys:
             continue
-        file = path / info.relative_path
-        size = file.stat().st_size if file.is_file() else -1
+        if info.relative_path not in sizes:
+            file = path / info.relative_path
+            sizes[info.relative_path] = file.stat().st_size if file.is_file() else -1
+        size = sizes[info.relative_path]
         if size < info.offset + info.length:
             return (f"the data of {idx.fqn} lies in {info.relative_path}, which is "
                     f"{'missing' if size < 0 else f'too short ({size} bytes)'}")
