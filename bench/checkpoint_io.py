@@ -2,7 +2,7 @@
 ``pm.save_checkpoint`` / ``pm.load_checkpoint`` and the training stall of an asynchronous save, against
 the disk itself and a plain ``torch.save`` / ``torch.load`` of the same bytes, in the same run.
 
-    python bench/checkpoint_io.py [--params 250] [--mesh dp=2,tp=2] [--zero 1] [--repeats 2]
+    python bench/checkpoint_io.py [--params 250] [--mesh dp=2,tp=2] [--zero 1] [--repeats 4] [--settle 5]
                                   [--dir FOLDER] [--write | --out PATH]
 
 Model: mcompile's plain Llama (``models/llama.py``), sized by ``--params`` (millions; 250: dim 1024,
@@ -16,10 +16,13 @@ a quarter.
 Four gloo CPU processes (``mcompile.runtime.launch.spawn``), all on the same disk at once. First an
 untimed warm-up (the model alone saved and loaded: one-time imports and set-up). Per round
 (``--repeats``; the order of the three writers, and of the three readers, is reversed every other
-round, so a change of the machine's load hits all alike), every rank, between barriers:
+round, so a change of the machine's load hits all alike; each timed write and cold read starts after
+``--settle`` seconds of rest, as the host of a virtual disk goes on writing after a guest's fsync and
+the next write would pay for it), every rank, between barriers:
 
 - ``disk``: writes as many bytes as its mcompile checkpoint file holds (random bytes, 64 MiB
-  ``os.write`` calls from one buffer), ``fsync``; later reads that file back (``readinto`` one buffer);
+  ``os.write`` calls from one buffer), ``fsync``; later reads its mcompile checkpoint file (the
+  checkpoint's own bytes) as one plain stream (``readinto`` 64 MiB at a time);
 - ``torch``: ``torch.save`` of its pieces (the same boxes mcompile writes, as contiguous tensors: the
   rank's own bytes) to one file, ``fsync``; later ``torch.load`` of it;
 - ``mcompile``: ``pm.save_checkpoint(path, opt)`` (synchronous: DCP's planning, the writes, fsync,
@@ -34,18 +37,18 @@ round, so a change of the machine's load hits all alike), every rank, between ba
 
 Reads come ``cold`` and ``warm``: cold after ``posix_fadvise(POSIX_FADV_DONTNEED)`` of every file (no
 root is needed to drop a file's clean pages from the page cache; the files are fsynced first), warm
-right after (the page cache). On a virtual disk the host may cache what the guest dropped: ``disk``
-read speed is measured the same way, so the ratio compares like with like.
+right after (the page cache). On a virtual disk the host may cache what the guest dropped, and how
+fast a "cold" read is depends on the file (a file written just before reads back faster): the disk
+baseline therefore reads the very files mcompile loads from, dropped the same way.
 
 Figures per rank: seconds and GB/s (``bytes / seconds``, 1 GB = 1e9 bytes) of each operation; a save's
 bytes are the rank's file (mcompile: its ``__<rank>_0.distcp``; the disk baseline writes the same
 count), a load's bytes what the rank reads (mcompile: the bytes of the boxes DCP's load planner
 commits into the rank's tensors, counted by a probe around ``commit_tensor``; under ZeRO-1 a rank reads
 its whole tensor-parallel piece of the parameters, not its dp segment, so it reads more than it
-wrote). The summary per operation is the
-median over rounds of the aggregate (all ranks' bytes / the slowest rank's seconds) and its per-rank
-share; the ratios (``targets``) are of these: mcompile save / disk write and mcompile load / disk read
->= 0.7, async stall (steady) / synchronous save <= 0.1.
+wrote). The summary per operation is the median over rounds of the aggregate (all ranks' bytes / the
+slowest rank's seconds) and its per-rank share; the ratios (``targets``) are of these: mcompile save /
+disk write and mcompile load / disk read >= 0.7, async stall (steady) / synchronous save <= 0.1.
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ class _ReadProbe:
         self.cls.commit_tensor = self.original
 
 
-def measure(rank, world, cfg, mesh, zero, folder, repeats):
+def measure(rank, world, cfg, mesh, zero, folder, repeats, settle=0.0):
     import torch.distributed as dist
 
     import mcompile as mc
@@ -219,6 +222,7 @@ def measure(rank, world, cfg, mesh, zero, folder, repeats):
         # even rounds write mcompile first (its file size is what the disk baseline writes, also in odd rounds)
         writers = ["mcompile", "torch", "disk"] if r % 2 == 0 else ["disk", "torch", "mcompile"]
         for w in writers:
+            time.sleep(settle)  # the disk idle again (a virtual disk's host goes on writing after an fsync)
             if w == "mcompile":
                 row["save_s"], _ = timed(pm.save_checkpoint, sync_path, opt)
                 row["save_bytes"] = (sync_path / f"__{rank}_0.distcp").stat().st_size
@@ -232,14 +236,17 @@ def measure(rank, world, cfg, mesh, zero, folder, repeats):
             else:
                 row["disk_write_s"], _ = timed(_disk_write, mine / "disk.bin", nbytes, buf)
                 row["disk_write_bytes"] = nbytes
+        # the disk's read speed for the checkpoint's own bytes: this rank's file of it, read as one plain stream
+        own = sync_path / f"__{rank}_0.distcp"
         readers = ["mcompile", "torch", "disk"] if r % 2 else ["disk", "torch", "mcompile"]
         for cache in ("cold", "warm"):
             for w in readers:
                 if cache == "cold":
                     dist.barrier()
-                    files = [mine / "torch.pt"] if w == "torch" else [mine / "disk.bin"] if w == "disk" else (
+                    files = [mine / "torch.pt"] if w == "torch" else [own] if w == "disk" else (
                         [p for p in sync_path.iterdir() if p.is_file()] if rank == 0 else [])
                     _drop_cache(files)
+                    time.sleep(settle)
                 if w == "mcompile":
                     with _ReadProbe() as probe:
                         row[f"load_{cache}_s"], _ = timed(pm.load_checkpoint, sync_path, opt)
@@ -250,7 +257,7 @@ def measure(rank, world, cfg, mesh, zero, folder, repeats):
                     row[f"torch_load_{cache}_bytes"] = sum(v.nbytes for v in loaded.values())
                     del loaded
                 else:
-                    row[f"disk_read_{cache}_s"], n = timed(_disk_read, mine / "disk.bin", buf)
+                    row[f"disk_read_{cache}_s"], n = timed(_disk_read, own, buf)
                     row[f"disk_read_{cache}_bytes"] = n
         # the asynchronous save: the stall is the call, the rest runs while training would (round 0's is the
         # process's first: it allocates the staging buffers the later ones reuse)
@@ -328,7 +335,8 @@ def _mem_available_gb() -> float:
         return round(next(int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable")) / 1e6, 1)
 
 
-def run(params: float, mesh: str = "dp=2,tp=2", zero: int = 1, repeats: int = 2, folder=None, launch=None) -> dict:
+def run(params: float, mesh: str = "dp=2,tp=2", zero: int = 1, repeats: int = 4, folder=None, launch=None,
+        settle: float = 0.0) -> dict:
     """The record (without machine and commit): 4 ranks run :func:`measure` through ``launch(fn, world,
     *args)`` (default: ``mcompile.runtime.launch.spawn``; a test passes its worker pool) in a fresh folder
     under ``folder`` (default: $TMPDIR), removed after."""
@@ -343,7 +351,7 @@ def run(params: float, mesh: str = "dp=2,tp=2", zero: int = 1, repeats: int = 2,
                                                       "parameters": n_params, "dtype": "float32",
                                                       "optimizer": "AdamW (DistributedOptimizer)",
                                                       "checkpoint_bytes_expected": 12 * n_params},
-              "layout": {"mesh": mesh, "zero": zero, "ranks": world}, "repeats": repeats,
+              "layout": {"mesh": mesh, "zero": zero, "ranks": world}, "repeats": repeats, "settle_s": settle,
               "targets": TARGETS, "load_average_before": os.getloadavg(), "mem_available_gb_before":
               _mem_available_gb()}
     base = Path(folder) if folder else Path(tempfile.gettempdir())
@@ -351,7 +359,7 @@ def run(params: float, mesh: str = "dp=2,tp=2", zero: int = 1, repeats: int = 2,
     where = Path(tempfile.mkdtemp(prefix="checkpoint_io-", dir=base))
     try:
         result["filesystem"] = _filesystem(where)
-        ranks = launch(measure, world, cfg, mesh, zero, str(where), repeats)
+        ranks = launch(measure, world, cfg, mesh, zero, str(where), repeats, settle)
     finally:
         shutil.rmtree(where, ignore_errors=True)
     s = summarise(ranks)
@@ -372,11 +380,13 @@ def main(argv=None):
     ap.add_argument("--params", type=float, default=250, help="model size in millions of parameters (250)")
     ap.add_argument("--mesh", default="dp=2,tp=2", help="the 4-rank layout (dp=2,tp=2)")
     ap.add_argument("--zero", type=int, default=1, help="ZeRO level (1)")
-    ap.add_argument("--repeats", type=int, default=2, help="rounds, the order reversed every other one (2)")
+    ap.add_argument("--repeats", type=int, default=4, help="rounds, the order reversed every other one (4)")
+    ap.add_argument("--settle", type=float, default=5.0,
+                    help="seconds of rest before each timed write and cold read (5; the disk idle again)")
     ap.add_argument("--dir", default=None, help="where the files go (a temporary folder in $TMPDIR)")
     _results.add_arguments(ap, "checkpoint_io")
     args = ap.parse_args(argv)
-    result = run(args.params, args.mesh, args.zero, args.repeats, args.dir)
+    result = run(args.params, args.mesh, args.zero, args.repeats, args.dir, settle=args.settle)
     _results.save("checkpoint_io", result, args.write, args.out)
     f, r = result["figures"], result["ratios"]
     n = result["model"]["parameters"]
