@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 from checkpoint_io_cases import bench, measure
@@ -53,3 +54,28 @@ def test_checkpoint_io_bench_smoke(tmp_path):
     assert r["async_stall_over_sync_save"] == pytest.approx(s["async_stall_s"] / s["mcompile_save"]["seconds"])
     assert s["async_stall_first_s"] == max(p["rounds"][0]["async_stall_s"] for p in rec["per_rank"])
     assert rec["meets_targets"]["save"] == (r["save_over_disk_write"] >= 0.7)
+
+
+RECORD = Path(__file__).resolve().parents[1] / "bench" / "results" / "checkpoint_io.json"
+
+
+@pytest.mark.timeout(30)
+def test_committed_record_is_what_its_figures_say():
+    """bench/results/checkpoint_io.json (``--write``, 255 M parameters): its ratios are its figures' ratios, and
+    the bytes are what the layout says: all ranks' files hold the 12 bytes per parameter (fp32 weights and two
+    AdamW moments, once each) plus records' headers; a ZeRO-1 rank at dp=2 x tp=2 loads its tensor-parallel
+    half of the weights (2 bytes per parameter) and its quarter of the moments (2 bytes per parameter)."""
+    rec = json.loads(RECORD.read_text())
+    assert rec["benchmark"] == "checkpoint_io" and rec["commit"] and rec["commit"] != "unknown"
+    assert rec["layout"] == {"mesh": "dp=2,tp=2", "zero": 1, "ranks": 4} and rec["repeats"] >= 2
+    n = rec["model"]["parameters"]
+    f, r = rec["figures"], rec["ratios"]
+    written = f["mcompile_save"]["bytes_all_ranks"]
+    assert 12 * n <= written <= 12 * n * 1.01
+    assert f["disk_write"]["bytes_all_ranks"] == written == f["disk_read_cold"]["bytes_all_ranks"]
+    assert 16 * n <= f["mcompile_load_cold"]["bytes_all_ranks"] <= 16 * n * 1.01
+    assert r["save_over_disk_write"] == pytest.approx(f["mcompile_save"]["gb_s"] / f["disk_write"]["gb_s"])
+    assert r["load_over_disk_read"] == pytest.approx(f["mcompile_load_cold"]["gb_s"] / f["disk_read_cold"]["gb_s"])
+    assert r["async_stall_over_sync_save"] == pytest.approx(f["async_stall_s"] / f["mcompile_save"]["seconds"])
+    assert rec["meets_targets"] == {"save": r["save_over_disk_write"] >= 0.7, "load": r["load_over_disk_read"] >= 0.7,
+                                    "async_stall": r["async_stall_over_sync_save"] <= 0.1}
