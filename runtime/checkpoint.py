@@ -40,10 +40,16 @@ the model partly loaded.
 Saving writes into a temporary folder beside ``path``; when every rank has finished, rank 0 writes
 ``mcompile_plan.json`` into it and renames it to ``path`` (an older checkpoint at ``path`` is moved
 away first and deleted after): **a folder with its ``mcompile_plan.json`` is a complete checkpoint**
-(:func:`is_complete`). ``async_save=True`` copies this rank's pieces to CPU memory (the staging cost:
-one copy of what the rank writes), and ``dcp.async_save`` writes them from a background thread over a
-gloo group of its own; the returned :class:`PendingSave` finishes the checkpoint (meta file and
-rename) when the write is done; the next save or load waits for it.
+(:func:`is_complete`). ``async_save=True`` copies this rank's pieces to CPU memory (the training's
+stall: one copy of what the rank writes, into buffers kept from the previous async save of the same
+layout; pinned where the pieces are on a GPU), and a background thread does the rest (naming the
+folder, ``dcp.save``, the meta file and the rename) over a gloo group of its own; the returned
+:class:`PendingSave` is done when the checkpoint is complete; the next save or load waits for it.
+
+Speed (``bench/checkpoint_io.py``): DCP's writer is given views with storages of their own size (it
+would clone every ZeRO box) and writes without torch.save's CRC32 (nothing reads it back, and it
+runs slower than a fast disk); the reader reads each saved box straight into the tensor it loads
+(DCP's own path loads it with ``torch.load`` into fresh memory and copies it over), the metadata once.
 
 FP8 delayed scaling's amax histories are per rank and per shard (a tp rank's amaxes of its own
 shard, a dp rank's of its data slice): they cannot be resharded. They are saved per rank and loaded
@@ -53,11 +59,18 @@ only under the same plan; under another layout loading refuses with a clear mess
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
 import hashlib
+import io
 import itertools
 import json
 import math
+import os
+import pickle
 import shutil
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -65,7 +78,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -73,8 +86,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.planner import LoadItemType, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 __all__ = ["save", "load", "verify", "is_complete", "CheckpointError", "CheckpointPlanMismatch", "PendingSave",
@@ -119,16 +131,20 @@ def _runs(pm, fqn: str) -> list[list[tuple[int, int, int]]]:
                 v = shard_tensor(v, p, pm._coords[ax], pm.mesh.size(ax), padded)
         if d == 0 and fqn in pm._zero3:
             v = v.chunk(pm.mesh.size("dp"), dim=0)[pm._coords["dp"]]
-        runs: list[list[int]] = []
-        for i, g in enumerate((v.reshape(-1) - 1).tolist()):
-            if g < 0:
-                continue
-            if runs and runs[-1][0] + runs[-1][2] == i and runs[-1][1] + runs[-1][2] == g:
-                runs[-1][2] += 1
-            else:
-                runs.append([i, g, 1])
-        out.append([tuple(r) for r in runs])
+        out.append(_index_runs(v.reshape(-1) - 1))
     return out
+
+
+def _index_runs(g: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(local start, global start, length)`` of the runs of ``g`` (1-D: the global index held at each local
+    index, < 0 for padding) along which both indices go up by one; padding is left out."""
+    local = torch.nonzero(g >= 0).reshape(-1)
+    glob = g[local]
+    start = torch.ones(len(local), dtype=torch.bool)  # a run starts where either index is not the previous + 1
+    start[1:] = (local[1:] != local[:-1] + 1) | (glob[1:] != glob[:-1] + 1)
+    first = torch.nonzero(start).reshape(-1)
+    length = torch.diff(first, append=torch.tensor([len(local)]))
+    return list(zip(local[first].tolist(), glob[first].tolist(), length.tolist()))
 
 
 def _flat_boxes(a: int, b: int, shape) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -207,10 +223,8 @@ class _Pieces:
     def shard(self, offsets) -> torch.Tensor:
         return self.boxes[tuple(offsets)][1]
 
-    def staged(self) -> _Pieces:
-        """A copy in CPU memory of its own (async save: training may change the live views)."""
-        return _Pieces(self._size, [(off, sizes, view.detach().to("cpu", copy=True))
-                                    for off, (sizes, view) in self.boxes.items()])
+    def layout(self) -> tuple:
+        return self._size, tuple((off, sizes, view.dtype) for off, (sizes, view) in self.boxes.items())
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -219,7 +233,199 @@ class _SavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index):
         obj = self.state_dict[index.fqn]
-        return obj.shard(index.offset) if isinstance(obj, _Pieces) else super().lookup_object(index)
+        return _exact(obj.shard(index.offset)) if isinstance(obj, _Pieces) else super().lookup_object(index)
+
+
+def _exact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, over a storage of exactly its bytes where it is a contiguous CPU view into a larger one
+    (a box of a ZeRO flat buffer): DCP's writer clones such a view (so that torch.save does not write the
+    whole storage), a fresh copy of every byte the rank writes."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    start = t.storage_offset() * t.element_size()
+    return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage()[start:start + t.nbytes], 0, t.shape, t.stride())
+
+
+@contextlib.contextmanager
+def _no_crc32():
+    """``torch.save`` without the CRC32 of its records, restored after. Each saved box is a torch.save record;
+    ``torch.load`` never checks the CRC (DCP's reader and ours read through it or past it), and computing it
+    runs at about 1.3 GB/s on one core: slower than a fast disk. torch (2.13) keeps the setting per thread,
+    so this is the writing thread's alone; where a torch keeps it per process, a ``torch.save`` of the
+    user's own during a checkpoint write (an async one: in the background) writes no CRC either."""
+    saved = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(saved)
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer (one file per rank, fsynced) writing without torch.save's CRC32 (:func:`_no_crc32`)."""
+
+    def write_data(self, plan, planner):
+        with _no_crc32():
+            return super().write_data(plan, planner)
+
+
+class _Window(io.RawIOBase):
+    """The bytes ``[offset, offset + length)`` of an open file as a file of their own (one saved record), its
+    first and last ``EDGE`` bytes read once: a record's zip directory is at its end, its pickle and small
+    entries at its start, the tensor's bytes between (never read through this)."""
+
+    EDGE = 1 << 12
+
+    def __init__(self, file, offset: int, length: int):
+        self._fd, self._start, self._length, self._pos = file.fileno(), offset, length, 0
+        if length <= 2 * self.EDGE:
+            self._head, self._tail = self._pread(0, length), b""
+        else:
+            self._head, self._tail = self._pread(0, self.EDGE), self._pread(length - self.EDGE, self.EDGE)
+
+    def _pread(self, at: int, n: int) -> bytes:
+        return os.pread(self._fd, n, self._start + at)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self._length + pos
+        return self._pos
+
+    def readinto(self, b) -> int:
+        lo = self._pos
+        n = max(0, min(len(b), self._length - lo))
+        tail_at = self._length - len(self._tail)
+        if lo + n <= len(self._head):
+            chunk = self._head[lo:lo + n]
+        elif self._tail and lo >= tail_at:
+            chunk = self._tail[lo - tail_at:lo - tail_at + n]
+        else:
+            chunk = self._pread(lo, n)
+        memoryview(b)[:len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+
+class _Header(tuple):
+    """``(dtype, storage key, storage numel, storage offset, size, stride)`` of a saved tensor."""
+
+
+def _saved_tensor(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    dtype, key, numel = storage
+    return _Header((dtype, key, numel, storage_offset, tuple(size), tuple(stride)))
+
+
+class _TensorHeader(pickle.Unpickler):
+    """The pickle of one tensor saved by ``torch.save`` (its record's ``data.pkl``) read for its header alone:
+    ``(dtype, storage key, storage numel, storage offset, size, stride)``, no tensor made, no data read.
+    Only what torch.save writes for a plain tensor is accepted (the weights-only unpickler's rule: no
+    other class can be named); anything else raises, and DCP's own path reads that record."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _saved_tensor
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name.endswith("Storage"):
+            return torch.serialization.StorageType(name)
+        raise pickle.UnpicklingError(f"{module}.{name} in a tensor record")
+
+    def load(self) -> _Header:
+        out = super().load()
+        if not isinstance(out, _Header):
+            raise pickle.UnpicklingError(f"a {type(out).__name__} record, not a tensor")
+        return out
+
+    def persistent_load(self, pid):
+        kind, storage_type, key, _location, numel = pid
+        if kind != "storage" or not isinstance(storage_type, torch.serialization.StorageType):
+            raise pickle.UnpicklingError(f"persistent id {pid!r} in a tensor record")
+        return storage_type.dtype, key, numel
+
+
+class _Reader(FileSystemReader):
+    """DCP's file reader, with the checkpoint's metadata read once (``metadata``, already read by the
+    checks) and each saved box read from the file straight into the tensor it loads into wherever that
+    is a contiguous CPU tensor of the saved dtype and the part read is contiguous in the saved box:
+    DCP's own path loads the whole box with ``torch.load`` into fresh memory and copies it over (two
+    more passes over every byte). Everything else takes DCP's path."""
+
+    def __init__(self, path, metadata=None):
+        super().__init__(str(path))
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        if self._metadata is None or kwargs.get("rank") is not None:
+            return super().read_metadata(*args, **kwargs)
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        md = self._metadata
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def read_data(self, plan, planner):
+        per_file: dict[str, list] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        rest = []
+        for relative_path, reqs in per_file.items():
+            with open(self.fs.concat_path(self.path, relative_path), "rb", buffering=0) as f:
+                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):  # one pass
+                    if not self._read_into(f, req, planner):
+                        rest.append(req)
+        if rest:
+            return super().read_data(dataclasses.replace(plan, items=rest), planner)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _read_into(self, f, req, planner) -> bool:
+        """Read ``req`` from ``f`` into its tensor; False (nothing read) where DCP's path must do it."""
+        info = self.storage_data[req.storage_index]
+        if req.type == LoadItemType.BYTE_IO or info.transform_descriptors or sys.byteorder != "little":
+            return False
+        target = planner.resolve_tensor(req).detach()
+        if target.device.type != "cpu" or not target.is_contiguous():
+            return False
+        try:
+            zf = torch._C.PyTorchFileReader(_Window(f, info.offset, info.length))
+            if zf.get_record("byteorder") != b"little":
+                return False
+            dtype, key, numel, offset, size, stride = _TensorHeader(io.BytesIO(zf.get_record("data.pkl"))).load()
+            at = zf.get_record_offset(f"data/{key}")
+        except Exception:  # noqa: BLE001 - any record this does not understand: DCP's path reads it
+            return False
+        if dtype != target.dtype or not isinstance(at, int):
+            return False
+        part = torch.empty_strided(size, stride, dtype=dtype, device="meta")  # no memory: the saved layout
+        if math.prod(size) and offset + sum((n - 1) * st for n, st in zip(size, stride)) >= numel:
+            return False  # it would reach past its storage: not a record this understands
+        for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+            part = part.narrow(d, o, n)
+        if part.shape != target.shape or not part.is_contiguous():
+            return False
+        part_offset = offset + sum(o * st for o, st in zip(req.storage_offsets, stride))
+        pos = info.offset + at + part_offset * part.element_size()
+        if target.nbytes:
+            view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+            done = 0
+            while done < len(view):
+                got = os.preadv(f.fileno(), [view[done:]], pos + done)
+                if got <= 0:
+                    raise OSError(f"{f.name}: the data of {req.storage_index.fqn} ends early")
+                done += got
+        planner.commit_tensor(req, target)
+        return True
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -238,19 +444,40 @@ class _LoadPlanner(DefaultLoadPlanner):
         return obj.shard(index.offset) if isinstance(obj, _Pieces) else super().lookup_tensor(index)
 
 
-class _Staged(AsyncStager):
-    """The state is already a CPU copy (``_Pieces.staged``): nothing more to stage."""
+def _cpu_like(t: torch.Tensor) -> torch.Tensor:
+    """Empty CPU memory for a copy of ``t``: pinned where ``t`` is on a GPU (its copy runs at the link's speed)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
 
-    _synchronize_after_execute = False
 
-    def stage(self, state_dict):
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+def _stage(pm, state: dict) -> dict:
+    """This rank's state for an async save, its tensors copied into CPU memory of their own (training goes on
+    changing the live ones while the background thread writes). The copies are kept on ``pm`` for the next
+    async save, which copies into them if it saves the same boxes (the same layout and optimizer): a fresh
+    allocation of that size costs more than the copy (its pages are touched for the first time; pinned
+    memory is slow to allocate), and that cost is the training stall. Memory: one copy of what this rank
+    writes, held from the first async save on."""
+    kept = getattr(pm, "_checkpoint_staging", None) or {}
+    staged = {}
+    for key, v in state.items():
+        old = kept.get(key)
+        if isinstance(v, _Pieces):
+            if not (isinstance(old, _Pieces) and old.layout() == v.layout()):
+                old = _Pieces(v.size(), [(off, sizes, _cpu_like(view)) for off, (sizes, view) in v.boxes.items()])
+            for off, (_, view) in v.boxes.items():
+                old.shard(off).copy_(view.detach(), non_blocking=True)
+            staged[key] = old
+        elif isinstance(v, torch.Tensor):
+            if not (isinstance(old, torch.Tensor) and old.shape == v.shape and old.dtype == v.dtype):
+                old = _cpu_like(v)
+            staged[key] = old.copy_(v.detach(), non_blocking=True)
+        else:
+            staged[key] = v
+    if any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in state.values()) or any(
+            isinstance(v, _Pieces) and any(view.device.type == "cuda" for _, view in v.boxes.values())
+            for v in state.values()):
+        torch.cuda.synchronize()  # the non-blocking copies have landed before the writer reads them
+    pm._checkpoint_staging = staged
+    return staged
 
 
 # -- what the optimizer holds, per parameter -----------------------------------------------------------
@@ -315,10 +542,10 @@ def _state(pm, optimizer, *, load: bool) -> tuple[dict, dict]:
     copies of ZeRO-1/2 parameters to cast into the buffers afterwards (fqn -> tensor)."""
     state: dict = {}
     copies: dict[str, torch.Tensor] = {}
-    runs: dict[str, list] = {}
+    runs: dict[str, list] = pm.__dict__.setdefault("_checkpoint_runs", {})
 
     def pieces(key, fqn, flat, a, b, local_shape):
-        if fqn not in runs:
+        if fqn not in runs:  # the plan's, fixed for the module's life
             runs[fqn] = _runs(pm, fqn)
         obj = state.setdefault(key, _Pieces(pm.plan.params[fqn].shape))
         for off, sizes, view in _pieces(runs[fqn], local_shape, flat, a, b):
@@ -333,10 +560,13 @@ def _state(pm, optimizer, *, load: bool) -> tuple[dict, dict]:
         if load or _writes(pm, fqn):
             pieces(f"model.{fqn}", fqn, _flat(p), 0, math.prod(shapes[fqn]), shapes[fqn])
     if zero is not None:
-        if load:  # every parameter's whole fp32 piece, cast into the buffers and masters afterwards
+        if load:  # every parameter's whole piece: read into the buffer where it is fp32 (it is the master then),
+            # else into an fp32 copy cast into the buffer and the masters afterwards (every element is read)
             for fqn in zero.fqn_order:
-                copies[fqn] = torch.zeros(shapes[fqn], dtype=torch.float32, device=pm._device)
-                pieces(f"model.{fqn}", fqn, copies[fqn].view(-1), 0, copies[fqn].numel(), shapes[fqn])
+                into = pm._params[fqn].to_local()
+                if into.dtype != torch.float32:
+                    into = copies[fqn] = torch.empty(shapes[fqn], dtype=torch.float32, device=pm._device)
+                pieces(f"model.{fqn}", fqn, _flat(into), 0, into.numel(), shapes[fqn])
         else:  # the masters (fp32), each rank its own segments
             for seg, b, _ in zero.segments:
                 if _writes(pm, seg.fqn):
@@ -368,13 +598,12 @@ def _delayed_len(pm) -> int | None:
     return pm.config.fp8_amax_history_len if pm.config.fp8 == "delayed" else None
 
 
-def _fp8_meta(pm, histories: dict) -> dict:
+def _fp8_meta(pm, names: list, group=None) -> dict:
     """What the checkpoint says of FP8 state: the recipe and, for delayed scaling, the history length
-    and the linears (program nodes) whose histories each rank saved (``histories``: this rank's).
-    Collective."""
-    names = sorted(histories)
+    and the linears (program nodes) whose histories each rank saved (``names``: this rank's, sorted).
+    Collective over ``group``."""
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, names)
+    dist.all_gather_object(everyone, names, group=group)
     out = {"recipe": pm.config.fp8}
     if _delayed_len(pm) is not None:
         out.update(amax_history_len=_delayed_len(pm), histories={str(r): n for r, n in enumerate(everyone)})
@@ -435,9 +664,6 @@ def save(pm, path: str | Path, optimizer=None, extra: dict | None = None, async_
          ) -> PendingSave | None:
     wait_pending(pm)
     path = Path(path)
-    tmp = [str(path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"))]
-    dist.broadcast_object_list(tmp, src=0)
-    tmp_path = Path(tmp[0])
     state, _ = _state(pm, optimizer, load=False)
     histories = pm.fp8_histories()
     for name, h in histories.items():
@@ -446,35 +672,48 @@ def save(pm, path: str | Path, optimizer=None, extra: dict | None = None, async_
     meta = {"format": FORMAT, "digest": plan_digest(pm.plan), "mesh": pm.plan.mesh,
             "sequence_parallel": pm.plan.options.sequence_parallel, "zero": pm.config.zero,
             "dtype": str(pm.config.dtype), "extra": extra or {}, "dropout_step": pm.dropout_step,
-            "optimizer": type(inner).__name__ if inner is not None else None, "fp8": _fp8_meta(pm, histories)}
+            "optimizer": type(inner).__name__ if inner is not None else None}
     if getattr(pm, "loss_scaler", None) is not None:  # fp16: the dynamic loss scale and its counters (exact)
         meta["loss_scaler"] = pm.loss_scaler.state_dict()
     if not async_save:
-        dcp.save(state, checkpoint_id=str(tmp_path), planner=_SavePlanner())
-        _finish(tmp_path, path, meta, None)
+        _write(pm, state, path, meta, sorted(histories), None)
         return None
-    if getattr(pm, "_checkpoint_group", None) is None:  # the background writes' own collectives
+    if getattr(pm, "_checkpoint_group", None) is None:
         from mcompile.runtime.launch import process_group
 
-        pm._checkpoint_group = process_group(backend="gloo", tag="async checkpoint")  # one per process
+        # The background thread's collectives need a group of their own: the training's collectives run on
+        # the main thread meanwhile, and two threads' collectives on one gloo group would pair up wrongly.
+        # It spans the world, as the synchronous save's do: every rank holds pieces no other rank holds
+        # (ZeRO segments, tensor-parallel shards; replicas are spread over their holders by DCP's dedup so
+        # that all ranks write), and DCP's save is one collective of every writer: the coordinator gathers
+        # every plan (checks that the boxes cover each tensor once), then every rank's write results for the
+        # metadata; a rank left out would leave its boxes unwritten. One per process, made on the first
+        # async save (DESIGN: docs/architecture.md, "Checkpoints that reshard").
+        pm._checkpoint_group = process_group(backend="gloo", tag="async checkpoint")
     group = pm._checkpoint_group
-    staged = {k: v.staged() if isinstance(v, _Pieces) else
-              v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-    future = dcp.async_save(staged, checkpoint_id=str(tmp_path), planner=_SavePlanner(), process_group=group,
-                            async_stager=_Staged())
+    staged = _stage(pm, state)  # the training stall: the rest runs in the background
     pending = PendingSave(path)
 
-    def finish():
+    def write():
         try:
-            future.result()
-            _finish(tmp_path, path, meta, group)
+            _write(pm, staged, path, meta, sorted(histories), group)
         except BaseException as e:  # noqa: BLE001 - raised by wait()
             pending._error = e
 
-    pending._thread = threading.Thread(target=finish, name=f"mcompile-save-{path.name}", daemon=True)
+    pending._thread = threading.Thread(target=write, name=f"mcompile-save-{path.name}", daemon=True)
     pending._thread.start()
     pm._pending_save = pending
     return pending
+
+
+def _write(pm, state: dict, path: Path, meta: dict, fp8_names: list, group) -> None:
+    """Write ``state`` as the checkpoint ``path``: rank 0 names a temporary folder beside it, DCP writes every
+    rank's pieces there, then :func:`_finish`. Collective over ``group`` (None: the world's default group)."""
+    tmp = [str(path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"))]
+    dist.broadcast_object_list(tmp, src=0, group=group)
+    meta = dict(meta, fp8=_fp8_meta(pm, fp8_names, group))
+    dcp.save(state, storage_writer=_Writer(tmp[0]), planner=_SavePlanner(), process_group=group)
+    _finish(Path(tmp[0]), path, meta, group)
 
 
 # -- checks -------------------------------------------------------------------------------------------
@@ -508,11 +747,14 @@ def _read_meta(path: Path) -> tuple[dict, object]:
 def short_data(path: Path, md, keys=None) -> str | None:
     """What is wrong with the first data file of DCP metadata ``md`` (of the tensors ``keys``; all if None)
     that is missing or shorter than the metadata says, or None."""
+    sizes: dict[str, int] = {}  # a file holds many records: one stat each
     for idx, info in md.storage_data.items():
         if keys is not None and idx.fqn not in keys:
             continue
-        file = path / info.relative_path
-        size = file.stat().st_size if file.is_file() else -1
+        if info.relative_path not in sizes:
+            file = path / info.relative_path
+            sizes[info.relative_path] = file.stat().st_size if file.is_file() else -1
+        size = sizes[info.relative_path]
         if size < info.offset + info.length:
             return (f"the data of {idx.fqn} lies in {info.relative_path}, which is "
                     f"{'missing' if size < 0 else f'too short ({size} bytes)'}")
@@ -638,7 +880,7 @@ def _group_options(pm, path, md, optimizer) -> tuple[dict[int, dict], str | None
 
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=FileSystemReader(str(path)), planner=DefaultLoadPlanner(
+            dcp.load(state, storage_reader=_Reader(path, md), planner=DefaultLoadPlanner(
                 flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
     index = {id(p): i for i, g in enumerate(_inner(optimizer).param_groups) for p in g["params"]}
     out: dict[int, tuple[str, dict]] = {}
@@ -703,7 +945,7 @@ def load(pm, path: str | Path, optimizer=None, fp8_state: bool = True) -> dict:
     histories = pm.fp8_histories() if fp8_state else {}
     for name, h in histories.items():
         state[_fp8_key(name)] = h
-    dcp.load(state, storage_reader=FileSystemReader(str(path)), planner=_LoadPlanner())
+    dcp.load(state, storage_reader=_Reader(path, md), planner=_LoadPlanner())
     with torch.no_grad():
         for fqn, full in copies.items():  # ZeRO-1/2: the parameter buffer (compute dtype) and the fp32 masters
             pm._params[fqn].to_local().copy_(full)
