@@ -545,8 +545,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         name="checkpoint-padding-saved-as-data",
         file="runtime/checkpoint.py",
-        old="            if g < 0:\n                continue",
-        new="            if g < -1:\n                continue",
+        old="    local = torch.nonzero(g >= 0).reshape(-1)",
+        new="    local = torch.nonzero(g >= -1).reshape(-1)",
         description="the rows a padded vocabulary adds are saved as rows of the global tensor (at index -1)",
         targets=("tests/test_weights.py::test_mcompile_checkpoint_loads_under_another_plan",),
     ),

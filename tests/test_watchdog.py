@@ -25,11 +25,19 @@ from conftest import pool
 HERE = Path(__file__).resolve().parent
 
 
+def _seq(pattern: str, text: str) -> int:
+    import re
+
+    m = re.search(pattern, text)
+    assert m, (pattern, text)
+    return int(m.group(1))
+
+
 @pytest.mark.xdist_group("processes")
 @pytest.mark.timeout(180)
 def test_late_rank_is_named_by_the_ranks_that_wait(tmp_path):
     """dp=2 x tp=2, each step an all-reduce over tp then one over dp; rank 1 holds back its second tp all-reduce.
-    Rank 0 waits in all_reduce #2 on tp[0,1] and names rank 1 (never issued it; last issued #1, completed; in no
+    Rank 0 waits in all_reduce #N on tp[0,1] and names rank 1 (never issued it; last issued #N-1, completed; in no
     collective); rank 3 waits for rank 1 over dp[1,3]; rank 2 waits over dp[0,2] for rank 0, which it says waits in
     tp[0,1]; rank 1 says it is in no collective. Afterwards, and after every other kind of call of the
     communicator (started collectives and their waits, ring steps, a bucket's launch), no rank holds an unfinished
@@ -39,15 +47,17 @@ def test_late_rank_is_named_by_the_ranks_that_wait(tmp_path):
     reports = pool(4).run(late_rank, str(tmp_path), 1.0, timeout=150)
     text = {r: t for r, (t, _) in enumerate(reports)}
     assert all(clean for _, clean in reports), "an entry stayed unfinished after the hang was released"
+    # sequence numbers count per process group since the process made it: the shared pool's groups have served
+    # earlier tests, so the test reads each group's number from the report and checks how they relate
     r0 = text[0]
-    assert "rank 0: all_reduce #2 on tp[0,1] has not completed after" in r0, r0
-    assert "rank 1 has not arrived: it never issued all_reduce #2 on tp[0,1]; it last issued all_reduce #1 " \
-           "(completed); it is in no collective" in r0, r0
-    assert "rank 3: all_reduce #2 on dp[1,3] has not completed" in text[3], text[3]
-    assert "rank 1 has not arrived: it never issued all_reduce #2 on dp[1,3]" in text[3], text[3]
-    assert "rank 2: all_reduce #2 on dp[0,2] has not completed" in text[2], text[2]
-    assert "rank 0 has not arrived: it never issued all_reduce #2 on dp[0,2]" in text[2], text[2]
-    assert "it waits in all_reduce #2 on tp[0,1]" in text[2], text[2]
+    tp = _seq(r"rank 0: all_reduce #(\d+) on tp\[0,1\] has not completed after", r0)
+    assert f"rank 1 has not arrived: it never issued all_reduce #{tp} on tp[0,1]; it last issued all_reduce " \
+           f"#{tp - 1} (completed); it is in no collective" in r0, r0
+    dp13 = _seq(r"rank 3: all_reduce #(\d+) on dp\[1,3\] has not completed", text[3])
+    assert f"rank 1 has not arrived: it never issued all_reduce #{dp13} on dp[1,3]" in text[3], text[3]
+    dp02 = _seq(r"rank 2: all_reduce #(\d+) on dp\[0,2\] has not completed", text[2])
+    assert f"rank 0 has not arrived: it never issued all_reduce #{dp02} on dp[0,2]" in text[2], text[2]
+    assert f"it waits in all_reduce #{tp} on tp[0,1]" in text[2], text[2]
     assert "rank 1: a hang was reported" in text[1] and "this rank is in no collective" in text[1], text[1]
     assert "has not completed" not in text[1], text[1]  # the planted rank waited in nothing
 
