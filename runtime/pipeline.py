@@ -810,27 +810,17 @@ class Pipeline:
             mesh.coords(r)[a] == pm._coords[a] for a in mesh.axis_names if a not in pm._data_axes))
 
     def _make_runner(self, s: int):
-        """Stage ``s``'s joint runner, built as its owner builds it, whichever rank builds it.
-
-        The passes after the partition depend on how the backward hands out its weight gradients:
-        with ``accumulate`` each is added into its main-gradient buffer inside the graph, and ZeRO-3's
-        ``fsdp.prefetch`` moves those additions with the reduce-scatter waits, which decides where the
-        next reduce-scatter starts. A runner built without it (as the probe once built the stages of
-        other ranks) issues the same collectives in another order, and the pipeline group's ranks
-        then derive different programs for one stage. So every rank builds every stage's runner with
-        in-graph accumulation; only the buffers differ: a non-own stage's fake leaves get scratch
-        buffers (``JointRunner.forward``), and its dp bucket launches, which are not collectives of
-        the graph (the leaves launch them at run time and ``step_end_ops`` counts them), are left out
-        since the buckets are the owner's."""
+        """This rank's joint runner of its stage ``s``, with in-graph gradient accumulation into the main-gradient
+        buffers (``fsdp.prefetch`` orders ZeRO-3's reduce-scatters by where those additions sit) and the stage's dp
+        bucket launches. Only a stage's owner builds it: the probe takes the other stages' collectives from their
+        owners (:meth:`_gather_stage_ops`)."""
         from mcompile.runtime.joint_runner import JointRunner
 
         pm, st = self.pm, self.stages[s]
-        own = s in self.own
         return JointRunner(st.gm, pm.config, build=self.build, name=f"stage {s}", budget=self.activation_budget(s),
                            split_inputs=list(range(len(st.inputs) - len(st.received), len(st.inputs))),
-                           accumulate=(lambda args: pm._leaves.targets(args)) if own else (lambda args: {}),
-                           grad_buckets=(lambda pos: pm._leaves.bucket_index(self._param_at(s, pos))) if own
-                           else None)
+                           accumulate=lambda args: pm._leaves.targets(args),
+                           grad_buckets=lambda pos: pm._leaves.bucket_index(self._param_at(s, pos)))
 
     def activation_budget(self, s: int):
         """Stage ``s``'s share of ``Config(activation_budget=)`` (:func:`stage_activation_budget`)."""
@@ -843,17 +833,11 @@ class Pipeline:
             return []
         return [c for c in (self.runners[s].choice() for s in self.own) if c is not None]
 
-    def _runner(self, s: int):
-        """Stage ``s``'s joint runner: this rank's own, or one made to derive another rank's ops."""
-        if s not in self.runners:
-            self.runners[s] = self._make_runner(s)
-        return self.runners[s]
-
     def _probe_joint(self, st, args: list):
         """Under fake tensors: stage ``st``'s joint program on ``args`` (traced here once; the real
         step reuses it), its outputs, and the collectives its forward, backward (B) and, split for
         zero-bubble, weight-gradient (W) modules run, in their graph order."""
-        runner = self._runner(st.index)
+        runner = self.runners[st.index]
         rec = _RecordCollectives()
         with rec:
             outs, ctx = runner.forward(args)
