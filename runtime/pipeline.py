@@ -838,6 +838,8 @@ class Pipeline:
         step reuses it), its outputs, and the collectives its forward, backward (B) and, split for
         zero-bubble, weight-gradient (W) modules run, in their graph order."""
         runner = self.runners[st.index]
+        with torch.no_grad():  # traced outside the recorder: the trace's own ops are not the step's collectives
+            runner.compile(args)
         rec = _RecordCollectives()
         with rec:
             outs, ctx = runner.forward(args)

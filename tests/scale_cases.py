@@ -81,7 +81,8 @@ def pipe_forward_outputs(rank, world, mesh, opts):
 
 def derived_lists(rank, world, name, mesh, opts):
     """After one train step: the op lists this rank derived for every member of its pipeline group, the stages
-    it traced (built a joint runner for) and the stages it owns."""
+    it traced (built a joint runner for), the stages it owns and the collectives its own stage's forward and
+    backward modules run per microbatch (counted on the built modules)."""
     import mcompile as mc
 
     from conftest import build
@@ -89,7 +90,15 @@ def derived_lists(rank, world, name, mesh, opts):
     model, inputs = build(name, batch=4)
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **opts)
     pm.train_step(*inputs)
-    return pm._pipe.derived_ops, sorted(pm._pipe.runners), pm._pipe.own
+    from mcompile.runtime.pipeline import _COMM_OPS
+
+    def comm(m):  # the communicating nodes of a built module (eager: a GraphModule; codegen: its .gm)
+        return sum(n.op == "call_function" and getattr(n.target, "namespace", None) == "mcompile"
+                   and n.target._opname in _COMM_OPS for n in getattr(m, "gm", m).graph.nodes)
+
+    jp = pm._pipe.runners[pm._pipe.own[0]].last
+    built = comm(jp.forward) + comm(jp.backward)
+    return pm._pipe.derived_ops, sorted(pm._pipe.runners), pm._pipe.own, built
 
 
 def seeded_collective_mismatch(rank, world, seed_rank, seed_op):

@@ -212,7 +212,7 @@ def test_each_rank_derives_its_peers_lists_as_they_derive_their_own(options):
     from conftest import pool
 
     out = pool(4).run(derived_lists, "gpt2-tiny", "pp=2,tp=2", options)
-    for r, (lists, traced, own) in enumerate(out):
+    for r, (lists, traced, own, built) in enumerate(out):
         assert traced == own and len(own) == 1, (r, traced, own)
         assert r in lists and len(lists) == 2  # its pipeline group: pp=2
         for q, ops in lists.items():
@@ -221,6 +221,9 @@ def test_each_rank_derives_its_peers_lists_as_they_derive_their_own(options):
         assert any(op.kind == "send" for op in mine) and any(op.kind == "recv" for op in mine)
         tp = [op for op in mine if op.kind == "coll" and op.axis == "tp"]
         assert tp and all(r in op.group and len(op.group) == 2 for op in tp)
+        # the stage's collectives once per microbatch, as its modules run them: not also the ops of the trace
+        # that built them (the probe once recorded those too: 14 forward collectives for a stage that runs 5)
+        assert len(tp) == options["microbatches"] * built, (r, len(tp), built)
         assert any(op.what.startswith("all_reduce tied") for op in mine)
 
 
