@@ -221,12 +221,7 @@ def trace_joint(program: fx.GraphModule, args: list) -> JointGraph:
     only their metadata is used. Raises :class:`JointTraceError` naming the op when the program's
     backward cannot be traced (then ``Config(execution="autograd")`` runs it eagerly)."""
     program = functional_writes(program)
-    for n in program.graph.nodes:  # our meta, carried onto the traced nodes (module docstring)
-        if n.op == "call_function":
-            n.meta["custom"] = {**n.meta.get("custom", {}), M.LAYER: n.meta.get(M.LAYER),
-                                M.ORIGIN: n.meta.get(M.ORIGIN, n.name), M.PROGRAM_NODE: n.name}
-    shapes: dict = {}
-
+    _mark_program_nodes(program)
     # module constants (an FP8 amax history, a fused op's table) become inputs of the trace: one that is
     # changed in place is then changed on the tensor the runtime passes, not on a copy baked into the graph
     consts = lifted_constants(program)
@@ -234,6 +229,36 @@ def trace_joint(program: fx.GraphModule, args: list) -> JointGraph:
     if key in _TRACED:  # the same program and signature traced before in this process
         _TRACED.move_to_end(key)
         return _copy_joint(_TRACED[key], [t for _, t in consts])
+    from mcompile.passes.joint_blocks import compose
+
+    # repeated layers traced once each (passes/joint_blocks.py), else the whole program
+    jg = compose(program, list(args), trace_joint, _trace) if BLOCKS else None
+    if jg is None:
+        jg = _trace(program, list(args))
+    _TRACED[key] = _copy_joint(jg, [])
+    while len(_TRACED) > _TRACED_MAX:
+        _TRACED.popitem(last=False)
+    return jg
+
+
+# Whether trace_joint composes repeated layers from one trace each (passes/joint_blocks.py); off only to compare
+# with the whole trace (tests/test_joint_blocks.py)
+BLOCKS = True
+
+
+def _mark_program_nodes(program: fx.GraphModule) -> None:
+    for n in program.graph.nodes:  # our meta, carried onto the traced nodes (module docstring)
+        if n.op == "call_function":
+            n.meta["custom"] = {**n.meta.get("custom", {}), M.LAYER: n.meta.get(M.LAYER),
+                                M.ORIGIN: n.meta.get(M.ORIGIN, n.name), M.PROGRAM_NODE: n.name}
+
+
+def _trace(program: fx.GraphModule, args: list, before_dce=None) -> JointGraph:
+    """make_fx of ``program``'s forward and gradients on ``args`` (trace_joint without its cache);
+    ``before_dce(gm)`` runs on the traced graph before dead code is removed."""
+    _mark_program_nodes(program)
+    consts = lifted_constants(program)
+    shapes: dict = {}
     n_args = len(args)
     args = list(args) + [t for _, t in consts]
 
@@ -278,19 +303,19 @@ def trace_joint(program: fx.GraphModule, args: list) -> JointGraph:
     except Exception as e:  # noqa: BLE001 - re-raised with what to do
         raise JointTraceError(_trace_failure(program, e)) from e
     diff_idx = shapes["diff"]
+    if before_dce is not None:
+        before_dce(gm)
     gm.graph.eliminate_dead_code()
-    gm.recompile()
+    meta = dict(gm.meta)
+    gm = lazy_module(gm, gm.graph)
+    gm.meta.update(meta)
     gm.meta[M.NUM_FWD_OUTPUTS] = shapes["n_out"]
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     primal_names = [n.name for n in phs if n.name.startswith("primals")]
     tangent_names = [n.name for n in phs if n.name.startswith("tangents")]
     grad_primals = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    jg = JointGraph(gm, len(primal_names), shapes["n_out"], diff_idx, grad_primals, primal_names, tangent_names,
-                    [t for _, t in consts])
-    _TRACED[key] = _copy_joint(jg, [])
-    while len(_TRACED) > _TRACED_MAX:
-        _TRACED.popitem(last=False)
-    return jg
+    return JointGraph(gm, len(primal_names), shapes["n_out"], diff_idx, grad_primals, primal_names, tangent_names,
+                      [t for _, t in consts])
 
 
 # Joint graphs traced in this process, by program and input signature (:func:`_trace_key`). A program is traced
@@ -327,7 +352,7 @@ def _copy_joint(jg: JointGraph, constants: list) -> JointGraph:
     ``copy.deepcopy(graph)`` does) with ``constants`` as the lifted constants."""
     import copy
 
-    gm = fx.GraphModule(jg.gm, copy.deepcopy(jg.gm.graph), class_name=type(jg.gm).__name__)
+    gm = lazy_module(jg.gm, copy.deepcopy(jg.gm.graph))
     gm.meta.update(jg.gm.meta)
     return JointGraph(gm, jg.num_primals, jg.num_outputs, list(jg.diff_outputs), list(jg.grad_primals),
                       list(jg.primal_names), list(jg.tangent_names), list(constants))
@@ -358,6 +383,13 @@ def _tangents_to_placeholders(gm: fx.GraphModule, primals: list) -> None:
 
     g = gm.graph
     marks = [n for n in g.nodes if n.op == "call_function" and n.target is torch.ops.mcompile.joint_tangent.default]
+    forward = []  # what was traced before the first output gradient (passes/joint_blocks.py copies it apart)
+    for n in g.nodes:
+        if marks and n is marks[0]:
+            break
+        if n.op in ("call_function", "get_attr"):
+            forward.append(n.name)
+    gm.meta[M.JOINT_FORWARD_NODES] = frozenset(forward)
     last = [n for n in g.nodes if n.op == "placeholder"][-1]
     tangents = []
     for k, mark in enumerate(marks):
@@ -582,7 +614,17 @@ def _copy_nodes(src_nodes: list[fx.Node], inputs: list[fx.Node], outputs: list, 
         env[n] = g.node_copy(n, arg)
     g.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
     g.eliminate_dead_code()
-    return fx.GraphModule(gm_src, g)
+    return lazy_module(gm_src, g)
+
+
+def lazy_module(root, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule whose Python code is generated when it is first called or its code read (torch.fx's
+    ``_LazyGraphModule``, as Inductor uses it): the signature passes rewrite a module several times (gradient
+    accumulation, bucket launches, collective matmul, in-place all-reduces), each followed by ``recompile``, and
+    generating and compiling the code of a 16-layer backward took ~0.1 s each time."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph)
 
 
 def _ancestors(roots: list[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:

@@ -436,6 +436,7 @@ def test_a_program_traced_again_in_the_process_gets_a_copy_of_its_joint_graph(mo
     real = J.make_fx
     monkeypatch.setattr(J, "make_fx", lambda *a, **k: traces.append(1) or real(*a, **k))
     monkeypatch.setattr(J, "_TRACED", type(J._TRACED)())
+    monkeypatch.setattr(J, "BLOCKS", False)  # one make_fx per program (repeated layers: tests/test_joint_blocks.py)
 
     def again(program=None, call=None):
         p = program or fx.GraphModule(prog, copy.deepcopy(prog.graph))  # equal, not the same object

@@ -50,5 +50,7 @@ COPY = "_mc_copy"  # bool: a node copied per repeated layer while mcompile.shard
 PROGRAM_NODE = "mc_program_node"  # str: the per-rank program node a joint-graph node was traced from
 ACC_OUTPUT = "mc_acc_output"  # int: on a gradient accumulation, the backward output position it replaced
 NUM_FWD_OUTPUTS = "mc_num_fwd_outputs"  # GraphModule.meta of a joint graph: how many outputs are the forward's
+JOINT_FORWARD_NODES = "mc_joint_forward_nodes"  # GraphModule.meta of a joint graph: frozenset of the names of the
+                                                # nodes traced in forward (before the first output gradient)
 W_INPUTS = "mc_w_inputs"  # GraphModule.meta of zero-bubble's W module: the B inputs it reads
 RECOMPUTE_GROUPS = "mc_recompute_groups"  # GraphModule.meta: recompute groups applied (passes/recompute.py)
