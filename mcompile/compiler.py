@@ -539,10 +539,15 @@ class RankPrograms:
     #                                             gathers in each; eager execution: recompute applied
     stage_groups: dict = field(default_factory=dict)  # pp: stage -> the recompute groups of its program
     build: Callable = None  # the signature passes: build_joint
+    fake_forward: Callable = None  # a program's forward on fake tensors, each repeated layer run once (pp's probe)
 
     def __post_init__(self):
         if self.build is None:
             self.build = build_joint
+        if self.fake_forward is None:
+            from mcompile.passes.joint_blocks import fake_forward
+
+            self.fake_forward = fake_forward
 
 
 @dataclass

@@ -33,6 +33,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from mcompile.ir import meta as M
+from mcompile.passes.nodes import lazy_module
 
 __all__ = ["JointGraph", "JointProgram", "JointTraceError", "trace_joint", "partition", "split_weight",
            "forward_nodes", "saved_for_policy", "VIEW_OPS", "is_alias", "accumulate_outputs", "ACC_OUTPUT"]
@@ -616,15 +617,6 @@ def _copy_nodes(src_nodes: list[fx.Node], inputs: list[fx.Node], outputs: list, 
     g.eliminate_dead_code()
     return lazy_module(gm_src, g)
 
-
-def lazy_module(root, graph: fx.Graph) -> fx.GraphModule:
-    """A GraphModule whose Python code is generated when it is first called or its code read (torch.fx's
-    ``_LazyGraphModule``, as Inductor uses it): the signature passes rewrite a module several times (gradient
-    accumulation, bucket launches, collective matmul, in-place all-reduces), each followed by ``recompile``, and
-    generating and compiling the code of a 16-layer backward took ~0.1 s each time."""
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-
-    return _LazyGraphModule(root, graph)
 
 
 def _ancestors(roots: list[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:

@@ -44,9 +44,9 @@ import torch
 import torch.fx as fx
 
 from mcompile.ir import meta as M
-from mcompile.passes.joint import lazy_module
+from mcompile.passes.nodes import lazy_module
 
-__all__ = ["compose", "layer_runs"]
+__all__ = ["compose", "fake_forward", "layer_runs"]
 
 aten = torch.ops.aten
 
@@ -411,7 +411,7 @@ def _substitute(gm: fx.GraphModule) -> None:
                 env[jn] = consts[ck]
                 continue
             with g.inserting_before(node):
-                new = g.node_copy(jn, lambda a: env[a])
+                new = g.node_copy(jn, lambda a, env=env: env[a])
             if jn.target in random_ops and new.args[3] in keys:
                 new.args = (*new.args[:3], keys[new.args[3]], *new.args[4:])
             custom = jn.meta.get("custom")
@@ -470,3 +470,44 @@ def compose(program: fx.GraphModule, args: list, trace, trace_outer) -> object |
     finally:
         for inst in insts:
             _INSTANCES.pop(inst, None)
+
+
+def fake_forward(program: fx.GraphModule, args: list):
+    """``program(*args)`` on fake tensors (``args`` fake, their mode entered by the caller) running each distinct
+    repeated run once: a later run alike in structure and in its inputs' metadata gets outputs of the first's
+    metadata without running (the pipeline's message shapes: runtime/pipeline.py ``_trace_stages``). Costs the
+    outer program's nodes and one run per variant, not the program's depth."""
+    runs = layer_runs(program)
+    count: dict[str, int] = {}
+    for r in runs:
+        count[r.structure] = count.get(r.structure, 0) + 1
+    repeated = [r for r in runs if count[r.structure] > 1]
+    if not repeated:
+        return program(*args)
+    outer, insts = _outer_program(program, repeated)
+    known: dict[tuple, list] = {}
+
+    class _Fast(fx.Interpreter):
+        def call_function(self, target, a, kw):
+            if target is not _block:
+                return super().call_function(target, a, kw)
+            inst, inputs = a
+            run = insts[inst]
+            key = (run.structure, tuple(_meta_key(x) for x in inputs))
+            metas = known.get(key)
+            if metas is None:
+                env = dict(zip(run.inputs, inputs))
+                for n in run.nodes:
+                    n_args, n_kw = fx.node.map_arg((n.args, n.kwargs), lambda x: env[x])
+                    env[n] = n.target(*n_args, **n_kw)
+                outs = [env[o] for o in run.outputs]
+                if not all(isinstance(o, torch.Tensor) for o in outs):
+                    raise _Unsupported("a run whose output is not a tensor")
+                known[key] = [(tuple(o.shape), tuple(o.stride()), o.dtype, o.device, o.requires_grad) for o in outs]
+                return outs
+            return [torch.empty_strided(s, st, dtype=d, device=dev).requires_grad_(rg) for s, st, d, dev, rg in metas]
+
+    try:
+        return _Fast(outer).run(*args)
+    except _Unsupported:
+        return program(*args)

@@ -459,6 +459,37 @@ class _RecordCollectives(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
+def graph_collectives(module) -> list | None:
+    """The communicating mcompile ops of a built module (a GraphModule, or a codegen module's ``.gm``) in the
+    order it runs them, as :class:`_RecordCollectives` records them under fake tensors: ``(kind, axis, shape,
+    dtype)``, the shape and dtype of the op's first input read from its node's value (``meta["val"]``). A
+    module runs its nodes in graph order, so this is the recorder's list without running anything. None when
+    such an input has no value recorded (a node a pass made without one): the caller runs the module on fake
+    tensors then."""
+    gm = getattr(module, "gm", module)
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or getattr(n.target, "namespace", None) != "mcompile":
+            continue
+        name = n.target._opname
+        if name not in _COMM_OPS:
+            continue
+        x = n.args[0]
+        val = x.meta.get("val") if hasattr(x, "meta") else None
+        if not isinstance(val, torch.Tensor):
+            return None
+        out.append((name.removeprefix("start_").removesuffix("_inplace"), n.args[_COMM_OPS[name]],
+                    tuple(int(s) for s in val.shape), str(val.dtype)))
+    return out
+
+
+def _output_values(module) -> list:
+    gm = getattr(module, "gm", module)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = out.args[0] if isinstance(out.args[0], tuple | list) else (out.args[0],)
+    return [v.meta.get("val") if hasattr(v, "meta") else v for v in vals]
+
+
 def stage_activation_budget(config, actions, stage: int):
     """``recompute="auto"`` under pipeline parallelism: stage ``stage``'s share of
     ``Config(activation_budget=)`` (a :class:`~mcompile.runtime.joint_runner.ActivationBudget`; None under a
@@ -518,6 +549,7 @@ class Pipeline:
         self.actions = build_schedule(config.schedule, self.pp, self.virtual, self.m)
         self.stages = programs.stages
         self.build = programs.build
+        self.fake_forward = programs.fake_forward
         self.own = [s for s in range(self.k) if s % self.pp == self.pp_rank]
         # recompute="auto" chooses each stage's saved set on its joint graph (the signature passes), under its
         # share of the rank's activation budget (stage_activation_budget)
@@ -632,8 +664,9 @@ class Pipeline:
 
     def _trace_stages(self, piece_inputs: dict[str, torch.Tensor]) -> tuple[dict, dict, dict, dict]:
         """Under fake tensors: every stage's forward in order, each fed the previous stage's outputs, for the
-        messages it sends (:class:`MessageSpec`; the last stage none) — a forward without autograd, cheap next to
-        a trace; then this rank's own stages only, forward and backward as they will run, for the collectives of
+        messages it sends (:class:`MessageSpec`; the last stage none) — a forward without autograd, each
+        distinct repeated layer run once (``programs.fake_forward``: passes/joint_blocks.py), cheap next to a
+        trace; then this rank's own stages only, forward and backward as they will run, for the collectives of
         their forward, their backward and (joint execution, zero-bubble W) their weight-gradient graph. The
         other stages' collectives are their owners' (:meth:`_gather_stage_ops`): no rank traces a stage it does
         not run, so start-up per rank does not grow with the pipeline's depth. Returns ``(send_specs, fwd_ops,
@@ -655,7 +688,7 @@ class Pipeline:
                         received[st.index] = carried
                     if st.index > max(self.own):
                         break  # what comes after our last stage is its owners' to trace
-                    out = st.gm(*self._stage_args(st, named, carried))
+                    out = self.fake_forward(st.gm, self._stage_args(st, named, carried))
                     if not st.is_last:
                         out = tuple(out)
                         send_specs[st.index] = [MessageSpec(tuple(int(s) for s in o.shape), o.dtype,
@@ -839,7 +872,15 @@ class Pipeline:
         zero-bubble, weight-gradient (W) modules run, in their graph order."""
         runner = self.runners[st.index]
         with torch.no_grad():  # traced outside the recorder: the trace's own ops are not the step's collectives
-            runner.compile(args)
+            jp = runner.compile(args)
+        split = self.schedule == "zbh1" and jp.backward_input is not None and jp.input_grads
+        parts = (jp.forward, jp.backward_input if split else jp.backward, jp.backward_weight if split else None)
+        read = [graph_collectives(p) if p is not None else [] for p in parts]
+        if all(r is not None for r in read):  # the modules' graphs say it all: no fake run of 3 modules
+            if st.is_last:  # the last stage returns a loss (or raises)
+                outs = _output_values(jp.forward)[:jp.joint.num_outputs]
+                self.pm._loss_parts(outs if len(outs) != 1 else outs[0])
+            return None, tuple(read)
         rec = _RecordCollectives()
         with rec:
             outs, ctx = runner.forward(args)

@@ -79,17 +79,27 @@ def pipe_forward_outputs(rank, world, mesh, opts):
     return out.clone(), ref.clone()
 
 
-def derived_lists(rank, world, name, mesh, opts):
+def derived_lists(rank, world, name, mesh, opts, fake_run=False):
     """After one train step: the op lists this rank derived for every member of its pipeline group, the stages
     it traced (built a joint runner for), the stages it owns and the collectives its own stage's forward and
-    backward modules run per microbatch (counted on the built modules)."""
+    backward modules run per microbatch (counted on the built modules). ``fake_run``: the probe records the
+    stage's collectives by running its modules on fake tensors instead of reading their graphs."""
     import mcompile as mc
+    from mcompile.runtime import pipeline as P
 
     from conftest import build
 
     model, inputs = build(name, batch=4)
-    pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **opts)
-    pm.train_step(*inputs)
+    read, unread = P.graph_collectives, []
+    if fake_run:  # the stage's collectives recorded from a fake run of its modules, not read from their graphs
+        P.graph_collectives = lambda module: None
+    else:  # which modules' graphs could not be read (the probe falls back to a fake run for those)
+        P.graph_collectives = lambda module: (lambda got: unread.append(got is None) or got)(read(module))
+    try:
+        pm = mc.parallelize(model, mc.Mesh.parse(mesh), inputs, **opts)
+        pm.train_step(*inputs)
+    finally:
+        P.graph_collectives = read
     from mcompile.runtime.pipeline import _COMM_OPS
 
     def comm(m):  # the communicating nodes of a built module (eager: a GraphModule; codegen: its .gm)
@@ -98,7 +108,7 @@ def derived_lists(rank, world, name, mesh, opts):
 
     jp = pm._pipe.runners[pm._pipe.own[0]].last
     built = comm(jp.forward) + comm(jp.backward)
-    return pm._pipe.derived_ops, sorted(pm._pipe.runners), pm._pipe.own, built
+    return pm._pipe.derived_ops, sorted(pm._pipe.runners), pm._pipe.own, built, any(unread)
 
 
 def seeded_collective_mismatch(rank, world, seed_rank, seed_op):

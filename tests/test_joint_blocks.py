@@ -159,3 +159,34 @@ def test_two_kinds_of_layer_trace_twice_and_a_single_layer_whole(monkeypatch):
         if n.meta.get("mc_layer") is not None:
             n.meta["mc_layer"] = 0
     assert B.compose(single, list(args), None, None) is None
+
+
+def test_fake_forward_runs_each_kind_of_layer_once():
+    """The pipeline probe's message shapes (passes/joint_blocks.py ``fake_forward``): the program's outputs, of
+    the metadata a full fake run gives, from the outer program and one run per layer kind (6 layers of two kinds:
+    2 run, the ops of 4 never dispatched)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mcompile.passes.joint_blocks import fake_forward
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 32, (2, 8))
+    program, args = _program_and_args(_Alternating(), (tokens, tokens), "tp=1", {}, {})
+    mode = next(a.fake_mode for a in args if hasattr(a, "fake_mode"))
+    counts, outs = [], []
+    for run in (lambda: program(*args), lambda: fake_forward(program, list(args))):
+        Count.n = 0
+        with mode, torch.no_grad(), Count():
+            out = run()
+        counts.append(Count.n)
+        outs.append([(tuple(o.shape), o.dtype) for o in (out if isinstance(out, tuple | list) else (out,))])
+    assert outs[0] == outs[1]
+    layer_ops = (counts[0] - counts[1]) / 4  # four layers not run: each a linear, an activation, a linear, an add
+    assert layer_ops >= 8, counts

@@ -212,7 +212,7 @@ def test_each_rank_derives_its_peers_lists_as_they_derive_their_own(options):
     from conftest import pool
 
     out = pool(4).run(derived_lists, "gpt2-tiny", "pp=2,tp=2", options)
-    for r, (lists, traced, own, built) in enumerate(out):
+    for r, (lists, traced, own, built, _) in enumerate(out):
         assert traced == own and len(own) == 1, (r, traced, own)
         assert r in lists and len(lists) == 2  # its pipeline group: pp=2
         for q, ops in lists.items():
@@ -225,6 +225,27 @@ def test_each_rank_derives_its_peers_lists_as_they_derive_their_own(options):
         # that built them (the probe once recorded those too: 14 forward collectives for a stage that runs 5)
         assert len(tp) == options["microbatches"] * built, (r, len(tp), built)
         assert any(op.what.startswith("all_reduce tied") for op in mine)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mesh,options", [
+    ("pp=2,tp=2", {"microbatches": 2, "recompute": "full"}),
+    ("dp=2,pp=2", {"microbatches": 2, "schedule": "zbh1", "overlap": True, "bucket_mb": 0.01})],
+    ids=["tp-recompute", "dp-zbh1-overlap"])
+def test_the_stage_collectives_read_from_the_graphs_are_those_a_fake_run_records(mesh, options):
+    """The probe reads a stage's collectives from its built modules' graphs (runtime/pipeline.py
+    ``graph_collectives``); running the modules on fake tensors under the recorder gives the same lists: with
+    recompute (tp collectives re-issued in backward), and under zero-bubble with dp bucket launches inside B/W."""
+    from scale_cases import derived_lists
+
+    from conftest import pool
+
+    read = pool(4).run(derived_lists, "gpt2-tiny", mesh, options)
+    ran = pool(4).run(derived_lists, "gpt2-tiny", mesh, options, True)
+    for r, ((lists, *_, unread), (lists_ran, *_)) in enumerate(zip(read, ran)):
+        assert not unread, r  # every module's collectives were read from its graph
+        assert lists == lists_ran, r
+        assert any(op.kind == "coll" for op in lists[r])
 
 
 @pytest.mark.timeout(120)
