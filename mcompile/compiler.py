@@ -581,7 +581,9 @@ def rank_programs(compiled, rank: int, config, device=None, *, upto: str | None 
 def _rank_lower(st: _RankState) -> None:
     # the rank passes rewrite the graph in place: on a copy, not on the compiled plan's cached program
     cached = st.compiled.program(st.rank, st.device)
-    st.out = RankPrograms(fx.GraphModule(cached, copy.deepcopy(cached.graph), class_name=type(cached).__name__))
+    from mcompile.passes.nodes import lazy_module
+
+    st.out = RankPrograms(lazy_module(cached, copy.deepcopy(cached.graph), type(cached).__name__))  # rewritten next
     st.snap("lower")
 
 

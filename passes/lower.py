@@ -34,6 +34,7 @@ from mcompile.ir.ops import OPS
 from mcompile.ir.placements import BlockShard, Partial, Replicate, Shard
 from mcompile.ir.plan import CollectiveKind, CollectiveSpec
 from mcompile.passes.lower_dropout import is_random, is_training_dropout, lower_dropout, lower_random
+from mcompile.passes.nodes import lazy_module
 from mcompile.sharding.planner import vocab_local_size
 from mcompile.sharding.propagate import AxisResult, requires_grad_nodes, writes_first_arg
 from mcompile.sharding.rules import get_localizer, tensor_input_nodes, to_expr
@@ -325,7 +326,7 @@ class _Lowering:
     def finish(self) -> tuple[fx.GraphModule, list]:
         """The program as a GraphModule (dead code dropped), and the collective specs in program order."""
         self.g.eliminate_dead_code()
-        gm = fx.GraphModule(torch.nn.Module(), self.g)
+        gm = lazy_module(torch.nn.Module(), self.g)  # repeated and copied before any call: code made then
         gm.meta[M.EMITTED_FOR] = self.emitted  # for mcompile.sharding.repeat: which captured node each node implements
         gm.meta[M.VALUE_OF] = {k: v.name for k, v in self.env.items() if isinstance(v, fx.Node)}
         return gm, self.emit.specs

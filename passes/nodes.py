@@ -48,11 +48,11 @@ def _new(graph: fx.Graph, target, args, like: fx.Node, kwargs: dict | None = Non
     return n
 
 
-def lazy_module(root, graph: fx.Graph) -> fx.GraphModule:
+def lazy_module(root, graph: fx.Graph, class_name: str = "GraphModule") -> fx.GraphModule:
     """A GraphModule whose Python code is generated when it is first called or its code read (torch.fx's
     ``_LazyGraphModule``, as Inductor uses it): the signature passes rewrite a module several times (gradient
     accumulation, bucket launches, collective matmul, in-place all-reduces), each followed by ``recompile``, and
     generating and compiling the code of a 16-layer backward took ~0.1 s each time."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
-    return _LazyGraphModule(root, graph)
+    return _LazyGraphModule(root, graph, class_name=class_name)

@@ -754,7 +754,9 @@ def repeat_captured(cap: Captured, blocks: Sequence[Block], model: torch.nn.Modu
     g = fx.Graph()
     out, out_node = g.graph_copy(cap.gm.graph, {}, return_output_node=True)
     g.output(out).meta.update(out_node.meta)
-    gm = fx.GraphModule(cap.gm, g)
+    from mcompile.passes.nodes import lazy_module
+
+    gm = lazy_module(cap.gm, g)  # grown by repeat_graph first: its code is made when read
     if [n.name for n in g.nodes] != [n.name for n in cap.gm.graph.nodes]:
         raise AssertionError("copying the captured graph renamed its nodes")
     copies: dict[str, list[str]] = {}

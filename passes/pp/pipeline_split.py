@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from mcompile.ir import meta as M
+from mcompile.passes.nodes import lazy_module
 
 __all__ = ["StageProgram", "split_stages", "PipelineSplitError"]
 
@@ -167,7 +168,7 @@ def _build(prog, by_name, nodes, output, stage, last_use, t, k, params, user_inp
         g.output(fx.node.map_arg(output.args[0], lambda a: env[a]))
     else:
         g.output(tuple(env[by_name[s]] for s in send))
-    gm = fx.GraphModule(prog, g)
+    gm = lazy_module(prog, g)  # traced by its joint runner: code made only if it is called (eager execution)
     ph_names = [p.name for p in used_ph]
     return StageProgram(
         index=t, gm=gm, inputs=ph_names + [f"recv_{r}" for r in recv], received=recv, sent=send,
