@@ -233,7 +233,7 @@ def trace_joint(program: fx.GraphModule, args: list) -> JointGraph:
     from mcompile.passes.joint_blocks import compose
 
     # repeated layers traced once each (passes/joint_blocks.py), else the whole program
-    jg = compose(program, list(args), trace_joint, _trace) if BLOCKS else None
+    jg = compose(program, list(args), _trace) if BLOCKS else None
     if jg is None:
         jg = _trace(program, list(args))
     _TRACED[key] = _copy_joint(jg, [])

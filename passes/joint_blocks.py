@@ -447,11 +447,13 @@ def _substitute(gm: fx.GraphModule) -> None:
             phs[-1].append(n)
 
 
-def compose(program: fx.GraphModule, args: list, trace, trace_outer) -> object | None:
+def compose(program: fx.GraphModule, args: list, trace) -> object | None:
     """The joint graph of ``program`` on ``args`` composed from one trace per distinct repeated run (module
     docstring), or None when it has no run with an alike one (the caller traces it whole). ``trace(program,
-    args)`` traces a run's program; ``trace_outer(program, args, before_dce)`` the outer one, calling
-    ``before_dce(gm)`` on its graph before removing dead code."""
+    args, before_dce=None)`` traces a program whole (passes/joint.py ``_trace``), calling ``before_dce(gm)`` on
+    its graph before removing dead code. Every trace here is made in the fake mode of ``args`` (one made for
+    them if they are real), never taken from a cache: a joint graph traced elsewhere (another thread's rank of
+    the simulator) carries values of its own mode, which later passes cannot combine with this graph's."""
     runs = layer_runs(program)
     count: dict[str, int] = {}
     for r in runs:
@@ -466,7 +468,7 @@ def compose(program: fx.GraphModule, args: list, trace, trace_outer) -> object |
             _phase1(outer, insts, mode, fake, trace)
         except _Unsupported:
             return None
-        return trace_outer(outer, fake, _substitute)
+        return trace(outer, fake, _substitute)
     finally:
         for inst in insts:
             _INSTANCES.pop(inst, None)

@@ -158,7 +158,7 @@ def test_two_kinds_of_layer_trace_twice_and_a_single_layer_whole(monkeypatch):
     for n in single.graph.nodes:  # one layer number for all: no layer repeats
         if n.meta.get("mc_layer") is not None:
             n.meta["mc_layer"] = 0
-    assert B.compose(single, list(args), None, None) is None
+    assert B.compose(single, list(args), None) is None
 
 
 def test_fake_forward_runs_each_kind_of_layer_once():
