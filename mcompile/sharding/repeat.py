@@ -592,6 +592,7 @@ def repeat_graph(gm: fx.GraphModule, block: Block, members: list[fx.Node], entry
     last_ph = max(own, key=lambda p: order[p]) if own else None
     prev_exit = exit_
     after = members[-1]
+    paths: dict = {}
     for j in range(block.keep, block.depth):
         env: dict[fx.Node, fx.Node] = {}  # a node -> its copy in group j
         for ph, fqn in own.items():
@@ -610,7 +611,7 @@ def repeat_graph(gm: fx.GraphModule, block: Block, members: list[fx.Node], entry
             if new.name != want:
                 new.name = want
             new.meta = dict(n.meta)
-            _relabel(new, n, block, j, origin_of)
+            _relabel(new, n, block, j, origin_of, paths)
             env[n] = new
             seq[n].append(new)
             copies[n.name].append(new.name)
@@ -706,11 +707,21 @@ def _side_chains(g: fx.Graph, members: list[fx.Node], inside: set, exit_: fx.Nod
     return chains
 
 
-def _relabel(new: fx.Node, old: fx.Node, block: Block, j: int, origin_of) -> None:
+def _relabel(new: fx.Node, old: fx.Node, block: Block, j: int, origin_of, paths: dict | None = None) -> None:
+    """``paths``: a memo of ``block.layer_path`` by (path, j), shared over one repeat (a layer's nodes repeat a few
+    module paths: the regular expression ran once per node and path, a third of repeating a 32-layer program)."""
     new.meta[M.COPY] = True
     stack = old.meta.get("nn_module_stack")
     if isinstance(stack, dict):
-        new.meta["nn_module_stack"] = {k: (block.layer_path(v[0], j), *v[1:]) if isinstance(v, tuple) and v
+        paths = {} if paths is None else paths
+
+        def moved_path(p: str) -> str:
+            got = paths.get((p, j))
+            if got is None:
+                got = paths[(p, j)] = block.layer_path(p, j)
+            return got
+
+        new.meta["nn_module_stack"] = {k: (moved_path(v[0]), *v[1:]) if isinstance(v, tuple) and v
                                        and isinstance(v[0], str) else v for k, v in stack.items()}
     if old.meta.get(M.LAYER) is not None:
         new.meta[M.LAYER] = block.layer(old.meta[M.LAYER], j)
