@@ -24,6 +24,7 @@ graph through ``node.meta["custom"]`` (``torch.fx.traceback.preserve_node_meta``
 from __future__ import annotations
 
 import collections
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 
@@ -236,7 +237,9 @@ def trace_joint(program: fx.GraphModule, args: list) -> JointGraph:
     jg = compose(program, list(args), _trace) if BLOCKS else None
     if jg is None:
         jg = _trace(program, list(args))
-    _TRACED[key] = _copy_joint(jg, [])
+    # the memo shares the graph: no pass rewrites a joint graph after its trace (partition and the passes after it
+    # make modules of their own), and a later hit gets a copy
+    _TRACED[key] = dataclasses.replace(jg, constants=[])
     while len(_TRACED) > _TRACED_MAX:
         _TRACED.popitem(last=False)
     return jg
@@ -323,7 +326,8 @@ def _trace(program: fx.GraphModule, args: list, before_dce=None) -> JointGraph:
 # once per signature by its runner (runtime/joint_runner.py); a later ``parallelize`` of the same model and layout in
 # the same process (a resumed run, a checkpoint loaded into a fresh module, the probe of another rank's stage)
 # builds new runners over equal programs, and tracing is the largest part of their first step (~2 s for a tiny
-# two-layer model). Kept as copies, handed out as copies: what the signature passes do to one never reaches another.
+# two-layer model). Kept as the first caller's graph (no pass rewrites a joint graph after its trace: partition and the
+# passes after it build modules of their own; tests/test_joint_blocks.py checks), handed out as copies.
 _TRACED: collections.OrderedDict = collections.OrderedDict()
 _TRACED_MAX = 64
 

@@ -190,3 +190,22 @@ def test_fake_forward_runs_each_kind_of_layer_once():
     assert outs[0] == outs[1]
     layer_ops = (counts[0] - counts[1]) / 4  # four layers not run: each a linear, an activation, a linear, an add
     assert layer_ops >= 8, counts
+
+
+def test_no_signature_pass_rewrites_the_joint_graph(monkeypatch):
+    """passes/joint.py keeps the first caller's joint graph as its memo, uncopied: that holds only while no pass
+    after the trace rewrites the joint graph itself (they build modules of their own). Every signature pass on
+    (SP collective matmul, selective recompute, gradients accumulated into buffers) leaves it as traced."""
+    from mcompile.compiler import build_joint
+    from mcompile.ir.config import Config
+    from mcompile.passes import joint as J
+
+    model, inputs = build("llama3-tiny-deep")
+    program, args = _program_and_args(model, inputs, "tp=2", {}, {"sequence_parallel": True})
+    monkeypatch.setattr(J, "_TRACED", type(J._TRACED)())
+    jp = build_joint(copy.deepcopy(program), list(args), Config(tp_overlap=2, recompute="selective"),
+                     accumulate=True)
+    assert jp.tp_overlap and any(d.chunks > 1 for d in jp.tp_overlap)  # the collective matmul rewrite ran
+    monkeypatch.setattr(J, "_TRACED", type(J._TRACED)())
+    fresh = J.trace_joint(copy.deepcopy(program), list(args))
+    assert _structure(jp.joint.gm) == _structure(fresh.gm)
