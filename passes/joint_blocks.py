@@ -311,30 +311,46 @@ def _fake(args: list) -> tuple[object, list]:
                   for a in args]
 
 
+class _Outer(fx.Interpreter):
+    """Runs an outer program on fake tensors: a repeated run's call is answered by ``first(run, inputs)`` the first
+    time its variant (structure and input metadata) is met — ``(variant, metas, outputs or None)``, ``metas`` the
+    outputs' (size, stride, dtype, device, requires_grad) — and by fresh tensors of those metadata after; each
+    instance's variant is handed to ``seen(inst, run, variant)``."""
+
+    def __init__(self, gm: fx.GraphModule, insts: dict[int, Run], first, seen=None):
+        super().__init__(gm)
+        self.insts, self.first, self.seen, self.known = insts, first, seen, {}
+
+    def call_function(self, target, a, kw):
+        if target is not _block:
+            return super().call_function(target, a, kw)
+        inst, inputs = a
+        run = self.insts[inst]
+        key = (run.structure, tuple(_meta_key(x) for x in inputs))
+        got = self.known.get(key)
+        outs = None
+        if got is None:
+            variant, metas, outs = self.first(run, inputs)
+            got = self.known[key] = (variant, metas)
+        if self.seen is not None:
+            self.seen(inst, run, got[0])
+        if outs is not None:
+            return outs
+        return [torch.empty_strided(s, st, dtype=d, device=dev).requires_grad_(rg) for s, st, d, dev, rg in got[1]]
+
+
 def _phase1(outer: fx.GraphModule, insts: dict[int, Run], mode, fake: list, trace) -> None:
     """A fake forward of the outer program (module docstring, 2): the variant of every instance, each traced
     by ``trace(program, args) -> JointGraph`` when first met."""
-    variants: dict[tuple, _Variant] = {}
+    def first(run, inputs):
+        v = _trace_variant(run, inputs, trace)
+        return v, [(*m, i in v.diff) for i, m in enumerate(v.out_meta)], None
 
-    class _Fake(fx.Interpreter):
-        def call_function(self, target, a, kw):
-            if target is not _block:
-                return super().call_function(target, a, kw)
-            inst, inputs = a
-            run = insts[inst]
-            key = (run.structure, tuple(_meta_key(x) for x in inputs))
-            v = variants.get(key)
-            if v is None:
-                v = variants[key] = _trace_variant(run, inputs, trace)
-            _INSTANCES[inst] = _Instance(run, v)
-            outs = []
-            for i, (s, st, d, dev) in enumerate(v.out_meta):
-                o = torch.empty_strided(s, st, dtype=d, device=dev)
-                outs.append(o.requires_grad_() if i in v.diff else o)
-            return outs
+    def seen(inst, run, v):
+        _INSTANCES[inst] = _Instance(run, v)
 
     with mode, torch.enable_grad():
-        _Fake(outer).run(*fake)
+        _Outer(outer, insts, first, seen).run(*fake)
 
 
 def _trace_variant(run: Run, inputs: list, trace) -> _Variant:
@@ -447,6 +463,15 @@ def _substitute(gm: fx.GraphModule) -> None:
             phs[-1].append(n)
 
 
+def _repeated(program: fx.GraphModule) -> list[Run]:
+    """The program's runs that have an alike run (the same structure)."""
+    runs = layer_runs(program)
+    count: dict[str, int] = {}
+    for r in runs:
+        count[r.structure] = count.get(r.structure, 0) + 1
+    return [r for r in runs if count[r.structure] > 1]
+
+
 def compose(program: fx.GraphModule, args: list, trace) -> object | None:
     """The joint graph of ``program`` on ``args`` composed from one trace per distinct repeated run (module
     docstring), or None when it has no run with an alike one (the caller traces it whole). ``trace(program,
@@ -454,11 +479,7 @@ def compose(program: fx.GraphModule, args: list, trace) -> object | None:
     its graph before removing dead code. Every trace here is made in the fake mode of ``args`` (one made for
     them if they are real), never taken from a cache: a joint graph traced elsewhere (another thread's rank of
     the simulator) carries values of its own mode, which later passes cannot combine with this graph's."""
-    runs = layer_runs(program)
-    count: dict[str, int] = {}
-    for r in runs:
-        count[r.structure] = count.get(r.structure, 0) + 1
-    repeated = [r for r in runs if count[r.structure] > 1]
+    repeated = _repeated(program)
     if not repeated:
         return None
     outer, insts = _outer_program(program, repeated)
@@ -479,37 +500,22 @@ def fake_forward(program: fx.GraphModule, args: list):
     repeated run once: a later run alike in structure and in its inputs' metadata gets outputs of the first's
     metadata without running (the pipeline's message shapes: runtime/pipeline.py ``_trace_stages``). Costs the
     outer program's nodes and one run per variant, not the program's depth."""
-    runs = layer_runs(program)
-    count: dict[str, int] = {}
-    for r in runs:
-        count[r.structure] = count.get(r.structure, 0) + 1
-    repeated = [r for r in runs if count[r.structure] > 1]
+    repeated = _repeated(program)
     if not repeated:
         return program(*args)
     outer, insts = _outer_program(program, repeated)
-    known: dict[tuple, list] = {}
 
-    class _Fast(fx.Interpreter):
-        def call_function(self, target, a, kw):
-            if target is not _block:
-                return super().call_function(target, a, kw)
-            inst, inputs = a
-            run = insts[inst]
-            key = (run.structure, tuple(_meta_key(x) for x in inputs))
-            metas = known.get(key)
-            if metas is None:
-                env = dict(zip(run.inputs, inputs))
-                for n in run.nodes:
-                    n_args, n_kw = fx.node.map_arg((n.args, n.kwargs), lambda x: env[x])
-                    env[n] = n.target(*n_args, **n_kw)
-                outs = [env[o] for o in run.outputs]
-                if not all(isinstance(o, torch.Tensor) for o in outs):
-                    raise _Unsupported("a run whose output is not a tensor")
-                known[key] = [(tuple(o.shape), tuple(o.stride()), o.dtype, o.device, o.requires_grad) for o in outs]
-                return outs
-            return [torch.empty_strided(s, st, dtype=d, device=dev).requires_grad_(rg) for s, st, d, dev, rg in metas]
+    def first(run, inputs):
+        env = dict(zip(run.inputs, inputs))
+        for n in run.nodes:
+            n_args, n_kw = fx.node.map_arg((n.args, n.kwargs), lambda x: env[x])
+            env[n] = n.target(*n_args, **n_kw)
+        outs = [env[o] for o in run.outputs]
+        if not all(isinstance(o, torch.Tensor) for o in outs):
+            raise _Unsupported("a run whose output is not a tensor")
+        return None, [(tuple(o.shape), tuple(o.stride()), o.dtype, o.device, o.requires_grad) for o in outs], outs
 
     try:
-        return _Fast(outer).run(*args)
+        return _Outer(outer, insts, first).run(*args)
     except _Unsupported:
         return program(*args)
