@@ -34,7 +34,7 @@ from torch.fx import traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from mcompile.ir import meta as M
-from mcompile.passes.nodes import lazy_module
+from mcompile.passes.nodes import fake_args, lazy_module
 
 __all__ = ["JointGraph", "JointProgram", "JointTraceError", "trace_joint", "partition", "split_weight",
            "forward_nodes", "saved_for_policy", "VIEW_OPS", "is_alias", "accumulate_outputs", "ACC_OUTPUT"]
@@ -289,18 +289,7 @@ def _trace(program: fx.GraphModule, args: list, before_dce=None) -> JointGraph:
         return (*outs, *grads)
 
     try:
-        from torch._guards import detect_fake_mode
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = detect_fake_mode(args)  # already fake (a pipeline's shape probe): trace in that mode
-        if mode is None:
-            mode = FakeTensorMode(allow_non_fake_inputs=True)
-            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        else:
-            from torch._subclasses.fake_tensor import FakeTensor
-
-            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
-                    for a in args]
+        mode, fake = fake_args(args)  # already fake (a pipeline's shape probe): traced in that mode
         with mode, torch.enable_grad():
             gm = make_fx(joint, tracing_mode="real")(fake)
         _tangents_to_placeholders(gm, fake)

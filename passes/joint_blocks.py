@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 
 from mcompile.ir import meta as M
-from mcompile.passes.nodes import lazy_module
+from mcompile.passes.nodes import fake_args, lazy_module
 
 __all__ = ["compose", "fake_forward", "layer_runs"]
 
@@ -166,15 +166,19 @@ def layer_runs(program: fx.GraphModule) -> list[Run]:
 class _Variant:
     """One traced run: its joint graph and what the outer trace needs of it."""
 
-    jg: object  # passes/joint.py JointGraph of the run's program
+    jg: object  # passes/joint.py JointGraph of the run's program (its non-tensor inputs baked in: they are part of
+    #             the variant's key, so every instance of it has the same)
     rep: Run
-    consts: list  # non-tensor inputs: their values, baked into the trace (checked equal for every instance)
     tensor_pos: list[int]  # positions of the tensor inputs among the run's inputs
     out_meta: list[tuple]  # (size, stride, dtype, device) of each output
     diff: list[int]  # outputs that require grad
     grad_of: list[int]  # the tensor inputs (their positions among tensor inputs) whose gradient the trace gives
-    forward: list[fx.Node] = field(default_factory=list)  # the joint's nodes traced in forward, in order
-    backward: list[fx.Node] = field(default_factory=list)  # the others
+    primals: list[fx.Node]  # the joint's input placeholders
+    tangents: list[fx.Node]  # its output-gradient placeholders
+    results: list  # the joint's forward outputs (nodes)
+    grads: list[fx.Node]  # the gradients it gives (of the inputs in grad_of)
+    forward: list[fx.Node]  # the joint's nodes traced in forward, in order
+    backward: list[fx.Node]  # the others
 
 
 @dataclass
@@ -209,12 +213,8 @@ def _block_grad_op(inst: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
 @_block_grad_op.register_fake
 def _(inst, grads):
     v = _INSTANCES[inst].variant
-    phs = [n for n in v.jg.gm.graph.nodes if n.op == "placeholder"]
-    out = []
-    for j in v.grad_of:
-        val = phs[j].meta["val"]
-        out.append(torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device))
-    return out
+    vals = [v.primals[j].meta["val"] for j in v.grad_of]
+    return [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in vals]
 
 
 class _BlockFn(torch.autograd.Function):
@@ -300,17 +300,6 @@ class _Unsupported(Exception):
     """A run this pass does not compose (a non-tensor output): the program is traced whole."""
 
 
-def _fake(args: list) -> tuple[object, list]:
-    """``args`` as fake tensors of one mode (theirs if fake already): the runs and the outer program are traced
-    in it, so every traced node's value is of that mode (passes after the trace combine them)."""
-    from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    mode = detect_fake_mode(args) or FakeTensorMode(allow_non_fake_inputs=True)
-    return mode, [mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
-                  for a in args]
-
-
 class _Outer(fx.Interpreter):
     """Runs an outer program on fake tensors: a repeated run's call is answered by ``first(run, inputs)`` the first
     time its variant (structure and input metadata) is met — ``(variant, metas, outputs or None)``, ``metas`` the
@@ -358,9 +347,7 @@ def _trace_variant(run: Run, inputs: list, trace) -> _Variant:
     tensor_pos = [i for i in range(len(inputs)) if i not in consts]
     sub = _run_program(run, consts)
     fresh = [inputs[i].detach().requires_grad_(inputs[i].requires_grad) for i in tensor_pos]
-    jg = trace(sub, fresh)
-    if jg.constants:
-        raise _Unsupported("a run reads module constants")
+    jg = trace(sub, fresh)  # the run's program reads no get_attr (its constants are inputs): nothing lifted
     out_node = next(n for n in jg.gm.graph.nodes if n.op == "output")
     outs = list(out_node.args[0])[:jg.num_outputs]
     out_meta = []
@@ -371,9 +358,12 @@ def _trace_variant(run: Run, inputs: list, trace) -> _Variant:
         out_meta.append((tuple(val.shape), tuple(val.stride()), val.dtype, val.device))
     grads = list(out_node.args[0])[jg.num_outputs:]
     grad_of = [jg.grad_primals[k] for k, gr in enumerate(grads) if isinstance(gr, fx.Node)]
+    phs = [n for n in jg.gm.graph.nodes if n.op == "placeholder"]
     fwd_names = jg.gm.meta.get(M.JOINT_FORWARD_NODES, frozenset())
     body = [n for n in jg.gm.graph.nodes if n.op in ("call_function", "get_attr")]
-    return _Variant(jg, run, consts, tensor_pos, out_meta, list(jg.diff_outputs), grad_of,
+    return _Variant(jg, run, tensor_pos, out_meta, list(jg.diff_outputs), grad_of, phs[:jg.num_primals],
+                    [p for p in phs if p.name in jg.tangent_names], outs,
+                    [gr for gr in grads if isinstance(gr, fx.Node)],
                     [n for n in body if n.name in fwd_names or n.op == "get_attr"],
                     [n for n in body if n.name not in fwd_names and n.op != "get_attr"])
 
@@ -389,7 +379,7 @@ def _substitute(gm: fx.GraphModule) -> None:
     envs: dict[int, dict] = {}
     consts: dict[tuple[int, str], fx.Node] = {}  # (variant id, attribute) -> the outer graph's get_attr
     random_ops = _random_ops()
-    first = next(iter(g.nodes))
+    last_input = [n for n in g.nodes if n.op == "placeholder"][-1]  # a variant's constants are read after it
     forward = set(gm.meta.get(M.JOINT_FORWARD_NODES, ()))
     for node in list(g.nodes):
         if node.op != "call_function" or node.target not in (fwd_op, bwd_op):
@@ -399,16 +389,12 @@ def _substitute(gm: fx.GraphModule) -> None:
         v, run = instance.variant, instance.run
         jg = v.jg
         if node.target is fwd_op:
-            phs = [n for n in jg.gm.graph.nodes if n.op == "placeholder"]
-            env = dict(zip(phs[:jg.num_primals], node.args[1]))
-            envs[inst] = env
-            todo = v.forward
+            env = envs[inst] = dict(zip(v.primals, node.args[1]))
+            todo, results = v.forward, v.results
         else:
             env = envs[inst]
-            phs = [n for n in jg.gm.graph.nodes if n.op == "placeholder"]
-            tangents = [p for p in phs if p.name in jg.tangent_names]
-            env.update(zip(tangents, node.args[1]))
-            todo = v.backward
+            env.update(zip(v.tangents, node.args[1]))
+            todo, results = v.backward, v.grads
         # the node each of the variant's program nodes stands for in this run
         here = {r.name: n for r, n in zip(v.rep.nodes, run.nodes)}
         keys = dict(zip(v.rep.keys, run.keys))
@@ -421,7 +407,7 @@ def _substitute(gm: fx.GraphModule) -> None:
                     for part in jn.target.split("."):
                         t = getattr(t, part)
                     gm.register_buffer(name, t) if isinstance(t, torch.Tensor) else setattr(gm, name, t)
-                    with g.inserting_before(first):
+                    with g.inserting_after(last_input):
                         consts[ck] = g.get_attr(name)
                     consts[ck].meta = dict(jn.meta)
                 env[jn] = consts[ck]
@@ -441,13 +427,6 @@ def _substitute(gm: fx.GraphModule) -> None:
             env[jn] = new
             if node.target is fwd_op:
                 forward.add(new.name)
-        out = next(n for n in jg.gm.graph.nodes if n.op == "output")
-        values = list(out.args[0])
-        if node.target is fwd_op:
-            results = values[:jg.num_outputs]
-        else:
-            results = [values[jg.num_outputs + k] for k, gr in enumerate(values[jg.num_outputs:])
-                       if isinstance(gr, fx.Node)]
         for u in list(node.users):
             if u.op == "call_function" and u.target is operator.getitem:
                 r = results[u.args[1]]
@@ -457,10 +436,6 @@ def _substitute(gm: fx.GraphModule) -> None:
                 raise AssertionError(f"{node.name} is read by {u.name} ({u.target}), not by getitem")
         g.erase_node(node)
     gm.meta[M.JOINT_FORWARD_NODES] = frozenset(forward)
-    if any(n.op == "get_attr" for n in g.nodes):  # the get_attrs went before the first node: keep placeholders first
-        phs = [n for n in g.nodes if n.op == "placeholder"]
-        for n in [n for n in g.nodes if n.op == "get_attr" and n.target.startswith("_mc_block_const_")]:
-            phs[-1].append(n)
 
 
 def _repeated(program: fx.GraphModule) -> list[Run]:
@@ -484,7 +459,7 @@ def compose(program: fx.GraphModule, args: list, trace) -> object | None:
         return None
     outer, insts = _outer_program(program, repeated)
     try:
-        mode, fake = _fake(args)
+        mode, fake = fake_args(args)  # one mode for the runs' and the outer trace: passes after combine their values
         try:
             _phase1(outer, insts, mode, fake, trace)
         except _Unsupported:

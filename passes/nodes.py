@@ -56,3 +56,14 @@ def lazy_module(root, graph: fx.Graph, class_name: str = "GraphModule") -> fx.Gr
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     return _LazyGraphModule(root, graph, class_name=class_name)
+
+
+def fake_args(args: list) -> tuple[object, list]:
+    """``args`` as fake tensors of one mode: theirs when some are fake already (a pipeline's shape probe), else a
+    new one (non-fake tensors of the arguments are converted into it)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = detect_fake_mode(args) or FakeTensorMode(allow_non_fake_inputs=True)
+    return mode, [mode.from_tensor(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
+                  for a in args]
