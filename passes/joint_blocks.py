@@ -97,8 +97,9 @@ def _inside(n: fx.Node, layer, members: set[fx.Node], reached: dict) -> str | No
         return None
     if n.users and reached.get(n) == frozenset({layer}):
         return "member"
-    if (n.target in _SIZES or getattr(n.target, "__module__", None) == "_operator") and \
-            not any(a in members for a in n.all_input_nodes):
+    sizes = n.target in _SIZES or (getattr(n.target, "__module__", None) == "_operator"  # int arithmetic on sizes;
+                                   and n.target is not operator.getitem)  # not an element of a tuple of tensors
+    if sizes and not any(a in members for a in n.all_input_nodes):
         return "outside"
     return None
 

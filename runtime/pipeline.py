@@ -701,8 +701,7 @@ class Pipeline:
                             for x in received[s]]
                     args = self._stage_args(st, named, recv)
                     if self.runners is not None:  # the joint programs, as they will run
-                        _, ops_ = self._probe_joint(st, args)
-                        fwd_ops[s], bwd_ops[s], wgt_ops[s] = ops_
+                        fwd_ops[s], bwd_ops[s], wgt_ops[s] = self._probe_joint(st, args)
                     else:
                         _, fwd_ops[s], bwd_ops[s] = self._probe_eager(st, args)
         return send_specs, fwd_ops, bwd_ops, wgt_ops
@@ -866,10 +865,11 @@ class Pipeline:
             return []
         return [c for c in (self.runners[s].choice() for s in self.own) if c is not None]
 
-    def _probe_joint(self, st, args: list):
+    def _probe_joint(self, st, args: list) -> tuple[list, list, list]:
         """Under fake tensors: stage ``st``'s joint program on ``args`` (traced here once; the real
-        step reuses it), its outputs, and the collectives its forward, backward (B) and, split for
-        zero-bubble, weight-gradient (W) modules run, in their graph order."""
+        step reuses it) and the collectives its forward, backward (B) and, split for zero-bubble,
+        weight-gradient (W) modules run, in their graph order: read from the modules' graphs, or recorded
+        in a fake run of them where a node carries no value. The last stage's output is checked to be a loss."""
         runner = self.runners[st.index]
         with torch.no_grad():  # traced outside the recorder: the trace's own ops are not the step's collectives
             jp = runner.compile(args)
@@ -880,7 +880,7 @@ class Pipeline:
             if st.is_last:  # the last stage returns a loss (or raises)
                 outs = _output_values(jp.forward)[:jp.joint.num_outputs]
                 self.pm._loss_parts(outs if len(outs) != 1 else outs[0])
-            return None, tuple(read)
+            return tuple(read)
         rec = _RecordCollectives()
         with rec:
             outs, ctx = runner.forward(args)
@@ -891,13 +891,12 @@ class Pipeline:
         else:
             tangents = [torch.ones_like(outs[i]) for i in ctx.jp.joint.diff_outputs]
         rec_b, rec_w = _RecordCollectives(), _RecordCollectives()
-        split = self.schedule == "zbh1" and ctx.jp.backward_input is not None and ctx.jp.input_grads
         with rec_b:
             (runner.backward_input if split else runner.backward)(ctx, tangents)
         if split:
             with rec_w:
                 runner.backward_weight(ctx)
-        return outs, (fwd, rec_b.ops, rec_w.ops)
+        return fwd, rec_b.ops, rec_w.ops
 
     def _agree_on_trace(self, error: Exception | None) -> None:
         """After the fake run: one int64 all-reduce (MIN over the world) says whether any rank failed
