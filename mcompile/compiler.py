@@ -540,6 +540,7 @@ class RankPrograms:
     stage_groups: dict = field(default_factory=dict)  # pp: stage -> the recompute groups of its program
     build: Callable = None  # the signature passes: build_joint
     fake_forward: Callable = None  # a program's forward on fake tensors, each repeated layer run once (pp's probe)
+    input_columns: Callable = None  # the positions of its inputs' sequences a program reads as a cp rank (loaders)
 
     def __post_init__(self):
         if self.build is None:
@@ -548,6 +549,10 @@ class RankPrograms:
             from mcompile.passes.joint_blocks import fake_forward
 
             self.fake_forward = fake_forward
+        if self.input_columns is None:
+            from mcompile.passes.cp.reads import input_columns
+
+            self.input_columns = input_columns
 
 
 @dataclass

@@ -77,7 +77,8 @@ class ParallelModule(RankState, StepRunner, torch.nn.Module):
         # parallelism: the batch is split over dp x ep, dense gradients are summed over both)
         # Context parallelism (cp) joins them for the reductions (each cp rank's loss and gradients are
         # partial sums over its tokens, Megatron's dp x cp group) but not for the batch split: every cp rank
-        # takes the same batch rows, and its program slices its own tokens (mcompile.passes.cp.ops).
+        # takes the same batch rows, and its program slices its own tokens (mcompile.passes.cp.ops; which positions
+        # of the inputs it reads: input_positions, runtime/step.py).
         self._data_axes = tuple(a for a in self.mesh.axis_names if a in ("dp", "cp", "ep") and self.mesh.size(a) > 1)
         self._batch_axes = tuple(a for a in self._data_axes if a != "cp")
         self._cp = self.mesh.size("cp")

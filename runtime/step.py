@@ -69,7 +69,7 @@ class StepRunner:
         ``inputs="local"``: the data-parallel ranks (dp x ep, in rank order) take ``n / (dp x ep)`` consecutive
         rows each (``train_step`` on the global batch picks the same ones); the tp, pp and cp ranks of one data
         rank take the same rows (cp's programs slice their tokens of each sequence: the rows hold whole
-        sequences)."""
+        sequences, of which a cp rank reads only ``input_positions``)."""
         k = self._batch_size
         if n < 0 or n % k:
             raise ValueError(f"a batch of {n} samples does not split over the {k} data-parallel ranks "
@@ -87,6 +87,28 @@ class StepRunner:
         if self._pipe is None:
             return True
         return any(_reads_values(self._pipe.stages[s].gm, self._pipe.stages[s].user_inputs) for s in self._pipe.own)
+
+    def input_positions(self, inputs: tuple, cp_rank: int | None = None) -> list[torch.Tensor | None]:
+        """Per positional model input of ``inputs`` (one microbatch of them: the shapes the programs run on; the
+        values are not read), the positions along its dim 1 (the sequence) that this rank's programs read when they
+        run as cp rank ``cp_rank`` (default: this rank's): a sorted int64 tensor (empty: the program reads no value
+        of it, only its shape), or None for every position. What a loader must give: a cp program keeps its tokens
+        of the whole-sequence inputs it is passed (mcompile.passes.cp.reads), so positions it does not read may
+        hold anything. Without cp every read input is read whole (None)."""
+        cap = self._compiled.captured
+        named = {n: t for n, t in zip(cap.user_inputs, inputs) if isinstance(t, torch.Tensor)}
+        rank = self._coords.get("cp", 0) if cp_rank is None else cp_rank
+        if not 0 <= rank < self._cp:
+            raise ValueError(f"cp_rank={cp_rank}: the mesh has cp={self._cp}")
+        if self._pipe is not None:
+            programs = [(self._pipe.stages[s].gm, self._pipe.stages[s].user_inputs) for s in self._pipe.own]
+        else:
+            programs = [(self._program, list(cap.user_inputs))]
+        found: dict[str, torch.Tensor | None] = {n: torch.zeros(0, dtype=torch.int64) for n in named}
+        for gm, names in programs:
+            for n, cols in self._programs.input_columns(gm, names, named, rank).items():
+                found[n] = None if cols is None or found[n] is None else torch.unique(torch.cat([found[n], cols]))
+        return [found.get(n) if isinstance(t, torch.Tensor) else None for n, t in zip(cap.user_inputs, inputs)]
 
     # -- running --------------------------------------------------------------------------------
     def _split(self, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:

@@ -7,10 +7,11 @@
 
   - the losses and the eval losses are equal bit for bit (the same tensors reach every rank's programs, in the
     same order), and so are the eval's token counts (each rank counts its rows; one all-reduce sums them);
-  - dp=2 x cp=2: the data ranks' reads, concatenated in dp order, are the whole batch of the global run, step by
-    step (train and valid): the same samples in the same order; each rank reads half the samples and half the
-    ids of the global run (1/dp); the two cp ranks of one dp rank read the same rows (whole sequences: cp's
-    programs slice their tokens, so 1/(dp x cp) would need programs that take a slice);
+  - dp=2 x cp=2: each data rank reads its half of the samples, step by step (train and valid), and each of its two
+    cp ranks only the window positions its program reads (its two load-balanced chunks of the tokens and their
+    targets, the next position: 10 and 9 of the 17 positions of a window of SEQ + 1, about 1/(dp x cp) of the
+    ids of the global run); what each reads equals the global batch there, and the two together read every
+    position;
   - pp=4 (4 layers, one a stage): the middle pipeline ranks, whose stages take no input, read nothing; the first
     and last read the whole batch (dp=1).
 
@@ -49,9 +50,9 @@ def corpus(tmp_path_factory) -> str:
     return str(prefix)
 
 
-def _tree(corpus: str, mesh: str, read: str, parallel: dict, overrides: dict, jsonl: Path) -> dict:
+def _tree(corpus: str, mesh: str, read: str, parallel: dict, overrides: dict, jsonl: Path, model=None) -> dict:
     return {
-        "model": {"preset": "llama3-tiny", "overrides": overrides},
+        "model": model or {"preset": "llama3-tiny", "overrides": overrides},
         "data": {"sources": corpus, "valid_fraction": 0.1, "read": read},
         "parallel": {"mesh": mesh, **parallel},
         "optimizer": {"lr": 3e-3},
@@ -63,19 +64,20 @@ def _tree(corpus: str, mesh: str, read: str, parallel: dict, overrides: dict, js
     }
 
 
-def _runs(corpus: str, tmp_path: Path, mesh: str, parallel: dict, overrides: dict):
+def _runs(corpus: str, tmp_path: Path, mesh: str, parallel: dict, overrides: dict, model=None, scored: int = SEQ):
     """(local, global): per rank (summary, calls) of each way of reading; checks that both trained alike (the
-    losses and eval losses bit for bit, the eval's token count: each batch's, summed over the ranks' rows)."""
+    losses and eval losses bit for bit, the eval's token count: each batch's, summed over the ranks' rows, of
+    ``scored`` targets per sample)."""
     runs = {}
     for read in ("local", "global"):
         runs[read] = pool(4).run(run_train_counting, _tree(corpus, mesh, read, parallel, overrides,
-                                                           tmp_path / f"{read}.jsonl"))
+                                                           tmp_path / f"{read}.jsonl", model))
     for (a, _), (b, _) in zip(runs["local"], runs["global"]):
         assert a["losses"] == b["losses"] and len(a["losses"]) == STEPS  # bit for bit
         assert a["eval_loss"] == b["eval_loss"] and a["consumed_samples"] == b["consumed_samples"]
     evals = {read: [r["eval_tokens"] for r in map(json.loads, (tmp_path / f"{read}.jsonl").read_text().splitlines())
                     if "eval_tokens" in r] for read in runs}
-    assert evals["local"] == evals["global"] == [EVAL_BATCHES * GLOBAL_BATCH * SEQ] * 2, evals
+    assert evals["local"] == evals["global"] == [EVAL_BATCHES * GLOBAL_BATCH * scored] * 2, evals
     return runs["local"], runs["global"]
 
 
@@ -83,31 +85,86 @@ def _batches(calls, split: str) -> list:
     return [c for c in calls if c["split"] == split]
 
 
-def test_dp_cp_ranks_read_their_rows(corpus, tmp_path):
+def _cp_own(cp: int, rank: int) -> list[int]:
+    """A cp rank's positions of a sequence: chunks rank and 2 cp - 1 - rank of 2 cp (the load-balanced layout).
+    Written out here, not asked of mcompile."""
+    c = SEQ // (2 * cp)
+    return [p for j in (rank, 2 * cp - 1 - rank) for p in range(j * c, (j + 1) * c)]
+
+
+def _cp_window(cp: int, rank: int) -> list[int]:
+    """The window positions a cp rank of a next-token model must read: its tokens and their targets (the next
+    position)."""
+    own = _cp_own(cp, rank)
+    return sorted(set(own) | {p + 1 for p in own})
+
+
+def test_dp_cp_ranks_read_their_rows_and_their_share_of_each_sequence(corpus, tmp_path):
     mesh = Mesh.parse("dp=2,cp=2")
     local, whole = _runs(corpus, tmp_path, "dp=2,cp=2", {}, {})
     reference = whole[0][1]  # every rank of the global run reads the whole batch
     for _, calls in whole[1:]:
         assert [(c["start"], c["n"]) for c in calls] == [(c["start"], c["n"]) for c in reference]
+    assert all(c["columns"] is None for _, calls in whole for c in calls)
     by_dp = {}
     for rank, (_, calls) in enumerate(local):
-        by_dp.setdefault(mesh.coords(rank)["dp"], []).append(calls)
+        by_dp.setdefault(mesh.coords(rank)["dp"], {})[mesh.coords(rank)["cp"]] = calls
     for split, batches in (("train", STEPS), ("valid", EVAL_BATCHES * 2)):
         want = _batches(reference, split)
         assert len(want) == batches and all(c["n"] == GLOBAL_BATCH for c in want)
         for dp, ranks in by_dp.items():
-            for calls in ranks:  # each cp rank of the dp rank: the same rows, half the batch
+            rows = slice(dp * GLOBAL_BATCH // 2, (dp + 1) * GLOBAL_BATCH // 2)
+            seen = torch.zeros(SEQ + 1, dtype=torch.bool)
+            for cp, calls in ranks.items():  # the dp rank's rows (1/dp), and of each sequence the cp rank's share
                 got = _batches(calls, split)
-                assert [(c["start"], c["n"]) for c in got] == [(w["start"] + dp * GLOBAL_BATCH // 2,
-                                                                 GLOBAL_BATCH // 2) for w in want]
-                assert all(torch.equal(g["tokens"], h["tokens"]) for g, h in zip(got, _batches(ranks[0], split)))
-                assert sum(c["read"] for c in got) * 2 == sum(c["read"] for c in want)  # 1/dp of the ids
-        # the union, in dp order, is the global batch, step by step
-        for k, w in enumerate(want):
-            joined = torch.cat([_batches(by_dp[dp][0], split)[k]["tokens"] for dp in sorted(by_dp)])
-            assert torch.equal(joined, w["tokens"])
-    # the ids read: windows of SEQ + 1 (the targets' last), per sample
-    assert sum(c["read"] for c in _batches(local[0][1], "train")) == STEPS * GLOBAL_BATCH // 2 * (SEQ + 1)
+                assert [(c["start"], c["n"]) for c in got] == [(w["start"] + rows.start, GLOBAL_BATCH // 2)
+                                                               for w in want]
+                window = _cp_window(2, cp)
+                assert all(c["columns"] == window for c in got), (cp, got[0]["columns"])
+                assert len(window) <= SEQ // 2 + 2  # 1/cp of the positions, and a target past each of 2 chunks
+                # the ids read: exactly the window positions of each sample (the counting memory map)
+                assert all(c["read"] == GLOBAL_BATCH // 2 * len(window) for c in got)
+                tok = [p for p in window if p < SEQ]
+                tgt = [p - 1 for p in window if p >= 1]
+                for g, w in zip(got, want):  # what was read is the global batch's there
+                    assert torch.equal(g["tokens"][:, tok], w["tokens"][rows, tok])
+                    assert torch.equal(g["targets"][:, tgt], w["targets"][rows, tgt])
+                seen[window] = True
+            assert seen.all()  # together the cp ranks read every position of the window
+    # the ids one cp rank reads: its share of windows of SEQ + 1, of half the samples (dp=2)
+    assert sum(c["read"] for c in _batches(local[0][1], "train")) == STEPS * GLOBAL_BATCH // 2 * len(_cp_window(2, 0))
+    assert sum(c["read"] for c in _batches(reference, "train")) == STEPS * GLOBAL_BATCH * (SEQ + 1)
+
+
+def test_the_cp_ranks_of_a_hugging_face_decoder_read_its_tokens_and_the_labels_it_shifts(corpus, tmp_path):
+    """causal-lm: labels = the tokens, shifted by the model (pad, then [:, 1:]); a cp rank's program reads the ids at
+    its positions and the labels one on, so it reads those window positions (9 of 17 each); the two cp ranks' labels
+    partition the positions the model scores, which the eval's token count (each rank counting its share) needs.
+    cp=2 x tp=2: the tp ranks of a cp rank read the same."""
+    from train_hf_cases import save_hf
+
+    hf = save_hf("llama", tmp_path / "hf")
+    mesh = Mesh.parse("cp=2,tp=2")
+    local, _ = _runs(corpus, tmp_path, "cp=2,tp=2", {}, {}, model={"hf": str(hf), "init_from": str(hf)},
+                      scored=SEQ - 1)  # HF scores labels[:, 1:]
+    for rank, (_, calls) in enumerate(local):
+        # the ids' positions and the next ones (labels c is window position c), but not 16: HF scores no label there
+        own = [p for p in _cp_window(2, mesh.coords(rank)["cp"]) if p < SEQ]
+        assert calls and all(c["columns"] == own for c in calls), (rank, calls[0]["columns"], own)
+        assert all(c["read"] == c["n"] * len(own) for c in calls)
+
+
+def test_under_pp_x_cp_the_first_stage_reads_its_tokens_and_the_last_its_targets(corpus, tmp_path):
+    """pp=2 x cp=2: the first stage's programs read the ids and the last stage's the targets, each at its cp rank's
+    positions: 8 of the 17 window positions per sample (the ids' own, or the targets' one on), counted in the
+    eval by the last stage alone."""
+    mesh = Mesh.parse("pp=2,cp=2")
+    local, whole = _runs(corpus, tmp_path, "pp=2,cp=2", {"microbatches": 2}, {"n_layers": 4})
+    for rank, (_, calls) in enumerate(local):
+        c = mesh.coords(rank)
+        own = sorted(p + (c["pp"] == 1) for p in _cp_own(2, c["cp"]))
+        assert len(own) == SEQ // 2 and all(x["columns"] == own for x in calls), (rank, calls[0]["columns"])
+        assert sum(x["read"] for x in calls) * 17 == sum(x["read"] for x in whole[0][1]) * 8
 
 
 def test_middle_pipeline_ranks_read_nothing(corpus, tmp_path):

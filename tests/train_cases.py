@@ -74,9 +74,10 @@ def run_train(rank, world, tree: dict):
 
 def run_train_counting(rank, world, tree: dict):
     """:func:`run_train`, counting what this rank reads: (summary, calls), a call per ``SampleDataset.batch``
-    (``{"split", "start", "n", "tokens", "read"}``: its first sample, its number of samples, the tokens it returned
-    and the token ids it read from the dataset's ``.bin``, through a counting view over every opened dataset's
-    memory map). The patches are undone after the run (the pool's workers live on)."""
+    (``{"split", "start", "n", "tokens", "targets", "read", "columns"}``: its first sample, its number of samples, the
+    tokens and targets it returned, the token ids it read from the dataset's ``.bin`` through a counting view over
+    every opened dataset's memory map, and the window positions asked for, None for all). The patches are undone
+    after the run (the pool's workers live on)."""
     import numpy as np
 
     from mcompile.apps.data import indexed, sampling
@@ -101,11 +102,12 @@ def run_train_counting(rank, world, tree: dict):
         init(self, prefix)
         self.tokens = Counted(self.tokens)
 
-    def counting_batch(self, start, n):
+    def counting_batch(self, start, n, columns=None):
         before = tally[0]
-        out = batch(self, start, n)
+        out = batch(self, start, n, columns)
         calls.append({"split": self.split, "start": int(start), "n": int(n), "tokens": out.tokens.clone(),
-                      "read": tally[0] - before})
+                      "targets": out.targets.clone(), "read": tally[0] - before,
+                      "columns": None if columns is None else [int(c) for c in columns]})
         return out
 
     indexed.IndexedDataset.__init__, sampling.SampleDataset.batch = counting_init, counting_batch

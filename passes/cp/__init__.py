@@ -1,5 +1,6 @@
-"""Context parallelism: its ops and attention (ops) and its planning (plan).
+"""Context parallelism: its ops and attention (ops), its planning (plan), what a rank reads of its inputs (reads).
 
-Layers (tests/test_layers.py): ops with sharding and lowering; plan with the other passes.
+Layers (tests/test_layers.py): ops with sharding and lowering; plan and reads (what a cp rank reads of its inputs)
+with the other passes.
 This __init__ imports nothing.
 """

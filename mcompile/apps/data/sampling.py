@@ -183,11 +183,13 @@ class _Source:
     def __getstate__(self):
         return {**self.__dict__, "_epochs": OrderedDict()}  # the cache is rebuilt where it is needed
 
-    def windows(self, local: np.ndarray, packing: bool):
+    def windows(self, local: np.ndarray, packing: bool, columns: np.ndarray | None = None):
         """Tokens [m, seq_len + 1] of this source's samples ``local`` (and, packing, the document of
-        each token relative to the window's first and each token's offset in its document)."""
+        each token relative to the window's first and each token's offset in its document). ``columns``:
+        read only the tokens at these positions of each window (the others are 0); the documents and
+        offsets, index arithmetic that reads no token, are given for every position."""
         n, L = self.samples_per_epoch, self.seq_len + 1
-        out = np.empty((len(local), L), dtype=np.int64)
+        out = np.zeros((len(local), L), dtype=np.int64)
         seg = np.empty((len(local), L), dtype=np.int64) if packing else None
         pos = np.empty((len(local), L), dtype=np.int64) if packing else None
         epochs, r = np.divmod(local, n)
@@ -198,7 +200,11 @@ class _Source:
             at = start[:, None] + np.arange(L)  # (k, L): positions in the epoch's stream
             d = np.searchsorted(ep.ends, at, side="right")  # the document each position falls in
             off = at - (ep.ends[d] - ep.lengths[d])  # offset within that document
-            out[sel] = self.ds.tokens[(ep.doc_start[d] + off).ravel()].reshape(len(sel), L)
+            where = ep.doc_start[d] + off
+            if columns is None:
+                out[sel] = self.ds.tokens[where.ravel()].reshape(len(sel), L)
+            else:
+                out[np.ix_(sel, columns)] = self.ds.tokens[where[:, columns].ravel()].reshape(len(sel), len(columns))
             if packing:
                 first = d == d[:, :1]
                 seg[sel] = d - d[:, :1]
@@ -298,11 +304,21 @@ class SampleDataset:
         src = self._schedule[r]
         return src, q * self.slots[src] + self._rank[r]
 
-    def batch(self, start: int, n: int) -> Sample | PackedSample:
-        """Samples start .. start+n-1, stacked: tokens and targets ``[n, seq_len]`` (int64)."""
+    def batch(self, start: int, n: int, columns=None) -> Sample | PackedSample:
+        """Samples start .. start+n-1, stacked: tokens and targets ``[n, seq_len]`` (int64).
+
+        ``columns``: read only these positions of each sample's window of ``seq_len + 1`` tokens (token ``t`` is
+        window position ``t``, target ``t`` position ``t + 1``); the tokens and targets read from other positions
+        are 0 (a context-parallel rank reads only its share of each sequence: mcompile/apps/train/loop.py). Packed
+        samples' segment and position ids, and their ignored targets, are whole (they read no token)."""
         start, n = int(start), int(n)
         if start < 0 or n < 0:
             raise IndexError(f"batch({start}, {n}): start and n must be >= 0 (samples are numbered from 0)")
+        if columns is not None:
+            columns = np.unique(np.asarray(columns, dtype=np.int64))
+            if columns.size and (columns[0] < 0 or columns[-1] > self.seq_len):
+                raise IndexError(f"batch(columns=...): window positions are 0 .. {self.seq_len} (seq_len + 1 "
+                                 f"tokens), got {int(columns[0])} .. {int(columns[-1])}")
         src, local = self.source_of(np.arange(start, start + n, dtype=np.int64))
         L = self.seq_len + 1
         win = np.empty((n, L), dtype=np.int64)
@@ -310,7 +326,7 @@ class SampleDataset:
         pos = np.empty((n, L), dtype=np.int64) if self.packing else None
         for s in np.unique(src):
             sel = np.nonzero(src == s)[0]
-            w, g, p = self._sources[int(s)].windows(local[sel], self.packing)
+            w, g, p = self._sources[int(s)].windows(local[sel], self.packing, columns)
             win[sel] = w
             if self.packing:
                 seg[sel], pos[sel] = g, p

@@ -64,9 +64,10 @@ class DataConfig:
     factory: str = ""  # "package.module:function"(seq_len=, seed=, split=) -> an object with .batch(start, n)
     #                    (samples start .. start+n-1, row by row: row k is sample start+k)
     read: str = "local"  # "local": each rank reads only its data-parallel rows of each batch (1/(dp x ep); the
-    #                      tp, cp and pp ranks of those rows read them too, but pipeline ranks whose stages take no
-    #                      input read nothing); "global": every rank reads the whole batch (for a factory whose
-    #                      batch(start, n) is not row by row)
+    #                      tp, cp and pp ranks of those rows read them too, a cp rank only the positions of each
+    #                      sequence its program reads, about 1/cp, and pipeline ranks whose stages take no input
+    #                      nothing); "global": every rank reads the whole batch (for a factory whose batch(start, n)
+    #                      is not row by row)
 
 
 @dataclass(kw_only=True, frozen=True)

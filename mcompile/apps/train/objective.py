@@ -145,12 +145,31 @@ class Objective:
         ids[swap] = random_ids[swap]
         return ids, labels
 
-    def counted(self, inputs: tuple) -> int:
-        """How many targets the model's mean loss averages over for these inputs."""
+    def window_columns(self, positions: list, seq_len: int):
+        """The positions of the data's windows (``seq_len + 1`` tokens: token ``t`` is position ``t``, target ``t``
+        position ``t + 1``) that :meth:`inputs` reads to fill the given positions of its results: ``positions``
+        per result (an int64 tensor of positions along its dim 1, or None for all of them; a context-parallel
+        rank's share, ``ParallelModule.input_positions``). A numpy array, or None for the whole window. Every kind
+        is position by position (the masked-LM draw is made for the whole shape whatever is read)."""
+        import numpy as np
+
+        if any(p is None for p in positions[:2]):
+            return None
+        half = seq_len // 2
+        # per result, the window position its position p is read from
+        shift = {"next-token": (0, 1), "causal-lm": (0, 0), "masked-lm": (0, 0), "seq2seq": (0, half)}[self.kind]
+        return np.unique(np.concatenate([np.asarray(p, dtype=np.int64) + k for p, k in zip(positions, shift)]))
+
+    def counted(self, inputs: tuple, positions=None) -> int:
+        """How many targets the model's mean loss averages over for these inputs (``positions``: only at these
+        positions of the labels, a context-parallel rank's share)."""
         labels = inputs[1]
+        scored = (labels != IGNORE)
         if self.kind == "causal-lm":
-            labels = labels[:, 1:]
-        return int((labels != IGNORE).sum())
+            scored[:, 0] = False  # the model scores labels[:, 1:]
+        if positions is not None:
+            scored = scored[:, positions]
+        return int(scored.sum())
 
 
 def resolve(cfg, *, vocab_size: int = 0) -> Objective:
