@@ -225,12 +225,13 @@ class _Reader:
             self.shares[n] = (objective.window_columns([own[0], None], self.seq_len), None, "whole")
         return self.shares[n]
 
-    def counted(self, inputs: tuple, tokens: torch.Tensor | None, n: int, data=None) -> int:
-        """The targets the model's mean averages over in the whole batch of ``n`` samples. Local: each rank
-        counts its rows (0 where it read nothing), a cp rank its share of their labels, scaled by cp (:meth:`_share`:
-        the cp ranks' shares partition the rows' labels), and one all-reduce over the world sums (count, counters):
-        every data rank has the same number of counting ranks, so the sum of the counts is the batch's times the
-        counters over the data ranks."""
+    def counted(self, inputs: tuple, tokens: torch.Tensor | None, n: int, data) -> int:
+        """The targets the model's mean averages over in the whole batch of ``n`` samples (read from ``data``).
+        Local: each rank counts its rows (0 where it read nothing), a cp rank its share of their labels, scaled by
+        cp (:meth:`_share`: the cp ranks' shares partition the rows' labels), and one all-reduce over the world sums
+        (count, counters): every data rank has the same number of counting ranks, so the sum of the counts is the
+        batch's times the counters over the data ranks (0 where no rank counts: a pipeline none of whose stages
+        reads the labels)."""
         if not self.local:
             return self.objective.counted(inputs)
         mode, positions = "none", None
