@@ -65,6 +65,10 @@ def evaluate(rank, world, mesh, ppl_args, state, jsonl, export_to):
     tokens, targets = Split(256, 4, 16).batch(0, 4)
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), (tokens, targets))
     ppl = perplexity(pm, Split(*ppl_args["split"]), batch_size=ppl_args["batch_size"])
+    # each rank reading only its rows (the halves of a batch count different numbers of targets): the same numbers
+    local = mc.parallelize(model, mc.Mesh.parse(mesh), (tokens, targets), inputs="local")
+    assert perplexity(local, Split(*ppl_args["split"]), batch_size=ppl_args["batch_size"]) == ppl
+    del local
     export_hf(pm, export_to, model)
     acc = last_word_accuracy(preset(state=state), Bytes(), jsonl, mesh=mesh, batch_size=8)
     return {"ppl": ppl, "acc": acc}

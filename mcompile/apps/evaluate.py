@@ -75,9 +75,13 @@ def perplexity(pm, dataset, *, batch_size: int, max_batches: int | None = None, 
     them: our presets, Megatron's convention) and ``ignore_index`` targets are not counted. A last batch
     shorter than ``batch_size`` is left out (a data-parallel batch must split evenly). ``objective``: a
     :class:`mcompile.apps.train.objective.Objective` (what ``mcompile train`` trained: a Hugging Face model's labels
-    convention) that turns each batch into the model's inputs and says how many targets its mean counts."""
+    convention) that turns each batch into the model's inputs and says how many targets its mean counts. A
+    ParallelModule made with ``inputs="local"``: each rank reads only its share of each batch (its rows, a cp
+    rank its positions of each sequence), as ``mcompile train`` does."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: give at least 1")
+    from mcompile.ir.config import Inputs
+
     parallel = _is_parallel(pm)
     if parallel:
         dp = pm.mesh.size("dp")
@@ -93,6 +97,8 @@ def perplexity(pm, dataset, *, batch_size: int, max_batches: int | None = None, 
     if n < 1:
         raise ValueError(f"the dataset holds {len(dataset)} samples: not one batch of {batch_size} from sample "
                          f"{start}; give a smaller batch_size")
+    if parallel and pm.config.inputs == Inputs.LOCAL:
+        return _perplexity_local(pm, dataset, batch_size, n, start, ignore_index, objective)
     total, count = 0.0, 0
     ctx = contextlib.nullcontext() if parallel else _eval_mode(pm)
     with ctx:
@@ -114,10 +120,45 @@ def perplexity(pm, dataset, *, batch_size: int, max_batches: int | None = None, 
             _loss_of(loss)
             total += float(loss.double()) * k
             count += k
+    return _result(total, count, n, ignore_index)
+
+
+def _result(total: float, count: int, n: int, ignore_index: int) -> dict:
     if count == 0:
         raise ValueError(f"every target of the {n} batch(es) is ignore_index={ignore_index}: nothing to evaluate")
     loss = total / count
     return {"loss": loss, "ppl": math.exp(loss), "tokens": count, "batches": n}
+
+
+def _perplexity_local(pm, dataset, batch_size: int, n: int, start: int, ignore_index: int, objective) -> dict:
+    """:func:`perplexity` of a ParallelModule made with ``inputs="local"``: each rank reads only its rows of each
+    batch, and a cp rank only its positions of their sequences (mcompile.apps.train.reads.Reader, as ``mcompile
+    train`` reads); the counts summed over the ranks in one all-reduce per batch. The same numbers as reading the
+    whole batch with a ``inputs="global"`` module."""
+    from mcompile.apps.train.objective import IGNORE, Objective
+    from mcompile.apps.train.reads import Reader
+
+    if getattr(dataset, "packing", False):
+        raise ValueError("perplexity evaluates whole samples, and this split is packed (its samples hold several "
+                         "documents that a model of (tokens, targets) would attend across): build the held-out split "
+                         "with packing=False")
+    if objective is None and ignore_index != IGNORE:
+        raise ValueError(f"ignore_index={ignore_index}: a ParallelModule with inputs=\"local\" counts the targets "
+                         f"that are not {IGNORE} (the objective's convention); use a module with inputs=\"global\"")
+    seq_len = getattr(dataset, "seq_len", None)
+    if seq_len is None:  # a pipeline rank that reads nothing passes zeros of the inputs' shape
+        seq_len = int(torch.as_tensor(dataset.batch(start, 1)[0]).shape[1])
+    reader = Reader(pm, objective or Objective("next-token"), int(seq_len), local=True)
+    total, count = 0.0, 0
+    for b in range(n):
+        inputs, tokens = reader.read(dataset, start + b * batch_size, batch_size)
+        k = reader.counted(inputs, tokens, batch_size, dataset)
+        if k == 0:
+            continue  # no counted token: the model's mean is 0/0
+        loss = _loss_of(pm.forward(*inputs))
+        total += float(loss.double()) * k
+        count += k
+    return _result(total, count, n, ignore_index)
 
 
 # -- last-word accuracy -----------------------------------------------------------------------------

@@ -13,7 +13,8 @@ config's), whatever layout saved it (``parallelize(..., weights=)``, mcompile.ru
 - ``eval``: the perplexity of the held-out split (``data.valid_fraction``: whole documents; token-weighted mean
   cross-entropy, mcompile.apps.evaluate.perplexity) over ``--batches`` batches of ``train.global_batch`` samples, and
   with ``--lambada FILE`` the last-word accuracy (LAMBADA's strict criterion) on that JSONL (``tiny``: the
-  LAMBADA-style set mcompile ships). Rank 0 prints the figures (``--json``: one JSON object).
+  LAMBADA-style set mcompile ships). Rank 0 prints the figures (``--json``: one JSON object). Each rank reads
+  only its share of each batch as in training (``data.read``: mcompile.apps.train.reads).
 - ``generate``: the text the model continues each prompt with (a KV cache the compiler adds,
   mcompile.apps.generate.Generator), greedy at ``--temperature 0`` (default), else sampled (top-p, seeded: every rank
   draws the same tokens). The tokenizer is ``data.tokenizer``, or the one the dataset was preprocessed with.
@@ -199,7 +200,8 @@ def _eval_entry(cfg, ckpt, mesh, args) -> dict:
         _causal_only(cfg, "--lambada")
     model, vocab, example = build_model(cfg)
     objective = resolve(cfg, vocab_size=vocab or 0)
-    options = {k: v for k, v in _options(cfg).items() if k in ("dtype", "init_seed")}
+    # data.read = "local" (the default): each rank reads its share of each batch, as in training
+    options = {k: v for k, v in _options(cfg).items() if k in ("dtype", "init_seed", "inputs")}
     if example is None:
         example = example_inputs(cfg, objective, vocab, batch=t.global_batch)
     pm = mc.parallelize(model, mc.Mesh.parse(mesh), example, weights=ckpt, **options)

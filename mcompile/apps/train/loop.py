@@ -2,9 +2,9 @@
 
 One step: the learning rate of the step (mcompile.apps.train.schedule) is set on the optimizer; the global
 batch is samples ``consumed .. consumed + global_batch - 1`` of the deterministic sample dataset, and each
-rank reads only its rows of it (``data.read = "local"``, :class:`_Reader`): the data-parallel ranks (dp x ep)
-``global_batch / (dp x ep)`` consecutive samples each (``pm.batch_rows``), the tp, cp and pp ranks of those
-rows the same ones, a cp rank only the positions of each sequence its programs read (``pm.input_positions``),
+rank reads only its rows of it (``data.read = "local"``, mcompile.apps.train.reads): the data-parallel ranks
+(dp x ep) ``global_batch / (dp x ep)`` consecutive samples each (``pm.batch_rows``), the tp, cp and pp ranks of
+those rows the same ones, a cp rank only the positions of each sequence its programs read (``pm.input_positions``),
 a pipeline rank whose stages read only the inputs' shapes nothing. ``pm`` runs with
 ``inputs="local"`` and splits its rows into microbatches: the same tensors on every rank as when each reads
 the whole batch and ``pm.train_step`` picks the rows (``data.read = "global"``), so the same losses bit for
@@ -43,6 +43,7 @@ from mcompile.apps.train.config import ConfigError, TrainConfig
 from mcompile.apps.train.metrics import Metrics, hardware_profile, model_flops_per_step
 from mcompile.apps.train.model import _hf_config, _import, _shipped, build_model, example_inputs  # noqa: F401  (re-exported)
 from mcompile.apps.train.objective import resolve
+from mcompile.apps.train.reads import Reader
 from mcompile.apps.train.schedule import lr_at
 
 __all__ = ["train", "build_model", "example_inputs", "latest_checkpoint"]
@@ -102,7 +103,7 @@ def _options(cfg: TrainConfig) -> dict:
             value = getattr(cfg.parallel, name)
             out[name] = None if name == "fp8" and value == "none" else value
     out.update(dtype=_DTYPES[cfg.train.dtype], init_seed=cfg.train.seed)
-    if cfg.data.read == "local":  # each rank passes its own rows of the batch (_Reader)
+    if cfg.data.read == "local":  # each rank passes its own rows of the batch (Reader)
         out["inputs"] = "local"
     if cfg.train.dtype == "fp16":  # dynamic loss scaling (mcompile.runtime.loss_scale)
         out.update({k: getattr(cfg.train, k) for k in ("initial_loss_scale", "loss_scale_window", "min_loss_scale",
@@ -154,102 +155,6 @@ def _dataset(cfg: TrainConfig, split: str):
 
     sources = d.sources if isinstance(d.sources, str) else [(p, w) for p, w in d.sources]
     return SampleDataset(sources, t.seq_len, seed=t.seed, split=split, valid_fraction=d.valid_fraction)
-
-
-class _Reader:
-    """Each batch's model inputs on this rank: under ``data.read = "local"`` only its rows of the batch, and on a
-    context-parallel rank only its positions of their sequences (:meth:`_share`), read alone; else the whole batch
-    (from which ``pm`` picks the rows)."""
-
-    def __init__(self, pm, objective, seq_len: int, local: bool):
-        self.pm, self.objective, self.seq_len, self.local = pm, objective, seq_len, local
-        self.blanks: dict[int, tuple] = {}  # a rank that reads nothing: its inputs' zeros, by batch size
-        self.shares: dict[int, tuple] = {}  # by batch size: (window positions read, label positions counted, mode)
-
-    def read(self, data, start: int, n: int) -> tuple[tuple, torch.Tensor | None]:
-        """(the model inputs for samples ``start .. start + n - 1``, the tokens read; None where none were).
-
-        Local: the rows ``pm.batch_rows(n)`` (consecutive samples), read as ``data.batch(start + first row,
-        rows, columns=)`` with the window positions of the rank's share of each sequence (:meth:`_share`); a
-        pipeline rank whose stages read no more of the inputs than their shapes (``pm.reads_inputs`` False: a
-        middle stage) reads nothing and passes zeros of the inputs' shapes."""
-        pm, objective = self.pm, self.objective
-        if not self.local:
-            tokens, targets = data.batch(start, n)
-            return objective.inputs(tokens, targets, start), tokens
-        rows = pm.batch_rows(n)
-        if not pm.reads_inputs:
-            return self._blank(n, rows), None
-        window = self._share(data, n, rows)[0]
-        tokens, targets = data.batch(start + rows.start, len(rows)) if window is None else \
-            data.batch(start + rows.start, len(rows), columns=window)
-        return objective.inputs(tokens, targets, start, rows=rows, batch=n), tokens
-
-    def _blank(self, n: int, rows: range) -> tuple:
-        if n not in self.blanks:
-            zeros = torch.zeros((len(rows), self.seq_len), dtype=torch.int64)
-            self.blanks[n] = tuple(torch.zeros_like(t) for t in self.objective.inputs(zeros, zeros, 0, rows=rows,
-                                                                                       batch=n))
-        return self.blanks[n]
-
-    def _share(self, data, n: int, rows: range) -> tuple:
-        """(the window positions this rank reads, None for all; the label positions it counts, None for all;
-        how it counts: "share", "whole" or "none"), for batches of ``n`` samples.
-
-        Context parallelism: a cp rank's programs read only some positions of each input's sequence (its tokens,
-        and a neighbour a shifted label needs: ``pm.input_positions``), so it reads only the window positions
-        the objective fills them from (``Objective.window_columns``): about 1/cp of each sequence. The cp ranks
-        of one data rank count the labels as a partition ("share": each the positions it reads that no lower cp
-        rank reads) when together they read every scored position; else each reads and counts its labels whole
-        ("whole"), or, a pipeline rank whose stages read no label, counts none ("none")."""
-        if n in self.shares:
-            return self.shares[n]
-        pm, objective, cp = self.pm, self.objective, self.pm.mesh.size("cp")
-        columns = "columns" in inspect.signature(data.batch).parameters  # a data.factory's batch may not take them
-        if cp == 1 or not columns:
-            self.shares[n] = (None, None, "whole")
-            return self.shares[n]
-        piece = self._blank(n, rows)
-        piece = tuple(t[:max(len(rows) // pm.config.microbatches, 1)] for t in piece)  # one microbatch's shapes
-        me = pm.mesh.coords(dist.get_rank())["cp"]
-        peers = [pm.input_positions(piece, k) for k in range(cp)]  # the same programs, run as each cp rank
-        own, labels = peers[me], [p[1] for p in peers]
-        scored = torch.arange(1 if objective.kind == "causal-lm" else 0, piece[1].shape[1])
-        if all(p is not None for p in labels) and torch.isin(scored, torch.cat(labels)).all():
-            lower = torch.cat([torch.zeros(0, dtype=torch.int64), *labels[:me]])
-            counted = labels[me][~torch.isin(labels[me], lower)]
-            self.shares[n] = (objective.window_columns(own, self.seq_len), counted, "share")
-        elif pm._pipe is not None and all(p is not None and not p.numel() for p in labels):
-            self.shares[n] = (objective.window_columns(own, self.seq_len), None, "none")
-        else:
-            self.shares[n] = (objective.window_columns([own[0], None], self.seq_len), None, "whole")
-        return self.shares[n]
-
-    def counted(self, inputs: tuple, tokens: torch.Tensor | None, n: int, data) -> int:
-        """The targets the model's mean averages over in the whole batch of ``n`` samples (read from ``data``).
-        Local: each rank counts its rows (0 where it read nothing), a cp rank its share of their labels, scaled by
-        cp (:meth:`_share`: the cp ranks' shares partition the rows' labels), and one all-reduce over the world sums
-        (count, counters): every data rank has the same number of counting ranks, so the sum of the counts is the
-        batch's times the counters over the data ranks (0 where no rank counts: a pipeline none of whose stages
-        reads the labels)."""
-        if not self.local:
-            return self.objective.counted(inputs)
-        mode, positions = "none", None
-        if tokens is not None:
-            _, positions, mode = self._share(data, n, self.pm.batch_rows(n))
-        count = self.objective.counted(inputs, positions) if mode != "none" else 0
-        if mode == "share":
-            count *= self.pm.mesh.size("cp")
-        if dist.get_world_size() == 1:
-            return count
-        data_ranks = n // len(self.pm.batch_rows(n))
-        from mcompile.runtime.launch import uses_nccl
-
-        device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl(dist.get_backend()) else "cpu"
-        t = torch.tensor([count, int(mode != "none")], dtype=torch.int64, device=device)
-        dist.all_reduce(t)
-        counts, counters = t.tolist()
-        return counts // (counters // data_ranks) if counters else 0
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -305,7 +210,7 @@ def _optimizer(cfg: TrainConfig, pm):
     return cls([g for g in groups if g["params"]], **kwargs), pm.clip_grad_norm_
 
 
-def _evaluate(pm, valid, batches: int, batch_size: int, reader: _Reader) -> tuple[float, int]:
+def _evaluate(pm, valid, batches: int, batch_size: int, reader: Reader) -> tuple[float, int]:
     """Token-weighted mean loss over the fixed valid batches (each batch's mean times its token count), each
     batch given to the model as the run's objective says; each rank reads its rows as in training (``reader``)."""
     total, count = 0.0, 0
@@ -473,7 +378,7 @@ class _Run:
         self.save_kw = self._save_options()
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.pending = None
-        self.reader = _Reader(self.pm, self.objective, self.tc.seq_len, cfg.data.read == "local")
+        self.reader = Reader(self.pm, self.objective, self.tc.seq_len, cfg.data.read == "local")
         self.losses: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, grad norm) of this attempt
         self.eval_loss, self.best_eval, self.last_log, self.last_time = None, None, self.start_step, time.perf_counter()
         self.row, self.first_step_s = {}, None
