@@ -127,6 +127,7 @@ def _cp_slice(g, v, dim=1):
     (lambda g, x: _cp_slice(g, g.call_function(aten._to_copy.default, (x,), {"dtype": torch.bfloat16})), None),
     (lambda g, x: _cp_slice(g, g.call_function(aten.cat.default, ([x, x], 1))), None),
     (lambda g, x: x, None),  # returned as it is
+    (lambda g, x: _cp_slice(g, g.call_function(aten.view.default, (x, [3, 16]))), None),  # a size for other shapes
     # the shape only: nothing
     (lambda g, x: g.call_function(aten.new_zeros.default, (x, [g.call_function(aten.sym_size.int, (x, 1))])), []),
 ])

@@ -121,7 +121,10 @@ def input_columns(gm: fx.GraphModule, names: list[str], inputs: dict[str, torch.
             else:
                 whole(src.source)
         elif t in _MOVES and args[0] is src:
-            env[node.name] = _Codes(src.source, t(src.codes, *args[1:], **kwargs))
+            try:
+                env[node.name] = _Codes(src.source, t(src.codes, *args[1:], **kwargs))
+            except (RuntimeError, ValueError, TypeError, IndexError):  # e.g. a size baked in for another shape
+                whole(src.source)
         elif t is _CP_SLICE and args[0] is src:
             dim, _axis, n, seq = args[1:5]
             balanced = args[5] if len(args) > 5 else kwargs.get("balanced", True)
