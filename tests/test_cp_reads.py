@@ -125,6 +125,7 @@ def _cp_slice(g, v, dim=1):
     # computing with the values: everything
     (lambda g, x: _cp_slice(g, g.call_function(aten.ne.Scalar, (x, 0))), None),
     (lambda g, x: _cp_slice(g, g.call_function(aten._to_copy.default, (x,), {"dtype": torch.bfloat16})), None),
+    (lambda g, x: _cp_slice(g, g.call_function(aten.to.device, (x, torch.device("cpu"), torch.float16))), None),
     (lambda g, x: _cp_slice(g, g.call_function(aten.cat.default, ([x, x], 1))), None),
     (lambda g, x: x, None),  # returned as it is
     (lambda g, x: _cp_slice(g, g.call_function(aten.view.default, (x, [3, 16]))), None),  # a size for other shapes

@@ -64,7 +64,7 @@ def input_columns(gm: fx.GraphModule, names: list[str], inputs: dict[str, torch.
     (an empty tensor where it reads no value, or only the shape), or None where it reads every position (a use that
     computes with the values, or an input of fewer than two dims)."""
     wanted = {n: t for n, t in inputs.items() if n in names and isinstance(t, torch.Tensor)}
-    read: dict[str, set | None] = {n: set() for n in wanted}
+    read: dict[str, list | None] = {n: [] for n in wanted}  # the code tensors the rank's cp_slices keep
     env: dict[str, object] = {}
 
     def whole(source: str) -> None:
@@ -114,8 +114,8 @@ def input_columns(gm: fx.GraphModule, names: list[str], inputs: dict[str, torch.
         elif t in _SHAPE_ONLY:
             pass
         elif t in _CASTS and args[0] is src:
-            dtype = kwargs.get("dtype", args[1] if len(args) > 1 and isinstance(args[1], torch.dtype) else None)
-            bits = _EXACT_BITS.get(dtype, 0) if dtype is not None else 63
+            dtypes = [v for v in [*args[1:], *kwargs.values()] if isinstance(v, torch.dtype)]  # to.device's is third
+            bits = _EXACT_BITS.get(dtypes[0], 0) if dtypes else 63
             if src.codes.numel() < (1 << bits):
                 env[node.name] = src
             else:
@@ -132,7 +132,7 @@ def input_columns(gm: fx.GraphModule, names: list[str], inputs: dict[str, torch.
             codes = codes.reshape(-1, seq, *codes.shape[1:]).index_select(1, local_positions(seq, n, cp_rank,
                                                                                               balanced))
             if read[src.source] is not None:
-                read[src.source].update(codes.reshape(-1).tolist())
+                read[src.source].append(codes.reshape(-1))
         else:
             whole(src.source)
     out = {}
@@ -141,7 +141,8 @@ def input_columns(gm: fx.GraphModule, names: list[str], inputs: dict[str, torch.
         if codes is None or t.ndim < 2:
             out[name] = None if (codes is None or codes) else torch.zeros(0, dtype=torch.int64)
             continue
-        flat = torch.tensor(sorted(c for c in codes if 0 <= c < t.numel()), dtype=torch.int64)
+        flat = torch.cat([torch.zeros(0, dtype=torch.int64), *codes])
+        flat = flat[(flat >= 0) & (flat < t.numel())]  # a pad's value is no element
         inner = math.prod(t.shape[2:])  # elements per position: flat = (row * seq + position) * inner + k
         out[name] = torch.unique(flat // inner % t.shape[1])
     return out
