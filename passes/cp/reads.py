@@ -47,6 +47,9 @@ _SHAPE_ONLY = {aten.sym_size.int, aten.sym_size.default, aten.sym_numel.default,
                aten.sym_stride.default, aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
                aten.new_full.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
                aten.full_like.default}
+# integer arithmetic on sizes (the sequence length a cp_slice is given): run on the concrete sizes
+_INT_OPS = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
+            operator.truediv, torch.sym_max, torch.sym_min, torch.sym_int}
 _SIZE_OPS = {aten.sym_size.int: lambda t, d: int(t.shape[d]), aten.sym_numel.default: lambda t: int(t.numel())}
 
 
@@ -85,23 +88,22 @@ def input_columns(gm: fx.GraphModule, names: list[str], inputs: dict[str, torch.
             if t is not None:
                 env[node.name] = _Codes(node.name, torch.arange(t.numel()).view(t.shape))
             continue
-        if node.op == "output":
-            for a in _flat(node.args):
-                v = env.get(a.name) if isinstance(a, fx.Node) else None
-                if isinstance(v, _Codes):
-                    whole(v.source)
-            continue
         if not any(a.name in env for a in node.all_input_nodes):  # nothing known flows in: not an input's use
+            continue
+        if node.op == "output":  # an input returned (inside the outputs) is read whole
+            for a in node.all_input_nodes:
+                if isinstance(env.get(a.name), _Codes):
+                    whole(env[a.name].source)
             continue
         args = [value(a) for a in node.args]
         kwargs = {k: value(v) for k, v in node.kwargs.items()}
         coded = [v for v in [*args, *kwargs.values()] if isinstance(v, _Codes)]
-        for a in _flat([*node.args, *node.kwargs.values()]):  # a code tensor inside a list: computed with
-            v = env.get(a.name) if isinstance(a, fx.Node) else None
+        for a in node.all_input_nodes:  # a code tensor inside a list (a cat's): computed with
+            v = env.get(a.name)
             if isinstance(v, _Codes) and not any(v is c for c in coded):
                 whole(v.source)
         if not coded:
-            if node.op == "call_function" and _is_int_arith(node.target) and all(
+            if node.op == "call_function" and node.target in _INT_OPS and all(
                     v is not ... for v in [*args, *kwargs.values()]):
                 env[node.name] = node.target(*args, **kwargs)
             continue
@@ -147,22 +149,3 @@ def input_columns(gm: fx.GraphModule, names: list[str], inputs: dict[str, torch.
         out[name] = torch.unique(flat // inner % t.shape[1])
     return out
 
-
-def _flat(args) -> list:
-    out = []
-    for a in args:
-        if isinstance(a, list | tuple):
-            out.extend(_flat(a))
-        elif isinstance(a, dict):
-            out.extend(_flat(list(a.values())))
-        else:
-            out.append(a)
-    return out
-
-
-_INT_OPS = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
-            operator.truediv, torch.sym_max, torch.sym_min, torch.sym_int}
-
-
-def _is_int_arith(target) -> bool:
-    return target in _INT_OPS

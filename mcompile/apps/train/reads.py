@@ -77,7 +77,7 @@ class Reader:
             lower = torch.cat([torch.zeros(0, dtype=torch.int64), *labels[:me]])
             counted = labels[me][~torch.isin(labels[me], lower)]
             self.shares[n] = (objective.window_columns(own, self.seq_len), counted, "share")
-        elif pm._pipe is not None and all(p is not None and not p.numel() for p in labels):
+        elif pm.mesh.size("pp") > 1 and all(p is not None and not p.numel() for p in labels):
             self.shares[n] = (objective.window_columns(own, self.seq_len), None, "none")
         else:
             self.shares[n] = (objective.window_columns([own[0], None], self.seq_len), None, "whole")
